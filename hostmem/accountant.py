@@ -1,0 +1,210 @@
+"""The accountant: where each parameter's host bytes live, as a Ledger.
+
+:func:`account` walks one module or a dict of named components, parameters and
+buffers, counts a storage that several tensors share once (tied weights, views), and
+classifies every storage's bytes with the residency classifier. The Ledger also keeps
+the process's own figures, so that anonymous memory no parameter explains
+("unattributed": activations, allocator caches, a leaked copy) is visible too.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from .procfs import ProcStatus, read_status
+from .residency import RangeClassifier, Residency
+from .units import format_size
+
+__all__ = ["ParameterEntry", "ComponentLedger", "Ledger", "account"]
+
+
+@dataclass(frozen=True)
+class ParameterEntry:
+    """One storage's residency, under the first name it was seen by."""
+
+    name: str
+    nbytes: int
+    dtype: str
+    residency: Residency
+    shared_with: tuple[str, ...] = ()
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class ComponentLedger:
+    """All host storages of one component (a DiT, a text encoder)."""
+
+    name: str
+    parameters: dict[str, ParameterEntry]
+    device_bytes: int = 0
+
+    @property
+    def totals(self) -> Residency:
+        total = Residency()
+        for entry in self.parameters.values():
+            total = total + entry.residency
+        return total
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """Components -> parameters -> residency, plus the process's own figures."""
+
+    pid: int
+    components: dict[str, ComponentLedger]
+    process: ProcStatus
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def totals(self) -> Residency:
+        total = Residency()
+        for component in self.components.values():
+            total = total + component.totals
+        return total
+
+    @property
+    def unattributed_anonymous(self) -> int:
+        """Anonymous bytes of the process that no parameter explains (floored at 0)."""
+        return max(0, self.process.rss_anon - self.totals.anonymous)
+
+    def to_dict(self, parameters: bool = True) -> dict:
+        """A JSON-safe dict; every size is bytes."""
+        out = {
+            "pid": self.pid,
+            "totals": self.totals.to_dict(),
+            "unattributed_anonymous": self.unattributed_anonymous,
+            "process": {
+                "rss_anon": self.process.rss_anon,
+                "rss_file": self.process.rss_file,
+                "rss_shmem": self.process.rss_shmem,
+                "vm_lck": self.process.vm_lck,
+                "vm_hwm": self.process.vm_hwm,
+            },
+            "components": {},
+        }
+        for name, component in self.components.items():
+            entry = {"totals": component.totals.to_dict(), "device_bytes": component.device_bytes}
+            if parameters:
+                entry["parameters"] = {
+                    p.name: {
+                        "nbytes": p.nbytes,
+                        "dtype": p.dtype,
+                        "device": p.device,
+                        "shared_with": list(p.shared_with),
+                        **p.residency.to_dict(),
+                    }
+                    for p in component.parameters.values()
+                }
+            out["components"][name] = entry
+        return out
+
+    def to_table(self, top: int = 0) -> str:
+        """A readable table: one row per component (and its ``top`` largest parameters)."""
+        header = ("", "non-recl.", "anonymous", "file-backed", "shmem", "pinned", "not resident")
+        rows = [header]
+
+        def row(label: str, r: Residency) -> tuple:
+            return (
+                label,
+                format_size(r.non_reclaimable),
+                format_size(r.anonymous),
+                format_size(r.file_backed),
+                format_size(r.shmem),
+                format_size(r.pinned),
+                format_size(r.not_resident + r.swapped),
+            )
+
+        for name, component in self.components.items():
+            rows.append(row(name, component.totals))
+            if top:
+                biggest = sorted(component.parameters.values(), key=lambda p: -p.nbytes)[:top]
+                rows.extend(row(f"  {p.name}", p.residency) for p in biggest)
+        rows.append(row("all parameters", self.totals))
+        rows.append(("unattributed anonymous", format_size(self.unattributed_anonymous), "", "", "", "", ""))
+        widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
+        lines = []
+        for r in rows:
+            cells = [str(r[0]).ljust(widths[0])] + [str(c).rjust(w) for c, w in zip(r[1:], widths[1:])]
+            lines.append("  ".join(cells).rstrip())
+        return "\n".join(lines)
+
+
+def _named_tensors(module: torch.nn.Module):
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
+
+
+def _components(model) -> Mapping[str, torch.nn.Module]:
+    if isinstance(model, torch.nn.Module):
+        return {"model": model}
+    if isinstance(model, Mapping):
+        bad = [k for k, v in model.items() if not isinstance(v, torch.nn.Module)]
+        if bad:
+            raise TypeError(f"account(): components {bad} are not torch.nn.Module")
+        return model
+    raise TypeError(f"account() takes a module or a dict of named modules, not {type(model).__name__}")
+
+
+def _is_pinned(tensor: torch.Tensor) -> bool:
+    try:
+        return bool(tensor.is_pinned())
+    except RuntimeError:  # no accelerator runtime to ask
+        return False
+
+
+def account(model) -> Ledger:
+    """Return the Ledger of ``model`` (a module or ``{"dit": m, "text_encoder": m}``).
+
+    The modules live in this process, so this process's /proc is read.
+
+    Tensors on a device other than the CPU are counted in ``device_bytes``, not in
+    host residency. A storage that CUDA reports pinned is counted pinned whole. A
+    storage reached from two components is counted in the first.
+    """
+    components = _components(model)
+    seen: dict[tuple[int, int], ParameterEntry] = {}
+    names_by_key: dict[tuple[int, int], list[str]] = {}
+    owner: dict[tuple[int, int], str] = {}
+    device_bytes: dict[str, int] = {name: 0 for name in components}
+    with RangeClassifier() as classifier:
+        for comp_name, module in components.items():
+            for name, tensor in _named_tensors(module):
+                storage = tensor.untyped_storage()
+                key = (storage.data_ptr(), storage.nbytes())
+                if key in names_by_key:
+                    names_by_key[key].append(name)
+                    continue
+                names_by_key[key] = [name]
+                owner[key] = comp_name
+                if tensor.device.type != "cpu":
+                    device_bytes[comp_name] += storage.nbytes()
+                    continue
+                start, size = storage.data_ptr(), storage.nbytes()
+                if size == 0:
+                    residency = Residency()
+                elif _is_pinned(tensor):
+                    residency = Residency(pinned=size)
+                else:
+                    residency = classifier.classify(start, start + size)
+                seen[key] = ParameterEntry(
+                    name=name,
+                    nbytes=size,
+                    dtype=str(tensor.dtype).replace("torch.", ""),
+                    residency=residency,
+                )
+    ledgers = {name: {} for name in components}
+    for key, entry in seen.items():
+        others = tuple(names_by_key[key][1:])
+        ledgers[owner[key]][entry.name] = ParameterEntry(**{**entry.__dict__, "shared_with": others})
+    return Ledger(
+        pid=os.getpid(),
+        components={
+            name: ComponentLedger(name, params, device_bytes[name]) for name, params in ledgers.items()
+        },
+        process=read_status(),
+    )
+

@@ -1,0 +1,106 @@
+"""The residency of a whole process, per mapping and in total (``hostmem inspect``).
+
+Reads /proc only, so it needs no cooperation from the process. The JSON form is a
+contract other tools parse::
+
+    {"pid": int,
+     "totals": {"anonymous": B, "file_backed": B, "shmem": B, "pinned": B,
+                "swapped": B, "not_resident": B, "non_reclaimable": B},
+     "mappings": [{"path": str | null, "start": int, "end": int, ...same class keys...}],
+     "precision": "page" | "vma"}
+
+Every size is bytes. Keys may be added, never renamed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .residency import RangeClassifier, Residency
+from .units import format_size
+
+__all__ = ["MappingResidency", "ProcessResidency", "inspect_process"]
+
+
+@dataclass(frozen=True)
+class MappingResidency:
+    path: str | None
+    start: int
+    end: int
+    perms: str
+    residency: Residency
+
+
+@dataclass(frozen=True)
+class ProcessResidency:
+    pid: int
+    mappings: list[MappingResidency]
+    precision: str
+
+    @property
+    def totals(self) -> Residency:
+        total = Residency()
+        for mapping in self.mappings:
+            total = total + mapping.residency
+        return total
+
+    def by_path(self) -> dict[str, Residency]:
+        """Residency summed per mapping path (anonymous areas under ``[anon]``)."""
+        out: dict[str, Residency] = {}
+        for mapping in self.mappings:
+            key = mapping.path or "[anon]"
+            out[key] = out.get(key, Residency()) + mapping.residency
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "pid": self.pid,
+            "totals": self.totals.to_dict(),
+            "mappings": [
+                {"path": m.path, "start": m.start, "end": m.end, "perms": m.perms, **m.residency.to_dict()}
+                for m in self.mappings
+            ],
+            "precision": self.precision,
+        }
+
+    def to_text(self, top: int = 10) -> str:
+        totals = self.totals
+        lines = [
+            f"pid {self.pid}: non-reclaimable {format_size(totals.non_reclaimable)} "
+            f"(anonymous {format_size(totals.anonymous)}, shmem {format_size(totals.shmem)}, "
+            f"pinned {format_size(totals.pinned)})",
+            f"  file-backed {format_size(totals.file_backed)}, swapped {format_size(totals.swapped)}, "
+            f"not resident {format_size(totals.not_resident)}; precision: {self.precision}",
+            "",
+        ]
+        ranked = sorted(self.by_path().items(), key=lambda kv: (-kv[1].non_reclaimable, -kv[1].resident))
+        rows = [("mapping", "non-recl.", "anonymous", "file-backed", "shmem", "pinned")]
+        for path, r in ranked[: top if top > 0 else None]:
+            rows.append(
+                (
+                    path,
+                    format_size(r.non_reclaimable),
+                    format_size(r.anonymous),
+                    format_size(r.file_backed),
+                    format_size(r.shmem),
+                    format_size(r.pinned),
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
+        if top > 0 and len(ranked) > top:
+            lines.append(f"... {len(ranked) - top} more mappings (--top 0 shows all)")
+        return "\n".join(lines)
+
+
+def inspect_process(pid: int | None = None) -> ProcessResidency:
+    """Classify every mapping of process ``pid`` (default: this one)."""
+    with RangeClassifier(pid) as classifier:
+        mappings = [
+            MappingResidency(v.path, v.start, v.end, v.perms, classifier.classify_area(v))
+            for v in classifier.vmas
+        ]
+        precision = classifier.precision
+    return ProcessResidency(pid=os.getpid() if pid is None else pid, mappings=mappings, precision=precision)

@@ -1,0 +1,1 @@
+"""pytest plugin of hostmem (registered through the pytest11 entry point)."""

@@ -1,0 +1,197 @@
+"""Read-only mappings of safetensors files, and their headers without the weights.
+
+safetensors' own loader maps a file private and writable: a stray write into a
+weight silently copies the page and turns it anonymous. :func:`open_readonly` maps
+the file ``PROT_READ``/``MAP_SHARED`` instead and hands out tensors that are views
+into that mapping, so their resident pages are page cache the kernel can drop, and
+a write faults (SIGSEGV) instead of costing memory. Providers map their files back
+through here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+import warnings
+from dataclasses import dataclass
+from math import prod
+
+import torch
+
+__all__ = [
+    "DTYPES",
+    "TensorInfo",
+    "SafetensorsHeader",
+    "SafetensorsError",
+    "read_header",
+    "ReadOnlySafetensors",
+    "open_readonly",
+    "load_readonly",
+]
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+class SafetensorsError(ValueError):
+    """A file is not a valid safetensors file; the message names it and says why."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's entry in a header. Offsets are relative to the data section."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """The parsed header of a safetensors file: what is in it, without the weights."""
+
+    path: str
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    data_offset: int
+    file_size: int
+    header_sha256: str
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def read_header(path: str | os.PathLike) -> SafetensorsHeader:
+    """Read and validate the header of ``path`` (reads a few KiB, never the weights)."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as handle:
+            file_size = os.fstat(handle.fileno()).st_size
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise SafetensorsError(f"{path}: too short to be a safetensors file ({file_size} bytes)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > _MAX_HEADER or 8 + header_len > file_size:
+                raise SafetensorsError(
+                    f"{path}: header length {header_len} does not fit a {file_size}-byte file "
+                    "(truncated or not safetensors)"
+                )
+            raw = handle.read(header_len)
+    except FileNotFoundError:
+        raise SafetensorsError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise SafetensorsError(f"{path}: is a folder, expected a .safetensors file") from None
+    try:
+        parsed = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SafetensorsError(f"{path}: header is not JSON ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise SafetensorsError(f"{path}: header is not a JSON object")
+    metadata = parsed.pop("__metadata__", None) or {}
+    data_offset = 8 + header_len
+    tensors = {}
+    for name, entry in parsed.items():
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise SafetensorsError(f"{path}: entry {name!r} lacks dtype, shape or data_offsets") from None
+        if dtype not in DTYPES:
+            raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+        expected = prod(shape) * DTYPES[dtype].itemsize
+        if end - begin != expected or begin < 0 or data_offset + end > file_size:
+            raise SafetensorsError(
+                f"{path}: tensor {name!r} spans bytes {begin}..{end} but shape {list(shape)} of "
+                f"{dtype} needs {expected} within a {file_size - data_offset}-byte data section "
+                "(truncated or corrupt file)"
+            )
+        tensors[name] = TensorInfo(name, dtype, shape, begin, end)
+    return SafetensorsHeader(
+        path=path,
+        tensors=tensors,
+        metadata=dict(metadata),
+        data_offset=data_offset,
+        file_size=file_size,
+        header_sha256=hashlib.sha256(prefix + raw).hexdigest(),
+    )
+
+
+class ReadOnlySafetensors:
+    """A safetensors file mapped ``PROT_READ``; tensors are zero-copy views into it.
+
+    The mapping lives as long as any tensor taken from it. Writing into such a tensor
+    raises SIGSEGV: that is the point (it would otherwise copy the page).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.header = read_header(path)
+        self.path = self.header.path
+        with open(self.path, "rb") as handle:
+            if self.header.file_size == 0:
+                raise SafetensorsError(f"{self.path}: empty file")
+            self._map = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+
+    def keys(self) -> list[str]:
+        return list(self.header.tensors)
+
+    def metadata(self) -> dict[str, str]:
+        return dict(self.header.metadata)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """Return tensor ``name`` as a read-only view into the mapping."""
+        try:
+            info = self.header.tensors[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
+        start = self.header.data_offset + info.begin
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=info.torch_dtype)
+        with warnings.catch_warnings():
+            # torch warns that the buffer is not writable; read-only is what we want.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(self._map, dtype=torch.uint8, count=info.nbytes, offset=start)
+        return flat.view(info.torch_dtype).reshape(info.shape)
+
+    def __enter__(self) -> "ReadOnlySafetensors":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def open_readonly(path: str | os.PathLike) -> ReadOnlySafetensors:
+    """Map ``path`` read-only; see :class:`ReadOnlySafetensors`."""
+    return ReadOnlySafetensors(path)
+
+
+def load_readonly(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Return every tensor of ``path`` as a read-only view, by name."""
+    mapped = ReadOnlySafetensors(path)
+    return {name: mapped.get_tensor(name) for name in mapped.keys()}

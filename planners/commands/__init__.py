@@ -1,0 +1,1 @@
+"""Sub-commands of the ``hostmem`` command line, one module each."""

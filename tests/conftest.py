@@ -1,0 +1,51 @@
+"""Shared fixtures: real safetensors files and real subprocesses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+
+def write_safetensors(path, tensors: dict[str, torch.Tensor]) -> str:
+    """Write ``tensors`` to ``path`` as a real safetensors file and return the path."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
+    return path
+
+
+def drop_page_cache(path) -> None:
+    """Ask the kernel to drop the file's cached pages (POSIX_FADV_DONTNEED)."""
+    fd = os.open(os.fspath(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def run_python(code: str, *args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (this venv) and return the finished process."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
+
+
+@pytest.fixture
+def st_file(tmp_path):
+    """A factory: ``st_file(name, tensors)`` writes a safetensors file under tmp_path."""
+
+    def make(name: str, tensors: dict[str, torch.Tensor]) -> str:
+        return write_safetensors(tmp_path / name, tensors)
+
+    return make
