@@ -156,55 +156,70 @@ def _is_pinned(tensor: torch.Tensor) -> bool:
         return False
 
 
+@dataclass
+class _Storage:
+    component: str
+    names: list[str]
+    start: int
+    nbytes: int
+    dtype: str
+    device: str
+    pinned: bool
+
+
+def _unique_storages(components: Mapping[str, torch.nn.Module]) -> list[_Storage]:
+    """Every distinct storage reached from the components, with all names it goes by."""
+    by_key: dict[tuple[int, int, str], _Storage] = {}
+    for comp_name, module in components.items():
+        for name, tensor in _named_tensors(module):
+            storage = tensor.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes(), str(tensor.device))
+            if key in by_key:
+                by_key[key].names.append(name)
+                continue
+            by_key[key] = _Storage(
+                component=comp_name,
+                names=[name],
+                start=storage.data_ptr(),
+                nbytes=storage.nbytes(),
+                dtype=str(tensor.dtype).replace("torch.", ""),
+                device=str(tensor.device),
+                pinned=tensor.device.type == "cpu" and _is_pinned(tensor),
+            )
+    return list(by_key.values())
+
+
 def account(model) -> Ledger:
     """Return the Ledger of ``model`` (a module or ``{"dit": m, "text_encoder": m}``).
 
-    The modules live in this process, so this process's /proc is read.
-
-    Tensors on a device other than the CPU are counted in ``device_bytes``, not in
-    host residency. A storage that CUDA reports pinned is counted pinned whole. A
-    storage reached from two components is counted in the first.
+    The modules live in this process, so this process's /proc is read. Tensors on a
+    device other than the CPU are counted in ``device_bytes``, not in host residency.
+    A storage that CUDA reports pinned is counted pinned whole. A storage reached from
+    two components is counted in the first.
     """
     components = _components(model)
-    seen: dict[tuple[int, int], ParameterEntry] = {}
-    names_by_key: dict[tuple[int, int], list[str]] = {}
-    owner: dict[tuple[int, int], str] = {}
-    device_bytes: dict[str, int] = {name: 0 for name in components}
+    storages = _unique_storages(components)
+    host = [s for s in storages if s.device == "cpu" and s.nbytes and not s.pinned]
     with RangeClassifier() as classifier:
-        for comp_name, module in components.items():
-            for name, tensor in _named_tensors(module):
-                storage = tensor.untyped_storage()
-                key = (storage.data_ptr(), storage.nbytes())
-                if key in names_by_key:
-                    names_by_key[key].append(name)
-                    continue
-                names_by_key[key] = [name]
-                owner[key] = comp_name
-                if tensor.device.type != "cpu":
-                    device_bytes[comp_name] += storage.nbytes()
-                    continue
-                start, size = storage.data_ptr(), storage.nbytes()
-                if size == 0:
-                    residency = Residency()
-                elif _is_pinned(tensor):
-                    residency = Residency(pinned=size)
-                else:
-                    residency = classifier.classify(start, start + size)
-                seen[key] = ParameterEntry(
-                    name=name,
-                    nbytes=size,
-                    dtype=str(tensor.dtype).replace("torch.", ""),
-                    residency=residency,
-                )
-    ledgers = {name: {} for name in components}
-    for key, entry in seen.items():
-        others = tuple(names_by_key[key][1:])
-        ledgers[owner[key]][entry.name] = ParameterEntry(**{**entry.__dict__, "shared_with": others})
+        classified = classifier.classify_many([(s.start, s.start + s.nbytes) for s in host])
+    residency_of = {id(s): r for s, r in zip(host, classified)}
+    params: dict[str, dict[str, ParameterEntry]] = {name: {} for name in components}
+    device_bytes = {name: 0 for name in components}
+    for s in storages:
+        if s.device != "cpu":
+            device_bytes[s.component] += s.nbytes
+            continue
+        residency = Residency(pinned=s.nbytes) if s.pinned else residency_of.get(id(s), Residency())
+        params[s.component][s.names[0]] = ParameterEntry(
+            name=s.names[0],
+            nbytes=s.nbytes,
+            dtype=s.dtype,
+            residency=residency,
+            shared_with=tuple(s.names[1:]),
+            device=s.device,
+        )
     return Ledger(
         pid=os.getpid(),
-        components={
-            name: ComponentLedger(name, params, device_bytes[name]) for name, params in ledgers.items()
-        },
+        components={name: ComponentLedger(name, params[name], device_bytes[name]) for name in components},
         process=read_status(),
     )
-

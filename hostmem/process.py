@@ -98,9 +98,9 @@ class ProcessResidency:
 def inspect_process(pid: int | None = None) -> ProcessResidency:
     """Classify every mapping of process ``pid`` (default: this one)."""
     with RangeClassifier(pid) as classifier:
+        classified = classifier.classify_many([(v.start, v.end) for v in classifier.vmas])
         mappings = [
-            MappingResidency(v.path, v.start, v.end, v.perms, classifier.classify_area(v))
-            for v in classifier.vmas
+            MappingResidency(v.path, v.start, v.end, v.perms, r) for v, r in zip(classifier.vmas, classified)
         ]
         precision = classifier.precision
     return ProcessResidency(pid=os.getpid() if pid is None else pid, mappings=mappings, precision=precision)

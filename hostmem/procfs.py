@@ -25,6 +25,7 @@ __all__ = [
     "CgroupMemory",
     "Mount",
     "proc_path",
+    "read_maps",
     "read_smaps",
     "read_status",
     "read_meminfo",
@@ -124,6 +125,16 @@ def _parse_vma_header(line: str) -> dict:
         "inode": int(parts[4]),
         "path": path or None,
     }
+
+
+def read_maps(pid: int | None = None) -> list[Vma]:
+    """Return every VMA of the process from /proc/PID/maps: ranges, permissions, paths.
+
+    Much cheaper than smaps (the kernel does not walk the pages to count Rss), but
+    without counters or VmFlags.
+    """
+    path = proc_path(pid, "maps")
+    return [Vma(**_parse_vma_header(line)) for line in _read_text(path).splitlines() if line]
 
 
 def read_smaps(pid: int | None = None) -> list[Vma]:

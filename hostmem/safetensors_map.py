@@ -10,6 +10,7 @@ through here.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import mmap
@@ -30,6 +31,7 @@ __all__ = [
     "ReadOnlySafetensors",
     "open_readonly",
     "load_readonly",
+    "save_file",
 ]
 
 DTYPES: dict[str, torch.dtype] = {
@@ -195,3 +197,53 @@ def load_readonly(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Return every tensor of ``path`` as a read-only view, by name."""
     mapped = ReadOnlySafetensors(path)
     return {name: mapped.get_tensor(name) for name in mapped.keys()}
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (no numpy needed)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def save_file(
+    tensors: dict[str, torch.Tensor],
+    path: str | os.PathLike,
+    metadata: dict[str, str] | None = None,
+    fsync: bool = False,
+) -> int:
+    """Write ``tensors`` to ``path`` in the safetensors format and return the bytes written.
+
+    Streams each tensor's bytes straight from its memory (one CPU-contiguous tensor at
+    a time), so writing a large layer needs no second copy; ``fsync=True`` makes the
+    file durable before returning. The header is padded so the data starts 8-aligned.
+    """
+    path = os.fspath(path)
+    prepared = {}
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name in sorted(tensors):
+        tensor = tensors[name].detach()
+        if tensor.dtype not in DTYPE_NAMES:
+            raise SafetensorsError(f"{path}: tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
+        tensor = tensor.to("cpu").contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": DTYPE_NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        prepared[name] = tensor
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(raw)))
+        handle.write(raw)
+        for name in sorted(prepared):
+            handle.write(_tensor_bytes(prepared[name]))
+        handle.flush()
+        if fsync:
+            os.fsync(handle.fileno())
+    return 8 + len(raw) + offset

@@ -1,0 +1,149 @@
+"""The classifier against real mappings: file pages, copy-on-write pages, heap, mlock, tmpfs."""
+
+import ctypes
+import os
+import signal
+import tempfile
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from hostmem import account, classify_range, load_readonly, open_readonly
+from hostmem.procfs import PAGE_SIZE
+from tests.conftest import run_python, write_safetensors
+
+MiB = 1024 * 1024
+
+
+def _range(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def _classify(t: torch.Tensor):
+    return classify_range(*_range(t))
+
+
+def _weights(tmp_path, name="w.safetensors"):
+    tensors = {"big": torch.randn(1024, 1024), "small": torch.randn(64, 64)}
+    return write_safetensors(tmp_path / name, tensors)
+
+
+@pytest.mark.parametrize("loader", ["readonly", "safe_open"])
+def test_mapped_weights_are_not_resident_before_and_file_backed_after_a_read(tmp_path, loader):
+    path = _weights(tmp_path)
+    if loader == "readonly":
+        big = open_readonly(path).get_tensor("big")
+    else:
+        with safe_open(path, "pt") as handle:
+            big = handle.get_tensor("big")
+    before = _classify(big)
+    # safe_open reads its header through the mapping; the kernel's fault-around
+    # (64 KiB by default) may map the first pages of the tensor with it.
+    fault_around = 0 if loader == "readonly" else 64 * 1024
+    assert before.not_resident >= big.nbytes - fault_around, before
+    assert before.anonymous == 0 and before.file_backed <= fault_around
+    float(big.sum())
+    after = _classify(big)
+    assert after.file_backed == big.nbytes, after
+    assert after.anonymous == 0 and after.not_resident == 0
+
+
+def test_writing_rows_of_a_private_mapping_turns_exactly_those_pages_anonymous(tmp_path):
+    path = _weights(tmp_path)
+    with safe_open(path, "pt") as handle:
+        big = handle.get_tensor("big")  # private, writable mapping (MAP_PRIVATE)
+    float(big.sum())
+    start, end = _range(big)
+    big[:100] += 1.0
+    written_end = start + 100 * 1024 * 4
+    first_page = start // PAGE_SIZE * PAGE_SIZE
+    last_page_end = -(-written_end // PAGE_SIZE) * PAGE_SIZE
+    expected_anon = min(end, last_page_end) - start  # bytes of the tensor on the written pages
+    assert first_page <= start
+    result = _classify(big)
+    assert result.anonymous == expected_anon, (result, expected_anon)
+    assert result.file_backed == big.nbytes - expected_anon
+    # The neighbouring tensor on the same file was never written: it stays file-backed.
+    with safe_open(path, "pt") as handle:
+        small = handle.get_tensor("small")
+    float(small.sum())
+    assert _classify(small).anonymous == 0
+
+
+def test_torch_empty_filled_is_anonymous():
+    t = torch.empty(8 * MiB, dtype=torch.uint8).fill_(1)
+    result = _classify(t)
+    assert result.anonymous == t.nbytes
+    assert result.file_backed == result.shmem == result.pinned == 0
+
+
+def test_untouched_allocation_is_not_resident():
+    t = torch.empty(64 * MiB, dtype=torch.uint8)  # large: its own mmap, never touched
+    result = _classify(t)
+    assert result.not_resident >= t.nbytes - 2 * PAGE_SIZE
+    assert result.anonymous <= 2 * PAGE_SIZE
+
+
+def test_mlocked_tensor_is_pinned():
+    libc = ctypes.CDLL(None, use_errno=True)
+    t = torch.empty(4 * MiB, dtype=torch.uint8).fill_(1)
+    start, end = _range(t)
+    aligned = start // PAGE_SIZE * PAGE_SIZE
+    length = end - aligned
+    if libc.mlock(ctypes.c_void_p(aligned), ctypes.c_size_t(length)) != 0:
+        pytest.skip(f"mlock refused: {os.strerror(ctypes.get_errno())}")
+    try:
+        result = _classify(t)
+        assert result.pinned == t.nbytes, result
+        assert result.anonymous == 0
+    finally:
+        libc.munlock(ctypes.c_void_p(aligned), ctypes.c_size_t(length))
+    assert _classify(t).anonymous == t.nbytes
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this machine")
+@pytest.mark.parametrize("loader", ["readonly", "safe_open"])
+def test_file_on_tmpfs_is_shmem_not_file_backed(loader):
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as folder:
+        path = write_safetensors(os.path.join(folder, "w.safetensors"), {"w": torch.randn(512, 1024)})
+        if loader == "readonly":
+            w = load_readonly(path)["w"]
+        else:
+            with safe_open(path, "pt") as handle:
+                w = handle.get_tensor("w")
+        float(w.sum())
+        result = _classify(w)
+        assert result.shmem == w.nbytes, result
+        assert result.file_backed == 0 and result.anonymous == 0
+
+
+def test_tied_weights_are_counted_once():
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(256, 512)
+    model.head = torch.nn.Linear(512, 256, bias=False)
+    model.head.weight = model.embed.weight
+    ledger = account(model)
+    params = ledger.components["model"].parameters
+    assert list(params) == ["embed.weight"]
+    assert params["embed.weight"].shared_with == ("head.weight",)
+    assert ledger.totals.anonymous == 256 * 512 * 4
+
+
+def test_a_write_into_the_readonly_mapping_faults_instead_of_copying(tmp_path):
+    path = _weights(tmp_path)
+    child = run_python(
+        """
+        import sys
+        from hostmem import load_readonly
+        w = load_readonly(sys.argv[1])["big"]
+        print("before", float(w.sum()), flush=True)
+        w.add_(1.0)
+        print("wrote", flush=True)
+        """,
+        path,
+    )
+    assert "before" in child.stdout
+    assert "wrote" not in child.stdout
+    assert child.returncode in (-signal.SIGSEGV, -signal.SIGBUS) or "Error" in child.stderr, child
