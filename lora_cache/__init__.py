@@ -1,0 +1,37 @@
+"""lora_cache: LoRA-merged weights as read-only file mappings, cached across starts.
+
+An in-place LoRA merge turns every merged layer into anonymous memory, and its unmerge
+snapshot doubles that. :func:`merge` instead writes each merged layer once into a cache
+folder and installs a read-only mapped view of it, so the merged weights stay page cache
+the kernel can drop, and a later start with the same base and adapters reads them back
+without merging::
+
+    import lora_cache
+    from hostmem import load_readonly
+
+    stats = lora_cache.merge(dit, [("turbo.safetensors", 1.0)], cache_root="~/.cache/hostmem")
+    print(stats)                 # layers hit, built, fallen back; bytes; seconds
+    lora_cache.unmerge(dit)      # back to the base, bit for bit
+
+``cache_root=None``, ``enabled=False`` or ``HOSTMEM_DISABLE_LORA_MERGE_CACHE=1`` merge in
+place, as servers always have. :class:`Adapter` gives alpha overrides and key rules.
+"""
+
+from .adapters import Adapter, AdapterError, read_adapter
+from .keys import KeyResolutionError
+from .layers import is_merged, unmerge
+from .merge_math import UnsupportedAdapterError
+from .orchestrate import CacheBuildError, MergeStats, merge
+
+__all__ = [
+    "merge",
+    "unmerge",
+    "is_merged",
+    "Adapter",
+    "MergeStats",
+    "read_adapter",
+    "AdapterError",
+    "KeyResolutionError",
+    "UnsupportedAdapterError",
+    "CacheBuildError",
+]

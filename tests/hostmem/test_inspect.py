@@ -68,5 +68,6 @@ def test_inspect_text_and_a_bad_pid():
     bad = subprocess.run([sys.executable, "-m", "planners.cli", "inspect", "--pid", "999999999"],
                          capture_output=True, text=True)
     assert bad.returncode == 2
-    assert bad.stderr.startswith("hostmem: error: /proc/999999999/smaps: not found")
+    assert bad.stderr.startswith("hostmem: error: /proc/999999999/")
+    assert "not found (the process may have exited" in bad.stderr
     assert "Traceback" not in bad.stderr
