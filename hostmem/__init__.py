@@ -10,6 +10,8 @@ backends. No planning and no LoRA live here.
 """
 
 from .accountant import ComponentLedger, Ledger, ParameterEntry, account
+from .guard import GuardResult, run_guarded
+from .peak import PeakTracker, PeakTrackerError, track_peak_anon
 from .process import ProcessResidency, inspect_process
 from .procfs import ProcReadError, read_cgroup_memory, read_meminfo, read_status
 from .residency import RangeClassifier, Residency, classify_range
@@ -36,4 +38,9 @@ __all__ = [
     "SafetensorsError",
     "parse_size",
     "format_size",
+    "track_peak_anon",
+    "PeakTracker",
+    "PeakTrackerError",
+    "run_guarded",
+    "GuardResult",
 ]

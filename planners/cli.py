@@ -13,7 +13,7 @@ import importlib
 import sys
 import warnings
 
-COMMANDS = ("inspect",)
+COMMANDS = ("inspect", "plan", "guard", "lora", "cache", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,219 @@
+"""Layer operations, one job each.
+
+- :func:`compute_merged`: the merged weight of one parameter (a query: no module state).
+- :func:`install`: the parameter now holds a merged weight (the only state transition;
+  it also records what unmerge needs).
+- :func:`merge_in_place`: the path the cache replaces: the merged weight in anonymous
+  memory. A writable base is copied aside first (the unmerge snapshot), then
+  overwritten, as servers always have.
+- :func:`unmerge`: where the base was never touched (a cached merge, or any merge over a
+  read-only mapping) the snapshot is the original parameter, a zero-copy view of the
+  mapped base, and is reinstalled; where it was overwritten, the snapshot's bytes are
+  copied back.
+
+Snapshots live in a weak table keyed by module, so a merged model carries no extra
+attributes and a dropped model drops its snapshots.
+"""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from hostmem.procfs import Vma, read_smaps
+from hostmem.safetensors_map import open_readonly
+
+from .merge_math import Delta, Scratch, merged_weight
+
+__all__ = [
+    "AddressSpace",
+    "checkpoint_module",
+    "module_tree",
+    "LayerTarget",
+    "Snapshot",
+    "components_of",
+    "compute_merged",
+    "install",
+    "is_merged",
+    "merge_in_place",
+    "named_parameters",
+    "unmerge",
+]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What unmerge restores: the original parameter object, or a copy of its bytes."""
+
+    original: nn.Parameter | None = None  # reinstalled as is (cached merge)
+    copy: torch.Tensor | None = None  # copied back into the parameter (in-place merge)
+
+
+_SNAPSHOTS: "weakref.WeakKeyDictionary[nn.Module, dict[str, Snapshot]]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(eq=False)
+class LayerTarget:
+    """One parameter to merge: where it lives and the deltas that change it, in order."""
+
+    name: str
+    module: nn.Module
+    attr: str
+    deltas: list[Delta] = field(default_factory=list)
+
+    @property
+    def current(self) -> nn.Parameter:
+        return self.module._parameters[self.attr]
+
+    @property
+    def nbytes(self) -> int:
+        return self.current.numel() * self.current.element_size()
+
+
+def components_of(model) -> dict[str, nn.Module]:
+    """``{"": model}`` for one module, the dict itself for named components."""
+    if isinstance(model, nn.Module):
+        return {"": model}
+    if isinstance(model, Mapping) and all(isinstance(m, nn.Module) for m in model.values()):
+        return dict(model)
+    raise TypeError(f"expected an nn.Module or a dict of named nn.Modules, not {type(model).__name__}")
+
+
+def named_parameters(model) -> dict[str, tuple[nn.Module, str]]:
+    """Every parameter by qualified name (``component.`` prefixed for a dict), to its owner."""
+    out: dict[str, tuple[nn.Module, str]] = {}
+    for component, root in components_of(model).items():
+        for module_name, module in root.named_modules():
+            for attr, param in module._parameters.items():
+                if param is not None:
+                    name = ".".join(p for p in (component, module_name, attr) if p)
+                    out.setdefault(name, (module, attr))
+    return out
+
+
+class AddressSpace:
+    """This process's memory areas, read once on first use, to ask where a tensor's bytes live.
+
+    Lazy because a merge served wholly from the cache never needs to ask.
+    """
+
+    def __init__(self):
+        self._areas: list[Vma] | None = None
+        self._starts: list[int] = []
+
+    def area_of(self, tensor: torch.Tensor) -> Vma | None:
+        if self._areas is None:
+            self._areas = read_smaps()
+            self._starts = [a.start for a in self._areas]
+        address = tensor.untyped_storage().data_ptr()
+        i = bisect.bisect_right(self._starts, address) - 1
+        if i >= 0 and self._areas[i].start <= address < self._areas[i].end:
+            return self._areas[i]
+        return None
+
+    def is_writable(self, tensor: torch.Tensor) -> bool:
+        """False for a read-only mapping (writing would fault), True otherwise."""
+        if tensor.device.type != "cpu":
+            return True
+        area = self.area_of(tensor)
+        return area is None or "w" in area.perms
+
+
+def compute_merged(target: LayerTarget, out: torch.Tensor, scratch: Scratch, out_ready=None) -> torch.Tensor:
+    """Write the merged weight of ``target`` into ``out``; the module is not touched.
+
+    ``out_ready`` is called once the sum is done, before ``out`` is written (see
+    :func:`lora_cache.merge_math.merged_weight`).
+    """
+    return merged_weight(target.current.detach(), target.deltas, out, scratch, out_ready)
+
+
+def install(target: LayerTarget, merged: torch.Tensor, snapshot: Snapshot, write: bool = False) -> None:
+    """Make ``target`` hold ``merged``: the one place where a module changes.
+
+    ``write=True`` copies the bytes into the parameter's own storage (in place);
+    otherwise ``merged`` becomes the parameter's tensor (a view of a read-only mapping
+    from the cache, or an anonymous tensor of its own). The first snapshot recorded for
+    a parameter is the one unmerge restores.
+    """
+    if write:
+        with torch.no_grad():
+            target.current.copy_(merged)
+    else:
+        target.module._parameters[target.attr] = nn.Parameter(merged, requires_grad=False)
+    _SNAPSHOTS.setdefault(target.module, {}).setdefault(target.attr, snapshot)
+
+
+def merge_in_place(target: LayerTarget, merged: torch.Tensor, writable: bool) -> None:
+    """Merge ``target`` into anonymous memory: the path the cache replaces.
+
+    A writable base (a heap tensor, or the private mapping safetensors hands torch) is
+    overwritten, so its bytes are copied aside first: that snapshot plus the written
+    (copied-on-write) pages cost twice the layer. A base on a read-only mapping cannot be
+    written and so stays intact: the snapshot is the original parameter, the merged
+    weight a new anonymous tensor, and the cost once the layer.
+    """
+    current = target.current
+    if writable:
+        install(target, merged, Snapshot(copy=current.detach().clone()), write=True)
+    else:
+        install(target, merged.clone(), Snapshot(original=current))
+
+
+def is_merged(model) -> bool:
+    """True when any module of ``model`` holds a merged weight."""
+    return any(_SNAPSHOTS.get(m) for root in components_of(model).values() for m in root.modules())
+
+
+def unmerge(model) -> int:
+    """Restore every merged parameter of ``model``; return how many were restored.
+
+    Bit for bit: a cached merge reinstalls the original parameter (its base never
+    changed), an in-place merge copies the snapshot's bytes back.
+    """
+    restored = 0
+    for root in components_of(model).values():
+        for module in root.modules():
+            for attr, snapshot in _SNAPSHOTS.pop(module, {}).items():
+                if snapshot.copy is not None:
+                    with torch.no_grad():
+                        module._parameters[attr].copy_(snapshot.copy)
+                else:
+                    module._parameters[attr] = snapshot.original
+                restored += 1
+    return restored
+
+
+def module_tree(tensors) -> nn.Module:
+    """A module tree holding ``(name, tensor)`` pairs as parameters, named like the tensors.
+
+    Tensor ``blocks.0.attn.to_q.weight`` becomes parameter ``weight`` of module
+    ``blocks.0.attn.to_q``, exactly where the model class would put it, so adapters
+    resolve against it as against the model.
+    """
+    root = nn.Module()
+    for name, tensor in tensors:
+        *parents, attr = name.split(".")
+        module = root
+        for part in parents:
+            child = module._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                module.add_module(part, child)
+            module = child
+        module.register_parameter(attr, nn.Parameter(tensor, requires_grad=False))
+    return root
+
+
+def checkpoint_module(shard_paths: list[str]) -> nn.Module:
+    """A checkpoint's tensors as read-only mapped parameters of a :func:`module_tree`.
+
+    Lets a cache be built ahead of time (``hostmem lora merge``) without the model's class.
+    """
+    mapped = [open_readonly(path) for path in shard_paths]
+    return module_tree((name, m.get_tensor(name)) for m in mapped for name in m.keys())

@@ -1,0 +1,345 @@
+"""Merging a model layer by layer: get from the vault, else put(compute), else in place.
+
+:func:`merge` is the entry point (re-exported as ``lora_cache.merge``). Per layer it
+asks the vault for the merged weight; on a miss it computes it and puts it; when the
+vault cannot write it, that one layer falls back to the in-place merge; then the
+result is installed. One layer at a time, with one reused compute buffer and one
+reused output buffer, so the anonymous high-water mark stays one layer wide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from hostmem.units import format_rate, format_size
+
+from .adapters import Adapter, AdapterFile, as_adapter, read_adapter
+from .keys import ModuleIndex, plan_deltas
+from .layers import (
+    AddressSpace,
+    LayerTarget,
+    Snapshot,
+    components_of,
+    compute_merged,
+    install,
+    is_merged,
+    merge_in_place,
+    named_parameters,
+    unmerge,
+)
+from .merge_math import Scratch
+from .vault import CacheKey, Vault, base_identity, cache_key
+
+__all__ = ["CacheBuildError", "MergeStats", "merge", "merge_layers", "plan_targets", "MERGE_POLICY"]
+
+MERGE_POLICY = "fp32-sum-in-adapter-order-cast-once-v1"  # change when merged bytes would change
+DISABLE_ENV = "HOSTMEM_DISABLE_LORA_MERGE_CACHE"
+
+
+class CacheBuildError(RuntimeError):
+    """The vault could not store a layer and falling back in place was not allowed."""
+
+
+@dataclass
+class MergeStats:
+    """What a merge did, for the planner's report. Sizes are bytes, times seconds."""
+
+    layers: int = 0
+    hit: int = 0
+    built: int = 0
+    fallen_back: int = 0
+    in_place: int = 0
+    bytes: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    cache_key: str | None = None
+    cache_root: str | None = None
+    adapters: list[str] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        """Merged bytes per second over the whole merge."""
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "rate_bytes_per_s": self.rate}
+
+    def __str__(self) -> str:
+        where = f"cache {self.cache_key[:12]}" if self.cache_key else "in place"
+        return (
+            f"lora merge ({where}): {self.layers} layers, {self.hit} hit, {self.built} built, "
+            f"{self.fallen_back} fallen back, {self.in_place} in place; {format_size(self.bytes)} "
+            f"merged, {format_size(self.bytes_written)} written in {self.seconds:.1f} s "
+            f"({format_rate(self.rate)})"
+        )
+
+
+def plan_targets(model, adapters) -> tuple[list[LayerTarget], list[AdapterFile]]:
+    """Read the adapters and resolve their keys against ``model``: the layers to merge."""
+    adapters = [as_adapter(a) for a in adapters]
+    params = named_parameters(model)
+    shapes = {name: tuple(module._parameters[attr].shape) for name, (module, attr) in params.items()}
+    components = tuple(c for c in components_of(model) if c)
+    files = [read_adapter(spec.path) for spec in adapters]
+    planned = plan_deltas(list(zip(files, adapters)), ModuleIndex(shapes, components))
+    return [LayerTarget(name, *params[name], deltas) for name, deltas in planned.items()], files
+
+
+class _LayerLoop:
+    """One merge's per-layer work, with the buffers it reuses and the figures it keeps.
+
+    Cache hits are taken first; the misses are then built in a two-stage pipeline:
+    while one thread writes layer i to the vault, this one sums layer i+1 in the fp32
+    scratch, and casts it into the one output buffer only once layer i has left it.
+    The disk and the arithmetic overlap, and the anonymous memory stays one layer wide
+    (one fp32 scratch plus one output buffer). Vault calls never run concurrently:
+    gets all happen before the first put, and puts run one at a time.
+    """
+
+    def __init__(self, targets, session, device, progress, fallback):
+        self.session, self.fallback = session, fallback
+        self.stats = MergeStats(layers=len(targets))
+        self.space = AddressSpace()
+        self.work, self.out = Scratch(device), Scratch("cpu")
+        self.bar = tqdm(total=sum(t.nbytes for t in targets), unit="B", unit_scale=True, unit_divisor=1024,
+                        desc="lora merge", disable=None if progress is None else not progress, leave=False)
+
+    def record(self, target: LayerTarget, outcome: str) -> None:
+        if outcome == "fallen_back" and not self.stats.fallen_back:
+            warnings.warn(_fallback_message(self.session))
+        setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+        self.stats.bytes += target.nbytes
+        self.bar.update(target.nbytes)
+        self.bar.set_postfix(hit=self.stats.hit, built=self.stats.built, fallback=self.stats.fallen_back, refresh=False)
+
+    def take_hit(self, target: LayerTarget) -> bool:
+        """Install the vault's copy of ``target`` if it has one."""
+        base = target.current
+        view = self.session.get(target.name, tuple(base.shape), base.dtype)
+        if view is not None:
+            install(target, view, Snapshot(original=base))
+            self.record(target, "hit")
+        return view is not None
+
+    def in_place(self, target: LayerTarget, outcome: str = "in_place", merged: torch.Tensor | None = None) -> None:
+        base = target.current
+        if merged is None:
+            merged = compute_merged(target, self.out.take(tuple(base.shape), base.dtype).to(base.device), self.work)
+        merge_in_place(target, merged, self.space.is_writable(base))
+        self.record(target, outcome)
+
+    def finish(self, pending) -> None:
+        """Install what the vault wrote for the pending layer, or fall back in place."""
+        target, merged, written = pending
+        view = written.result()
+        if view is not None:
+            install(target, view, Snapshot(original=target.current))
+            self.record(target, "built")
+        elif not self.fallback:
+            raise CacheBuildError(
+                f"the cache could not store {target.name!r} ({format_size(target.nbytes)}): "
+                f"{_fallback_message(self.session)}"
+            )
+        else:
+            self.in_place(target, "fallen_back", merged)
+
+    def reserve(self, targets: list[LayerTarget]) -> None:
+        """Size both buffers for the largest layer once, so a layer never regrows them."""
+        self.work.reserve(max((t.current.numel() for t in targets), default=0) * 4)
+        self.out.reserve(max((t.nbytes for t in targets), default=0))
+
+    def build(self, targets: list[LayerTarget]) -> None:
+        """Compute and put every target, one write in flight while the next layer sums."""
+        if not targets:
+            return
+        self.reserve(targets)
+        pending = None
+
+        def previous_done():
+            nonlocal pending
+            if pending is not None:
+                self.finish(pending)
+                pending = None
+
+        # Leaving the executor waits for a write in flight, also when an error ends the loop.
+        with _core_for_the_writer(self.work.device), ThreadPoolExecutor(1, "lora-cache-write") as writer:
+            for target in targets:
+                base = target.current
+                merged = compute_merged(target, self.out.take(tuple(base.shape), base.dtype), self.work, previous_done)
+                pending = (target, merged, writer.submit(self.session.put, target.name, merged))
+            previous_done()
+
+    def run(self, targets: list[LayerTarget]) -> MergeStats:
+        start = time.monotonic()
+        try:
+            if self.session is None:
+                cached = []
+            else:  # the vault holds host memory only: device weights merge in place
+                cached = [t for t in targets if t.current.device.type == "cpu"]
+            in_place = [t for t in targets if t not in cached]
+            self.reserve(in_place)
+            for target in in_place:
+                self.in_place(target)
+            self.build([t for t in cached if not self.take_hit(t)])
+        finally:
+            self.bar.close()
+            self.work.release()
+            self.out.release()
+            _return_freed_memory()
+        self.stats.seconds = time.monotonic() - start
+        if self.session is not None:
+            self.stats.bytes_written = int(self.session.stats.get("bytes_written", 0))
+        return self.stats
+
+
+@contextlib.contextmanager
+def _core_for_the_writer(device: torch.device):
+    """Sum on one CPU thread fewer while the writer runs, then restore the count.
+
+    The write thread (and the vault's checksum) need a core; an OpenMP pool that spins
+    on every core starves them and the disk idles between layers. On a GPU the sum
+    takes no CPU threads to speak of, so nothing changes there.
+    """
+    threads = torch.get_num_threads()
+    if device.type == "cpu" and threads > 1:
+        torch.set_num_threads(threads - 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def merge_layers(
+    targets: list[LayerTarget],
+    session=None,
+    *,
+    device: torch.device | str | None = None,
+    progress: bool | None = None,
+    fallback: bool = True,
+) -> MergeStats:
+    """Merge ``targets`` one layer at a time through ``session`` (``None``: in place).
+
+    Per layer: the vault's copy, else put(compute), else (the vault could not store it)
+    in place; ``fallback=False`` raises :class:`CacheBuildError` instead of that last step.
+    """
+    return _LayerLoop(targets, session, device, progress, fallback).run(targets)
+
+
+def _fallback_message(session) -> str:
+    """The vault's own reason (it says what was needed and what to do), said once."""
+    return getattr(session, "last_error", None) or "the LoRA merge cache could not store a layer; merging in place"
+
+
+def _return_freed_memory() -> None:
+    """Ask glibc to hand freed heap blocks back to the kernel (no-op elsewhere)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def cache_disabled_by_env() -> bool:
+    """``HOSTMEM_DISABLE_LORA_MERGE_CACHE=1`` forces the in-place path everywhere."""
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def mapped_base_files(targets: list[LayerTarget], space: AddressSpace) -> list[str]:
+    """The checkpoint files the targets' base weights are mapped from.
+
+    The cache key needs the base checkpoint's identity; a model loaded through a file
+    mapping (``hostmem.load_readonly``, safetensors' own mmap) tells it by itself.
+    """
+    files, unknown = set(), []
+    for target in targets:
+        area = space.area_of(target.current)
+        path = area.path if area is not None and area.is_file else None
+        if path is None or not path.startswith("/") or path.endswith(" (deleted)"):
+            unknown.append(target.name)
+        else:
+            files.add(path)
+    if unknown:
+        raise ValueError(
+            f"cannot tell which checkpoint {len(unknown)} weight(s) come from ({', '.join(unknown[:3])}"
+            f"{', ...' if len(unknown) > 3 else ''}): they are not views of a mapped file. Pass "
+            "base_files=[the .safetensors shards the model was loaded from], or cache_root=None to merge in place"
+        )
+    return sorted(files)
+
+
+def _key_extras(adapter: AdapterFile, spec: Adapter) -> dict:
+    """Inputs of the merged bytes that the adapter file's content hash does not cover."""
+    config = asdict(adapter.config) if adapter.config is not None else None
+    rules = [list(r.values()) if isinstance(r, dict) else list(r) for r in spec.rules]
+    return {"rules": rules, "rslora": spec.rslora, "peft_config": config}
+
+
+def combination_key(vault, files: list[AdapterFile], specs: list[Adapter], shards: list[str], dtypes) -> CacheKey:
+    """The vault key of merging ``files`` (as ``specs`` ask) into the checkpoint ``shards``."""
+    identities = [
+        {**vault.adapter_identity(f.path, s.strength, s.alpha), **_key_extras(f, s)} for f, s in zip(files, specs)
+    ]
+    target_dtype = ",".join(sorted({str(d).removeprefix("torch.") for d in dtypes}))
+    return cache_key(base_identity(shards), identities, target_dtype, MERGE_POLICY)
+
+
+def _open_session(targets, files, specs, cache_root, max_size, base_files):
+    """Open the vault for this combination: ``(key hex, session context)``."""
+    shards = [os.fspath(p) for p in base_files] if base_files is not None else mapped_base_files(targets, AddressSpace())
+    vault = Vault(os.path.expanduser(os.fspath(cache_root)), max_size)
+    key = combination_key(vault, files, specs, shards, {t.current.dtype for t in targets})
+    expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in targets}
+    return key.hex, vault.open(key, expected)
+
+
+def merge(
+    model,
+    adapters,
+    cache_root: str | os.PathLike | None = None,
+    *,
+    base_files: list[str] | None = None,
+    max_size: int | str | None = None,
+    enabled: bool = True,
+    device: torch.device | str | None = None,
+    progress: bool | None = None,
+    fallback: bool = True,
+) -> MergeStats:
+    """Merge ``adapters`` into ``model`` and return what it took.
+
+    ``model`` is an ``nn.Module`` or a dict of named modules; ``adapters`` a list of
+    paths, ``(path, strength)`` tuples, config dicts or :class:`lora_cache.Adapter`.
+    With ``cache_root`` (and ``enabled``, and no ``HOSTMEM_DISABLE_LORA_MERGE_CACHE=1``)
+    every merged weight is written once under it and installed as a read-only mapped
+    view, so it stays file-backed and the next start with the same inputs reads it
+    back; otherwise every layer is merged in place. ``base_files`` names the checkpoint
+    shards when the weights are not mapped from them. ``fallback=False`` raises instead
+    of merging in place when the cache cannot store a layer (for ahead-of-time builds).
+
+    >>> stats = lora_cache.merge(dit, [("turbo.safetensors", 1.0)], cache_root="~/.cache/hostmem")  # doctest: +SKIP
+    >>> lora_cache.unmerge(dit)                                                                       # doctest: +SKIP
+    """
+    if is_merged(model):
+        raise ValueError("the model is already merged; call lora_cache.unmerge(model) before merging again")
+    specs = [as_adapter(a) for a in adapters]
+    targets, files = plan_targets(model, specs)
+    use_cache = cache_root is not None and enabled and not cache_disabled_by_env()
+    key, cache_targets = None, [t for t in targets if t.current.device.type == "cpu"]
+    session_cm = contextlib.nullcontext()
+    if use_cache and cache_targets:
+        key, session_cm = _open_session(cache_targets, files, specs, cache_root, max_size, base_files)
+    try:
+        with session_cm as session:
+            stats = merge_layers(targets, session, device=device, progress=progress, fallback=fallback)
+    except BaseException:
+        unmerge(model)  # a failed merge leaves the model as it found it
+        raise
+    stats.cache_key = key
+    stats.cache_root = os.path.expanduser(os.fspath(cache_root)) if key else None
+    stats.adapters = [f.path for f in files]
+    return stats

@@ -1,0 +1,163 @@
+"""The planner's provider: what the LoRA merge cache gives back to the host budget.
+
+An in-place merge leaves every merged layer anonymous and keeps an unmerge snapshot
+of the same size, so it commits ``2 x lora target bytes`` of memory the kernel cannot
+reclaim. The cached merge keeps both file-backed. The offer says so, with the disk
+the cache needs and the one-time cost of building it (none when it is already built).
+
+The planner's interface is met by attribute names (``provider``, ``component``,
+``anonymous_bytes``, ``disk_bytes``, ``one_time_s``, ``note``): imports point down,
+so nothing here imports ``planners``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from hostmem.safetensors_map import read_header
+from hostmem.units import format_rate, format_size
+
+from .adapters import as_adapter, read_adapter
+from .keys import ModuleIndex, plan_deltas
+from .orchestrate import cache_disabled_by_env, combination_key
+from .vault import Vault, layer_file_bytes
+
+__all__ = ["LoraCacheOffer", "LoraCacheProvider", "TargetLayers", "target_layers", "DEFAULT_BUILD_RATE"]
+
+# Merge + durable write on a CPU host; bench/bench_lora.py measures the real figure.
+DEFAULT_BUILD_RATE = 300 * 1024 * 1024
+
+
+def _layer_file_overhead() -> int:
+    """Bytes a layer file adds to its tensor (its header), as the vault lays them out."""
+    return layer_file_bytes((0,), torch.uint8)
+
+
+@dataclass(frozen=True)
+class LoraCacheOffer:
+    """Anonymous bytes the cache turns into mapped ones, and what that costs."""
+
+    provider: str
+    component: str
+    anonymous_bytes: int
+    disk_bytes: int
+    one_time_s: float
+    note: str
+    transient_bytes: int = 0  # the one-layer buffers a cached merge holds while it runs
+
+
+@dataclass(frozen=True)
+class TargetLayers:
+    """The parameters a set of adapters changes, from headers: count, bytes, largest."""
+
+    names: tuple[str, ...]
+    nbytes: int
+    largest_numel: int
+    largest_nbytes: int
+    cache_key: str | None = None
+    cached: bool = False
+
+
+def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLike | None = None) -> TargetLayers:
+    """Resolve ``adapters`` against a checkpoint's headers (no weight is read).
+
+    With ``cache_root`` (an existing cache folder) it also says whether this exact
+    combination is already built there, without taking its lock.
+    """
+    infos = {}
+    for path in shard_paths:
+        infos.update(read_header(path).tensors)
+    specs = [as_adapter(a) for a in adapters]
+    files = [read_adapter(s.path) for s in specs]
+    planned = plan_deltas(list(zip(files, specs)), ModuleIndex({n: i.shape for n, i in infos.items()}))
+    chosen = [infos[name] for name in planned]
+    key, cached = None, False
+    if cache_root is not None and os.path.isdir(os.path.expanduser(os.fspath(cache_root))) and chosen:
+        vault = Vault(os.path.expanduser(os.fspath(cache_root)))
+        key = combination_key(vault, files, specs, list(shard_paths), {i.torch_dtype for i in chosen}).hex
+        cached = any(c.key == key and c.complete for c in vault.combinations())
+    return TargetLayers(
+        names=tuple(planned),
+        nbytes=sum(i.nbytes for i in chosen),
+        largest_numel=max((math.prod(i.shape) for i in chosen), default=0),
+        largest_nbytes=max((i.nbytes for i in chosen), default=0),
+        cache_key=key,
+        cached=cached,
+    )
+
+
+class LoraCacheProvider:
+    """Offers the cached LoRA merge of one component to the planner.
+
+    ``lora_target_bytes`` is what the adapters change (declared in the config, or from
+    :func:`target_layers`); ``layers`` and ``largest_layer_bytes`` size the build's
+    transient buffers; ``cached=True`` when the combination is already on disk.
+    """
+
+    name = "lora_cache"
+
+    def __init__(
+        self,
+        component: str,
+        lora_target_bytes: int,
+        *,
+        layers: int = 0,
+        largest_layer_bytes: int = 0,
+        largest_layer_numel: int = 0,
+        cached: bool = False,
+        enabled: bool = True,
+        build_rate: float = DEFAULT_BUILD_RATE,
+    ):
+        if lora_target_bytes < 0:
+            raise ValueError(f"lora target bytes of {component!r} must not be negative, got {lora_target_bytes}")
+        self.component = component
+        self.lora_target_bytes = int(lora_target_bytes)
+        self.layers = layers
+        self.largest_layer_bytes = largest_layer_bytes
+        self.largest_layer_numel = largest_layer_numel
+        self.cached = cached
+        self.enabled = enabled and not cache_disabled_by_env()
+        self.build_rate = build_rate
+
+    @classmethod
+    def from_checkpoint(cls, component: str, shard_paths: list[str], adapters, cache_root=None, **kwargs):
+        """Size the offer from the checkpoint's headers and the adapter files."""
+        found = target_layers(shard_paths, adapters, cache_root)
+        return cls(
+            component,
+            found.nbytes,
+            layers=len(found.names),
+            largest_layer_bytes=found.largest_nbytes,
+            largest_layer_numel=found.largest_numel,
+            cached=found.cached,
+            **kwargs,
+        )
+
+    def offer(self) -> LoraCacheOffer | None:
+        """The offer, or None when the cache is off or there is nothing to merge."""
+        if not self.enabled or self.lora_target_bytes == 0:
+            return None
+        targets = self.lora_target_bytes
+        disk = 0 if self.cached else targets + self.layers * _layer_file_overhead()
+        seconds = 0.0 if self.cached else targets / self.build_rate
+        transient = self.largest_layer_numel * 4 + self.largest_layer_bytes
+        if self.cached:
+            how = "already built: a start maps it back, no merge"
+        else:
+            how = f"built once in about {seconds:.0f} s at {format_rate(self.build_rate)}, then reused"
+        note = (
+            f"LoRA merge of {format_size(targets)} in {self.component}: in place it costs "
+            f"{format_size(2 * targets)} anonymous (merged layers + unmerge snapshot); cached it stays "
+            f"file-backed ({format_size(disk)} of disk; {how})"
+        )
+        return LoraCacheOffer(self.name, self.component, 2 * targets, disk, seconds, note, transient)
+
+    def __repr__(self) -> str:
+        return (
+            f"LoraCacheProvider({self.component!r}, {format_size(self.lora_target_bytes)}, "
+            f"cached={self.cached}, enabled={self.enabled})"
+        )

@@ -1,0 +1,239 @@
+"""One merged layer as one self-describing safetensors file.
+
+Each layer file holds one tensor under its real name, and its header metadata
+carries the sha256 of the tensor bytes. A file under its final name was renamed
+there only after an fsync, so its presence plus a header that checks out means
+the layer is sealed: a build killed mid-way resumes from these files alone, with
+no journal to keep consistent. The data section starts on a page boundary so
+that the tensor's pages are the file's pages (residency per layer is exact).
+
+File names come from a hash of the tensor name, never from the name itself: a
+tensor name may hold characters a path must not, and the name is not a path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import stat
+import struct
+import threading
+from dataclasses import asdict, dataclass
+from math import prod
+
+import torch
+
+from hostmem.safetensors_map import DTYPE_NAMES, DTYPES, SafetensorsError, read_header
+
+from .vault_fs import VaultError, check_not_symlink, discard, open_tmp, seal, write_all
+
+__all__ = [
+    "LayerEntry",
+    "layer_file_name",
+    "layer_file_bytes",
+    "is_layer_file_name",
+    "write_layer",
+    "read_layer_file",
+    "layer_problem",
+    "data_sha256",
+]
+
+LAYER_FORMAT = "hostmem-lora-merge-cache-layer/1"
+_ALIGN = 4096
+_CHUNK = 4 * 1024 * 1024
+_SUFFIX = ".safetensors"
+
+
+@dataclass(frozen=True)
+class LayerEntry:
+    """What the manifest records of one layer file."""
+
+    name: str
+    file: str
+    size: int
+    header_sha256: str
+    sha256: str  # of the tensor bytes (the data section)
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), shape=list(self.shape))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LayerEntry":
+        return cls(
+            name=str(data["name"]),
+            file=str(data["file"]),
+            size=int(data["size"]),
+            header_sha256=str(data["header_sha256"]),
+            sha256=str(data["sha256"]),
+            dtype=str(data["dtype"]),
+            shape=tuple(int(d) for d in data["shape"]),
+        )
+
+
+def layer_file_name(name: str) -> str:
+    """The file of tensor ``name``: 32 hex digits of sha256(name)."""
+    return hashlib.sha256(name.encode("utf-8")).hexdigest()[:32] + _SUFFIX
+
+
+def layer_file_bytes(shape, dtype: torch.dtype) -> int:
+    """Bytes the layer file of a tensor takes: one page of header (names under ~3.9 KiB) plus the data."""
+    return _ALIGN + prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def is_layer_file_name(file: str) -> bool:
+    stem = file[: -len(_SUFFIX)] if file.endswith(_SUFFIX) else ""
+    return len(stem) == 32 and all(c in "0123456789abcdef" for c in stem)
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (which must outlive the view)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    array = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
+    return memoryview(array).cast("B")
+
+
+def _header_bytes(name: str, dtype: str, shape: tuple[int, ...], nbytes: int, checksum: str) -> bytes:
+    """Length prefix + JSON header, padded with spaces so the data starts page-aligned."""
+    header = {
+        "__metadata__": {"format": LAYER_FORMAT, "sha256": checksum},
+        name: {"dtype": dtype, "shape": list(shape), "data_offsets": [0, nbytes]},
+    }
+    body = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    padded = -(-(8 + len(body)) // _ALIGN) * _ALIGN - 8
+    return struct.pack("<Q", padded) + body.ljust(padded, b" ")
+
+
+def _write_and_hash(fd: int, data: memoryview, offset: int) -> str:
+    """Write ``data`` at ``offset`` while a helper thread hashes it.
+
+    hashlib and pwrite both release the GIL, so the checksum costs no extra time on a
+    host with a spare core: the layer's build time is the write, not write + hash.
+    """
+    digest = hashlib.sha256()
+    hasher = threading.Thread(target=digest.update, args=(data,), name="hostmem-vault-hash")
+    hasher.start()
+    try:
+        write_all(fd, data, offset)
+    finally:
+        hasher.join()
+    return digest.hexdigest()
+
+
+def _cpu_contiguous(merged: torch.Tensor) -> torch.Tensor:
+    tensor = merged.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    return tensor.contiguous()
+
+
+def write_layer(folder: str, name: str, merged: torch.Tensor) -> LayerEntry:
+    """Write ``merged`` as the sealed layer file of ``name`` in ``folder``; return its entry.
+
+    The data goes in first, hashed as it is written; then the header with the hash is
+    written over a same-length placeholder; then fsync, rename, fsync of the folder. On
+    any error the temporary file is removed and the error is raised.
+    """
+    tensor = _cpu_contiguous(merged)
+    try:
+        dtype = DTYPE_NAMES[tensor.dtype]
+    except KeyError:
+        raise VaultError(f"layer {name!r}: dtype {tensor.dtype} cannot be stored in safetensors") from None
+    shape = tuple(tensor.shape)
+    data = _raw_bytes(tensor)
+    header = _header_bytes(name, dtype, shape, len(data), "0" * 64)
+    fd, tmp = open_tmp(folder, _SUFFIX)
+    try:
+        checksum = _write_and_hash(fd, data, len(header))
+        header = _header_bytes(name, dtype, shape, len(data), checksum)
+        write_all(fd, header, 0)
+    except BaseException:
+        os.close(fd)
+        discard(tmp)
+        raise
+    final = os.path.join(folder, layer_file_name(name))
+    seal(fd, tmp, final)
+    return LayerEntry(
+        name=name,
+        file=os.path.basename(final),
+        size=len(header) + len(data),
+        header_sha256=hashlib.sha256(header).hexdigest(),
+        sha256=checksum,
+        dtype=dtype,
+        shape=shape,
+    )
+
+
+def read_layer_file(path: str) -> LayerEntry:
+    """Read a layer file's header into its entry; raise ``SafetensorsError`` if it is not one.
+
+    Checks what adoption must: a regular file (never a link), exactly header + data long,
+    one tensor whose name hashes to this file name, and our format's checksum metadata.
+    """
+    st = check_not_symlink(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise SafetensorsError(f"{path}: not a regular file")
+    header = read_header(path)
+    if len(header.tensors) != 1:
+        raise SafetensorsError(f"{path}: holds {len(header.tensors)} tensors, a layer file holds one")
+    (info,) = header.tensors.values()
+    if header.metadata.get("format") != LAYER_FORMAT or len(header.metadata.get("sha256", "")) != 64:
+        raise SafetensorsError(f"{path}: not a layer file of this cache (format {header.metadata.get('format')!r})")
+    if layer_file_name(info.name) != os.path.basename(path):
+        raise SafetensorsError(f"{path}: holds tensor {info.name!r}, whose file would be {layer_file_name(info.name)}")
+    if header.file_size != header.data_offset + info.end:
+        raise SafetensorsError(
+            f"{path}: {header.file_size} bytes, expected {header.data_offset + info.end} (torn or appended to)"
+        )
+    return LayerEntry(
+        name=info.name,
+        file=os.path.basename(path),
+        size=header.file_size,
+        header_sha256=header.header_sha256,
+        sha256=header.metadata["sha256"],
+        dtype=info.dtype,
+        shape=tuple(info.shape),
+    )
+
+
+def layer_problem(folder: str, entry: LayerEntry) -> str | None:
+    """Why the file of ``entry`` cannot be adopted as is (size, header), or None if it can."""
+    path = os.path.join(folder, entry.file)
+    try:
+        found = read_layer_file(path)
+    except FileNotFoundError:
+        return f"{path}: missing"
+    except (SafetensorsError, OSError) as exc:  # a symlink (VaultError) is refused, not dropped
+        return str(exc)
+    if found.size != entry.size:
+        return f"{path}: {found.size} bytes, the manifest says {entry.size}"
+    if found.header_sha256 != entry.header_sha256 or found.name != entry.name:
+        return f"{path}: header differs from the one the manifest recorded"
+    return None
+
+
+def data_sha256(path: str) -> str:
+    """sha256 of a layer file's data section, read from disk (what `cache verify` checks)."""
+    header = read_header(path)
+    digest = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        offset, end = header.data_offset, header.file_size
+        while offset < end:
+            chunk = os.pread(fd, min(_CHUNK, end - offset), offset)
+            if not chunk:
+                break
+            digest.update(chunk)
+            offset += len(chunk)
+    finally:
+        os.close(fd)
+    return digest.hexdigest()

@@ -1,0 +1,214 @@
+"""The combinations on disk: finding them, sizing them, removing them when unused.
+
+A combination is in use while some process holds its key's lock (a session is
+open: building, resuming or adopting). Removal takes that lock without waiting
+and gives up when it cannot, so eviction, ``prune`` and ``rm`` never pull files
+from under a build. A process that already mapped layers keeps them after an
+unlink (the inode lives until it unmaps), so a serving process is not broken
+either; the disk space returns when it exits.
+
+Lock files live next to the combination folders (``<key>.lock``), not inside
+them, so a folder can be removed while its lock is held.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+
+from .vault_fs import TMP_PREFIX, KeyLock, VaultError, free_bytes, make_private_dir, remove_tree
+from .vault_manifest import ManifestError, read_manifest
+
+__all__ = [
+    "CACHE_DIR",
+    "Combination",
+    "cache_dir",
+    "is_key",
+    "lock_path",
+    "scan_combination",
+    "list_combinations",
+    "remove_if_unused",
+    "is_in_use",
+    "evict_lru",
+    "resolve_key",
+    "cache_bytes",
+]
+
+CACHE_DIR = "lora_merge_cache"
+
+
+def cache_dir(root: str) -> str:
+    """``<root>/lora_merge_cache``, created 0700 when missing."""
+    path = os.path.join(root, CACHE_DIR)
+    make_private_dir(path)
+    return path
+
+
+def is_key(name: str) -> bool:
+    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
+
+
+def lock_path(cache: str, key: str) -> str:
+    return os.path.join(cache, f"{key}.lock")
+
+
+@dataclass
+class Combination:
+    """What ``hostmem cache ls`` shows of one combination (read without its lock)."""
+
+    key: str
+    path: str
+    bytes: int = 0
+    files: int = 0
+    layers: int = 0
+    created: float | None = None
+    last_used: float = 0.0
+    sealed: bool = False  # a manifest is there
+    complete: bool = False
+    in_use: bool = False
+    inputs: dict = field(default_factory=dict)
+    problem: str | None = None
+
+    @property
+    def state(self) -> str:
+        if self.in_use:
+            return "in use"
+        if self.problem:
+            return "damaged"
+        if not self.sealed:
+            return "interrupted"
+        return "complete" if self.complete else "partial"
+
+    def to_dict(self) -> dict:
+        return {
+            "key": self.key,
+            "path": self.path,
+            "bytes": self.bytes,
+            "files": self.files,
+            "layers": self.layers,
+            "created": self.created,
+            "last_used": self.last_used,
+            "state": self.state,
+            "complete": self.complete,
+            "inputs": self.inputs,
+            "problem": self.problem,
+        }
+
+
+def _folder_bytes(path: str) -> tuple[int, int, float]:
+    """Apparent bytes and count of the regular files in a folder, and its mtime."""
+    total = count = 0
+    with os.scandir(path) as entries:
+        for entry in entries:
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+                count += 1
+    return total, count, os.lstat(path).st_mtime
+
+
+def scan_combination(cache: str, key: str) -> Combination:
+    """Describe one combination folder; never raises over a damaged one (says so)."""
+    path = os.path.join(cache, key)
+    combo = Combination(key=key, path=path, in_use=is_in_use(cache, key))
+    try:
+        combo.bytes, combo.files, combo.last_used = _folder_bytes(path)
+        manifest = read_manifest(path)
+    except (OSError, ManifestError, VaultError) as exc:
+        combo.problem = str(exc)
+        return combo
+    if manifest is not None:
+        combo.sealed = True
+        combo.layers = len(manifest.layers)
+        combo.created, combo.last_used = manifest.created, manifest.last_used
+        combo.complete = manifest.complete
+        combo.inputs = manifest.inputs
+    else:
+        combo.layers = sum(1 for n in os.listdir(path) if n.endswith(".safetensors") and not n.startswith(TMP_PREFIX))
+    return combo
+
+
+def list_combinations(cache: str) -> list[Combination]:
+    """Every combination folder under the cache, least recently used first."""
+    combos = []
+    for name in sorted(os.listdir(cache)):
+        full = os.path.join(cache, name)
+        if is_key(name) and (os.path.isdir(full) or os.path.islink(full)):
+            combos.append(scan_combination(cache, name))
+    combos.sort(key=lambda c: c.last_used)
+    return combos
+
+
+def is_in_use(cache: str, key: str) -> bool:
+    """True when a session holds the key's lock (a shared probe, released at once)."""
+    path = lock_path(cache, key)
+    if not os.path.lexists(path):
+        return False
+    probe = KeyLock(path)
+    try:
+        if not probe.acquire(exclusive=False, blocking=False):
+            return True
+    except OSError:
+        return False
+    probe.release(remove=True)
+    return False
+
+
+def remove_if_unused(cache: str, key: str) -> bool:
+    """Remove a combination unless a session holds its lock; True when removed."""
+    lock = KeyLock(lock_path(cache, key))
+    if not lock.acquire(blocking=False):
+        return False
+    try:
+        remove_tree(os.path.join(cache, key))
+    finally:
+        lock.release(remove=True)
+    return True
+
+
+def resolve_key(cache: str, prefix: str) -> str:
+    """The full key a (unique) prefix names, as ``hostmem cache rm`` accepts it."""
+    prefix = prefix.strip().lower()
+    matches = [n for n in os.listdir(cache) if is_key(n) and n.startswith(prefix)] if prefix else []
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise VaultError(f"{cache}: no combination whose key starts with {prefix!r}; `hostmem cache ls` lists them")
+    raise VaultError(f"{cache}: {len(matches)} combinations start with {prefix!r}; give more of the key")
+
+
+def evict_lru(cache: str, keep: str, needed: int, max_size: int | None, headroom: int) -> list[Combination]:
+    """Remove least-recently-used unused combinations so that ``needed`` more bytes fit.
+
+    They fit when the cache's total stays within ``max_size`` and the disk keeps
+    ``headroom`` free. ``keep`` (the key being opened) and combinations in use stay.
+    When even removing every unused one would not make room, none is removed: losing
+    a good combination for a build that cannot be stored anyway helps nobody.
+    """
+    candidates = [c for c in list_combinations(cache) if c.key != keep and not c.in_use]
+    total, free = cache_bytes(cache), free_bytes(cache)
+
+    def fits(freed: int) -> bool:
+        within = max_size is None or total - freed + needed <= max_size
+        return within and free + freed >= needed + headroom
+
+    plan, freed = [], 0
+    for combo in candidates:
+        if fits(freed):
+            break
+        plan.append(combo)
+        freed += combo.bytes
+    if not plan or not fits(freed):
+        return []
+    return [c for c in plan if remove_if_unused(cache, c.key)]
+
+
+def cache_bytes(cache: str, exclude: str | None = None) -> int:
+    """Apparent bytes of every combination but ``exclude``."""
+    total = 0
+    for name in os.listdir(cache):
+        full = os.path.join(cache, name)
+        if is_key(name) and name != exclude and os.path.isdir(full) and not os.path.islink(full):
+            total += _folder_bytes(full)[0]
+    return total

@@ -1,0 +1,117 @@
+"""The host limit and the host budget.
+
+The host budget is what pins may be paid from::
+
+    budget = limit - reserve - committed non-reclaimable        (floored at 0)
+             capped by max_pinned (less what is already pinned)
+
+Committed is what the kernel cannot drop without swap: anonymous weights (a copy,
+an in-place merge), their unmerge snapshots, shmem, pins already made, and, in a
+live process, anonymous memory beyond the reserve that no weight explains. The
+reserve covers the process's own memory (Python, CUDA context, activations), so
+only the part of the unexplained memory above it is charged.
+
+The limit is configured (a host convention: a large machine can stand in for a
+32 GiB one) or ``auto``: the tighter of MemTotal and the memory cgroup's limit,
+since a cgroup charges page cache too and oversubscribing it gets the server killed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hostmem.procfs import read_cgroup_memory, read_meminfo
+from hostmem.residency import Residency
+from hostmem.units import format_size
+
+from .config import DeploymentConfig
+
+__all__ = ["HostLimit", "HostBudget", "resolve_host_limit", "read_host_limit", "host_budget"]
+
+
+@dataclass(frozen=True)
+class HostLimit:
+    """The limit planned for, where it came from, and what this machine offers."""
+
+    bytes: int
+    source: str  # "config", a HOSTMEM_* variable, "MemTotal" or "cgroup"
+    mem_total: int
+    cgroup_limit: int | None
+
+    @property
+    def machine_bytes(self) -> int:
+        """What this machine can give: the tighter of MemTotal and the cgroup limit."""
+        return min(self.mem_total, self.cgroup_limit) if self.cgroup_limit else self.mem_total
+
+
+def resolve_host_limit(
+    configured: int | None, mem_total: int, cgroup_limit: int | None, configured_source: str = "config"
+) -> HostLimit:
+    """The configured limit, or (``None``) the tighter of MemTotal and the cgroup limit."""
+    if configured is not None:
+        return HostLimit(configured, configured_source, mem_total, cgroup_limit)
+    if cgroup_limit is not None and cgroup_limit < mem_total:
+        return HostLimit(cgroup_limit, "cgroup", mem_total, cgroup_limit)
+    return HostLimit(mem_total, "MemTotal", mem_total, cgroup_limit)
+
+
+def read_host_limit(config: DeploymentConfig) -> HostLimit:
+    """Resolve the config's host limit against this machine's /proc/meminfo and cgroup."""
+    cgroup = read_cgroup_memory()
+    source = config.origin.overrides.get("host.limit", "config")
+    limit = resolve_host_limit(
+        config.host.limit, read_meminfo().total, cgroup.limit_bytes if cgroup else None, source
+    )
+    if config.host.reserve >= limit.bytes:
+        raise config.origin.error(
+            "host.reserve",
+            f"{format_size(config.host.reserve)} is not below the host limit of {format_size(limit.bytes)} "
+            f"({limit.source}); lower the reserve or configure host.limit",
+        )
+    return limit
+
+
+@dataclass(frozen=True)
+class HostBudget:
+    """Each term of the budget, in bytes; ``bytes`` is what pins may use."""
+
+    limit: int
+    reserve: int
+    max_pinned: int
+    committed_anonymous: int = 0
+    committed_shmem: int = 0
+    committed_pinned: int = 0
+    process_excess: int = 0
+
+    @property
+    def committed(self) -> int:
+        return self.committed_anonymous + self.committed_shmem + self.committed_pinned + self.process_excess
+
+    @property
+    def room(self) -> int:
+        """Memory left for new pins and page cache together (floored at 0)."""
+        return max(0, self.limit - self.reserve - self.committed)
+
+    @property
+    def pin_cap(self) -> int:
+        """How much more may be pinned under ``max_pinned``."""
+        return max(0, self.max_pinned - self.committed_pinned)
+
+    @property
+    def bytes(self) -> int:
+        return min(self.room, self.pin_cap)
+
+
+def host_budget(
+    limit: int, reserve: int, max_pinned: int, committed: Residency, process_excess: int = 0
+) -> HostBudget:
+    """The budget of a host whose non-reclaimable memory is ``committed``."""
+    return HostBudget(
+        limit=limit,
+        reserve=reserve,
+        max_pinned=max_pinned,
+        committed_anonymous=committed.anonymous,
+        committed_shmem=committed.shmem,
+        committed_pinned=committed.pinned,
+        process_excess=max(0, process_excess),
+    )

@@ -1,0 +1,155 @@
+"""``hostmem cache ls | verify | prune | rm KEY``: look after the LoRA merge cache.
+
+The cache root is ``--root DIR``, else the environment variable
+``HOSTMEM_CACHE_ROOT``, else ``~/.cache/hostmem``. Sizes are human-readable in text
+and plain bytes in JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from hostmem.units import format_size, parse_size
+
+_ROOT_HELP = "cache root (default: $HOSTMEM_CACHE_ROOT, else ~/.cache/hostmem)"
+
+
+def register(subparsers) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--root", metavar="DIR", default=None, help=_ROOT_HELP)
+    parser = subparsers.add_parser(
+        "cache",
+        help="list, verify, prune or remove cached LoRA merges",
+        description=(
+            "Look after the LoRA merge cache in <root>/lora_merge_cache. The root is --root DIR, "
+            "else $HOSTMEM_CACHE_ROOT, else ~/.cache/hostmem."
+        ),
+    )
+    sub = parser.add_subparsers(dest="cache_command", metavar="ACTION")
+    sub.required = True
+    ls = sub.add_parser("ls", parents=[common], help="list combinations, least recently used first")
+    ls.add_argument("--json", action="store_true", help="print JSON (sizes in bytes, times in unix seconds)")
+    ls.set_defaults(run=run_ls)
+    verify = sub.add_parser("verify", parents=[common], help="check every layer's checksum")
+    verify.add_argument("keys", nargs="*", metavar="KEY", help="keys or unique prefixes (default: all)")
+    verify.add_argument("--json", action="store_true", help="print JSON")
+    verify.set_defaults(run=run_verify)
+    prune = sub.add_parser(
+        "prune",
+        parents=[common],
+        help="remove damaged and interrupted combinations (and LRU ones beyond --max-size)",
+    )
+    prune.add_argument("--max-size", metavar="SIZE", default=None, help="then evict least recently used down to SIZE, e.g. 200GiB")
+    prune.add_argument("--all", action="store_true", help="remove every combination not in use")
+    prune.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
+    prune.set_defaults(run=run_prune)
+    rm = sub.add_parser("rm", parents=[common], help="remove one combination")
+    rm.add_argument("key", metavar="KEY", help="its key or a unique prefix (see `hostmem cache ls`)")
+    rm.set_defaults(run=run_rm)
+
+
+def _cache(args) -> tuple[str, str | None]:
+    from lora_cache.vault import default_cache_root
+    from lora_cache.vault_admin import existing_cache_dir
+
+    root = args.root or default_cache_root()
+    return root, existing_cache_dir(root)
+
+
+def _when(stamp: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(stamp)) if stamp else "-"
+
+
+def _inputs_summary(inputs: dict) -> str:
+    """One line a person can recognise a combination by."""
+    import os
+
+    shards = (inputs.get("base") or {}).get("shards") or []
+    base = os.path.basename(shards[0]["path"]) if shards else "?"
+    if len(shards) > 1:
+        base += f" (+{len(shards) - 1} shards)"
+    adapters = ", ".join(
+        f"{os.path.basename(a.get('path', '?'))} x{a.get('strength')}"
+        + (f" alpha={a['alpha_override']}" if a.get("alpha_override") is not None else "")
+        for a in inputs.get("adapters") or []
+    )
+    if not inputs:
+        return "-"
+    return f"{base} + [{adapters}] -> {inputs.get('target_dtype')}, {inputs.get('merge_policy')}"
+
+
+def run_ls(args) -> int:
+    from lora_cache.vault_store import list_combinations
+
+    root, cache = _cache(args)
+    combos = list_combinations(cache) if cache else []
+    total = sum(c.bytes for c in combos)
+    if args.json:
+        json.dump({"root": root, "cache": cache, "total_bytes": total, "combinations": [c.to_dict() for c in combos]}, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    if not combos:
+        print(f"no cached LoRA merges under {root}")
+        return 0
+    print(f"{cache}: {len(combos)} combination(s), {format_size(total)}")
+    print(f"{'KEY':<12}  {'STATE':<11}  {'SIZE':>10}  {'LAYERS':>6}  {'LAST USED':<16}  INPUTS")
+    for c in combos:
+        print(
+            f"{c.key[:12]:<12}  {c.state:<11}  {format_size(c.bytes):>10}  {c.layers:>6}  "
+            f"{_when(c.last_used):<16}  {_inputs_summary(c.inputs)}"
+        )
+    return 0
+
+
+def run_verify(args) -> int:
+    from lora_cache.vault_admin import verify_all
+
+    root, cache = _cache(args)
+    if cache is None:
+        if args.keys:
+            raise ValueError(f"{root}: holds no LoRA merge cache, so no key {args.keys[0]!r}")
+        reports = []
+    else:
+        reports = verify_all(cache, args.keys)
+    bad = [r for r in reports if r.state == "bad"]
+    if args.json:
+        json.dump({"root": root, "ok": not bad, "combinations": [r.to_dict() for r in reports]}, sys.stdout)
+        sys.stdout.write("\n")
+        return 1 if bad else 0
+    for r in reports:
+        print(f"{r.key[:12]}  {r.state:<6}  {r.layers} layers, {format_size(r.bytes)} checked")
+        for line in r.problems + r.notes:
+            print(f"    {line}")
+    if bad:
+        keys = " ".join(r.key[:12] for r in bad)
+        print(f"{len(bad)} damaged combination(s); remove them with `hostmem cache rm KEY` ({keys}) or `hostmem cache prune`")
+    elif not reports:
+        print(f"no cached LoRA merges under {root}")
+    return 1 if bad else 0
+
+
+def run_prune(args) -> int:
+    from lora_cache.vault_admin import prune
+
+    root, cache = _cache(args)
+    max_size = None if args.max_size is None else parse_size(args.max_size)
+    removed = prune(cache, max_size, everything=args.all, dry_run=args.dry_run) if cache else []
+    verb = "would remove" if args.dry_run else "removed"
+    for combo, reason in removed:
+        print(f"{verb} {combo.key[:12]}  {format_size(combo.bytes):>10}  ({reason})")
+    print(f"{verb} {len(removed)} combination(s), {format_size(sum(c.bytes for c, _ in removed))}")
+    return 0
+
+
+def run_rm(args) -> int:
+    from lora_cache.vault_admin import remove
+
+    root, cache = _cache(args)
+    if cache is None:
+        raise ValueError(f"{root}: holds no LoRA merge cache, so no key {args.key!r}")
+    combo = remove(cache, args.key)
+    print(f"removed {combo.key}  {format_size(combo.bytes)}")
+    return 0

@@ -1,0 +1,52 @@
+"""``hostmem demo``: the 32 GiB story, measured on this machine."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="measure a synthetic DiT start four ways: no LoRA, in-place merge, cached merge (miss, hit)",
+        description="Write a synthetic DiT, text encoder and LoRA adapter, start each scenario in its own "
+        "process under the peak tracker, and print what each costs the host.",
+    )
+    parser.add_argument("--scale", default="2GiB", help="size of the synthetic DiT (default 2GiB)")
+    parser.add_argument("--host-limit", default=None, metavar="SIZE",
+                        help="host convention (default: 32 GiB scaled to the DiT as to MiniMax-H3's 61.7 GB)")
+    parser.add_argument("--workdir", default=None, metavar="DIR",
+                        help="where to write the files (default: a temporary folder on a real disk, removed after)")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write every figure as JSON (bytes, seconds)")
+    parser.add_argument("--plot", default=None, metavar="FILE", help="draw the anonymous-memory timelines (matplotlib)")
+    parser.add_argument("--cgroup", action="store_true",
+                        help="also run scenarios 2 and 4 under a real memory cgroup at the host limit")
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from planners.demo.run import elapsed_since, format_table, parse_settings, plot_timelines, run_demo
+
+    settings = parse_settings(args.scale, args.host_limit, args.workdir, args.cgroup)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError(f"--plot {args.plot}: matplotlib is not installed; `pip install matplotlib` "
+                             "(or drop --plot)") from None
+    started = time.perf_counter()
+    demo = run_demo(settings)
+    print(format_table(demo))
+    best = next(s for s in demo.scenarios if s.name == "cached_hit")
+    print(f"\nstartup report of scenario 4 (cached merge, second start):\n{best.report_text}")
+    print(f"\ndemo finished in {elapsed_since(started)}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(demo.to_dict(), handle, indent=1)
+        print(f"figures written to {args.json}", file=sys.stderr)
+    if args.plot:
+        plot_timelines(demo, args.plot)
+        print(f"timelines drawn in {args.plot}", file=sys.stderr)
+    return 0

@@ -1,0 +1,107 @@
+"""``hostmem lora merge CONFIG``: build a deployment's LoRA merge cache ahead of time.
+
+An image build step can run it so that the first start of a server already finds
+every merged layer on disk. It needs no model class: the checkpoint named by the
+config is mapped read-only into a tree of parameters named like its tensors, and the
+adapters are merged into it through the cache. A layer the cache cannot store is an
+error here (a build that merged in place would have built nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "lora",
+        help="LoRA merges: build the merged-weight cache ahead of time",
+        description="LoRA merges into read-only mapped weights.",
+    )
+    actions = parser.add_subparsers(dest="lora_action", metavar="ACTION")
+    actions.required = True
+    merge = actions.add_parser(
+        "merge",
+        help="merge the config's adapters into its checkpoint, through the cache",
+        description="Build the LoRA merge cache of a deployment config (lora.adapters into the "
+        "component lora.component, else the one named dit, else the streamed one).",
+    )
+    merge.add_argument("config", help="deployment config (YAML)")
+    merge.add_argument("--json", action="store_true", help="print the build's figures as JSON (sizes in bytes)")
+    merge.add_argument("--no-progress", action="store_true", help="no progress bar")
+    merge.set_defaults(run=run_merge)
+
+
+def _merge_component(config):
+    """The component the adapters go into: lora.component, else ``dit``, else the streamed one."""
+    chosen = config.components.get(config.lora.component) if config.lora.component else None
+    chosen = chosen or config.components.get("dit") or config.streamed
+    if chosen is None:
+        raise ValueError(f"{config.origin.path}: no component to merge into; set lora.component")
+    if not chosen.path:
+        raise ValueError(
+            f"{config.origin.path}: components.{chosen.name} has declared sizes but no path; "
+            "hostmem lora merge needs the checkpoint itself"
+        )
+    return chosen
+
+
+def _adapters(lora):
+    """The config's adapters as lora_cache.Adapter (optional fields pass through when present)."""
+    from lora_cache import Adapter
+
+    optional = ("alpha", "rules", "strict", "rslora")
+    return [
+        Adapter(a.path, a.strength, **{k: getattr(a, k) for k in optional if getattr(a, k, None) is not None})
+        for a in lora.adapters
+    ]
+
+
+def _check_enabled(config) -> None:
+    from lora_cache.orchestrate import DISABLE_ENV, cache_disabled_by_env
+
+    path, lora = config.origin.path, config.lora
+    if lora is None or not lora.adapters:
+        raise ValueError(f"{path}: lora.adapters is empty; there is nothing to merge")
+    if not lora.cache.enabled:
+        raise ValueError(f"{path}: lora.cache.enabled is false; set it to true to build the cache")
+    if cache_disabled_by_env():
+        raise ValueError(f"{DISABLE_ENV} is set, which turns the cache off; unset it to build the cache")
+
+
+def run_merge(args) -> int:
+    from lora_cache import CacheBuildError, merge
+    from lora_cache.layers import checkpoint_module
+    from lora_cache.vault import default_cache_root
+    from lora_cache.vault_store import CACHE_DIR
+    from planners.checkpoint import checkpoint_files
+    from planners.config import load_config
+
+    config = load_config(args.config)
+    _check_enabled(config)
+    component = _merge_component(config)
+    shards = checkpoint_files(component.path)
+    root = config.lora.cache.root or default_cache_root()
+    try:
+        stats = merge(
+            checkpoint_module(shards),
+            _adapters(config.lora),
+            cache_root=root,
+            base_files=shards,
+            max_size=config.lora.cache.max_size,
+            progress=False if (args.no_progress or args.json) else None,
+            fallback=False,
+        )
+    except CacheBuildError as exc:
+        print(f"hostmem: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        json.dump({"config": config.origin.path, "component": component.name, **stats.to_dict()}, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(f"{config.deployment}: {component.name} <- {', '.join(stats.adapters)}")
+        print(stats)
+        print(f"cache: {os.path.join(stats.cache_root, CACHE_DIR, stats.cache_key)}")
+    return 0

@@ -1,0 +1,70 @@
+"""``hostmem plan CONFIG``: the startup report of a deployment, before loading anything."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="host budget, device plan and pin plans of a deployment config",
+        description=(
+            "Plan a deployment from its config: component sizes from safetensors headers or "
+            "declared sizes, residency predicted from how weights are loaded and merged, the "
+            "host budget, the device plan and the pin plans. Reads no weights."
+        ),
+    )
+    parser.add_argument("config", metavar="CONFIG", help="a deployment config (configs/*.yaml)")
+    parser.add_argument("--json", action="store_true", help="print the JSON contract (sizes in bytes)")
+    parser.add_argument(
+        "--what-if",
+        dest="what_if",
+        choices=("none", "in-place", "cached"),
+        default=None,
+        help="the LoRA merge to predict (default: cached if lora.cache is enabled, in-place if not, "
+        "none without adapters)",
+    )
+    parser.set_defaults(run=run)
+
+
+def _providers(config, components, merge) -> list:
+    """The LoRA merge cache as a provider, when the plan merges in place and the cache is on.
+
+    A plan that already merges through the cache has no anonymous merge to give back,
+    so the offer only has something to say next to an in-place merge.
+    """
+    target = config.merge_target
+    lora = config.lora
+    if merge != "in-place" or target is None or lora is None or not lora.adapters or not lora.cache.enabled:
+        return []
+    from lora_cache.provider import LoraCacheProvider
+
+    sizes = components[target.name]
+    return [LoraCacheProvider(target.name, sizes.lora_target_bytes, layers=len(sizes.layers))]
+
+
+def run(args) -> int:
+    from planners.budget import read_host_limit
+    from planners.config import load_config
+    from planners.deployment import plan_deployment
+    from planners.host_checks import cache_root_warnings
+    from planners.report import report_dict, report_text
+    from planners.whatif import default_merge, what_if_components
+
+    config = load_config(args.config)
+    merge = args.what_if or default_merge(config)
+    components, notes = what_if_components(config, merge)
+    host = read_host_limit(config)
+    notes += cache_root_warnings(config)
+    plan = plan_deployment(
+        config, components, host, mode="what-if", merge=merge, notes=tuple(notes),
+        providers=_providers(config, components, merge),
+    )
+    if args.json:
+        json.dump(report_dict(plan), sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        print(report_text(plan))
+    return 0

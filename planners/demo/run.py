@@ -1,0 +1,310 @@
+"""``hostmem demo``: the 32 GiB story, measured on this machine.
+
+Writes a synthetic DiT, text encoder and rank-32 adapter, then starts a "server" four
+times, each start in its own process under the peak tracker: no LoRA, the in-place
+merge, the cached merge building, the cached merge finding its cache. The host limit
+is the seed case's convention scaled to the synthetic model: 32 GiB is to 61.7 GB of
+DiT what the demo's limit is to its DiT. The Python runtime does not scale with the
+model, so its own anonymous memory (measured, plus a margin) is added to both the
+limit and the reserve; the table says how much.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import yaml
+
+from hostmem.peak import PeakTracker
+from hostmem.procfs import filesystem_of
+from hostmem.units import format_size, parse_size
+
+from .scenario import SCENARIOS
+from .synthetic import SyntheticSet, write_synthetic_set
+
+__all__ = ["DemoSettings", "ScenarioResult", "DemoResult", "run_demo", "format_table"]
+
+SEED_DIT_BYTES = 61.7e9
+SEED = {"limit": 32 * 1024**3, "reserve": 4 * 1024**3, "vram": 12 * 1024**3, "device_reserve": 2 * 1024**3}
+RUNTIME_MARGIN = 32 * 1024**2
+LABELS = {
+    "base": "1 base, no LoRA",
+    "in_place": "2 in-place merge",
+    "cached_miss": "3 cached, 1st start",
+    "cached_hit": "4 cached, 2nd start",
+}
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    scale: int = 2 * 1024**3  # bytes of synthetic DiT
+    host_limit: int | None = None  # None: the seed convention scaled to ``scale``
+    workdir: str | None = None
+    rank: int = 32
+    cgroup: bool = False
+    progress: bool = True
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    peak_anon_bytes: int
+    final_anon_bytes: int
+    file_backed_bytes: int
+    budget_bytes: int
+    pinned_bytes: dict
+    merged_layers_computed: int
+    start_s: float
+    timeline: list = field(default_factory=list)
+    report_text: str = ""
+    killed_in_cgroup: bool | None = None
+
+
+@dataclass
+class DemoResult:
+    host_limit_bytes: int
+    scaled_limit_bytes: int
+    runtime_bytes: int
+    dit_bytes: int
+    lora_target_bytes: int
+    scenarios: list[ScenarioResult]
+    cgroup: dict | None = None
+
+    def to_dict(self) -> dict:
+        """The ``--json`` contract: sizes in bytes, times in seconds."""
+        out = asdict(self)
+        for scenario in out["scenarios"]:
+            scenario.pop("report_text")
+        return out
+
+
+def scaled(seed_bytes: int, dit_bytes: int) -> int:
+    """``seed_bytes`` scaled the way the demo's DiT relates to the seed case's 61.7 GB."""
+    return int(seed_bytes * dit_bytes / SEED_DIT_BYTES)
+
+
+def _real_disk_tmp() -> str:
+    """A temporary folder on a real filesystem: file-backed pages need one (not tmpfs)."""
+    for candidate in (tempfile.gettempdir(), "/var/tmp", os.getcwd()):
+        mount = filesystem_of(candidate)
+        if mount is not None and mount.fs_type not in ("tmpfs", "ramfs") and os.access(candidate, os.W_OK):
+            return candidate
+    raise OSError("no writable folder on a real disk for the demo's files; pass --workdir DIR")
+
+
+def measure_runtime_anon() -> int:
+    """Anonymous memory of a bare start (Python, torch, hostmem), which does not scale."""
+    code = (
+        "import warnings; warnings.filterwarnings('ignore');"
+        "import torch, lora_cache, planners.startup, safetensors;"
+        "from hostmem.procfs import read_status; print(read_status().rss_anon)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1])
+
+
+def write_config(folder: str, files: SyntheticSet, limit: int, reserve: int) -> str:
+    """The deployment config of the demo, written beside its checkpoints."""
+    vram = scaled(SEED["vram"], files.dit_bytes)
+    config = {
+        "deployment": "demo-scaled-32g",
+        "host": {"limit": limit, "reserve": reserve, "max_pinned": "75%"},
+        "device": {"vram": vram, "reserve": scaled(SEED["device_reserve"], files.dit_bytes)},
+        "transfer": {"pinned_h2d": "24GB/s", "pageable_h2d": "8GB/s", "disk_read": "3GB/s"},
+        "workload": {"steps": 4, "passes_per_step": 1},
+        "components": {
+            "dit": {"path": files.dit_path, "layers": "blocks.{i}.", "offload": "layerwise", "prefetch": 1},
+            "text_encoder": {"path": files.text_encoder_path, "layers": "encoder.block.{i}.", "offload": "full"},
+        },
+        "lora": {
+            "adapters": [{"path": files.adapter_path, "strength": 1.0}],
+            "cache": {"root": os.path.join(folder, "cache"), "enabled": True},
+        },
+    }
+    path = os.path.join(folder, "demo.yaml")
+    with open(path, "w") as handle:
+        yaml.safe_dump(config, handle, sort_keys=False)
+    return path
+
+
+def run_scenario(config_path: str, name: str, workdir: str, cgroup=None) -> ScenarioResult:
+    """Start scenario ``name`` in a child process and track its anonymous memory."""
+    out_path = os.path.join(workdir, f"{name}.json")
+    if os.path.exists(out_path):
+        os.unlink(out_path)
+    tracker = PeakTracker().prepare()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "planners.demo.scenario", config_path, name, out_path],
+        preexec_fn=cgroup.join if cgroup is not None else None,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    tracker.start(child.pid)
+    _, stderr = child.communicate()
+    tracker.stop()
+    if child.returncode != 0:
+        if cgroup is not None:
+            return _killed(name, tracker, child.returncode)
+        raise RuntimeError(f"demo scenario {name!r} failed with exit code {child.returncode}:\n{stderr[-2000:]}")
+    with open(out_path) as handle:
+        data = json.load(handle)
+    return ScenarioResult(
+        name=name,
+        peak_anon_bytes=max(tracker.peak_bytes, data["final_anon_bytes"]),
+        final_anon_bytes=data["final_anon_bytes"],
+        file_backed_bytes=data["file_backed_bytes"],
+        budget_bytes=data["budget_bytes"],
+        pinned_bytes=data["pinned_bytes"],
+        merged_layers_computed=data["merged_layers_computed"],
+        start_s=data["start_s"],
+        timeline=[list(p) for p in tracker.timeline],
+        report_text=data["report_text"],
+        killed_in_cgroup=False if cgroup is not None else None,
+    )
+
+
+def _killed(name: str, tracker: PeakTracker, code: int) -> ScenarioResult:
+    return ScenarioResult(
+        name=name, peak_anon_bytes=tracker.peak_bytes, final_anon_bytes=0, file_backed_bytes=0,
+        budget_bytes=0, pinned_bytes={}, merged_layers_computed=0, start_s=0.0,
+        timeline=[list(p) for p in tracker.timeline], killed_in_cgroup=code < 0,
+    )
+
+
+def _prepare(settings: DemoSettings, workdir: str) -> tuple[SyntheticSet, str, int, int, int]:
+    files = write_synthetic_set(workdir, settings.scale, rank=settings.rank, progress=settings.progress)
+    runtime = measure_runtime_anon() + RUNTIME_MARGIN
+    scaled_limit = settings.host_limit or scaled(SEED["limit"], files.dit_bytes)
+    reserve = scaled(SEED["reserve"], files.dit_bytes) * scaled_limit // scaled(SEED["limit"], files.dit_bytes)
+    limit = scaled_limit + runtime
+    config_path = write_config(workdir, files, limit, reserve + runtime)
+    return files, config_path, limit, scaled_limit, runtime
+
+
+def _say(settings: DemoSettings, text: str) -> None:
+    if settings.progress:
+        print(text, file=sys.stderr, flush=True)
+
+
+def run_demo(settings: DemoSettings) -> DemoResult:
+    """Write the files, run the four scenarios (and the cgroup pair), return the figures."""
+    holder = None
+    workdir = settings.workdir
+    if workdir is None:
+        holder = tempfile.TemporaryDirectory(prefix="hostmem-demo-", dir=_real_disk_tmp())
+        workdir = holder.name
+    os.makedirs(workdir, exist_ok=True)
+    try:
+        files, config_path, limit, scaled_limit, runtime = _prepare(settings, workdir)
+        _say(settings, f"host limit {format_size(limit)} = {format_size(scaled_limit)} (32 GiB scaled to a "
+                       f"{format_size(files.dit_bytes)} DiT) + {format_size(runtime)} runtime")
+        results = []
+        for name in SCENARIOS:
+            _say(settings, f"scenario {LABELS[name]} ...")
+            results.append(run_scenario(config_path, name, workdir))
+        demo = DemoResult(limit, scaled_limit, runtime, files.dit_bytes, files.lora_target_bytes, results)
+        if settings.cgroup:
+            demo.cgroup = run_cgroup_pair(config_path, workdir, scaled_limit + runtime, settings)
+        return demo
+    finally:
+        if holder is not None:
+            holder.cleanup()
+
+
+def run_cgroup_pair(config_path: str, workdir: str, limit: int, settings: DemoSettings) -> dict:
+    """Scenarios 2 and 4 under a real memory limit equal to the host convention."""
+    from hostmem.cgroup_sandbox import can_nest_memory_cgroup, memory_cgroup
+
+    reason = can_nest_memory_cgroup()
+    if reason is not None:
+        return {"skipped": reason}
+    out = {"limit_bytes": limit}
+    for name in ("in_place", "cached_hit"):
+        _say(settings, f"scenario {LABELS[name]} under a {format_size(limit)} memory cgroup ...")
+        with memory_cgroup(limit) as group:
+            result = run_scenario(config_path, name, workdir, cgroup=group)
+            out[name] = {"killed": bool(result.killed_in_cgroup), "oom_kills": group.oom_kills(),
+                         "peak_anon_bytes": result.peak_anon_bytes}
+    return out
+
+
+def _ratio(value: int, against: int) -> str:
+    return f"{value / against:.2f}x" if against else "-"
+
+
+def format_table(demo: DemoResult) -> str:
+    """Scenario rows; the last column compares the peak with the in-place merge's."""
+    in_place = next(s for s in demo.scenarios if s.name == "in_place")
+    header = ("scenario", "peak anon", "final anon", "file-backed", "budget", "pinned DiT", "pinned TE",
+              "merged", "start", "peak vs 2")
+    rows = [header]
+    for s in demo.scenarios:
+        rows.append((
+            LABELS[s.name], format_size(s.peak_anon_bytes), format_size(s.final_anon_bytes),
+            format_size(s.file_backed_bytes), format_size(s.budget_bytes),
+            format_size(s.pinned_bytes.get("dit", 0)), format_size(s.pinned_bytes.get("text_encoder", 0)),
+            str(s.merged_layers_computed), f"{s.start_s:.1f} s", _ratio(s.peak_anon_bytes, in_place.peak_anon_bytes),
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [
+        f"host limit {format_size(demo.host_limit_bytes)}: 32 GiB scaled to a {format_size(demo.dit_bytes)} DiT "
+        f"({format_size(demo.lora_target_bytes)} of LoRA targets) = {format_size(demo.scaled_limit_bytes)}, "
+        f"plus {format_size(demo.runtime_bytes)} for the Python runtime (also reserved)",
+        "",
+    ]
+    for r in rows:
+        lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
+    if demo.cgroup:
+        lines.append("")
+        lines.extend(_cgroup_lines(demo.cgroup))
+    return "\n".join(lines)
+
+
+def _cgroup_lines(cgroup: dict) -> list[str]:
+    if "skipped" in cgroup:
+        return [f"memory cgroup run skipped: {cgroup['skipped']}"]
+    lines = [f"under a real {format_size(cgroup['limit_bytes'])} memory cgroup:"]
+    for name in ("in_place", "cached_hit"):
+        verdict = "killed by the kernel (OOM)" if cgroup[name]["killed"] else "survived"
+        lines.append(f"  {LABELS[name]}: {verdict}, peak anon {format_size(cgroup[name]['peak_anon_bytes'])}")
+    return lines
+
+
+def plot_timelines(demo: DemoResult, path: str) -> None:
+    """One chart of the four anonymous-memory timelines (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for s in demo.scenarios:
+        if s.timeline:
+            ax.plot([t for t, _ in s.timeline], [b / 1024**3 for _, b in s.timeline], label=LABELS[s.name])
+    ax.axhline(demo.host_limit_bytes / 1024**3, color="black", linestyle="--", label="host limit")
+    ax.set_xlabel("seconds since start")
+    ax.set_ylabel("anonymous memory (GiB)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def parse_settings(scale: str, host_limit: str | None, workdir: str | None, cgroup: bool) -> DemoSettings:
+    """Settings from command-line text; sizes through :func:`hostmem.units.parse_size`."""
+    size = parse_size(scale)
+    if size < 8 * 1024**2:
+        raise ValueError(f"--scale {scale!r}: at least 8MiB of DiT is needed for a meaningful demo")
+    limit = parse_size(host_limit) if host_limit else None
+    if limit == 0:
+        raise ValueError("--host-limit 0: the host must have some memory; give e.g. 1GiB")
+    return DemoSettings(scale=size, host_limit=limit, workdir=workdir, cgroup=cgroup)
+
+
+def elapsed_since(start: float) -> str:
+    return f"{time.perf_counter() - start:.0f} s"

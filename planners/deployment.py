@@ -1,0 +1,168 @@
+"""A deployment's plan: budget, device plan and pin plans from sizes (pure).
+
+:func:`plan_deployment` takes a config and every component's sizes with their
+residency (predicted before loading, measured after) and returns a
+:class:`DeploymentPlan`. It reads nothing from the machine: the host limit comes in
+resolved, so the same numbers always give the same plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from hostmem.residency import Residency
+from hostmem.units import format_size
+
+from .budget import HostBudget, HostLimit, host_budget
+from .config import DeploymentConfig
+from .device_plan import DevicePlan, plan_device
+from .pin_plan import CostModel, MoveGroup, PinPlans, plan_pins
+from .providers import OfferRecord, apply_offer, collect_offers
+from .sizes import ComponentSizes
+
+__all__ = ["DeploymentPlan", "OfferOutcome", "plan_deployment", "cost_model"]
+
+
+@dataclass(frozen=True)
+class OfferOutcome:
+    """A provider's offer and the plan it would give, next to the plan without it."""
+
+    offer: OfferRecord
+    budget_bytes: int
+    pinned_bytes: int
+    transfer_s_per_request: float
+
+
+@dataclass(frozen=True)
+class DeploymentPlan:
+    deployment: str
+    mode: str  # "what-if" (before loading) or "live" (measured)
+    merge: str
+    host: HostLimit
+    budget: HostBudget
+    components: Mapping[str, ComponentSizes]
+    device: DevicePlan
+    pins: PinPlans
+    offers: tuple[OfferOutcome, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+
+def cost_model(config: DeploymentConfig) -> CostModel:
+    t = config.transfer
+    return CostModel(pinned_h2d=t.pinned_h2d, pageable_h2d=t.pageable_h2d, disk_read=t.disk_read)
+
+
+def _committed(components: Mapping[str, ComponentSizes]) -> Residency:
+    total = Residency()
+    for sizes in components.values():
+        total = total + sizes.residency
+    return total
+
+
+def _move_groups(config: DeploymentConfig, components, device: DevicePlan) -> list[MoveGroup]:
+    groups = []
+    for name, sizes in components.items():
+        if sizes.offload == "layerwise":
+            streamed = set(device.streamed_layers)
+            units = tuple(u for u in sizes.units if u.name in streamed)
+            groups.append(MoveGroup(name, units, config.workload.passes))
+        elif sizes.offload == "full":
+            groups.append(MoveGroup(name, sizes.units, 1))
+    return groups
+
+
+def _core(config, components, host: HostLimit, process_excess: int):
+    budget = host_budget(
+        host.bytes, config.host.reserve, config.host.max_pinned(host.bytes), _committed(components), process_excess
+    )
+    streamed = config.streamed
+    device = plan_device(
+        components[streamed.name] if streamed else None,
+        config.device.vram, config.device.reserve, streamed.prefetch if streamed else 0,
+    )
+    pins = plan_pins(_move_groups(config, components, device), budget, cost_model(config))
+    return budget, device, pins
+
+
+def _check_components(config: DeploymentConfig, components: Mapping[str, ComponentSizes]) -> None:
+    missing = [name for name in config.components if name not in components]
+    if missing:
+        raise ValueError(
+            f"{config.origin.path}: components {', '.join(missing)} are in the config but were not given "
+            "to the planner; pass every configured component (or remove it from the config)"
+        )
+
+
+def plan_deployment(
+    config: DeploymentConfig,
+    components: Mapping[str, ComponentSizes],
+    host: HostLimit,
+    *,
+    mode: str = "what-if",
+    merge: str = "none",
+    process_excess: int = 0,
+    providers=(),
+    notes: tuple[str, ...] = (),
+) -> DeploymentPlan:
+    """Plan ``config`` over ``components`` on a host limited to ``host``.
+
+    ``process_excess`` is anonymous memory of the serving process beyond the
+    reserve that no weight explains (live plans); ``providers`` are asked for
+    offers, and each offer is planned next to the plan without it; ``notes`` are
+    warnings found outside (a cache root on tmpfs) to report with the plan's own.
+    """
+    _check_components(config, components)
+    components = dict(components)
+    budget, device, pins = _core(config, components, host, process_excess)
+    outcomes = []
+    for record in collect_offers(providers, set(components)):
+        changed = {**components, record.component: apply_offer(components[record.component], record)}
+        b, _, p = _core(config, changed, host, process_excess)
+        outcomes.append(OfferOutcome(record, b.bytes, p.pinned_bytes, p.transfer_s_per_request))
+    warnings = list(notes) + _host_warnings(host, budget, device) + list(pins.warnings)
+    return DeploymentPlan(
+        deployment=config.deployment,
+        mode=mode,
+        merge=merge,
+        host=host,
+        budget=budget,
+        components=components,
+        device=device,
+        pins=pins,
+        offers=tuple(outcomes),
+        warnings=tuple(warnings),
+    )
+
+
+def _host_warnings(host: HostLimit, budget: HostBudget, device: DevicePlan) -> list[str]:
+    out = []
+    over = budget.committed - budget.limit
+    if over > 0:
+        out.append(
+            f"committed non-reclaimable memory ({format_size(budget.committed)}) exceeds the host limit by "
+            f"{format_size(over)}: without swap this deployment is killed while it loads"
+        )
+    if budget.bytes == 0:
+        out.append(
+            f"host budget is 0: committed non-reclaimable {format_size(budget.committed)} and the reserve "
+            f"{format_size(budget.reserve)} reach the limit {format_size(budget.limit)}, so nothing is pinned. "
+            "Turn anonymous weights back into mapped ones (a cached LoRA merge: --what-if cached) or raise host.limit"
+        )
+    if host.source not in ("MemTotal", "cgroup") and host.bytes > host.machine_bytes:
+        out.append(
+            f"host limit {format_size(host.bytes)} is larger than this machine ({format_size(host.machine_bytes)}): "
+            "right for planning another host, wrong for a server on this one"
+        )
+    if budget.process_excess:
+        out.append(
+            f"the process holds {format_size(budget.process_excess)} of anonymous memory beyond the reserve that "
+            "no weight explains (a copied checkpoint, allocator caches); find it with hostmem inspect"
+        )
+    if not device.fits:
+        out.append(
+            f"device: the rest of {device.component} ({format_size(device.rest_bytes)}) and the prefetch window "
+            f"({format_size(device.window_bytes)}) exceed the usable VRAM ({format_size(device.usable)}); "
+            "lower prefetch or raise device.vram"
+        )
+    return out

@@ -1,0 +1,160 @@
+"""Pin execution: apply a pin plan to loaded components, then check it with /proc.
+
+Each planned layer is pinned in place (``hostmem.pinning``: cudaHostRegister on a CUDA
+host, mlock on a CPU host), never more than the plan names. Afterwards the
+accountant must find exactly the planned bytes of those layers pinned, and on a
+CPU host the kernel's ``VmLck`` must have grown by exactly the whole pages asked
+for: the bytes actually locked, not the tensors' sizes. A mismatch undoes this
+call's pins and raises :class:`PinMismatch`.
+
+Net cost: a layer mapped from the checkpoint is pinned where it lies, so its page
+cache becomes the pinned copy and nothing is duplicated (``/proc/meminfo``: Mlocked
+grows by the layer, Cached does not). Were a pin made as a copy instead, the
+original's page cache would be released with ``hostmem.pinning.drop_page_cache``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+import hostmem
+from hostmem.pinning import Pinner
+from hostmem.procfs import read_status
+
+from .config import DeploymentConfig
+from .deployment import DeploymentPlan
+from .sizes import REST, from_ledger, layer_matcher
+
+__all__ = ["ComponentPins", "AppliedPins", "PinMismatch", "layer_tensors", "apply_pin_plan"]
+
+
+class PinMismatch(RuntimeError):
+    """What was pinned is not what the plan says; the message gives both."""
+
+
+@dataclass(frozen=True)
+class ComponentPins:
+    component: str
+    layers: tuple[str, ...]
+    planned_bytes: int  # the layers' bytes, as planned
+    accounted_bytes: int  # what the accountant finds pinned in those layers afterwards
+
+
+@dataclass(frozen=True)
+class AppliedPins:
+    """The pins of one :func:`apply_pin_plan` call; keep it (and its pinner) while serving."""
+
+    backend: str
+    components: tuple[ComponentPins, ...]
+    locked_bytes: int  # whole pages this call locked
+    vm_lck_before: int
+    vm_lck_after: int
+    pinner: Pinner = field(compare=False, repr=False)
+
+    @property
+    def planned_bytes(self) -> int:
+        return sum(c.planned_bytes for c in self.components)
+
+    def release(self) -> int:
+        """Unpin everything this pinner holds; return the bytes released."""
+        return self.pinner.unpin_all()
+
+
+def layer_tensors(module: torch.nn.Module, pattern: str | None) -> dict[str, list[torch.Tensor]]:
+    """Tensors of ``module`` by layer, one per storage, named as the accountant names them."""
+    match = layer_matcher(pattern) if pattern else (lambda name: None)
+    seen: set[tuple[int, int]] = set()
+    out: dict[str, list[torch.Tensor]] = {}
+    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    for name, tensor in named:
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key in seen:
+            continue
+        seen.add(key)
+        found = match(name)
+        out.setdefault(REST if found is None else found[1], []).append(tensor)
+    return out
+
+
+def _planned_tensors(plan: DeploymentPlan, modules, config) -> dict[tuple[str, str], list[torch.Tensor]]:
+    """``{(component, layer): tensors}`` of every layer the plan pins and that is not pinned yet."""
+    out = {}
+    for name, pins in plan.pins.plans.items():
+        if not pins.pinned_layers:
+            continue
+        if name not in modules:
+            raise ValueError(f"the plan pins layers of {name!r}, but no module of that name was given")
+        units = {u.name: u for u in plan.components[name].units}
+        groups = layer_tensors(modules[name], config.components[name].layer_pattern)
+        for layer in pins.pinned_layers:
+            tensors = groups.get(layer)
+            if tensors is None or layer not in units:
+                raise ValueError(
+                    f"{name}: the plan pins {layer!r}, which the loaded module does not have; a plan made from "
+                    "declared sizes or another checkpoint cannot be applied: plan again with plan_loaded"
+                )
+            actual = sum(t.untyped_storage().nbytes() for t in tensors)
+            if actual != units[layer].nbytes:
+                raise ValueError(
+                    f"{name}.{layer}: the plan has {units[layer].nbytes} bytes, the module {actual}; "
+                    "plan again after loading (plan_loaded)"
+                )
+            if units[layer].residency.pinned < units[layer].nbytes:
+                out[(name, layer)] = tensors
+    return out
+
+
+def apply_pin_plan(
+    plan: DeploymentPlan,
+    modules: Mapping[str, torch.nn.Module],
+    config: DeploymentConfig,
+    pinner: Pinner | None = None,
+) -> AppliedPins:
+    """Pin the plan's layers of ``modules`` in place and check the result (see the module doc)."""
+    pinner = pinner if pinner is not None else Pinner()
+    planned = _planned_tensors(plan, modules, config)
+    expected_locked = pinner.would_lock([t for ts in planned.values() for t in ts])
+    vm_before, locked_before = read_status().vm_lck, pinner.locked_bytes
+    done = []
+    try:
+        for key, tensors in planned.items():
+            pinner.pin(key, tensors)
+            done.append(key)
+        result = _verify(plan, modules, config, pinner, planned, vm_before, locked_before, expected_locked)
+    except BaseException:
+        for key in reversed(done):
+            pinner.unpin(key)
+        raise
+    return result
+
+
+def _verify(plan, modules, config, pinner, planned, vm_before, locked_before, expected_locked) -> AppliedPins:
+    ledger = hostmem.account(dict(modules))
+    checks = []
+    for name, pins in plan.pins.plans.items():
+        if not pins.pinned_layers:
+            continue
+        cfg = config.components[name]
+        sizes = from_ledger(ledger.components[name], cfg.offload, cfg.layer_pattern)
+        chosen = set(pins.pinned_layers)
+        accounted = sum(u.residency.pinned for u in sizes.units if u.name in chosen)
+        checks.append(ComponentPins(name, pins.pinned_layers, pins.pinned_bytes, accounted))
+        if accounted != pins.pinned_bytes:
+            raise PinMismatch(
+                f"{name}: planned {pins.pinned_bytes} bytes pinned, the accountant finds {accounted} "
+                f"({pinner.backend.name} backend)"
+            )
+    locked = pinner.locked_bytes - locked_before
+    vm_after = read_status().vm_lck
+    if locked != expected_locked:
+        raise PinMismatch(f"locked {locked} bytes where the plan's pages come to {expected_locked}")
+    if pinner.backend.name == "mlock" and vm_after - vm_before != locked:
+        raise PinMismatch(
+            f"VmLck grew by {vm_after - vm_before} bytes, but {locked} were locked; another thread may "
+            "have locked or unlocked memory meanwhile"
+        )
+    return AppliedPins(pinner.backend.name, tuple(checks), locked, vm_before, vm_after, pinner)

@@ -1,0 +1,196 @@
+"""The pin plan: which streamed layers and which text-encoder bytes get pinned.
+
+Pinned bytes go where they save the most transfer time per byte. A streamed layer
+moves ``steps x passes_per_step`` times per request, a fully offloaded component
+(a text encoder) once, so candidates are ordered by moves per request: every
+streamed layer comes before any text-encoder byte, and a text encoder gets what is
+left, whole layers only (first fit: a leftover too small for the next layer may
+still take a smaller one further on).
+
+A pin is charged its net cost: pinning a layer in place (mlock, cudaHostRegister)
+turns its page-cache bytes into locked bytes and makes no copy, so it costs the
+layer's reclaimable bytes, and bytes already anonymous cost nothing more.
+
+The page cache must still hold the unpinned layers. What is left of the budget's
+room after pins is given to unpinned layers in the same order; a component whose
+layers do not fit is read from disk on every move, and so is everything after it
+(a cyclic stream larger than the cache evicts each page before its reuse). The
+plan is the prefix of the greedy selection with the least transfer time per
+request, so it pins less when pinning more would push streamed layers to disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hostmem.units import format_size
+
+from .budget import HostBudget
+from .sizes import Layer
+
+__all__ = ["CostModel", "MoveGroup", "PinPlan", "PinPlans", "plan_pins"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Transfer rates in bytes per second."""
+
+    pinned_h2d: float
+    pageable_h2d: float
+    disk_read: float
+
+    def seconds(self, pinned: int, pageable: int, from_disk: int) -> float:
+        """One move: pinned bytes at pinned speed; pageable ones copied, after a disk read for misses."""
+        return pinned / self.pinned_h2d + pageable / self.pageable_h2d + from_disk / self.disk_read
+
+
+@dataclass(frozen=True)
+class MoveGroup:
+    """The units of one component that move ``moves`` times per request."""
+
+    component: str
+    units: tuple[Layer, ...]
+    moves: int
+
+
+@dataclass(frozen=True)
+class PinPlan:
+    """One component's pins and the transfer time they buy, per request."""
+
+    component: str
+    moves_per_request: int
+    candidate_layers: int
+    pinned_layers: tuple[str, ...]
+    pinned_bytes: int
+    net_cost_bytes: int
+    page_cache_bytes: int  # unpinned bytes that must stay in page cache
+    page_cache_fits: bool
+    disk_bytes_per_request: int
+    transfer_s_per_request: float
+    baseline_transfer_s_per_request: float
+
+
+@dataclass(frozen=True)
+class PinPlans:
+    """The pin plans of all components, and what the budget had to say."""
+
+    plans: dict[str, PinPlan]
+    budget_bytes: int
+    room_after_pins: int
+    allowed_layers: int  # layers the budget alone would pin
+    warnings: tuple[str, ...]
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(p.pinned_bytes for p in self.plans.values())
+
+    @property
+    def net_cost_bytes(self) -> int:
+        return sum(p.net_cost_bytes for p in self.plans.values())
+
+    @property
+    def transfer_s_per_request(self) -> float:
+        return sum(p.transfer_s_per_request for p in self.plans.values())
+
+    @property
+    def baseline_transfer_s_per_request(self) -> float:
+        return sum(p.baseline_transfer_s_per_request for p in self.plans.values())
+
+
+def _greedy(groups: list[MoveGroup], budget: HostBudget) -> list[tuple[int, Layer]]:
+    """Units the budget can pay for, in priority order: ``(group index, unit)``."""
+    if budget.bytes == 0:
+        return []
+    chosen, net, gross = [], 0, 0
+    for g, group in enumerate(groups):
+        for unit in group.units:
+            cap_cost = unit.nbytes - unit.residency.pinned
+            if net + unit.reclaimable <= budget.room and gross + cap_cost <= budget.pin_cap:
+                chosen.append((g, unit))
+                net, gross = net + unit.reclaimable, gross + cap_cost
+    return chosen
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    seconds: tuple[float, ...]
+    from_disk: tuple[int, ...]
+    fits: tuple[bool, ...]
+    room_after_pins: int
+
+
+def _evaluate(groups, totals, pinned_bytes, pinned_need, net_cost, budget, cost) -> _Outcome:
+    """Transfer time per request of each group for one choice of pins."""
+    room = budget.room - net_cost
+    seconds, disk, fits, thrashing = [], [], [], False
+    for g, group in enumerate(groups):
+        all_bytes, all_need = totals[g]
+        pageable, need = all_bytes - pinned_bytes[g], all_need - pinned_need[g]
+        fit = not thrashing and need <= room
+        room -= need if fit else 0
+        thrashing = thrashing or not fit
+        missed = 0 if fit else need
+        seconds.append(group.moves * cost.seconds(pinned_bytes[g], pageable, missed))
+        disk.append(group.moves * missed)
+        fits.append(fit)
+    return _Outcome(tuple(seconds), tuple(disk), tuple(fits), budget.room - net_cost)
+
+
+def plan_pins(groups: list[MoveGroup], budget: HostBudget, cost: CostModel) -> PinPlans:
+    """Pin plans for ``groups`` under ``budget``, by the cost model ``cost``."""
+    groups = sorted(groups, key=lambda g: -g.moves)  # stable: config order among equals
+    totals = [(sum(u.nbytes for u in g.units), sum(u.reclaimable for u in g.units)) for g in groups]
+    chosen = _greedy(groups, budget)
+    pinned_bytes, pinned_need, net = [0] * len(groups), [0] * len(groups), 0
+    outcomes = [_evaluate(groups, totals, pinned_bytes, pinned_need, net, budget, cost)]
+    for g, unit in chosen:
+        pinned_bytes[g] += unit.nbytes
+        pinned_need[g] += unit.reclaimable
+        net += unit.reclaimable
+        outcomes.append(_evaluate(groups, totals, pinned_bytes, pinned_need, net, budget, cost))
+    best = min(range(len(outcomes)), key=lambda p: (round(sum(outcomes[p].seconds), 9), p))
+    return _assemble(groups, chosen, best, outcomes, budget)
+
+
+def _assemble(groups, chosen, best, outcomes, budget) -> PinPlans:
+    taken = chosen[:best]
+    outcome, baseline = outcomes[best], outcomes[0]
+    plans = {}
+    for g, group in enumerate(groups):
+        mine = [u for gi, u in taken if gi == g]
+        unpinned_need = sum(u.reclaimable for u in group.units) - sum(u.reclaimable for u in mine)
+        plans[group.component] = PinPlan(
+            component=group.component,
+            moves_per_request=group.moves,
+            candidate_layers=len(group.units),
+            pinned_layers=tuple(u.name for u in mine),
+            pinned_bytes=sum(u.nbytes for u in mine),
+            net_cost_bytes=sum(u.reclaimable for u in mine),
+            page_cache_bytes=unpinned_need,
+            page_cache_fits=outcome.fits[g],
+            disk_bytes_per_request=outcome.from_disk[g],
+            transfer_s_per_request=outcome.seconds[g],
+            baseline_transfer_s_per_request=baseline.seconds[g],
+        )
+    warnings = _warnings(groups, plans, outcome, budget, len(chosen), best, outcomes)
+    return PinPlans(plans, budget.bytes, outcome.room_after_pins, len(chosen), tuple(warnings))
+
+
+def _warnings(groups, plans, outcome, budget, allowed, best, outcomes) -> list[str]:
+    out = []
+    for group in groups:
+        plan = plans[group.component]
+        if not plan.page_cache_fits and plan.page_cache_bytes:
+            out.append(
+                f"page-cache thrash: {group.component} needs {format_size(plan.page_cache_bytes)} of page cache "
+                f"for its unpinned layers and the host cannot hold it next to the pins and the layers before it; "
+                f"it reads {format_size(plan.disk_bytes_per_request)} from disk per request. Raise host.limit, "
+                "lower committed memory (a cached LoRA merge, mapped weights) or keep more layers on the device"
+            )
+    if best < allowed:
+        saved = sum(outcomes[allowed].seconds) - sum(outcomes[best].seconds)
+        out.append(
+            f"pinned {best} of the {allowed} layers the budget allows: pinning the rest would leave too "
+            f"little page cache for the streamed layers and cost {saved:.2f} s more per request"
+        )
+    return out

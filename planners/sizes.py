@@ -1,0 +1,219 @@
+"""Component sizes: per layer, with where each layer's bytes live.
+
+The planners only ever see numbers. A component is a tuple of :class:`Layer` (the
+units that stream and get pinned, grouped by a name pattern such as
+``"blocks.{i}."``) plus ``rest`` (tensors outside every layer: embeddings, final
+norms) and ``extra`` (memory the component holds besides its weights, such as an
+unmerge snapshot). The same shape comes from three sources, so a plan made before
+loading (headers or declared sizes) and one made after (a live Ledger) compare
+directly:
+
+- :func:`from_declared`: ``size`` split evenly over ``layers``;
+- ``planners.checkpoint.read_checkpoint``: safetensors headers;
+- :func:`from_ledger`: a component of a :class:`hostmem.Ledger` (measured residency).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field, replace
+from typing import Iterable
+
+from hostmem.residency import CLASSES, Residency
+
+__all__ = [
+    "Layer",
+    "ComponentSizes",
+    "layer_matcher",
+    "group_layers",
+    "spread",
+    "with_lora_target_bytes",
+    "from_declared",
+    "from_ledger",
+    "REST",
+]
+
+REST = "(rest)"
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One unit that moves and is pinned whole. ``residency`` sums to ``nbytes``."""
+
+    name: str
+    nbytes: int
+    residency: Residency
+    lora_target_bytes: int = 0
+
+    @property
+    def non_reclaimable(self) -> int:
+        return self.residency.non_reclaimable
+
+    @property
+    def reclaimable(self) -> int:
+        """Bytes the kernel may drop (page cache, or not faulted in yet).
+
+        These are what an unpinned layer needs in page cache to move without a disk
+        read, and what pinning the layer in place adds to non-reclaimable memory:
+        the pin's net cost. Bytes already anonymous or pinned cost nothing more.
+        """
+        return max(0, self.nbytes - self.residency.non_reclaimable)
+
+
+@dataclass(frozen=True)
+class ComponentSizes:
+    """A component's layers, the rest of its tensors, and memory it holds besides."""
+
+    name: str
+    offload: str
+    source: str  # "headers", "declared" or "ledger"
+    layers: tuple[Layer, ...]
+    rest: Layer | None = None
+    extra: Residency = field(default_factory=Residency)
+    dtype: str | None = None
+
+    @property
+    def units(self) -> tuple[Layer, ...]:
+        """Layers, then the rest as one more unit: what a full offload moves."""
+        return self.layers + ((self.rest,) if self.rest is not None and self.rest.nbytes else ())
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(u.nbytes for u in self.units)
+
+    @property
+    def lora_target_bytes(self) -> int:
+        return sum(u.lora_target_bytes for u in self.units)
+
+    @property
+    def residency(self) -> Residency:
+        """Residency of the weights plus ``extra``."""
+        total = self.extra
+        for unit in self.units:
+            total = total + unit.residency
+        return total
+
+    def with_units(self, units: Iterable[Layer]) -> "ComponentSizes":
+        """A copy whose layers and rest are replaced by ``units`` (same order)."""
+        units = tuple(units)
+        if self.rest is not None and self.rest.nbytes and units and units[-1].name == REST:
+            return replace(self, layers=units[:-1], rest=units[-1])
+        return replace(self, layers=units)
+
+
+def layer_matcher(pattern: str):
+    """Return ``match(name) -> (index, layer_name) | None`` for a pattern like ``"blocks.{i}."``.
+
+    The pattern matches at the start of a tensor name; the layer's name is the
+    pattern with its index filled in, without a trailing dot (``blocks.7``).
+    """
+    head, _, tail = pattern.partition("{i}")
+    regex = re.compile(re.escape(head) + r"(\d+)" + re.escape(tail))
+
+    def match(name: str):
+        found = regex.match(name)
+        if found is None:
+            return None
+        index = int(found.group(1))
+        return index, f"{head}{index}{tail}".rstrip(".")
+
+    return match
+
+
+def group_layers(
+    named: Iterable[tuple[str, int, Residency | None]],
+    pattern: str | None,
+    lora_patterns: tuple[str, ...] = (),
+) -> tuple[tuple[Layer, ...], Layer | None]:
+    """Group ``(tensor name, bytes, residency)`` into layers (by index) and the rest.
+
+    A residency of ``None`` means not known yet (every byte not resident). Sums are
+    kept as plain integers: a checkpoint has thousands of tensors.
+    """
+    match = layer_matcher(pattern) if pattern else (lambda name: None)
+    groups: dict[tuple[int, str], list[int]] = {}
+    rest = [0] * (2 + len(CLASSES))  # bytes, lora target bytes, then each residency class
+    for name, nbytes, residency in named:
+        found = match(name)
+        slot = rest if found is None else groups.setdefault(found, [0] * (2 + len(CLASSES)))
+        slot[0] += nbytes
+        if lora_patterns and any(fnmatch.fnmatchcase(name, p) for p in lora_patterns):
+            slot[1] += nbytes
+        if residency is None:
+            slot[2 + CLASSES.index("not_resident")] += nbytes
+        else:
+            for i, cls in enumerate(CLASSES, start=2):
+                slot[i] += getattr(residency, cls)
+
+    def layer(name: str, slot: list[int]) -> Layer:
+        return Layer(name, slot[0], Residency(**dict(zip(CLASSES, slot[2:]))), slot[1])
+
+    layers = tuple(layer(key[1], slot) for key, slot in sorted(groups.items()))
+    return layers, (layer(REST, rest) if rest[0] else None)
+
+
+def spread(total: int, weights: list[int]) -> list[int]:
+    """Split ``total`` over items in proportion to ``weights``, exactly (largest remainder)."""
+    whole = sum(weights)
+    if whole <= 0 or total <= 0:
+        return [0] * len(weights)
+    shares = [total * w // whole for w in weights]
+    leftover = total - sum(shares)
+    order = sorted(range(len(weights)), key=lambda i: -(total * weights[i] % whole))
+    for i in order[:leftover]:
+        shares[i] += 1
+    return shares
+
+
+def with_lora_target_bytes(sizes: ComponentSizes, target_bytes: int) -> ComponentSizes:
+    """Spread declared LoRA target bytes over the layers in proportion to their size."""
+    layers = list(sizes.layers) or list(sizes.units)
+    shares = spread(min(target_bytes, sum(u.nbytes for u in layers)), [u.nbytes for u in layers])
+    updated = [replace(u, lora_target_bytes=s) for u, s in zip(layers, shares)]
+    if sizes.layers:
+        return replace(sizes, layers=tuple(updated))
+    return sizes.with_units(updated)
+
+
+def from_declared(
+    name: str,
+    offload: str,
+    size: int,
+    layer_count: int | None,
+    lora_target_bytes: int | None = None,
+    dtype: str | None = None,
+) -> ComponentSizes:
+    """Sizes of a component known only by its declared total and layer count.
+
+    Declared bytes are all in the layers (``size // layers`` each, the remainder
+    spread one byte at a time), so the sum is exactly ``size``. Residency is
+    unknown until predicted: every byte starts not resident.
+    """
+    count = layer_count or 1
+    prefix = "layers" if layer_count else name
+    shares = spread(size, [1] * count)
+    layers = tuple(
+        Layer(f"{prefix}.{i}" if layer_count else prefix, n, Residency(not_resident=n)) for i, n in enumerate(shares)
+    )
+    sizes = ComponentSizes(name=name, offload=offload, source="declared", layers=layers, dtype=dtype)
+    return with_lora_target_bytes(sizes, lora_target_bytes) if lora_target_bytes else sizes
+
+
+def from_ledger(
+    ledger_component,
+    offload: str,
+    pattern: str | None,
+    lora_patterns: tuple[str, ...] = (),
+    lora_target_bytes: int | None = None,
+) -> ComponentSizes:
+    """Sizes and measured residency of a component of a :class:`hostmem.Ledger`.
+
+    Parameters on a device are not host memory and are left out; a storage shared
+    by several names was counted once by the accountant, under its first name.
+    """
+    entries = [p for p in ledger_component.parameters.values() if p.device == "cpu"]
+    named = [(p.name, p.nbytes, p.residency) for p in entries]
+    layers, rest = group_layers(named, pattern, lora_patterns)
+    sizes = ComponentSizes(ledger_component.name, offload, "ledger", layers, rest)
+    return with_lora_target_bytes(sizes, lora_target_bytes) if lora_target_bytes else sizes

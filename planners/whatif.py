@@ -1,0 +1,104 @@
+"""What-if residency: where a component's bytes will live, before it is loaded.
+
+Residency follows from declared behaviour, not from measurement:
+
+- ``load: mapped`` (read-only views into the checkpoint): every byte is file-backed;
+- ``load: copied`` (weights read or cast into process memory): every byte is anonymous;
+- an ``in-place`` LoRA merge writes the merged target weights (anonymous) and keeps
+  an unmerge snapshot of the originals (anonymous too, held outside the weights);
+- a ``cached`` merge maps the merged weights back read-only from the cache file, so
+  the targets stay file-backed and no snapshot is needed (the base stays mapped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hostmem.residency import Residency
+
+from .checkpoint import read_checkpoint
+from .config import ComponentConfig, DeploymentConfig
+from .sizes import ComponentSizes, Layer, from_declared
+
+__all__ = ["MERGE_MODES", "default_merge", "predict", "component_sizes", "what_if_components"]
+
+MERGE_MODES = ("none", "in-place", "cached")
+
+
+def default_merge(config: DeploymentConfig) -> str:
+    """The merge a deployment does: none without adapters, else cached if the cache is on."""
+    lora = config.lora
+    if lora is None or not lora.adapters or config.merge_target is None:
+        return "none"
+    return "cached" if lora.cache.enabled else "in-place"
+
+
+def _loaded(unit: Layer, load: str) -> Layer:
+    kind = "file_backed" if load == "mapped" else "anonymous"
+    return replace(unit, residency=Residency(**{kind: unit.nbytes}))
+
+
+def _merged(unit: Layer, merge: str) -> Layer:
+    """The unit after the merge: in place, its targets turn anonymous; cached, file-backed."""
+    r, moved = unit.residency, unit.lora_target_bytes
+    if merge == "in-place":
+        take = min(moved, r.file_backed)
+        return replace(unit, residency=replace(r, file_backed=r.file_backed - take, anonymous=r.anonymous + take))
+    take = min(moved, r.anonymous)
+    return replace(unit, residency=replace(r, anonymous=r.anonymous - take, file_backed=r.file_backed + take))
+
+
+def predict(sizes: ComponentSizes, load: str, merge: str = "none") -> ComponentSizes:
+    """Return ``sizes`` with the residency that ``load`` and ``merge`` will give it."""
+    if merge not in MERGE_MODES:
+        raise ValueError(f"merge {merge!r}: choose one of {', '.join(MERGE_MODES)}")
+    units = [_loaded(u, load) for u in sizes.units]
+    extra = Residency()
+    if merge != "none":
+        units = [_merged(u, merge) for u in units]
+        if merge == "in-place":
+            extra = Residency(anonymous=sizes.lora_target_bytes)
+    return replace(sizes.with_units(units), extra=extra)
+
+
+def component_sizes(config: DeploymentConfig, component: ComponentConfig) -> ComponentSizes:
+    """Sizes of ``component`` from its checkpoint's headers or its declared sizes."""
+    if component.path is None:
+        return from_declared(
+            component.name, component.offload, component.size, component.layer_count,
+            component.lora_target_bytes, component.dtype,
+        )
+    sizes = read_checkpoint(
+        component.name, component.offload, component.path, component.layer_pattern,
+        component.lora_target_patterns, component.lora_target_bytes, component.dtype,
+    )
+    key = f"components.{component.name}"
+    if component.layer_pattern and not sizes.layers:
+        raise config.origin.error(
+            f"{key}.layers",
+            f"{component.layer_pattern!r} matches no tensor of {component.path}; "
+            f"write the prefix its layer tensors share, e.g. \"blocks.{{i}}.\"",
+        )
+    if component.lora_target_bytes and component.lora_target_bytes > sizes.weights_bytes:
+        raise config.origin.error(f"{key}.lora_targets", "exceeds the checkpoint's size; lower it")
+    if component.lora_target_patterns and not sizes.lora_target_bytes:
+        raise config.origin.error(f"{key}.lora_targets", f"{list(component.lora_target_patterns)} match no tensor")
+    return sizes
+
+
+def what_if_components(config: DeploymentConfig, merge: str) -> tuple[dict[str, ComponentSizes], list[str]]:
+    """Every component's sizes with predicted residency, and warnings about the merge."""
+    warnings: list[str] = []
+    target = config.merge_target
+    if merge != "none" and (target is None or not target.has_lora_targets):
+        warnings.append(
+            f"merge {merge} asked for, but no component declares lora_targets: nothing is merged; "
+            "add lora_targets (a size, or tensor name patterns) to the merged component"
+        )
+    out = {}
+    for component in config.components.values():
+        sizes = component_sizes(config, component)
+        this_merge = merge if target is not None and component.name == target.name else "none"
+        out[component.name] = predict(sizes, component.load, this_merge)
+    return out, warnings
+

@@ -1,0 +1,245 @@
+"""The pytest plugin: the limit_peak_anon marker, its options and the peak_anon fixture.
+
+Tests that must fail run inside pytester (no conftest there: the plugin is active
+through its entry point), in a separate pytest process where they allocate, so this
+suite stays green.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+
+from hostmem import load_readonly
+from tests.conftest import write_safetensors
+from tests.hostmem.test_peak import write_sparse_safetensors
+
+pytest_plugins = ["pytester"]
+
+MiB = 1024 * 1024
+ONE_GIB = r"(1\.0 GiB|10[12]\d\.\d MiB)"  # 1 GiB as format_size prints it, a page more or less
+
+SPIKE_TESTS = textwrap.dedent(
+    """
+    import time
+    import pytest
+    import torch
+
+    def spike():
+        # 1 GiB made resident, kept 25 ms while holding the GIL, then freed at once
+        block = torch.empty(1 << 28, dtype=torch.float32).fill_(1)
+        end = time.perf_counter() + 0.025
+        while time.perf_counter() < end:
+            sum(range(100_000))
+        del block
+
+    @pytest.mark.parametrize("run", range(20))
+    @pytest.mark.limit_peak_anon("512MiB")
+    def test_caught(run):
+        spike()
+
+    @pytest.mark.parametrize("run", range(20))
+    @pytest.mark.limit_peak_anon("2GiB")
+    def test_within(run):
+        spike()
+    """
+)
+
+
+def test_a_1gib_spike_of_25ms_fails_at_512mib_and_passes_at_2gib_20_times_out_of_20(pytester):
+    pytester.makepyfile(test_spike=SPIKE_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "ignore")
+    result.assert_outcomes(failed=20, passed=20)
+    failed = [line for line in result.stdout.lines if line.startswith("FAILED")]
+    assert len(failed) == 20 and all("test_caught" in line for line in failed)
+    assert result.stdout.str().count("over the limit of 512.0 MiB") == 20
+    # the failure message: limit, peak, baseline, when, how densely sampled, cross-checks, causes
+    result.stdout.re_match_lines(
+        [
+            r".*anonymous memory \(RssAnon\) grew by " + ONE_GIB + r" during the test, over the limit of 512\.0 MiB",
+            r"\s+peak \d.*, baseline \d.* at the start of the test body, .* at its end",
+            r"\s+the peak came \d+\.\d+ s into the test body, which ran \d+\.\d+ s",
+            r"\s+timeline: .* -> .*",
+            r"\s+\d+ samples, every 1 ms \(longest gap .* ms, sampler priority .*\)",
+            r"\s+cross-checks: .*",
+            r"\s+what usually causes it: an in-place write into a mapped checkpoint.*clone.*pinned copy.*",
+        ]
+    )
+
+
+INPLACE_TESTS = textwrap.dedent(
+    """
+    import pytest
+    from safetensors import safe_open
+    from hostmem import load_readonly
+
+    def write_in_place():
+        with safe_open("model.safetensors", "pt") as handle:  # a private writable mapping
+            weight = handle.get_tensor("w")
+        weight.add_(1)  # copy-on-write: every page of 1 GiB turns anonymous
+
+    @pytest.mark.parametrize("run", range(2))
+    @pytest.mark.limit_peak_anon("512MiB")
+    def test_inplace_caught(run):
+        write_in_place()
+
+    @pytest.mark.limit_peak_anon("2GiB")
+    def test_inplace_within():
+        write_in_place()
+
+    @pytest.mark.limit_peak_anon("512MiB")
+    def test_file_backed_read_not_counted(peak_anon):
+        weights = load_readonly("model.safetensors")
+        assert float(weights["w"].sum()) == 0.0
+        assert peak_anon.growth_bytes < 16 * 2**20
+
+    @pytest.mark.limit_peak_anon("512MiB")
+    def test_private_mapping_read_not_counted():
+        with safe_open("model.safetensors", "pt") as handle:
+            assert float(handle.get_tensor("w").sum()) == 0.0
+    """
+)
+
+
+def test_a_1gib_write_into_a_mapped_checkpoint_is_caught_and_a_1gib_read_is_not(pytester):
+    write_sparse_safetensors(pytester.path / "model.safetensors", 1 << 30)
+    pytester.makepyfile(test_inplace=INPLACE_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "ignore", "-rA")
+    result.assert_outcomes(failed=2, passed=3)
+    failed = [line for line in result.stdout.lines if line.startswith("FAILED")]
+    assert len(failed) == 2 and all("test_inplace_caught" in line for line in failed)
+    result.stdout.re_match_lines([r".*grew by " + ONE_GIB + r" during the test, over the limit of 512\.0 MiB"])
+
+
+ABSOLUTE_TESTS = textwrap.dedent(
+    """
+    import pytest
+
+    @pytest.mark.limit_peak_anon("1MiB")
+    def test_growth():
+        pass
+
+    @pytest.mark.limit_peak_anon("1MiB", absolute=True)
+    def test_absolute():
+        pass
+
+    @pytest.mark.limit_peak_anon("1MiB", absolute=False)
+    def test_says_growth():
+        pass
+    """
+)
+
+
+def test_absolute_limits_judge_the_peak_itself(pytester):
+    pytester.makepyfile(test_abs=ABSOLUTE_TESTS)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-W", "ignore")
+    result.assert_outcomes(passed=2, failed=1)  # a Python process holds more than 1 MiB
+    result.stdout.fnmatch_lines(["*peak anonymous memory (RssAnon) reached *, over the absolute limit of 1.0 MiB"])
+    result = pytester.runpytest("-p", "no:cacheprovider", "-W", "ignore", "--peak-anon-absolute")
+    result.assert_outcomes(passed=1, failed=2)  # the option, except where the marker says otherwise
+
+
+BAD_MARKERS = textwrap.dedent(
+    """
+    import pytest
+
+    @pytest.mark.limit_peak_anon("5XB")
+    def test_bad_size():
+        pass
+
+    @pytest.mark.limit_peak_anon("1GiB", absolut=True)
+    def test_bad_keyword():
+        pass
+
+    @pytest.mark.limit_peak_anon()
+    def test_no_size():
+        pass
+    """
+)
+
+
+def test_a_bad_marker_fails_its_test_and_names_it(pytester):
+    pytester.makepyfile(test_bad=BAD_MARKERS)
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=3)
+    result.stdout.fnmatch_lines(
+        [
+            "*test_bad.py::test_bad_size: @pytest.mark.limit_peak_anon('5XB'): not a size*",
+            "*test_bad.py::test_bad_keyword: @pytest.mark.limit_peak_anon: unknown keyword absolut*",
+            "*test_bad.py::test_no_size: @pytest.mark.limit_peak_anon takes one size*",
+        ]
+    )
+    assert "During handling" not in result.stdout.str()
+
+
+def test_a_bad_interval_option_stops_the_run_with_its_name(pytester):
+    pytester.makepyfile(test_x="def test_x(): pass")
+    result = pytester.runpytest("--peak-anon-interval", "fast")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--peak-anon-interval 'fast': not a number of milliseconds*"])
+
+
+DOUBT_TESTS = textwrap.dedent(
+    """
+    import os, signal, time
+    import pytest
+    import torch
+
+    @pytest.mark.limit_peak_anon("512MiB")
+    def test_starved_sampler(peak_anon):
+        sampler = peak_anon._sampler.proc.pid
+        os.kill(sampler, signal.SIGSTOP)  # what a busy machine does to a sampler, for 60 ms
+        time.sleep(0.06)
+        os.kill(sampler, signal.SIGCONT)
+
+    @pytest.mark.limit_peak_anon("16MiB")
+    def test_own_failure_keeps_its_message():
+        block = torch.empty(64 * 2**20, dtype=torch.uint8).fill_(1)
+        assert int(block[0]) == 0, "the test's own assertion"
+    """
+)
+
+
+def test_a_starved_sampler_warns_and_a_failing_test_keeps_its_own_message(pytester):
+    pytester.makepyfile(test_doubt=DOUBT_TESTS)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-W", "ignore:Failed to initialize NumPy")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*PeakSamplingWarning: hostmem: the sampler was starved for * ms*"])
+    result.stdout.fnmatch_lines(["*the test's own assertion*"])
+    result.stdout.fnmatch_lines(
+        ["*Captured hostmem call*", "*grew by 6?.? MiB during the test, over the limit of 16.0 MiB"]
+    )
+
+
+def test_the_fixture_gives_live_figures(peak_anon):
+    import torch
+
+    assert peak_anon.growth_bytes < 16 * MiB
+    block = torch.empty(128 * MiB, dtype=torch.uint8).fill_(1)
+    assert peak_anon.growth_bytes >= 120 * MiB
+    assert peak_anon.samples >= 2 and peak_anon.baseline_bytes > 0
+    del block
+
+
+# The project's own CI use of the marker: a small model loaded file-backed adds no
+# anonymous memory (the in-place counterpart is shown failing above and in test_guard).
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    import torch
+
+    path = tmp_path_factory.mktemp("small_model") / "model.safetensors"
+    layers = {f"blocks.{i}.weight": torch.randn(1024, 1024) for i in range(16)}  # 64 MiB
+    return write_safetensors(path, layers)
+
+
+@pytest.mark.limit_peak_anon("16MiB")
+def test_ci_a_small_file_backed_model_stays_near_zero_anonymous_growth(small_model, peak_anon):
+    weights = load_readonly(small_model)
+    total = sum(float(w.sum()) for w in weights.values())  # reads every page
+    assert total != 0
+    assert os.path.getsize(small_model) >= 64 * MiB
+    assert peak_anon.growth_bytes < 8 * MiB

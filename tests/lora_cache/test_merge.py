@@ -1,0 +1,182 @@
+"""The merge math and the layer operations: identical bytes on both paths, exact unmerge."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lora_cache
+from hostmem import account
+from lora_cache.merge_math import Delta, Scratch, lora_scale, merged_weight
+from tests.lora_cache.test_adapters import lora_change, mapped_model, reference_merge, write_adapter
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_within_dtype_tolerance(merged: torch.Tensor, reference: torch.Tensor) -> None:
+    """One rounding to the dtype (half an ulp, |x| * eps bounds it) plus fp32 summation noise."""
+    eps = torch.finfo(merged.dtype).eps
+    error = (merged.double() - reference).abs()
+    bound = eps * reference.abs() + 1e-5
+    assert bool((error <= bound).all()), f"max error {float(error.max()):.3g} beyond the {merged.dtype} bound"
+
+
+def _adapter(tmp_path, name="a", seed=1, fmt="kohya"):
+    changes = {
+        "blocks.0.attn.to_q": lora_change(64, 64, 8, seed, alpha=4),
+        "blocks.1.ff.proj_in": lora_change(128, 64, 8, seed + 1, alpha=16),
+        "patch_embed": lora_change(64, 4, 4, seed + 2, alpha=4, conv=(2, 2)),
+    }
+    suffix = "" if fmt == "peft" else ".safetensors"
+    return write_adapter(tmp_path / f"{name}{suffix}", fmt, changes), changes
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_merged_weight_matches_an_independent_fp64_merge(dtype):
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(96, 48, generator=gen).to(dtype)
+    first, second = lora_change(96, 48, 8, 1), lora_change(96, 48, 4, 2)
+    diff = torch.randn(96, 48, generator=gen) * 0.01
+    deltas = [
+        Delta("a", first["up"], first["down"], lora_scale(0.8, 16, 8)),
+        Delta("b", second["up"], second["down"], lora_scale(1.0, None, 4), diff, 0.5),
+    ]
+    out = merged_weight(base, deltas, torch.empty_like(base), Scratch("cpu"))
+    reference = reference_merge(base, [(1.6, first), (1.0, {**second, "diff": diff, "strength": 0.5})])
+    _assert_within_dtype_tolerance(out, reference)
+    wrong = reference_merge(base, [(1.6, first)])
+    assert not bool(((out.double() - wrong).abs() <= torch.finfo(dtype).eps * wrong.abs() + 1e-5).all())
+
+
+def test_lora_scale_follows_alpha_over_rank_and_rslora():
+    assert lora_scale(1.0, None, 16) == 1.0
+    assert lora_scale(0.5, 32, 16) == 1.0
+    assert lora_scale(1.0, 8, 16, rslora=True) == 2.0
+    with pytest.raises(ValueError):
+        lora_scale(1.0, 8, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cached_and_in_place_merges_are_identical(tmp_path, dtype):
+    model = mapped_model(tmp_path, dtype=dtype)
+    adapter, _ = _adapter(tmp_path)
+    stats = lora_cache.merge(model, [(adapter, 0.9)], cache_root=tmp_path / "cache", progress=False)
+    assert stats.built == 3 and stats.hit == 0 and stats.fallen_back == 0
+    cached = _weights(model)
+    lora_cache.unmerge(model)
+    stats = lora_cache.merge(model, [(adapter, 0.9)], progress=False)
+    assert stats.in_place == 3 and stats.cache_key is None
+    in_place = _weights(model)
+    assert cached.keys() == in_place.keys()
+    for name in cached:
+        assert torch.equal(cached[name], in_place[name]), name
+
+
+@pytest.mark.parametrize("fmt", ["peft", "kohya", "comfyui"])
+def test_each_format_merges_onto_the_right_parameters(tmp_path, fmt):
+    model = mapped_model(tmp_path, dtype=torch.bfloat16)
+    before = _weights(model)
+    adapter, changes = _adapter(tmp_path, fmt=fmt)
+    lora_cache.merge(model, [lora_cache.Adapter(adapter, 0.5, alpha=8.0)], cache_root=tmp_path / "cache", progress=False)
+    after = _weights(model)
+    targets = {f"{module}.weight": parts for module, parts in changes.items()}
+    for name, weight in after.items():
+        if name not in targets:
+            assert torch.equal(weight, before[name]), f"{name} changed but no key targets it"
+            continue
+        rank = targets[name]["down"].shape[0]
+        _assert_within_dtype_tolerance(weight, reference_merge(before[name], [(0.5 * 8.0 / rank, targets[name])]))
+        assert not torch.equal(weight, before[name])
+
+
+def test_two_adapters_compose_in_the_order_given(tmp_path):
+    model = mapped_model(tmp_path)
+    base = _weights(model)["blocks.0.attn.to_q.weight"]
+    a, a_changes = _adapter(tmp_path, "a", seed=1)
+    b, b_changes = _adapter(tmp_path, "b", seed=7, fmt="comfyui")
+    lora_cache.merge(model, [(a, 1.0), (b, -0.5)], cache_root=tmp_path / "cache", progress=False)
+    both = model.blocks[0].attn.to_q.weight.detach()
+    key = "blocks.0.attn.to_q"
+    reference = reference_merge(base, [(4 / 8, a_changes[key]), (-0.5 * 4 / 8, b_changes[key])])
+    _assert_within_dtype_tolerance(both, reference)
+    lora_cache.unmerge(model)
+    lora_cache.merge(model, [(a, 1.0)], progress=False)
+    assert not torch.equal(model.blocks[0].attn.to_q.weight, both)
+
+
+def test_diff_and_diff_b_are_added_with_the_strength(tmp_path):
+    model = mapped_model(tmp_path)
+    before = _weights(model)
+    diff, diff_b = torch.randn(64), torch.randn(64)
+    path = write_adapter(tmp_path / "d.safetensors", "comfyui", {"blocks.1.norm": {"diff": diff, "diff_b": diff_b}})
+    lora_cache.merge(model, [(path, 0.25)], cache_root=tmp_path / "cache", progress=False)
+    assert torch.equal(model.blocks[1].norm.weight, before["blocks.1.norm.weight"] + 0.25 * diff)
+    assert torch.equal(model.blocks[1].norm.bias, before["blocks.1.norm.bias"] + 0.25 * diff_b)
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["cached", "in_place"])
+def test_unmerge_restores_the_base_bit_for_bit(tmp_path, cached):
+    model = mapped_model(tmp_path, dtype=torch.bfloat16)
+    originals = {n: p for n, p in model.named_parameters()}
+    before = _weights(model)
+    adapter, _ = _adapter(tmp_path)
+    root = tmp_path / "cache" if cached else None
+    lora_cache.merge(model, [(adapter, 1.0)], cache_root=root, progress=False)
+    assert lora_cache.is_merged(model)
+    assert not torch.equal(model.blocks[0].attn.to_q.weight, before["blocks.0.attn.to_q.weight"])
+    assert lora_cache.unmerge(model) == 3
+    assert not lora_cache.is_merged(model)
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name
+        assert param is originals[name], f"{name}: the read-only base was never written; unmerge reinstalls it"
+
+
+def test_unmerge_of_a_writable_base_copies_the_snapshot_back(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64)).to(torch.bfloat16)  # heap weights
+    before, storage = model[0].weight.detach().clone(), model[0].weight.data_ptr()
+    adapter = write_adapter(tmp_path / "a.safetensors", "comfyui", {"0": lora_change(64, 64, 4, 1)})
+    lora_cache.merge(model, [adapter], progress=False)
+    assert model[0].weight.data_ptr() == storage and not torch.equal(model[0].weight, before)
+    lora_cache.unmerge(model)
+    assert model[0].weight.data_ptr() == storage and torch.equal(model[0].weight, before)
+
+
+def test_cached_merge_installs_file_backed_views_and_in_place_installs_anonymous(tmp_path):
+    model = mapped_model(tmp_path, dim=256)
+    adapter = write_adapter(tmp_path / "a.safetensors", "kohya", {"blocks.0.ff.proj_in": lora_change(512, 256, 8, 1)})
+    lora_cache.merge(model, [adapter], cache_root=tmp_path / "cache", progress=False)
+    weight = model.blocks[0].ff.proj_in.weight
+    assert not weight.requires_grad and float(weight.sum()) == float(weight.sum())  # touch every page
+    entry = account(model).components["model"].parameters["blocks.0.ff.proj_in.weight"]
+    assert entry.residency.anonymous == 0 and entry.residency.file_backed == weight.nbytes
+    lora_cache.unmerge(model)
+    lora_cache.merge(model, [adapter], progress=False)
+    entry = account(model).components["model"].parameters["blocks.0.ff.proj_in.weight"]
+    assert entry.residency.anonymous == weight.nbytes
+
+
+def test_merging_a_merged_model_again_is_refused(tmp_path):
+    model = mapped_model(tmp_path)
+    adapter, _ = _adapter(tmp_path)
+    lora_cache.merge(model, [adapter], progress=False)
+    with pytest.raises(ValueError, match=r"already merged; call lora_cache.unmerge\(model\)"):
+        lora_cache.merge(model, [adapter], progress=False)
+
+
+def test_a_conv_lora_with_a_spatial_up_kernel_is_refused_before_anything_merges(tmp_path):
+    model = mapped_model(tmp_path)
+    before = _weights(model)
+    changes = {
+        "blocks.0.attn.to_q": lora_change(64, 64, 2, 1),
+        "patch_embed": {"down": torch.randn(2, 4, 2, 2), "up": torch.randn(64, 2, 2, 2)},
+    }
+    path = write_adapter(tmp_path / "c.safetensors", "kohya", changes)
+    with pytest.raises(lora_cache.UnsupportedAdapterError, match=r"lora_up.weight'.*\(2, 2\) up kernel"):
+        lora_cache.merge(model, [path], progress=False)
+    assert not lora_cache.is_merged(model)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

@@ -1,0 +1,151 @@
+"""``hostmem cache ls | verify | prune | rm KEY`` on real cache folders."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from hostmem.safetensors_map import read_header
+from lora_cache.vault import Vault, adapter_identity, cache_key
+from lora_cache.vault_layer import layer_file_name
+from planners.cli import main
+from tests.conftest import write_safetensors
+
+
+def build(root, tag: str, tmp_path, count=2):
+    shard = write_safetensors(tmp_path / f"{tag}-dit.safetensors", {"w": torch.zeros(2)})
+    lora = write_safetensors(tmp_path / f"{tag}-turbo.safetensors", {"a": torch.ones(2)})
+    from lora_cache.vault import base_identity
+
+    key = cache_key(base_identity([shard]), [adapter_identity(lora, 0.8, None)], "bfloat16", "fp32-sum")
+    layers = {f"blocks.{i}.w": torch.randn(32, 32) for i in range(count)}
+    with Vault(root).open(key, {n: (tuple(t.shape), t.dtype) for n, t in layers.items()}) as session:
+        for name, tensor in layers.items():
+            session.put(name, tensor)
+    return key
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ls_shows_each_combination_in_text_and_json(tmp_path, capsys):
+    root = str(tmp_path / "root")
+    key = build(root, "one", tmp_path)
+    code, out, _ = cli(capsys, "cache", "ls", "--root", root)
+    assert code == 0
+    line = next(l for l in out.splitlines() if l.startswith(key.short))
+    assert "complete" in line and "KiB" in line and "one-dit.safetensors" in line and "one-turbo.safetensors x0.8" in line
+    code, out, _ = cli(capsys, "cache", "ls", "--root", root, "--json")
+    listing = json.loads(out)
+    (combo,) = listing["combinations"]
+    assert combo["key"] == key.hex and combo["state"] == "complete" and combo["layers"] == 2
+    assert isinstance(combo["bytes"], int) and combo["bytes"] == listing["total_bytes"] > 2 * 32 * 32 * 4
+    assert combo["inputs"]["adapters"][0]["strength"] == 0.8
+
+
+def test_ls_of_a_root_never_used_creates_nothing(tmp_path, capsys):
+    root = tmp_path / "nothing-here"
+    code, out, _ = cli(capsys, "cache", "ls", "--root", str(root))
+    assert code == 0 and "no cached LoRA merges" in out and not root.exists()
+
+
+def test_verify_finds_a_flipped_byte_that_adoption_does_not_look_for(tmp_path, capsys):
+    root = str(tmp_path / "root")
+    good, bad = build(root, "good", tmp_path), build(root, "bad", tmp_path)
+    assert cli(capsys, "cache", "verify", "--root", root)[0] == 0
+    path = os.path.join(root, "lora_merge_cache", bad.hex, layer_file_name("blocks.1.w"))
+    offset = read_header(path).data_offset + 100
+    with open(path, "r+b") as handle:  # same size, same header: only the checksum can tell
+        handle.seek(offset)
+        byte = handle.read(1)
+        handle.seek(offset)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    code, out, _ = cli(capsys, "cache", "verify", "--root", root)
+    assert code == 1
+    assert f"{bad.short}  bad" in out and f"{good.short}  ok" in out
+    assert f"{path}: content checksum differs" in out and "hostmem cache rm KEY" in out
+    code, out, _ = cli(capsys, "cache", "verify", "--root", root, good.hex[:8], "--json")
+    assert code == 0 and [c["state"] for c in json.loads(out)["combinations"]] == ["ok"]
+
+
+def test_prune_removes_interrupted_builds_and_then_lru_beyond_max_size(tmp_path, capsys):
+    root = str(tmp_path / "root")
+    old, new = build(root, "old", tmp_path), build(root, "new", tmp_path)
+    os.unlink(os.path.join(root, "lora_merge_cache", new.hex, "manifest.json"))  # as if killed
+    code, out, _ = cli(capsys, "cache", "prune", "--root", root, "--dry-run")
+    assert code == 0 and f"would remove {new.short}" in out and "interrupted build" in out
+    assert os.path.isdir(os.path.join(root, "lora_merge_cache", new.hex))
+    code, out, _ = cli(capsys, "cache", "prune", "--root", root)
+    assert f"removed {new.short}" in out and old.short not in out
+    assert not os.path.exists(os.path.join(root, "lora_merge_cache", new.hex))
+    code, out, _ = cli(capsys, "cache", "prune", "--root", root, "--max-size", "1KiB")
+    assert f"removed {old.short}" in out and "least recently used" in out
+    assert not [n for n in os.listdir(os.path.join(root, "lora_merge_cache")) if len(n) == 64]
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys
+    from lora_cache.vault import Vault
+    with Vault(sys.argv[1]).open(sys.argv[2]):
+        print("holding", flush=True)
+        sys.stdin.read()
+    """
+)
+
+
+def test_rm_by_prefix_and_never_one_in_use(tmp_path, capsys):
+    root = str(tmp_path / "root")
+    first, second = build(root, "first", tmp_path), build(root, "second", tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, root, second.hex], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        code, _, err = cli(capsys, "cache", "rm", "--root", root, second.hex[:10])
+        assert code == 2 and "in use by another process" in err and "stop that process" in err
+        code, out, _ = cli(capsys, "cache", "ls", "--root", root, "--json")
+        states = {c["key"]: c["state"] for c in json.loads(out)["combinations"]}
+        assert states == {first.hex: "complete", second.hex: "in use"}
+        assert cli(capsys, "cache", "prune", "--root", root, "--all")[1].count("removed") == 2  # one line + total
+    finally:
+        holder.communicate("", timeout=30)
+    assert os.path.isdir(os.path.join(root, "lora_merge_cache", second.hex))
+    code, out, _ = cli(capsys, "cache", "rm", "--root", root, second.hex[:10])
+    assert code == 0 and f"removed {second.hex}" in out
+    code, _, err = cli(capsys, "cache", "rm", "--root", root, "ffff")
+    assert code == 2 and "no combination whose key starts with 'ffff'" in err
+
+
+def test_the_root_comes_from_hostmem_cache_root(tmp_path):
+    root = str(tmp_path / "from-env")
+    key = build(root, "env", tmp_path)
+    env = dict(os.environ, HOSTMEM_CACHE_ROOT=root)
+    done = subprocess.run(
+        [sys.executable, "-m", "planners.cli", "cache", "ls", "--json"], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert [c["key"] for c in json.loads(done.stdout)["combinations"]] == [key.hex]
+
+
+def test_a_tmpfs_root_is_a_one_line_error(tmp_path, capsys):
+    from hostmem.procfs import filesystem_of
+
+    mount = filesystem_of("/dev/shm")
+    if mount is None or mount.fs_type != "tmpfs":
+        pytest.skip("/dev/shm is not tmpfs here")
+    root = f"/dev/shm/hostmem-cli-test-{os.getpid()}"
+    os.makedirs(os.path.join(root, "lora_merge_cache"))
+    try:
+        code, _, err = cli(capsys, "cache", "ls", "--root", root)
+    finally:
+        os.rmdir(os.path.join(root, "lora_merge_cache"))
+        os.rmdir(root)
+    assert code == 2 and err.startswith("hostmem: error: ") and "on tmpfs" in err

@@ -1,0 +1,142 @@
+"""Real processes: two starts at once build once; a SIGKILL mid-build resumes to a correct cache."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import torch
+
+from lora_cache.vault import Vault, cache_key
+from lora_cache.vault_admin import verify_all
+
+KEY = cache_key({"shards": []}, [], "float32", "concurrency")
+
+# Builds (or adopts) `count` deterministic layers; reports stats and a digest of what it was served.
+BUILDER = textwrap.dedent(
+    """
+    import ctypes, hashlib, json, os, sys, time, torch
+    from lora_cache.vault import Vault, cache_key
+    root, go_file, delay, count, big = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    key = cache_key({"shards": []}, [], "float32", "concurrency")
+    gen = torch.Generator().manual_seed(7)
+    tensors = {f"blocks.{i}.w": torch.randn(128, 256, generator=gen) for i in range(count)}
+    if big:
+        tensors["blocks.big.w"] = torch.randn(big, 1024, 1024 // 4, generator=gen)
+    expected = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
+    print("ready", flush=True)
+    while not os.path.exists(go_file):
+        time.sleep(0.002)
+    digest = hashlib.sha256()
+    with Vault(root).open(key, expected) as session:
+        for name, tensor in tensors.items():
+            view = session.get(name, tuple(tensor.shape), tensor.dtype)
+            if view is None:
+                time.sleep(delay)
+                view = session.put(name, tensor)
+            assert torch.equal(view, tensor), name
+            digest.update((ctypes.c_ubyte * view.nbytes).from_address(view.data_ptr()))
+        assert session.complete
+        stats = dict(session.stats)
+    print(json.dumps({"digest": digest.hexdigest(), "stats": stats}), flush=True)
+    """
+)
+
+
+def start_builder(root, go_file, delay=0.0, count=4, big=0) -> subprocess.Popen:
+    child = subprocess.Popen(
+        [sys.executable, "-c", BUILDER, str(root), str(go_file), str(delay), str(count), str(big)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout.readline().strip() == "ready", child.stderr.read()
+    return child
+
+
+def finish(child: subprocess.Popen) -> tuple[dict, str]:
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+def expected_tensors(count=4) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return {f"blocks.{i}.w": torch.randn(128, 256, generator=gen) for i in range(count)}
+
+
+def file_digests(folder: str) -> dict[str, str]:
+    return {n: hashlib.sha256(open(os.path.join(folder, n), "rb").read()).hexdigest() for n in sorted(os.listdir(folder))}
+
+
+def test_two_processes_starting_at_once_build_once_and_serve_the_same_bytes(tmp_path):
+    root, go = tmp_path / "root", tmp_path / "go"
+    first = start_builder(root, go, delay=0.25)
+    second = start_builder(root, go, delay=0.25)
+    go.touch()
+    (a, err_a), (b, err_b) = finish(first), finish(second)
+
+    written = a["stats"]["layers_written"] + b["stats"]["layers_written"]
+    hits = a["stats"]["layers_hit"] + b["stats"]["layers_hit"]
+    assert (written, hits) == (4, 4)  # one built all four, the other adopted all four
+    assert a["digest"] == b["digest"]
+    waiter_err = err_a if a["stats"]["layers_hit"] else err_b
+    assert "in use by another process (most likely building it); waiting" in waiter_err
+    assert max(a["stats"]["lock_wait_seconds"], b["stats"]["lock_wait_seconds"]) > 0.5
+    folder = os.path.join(root, "lora_merge_cache", KEY.hex)
+    assert not [n for n in os.listdir(folder) if n.startswith(".tmp-")]
+    assert [r.state for r in verify_all(os.path.join(root, "lora_merge_cache"))] == ["ok"]
+
+
+def wait_for_temporary_file(folder: str, child: subprocess.Popen, sealed: int, timeout=30.0) -> str:
+    """Wait until ``sealed`` layers are in place and the next one is being written."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert child.poll() is None, child.stderr.read()
+        names = os.listdir(folder) if os.path.isdir(folder) else []
+        tmp = [n for n in names if n.startswith(".tmp-")]
+        if tmp and len([n for n in names if n.endswith(".safetensors") and n not in tmp]) == sealed:
+            return tmp[0]
+        time.sleep(0.0005)
+    raise AssertionError("the build never started writing its large layer")
+
+
+def test_a_build_killed_mid_write_resumes_from_its_sealed_layers(tmp_path):
+    root, go = tmp_path / "root", tmp_path / "go"
+    folder = os.path.join(root, "lora_merge_cache", KEY.hex)
+    child = start_builder(root, go, count=4, big=32)  # 4 small layers, then a 32 MiB one
+    go.touch()
+    wait_for_temporary_file(folder, child, sealed=4)
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+
+    left = os.listdir(folder)
+    assert "manifest.json" not in left and any(n.startswith(".tmp-") for n in left)  # torn, unsealed
+    tensors = expected_tensors()
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(4):
+        torch.randn(128, 256, generator=gen)
+    tensors["blocks.big.w"] = torch.randn(32, 1024, 256, generator=gen)
+    expected = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
+
+    with Vault(root).open(KEY, expected) as session:  # the kernel released the dead builder's lock
+        assert session.stats["layers_resumed"] == 4 and not session.complete
+        assert not [n for n in os.listdir(folder) if n.startswith(".tmp-")]
+        for name, tensor in tensors.items():
+            view = session.get(name, tuple(tensor.shape), tensor.dtype)
+            view = view if view is not None else session.put(name, tensor)
+            assert torch.equal(view, tensor), name
+        assert (session.stats["layers_hit"], session.stats["layers_written"]) == (4, 1)
+        assert session.complete
+    assert [r.state for r in verify_all(os.path.join(root, "lora_merge_cache"))] == ["ok"]
+    sealed = file_digests(folder)
+    with Vault(root).open(KEY, expected) as session:
+        assert session.complete and session.stats["layers_resumed"] == 0
+    assert file_digests(folder).keys() == sealed.keys()

@@ -1,0 +1,125 @@
+"""The cache key: each input changes it, same-size replacements change it, hashes are memoised."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from lora_cache.vault import Vault
+from lora_cache.vault_key import AdapterHashMemo, adapter_identity, base_identity, cache_key
+from tests.conftest import run_python, write_safetensors
+
+
+def shards(tmp_path) -> list[str]:
+    return [
+        write_safetensors(tmp_path / "base-1.safetensors", {"blocks.0.w": torch.ones(16, 16)}),
+        write_safetensors(tmp_path / "base-2.safetensors", {"blocks.1.w": torch.ones(16, 16)}),
+    ]
+
+
+def adapter(tmp_path, name="turbo.safetensors", fill=1.0) -> str:
+    return write_safetensors(tmp_path / name, {"lora_A": torch.full((4, 16), fill), "lora_B": torch.full((16, 4), fill)})
+
+
+def key(base, adapters, dtype="bfloat16", policy="fp32-sum"):
+    return cache_key(base, adapters, dtype, policy).hex
+
+
+def test_every_input_changes_the_key(tmp_path):
+    base, memo = base_identity(shards(tmp_path)), AdapterHashMemo()
+    path = adapter(tmp_path)
+    one = adapter_identity(path, 1.0, None, memo=memo)
+    reference = key(base, [one])
+    assert len(reference) == 64 and reference == key(base, [adapter_identity(path, 1, None, memo=memo)])
+    other_base = base_identity(shards(tmp_path)[:1])
+    second = adapter_identity(adapter(tmp_path, "style.safetensors", 2.0), 1.0, None, memo=memo)
+    variants = {
+        "base": key(other_base, [one]),
+        "strength": key(base, [adapter_identity(path, 0.5, None, memo=memo)]),
+        "alpha": key(base, [adapter_identity(path, 1.0, 8.0, memo=memo)]),
+        "dtype": key(base, [one], dtype="float16"),
+        "policy": key(base, [one], policy="other"),
+        "format": cache_key(base, [one], "bfloat16", "fp32-sum", format_version=2).hex,
+        "more adapters": key(base, [one, second]),
+        "adapter order": key(base, [second, one]),
+        "extra input": key(base, [dict(one, rules=[["^x", "y"]])]),
+    }
+    assert reference not in variants.values()
+    assert len(set(variants.values())) == len(variants)
+    assert cache_key(base, [one], "torch.bfloat16", "fp32-sum").hex == reference
+
+
+def test_shard_order_and_adapter_location_do_not_change_the_key(tmp_path):
+    paths = shards(tmp_path)
+    assert base_identity(paths) == base_identity(paths[::-1])
+    memo = AdapterHashMemo()
+    original = adapter(tmp_path)
+    copy = shutil.copy(original, tmp_path / "copied-elsewhere.safetensors")
+    base = base_identity(paths)
+    assert key(base, [adapter_identity(original, 1.0, None, memo=memo)]) == key(
+        base, [adapter_identity(copy, 1.0, None, memo=memo)]
+    )
+
+
+def test_a_same_size_base_shard_with_the_old_mtime_still_changes_the_key(tmp_path):
+    """Header hash is what tells them apart when size and mtime_ns are forged."""
+    path = write_safetensors(tmp_path / "base.safetensors", {"blocks.0.a": torch.ones(8, 8)})
+    before = os.stat(path)
+    identity = base_identity([path])
+    write_safetensors(tmp_path / "new.safetensors", {"blocks.0.b": torch.ones(8, 8)})
+    os.replace(tmp_path / "new.safetensors", path)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = base_identity([path])
+    shard_before, shard_after = identity["shards"][0], after["shards"][0]
+    assert (shard_before["size"], shard_before["mtime_ns"]) == (shard_after["size"], shard_after["mtime_ns"])
+    assert shard_before["header_sha256"] != shard_after["header_sha256"]
+    assert key(identity, []) != key(after, [])
+
+
+def test_a_same_size_adapter_with_the_old_mtime_is_rehashed_and_changes_the_key(tmp_path):
+    memo = AdapterHashMemo()
+    path = adapter(tmp_path, fill=1.0)
+    before = os.stat(path)
+    first = adapter_identity(path, 1.0, None, memo=memo)
+    with open(path, "r+b") as handle:  # rewrite in place: same inode, same size, new bytes
+        handle.write(open(adapter(tmp_path, "other.safetensors", fill=2.0), "rb").read())
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    second = adapter_identity(path, 1.0, None, memo=memo)
+    assert (first["size"], first["mtime_ns"]) == (second["size"], second["mtime_ns"])
+    assert first["sha256"] != second["sha256"] and memo.computed == 2
+    base = base_identity(shards(tmp_path))
+    assert key(base, [first]) != key(base, [second])
+
+
+def test_an_unchanged_adapter_is_not_rehashed_in_process(tmp_path):
+    memo = AdapterHashMemo()
+    path = adapter(tmp_path)
+    first = adapter_identity(path, 1.0, None, memo=memo)
+    for strength in (0.5, 1.0, 2.0):
+        assert adapter_identity(path, strength, None, memo=memo)["sha256"] == first["sha256"]
+    assert (memo.computed, memo.hits) == (1, 3)
+
+
+def test_the_on_disk_memo_spares_a_new_process_the_rehash(tmp_path):
+    vault = Vault(tmp_path / "root")
+    path = adapter(tmp_path)
+    digest = vault.adapter_identity(path, 1.0, None)["sha256"]
+    with open(vault.memo_file) as handle:
+        assert json.load(handle)["adapters"][os.path.realpath(path)]["sha256"] == digest
+    code = """
+        import sys
+        from lora_cache.vault import Vault
+        from lora_cache.vault_key import ADAPTER_HASH_MEMO as memo
+        identity = Vault(sys.argv[1]).adapter_identity(sys.argv[2], 1.0, None)
+        print(identity["sha256"], memo.computed, memo.hits)
+    """
+    done = run_python(code, str(tmp_path / "root"), path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [digest, "0", "1"]
+    with open(path, "ab") as handle:  # a changed file is hashed again, memo or not
+        handle.write(b" ")
+    done = run_python(code, str(tmp_path / "root"), path)
+    assert done.stdout.split()[1:] == ["1", "0"]

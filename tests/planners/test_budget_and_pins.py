@@ -1,0 +1,152 @@
+"""The host budget, the device plan and the pin plans: pure functions over sizes."""
+
+from __future__ import annotations
+
+import pytest
+
+from hostmem.residency import Residency
+from planners.budget import HostLimit, host_budget, resolve_host_limit
+from planners.config import load_config
+from planners.deployment import plan_deployment
+from planners.device_plan import plan_device
+from planners.pin_plan import CostModel, MoveGroup, plan_pins
+from planners.sizes import ComponentSizes, Layer, from_declared
+from planners.whatif import predict
+
+MiB, GiB = 1024**2, 1024**3
+
+CONFIG = """
+deployment: unit
+host: {{limit: {limit}, reserve: 1GiB, max_pinned: {max_pinned}}}
+device: {{vram: {vram}, reserve: 0}}
+workload: {{steps: 4, passes_per_step: 2}}
+components:
+  dit: {{size: 1GiB, layers: 16, offload: layerwise, prefetch: 1}}
+  text_encoder: {{size: 256MiB, layers: 4, offload: full}}
+"""
+
+COST = CostModel(pinned_h2d=24e9, pageable_h2d=8e9, disk_read=3e9)
+
+
+def _config(write_config, limit="8GiB", max_pinned="100%", vram=0):
+    return load_config(write_config(CONFIG.format(limit=limit, max_pinned=max_pinned, vram=vram)), environ={})
+
+
+def _mapped(config, anonymous_extra: int = 0):
+    comps = {
+        name: predict(from_declared(name, c.offload, c.size, c.layer_count), c.load)
+        for name, c in config.components.items()
+    }
+    if anonymous_extra:
+        comps["leak"] = ComponentSizes("leak", "none", "declared", (), extra=Residency(anonymous=anonymous_extra))
+    return comps
+
+
+def _host(config):
+    return HostLimit(config.host.limit, "config", 64 * GiB, None)
+
+
+def test_the_budget_shows_each_term():
+    budget = host_budget(32 * GiB, 4 * GiB, 24 * GiB, Residency(anonymous=3 * GiB, shmem=GiB, pinned=2 * GiB), GiB)
+    assert budget.committed == 7 * GiB
+    assert budget.room == 21 * GiB
+    assert budget.pin_cap == 22 * GiB  # max_pinned less what is already pinned
+    assert budget.bytes == 21 * GiB
+
+
+def test_the_budget_is_capped_by_max_pinned():
+    budget = host_budget(32 * GiB, 4 * GiB, 8 * GiB, Residency())
+    assert (budget.room, budget.bytes) == (28 * GiB, 8 * GiB)
+
+
+def test_budget_zero_and_every_pin_plan_empty_when_committed_reaches_the_limit(write_config):
+    config = _config(write_config, limit="8GiB")
+    comps = _mapped(config, anonymous_extra=7 * GiB)  # + 1 GiB reserve = the limit
+    plan = plan_deployment(config, comps, _host(config))
+    assert plan.budget.committed == 7 * GiB and plan.budget.bytes == 0
+    assert plan.pins.plans and all(not p.pinned_layers and p.pinned_bytes == 0 for p in plan.pins.plans.values())
+    assert any(w.startswith("host budget is 0") for w in plan.warnings)
+    # One byte less committed and pins come back: the test can fail both ways.
+    comps = _mapped(config, anonymous_extra=7 * GiB - 64 * MiB)
+    assert plan_deployment(config, comps, _host(config)).pins.pinned_bytes > 0
+
+
+def test_a_large_budget_pins_every_streamed_layer_before_any_text_encoder_byte(write_config):
+    config = _config(write_config, limit="64GiB")
+    plan = plan_deployment(config, _mapped(config), _host(config))
+    dit, te = plan.pins.plans["dit"], plan.pins.plans["text_encoder"]
+    assert list(plan.pins.plans) == ["dit", "text_encoder"]  # priority order: moves per request
+    assert dit.pinned_layers == plan.device.streamed_layers and len(dit.pinned_layers) == 16
+    assert dit.pinned_bytes == GiB and te.pinned_bytes == 256 * MiB
+    assert dit.transfer_s_per_request < dit.baseline_transfer_s_per_request
+
+
+def test_a_text_encoder_gets_only_what_is_left_in_whole_layers(write_config):
+    # Budget: 1 GiB DiT + 100 MiB: one 64 MiB text-encoder layer fits, not two.
+    config = _config(write_config, limit="4GiB", max_pinned=f"{GiB + 100 * MiB}")
+    plan = plan_deployment(config, _mapped(config), _host(config))
+    assert plan.pins.plans["dit"].pinned_bytes == GiB
+    assert plan.pins.plans["text_encoder"].pinned_layers == ("layers.0",)
+    # A smaller budget: the DiT loses layers first and the text encoder gets nothing.
+    config = _config(write_config, limit="4GiB", max_pinned="512MiB")
+    plan = plan_deployment(config, _mapped(config), _host(config))
+    assert plan.pins.plans["dit"].pinned_bytes == 512 * MiB
+    assert plan.pins.plans["text_encoder"].pinned_bytes == 0
+
+
+def _layers(prefix, count, nbytes, **residency):
+    res = residency or {"file_backed": nbytes}
+    return tuple(Layer(f"{prefix}.{i}", nbytes, Residency(**res)) for i in range(count))
+
+
+def test_pinning_less_wins_when_the_cost_model_says_so():
+    # A streamed layer of 150 MiB (moves 10x) is too big for the 120 MiB pin cap, so the
+    # greedy choice pins the 120 MiB text-encoder layer. That leaves 80 MiB of the 200 MiB
+    # room for page cache: the streamed layer would be read from disk on every pass.
+    dit = MoveGroup("dit", _layers("blocks", 1, 150 * MiB), moves=10)
+    te = MoveGroup("te", _layers("enc", 1, 120 * MiB), moves=1)
+    budget = host_budget(GiB + 200 * MiB, GiB, 120 * MiB, Residency())
+    plans = plan_pins([dit, te], budget, COST)
+    assert plans.allowed_layers == 1  # the greedy choice: the TE layer
+    assert plans.plans["te"].pinned_bytes == 0  # ...undone: it would push the DiT to disk
+    assert plans.plans["dit"].page_cache_fits and plans.plans["dit"].disk_bytes_per_request == 0
+    assert any("pinned 0 of the 1 layers" in w for w in plans.warnings)
+
+
+def test_thrash_is_reported_with_the_disk_reads_it_costs():
+    dit = MoveGroup("dit", _layers("blocks", 10, 100 * MiB), moves=4)
+    budget = host_budget(GiB + 500 * MiB, GiB, 0, Residency())  # no pins, 500 MiB of cache
+    plans = plan_pins([dit], budget, COST)
+    plan = plans.plans["dit"]
+    assert not plan.page_cache_fits and plan.disk_bytes_per_request == 4 * 1000 * MiB
+    assert plan.transfer_s_per_request == pytest.approx(4 * 1000 * MiB * (1 / 8e9 + 1 / 3e9))
+    assert any(w.startswith("page-cache thrash: dit") for w in plans.warnings)
+
+
+def test_anonymous_layers_cost_nothing_more_to_pin():
+    layers = _layers("blocks", 4, 100 * MiB, anonymous=100 * MiB)
+    budget = host_budget(GiB + 50 * MiB, GiB, 10 * GiB, Residency(anonymous=400 * MiB))
+    assert budget.room == 0 and budget.bytes == 0  # committed anonymous ate the room...
+    budget = host_budget(2 * GiB, GiB, 10 * GiB, Residency(anonymous=400 * MiB))
+    plans = plan_pins([MoveGroup("dit", layers, 4)], budget, COST)
+    assert plans.plans["dit"].pinned_bytes == 400 * MiB and plans.plans["dit"].net_cost_bytes == 0
+
+
+def test_the_device_plan_keeps_whole_layers_under_the_cap():
+    sizes = from_declared("dit", "layerwise", 16 * 100 * MiB, 16)
+    plan = plan_device(sizes, vram=1000 * MiB, reserve=200 * MiB, prefetch=1)
+    # 800 MiB usable - a window of 2 layers (200 MiB) = 600 MiB: 6 layers resident.
+    assert plan.window_bytes == 200 * MiB and len(plan.resident_layers) == 6
+    assert plan.streamed_layers == tuple(f"layers.{i}" for i in range(6, 16))
+    everything = plan_device(sizes, vram=2 * GiB, reserve=0, prefetch=1)
+    assert not everything.streamed_layers and everything.window_bytes == 0
+    host_only = plan_device(sizes, vram=0, reserve=0, prefetch=1)
+    assert not host_only.resident_layers and len(host_only.streamed_layers) == 16 and host_only.fits
+
+
+def test_auto_limit_is_the_tighter_of_memtotal_and_the_cgroup():
+    assert resolve_host_limit(None, 64 * GiB, 16 * GiB) == HostLimit(16 * GiB, "cgroup", 64 * GiB, 16 * GiB)
+    assert resolve_host_limit(None, 64 * GiB, None).source == "MemTotal"
+    assert resolve_host_limit(None, 64 * GiB, 128 * GiB).bytes == 64 * GiB
+    configured = resolve_host_limit(32 * GiB, 64 * GiB, 16 * GiB, "HOSTMEM_HOST_LIMIT")
+    assert (configured.bytes, configured.source, configured.machine_bytes) == (32 * GiB, "HOSTMEM_HOST_LIMIT", 16 * GiB)

@@ -1,0 +1,164 @@
+"""Deployment configs: parsing, validation errors that name file, key and line, overrides."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+from planners.config import ENV_OVERRIDES, ConfigError, load_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+GOOD = """
+deployment: test
+host:
+  limit: 32GiB
+  reserve: 4GiB
+  max_pinned: 75%
+device:
+  vram: 12GiB
+  reserve: 2GiB
+transfer:
+  pinned_h2d: 24GB/s
+workload:
+  steps: 4
+  passes_per_step: 2
+components:
+  dit:
+    size: 61.7GB
+    layers: 208
+    lora_targets: 38GB
+    offload: layerwise
+  text_encoder:
+    size: 15GB
+    offload: full
+"""
+
+
+def test_a_good_config_parses_into_bytes_and_fractions(write_config):
+    config = load_config(write_config(GOOD), environ={})
+    assert config.host.limit == 32 * 1024**3
+    assert config.host.reserve == 4 * 1024**3
+    assert config.host.max_pinned(config.host.limit) == 24 * 1024**3
+    assert config.device.vram == 12 * 1024**3
+    assert config.transfer.pinned_h2d == 24e9
+    assert config.transfer.pageable_h2d == 8e9  # the documented default
+    assert config.workload.passes == 8
+    dit = config.components["dit"]
+    assert (dit.size, dit.layer_count, dit.lora_target_bytes) == (61_700_000_000, 208, 38_000_000_000)
+    assert config.streamed is dit and config.merge_target is dit
+
+
+@pytest.mark.parametrize(
+    "old, new, key, line, words",
+    [
+        ("  reserve: 4GiB\n", "  reserv: 4GiB\n", "host.reserv", 4, "did you mean 'reserve'"),
+        ("  limit: 32GiB\n", "  limit: 32 parsecs\n", "host.limit", 3, "not a size"),
+        ("  max_pinned: 75%\n", "  max_pinned: 175%\n", "host.max_pinned", 5, "between 0% and 100%"),
+        ("  reserve: 4GiB\n", "  reserve: 40GiB\n", "host.reserve", 4, "lower the reserve"),
+        ("  steps: 4\n", "  steps: four\n", "workload.steps", 12, "whole number"),
+        ("    offload: full\n", "    offload: sometimes\n", "components.text_encoder.offload", 22, "layerwise, full"),
+        ("    size: 15GB\n", "    path: no/such/folder\n", "components.text_encoder.path", 21, "does not exist"),
+        ("  passes_per_step: 2\n", "  passes_per_step: 2\n  steps: 5\n", "workload.steps", 14, "given twice"),
+    ],
+)
+def test_errors_name_file_key_and_line(write_config, old, new, key, line, words):
+    assert old in GOOD
+    path = write_config(GOOD.replace(old, new, 1))
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, environ={})
+    message = str(caught.value)
+    assert message.startswith(f"{path}:{line}: {key}: "), message
+    assert words in message
+
+
+def test_a_component_needs_a_path_or_declared_sizes(write_config):
+    path = write_config(GOOD.replace("    size: 15GB\n", ""))
+    with pytest.raises(ConfigError, match=r":20: components.text_encoder: give either path"):
+        load_config(path, environ={})
+
+
+def test_a_layerwise_checkpoint_needs_a_layer_pattern(write_config, tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    text = GOOD.replace("    size: 61.7GB\n    layers: 208\n    lora_targets: 38GB\n", "    path: ckpt\n    layers: 208\n")
+    with pytest.raises(ConfigError, match=r"components.dit.layers: 208 is not a layer pattern"):
+        load_config(write_config(text), environ={})
+
+
+def test_relative_paths_start_at_the_config_folder(write_config, tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    text = GOOD.replace("    size: 61.7GB\n    layers: 208\n", '    path: ckpt\n    layers: "blocks.{i}."\n')
+    text = text.replace("    lora_targets: 38GB\n", '    lora_targets: ["*.attn.*"]\n')
+    config = load_config(write_config(text), environ={})
+    assert config.components["dit"].path == os.fspath(tmp_path / "ckpt")
+    assert config.components["dit"].lora_target_patterns == ("*.attn.*",)
+
+
+def test_environment_overrides_documented_keys_only(write_config):
+    path = write_config(GOOD)
+    config = load_config(path, environ={"HOSTMEM_HOST_LIMIT": "48GiB", "HOSTMEM_MAX_PINNED": "16GiB",
+                                        "HOSTMEM_UNKNOWN": "1", "HOME": "/"})
+    assert config.host.limit == 48 * 1024**3
+    assert config.host.max_pinned(config.host.limit) == 16 * 1024**3
+    assert config.origin.overrides == {"host.limit": "HOSTMEM_HOST_LIMIT", "host.max_pinned": "HOSTMEM_MAX_PINNED"}
+    assert set(ENV_OVERRIDES) == {"HOSTMEM_HOST_LIMIT", "HOSTMEM_HOST_RESERVE", "HOSTMEM_MAX_PINNED",
+                                  "HOSTMEM_DEVICE_VRAM"}
+
+
+def test_a_bad_override_names_the_variable(write_config):
+    path = write_config(GOOD)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, environ={"HOSTMEM_DEVICE_VRAM": "lots"})
+    assert str(caught.value).startswith(f"HOSTMEM_DEVICE_VRAM (overrides device.vram of {path}): device.vram: ")
+
+
+def test_yaml_syntax_errors_give_the_line(write_config):
+    path = write_config(GOOD.replace("  vram: 12GiB\n", "  vram: [12GiB\n"))
+    with pytest.raises(ConfigError, match=rf"^{path}:\d+: not valid YAML"):
+        load_config(path, environ={})
+
+
+def test_a_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_only_one_component_streams(write_config):
+    path = write_config(GOOD.replace("    offload: full\n", "    offload: layerwise\n    layers: 4\n"))
+    with pytest.raises(ConfigError, match=r":22: components.text_encoder.offload: only one component"):
+        load_config(path, environ={})
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml"))))
+def test_the_shipped_declared_configs_parse(path):
+    text = open(path).read()
+    if "path:" in text.split("components:")[1].split("lora:")[0]:
+        pytest.skip("names a checkpoint folder that the demo or the bench writes")
+    config = load_config(path, environ={})
+    assert config.components and config.streamed is not None
+
+
+def test_a_cache_root_on_tmpfs_is_a_warning(write_config):
+    from hostmem.procfs import filesystem_of
+    from planners.host_checks import cache_root_warnings
+
+    mount = filesystem_of("/dev/shm")
+    if mount is None or mount.fs_type != "tmpfs":
+        pytest.skip("/dev/shm is not tmpfs here")
+    text = GOOD + "lora:\n  adapters: [{path: a.safetensors}]\n  cache: {root: /dev/shm/hostmem-cache}\n"
+    (warning,) = cache_root_warnings(load_config(write_config(text), environ={}))
+    assert "lora.cache.root /dev/shm/hostmem-cache" in warning and ":25) is on tmpfs" in warning
+    on_disk = text.replace("/dev/shm/hostmem-cache", "cache")
+    assert cache_root_warnings(load_config(write_config(on_disk), environ={})) == []
+
+
+def test_reserve_above_an_auto_limit_is_an_error(write_config):
+    from planners.budget import read_host_limit
+
+    config = load_config(write_config(GOOD.replace("  limit: 32GiB\n", "  limit: auto\n")),
+                         environ={"HOSTMEM_HOST_RESERVE": "1TiB"})
+    with pytest.raises(ConfigError, match=r"^HOSTMEM_HOST_RESERVE \(overrides host.reserve of .*\): host.reserve: "
+                                          r"1.0 TiB is not below the host limit of .* \((MemTotal|cgroup)\)"):
+        read_host_limit(config)

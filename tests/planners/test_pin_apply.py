@@ -1,0 +1,117 @@
+"""Applying a pin plan on a CPU host mlocks exactly the planned bytes (VmLck, smaps, accountant)."""
+
+from __future__ import annotations
+
+import pytest
+
+import hostmem
+from hostmem.pinning import MlockBackend, Pinner, page_span
+from hostmem.procfs import PAGE_SIZE, read_smaps, read_status
+from planners.config import load_config
+from planners.pin_apply import PinMismatch, apply_pin_plan, layer_tensors
+from planners.sizes import from_ledger
+from planners.startup import plan_loaded
+
+from .conftest import MiB, mapped_module, write_checkpoint
+
+# Layers of 4 MiB + 12 bytes, so that layer boundaries fall inside pages. The host leaves
+# 30 MiB of room: 7 of the 12 streamed DiT layers get pinned, the text encoder none.
+CONFIG = """
+deployment: pin-apply
+host: {limit: 2078MiB, reserve: 2GiB, max_pinned: 100%}
+workload: {steps: 2}
+components:
+  dit: {path: dit, layers: "blocks.{i}.", offload: layerwise}
+  text_encoder: {path: te, layers: "enc.{i}.", offload: full}
+"""
+
+
+@pytest.fixture
+def loaded(tmp_path):
+    write_checkpoint(tmp_path / "dit", 12, 4 * MiB + 12)
+    write_checkpoint(tmp_path / "te", 2, 4 * MiB, prefix="enc")
+    (tmp_path / "deploy.yaml").write_text(CONFIG.lstrip())
+    config = load_config(tmp_path / "deploy.yaml", environ={})
+    modules = {"dit": mapped_module(tmp_path / "dit"), "text_encoder": mapped_module(tmp_path / "te")}
+    return config, modules
+
+
+def _pages_of(modules, config, plan) -> int:
+    """Whole pages under the planned layers, computed here from the tensors themselves."""
+    spans = []
+    for name, pins in plan.pins.plans.items():
+        groups = layer_tensors(modules[name], config.components[name].layer_pattern)
+        for layer in pins.pinned_layers:
+            spans += [page_span(t) for t in groups[layer]]
+    spans.sort()
+    total, end = 0, 0
+    for s, e in spans:
+        s = max(s, end)
+        if e > s:
+            total, end = total + e - s, e
+    return total
+
+
+def test_applying_a_plan_on_the_cpu_mlocks_exactly_the_planned_bytes(loaded):
+    config, modules = loaded
+    plan = plan_loaded(config, modules)
+    dit = plan.pins.plans["dit"]
+    assert len(dit.pinned_layers) == 7 and plan.pins.plans["text_encoder"].pinned_bytes == 0
+    vm_before = read_status().vm_lck
+    smaps_before = sum(v.locked for v in read_smaps())
+    applied = apply_pin_plan(plan, modules, config, Pinner(MlockBackend()))
+    try:
+        pages = _pages_of(modules, config, plan)
+        assert applied.locked_bytes == pages
+        assert read_status().vm_lck - vm_before == pages
+        assert sum(v.locked for v in read_smaps()) - smaps_before == pages
+        assert 0 <= pages - dit.pinned_bytes < 2 * PAGE_SIZE  # one run of layers: two partial pages
+        ledger = hostmem.account(modules)
+        layers = {u.name: u for u in from_ledger(ledger.components["dit"], "layerwise", "blocks.{i}.").units}
+        assert sum(layers[n].residency.pinned for n in dit.pinned_layers) == dit.pinned_bytes
+        others = sum(u.residency.pinned for n, u in layers.items() if n not in dit.pinned_layers)
+        assert others < 2 * PAGE_SIZE  # only what shares a boundary page with a pinned layer
+        replanned = plan_loaded(config, modules)  # pinned layers are committed now, and kept
+        assert replanned.pins.plans["dit"].pinned_layers == dit.pinned_layers
+        assert replanned.budget.committed_pinned >= dit.pinned_bytes
+    finally:
+        applied.release()
+    assert read_status().vm_lck == vm_before
+
+
+def test_a_plan_that_does_not_fit_the_modules_pins_nothing(loaded):
+    config, modules = loaded
+    plan = plan_loaded(config, modules)
+    other = {"dit": mapped_module_with_fewer_layers(modules), "text_encoder": modules["text_encoder"]}
+    vm_before = read_status().vm_lck
+    with pytest.raises(ValueError, match="plan again"):
+        apply_pin_plan(plan, other, config, Pinner(MlockBackend()))
+    assert read_status().vm_lck == vm_before
+
+
+def mapped_module_with_fewer_layers(modules):
+    dit = modules["dit"]
+    trimmed = type(dit)()
+    trimmed.add_module("blocks", type(dit)())
+    for name, child in dit.blocks.named_children():
+        if int(name) < 6:
+            trimmed.blocks.add_module(name, child)
+    return trimmed
+
+
+class LeakyBackend(MlockBackend):
+    """A backend whose locks do not hold: it locks, then lets go at once."""
+
+    def lock(self, start: int, length: int) -> None:
+        super().lock(start, length)
+        super().unlock(start, length)
+
+
+def test_a_verification_failure_undoes_the_pins(loaded):
+    config, modules = loaded
+    plan = plan_loaded(config, modules)
+    vm_before = read_status().vm_lck
+    pinner = Pinner(LeakyBackend())
+    with pytest.raises(PinMismatch, match=r"planned \d+ bytes pinned, the accountant finds 0"):
+        apply_pin_plan(plan, modules, config, pinner)
+    assert pinner.locked_bytes == 0 and read_status().vm_lck == vm_before
