@@ -16,13 +16,13 @@ $(STAMP): $(PY) pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/hostmem demo
+	$(VENV)/bin/hostmem demo --cgroup
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
-	$(PY) bench/run_all.py
+	$(PY) bench/run_all.py --write
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -7,40 +7,56 @@ backends. No planning and no LoRA live here.
 >>> import hostmem
 >>> ledger = hostmem.account({"dit": dit, "text_encoder": te})   # doctest: +SKIP
 >>> print(ledger.to_table())                                       # doctest: +SKIP
+
+Names are imported on first use, so ``import hostmem`` does not import torch: the
+command line, the guard and the planner start in a fraction of a second.
 """
 
-from .accountant import ComponentLedger, Ledger, ParameterEntry, account
-from .guard import GuardResult, run_guarded
-from .peak import PeakTracker, PeakTrackerError, track_peak_anon
-from .process import ProcessResidency, inspect_process
-from .procfs import ProcReadError, read_cgroup_memory, read_meminfo, read_status
-from .residency import RangeClassifier, Residency, classify_range
-from .safetensors_map import SafetensorsError, load_readonly, open_readonly, read_header
-from .units import format_size, parse_size
+from __future__ import annotations
 
-__all__ = [
-    "account",
-    "Ledger",
-    "ComponentLedger",
-    "ParameterEntry",
-    "classify_range",
-    "RangeClassifier",
-    "Residency",
-    "inspect_process",
-    "ProcessResidency",
-    "read_status",
-    "read_meminfo",
-    "read_cgroup_memory",
-    "ProcReadError",
-    "open_readonly",
-    "load_readonly",
-    "read_header",
-    "SafetensorsError",
-    "parse_size",
-    "format_size",
-    "track_peak_anon",
-    "PeakTracker",
-    "PeakTrackerError",
-    "run_guarded",
-    "GuardResult",
-]
+import importlib
+
+_EXPORTS = {
+    "account": "accountant",
+    "Ledger": "accountant",
+    "ComponentLedger": "accountant",
+    "ParameterEntry": "accountant",
+    "classify_range": "residency",
+    "RangeClassifier": "residency",
+    "Residency": "residency_classes",
+    "inspect_process": "process",
+    "ProcessResidency": "process",
+    "read_status": "procfs",
+    "read_meminfo": "procfs",
+    "read_cgroup_memory": "procfs",
+    "ProcReadError": "procfs",
+    "open_readonly": "safetensors_map",
+    "load_readonly": "safetensors_map",
+    "save_file": "safetensors_map",
+    "read_header": "safetensors_header",
+    "SafetensorsError": "safetensors_header",
+    "parse_size": "units",
+    "format_size": "units",
+    "track_peak_anon": "peak",
+    "PeakTracker": "peak",
+    "PeakTrackerError": "peak",
+    "run_guarded": "guard",
+    "GuardResult": "guard",
+    "Pinner": "pinning",
+    "PinError": "pinning",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hostmem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

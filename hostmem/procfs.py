@@ -334,40 +334,42 @@ def _ancestors(directory: str, root: str) -> list[str]:
         current = os.path.dirname(current)
 
 
-def read_cgroup_v1_dir(directory: str, root: str | None = None) -> CgroupMemory:
-    """Read a v1 memory cgroup folder (``memory.limit_in_bytes`` and friends)."""
+@dataclass(frozen=True)
+class _CgroupFiles:
+    limit: str
+    usage: str
+    peak: str
+
+
+_V1_FILES = _CgroupFiles("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.max_usage_in_bytes")
+_V2_FILES = _CgroupFiles("memory.max", "memory.current", "memory.peak")
+
+
+def _read_cgroup_dir(version: int, files: _CgroupFiles, directory: str, root: str | None) -> CgroupMemory:
     limits = [
-        _read_int_or_none(os.path.join(d, "memory.limit_in_bytes"))
+        _read_int_or_none(os.path.join(d, files.limit))
         for d in _ancestors(directory, root or directory)
-        if os.path.exists(os.path.join(d, "memory.limit_in_bytes"))
+        if os.path.exists(os.path.join(d, files.limit))
     ]
-    peak_file = os.path.join(directory, "memory.max_usage_in_bytes")
+    peak_file = os.path.join(directory, files.peak)
     return CgroupMemory(
-        version=1,
+        version=version,
         path=directory,
         limit_bytes=_tightest(limits),
-        usage_bytes=_read_int_or_none(os.path.join(directory, "memory.usage_in_bytes")) or 0,
+        usage_bytes=_read_int_or_none(os.path.join(directory, files.usage)) or 0,
         peak_bytes=_read_int_or_none(peak_file) if os.path.exists(peak_file) else None,
         stat=_read_stat(os.path.join(directory, "memory.stat")),
     )
+
+
+def read_cgroup_v1_dir(directory: str, root: str | None = None) -> CgroupMemory:
+    """Read a v1 memory cgroup folder (``memory.limit_in_bytes`` and friends)."""
+    return _read_cgroup_dir(1, _V1_FILES, directory, root)
 
 
 def read_cgroup_v2_dir(directory: str, root: str | None = None) -> CgroupMemory:
     """Read a v2 cgroup folder (``memory.max``, ``memory.current``, ``memory.peak``)."""
-    limits = [
-        _read_int_or_none(os.path.join(d, "memory.max"))
-        for d in _ancestors(directory, root or directory)
-        if os.path.exists(os.path.join(d, "memory.max"))
-    ]
-    peak_file = os.path.join(directory, "memory.peak")
-    return CgroupMemory(
-        version=2,
-        path=directory,
-        limit_bytes=_tightest(limits),
-        usage_bytes=_read_int_or_none(os.path.join(directory, "memory.current")) or 0,
-        peak_bytes=_read_int_or_none(peak_file) if os.path.exists(peak_file) else None,
-        stat=_read_stat(os.path.join(directory, "memory.stat")),
-    )
+    return _read_cgroup_dir(2, _V2_FILES, directory, root)
 
 
 def memory_cgroup_dir(pid: int | None = None) -> tuple[int, str, str] | None:

@@ -21,7 +21,7 @@ tensors is split between them by the bytes each one covers.
 from __future__ import annotations
 
 import bisect
-from dataclasses import asdict, dataclass, fields
+from dataclasses import fields
 
 import torch
 
@@ -37,49 +37,15 @@ from .procfs import (
     read_smaps,
     read_status,
 )
+from .residency_classes import CLASSES, Residency
 
 __all__ = ["Residency", "RangeClassifier", "classify_range", "CLASSES"]
 
-CLASSES = ("anonymous", "file_backed", "shmem", "pinned", "swapped", "not_resident")
 _ANONYMOUS, _FILE_BACKED, _SHMEM, _PINNED, _SWAPPED, _NOT_RESIDENT = range(len(CLASSES))
 
 _DEVICE_PREFIXES = ("/dev/nvidia", "/dev/dri/", "/dev/kfd")
 _SHMEM_FS = {"tmpfs", "devtmpfs", "hugetlbfs", "ramfs", "shm"}
 _SHMEM_NAMES = ("/SYSV", "/memfd:", "/dev/zero", "[anon_shmem")
-
-
-@dataclass(frozen=True)
-class Residency:
-    """Bytes of one range (or a sum of ranges) per residency class."""
-
-    anonymous: int = 0
-    file_backed: int = 0
-    shmem: int = 0
-    pinned: int = 0
-    swapped: int = 0
-    not_resident: int = 0
-
-    def __add__(self, other: "Residency") -> "Residency":
-        return Residency(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
-
-    @property
-    def non_reclaimable(self) -> int:
-        """Anonymous + shmem + pinned: what the kernel cannot drop without swap."""
-        return self.anonymous + self.shmem + self.pinned
-
-    @property
-    def resident(self) -> int:
-        return self.anonymous + self.file_backed + self.shmem + self.pinned
-
-    @property
-    def total(self) -> int:
-        return self.resident + self.swapped + self.not_resident
-
-    def to_dict(self) -> dict[str, int]:
-        """JSON-safe dict in bytes, with ``non_reclaimable`` added."""
-        out = asdict(self)
-        out["non_reclaimable"] = self.non_reclaimable
-        return out
 
 
 def _strip_deleted(path: str) -> str:

@@ -291,7 +291,10 @@ def combination_key(vault, files: list[AdapterFile], specs: list[Adapter], shard
 
 def _open_session(targets, files, specs, cache_root, max_size, base_files):
     """Open the vault for this combination: ``(key hex, session context)``."""
-    shards = [os.fspath(p) for p in base_files] if base_files is not None else mapped_base_files(targets, AddressSpace())
+    if base_files is None:
+        shards = mapped_base_files(targets, AddressSpace())
+    else:
+        shards = [os.fspath(p) for p in base_files]
     vault = Vault(os.path.expanduser(os.fspath(cache_root)), max_size)
     key = combination_key(vault, files, specs, shards, {t.current.dtype for t in targets})
     expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in targets}

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hostmem.procfs import read_cgroup_memory, read_meminfo
-from hostmem.residency import Residency
+from hostmem.residency_classes import Residency
 from hostmem.units import format_size
 
 from .config import DeploymentConfig

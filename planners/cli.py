@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     from hostmem.procfs import ProcReadError
-    from hostmem.safetensors_map import SafetensorsError
+    from hostmem.safetensors_header import SafetensorsError
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from hostmem.residency import Residency
+from hostmem.residency_classes import Residency
 from hostmem.units import format_size
 
 from .budget import HostBudget, HostLimit, host_budget

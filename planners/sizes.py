@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Iterable
 
-from hostmem.residency import CLASSES, Residency
+from hostmem.residency_classes import CLASSES, Residency
 
 __all__ = [
     "Layer",

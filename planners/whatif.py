@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hostmem.residency import Residency
+from hostmem.residency_classes import Residency
 
 from .checkpoint import read_checkpoint
 from .config import ComponentConfig, DeploymentConfig

@@ -14,7 +14,7 @@ def register(subparsers) -> None:
         description="Write a synthetic DiT, text encoder and LoRA adapter, start each scenario in its own "
         "process under the peak tracker, and print what each costs the host.",
     )
-    parser.add_argument("--scale", default="2GiB", help="size of the synthetic DiT (default 2GiB)")
+    parser.add_argument("--scale", default="4GiB", help="size of the synthetic DiT (default 4GiB)")
     parser.add_argument("--host-limit", default=None, metavar="SIZE",
                         help="host convention (default: 32 GiB scaled to the DiT as to MiniMax-H3's 61.7 GB)")
     parser.add_argument("--workdir", default=None, metavar="DIR",

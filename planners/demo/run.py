@@ -43,7 +43,7 @@ LABELS = {
 
 @dataclass(frozen=True)
 class DemoSettings:
-    scale: int = 2 * 1024**3  # bytes of synthetic DiT
+    scale: int = 4 * 1024**3  # bytes of synthetic DiT
     host_limit: int | None = None  # None: the seed convention scaled to ``scale``
     workdir: str | None = None
     rank: int = 32

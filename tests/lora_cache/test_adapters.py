@@ -71,7 +71,9 @@ def lora_change(out: int, inp: int, rank: int, seed: int, alpha=None, conv=None)
 _SUFFIXES = {
     "peft": {"down": "lora_A.weight", "up": "lora_B.weight", "alpha": "alpha"},
     "kohya": {"down": "lora_down.weight", "up": "lora_up.weight", "alpha": "alpha"},
-    "comfyui": {"down": "lora_down.weight", "up": "lora_up.weight", "alpha": "alpha", "diff": "diff", "diff_b": "diff_b"},
+    "comfyui": {
+        "down": "lora_down.weight", "up": "lora_up.weight", "alpha": "alpha", "diff": "diff", "diff_b": "diff_b",
+    },
 }
 
 
@@ -85,7 +87,7 @@ def adapter_key(fmt: str, module: str, role: str, prefix: str | None = None) -> 
     return f"{stem}.{_SUFFIXES[fmt][role]}"
 
 
-def write_adapter(path, fmt: str, changes: dict[str, dict], prefix: str | None = None, config: dict | None = None) -> str:
+def write_adapter(path, fmt: str, changes: dict[str, dict], prefix: str | None = None, config=None) -> str:
     """Write ``{module: {up, down, alpha, diff, diff_b}}`` in ``fmt``'s layout; return the path.
 
     peft writes ``adapter_model.safetensors`` plus ``adapter_config.json`` in the folder
@@ -154,12 +156,14 @@ def test_peft_rslora_and_alpha_override(tmp_path):
     changes = {"blocks.0.attn.to_q": lora_change(64, 64, 16, 1)}
     folder = write_adapter(tmp_path / "peft", "peft", changes, config={"r": 16, "lora_alpha": 8, "use_rslora": True})
     assert _scales(model, [folder]) == {"blocks.0.attn.to_q.weight": pytest.approx(8 / 4)}
-    assert _scales(model, [Adapter(folder, alpha=32.0, rslora=False)]) == {"blocks.0.attn.to_q.weight": pytest.approx(2.0)}
+    overridden = _scales(model, [Adapter(folder, alpha=32.0, rslora=False)])
+    assert overridden == {"blocks.0.attn.to_q.weight": pytest.approx(2.0)}
 
 
 def test_peft_rank_that_contradicts_the_config_is_an_error(tmp_path):
     model = mapped_model(tmp_path)
-    folder = write_adapter(tmp_path / "peft", "peft", {"blocks.0.attn.to_q": lora_change(64, 64, 4, 1)}, config={"r": 8})
+    changes = {"blocks.0.attn.to_q": lora_change(64, 64, 4, 1)}
+    folder = write_adapter(tmp_path / "peft", "peft", changes, config={"r": 8})
     with pytest.raises(AdapterError, match=r"lora_A.weight' has rank 4 but adapter_config.json says r=8"):
         plan_targets(model, [folder])
 
@@ -190,7 +194,8 @@ def test_kohya_name_that_two_modules_could_mean_is_an_error(tmp_path):
     root.a_b.c = nn.Linear(8, 8)
     model = mapped_model(tmp_path, module=root)
     path = write_adapter(tmp_path / "k.safetensors", "kohya", {"a.b_c": lora_change(8, 8, 2, 1)})
-    with pytest.raises(KeyResolutionError, match=r"k.safetensors: adapter key 'lora_unet_a_b_c.lora_down.weight' could name any of \['a.b_c', 'a_b.c'\]"):
+    expected = r"k.safetensors: adapter key 'lora_unet_a_b_c.lora_down.weight' could name any of \['a.b_c', 'a_b.c'\]"
+    with pytest.raises(KeyResolutionError, match=expected):
         plan_targets(model, [path])
 
 
@@ -204,7 +209,9 @@ def test_comfyui_diffs_land_on_weight_and_bias(tmp_path):
     assert read_adapter(path).format == "comfyui"
     targets, _ = plan_targets(model, [(path, 0.7)])
     by_name = {t.name: t.deltas[0] for t in targets}
-    assert list(by_name) == ["blocks.0.attn.to_q.weight", "blocks.0.attn.to_q.bias", "blocks.1.norm.weight", "blocks.1.norm.bias"]
+    assert list(by_name) == [
+        "blocks.0.attn.to_q.weight", "blocks.0.attn.to_q.bias", "blocks.1.norm.weight", "blocks.1.norm.bias",
+    ]
     assert by_name["blocks.0.attn.to_q.bias"].up is None and by_name["blocks.0.attn.to_q.bias"].diff_scale == 0.7
     assert by_name["blocks.1.norm.weight"].up is None and by_name["blocks.1.norm.weight"].diff is not None
 
@@ -280,7 +287,8 @@ def test_unsupported_variants_are_refused_naming_the_key(tmp_path, key, variant)
 
 
 def test_peft_config_with_dora_is_refused(tmp_path):
-    folder = write_adapter(tmp_path / "peft", "peft", {"blocks.0.attn.to_q": lora_change(64, 64, 8, 1)}, config={"use_dora": True})
+    changes = {"blocks.0.attn.to_q": lora_change(64, 64, 8, 1)}
+    folder = write_adapter(tmp_path / "peft", "peft", changes, config={"use_dora": True})
     with pytest.raises(AdapterError, match="use_dora is true"):
         read_adapter(folder)
 

@@ -81,7 +81,8 @@ def test_each_format_merges_onto_the_right_parameters(tmp_path, fmt):
     model = mapped_model(tmp_path, dtype=torch.bfloat16)
     before = _weights(model)
     adapter, changes = _adapter(tmp_path, fmt=fmt)
-    lora_cache.merge(model, [lora_cache.Adapter(adapter, 0.5, alpha=8.0)], cache_root=tmp_path / "cache", progress=False)
+    spec = lora_cache.Adapter(adapter, 0.5, alpha=8.0)
+    lora_cache.merge(model, [spec], cache_root=tmp_path / "cache", progress=False)
     after = _weights(model)
     targets = {f"{module}.weight": parts for module, parts in changes.items()}
     for name, weight in after.items():

@@ -154,7 +154,8 @@ def test_a_cache_without_room_falls_back_in_place_with_one_warning(tmp_path):
     lora_cache.unmerge(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(lora_cache.CacheBuildError, match="could not store 'blocks.0.attn.to_q.weight'"):
-        lora_cache.merge(model, [adapter], cache_root=tmp_path / "cache", max_size="4KiB", fallback=False, progress=False)
+        lora_cache.merge(model, [adapter], cache_root=tmp_path / "cache", max_size="4KiB", fallback=False,
+                         progress=False)
     assert not lora_cache.is_merged(model)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
@@ -164,7 +165,8 @@ def test_weights_not_mapped_from_a_file_need_base_files(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(64, 64))
     base = write_safetensors(tmp_path / "base.safetensors", {k: v.detach() for k, v in model.state_dict().items()})
     adapter = write_adapter(tmp_path / "a.safetensors", "comfyui", {"0": lora_change(64, 64, 4, 1)})
-    with pytest.raises(ValueError, match=r"cannot tell which checkpoint 1 weight\(s\) come from \(0.weight\).*base_files="):
+    expected = r"cannot tell which checkpoint 1 weight\(s\) come from \(0.weight\).*base_files="
+    with pytest.raises(ValueError, match=expected):
         lora_cache.merge(model, [adapter], cache_root=tmp_path / "cache", progress=False)
     assert not lora_cache.is_merged(model)
     stats = lora_cache.merge(model, [adapter], cache_root=tmp_path / "cache", base_files=[base], progress=False)

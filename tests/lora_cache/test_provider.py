@@ -66,7 +66,8 @@ def test_from_checkpoint_sizes_the_targets_from_headers_and_sees_a_built_cache(t
     before = LoraCacheProvider.from_checkpoint("dit", shards, [adapter], root).offer()
     stats = lora_cache.merge(checkpoint_module(shards), [adapter], cache_root=root, base_files=shards, progress=False)
     assert stats.bytes == found.nbytes and stats.built == 3
-    layer_files = [e for e in os.scandir(root / "lora_merge_cache" / stats.cache_key) if e.name.endswith(".safetensors")]
+    folder = root / "lora_merge_cache" / stats.cache_key
+    layer_files = [e for e in os.scandir(folder) if e.name.endswith(".safetensors")]
     assert before.disk_bytes == sum(e.stat().st_size for e in layer_files)
     after = target_layers(shards, [adapter], root)
     assert after.cached and after.cache_key == stats.cache_key

@@ -1,0 +1,89 @@
+"""The demo end to end at a small scale: the relations `make demo` shows at full size."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hostmem.cgroup_sandbox import can_nest_memory_cgroup
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("demo")
+    out = folder / "demo.json"
+    args = [sys.executable, "-m", "planners.cli", "demo", "--scale", "128MiB", "--workdir", str(folder / "work"),
+            "--json", str(out)]
+    if can_nest_memory_cgroup() is None:
+        args.append("--cgroup")
+    run = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text()), run.stdout
+
+
+def _by_name(data):
+    return {s["name"]: s for s in data["scenarios"]}
+
+
+def test_the_json_contract(demo):
+    data, _ = demo
+    assert isinstance(data["host_limit_bytes"], int)
+    assert [s["name"] for s in data["scenarios"]] == ["base", "in_place", "cached_miss", "cached_hit"]
+    for s in data["scenarios"]:
+        for key in ("peak_anon_bytes", "final_anon_bytes", "file_backed_bytes", "budget_bytes",
+                    "merged_layers_computed"):
+            assert isinstance(s[key], int), key
+        assert isinstance(s["start_s"], float)
+        assert set(s["pinned_bytes"]) == {"dit", "text_encoder"}
+
+
+def test_in_place_collapses_the_budget_and_the_cache_restores_it(demo):
+    data, _ = demo
+    s = _by_name(data)
+    assert s["in_place"]["budget_bytes"] == 0
+    assert all(v == 0 for v in s["in_place"]["pinned_bytes"].values())
+    assert s["cached_hit"]["budget_bytes"] >= data["scaled_limit_bytes"] // 2
+    assert s["cached_hit"]["pinned_bytes"]["dit"] > 0
+
+
+def test_the_second_cached_start_merges_nothing_and_stays_small(demo):
+    data, _ = demo
+    s = _by_name(data)
+    assert s["cached_miss"]["merged_layers_computed"] > 0
+    assert s["cached_hit"]["merged_layers_computed"] == 0
+    # Growth over the start without LoRA: the runtime itself does not scale with the model.
+    base = s["base"]["peak_anon_bytes"]
+    in_place_growth = s["in_place"]["peak_anon_bytes"] - base
+    hit_growth = max(0, s["cached_hit"]["peak_anon_bytes"] - base)
+    assert in_place_growth >= data["lora_target_bytes"]  # merged layers plus their snapshot
+    assert hit_growth <= in_place_growth / 3
+    # The merged weights are page cache, and the cached start reads them back.
+    assert s["cached_hit"]["file_backed_bytes"] >= s["in_place"]["file_backed_bytes"] + data["lora_target_bytes"] // 2
+
+
+def test_the_table_reads_like_the_story(demo):
+    _, stdout = demo
+    assert "2 in-place merge" in stdout and "4 cached, 2nd start" in stdout
+    assert "startup report of scenario 4" in stdout
+    assert "budget for pins" in stdout
+
+
+def test_under_a_real_memory_cgroup_the_kernel_kills_only_the_in_place_start(demo):
+    data, stdout = demo
+    if data["cgroup"] is None:
+        pytest.skip(f"no nested memory cgroup here: {can_nest_memory_cgroup()}")
+    assert data["cgroup"]["in_place"]["killed"] is True
+    assert data["cgroup"]["in_place"]["oom_kills"] >= 1
+    assert data["cgroup"]["cached_hit"]["killed"] is False
+    assert "killed by the kernel" in stdout
+
+
+def test_bad_arguments_say_what_to_do():
+    run = subprocess.run([sys.executable, "-m", "planners.cli", "demo", "--scale", "lots"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2
+    assert "not a size: 'lots'" in run.stderr and "Traceback" not in run.stderr
+    run = subprocess.run([sys.executable, "-m", "planners.cli", "demo", "--scale", "1MiB"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "at least 8MiB" in run.stderr
