@@ -91,7 +91,14 @@ def plan_targets(model, adapters) -> tuple[list[LayerTarget], list[AdapterFile]]
     components = tuple(c for c in components_of(model) if c)
     files = [read_adapter(spec.path) for spec in adapters]
     planned = plan_deltas(list(zip(files, adapters)), ModuleIndex(shapes, components))
-    return [LayerTarget(name, *params[name], deltas) for name, deltas in planned.items()], files
+    targets = [LayerTarget(name, *params[name], deltas) for name, deltas in planned.items()]
+    for target in targets:
+        if not target.current.is_floating_point():
+            raise ValueError(
+                f"{target.deltas[0].source} changes {target.name!r}, which is {target.current.dtype}: "
+                "lora_cache merges into floating-point weights only (dequantize the base first)"
+            )
+    return targets, files
 
 
 class _LayerLoop:

@@ -181,3 +181,11 @@ def test_a_conv_lora_with_a_spatial_up_kernel_is_refused_before_anything_merges(
         lora_cache.merge(model, [path], progress=False)
     assert not lora_cache.is_merged(model)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_a_quantized_base_is_refused_naming_the_parameter(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    model[0].weight = torch.nn.Parameter(torch.zeros(64, 64, dtype=torch.int8), requires_grad=False)
+    path = write_adapter(tmp_path / "q.safetensors", "comfyui", {"0": lora_change(64, 64, 4, 1)})
+    with pytest.raises(ValueError, match=r"changes '0.weight', which is torch.int8: .*floating-point weights only"):
+        lora_cache.merge(model, [path], progress=False)

@@ -31,6 +31,15 @@ def test_offer_is_the_in_place_cost_merged_layers_plus_snapshot():
     assert "70.8 GiB anonymous" in offer.note and "35.4 GiB" in offer.note
 
 
+def test_the_planner_takes_the_offer():
+    from planners.providers import Provider, collect_offers
+
+    provider = LoraCacheProvider("dit", 38 * GB, layers=208)
+    assert isinstance(provider, Provider)
+    (record,) = collect_offers([provider], {"dit", "text_encoder"})
+    assert (record.provider, record.component, record.anonymous_bytes) == ("lora_cache", "dit", 76 * GB)
+
+
 def test_a_built_cache_costs_no_disk_and_no_time():
     offer = LoraCacheProvider("dit", 38 * GB, layers=208, cached=True).offer()
     assert (offer.anonymous_bytes, offer.disk_bytes, offer.one_time_s) == (76 * GB, 0, 0.0)
