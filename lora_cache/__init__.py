@@ -17,21 +17,20 @@ without merging::
 place, as servers always have. :class:`Adapter` gives alpha overrides and key rules.
 """
 
-from .adapters import Adapter, AdapterError, read_adapter
-from .keys import KeyResolutionError
-from .layers import is_merged, unmerge
-from .merge_math import UnsupportedAdapterError
-from .orchestrate import CacheBuildError, MergeStats, merge
+from hostmem.lazy import lazy_exports
 
-__all__ = [
-    "merge",
-    "unmerge",
-    "is_merged",
-    "Adapter",
-    "MergeStats",
-    "read_adapter",
-    "AdapterError",
-    "KeyResolutionError",
-    "UnsupportedAdapterError",
-    "CacheBuildError",
-]
+_EXPORTS = {
+    "merge": "orchestrate",
+    "MergeStats": "orchestrate",
+    "CacheBuildError": "orchestrate",
+    "unmerge": "layers",
+    "is_merged": "layers",
+    "Adapter": "adapters",
+    "read_adapter": "adapters",
+    "AdapterError": "adapters",
+    "KeyResolutionError": "keys",
+    "UnsupportedAdapterError": "merge_math",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -37,12 +37,12 @@ from .layers import (
     unmerge,
 )
 from .merge_math import Scratch
+from .switch import cache_disabled_by_env
 from .vault import CacheKey, Vault, base_identity, cache_key
 
 __all__ = ["CacheBuildError", "MergeStats", "merge", "merge_layers", "plan_targets", "MERGE_POLICY"]
 
 MERGE_POLICY = "fp32-sum-in-adapter-order-cast-once-v1"  # change when merged bytes would change
-DISABLE_ENV = "HOSTMEM_DISABLE_LORA_MERGE_CACHE"
 
 
 class CacheBuildError(RuntimeError):
@@ -250,11 +250,6 @@ def _return_freed_memory() -> None:
     """Ask glibc to hand freed heap blocks back to the kernel (no-op elsewhere)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def cache_disabled_by_env() -> bool:
-    """``HOSTMEM_DISABLE_LORA_MERGE_CACHE=1`` forces the in-place path everywhere."""
-    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def mapped_base_files(targets: list[LayerTarget], space: AddressSpace) -> list[str]:

@@ -16,15 +16,10 @@ import math
 import os
 from dataclasses import dataclass
 
-import torch
-
-from hostmem.safetensors_map import read_header
+from hostmem.safetensors_header import read_header
 from hostmem.units import format_rate, format_size
 
-from .adapters import as_adapter, read_adapter
-from .keys import ModuleIndex, plan_deltas
-from .orchestrate import cache_disabled_by_env, combination_key
-from .vault import Vault, layer_file_bytes
+from .switch import cache_disabled_by_env
 
 __all__ = ["LoraCacheOffer", "LoraCacheProvider", "TargetLayers", "target_layers", "DEFAULT_BUILD_RATE"]
 
@@ -32,9 +27,9 @@ __all__ = ["LoraCacheOffer", "LoraCacheProvider", "TargetLayers", "target_layers
 DEFAULT_BUILD_RATE = 300 * 1024 * 1024
 
 
-def _layer_file_overhead() -> int:
-    """Bytes a layer file adds to its tensor (its header), as the vault lays them out."""
-    return layer_file_bytes((0,), torch.uint8)
+# Bytes a layer file adds to its tensor: the vault pads each header to one page so the
+# data starts page-aligned (tests/lora_cache/test_provider.py holds the two together).
+LAYER_FILE_OVERHEAD = 4096
 
 
 @dataclass(frozen=True)
@@ -68,6 +63,11 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
     With ``cache_root`` (an existing cache folder) it also says whether this exact
     combination is already built there, without taking its lock.
     """
+    from .adapters import as_adapter, read_adapter  # torch: only when files are read
+    from .keys import ModuleIndex, plan_deltas
+    from .orchestrate import combination_key
+    from .vault import Vault
+
     infos = {}
     for path in shard_paths:
         infos.update(read_header(path).tensors)
@@ -142,7 +142,7 @@ class LoraCacheProvider:
         if not self.enabled or self.lora_target_bytes == 0:
             return None
         targets = self.lora_target_bytes
-        disk = 0 if self.cached else targets + self.layers * _layer_file_overhead()
+        disk = 0 if self.cached else targets + self.layers * LAYER_FILE_OVERHEAD
         seconds = 0.0 if self.cached else targets / self.build_rate
         transient = self.largest_layer_numel * 4 + self.largest_layer_bytes
         if self.cached:

@@ -60,7 +60,7 @@ def _adapters(lora):
 
 
 def _check_enabled(config) -> None:
-    from lora_cache.orchestrate import DISABLE_ENV, cache_disabled_by_env
+    from lora_cache.switch import DISABLE_ENV, cache_disabled_by_env
 
     path, lora = config.origin.path, config.lora
     if lora is None or not lora.adapters:

@@ -16,7 +16,7 @@ import torch
 
 import lora_cache
 from lora_cache.layers import checkpoint_module
-from lora_cache.orchestrate import DISABLE_ENV
+from lora_cache.switch import DISABLE_ENV
 from planners.cli import main
 from tests.conftest import run_python, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter

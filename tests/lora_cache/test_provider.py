@@ -9,7 +9,7 @@ import torch
 
 import lora_cache
 from lora_cache.layers import checkpoint_module
-from lora_cache.orchestrate import DISABLE_ENV
+from lora_cache.switch import DISABLE_ENV
 from lora_cache.provider import LoraCacheProvider, target_layers
 from tests.conftest import run_python, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, write_adapter
@@ -93,3 +93,13 @@ def test_lora_cache_imports_nothing_from_planners():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_the_offer_counts_layer_files_as_the_vault_writes_them():
+    import torch
+
+    from lora_cache.provider import LAYER_FILE_OVERHEAD
+    from lora_cache.vault import layer_file_bytes
+
+    assert layer_file_bytes((0,), torch.uint8) == LAYER_FILE_OVERHEAD
+    assert layer_file_bytes((1024, 64), torch.bfloat16) == LAYER_FILE_OVERHEAD + 1024 * 64 * 2
