@@ -129,8 +129,18 @@ class ComponentConfig:
 
 @dataclass(frozen=True)
 class AdapterConfig:
+    """One adapter: file, strength, and optional overrides (see ``lora_cache.Adapter``).
+
+    ``rules`` are ``({match: REGEX, replace: MODULE}, ...)`` tried before the built-in
+    key prefixes; ``strict: false`` turns keys that match nothing into a warning.
+    """
+
     path: str
     strength: float = 1.0
+    alpha: float | None = None
+    rules: tuple = ()
+    strict: bool = True
+    rslora: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -325,6 +335,50 @@ def _components(origin: ConfigOrigin, data: Any) -> dict[str, ComponentConfig]:
     return out
 
 
+_ADAPTER_KEYS = ("path", "strength", "alpha", "rules", "strict", "rslora")
+
+
+def _number(origin: ConfigOrigin, a: Section, key: str, default):
+    value = a.get(key, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise origin.error(a.sub(key), f"{value!r} is not a number")
+    return None if value is None else float(value)
+
+
+def _flag(origin: ConfigOrigin, a: Section, key: str, default):
+    value = a.get(key, default)
+    if value is not None and not isinstance(value, bool):
+        raise origin.error(a.sub(key), f"{value!r} is not true or false")
+    return value
+
+
+def _rules(origin: ConfigOrigin, a: Section) -> tuple:
+    rules = a.get("rules", [])
+    ok = isinstance(rules, list) and all(
+        isinstance(r, dict) and set(r) == {"match", "replace"} and all(isinstance(v, str) for v in r.values())
+        for r in rules
+    )
+    if not ok:
+        raise origin.error(a.sub("rules"), "expected a list of {match: REGEX, replace: MODULE_NAME}")
+    for rule in rules:
+        try:
+            re.compile(rule["match"])
+        except re.error as exc:
+            raise origin.error(a.sub("rules"), f"{rule['match']!r} is not a regular expression ({exc})") from None
+    return tuple(dict(r) for r in rules)
+
+
+def _adapter(origin: ConfigOrigin, a: Section) -> AdapterConfig:
+    return AdapterConfig(
+        path=_resolve_path(origin, a.sub("path"), a.require("path", "name the adapter file")),
+        strength=_number(origin, a, "strength", 1.0),
+        alpha=_number(origin, a, "alpha", None),
+        rules=_rules(origin, a),
+        strict=_flag(origin, a, "strict", True),
+        rslora=_flag(origin, a, "rslora", None),
+    )
+
+
 def _lora(origin: ConfigOrigin, data: Any, components: Mapping[str, ComponentConfig]) -> LoraConfig | None:
     if data is None:
         return None
@@ -334,12 +388,7 @@ def _lora(origin: ConfigOrigin, data: Any, components: Mapping[str, ComponentCon
     if not isinstance(raw, list):
         raise origin.error("lora.adapters", f"expected a list of {{path, strength}}, found {kind(raw)}")
     for i, item in enumerate(raw):
-        a = Section(origin, f"lora.adapters[{i}]", item, ("path", "strength"))
-        path = _resolve_path(origin, a.sub("path"), a.require("path", "name the adapter file"))
-        strength = a.get("strength", 1.0)
-        if isinstance(strength, bool) or not isinstance(strength, (int, float)):
-            raise origin.error(a.sub("strength"), f"{strength!r} is not a number")
-        adapters.append(AdapterConfig(path=path, strength=float(strength)))
+        adapters.append(_adapter(origin, Section(origin, f"lora.adapters[{i}]", item, _ADAPTER_KEYS)))
     component = s.get("component")
     if component is not None and component not in components:
         raise origin.error("lora.component", f"{component!r} is not a component; choose one of {', '.join(components)}")

@@ -52,11 +52,8 @@ def _adapters(lora):
     """The config's adapters as lora_cache.Adapter (optional fields pass through when present)."""
     from lora_cache import Adapter
 
-    optional = ("alpha", "rules", "strict", "rslora")
-    return [
-        Adapter(a.path, a.strength, **{k: getattr(a, k) for k in optional if getattr(a, k, None) is not None})
-        for a in lora.adapters
-    ]
+    return [Adapter(a.path, a.strength, alpha=a.alpha, rules=a.rules, strict=a.strict, rslora=a.rslora)
+            for a in lora.adapters]
 
 
 def _check_enabled(config) -> None:

@@ -162,3 +162,42 @@ def test_reserve_above_an_auto_limit_is_an_error(write_config):
     with pytest.raises(ConfigError, match=r"^HOSTMEM_HOST_RESERVE \(overrides host.reserve of .*\): host.reserve: "
                                           r"1.0 TiB is not below the host limit of .* \((MemTotal|cgroup)\)"):
         read_host_limit(config)
+
+
+ADAPTERS = GOOD + """
+lora:
+  adapters:
+    - path: turbo.safetensors
+      strength: 0.8
+      alpha: 16
+      strict: false
+      rslora: true
+      rules:
+        - {match: "^transformer_blocks_(\\\\d+)", replace: "blocks.\\\\1"}
+"""
+
+
+def test_adapter_entries_carry_their_overrides(write_config):
+    config = load_config(write_config(ADAPTERS), environ={})
+    (adapter,) = config.lora.adapters
+    assert adapter.path.endswith("turbo.safetensors") and os.path.isabs(adapter.path)
+    assert (adapter.strength, adapter.alpha, adapter.strict, adapter.rslora) == (0.8, 16.0, False, True)
+    assert adapter.rules[0]["replace"] == "blocks.\\1"
+
+
+@pytest.mark.parametrize(
+    "old, new, key",
+    [
+        ("alpha: 16", "alpha: sixteen", "lora.adapters[0].alpha"),
+        ("strict: false", "strict: maybe", "lora.adapters[0].strict"),
+        ('{match: "^transformer_blocks_(\\\\d+)", replace: "blocks.\\\\1"}', '{match: "([", replace: x}',
+         "lora.adapters[0].rules"),
+        ("rslora: true", "rank: 4", "lora.adapters[0].rank"),
+    ],
+)
+def test_bad_adapter_entries_name_the_key(write_config, old, new, key):
+    text = ADAPTERS.replace(old, new)
+    assert text != ADAPTERS
+    with pytest.raises(ConfigError) as info:
+        load_config(write_config(text), environ={})
+    assert key in str(info.value)
