@@ -31,12 +31,16 @@ __all__ = [
     "read_meminfo",
     "read_mounts",
     "filesystem_of",
+    "is_shmem_fs",
+    "SHMEM_FS_TYPES",
     "read_cgroup_memory",
     "read_cgroup_v1_dir",
     "read_cgroup_v2_dir",
 ]
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+# Filesystems whose file pages are shmem: held in RAM, never reclaimable without swap.
+SHMEM_FS_TYPES = frozenset({"tmpfs", "devtmpfs", "hugetlbfs", "ramfs", "shm"})
 _UNLIMITED_V1 = 1 << 62  # v1 reports "no limit" as PAGE_COUNTER_MAX * PAGE_SIZE, near 2**63
 
 
@@ -266,6 +270,12 @@ def read_mounts(pid: int | None = None) -> list[Mount]:
             )
         )
     return mounts
+
+
+def is_shmem_fs(path: str, mounts: list[Mount] | None = None) -> bool:
+    """True when ``path`` lives on tmpfs or the like: its pages are shmem, not page cache."""
+    mount = filesystem_of(path, mounts)
+    return mount is not None and mount.fs_type in SHMEM_FS_TYPES
 
 
 def filesystem_of(path: str, mounts: list[Mount] | None = None) -> Mount | None:

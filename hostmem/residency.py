@@ -31,7 +31,7 @@ from .procfs import (
     Mount,
     ProcReadError,
     Vma,
-    filesystem_of,
+    is_shmem_fs,
     read_maps,
     read_mounts,
     read_smaps,
@@ -44,7 +44,6 @@ __all__ = ["Residency", "RangeClassifier", "classify_range", "CLASSES"]
 _ANONYMOUS, _FILE_BACKED, _SHMEM, _PINNED, _SWAPPED, _NOT_RESIDENT = range(len(CLASSES))
 
 _DEVICE_PREFIXES = ("/dev/nvidia", "/dev/dri/", "/dev/kfd")
-_SHMEM_FS = {"tmpfs", "devtmpfs", "hugetlbfs", "ramfs", "shm"}
 _SHMEM_NAMES = ("/SYSV", "/memfd:", "/dev/zero", "[anon_shmem")
 
 
@@ -100,9 +99,7 @@ class RangeClassifier:
     def _on_shmem_fs(self, path: str) -> bool:
         cached = self._fs_cache.get(path)
         if cached is None:
-            mount = filesystem_of(_strip_deleted(path), self._mounts)
-            cached = mount is not None and mount.fs_type in _SHMEM_FS
-            self._fs_cache[path] = cached
+            cached = self._fs_cache[path] = is_shmem_fs(_strip_deleted(path), self._mounts)
         return cached
 
     def area_kind(self, vma: Vma) -> str:
