@@ -68,8 +68,13 @@ class Ledger:
 
     @property
     def unattributed_anonymous(self) -> int:
-        """Anonymous bytes of the process that no parameter explains (floored at 0)."""
-        return max(0, self.process.rss_anon - self.totals.anonymous)
+        """Anonymous bytes of the process that no parameter explains (floored at 0).
+
+        RssAnon also counts pinned pages of anonymous memory (an mlocked heap tensor),
+        which the ledger files under ``pinned``: they are explained too.
+        """
+        totals = self.totals
+        return max(0, self.process.rss_anon - totals.anonymous - totals.pinned_anonymous)
 
     def to_dict(self, parameters: bool = True) -> dict:
         """A JSON-safe dict; every size is bytes."""

@@ -58,6 +58,7 @@ class _AreaKind:
     FILE = "file"  # present pages: file bit -> file_backed, else anonymous
     SHMEM_FILE = "shmem_file"  # private tmpfs mapping: file bit -> shmem, else anonymous
     ANON = "anon"  # present pages: shared bit -> shmem, else anonymous
+    NO_ACCESS = "no_access"  # ---p: nothing can be resident
 
 
 class RangeClassifier:
@@ -107,6 +108,8 @@ class RangeClassifier:
         path = vma.path or ""
         if path.startswith(_DEVICE_PREFIXES):
             return _AreaKind.DEVICE
+        if vma.perms.startswith("---"):
+            return _AreaKind.NO_ACCESS
         if vma.is_locked:
             return _AreaKind.LOCKED
         if path.startswith(_SHMEM_NAMES):
@@ -131,7 +134,7 @@ class RangeClassifier:
         This is what keeps accounting a 2,000-parameter model in milliseconds: the cost
         is one pass over the pages plus a few tensor operations, not a call per range.
         """
-        out = torch.zeros(len(ranges), len(CLASSES), dtype=torch.int64)
+        out = torch.zeros(len(ranges), _CODES, dtype=torch.int64)
         pieces: dict[int, list[tuple[int, int, int]]] = {}
         for index, (start, end) in enumerate(ranges):
             for area in self._overlapping_indices(start, end):
@@ -146,7 +149,7 @@ class RangeClassifier:
                 continue
             index, sums = self._sum_pieces(vma, kind, items)
             out.index_add_(0, index, sums)
-        return [Residency(*row) for row in out.tolist()]
+        return [_from_row(row) for row in out.tolist()]
 
     def _overlapping_indices(self, start: int, end: int) -> list[int]:
         i = max(0, bisect.bisect_right(self._starts, start) - 1)
@@ -158,48 +161,98 @@ class RangeClassifier:
         return found
 
     def _sum_pieces(self, vma: Vma, kind: str, items: list[tuple[int, int, int]]):
-        """Bytes per class of each piece, from the page codes of the span they cover."""
+        """Bytes per code of each piece: whole areas at once, pages in bounded chunks."""
+        index = torch.tensor([i for i, _, _ in items], dtype=torch.int64)
+        uniform = _UNIFORM_CODE.get(kind)
+        if uniform is not None:
+            sums = torch.zeros(len(items), _CODES, dtype=torch.int64)
+            sums[:, uniform] = torch.tensor([e - s for _, s, e in items], dtype=torch.int64)
+            return index, sums
         base = min(s for _, s, _ in items) // PAGE_SIZE * PAGE_SIZE
         top = max(e for _, _, e in items)
-        codes = self._page_codes(vma, kind, base, top)
-        counts = torch.zeros(codes.numel() + 1, len(CLASSES), dtype=torch.int64)
-        for code in torch.unique(codes).tolist():  # usually one or two classes per area
-            counts[1:, code] = (codes == code).to(torch.int32).cumsum(0)
-        index = torch.tensor([i for i, _, _ in items], dtype=torch.int64)
-        # Offsets from the span's first page: kernel addresses do not fit an int64.
-        starts = torch.tensor([s - base for _, s, _ in items], dtype=torch.int64)
-        ends = torch.tensor([e - base for _, _, e in items], dtype=torch.int64)
+        sums = torch.zeros(len(items), _CODES, dtype=torch.int64)
+        chunk = _CHUNK_PAGES * PAGE_SIZE
+        for lo in range(base, top, chunk):
+            hi = min(top, lo + chunk)
+            inside = [(row, max(s, lo), min(e, hi)) for row, (_, s, e) in enumerate(items) if s < hi and e > lo]
+            if inside:
+                rows = torch.tensor([r for r, _, _ in inside], dtype=torch.int64)
+                sums.index_add_(0, rows, self._sum_chunk(kind, lo, hi, inside))
+        return index, sums
+
+    def _sum_chunk(self, kind: str, lo: int, hi: int, pieces: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Prefix sums of the page codes of ``[lo, hi)``, read off at each piece's ends."""
+        codes = self._page_codes(kind, lo, hi)
+        # Offsets from the chunk's first page: kernel addresses do not fit an int64.
+        starts = torch.tensor([s - lo for _, s, _ in pieces], dtype=torch.int64)
+        ends = torch.tensor([e - lo for _, _, e in pieces], dtype=torch.int64)
         first = starts // PAGE_SIZE
         stop = (ends + PAGE_SIZE - 1) // PAGE_SIZE
-        sums = (counts[stop] - counts[first]) * PAGE_SIZE
-        rows = torch.arange(len(items))
+        sums = torch.zeros(len(pieces), _CODES, dtype=torch.int64)
+        present = torch.bincount(codes, minlength=_CODES).nonzero().flatten().tolist()
+        for code in present:  # usually one or two codes per area
+            cumulative = torch.zeros(codes.numel() + 1, dtype=torch.int64)
+            torch.cumsum(codes == code, 0, out=cumulative[1:])
+            sums[:, code] = (cumulative[stop] - cumulative[first]) * PAGE_SIZE
+        rows = torch.arange(len(pieces))
         # Partial first and last pages: take off the bytes outside the piece.
         sums[rows, codes[first]] -= starts - first * PAGE_SIZE
         sums[rows, codes[stop - 1]] -= stop * PAGE_SIZE - ends
-        return index, sums
+        return sums
 
-    def _page_codes(self, vma: Vma, kind: str, start: int, end: int) -> torch.Tensor:
-        """One class code (an index into CLASSES) per page of ``[start, end)``."""
+    def _page_codes(self, kind: str, start: int, end: int) -> torch.Tensor:
+        """One code per page of ``[start, end)``: pagemap bits 63..61 looked up per kind."""
         pages = (end - start + PAGE_SIZE - 1) // PAGE_SIZE
-        if kind == _AreaKind.DEVICE:
-            return torch.full((pages,), _PINNED, dtype=torch.int64)
-        bits = self._pagemap.read(start, end)
+        raw = self._pagemap.read_raw(start, end)
         codes = torch.full((pages,), _NOT_RESIDENT, dtype=torch.int64)
-        n = bits.present.numel()
-        present, view = bits.present, codes[:n]
-        view[bits.swapped & ~present] = _SWAPPED
-        if kind == _AreaKind.LOCKED:
-            view[present] = _PINNED
-        elif kind == _AreaKind.SHMEM_SHARED:
-            view[present] = _SHMEM
-        else:
-            view[present & bits.file_or_shared] = _FILE_BACKED if kind == _AreaKind.FILE else _SHMEM
-            view[present & ~bits.file_or_shared] = _ANONYMOUS
+        codes[: raw.numel()] = _CODE_TABLES[kind][(raw >> 61) & 7]
         return codes
 
 
+def _code_table(present_file: int, present_other: int) -> torch.Tensor:
+    """Codes for the 8 values of pagemap bits (present, swapped, file-or-shared)."""
+    table = []
+    for bits in range(8):
+        present, swapped, file_page = bits & 4, bits & 2, bits & 1
+        if present:
+            table.append(present_file if file_page else present_other)
+        else:
+            table.append(_SWAPPED if swapped else _NOT_RESIDENT)
+    return torch.tensor(table, dtype=torch.int64)
+
+
+# A page's code: the six CLASSES, plus pinned pages of anonymous memory (still RssAnon).
+_PINNED_ANON = len(CLASSES)
+_CODES = len(CLASSES) + 1
+_CHUNK_PAGES = 1 << 18  # 1 GiB of 4 KiB pages per pagemap read: bounded memory per chunk
+_CODE_TABLES = {
+    _AreaKind.LOCKED: _code_table(_PINNED, _PINNED_ANON),
+    _AreaKind.SHMEM_SHARED: _code_table(_SHMEM, _SHMEM),
+    _AreaKind.FILE: _code_table(_FILE_BACKED, _ANONYMOUS),
+    _AreaKind.SHMEM_FILE: _code_table(_SHMEM, _ANONYMOUS),
+    _AreaKind.ANON: _code_table(_SHMEM, _ANONYMOUS),
+}
+# Areas classified without pagemap: driver memory is pinned whole; an area with no
+# access rights (a reservation, a guard region) cannot be touched, so nothing is resident.
+_UNIFORM_CODE = {_AreaKind.DEVICE: _PINNED, _AreaKind.NO_ACCESS: _NOT_RESIDENT}
+
+
+def _from_row(row: list[int]) -> Residency:
+    return Residency(
+        anonymous=row[_ANONYMOUS],
+        file_backed=row[_FILE_BACKED],
+        shmem=row[_SHMEM],
+        pinned=row[_PINNED] + row[_PINNED_ANON],
+        swapped=row[_SWAPPED],
+        not_resident=row[_NOT_RESIDENT],
+        pinned_anonymous=row[_PINNED_ANON],
+    )
+
+
 def _as_row(residency: Residency) -> list[int]:
-    return [getattr(residency, name) for name in CLASSES]
+    row = [getattr(residency, name) for name in CLASSES] + [residency.pinned_anonymous]
+    row[_PINNED] -= residency.pinned_anonymous
+    return row
 
 
 def _classify_from_smaps(vma: Vma, kind: str, start: int, end: int) -> Residency:

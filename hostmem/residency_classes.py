@@ -23,6 +23,9 @@ class Residency:
     pinned: int = 0
     swapped: int = 0
     not_resident: int = 0
+    # Of ``pinned``, the bytes of anonymous memory (mlocked heap, registered host
+    # buffers): the kernel still counts them in RssAnon. Not a class of its own.
+    pinned_anonymous: int = 0
 
     def __add__(self, other: "Residency") -> "Residency":
         return Residency(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))

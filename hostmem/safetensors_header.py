@@ -86,6 +86,10 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
         raise SafetensorsError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise SafetensorsError(f"{path}: is a folder, expected a .safetensors file") from None
+    except PermissionError:
+        raise SafetensorsError(f"{path}: permission denied (make it readable by this user)") from None
+    except OSError as exc:
+        raise SafetensorsError(f"{path}: cannot read ({exc.strerror or exc})") from None
     try:
         parsed = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -40,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ProcReadError, SafetensorsError, ValueError) as exc:
         print(f"hostmem: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a file or folder named on the command line or in a config
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"hostmem: error: {where}{exc.strerror or exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

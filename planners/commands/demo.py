@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
@@ -27,17 +28,23 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from planners.demo.run import elapsed_since, format_table, parse_settings, plot_timelines, run_demo
+    from planners.demo.run import DemoError, elapsed_since, format_table, parse_settings, plot_timelines, run_demo
 
     settings = parse_settings(args.scale, args.host_limit, args.workdir, args.cgroup)
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ValueError(f"--plot {args.plot}: matplotlib is not installed; `pip install matplotlib` "
-                             "(or drop --plot)") from None
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(f"--plot {args.plot}: matplotlib is not installed; `pip install matplotlib` (or drop --plot)")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:  # fail now, not after minutes of work
+            try:
+                open(path, "a").close()
+            except OSError as exc:
+                raise ValueError(f"{flag} {path}: cannot write there ({exc.strerror})") from None
     started = time.perf_counter()
-    demo = run_demo(settings)
+    try:
+        demo = run_demo(settings)
+    except DemoError as exc:
+        print(f"hostmem: error: {exc}", file=sys.stderr)
+        return 1
     print(format_table(demo))
     best = next(s for s in demo.scenarios if s.name == "cached_hit")
     print(f"\nstartup report of scenario 4 (cached merge, second start):\n{best.report_text}")

@@ -22,13 +22,14 @@ from dataclasses import asdict, dataclass, field
 import yaml
 
 from hostmem.peak import PeakTracker
-from hostmem.procfs import filesystem_of
+from hostmem.procfs import is_shmem_fs
+from hostmem.table import format_table as format_table_lines
 from hostmem.units import format_size, parse_size
 
 from .scenario import SCENARIOS
 from .synthetic import SyntheticSet, write_synthetic_set
 
-__all__ = ["DemoSettings", "ScenarioResult", "DemoResult", "run_demo", "format_table"]
+__all__ = ["DemoError", "DemoSettings", "ScenarioResult", "DemoResult", "run_demo", "format_table"]
 
 SEED_DIT_BYTES = 61.7e9
 SEED = {"limit": 32 * 1024**3, "reserve": 4 * 1024**3, "vram": 12 * 1024**3, "device_reserve": 2 * 1024**3}
@@ -39,6 +40,10 @@ LABELS = {
     "cached_miss": "3 cached, 1st start",
     "cached_hit": "4 cached, 2nd start",
 }
+
+
+class DemoError(RuntimeError):
+    """A scenario failed; the message carries the end of its error output."""
 
 
 @dataclass(frozen=True)
@@ -92,8 +97,7 @@ def scaled(seed_bytes: int, dit_bytes: int) -> int:
 def _real_disk_tmp() -> str:
     """A temporary folder on a real filesystem: file-backed pages need one (not tmpfs)."""
     for candidate in (tempfile.gettempdir(), "/var/tmp", os.getcwd()):
-        mount = filesystem_of(candidate)
-        if mount is not None and mount.fs_type not in ("tmpfs", "ramfs") and os.access(candidate, os.W_OK):
+        if os.path.isdir(candidate) and os.access(candidate, os.W_OK) and not is_shmem_fs(candidate):
             return candidate
     raise OSError("no writable folder on a real disk for the demo's files; pass --workdir DIR")
 
@@ -145,13 +149,18 @@ def run_scenario(config_path: str, name: str, workdir: str, cgroup=None) -> Scen
         stderr=subprocess.PIPE,
         text=True,
     )
-    tracker.start(child.pid)
-    _, stderr = child.communicate()
-    tracker.stop()
+    try:
+        tracker.start(child.pid)
+        _, stderr = child.communicate()
+    finally:
+        if child.poll() is None:  # the tracker failed: never leave a scenario running
+            child.kill()
+            child.wait()
+        tracker.stop()
     if child.returncode != 0:
         if cgroup is not None:
             return _killed(name, tracker, child.returncode)
-        raise RuntimeError(f"demo scenario {name!r} failed with exit code {child.returncode}:\n{stderr[-2000:]}")
+        raise DemoError(f"demo scenario {name!r} failed with exit code {child.returncode}:\n{stderr[-2000:]}")
     with open(out_path) as handle:
         data = json.load(handle)
     return ScenarioResult(
@@ -199,7 +208,10 @@ def run_demo(settings: DemoSettings) -> DemoResult:
     if workdir is None:
         holder = tempfile.TemporaryDirectory(prefix="hostmem-demo-", dir=_real_disk_tmp())
         workdir = holder.name
-    os.makedirs(workdir, exist_ok=True)
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--workdir {workdir}: cannot create it ({exc.strerror}); name a writable folder") from None
     try:
         files, config_path, limit, scaled_limit, runtime = _prepare(settings, workdir)
         _say(settings, f"host limit {format_size(limit)} = {format_size(scaled_limit)} (32 GiB scaled to a "
@@ -251,15 +263,13 @@ def format_table(demo: DemoResult) -> str:
             format_size(s.pinned_bytes.get("dit", 0)), format_size(s.pinned_bytes.get("text_encoder", 0)),
             str(s.merged_layers_computed), f"{s.start_s:.1f} s", _ratio(s.peak_anon_bytes, in_place.peak_anon_bytes),
         ))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     lines = [
         f"host limit {format_size(demo.host_limit_bytes)}: 32 GiB scaled to a {format_size(demo.dit_bytes)} DiT "
         f"({format_size(demo.lora_target_bytes)} of LoRA targets) = {format_size(demo.scaled_limit_bytes)}, "
         f"plus {format_size(demo.runtime_bytes)} for the Python runtime (also reserved)",
         "",
+        *format_table_lines(rows),
     ]
-    for r in rows:
-        lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
     if demo.cgroup:
         lines.append("")
         lines.extend(_cgroup_lines(demo.cgroup))

@@ -1,4 +1,9 @@
-"""The demo end to end at a small scale: the relations `make demo` shows at full size."""
+"""The demo end to end, at the smallest scale where its relations hold as `make demo` states them.
+
+Below about 500 MiB of DiT the Python runtime (~170 MiB of anonymous memory, which does
+not scale with the model) dominates every peak; at 512 MiB the relations of the full-size
+demo hold on the contract's own fields.
+"""
 
 import json
 import subprocess
@@ -13,7 +18,7 @@ from hostmem.cgroup_sandbox import can_nest_memory_cgroup
 def demo(tmp_path_factory):
     folder = tmp_path_factory.mktemp("demo")
     out = folder / "demo.json"
-    args = [sys.executable, "-m", "planners.cli", "demo", "--scale", "128MiB", "--workdir", str(folder / "work"),
+    args = [sys.executable, "-m", "planners.cli", "demo", "--scale", "512MiB", "--workdir", str(folder / "work"),
             "--json", str(out)]
     if can_nest_memory_cgroup() is None:
         args.append("--cgroup")
@@ -43,7 +48,7 @@ def test_in_place_collapses_the_budget_and_the_cache_restores_it(demo):
     s = _by_name(data)
     assert s["in_place"]["budget_bytes"] == 0
     assert all(v == 0 for v in s["in_place"]["pinned_bytes"].values())
-    assert s["cached_hit"]["budget_bytes"] >= data["scaled_limit_bytes"] // 2
+    assert s["cached_hit"]["budget_bytes"] >= data["host_limit_bytes"] // 2
     assert s["cached_hit"]["pinned_bytes"]["dit"] > 0
 
 
@@ -52,12 +57,10 @@ def test_the_second_cached_start_merges_nothing_and_stays_small(demo):
     s = _by_name(data)
     assert s["cached_miss"]["merged_layers_computed"] > 0
     assert s["cached_hit"]["merged_layers_computed"] == 0
-    # Growth over the start without LoRA: the runtime itself does not scale with the model.
-    base = s["base"]["peak_anon_bytes"]
-    in_place_growth = s["in_place"]["peak_anon_bytes"] - base
-    hit_growth = max(0, s["cached_hit"]["peak_anon_bytes"] - base)
-    assert in_place_growth >= data["lora_target_bytes"]  # merged layers plus their snapshot
-    assert hit_growth <= in_place_growth / 3
+    assert s["cached_hit"]["peak_anon_bytes"] <= s["in_place"]["peak_anon_bytes"] / 3
+    # The in-place start holds the merged layers and their snapshot: twice the targets.
+    in_place_growth = s["in_place"]["peak_anon_bytes"] - s["base"]["peak_anon_bytes"]
+    assert in_place_growth >= 1.8 * data["lora_target_bytes"]
     # The merged weights are page cache, and the cached start reads them back.
     assert s["cached_hit"]["file_backed_bytes"] >= s["in_place"]["file_backed_bytes"] + data["lora_target_bytes"] // 2
 
