@@ -17,6 +17,7 @@ import torch
 
 from .procfs import ProcStatus, read_status
 from .residency import RangeClassifier, Residency
+from .table import format_table
 from .units import format_size
 
 __all__ = ["ParameterEntry", "ComponentLedger", "Ledger", "account"]
@@ -130,12 +131,7 @@ class Ledger:
                 rows.extend(row(f"  {p.name}", p.residency) for p in biggest)
         rows.append(row("all parameters", self.totals))
         rows.append(("unattributed anonymous", format_size(self.unattributed_anonymous), "", "", "", "", ""))
-        widths = [max(len(str(r[i])) for r in rows) for i in range(len(header))]
-        lines = []
-        for r in rows:
-            cells = [str(r[0]).ljust(widths[0])] + [str(c).rjust(w) for c, w in zip(r[1:], widths[1:])]
-            lines.append("  ".join(cells).rstrip())
-        return "\n".join(lines)
+        return "\n".join(format_table(rows))
 
 
 def _named_tensors(module: torch.nn.Module):

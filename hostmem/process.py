@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 
 from .residency import RangeClassifier, Residency
+from .table import format_table
 from .units import format_size
 
 __all__ = ["MappingResidency", "ProcessResidency", "inspect_process"]
@@ -87,9 +88,7 @@ class ProcessResidency:
                     format_size(r.pinned),
                 )
             )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for r in rows:
-            lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
+        lines.extend(format_table(rows))
         if top > 0 and len(ranked) > top:
             lines.append(f"... {len(ranked) - top} more mappings (--top 0 shows all)")
         return "\n".join(lines)
