@@ -1,8 +1,9 @@
-"""`hostmem plan configs/demo.yaml` on a >= 4 GiB checkpoint folder: how long planning takes.
+"""`hostmem plan` of the demo deployment on a >= 4 GiB checkpoint folder: how long planning takes.
 
-Writes the demo's checkpoint (a DiT folder of many layers in many shards and a text
-encoder, real safetensors files) where configs/demo.yaml points, then times, in one
-run and side by side:
+Writes a checkpoint (a DiT folder of many layers in many shards and a text encoder,
+real safetensors files) under bench/out/plan, and beside it a config: configs/demo.yaml
+(host, device, cost model, workload, LoRA) with its declared sizes replaced by these
+files, so the plan reads every header. Then times, in one run and side by side:
 
 - the whole command, as a person runs it (interpreter start and imports included);
 - its baseline: starting the interpreter and importing hostmem and the command line;
@@ -29,6 +30,7 @@ import sys
 import time
 
 import torch
+import yaml
 from common import bench_args, format_size, report, timed
 from tqdm import tqdm
 
@@ -37,7 +39,7 @@ from planners.checkpoint import checkpoint_files
 from planners.cli import main as hostmem_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(REPO, "configs", "demo.yaml")
+DEMO_CONFIG = os.path.join(REPO, "configs", "demo.yaml")
 DIT_LAYERS, TE_LAYERS, LAYERS_PER_SHARD = 200, 24, 8
 RUNS = 7
 
@@ -51,7 +53,7 @@ def _layer(prefix: str, index: int, layer_bytes: int, names: tuple[str, ...]) ->
 
 
 def write_demo_checkpoint(folder: str, total_bytes: int) -> None:
-    """The layout configs/demo.yaml plans: ``transformer/`` shards and ``text_encoder.safetensors``."""
+    """The layout the bench's config plans: ``transformer/`` shards and ``text_encoder.safetensors``."""
     spec = {"bytes": total_bytes, "dit_layers": DIT_LAYERS, "te_layers": TE_LAYERS}
     marker = os.path.join(folder, "spec.json")
     if os.path.exists(marker) and json.load(open(marker)) == spec:
@@ -76,17 +78,33 @@ def write_demo_checkpoint(folder: str, total_bytes: int) -> None:
     json.dump(spec, open(marker, "w"))
 
 
+def write_config(folder: str) -> str:
+    """configs/demo.yaml with its components given by the checkpoint in ``folder``."""
+    with open(DEMO_CONFIG) as handle:
+        config = yaml.safe_load(handle)
+    config["components"] = {
+        "dit": {"path": "transformer", "layers": "blocks.{i}.", "offload": "layerwise", "prefetch": 1,
+                "lora_targets": ["blocks.*.attn.*.weight", "blocks.*.ffn.0.weight"]},
+        "text_encoder": {"path": "text_encoder.safetensors", "layers": "encoder.block.{i}.", "offload": "full"},
+    }
+    config["lora"] = {"adapters": [{"path": "turbo.safetensors", "strength": 1.0}], "cache": {"root": "cache"}}
+    path = os.path.join(folder, "demo.yaml")
+    with open(path, "w") as handle:
+        yaml.safe_dump(config, handle, sort_keys=False)
+    return path
+
+
 def _median(fn, runs: int = RUNS) -> float:
     return statistics.median(timed(fn)[1] for _ in range(runs))
 
 
-def _plan_in_process() -> None:
+def _plan_in_process(config: str) -> None:
     with contextlib.redirect_stdout(io.StringIO()):
-        if hostmem_main(["plan", CONFIG, "--json"]) != 0:
+        if hostmem_main(["plan", config, "--json"]) != 0:
             raise SystemExit("hostmem plan failed")
 
 
-def _cold_plan_s(files: list[str]) -> float:
+def _cold_plan_s(config: str, files: list[str]) -> float:
     """Plan once after dropping the checkpoint's pages, so every header comes from disk."""
     for path in files:
         fd = os.open(path, os.O_RDONLY)
@@ -94,7 +112,7 @@ def _cold_plan_s(files: list[str]) -> float:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-    return timed(_plan_in_process)[1]
+    return timed(_plan_in_process, config)[1]
 
 
 def _run(argv: list[str]) -> None:
@@ -112,20 +130,21 @@ def _interleaved(command: list[str], baseline: list[str], runs: int = 5) -> tupl
 
 def main() -> None:
     args = bench_args(__doc__.splitlines()[0], "4GiB", "256MiB")
-    folder = os.path.join(REPO, "bench", "out", "demo")
+    folder = os.path.join(args.workdir or os.path.join(REPO, "bench", "out"), "plan")  # the bench's own folder
     _, write_s = timed(write_demo_checkpoint, folder, args.size_bytes)
+    config = write_config(folder)
     files = checkpoint_files(os.path.join(folder, "transformer")) + [os.path.join(folder, "text_encoder.safetensors")]
     headers = [read_header(f) for f in files]
     size = sum(h.file_size for h in headers)
     tensors = sum(len(h.tensors) for h in headers)
     hostmem_cmd = os.path.join(os.path.dirname(sys.executable), "hostmem")
 
-    _plan_in_process()  # warm: imports done, headers cached
-    plan_s = _median(_plan_in_process)
+    _plan_in_process(config)  # warm: imports done, headers cached
+    plan_s = _median(lambda: _plan_in_process(config))
     headers_s = _median(lambda: [read_header(f) for f in files])
-    plan_cold_s = statistics.median(_cold_plan_s(files) for _ in range(RUNS))
+    plan_cold_s = statistics.median(_cold_plan_s(config, files) for _ in range(RUNS))
     command_s, import_s = _interleaved(
-        [hostmem_cmd, "plan", CONFIG, "--json"], [sys.executable, "-c", "import hostmem, planners.cli"]
+        [hostmem_cmd, "plan", config, "--json"], [sys.executable, "-c", "import hostmem, planners.cli"]
     )
     report(
         "plan",
@@ -135,8 +154,9 @@ def main() -> None:
             f"plan in process: {plan_s * 1000:.1f} ms warm, {plan_cold_s * 1000:.1f} ms with the pages dropped "
             f"(goal < 1000 ms: {plan_s:.4f} of it)",
             f"baseline, reading every header: {headers_s * 1000:.1f} ms; plan / headers = {plan_s / headers_s:.1f}",
-            f"command `hostmem plan configs/demo.yaml`: {command_s * 1000:.0f} ms; baseline, interpreter + "
-            f"imports: {import_s * 1000:.0f} ms; command / baseline = {command_s / import_s:.2f}",
+            f"command `hostmem plan {os.path.relpath(config, REPO)}`: {command_s * 1000:.0f} ms; "
+            f"baseline, interpreter + imports: {import_s * 1000:.0f} ms; "
+            f"command / baseline = {command_s / import_s:.2f}",
         ],
         {
             "checkpoint_bytes": size,

@@ -15,7 +15,8 @@ Environment overrides (nothing else here reads the environment):
 
 - ``HOSTMEM_HOST_LIMIT``: ``host.limit`` (a size, or ``auto``)
 - ``HOSTMEM_HOST_RESERVE``: ``host.reserve``
-- ``HOSTMEM_MAX_PINNED``: ``host.max_pinned`` (a percentage of the limit, or a size)
+- ``HOSTMEM_MAX_PINNED``: ``host.max_pinned`` (a share of the limit, ``75%`` or ``0.75``, or a
+  size with a unit; a number without a unit is always a share)
 - ``HOSTMEM_DEVICE_VRAM``: ``device.vram``
 
 An overridden key is reported as coming from the variable, so an error points at
@@ -208,10 +209,32 @@ def _host(origin: ConfigOrigin, data: Any) -> HostConfig:
     return HostConfig(limit=limit, reserve=reserve, max_pinned_fraction=fraction, max_pinned_bytes=cap)
 
 
+_BARE_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def _is_bare_number(value: Any) -> bool:
+    """A number without a unit: ``1``, ``0.75``, or the text ``"1"`` of an override."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, (int, float)) or (isinstance(value, str) and bool(_BARE_NUMBER.fullmatch(value.strip())))
+
+
 def _max_pinned(s: Section) -> tuple[float | None, int | None]:
-    """``max_pinned`` is a share of the limit (``75%``, ``0.75``) or a size (``18GiB``)."""
+    """``max_pinned`` is a share of the limit (``75%``, ``0.75``) or a size with a unit (``18GiB``).
+
+    A bare number is a share, so it must lie in [0, 1]: ``max_pinned: 1`` is all of the
+    limit, never 1 byte, and ``max_pinned: 16`` (16 bytes? 16%? 16 GiB?) is refused.
+    """
     value = s.get("max_pinned", "75%")
-    if isinstance(value, float) or (isinstance(value, str) and value.strip().endswith("%")):
+    if _is_bare_number(value):
+        if not 0.0 <= float(value) <= 1.0:
+            raise s.origin.error(
+                s.sub("max_pinned"),
+                f"{value!r} is a number without a unit, read as a share of the limit, so it must lie between "
+                "0 and 1; write a share (75% or 0.75) or a size with its unit (18GiB)",
+            )
+        return float(value), None
+    if isinstance(value, str) and value.strip().endswith("%"):
         return s.parsed("max_pinned", parse_fraction, 0.75, "write e.g. 75% or 18GiB"), None
     return None, s.parsed("max_pinned", parse_size, None, "write e.g. 75% or 18GiB")
 

@@ -21,7 +21,7 @@ from .pin_plan import CostModel, MoveGroup, PinPlans, plan_pins
 from .providers import OfferRecord, apply_offer, collect_offers
 from .sizes import ComponentSizes
 
-__all__ = ["DeploymentPlan", "OfferOutcome", "plan_deployment", "cost_model"]
+__all__ = ["AlternativePlan", "DeploymentPlan", "OfferOutcome", "plan_deployment", "cost_model"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,20 @@ class OfferOutcome:
     budget_bytes: int
     pinned_bytes: int
     transfer_s_per_request: float
+
+
+@dataclass(frozen=True)
+class AlternativePlan:
+    """The same deployment planned another way (without the LoRA merge cache), for comparison."""
+
+    label: str
+    merge: str
+    budget_bytes: int
+    committed_bytes: int
+    pinned_bytes: int
+    pinned_layers: Mapping[str, tuple[str, ...]]
+    transfer_s_per_request: float
+    over_limit_bytes: int = 0  # committed beyond the host limit: killed while it loads, without swap
 
 
 @dataclass(frozen=True)
@@ -46,6 +60,9 @@ class DeploymentPlan:
     pins: PinPlans
     offers: tuple[OfferOutcome, ...] = ()
     warnings: tuple[str, ...] = ()
+    merge_reason: str = ""
+    alternatives: tuple[AlternativePlan, ...] = ()
+    lora_merge: Mapping | None = None  # what lora_cache.merge did (MergeStats.to_dict()), live plans
 
 
 def cost_model(config: DeploymentConfig) -> CostModel:
@@ -104,6 +121,9 @@ def plan_deployment(
     process_excess: int = 0,
     providers=(),
     notes: tuple[str, ...] = (),
+    merge_reason: str = "",
+    alternatives=(),
+    lora_merge: Mapping | None = None,
 ) -> DeploymentPlan:
     """Plan ``config`` over ``components`` on a host limited to ``host``.
 
@@ -111,6 +131,9 @@ def plan_deployment(
     reserve that no weight explains (live plans); ``providers`` are asked for
     offers, and each offer is planned next to the plan without it; ``notes`` are
     warnings found outside (a cache root on tmpfs) to report with the plan's own.
+    ``alternatives`` are ``(label, merge, components)``: the same deployment with
+    other residency (the in-place merge next to the cached one), planned beside it.
+    ``merge_reason`` and ``lora_merge`` (what the merge did) are reported as given.
     """
     _check_components(config, components)
     components = dict(components)
@@ -120,6 +143,13 @@ def plan_deployment(
         changed = {**components, record.component: apply_offer(components[record.component], record)}
         b, _, p = _core(config, changed, host, process_excess)
         outcomes.append(OfferOutcome(record, b.bytes, p.pinned_bytes, p.transfer_s_per_request))
+    others = []
+    for label, other_merge, other in alternatives:
+        _check_components(config, other)
+        b, _, p = _core(config, dict(other), host, process_excess)
+        layers = {name: tuple(plan.pinned_layers) for name, plan in p.plans.items()}
+        others.append(AlternativePlan(label, other_merge, b.bytes, b.committed, p.pinned_bytes, layers,
+                                      p.transfer_s_per_request, max(0, b.committed - b.limit)))
     warnings = list(notes) + _host_warnings(host, budget, device) + list(pins.warnings)
     return DeploymentPlan(
         deployment=config.deployment,
@@ -132,6 +162,9 @@ def plan_deployment(
         pins=pins,
         offers=tuple(outcomes),
         warnings=tuple(warnings),
+        merge_reason=merge_reason,
+        alternatives=tuple(others),
+        lora_merge=None if lora_merge is None else dict(lora_merge),
     )
 
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from hostmem.procfs import Mount, filesystem_of
+from hostmem.procfs import Mount, filesystem_of, is_shmem_fs, read_mounts
 
 from .config import DeploymentConfig
 
 __all__ = ["cache_root_warnings"]
-
-_SHMEM_FS = {"tmpfs", "ramfs", "hugetlbfs", "devtmpfs"}
 
 
 def cache_root_warnings(config: DeploymentConfig, mounts: list[Mount] | None = None) -> list[str]:
@@ -20,9 +18,10 @@ def cache_root_warnings(config: DeploymentConfig, mounts: list[Mount] | None = N
     lora = config.lora
     if lora is None or not lora.cache.enabled or lora.cache.root is None:
         return []
-    mount = filesystem_of(lora.cache.root, mounts)
-    if mount is None or mount.fs_type not in _SHMEM_FS:
+    mounts = read_mounts() if mounts is None else mounts
+    if not is_shmem_fs(lora.cache.root, mounts):
         return []
+    mount = filesystem_of(lora.cache.root, mounts)
     return [
         f"lora.cache.root {lora.cache.root} ({config.origin.where('lora.cache.root')}) is on {mount.fs_type} "
         f"(mounted at {mount.mount_point}): cached weights there are shmem, as unreclaimable as anonymous "

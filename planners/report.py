@@ -21,17 +21,29 @@ added but never renamed::
      "transfer_s_per_request", "baseline_transfer_s_per_request",
      "offers": [{"provider", "component", "anonymous_bytes", "disk_bytes", "one_time_s", "note",
                  "budget_bytes", "pinned_bytes", "transfer_s_per_request"}],
-     "warnings": [str]}
+     "warnings": [str],
+     "merge_reason": str,
+     "alternatives": [{"label", "merge", "budget_bytes", "committed_bytes", "pinned_bytes",
+                       "pinned_layers": {NAME: [..]}, "transfer_s_per_request", "over_limit_bytes"}],
+     "lora_merge": null | {"layers", "hit", "built", "fallen_back", "in_place", "bytes",
+                           "bytes_written", "seconds", "rate_bytes_per_s", "cache_key",
+                           "cache_root", "adapters"}}
 
 A component's ``total`` is every byte it holds: its weights plus ``extra_anonymous``
 (an unmerge snapshot). ``cgroup_limit_bytes`` is null where no cgroup limits memory.
+``merge_reason`` says why the plan merges as it does (empty without adapters).
+``alternatives`` plans the same deployment another way beside this plan: a cached
+merge is shown next to the in-place merge it replaces ("without the LoRA merge
+cache"), so the budget the cache gives back reads off one report. ``lora_merge`` is
+what ``lora_cache.merge`` did (a live plan given ``merge_stats``), null otherwise.
 """
 
 from __future__ import annotations
 
 import re
 
-from hostmem.units import format_size
+from hostmem.table import format_table
+from hostmem.units import format_rate, format_size
 
 from .deployment import DeploymentPlan
 
@@ -139,6 +151,15 @@ def report_dict(plan: DeploymentPlan) -> dict:
             for o in plan.offers
         ],
         "warnings": list(plan.warnings),
+        "merge_reason": plan.merge_reason,
+        "alternatives": [
+            {"label": a.label, "merge": a.merge, "budget_bytes": a.budget_bytes,
+             "committed_bytes": a.committed_bytes, "pinned_bytes": a.pinned_bytes,
+             "pinned_layers": {name: list(layers) for name, layers in a.pinned_layers.items()},
+             "transfer_s_per_request": a.transfer_s_per_request, "over_limit_bytes": a.over_limit_bytes}
+            for a in plan.alternatives
+        ],
+        "lora_merge": None if plan.lora_merge is None else dict(plan.lora_merge),
     }
 
 
@@ -171,16 +192,6 @@ def _seconds(value: float) -> str:
     return f"{value:.2f} s" if value >= 1 else f"{value * 1000:.1f} ms"
 
 
-def _table(rows: list[tuple], indent: str = "  ") -> list[str]:
-    """Aligned columns: the first left, the others right."""
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for r in rows:
-        cells = [str(r[0]).ljust(widths[0])] + [str(c).rjust(w) for c, w in zip(r[1:], widths[1:])]
-        lines.append(indent + "  ".join(cells).rstrip())
-    return lines
-
-
 def _host_lines(plan: DeploymentPlan) -> list[str]:
     h, b = plan.host, plan.budget
     cgroup = format_size(h.cgroup_limit) if h.cgroup_limit else "none"
@@ -188,7 +199,7 @@ def _host_lines(plan: DeploymentPlan) -> list[str]:
         f"host: limit {format_size(h.bytes)} ({h.source}); MemTotal {format_size(h.mem_total)}; "
         f"cgroup limit {cgroup}",
         "budget:",
-        *_table([
+        *format_table([
             ("limit", format_size(b.limit), ""),
             ("- reserve", format_size(b.reserve), ""),
             ("- committed anonymous", format_size(b.committed_anonymous), ""),
@@ -198,7 +209,7 @@ def _host_lines(plan: DeploymentPlan) -> list[str]:
             ("= room (pins + page cache)", format_size(b.room), ""),
             ("max pinned", format_size(b.max_pinned), ""),
             ("budget for pins", format_size(b.bytes), "(room, capped by max pinned)"),
-        ]),
+        ], indent="  "),
     ]
 
 
@@ -209,7 +220,7 @@ def _component_lines(plan: DeploymentPlan) -> list[str]:
         rows.append((name, s.offload, s.source, len(s.layers), format_size(r.anonymous),
                      format_size(r.file_backed + r.not_resident), format_size(r.pinned),
                      format_size(r.shmem), format_size(r.total)))
-    return ["components (file-backed includes mapped bytes not yet read):", *_table(rows)]
+    return ["components (file-backed includes mapped bytes not yet read):", *format_table(rows, indent="  ")]
 
 
 def _device_lines(plan: DeploymentPlan) -> list[str]:
@@ -239,7 +250,7 @@ def _pin_lines(plan: DeploymentPlan) -> list[str]:
     pins = plan.pins
     rows.append(("total", "", "", format_size(pins.pinned_bytes), format_size(pins.net_cost_bytes), "", "",
                  _seconds(pins.transfer_s_per_request), _seconds(pins.baseline_transfer_s_per_request)))
-    lines = ["pin plans:", *_table(rows)]
+    lines = ["pin plans:", *format_table(rows, indent="  ")]
     for name, p in plan.pins.plans.items():
         if p.pinned_layers:
             lines.append(f"  {name} pinned: {compress_names(p.pinned_layers)}")
@@ -256,18 +267,58 @@ def _offer_lines(plan: DeploymentPlan) -> list[str]:
         rows.append((o.offer.provider, o.offer.component, format_size(o.offer.anonymous_bytes),
                      format_size(o.offer.disk_bytes), f"{o.offer.one_time_s:.1f} s", format_size(o.budget_bytes),
                      format_size(o.pinned_bytes), _seconds(o.transfer_s_per_request)))
-    return ["offers:", *_table(rows), *(f"  {o.offer.provider}: {o.offer.note}" for o in plan.offers if o.offer.note)]
+    notes = [f"  {o.offer.provider}: {o.offer.note}" for o in plan.offers if o.offer.note]
+    return ["offers:", *format_table(rows, indent="  "), *notes]
+
+
+def _alternative_lines(plan: DeploymentPlan) -> list[str]:
+    """This plan beside the same deployment planned another way (the in-place merge)."""
+    if not plan.alternatives:
+        return []
+    rows = [("plan", "merge", "committed", "budget", "pinned", "pinned layers", "transfer/req")]
+    layers = sum(len(p.pinned_layers) for p in plan.pins.plans.values())
+    rows.append(("this plan", plan.merge, format_size(plan.budget.committed), format_size(plan.budget.bytes),
+                 format_size(plan.pins.pinned_bytes), layers, _seconds(plan.pins.transfer_s_per_request)))
+    for a in plan.alternatives:
+        rows.append((a.label, a.merge, format_size(a.committed_bytes), format_size(a.budget_bytes),
+                     format_size(a.pinned_bytes), sum(len(v) for v in a.pinned_layers.values()),
+                     _seconds(a.transfer_s_per_request)))
+    lines = ["compared (committed = non-reclaimable memory the components hold):", *format_table(rows, indent="  ")]
+    for a in plan.alternatives:
+        killed = (f"; its committed memory exceeds the host limit by {format_size(a.over_limit_bytes)}: without "
+                  "swap it is killed while it loads" if a.over_limit_bytes else "")
+        lines.append(f"  {a.label}: budget {format_size(a.budget_bytes)}, pins {format_size(a.pinned_bytes)} "
+                     f"(this plan: budget {format_size(plan.budget.bytes)}, pins {format_size(plan.pins.pinned_bytes)})"
+                     f"{killed}")
+    return lines
+
+
+def _lora_merge_lines(plan: DeploymentPlan) -> list[str]:
+    """What lora_cache.merge did: layers hit, built, fallen back; bytes; seconds; rate."""
+    m = plan.lora_merge
+    if m is None:
+        return []
+    where = f"cache {str(m['cache_key'])[:12]} under {m.get('cache_root')}" if m.get("cache_key") else "in place"
+    rows = [("layers", "hit", "built", "fallen back", "in place", "merged", "written", "time", "rate"),
+            (m["layers"], m["hit"], m["built"], m["fallen_back"], m["in_place"], format_size(m["bytes"]),
+             format_size(m["bytes_written"]), f"{m['seconds']:.1f} s", format_rate(m["rate_bytes_per_s"]))]
+    return [f"LoRA merge ({where}):", *format_table(rows, indent="  ", right_from=0)]
 
 
 def report_text(plan: DeploymentPlan) -> str:
     """The report for people: aligned tables, sizes in GiB with one decimal."""
+    title = [f"hostmem plan: {plan.deployment} ({plan.mode}, merge: {plan.merge})"]
+    if plan.merge_reason:
+        title.append(f"merge {plan.merge}: {plan.merge_reason}")
     sections = [
-        [f"hostmem plan: {plan.deployment} ({plan.mode}, merge: {plan.merge})"],
+        title,
         _host_lines(plan),
         _component_lines(plan),
+        _lora_merge_lines(plan),
         _device_lines(plan),
         _pin_lines(plan),
         _offer_lines(plan),
+        _alternative_lines(plan),
         ["warnings:", *(f"  - {w}" for w in plan.warnings)] if plan.warnings else ["warnings: none"],
     ]
     return "\n\n".join("\n".join(s) for s in sections if s)

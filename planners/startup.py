@@ -7,13 +7,16 @@
 
     config = load_config("configs/minimax-h3-32g.yaml")
     loaded = {"dit": dit, "text_encoder": te}
-    plan = plan_loaded(config, loaded)
+    stats = lora_cache.merge(loaded["dit"], adapters, cache_root="~/.cache/hostmem")   # if it merges
+    plan = plan_loaded(config, loaded, merge_stats=stats)
     pins = apply_pin_plan(plan, loaded, config)     # keep pins.pinner alive while serving
 
 :func:`plan_loaded` accounts the loaded components with :func:`hostmem.account`
 (measured residency per parameter), groups them into the config's layers, plans
 under the host limit, logs the report once (logger ``hostmem``, one record) and
-returns the plan. Pinning is a separate, explicit step.
+returns the plan. Pinning is a separate, explicit step. ``merge_stats`` (what
+``lora_cache.merge`` returned) puts the merge in the report: layers hit, built and
+fallen back, bytes, seconds and rate.
 """
 
 from __future__ import annotations
@@ -30,9 +33,11 @@ from .deployment import DeploymentPlan, plan_deployment
 from .host_checks import cache_root_warnings
 from .report import report_text
 from .sizes import ComponentSizes, from_ledger
-from .whatif import default_merge
+from .whatif import default_merge, merge_reason
 
-__all__ = ["plan_loaded", "live_components"]
+__all__ = ["plan_loaded", "live_components", "merge_stats_dict"]
+
+_MERGE_STATS_KEYS = ("layers", "hit", "built", "fallen_back", "in_place", "bytes", "bytes_written", "seconds")
 
 _LOG = logging.getLogger("hostmem")
 
@@ -61,28 +66,74 @@ def live_components(config: DeploymentConfig, ledger: hostmem.Ledger) -> dict[st
     return out
 
 
+def merge_stats_dict(stats) -> dict:
+    """``lora_cache.MergeStats`` (or its ``to_dict()``) as plain data: sizes in bytes, times in seconds."""
+    data = stats.to_dict() if hasattr(stats, "to_dict") else dict(stats)
+    missing = [k for k in _MERGE_STATS_KEYS if k not in data]
+    if missing:
+        raise TypeError(
+            f"merge_stats lacks {', '.join(missing)}: pass what lora_cache.merge() returned"
+        )
+    seconds = float(data["seconds"])
+    data.setdefault("rate_bytes_per_s", data["bytes"] / seconds if seconds > 0 else 0.0)
+    return data
+
+
+def _merge_done(stats: dict) -> tuple[str, str, list[str]]:
+    """The merge a server did, why the plan says so, and a warning for layers that fell back."""
+    cached = stats["hit"] + stats["built"]
+    where = f"cache {str(stats['cache_key'])[:12]} under {stats.get('cache_root')}" if stats.get("cache_key") else ""
+    if cached:
+        merge, reason = "cached", f"lora_cache.merge took {cached} of {stats['layers']} layers from {where}"
+    elif not stats["layers"]:
+        merge, reason = "none", "lora_cache.merge changed no layer"
+    elif where:
+        merge, reason = "in-place", f"the {where} could not store any layer: lora_cache.merge merged all in place"
+    else:
+        merge, reason = "in-place", "lora_cache.merge merged in place (no cache root given, or the cache is off)"
+    warnings = []
+    if stats["fallen_back"]:
+        warnings.append(
+            f"{stats['fallen_back']} LoRA layers fell back to an in-place merge (the cache could not store them): "
+            "they are anonymous memory now; free disk under the cache root or raise lora.cache.max_size, "
+            "then restart to map them back"
+        )
+    return merge, reason, warnings
+
+
 def plan_loaded(
     config: DeploymentConfig | str | os.PathLike,
     components: Mapping,
     *,
     providers=(),
+    merge_stats=None,
     logger: logging.Logger | None = None,
 ) -> DeploymentPlan:
-    """Account ``components`` (``{config name: nn.Module}``), plan, log the report, return the plan."""
+    """Account ``components`` (``{config name: nn.Module}``), plan, log the report, return the plan.
+
+    ``merge_stats`` is what ``lora_cache.merge`` returned for these components; the
+    report then shows the merge (layers hit, built, fallen back; bytes; seconds; rate).
+    """
     if not isinstance(config, DeploymentConfig):
         config = load_config(config)
     ledger = hostmem.account(dict(components))
     sizes = live_components(config, ledger)
     host = read_host_limit(config)
+    merge, reason, notes = default_merge(config), merge_reason(config), []
+    stats = None if merge_stats is None else merge_stats_dict(merge_stats)
+    if stats is not None:
+        merge, reason, notes = _merge_done(stats)
     plan = plan_deployment(
         config,
         sizes,
         host,
         mode="live",
-        merge=default_merge(config),
+        merge=merge,
         process_excess=max(0, ledger.unattributed_anonymous - config.host.reserve),
         providers=providers,
-        notes=tuple(cache_root_warnings(config)),
+        notes=tuple(cache_root_warnings(config) + notes),
+        merge_reason=reason,
+        lora_merge=stats,
     )
     (logger or _LOG).info("host memory plan\n%s", report_text(plan))
     return plan

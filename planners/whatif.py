@@ -15,22 +15,55 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hostmem.residency_classes import Residency
+from lora_cache.switch import DISABLE_ENV, cache_disabled_by_env
 
 from .checkpoint import read_checkpoint
 from .config import ComponentConfig, DeploymentConfig
 from .sizes import ComponentSizes, Layer, from_declared
 
-__all__ = ["MERGE_MODES", "default_merge", "predict", "component_sizes", "what_if_components"]
+__all__ = [
+    "MERGE_MODES",
+    "default_merge",
+    "merge_reason",
+    "predict",
+    "component_sizes",
+    "checkpoint_sizes",
+    "what_if_components",
+]
 
 MERGE_MODES = ("none", "in-place", "cached")
 
 
 def default_merge(config: DeploymentConfig) -> str:
-    """The merge a deployment does: none without adapters, else cached if the cache is on."""
+    """The merge a deployment does: none without adapters, else cached if the cache is on.
+
+    The cache is off when the config says so (``lora.cache.enabled: false``) and also
+    when ``HOSTMEM_DISABLE_LORA_MERGE_CACHE=1`` is set: ``lora_cache.merge`` then merges
+    in place whatever the config says, so the plan must predict that too.
+    """
     lora = config.lora
     if lora is None or not lora.adapters or config.merge_target is None:
         return "none"
-    return "cached" if lora.cache.enabled else "in-place"
+    return "cached" if lora.cache.enabled and not cache_disabled_by_env() else "in-place"
+
+
+def merge_reason(config: DeploymentConfig) -> str:
+    """One line for the report: why :func:`default_merge` chose what it chose."""
+    lora = config.lora
+    if lora is None or not lora.adapters:
+        return ""
+    if config.merge_target is None:
+        return "no component declares lora_targets, so the adapters change nothing the plan can see"
+    if not lora.cache.enabled:
+        return (f"lora.cache.enabled is false ({config.origin.where('lora.cache.enabled')}): merged layers "
+                "are anonymous memory plus an unmerge snapshot; set it to true to merge through the cache")
+    if cache_disabled_by_env():
+        return (f"{DISABLE_ENV}=1 turns the LoRA merge cache off, so a server merges in place "
+                "(merged layers anonymous, plus an unmerge snapshot) although lora.cache is enabled "
+                f"({config.origin.where('lora.cache')}); unset it to merge through the cache")
+    root = lora.cache.root or "~/.cache/hostmem"
+    return (f"lora.cache is enabled ({config.origin.where('lora.cache')}): merged layers are written once "
+            f"under {root} and mapped back read-only, so they stay file-backed")
 
 
 def _loaded(unit: Layer, load: str) -> Layer:
@@ -86,8 +119,21 @@ def component_sizes(config: DeploymentConfig, component: ComponentConfig) -> Com
     return sizes
 
 
-def what_if_components(config: DeploymentConfig, merge: str) -> tuple[dict[str, ComponentSizes], list[str]]:
-    """Every component's sizes with predicted residency, and warnings about the merge."""
+def checkpoint_sizes(config: DeploymentConfig) -> dict[str, ComponentSizes]:
+    """Every component's sizes (headers or declared), before any residency is predicted."""
+    return {c.name: component_sizes(config, c) for c in config.components.values()}
+
+
+def what_if_components(
+    config: DeploymentConfig, merge: str, sizes: dict[str, ComponentSizes] | None = None
+) -> tuple[dict[str, ComponentSizes], list[str]]:
+    """Every component's sizes with predicted residency, and warnings about the merge.
+
+    ``sizes`` (from :func:`checkpoint_sizes`) saves reading the headers again when the
+    same deployment is predicted under more than one merge.
+    """
+    if sizes is None:
+        sizes = checkpoint_sizes(config)
     warnings: list[str] = []
     target = config.merge_target
     if merge != "none" and (target is None or not target.has_lora_targets):
@@ -97,8 +143,7 @@ def what_if_components(config: DeploymentConfig, merge: str) -> tuple[dict[str, 
         )
     out = {}
     for component in config.components.values():
-        sizes = component_sizes(config, component)
         this_merge = merge if target is not None and component.name == target.name else "none"
-        out[component.name] = predict(sizes, component.load, this_merge)
+        out[component.name] = predict(sizes[component.name], component.load, this_merge)
     return out, warnings
 

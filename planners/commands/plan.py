@@ -45,22 +45,40 @@ def _providers(config, components, merge) -> list:
     return [LoraCacheProvider(target.name, sizes.lora_target_bytes, layers=len(sizes.layers))]
 
 
+def _without_cache(config, merge, sizes) -> tuple:
+    """A cached plan's counterfactual: the same deployment merging in place.
+
+    A cached merge has no anonymous bytes left to offer, so the budget the cache gives
+    back shows only beside the plan without it: the in-place merge, planned next to it.
+    """
+    from planners.whatif import what_if_components
+
+    target = config.merge_target
+    if merge != "cached" or target is None or not target.has_lora_targets:
+        return ()
+    in_place, _ = what_if_components(config, "in-place", sizes)
+    return (("without the LoRA merge cache", "in-place", in_place),)
+
+
 def run(args) -> int:
     from planners.budget import read_host_limit
     from planners.config import load_config
     from planners.deployment import plan_deployment
     from planners.host_checks import cache_root_warnings
     from planners.report import report_dict, report_text
-    from planners.whatif import default_merge, what_if_components
+    from planners.whatif import checkpoint_sizes, default_merge, merge_reason, what_if_components
 
     config = load_config(args.config)
     merge = args.what_if or default_merge(config)
-    components, notes = what_if_components(config, merge)
+    reason = f"asked for with --what-if {merge}" if args.what_if else merge_reason(config)
+    sizes = checkpoint_sizes(config)
+    components, notes = what_if_components(config, merge, sizes)
     host = read_host_limit(config)
     notes += cache_root_warnings(config)
     plan = plan_deployment(
         config, components, host, mode="what-if", merge=merge, notes=tuple(notes),
-        providers=_providers(config, components, merge),
+        providers=_providers(config, components, merge), merge_reason=reason,
+        alternatives=_without_cache(config, merge, sizes),
     )
     if args.json:
         json.dump(report_dict(plan), sys.stdout)

@@ -69,7 +69,7 @@ def run(config_path: str, name: str) -> dict:
         root = None if name == "in_place" else config.lora.cache.root
         stats = lora_cache.merge(dit, adapters, cache_root=root, base_files=dit_files, progress=False)
     _first_request(dit, text_encoder)
-    plan = plan_loaded(config, {"dit": dit, "text_encoder": text_encoder})
+    plan = plan_loaded(config, {"dit": dit, "text_encoder": text_encoder}, merge_stats=stats)
     start_s = time.perf_counter() - started
     report = report_dict(plan)
     components = report["components"]

@@ -83,7 +83,7 @@ def test_a_large_budget_pins_every_streamed_layer_before_any_text_encoder_byte(w
 
 def test_a_text_encoder_gets_only_what_is_left_in_whole_layers(write_config):
     # Budget: 1 GiB DiT + 100 MiB: one 64 MiB text-encoder layer fits, not two.
-    config = _config(write_config, limit="4GiB", max_pinned=f"{GiB + 100 * MiB}")
+    config = _config(write_config, limit="4GiB", max_pinned=f"{GiB + 100 * MiB}B")
     plan = plan_deployment(config, _mapped(config), _host(config))
     assert plan.pins.plans["dit"].pinned_bytes == GiB
     assert plan.pins.plans["text_encoder"].pinned_layers == ("layers.0",)

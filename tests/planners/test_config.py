@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 
 import pytest
 
@@ -131,13 +132,43 @@ def test_only_one_component_streams(write_config):
         load_config(path, environ={})
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml"))))
-def test_the_shipped_declared_configs_parse(path):
-    text = open(path).read()
-    if "path:" in text.split("components:")[1].split("lora:")[0]:
-        pytest.skip("names a checkpoint folder that the demo or the bench writes")
-    config = load_config(path, environ={})
-    assert config.components and config.streamed is not None
+def test_every_shipped_config_loads_and_plans_on_a_clean_clone(tmp_path, capsys):
+    from planners.cli import main
+
+    shipped = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
+    assert len(shipped) >= 3
+    os.makedirs(tmp_path / "configs")  # nothing beside them: no weights, no bench output
+    for path in shipped:
+        clean = shutil.copy(path, tmp_path / "configs")
+        config = load_config(clean, environ={})
+        assert config.components and config.streamed is not None, path
+        assert main(["plan", clean, "--json"]) == 0, (path, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "text, share, cap",
+    [("1", 1.0, None), ("0.5", 0.5, None), ("0", 0.0, None), ("50%", 0.5, None), ("18GiB", None, 18 * 1024**3)],
+)
+def test_max_pinned_is_a_share_unless_it_has_a_unit(write_config, text, share, cap):
+    config = load_config(write_config(GOOD.replace("max_pinned: 75%", f"max_pinned: {text}")), environ={})
+    assert (config.host.max_pinned_fraction, config.host.max_pinned_bytes) == (share, cap)
+    limit = config.host.limit
+    assert config.host.max_pinned(limit) == (cap if cap is not None else int(limit * share))
+    from_env = load_config(write_config(GOOD), environ={"HOSTMEM_MAX_PINNED": text})
+    assert from_env.host.max_pinned(limit) == config.host.max_pinned(limit)
+
+
+@pytest.mark.parametrize("text", ["2", "16", "1.5", "-1", "24000000000"])
+def test_a_bare_number_above_one_is_not_a_max_pinned(write_config, text):
+    path = write_config(GOOD.replace("max_pinned: 75%", f"max_pinned: {text}"))
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, environ={})
+    message = str(caught.value)
+    assert message.startswith(f"{path}:5: host.max_pinned: {text} is a number without a unit"), message
+    assert "between 0 and 1" in message and "75% or 0.75" in message and "18GiB" in message
+    with pytest.raises(ConfigError, match=r"^HOSTMEM_MAX_PINNED \(overrides host.max_pinned of .*\): "
+                                          r"host.max_pinned: .* a number without a unit"):
+        load_config(write_config(GOOD), environ={"HOSTMEM_MAX_PINNED": text})
 
 
 def test_a_cache_root_on_tmpfs_is_a_warning(write_config):

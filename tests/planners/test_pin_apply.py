@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
+import resource
+import shutil
+import subprocess
+import sys
+
 import pytest
 
 import hostmem
-from hostmem.pinning import MlockBackend, Pinner, page_span
+from hostmem.pinning import MlockBackend, PinError, Pinner, page_span
 from hostmem.procfs import PAGE_SIZE, read_smaps, read_status
+from hostmem.units import format_size
 from planners.config import load_config
 from planners.pin_apply import PinMismatch, apply_pin_plan, layer_tensors
 from planners.sizes import from_ledger
@@ -52,11 +61,33 @@ def _pages_of(modules, config, plan) -> int:
     return total
 
 
+def require_mlock(nbytes: int) -> None:
+    """Skip, saying why, when this process may not lock ``nbytes`` at once.
+
+    Without CAP_IPC_LOCK, mlock is bounded by RLIMIT_MEMLOCK (8 MiB by default): a
+    test that pins more proves nothing there but the limit, which
+    tests/hostmem/test_pinning.py checks on its own.
+    """
+    buf = mmap.mmap(-1, nbytes)
+    view = ctypes.c_char.from_buffer(buf)
+    address = ctypes.addressof(view)
+    try:
+        MlockBackend().lock(address, nbytes)
+    except PinError as exc:
+        pytest.skip(f"this process may not mlock {format_size(nbytes)}: {exc}")
+    else:
+        MlockBackend().unlock(address, nbytes)
+    finally:
+        del view
+        buf.close()
+
+
 def test_applying_a_plan_on_the_cpu_mlocks_exactly_the_planned_bytes(loaded):
     config, modules = loaded
     plan = plan_loaded(config, modules)
     dit = plan.pins.plans["dit"]
     assert len(dit.pinned_layers) == 7 and plan.pins.plans["text_encoder"].pinned_bytes == 0
+    require_mlock(_pages_of(modules, config, plan))
     vm_before = read_status().vm_lck
     smaps_before = sum(v.locked for v in read_smaps())
     applied = apply_pin_plan(plan, modules, config, Pinner(MlockBackend()))
@@ -115,3 +146,28 @@ def test_a_verification_failure_undoes_the_pins(loaded):
     with pytest.raises(PinMismatch, match=r"planned \d+ bytes pinned, the accountant finds 0"):
         apply_pin_plan(plan, modules, config, pinner)
     assert pinner.locked_bytes == 0 and read_status().vm_lck == vm_before
+
+
+def _memlock_8mib() -> None:
+    """In the child: the default RLIMIT_MEMLOCK of a distribution (lowering a limit needs no privilege)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    limit = 8 * MiB if hard == resource.RLIM_INFINITY else min(hard, 8 * MiB)
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (limit, hard))
+
+
+def test_without_cap_ipc_lock_the_pin_test_skips_and_says_why(tmp_path):
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) is not installed")
+    setpriv = ["setpriv", "--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock"]
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    child = subprocess.run(
+        [*setpriv, sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+         f"--basetemp={tmp_path / 'child'}", os.path.abspath(__file__), "-k", "mlocks_exactly_the_planned_bytes"],
+        capture_output=True, text=True, timeout=300, cwd=repo, preexec_fn=_memlock_8mib,
+    )
+    if child.returncode != 0 and "setpriv" in child.stderr and "pytest" not in child.stdout:
+        pytest.skip(f"setpriv cannot drop CAP_IPC_LOCK here: {child.stderr.strip()}")
+    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-2000:]
+    summary = child.stdout.strip().splitlines()[-1]
+    assert summary.startswith("1 skipped, ") and "failed" not in summary and "error" not in summary, summary
+    assert "may not mlock" in child.stdout and "RLIMIT_MEMLOCK is 8.0 MiB" in child.stdout, child.stdout[-3000:]

@@ -14,8 +14,6 @@ import pytest
 from planners.cli import main
 from planners.report import compress_names
 
-from .conftest import MiB, write_checkpoint
-
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEED = os.path.join(REPO, "configs", "minimax-h3-32g.yaml")
 
@@ -84,21 +82,72 @@ def test_a_config_error_is_one_line_with_file_key_and_line(capsys, write_config)
                            "lower the reserve or raise the limit")
 
 
-def test_the_demo_config_plans_a_checkpoint_laid_out_as_the_demo_writes_it(capsys, tmp_path):
-    shutil.copy(os.path.join(REPO, "configs", "demo.yaml"), tmp_path / "demo.yaml")
-    os.makedirs(tmp_path / "configs")
-    shutil.move(tmp_path / "demo.yaml", tmp_path / "configs" / "demo.yaml")
-    out_dir = tmp_path / "bench" / "out" / "demo"
-    write_checkpoint(out_dir / "transformer", 16, 2 * MiB, rest_bytes=MiB, files=2)
-    te = write_checkpoint(tmp_path / "te", 3, 2 * MiB, prefix="encoder.block")
-    shutil.move(os.path.join(te, "model-00000.safetensors"), out_dir / "text_encoder.safetensors")
+def test_the_default_cached_plan_shows_the_budget_without_the_cache(capsys):
+    code, out, _ = _plan(capsys, SEED, "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert report["merge"] == "cached" and report["budget"]["bytes"] == 24 * 1024**3
+    assert "lora.cache is enabled" in report["merge_reason"]
+    (without,) = report["alternatives"]
+    assert without["label"] == "without the LoRA merge cache" and without["merge"] == "in-place"
+    assert without["committed_bytes"] == 2 * 38 * 10**9  # merged layers + unmerge snapshot
+    assert without["budget_bytes"] == 0 and without["pinned_bytes"] == 0
+    assert all(layers == [] for layers in without["pinned_layers"].values())
+    assert without["over_limit_bytes"] == 2 * 38 * 10**9 - 32 * 1024**3
+    in_place = json.loads(_plan(capsys, SEED, "--json", "--what-if", "in-place")[1])
+    assert without["budget_bytes"] == in_place["budget"]["bytes"]
+    assert without["transfer_s_per_request"] == in_place["transfer_s_per_request"]
+    code, text, _ = _plan(capsys, SEED)
+    assert "without the LoRA merge cache: budget 0 B, pins 0 B (this plan: budget 24.0 GiB, pins 23.8 GiB)" in text
+    rows = text.split("compared (")[1].split("\n\n")[0].splitlines()[1:4]
+    assert rows[1].split()[:3] == ["this", "plan", "cached"] and rows[2].split()[5:8] == ["in-place", "70.8", "GiB"]
+    assert len({len(r) for r in rows}) == 1, rows  # aligned
+
+
+def test_hostmem_disable_lora_merge_cache_plans_the_in_place_merge(capsys, monkeypatch):
+    monkeypatch.setenv("HOSTMEM_DISABLE_LORA_MERGE_CACHE", "1")
+    code, out, _ = _plan(capsys, SEED, "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert report["merge"] == "in-place" and report["budget"]["bytes"] == 0
+    assert report["components"]["dit"]["anonymous"] == 2 * 38 * 10**9
+    assert "HOSTMEM_DISABLE_LORA_MERGE_CACHE=1 turns the LoRA merge cache off" in report["merge_reason"]
+    assert report["offers"] == [] and report["alternatives"] == []  # a cache that is off offers nothing
+    code, text, _ = _plan(capsys, SEED)
+    assert text.splitlines()[1].startswith("merge in-place: HOSTMEM_DISABLE_LORA_MERGE_CACHE=1 turns")
+    monkeypatch.setenv("HOSTMEM_DISABLE_LORA_MERGE_CACHE", "0")
+    assert json.loads(_plan(capsys, SEED, "--json")[1])["merge"] == "cached"
+
+
+def test_hostmem_plan_stays_torch_free():
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "planners.cli", "plan", SEED],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HOSTMEM_DISABLE_LORA_MERGE_CACHE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "import time:" in done.stderr
+    assert not [line for line in done.stderr.splitlines() if line.endswith(" torch")]
+
+
+def test_the_small_shipped_config_plans_the_synthetic_model_on_a_clean_clone(capsys, tmp_path):
+    from planners.demo.run import DemoSettings
+    from planners.demo.synthetic import TEXT_ENCODER_SHARE, dit_dims
+
+    os.makedirs(tmp_path / "configs")  # a clean clone: no bench/out next to it
+    shutil.copy(os.path.join(REPO, "configs", "demo.yaml"), tmp_path / "configs" / "demo.yaml")
     code, out, _ = _plan(capsys, str(tmp_path / "configs" / "demo.yaml"), "--json")
     assert code == 0
     report = json.loads(out)
-    assert report["components"]["dit"]["layers"] == 16 and report["components"]["text_encoder"]["layers"] == 3
-    assert report["components"]["dit"]["source"] == "headers"
-    assert len(report["device_plan"]["resident_layers"]) == 16  # 33 MiB fits the 2 GiB device
-    assert report["pin_plans"]["text_encoder"]["pinned_layers"] == [f"encoder.block.{i}" for i in range(3)]
+    scale = DemoSettings().scale
+    hidden, blocks = dit_dims(scale)
+    dit, te = report["components"]["dit"], report["components"]["text_encoder"]
+    assert dit["layers"] == blocks and dit["source"] == "declared"
+    assert dit["total"] == pytest.approx(16 * hidden * hidden * 2 * blocks, rel=0.01)  # 16 d x d per block
+    assert dit["lora_target_bytes"] == 10 * hidden * hidden * 2 * blocks  # 10 of them are LoRA targets
+    assert te["total"] == pytest.approx(scale * TEXT_ENCODER_SHARE, rel=0.05)
+    assert report["merge"] == "cached" and report["budget"]["bytes"] == int(0.75 * report["host"]["limit_bytes"])
+    (without,) = report["alternatives"]
+    assert without["budget_bytes"] == 0 and without["over_limit_bytes"] > 0  # in place, the demo's OOM
+    assert report["pin_plans"]["dit"]["pinned_layers"]
 
 
 def test_the_installed_command_runs(tmp_path):

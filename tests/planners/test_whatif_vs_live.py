@@ -1,33 +1,42 @@
-"""A plan from a checkpoint's headers matches the plan measured after loading it."""
+"""A plan from a checkpoint's headers matches the plan measured after loading it, and after a LoRA merge."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
-import os
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import hostmem
+import lora_cache
+from hostmem.procfs import read_status
+from lora_cache.layers import module_tree
 from planners.budget import read_host_limit
+from planners.checkpoint import checkpoint_files
 from planners.config import load_config
 from planners.deployment import plan_deployment
-from planners.report import report_dict
+from planners.report import report_dict, report_text
 from planners.sizes import from_declared, from_ledger
 from planners.startup import plan_loaded
 from planners.whatif import predict, what_if_components
 
+from tests.conftest import write_safetensors
+
 from .conftest import MiB, mapped_module, write_checkpoint
 
-# 24 DiT layers of 5 MiB + a 1 MiB rest in 3 files, a 4-layer 32 MiB text encoder: 153 MiB.
-# The host leaves 100 MiB of room: the pins are bounded and the DiT cannot all be cached.
+# 24 DiT layers of 5 MiB (two 1280 x 1024 bf16 matrices) + a 1 MiB rest in 3 files, a 4-layer
+# 32 MiB text encoder: 153 MiB. The host leaves 100 MiB of room: the pins are bounded and the
+# DiT cannot all be cached. A rank-4 adapter changes every w0: 60 MiB of LoRA targets.
 CONFIG = """
 deployment: what-if-vs-live
 host: {limit: 2148MiB, reserve: 2GiB, max_pinned: 100%}
 device: {vram: 32MiB, reserve: 8MiB}
 workload: {steps: 4}
 components:
-  dit: {path: ckpt/dit, layers: "blocks.{i}.", offload: layerwise, prefetch: 1, lora_targets: ["blocks.*.w0"]}
+  dit: {path: ckpt/dit, layers: "blocks.{i}.", offload: layerwise, prefetch: 1, lora_targets: ["blocks.*.w0.weight"]}
   text_encoder: {path: ckpt/te, layers: "enc.{i}.", offload: full}
 """
 
@@ -35,11 +44,36 @@ components:
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     root = tmp_path_factory.mktemp("whatif")
-    write_checkpoint(root / "ckpt" / "dit", 24, 5 * MiB, rest_bytes=MiB, files=3)
+    write_checkpoint(root / "ckpt" / "dit", 24, 5 * MiB, rest_bytes=MiB, files=3, cols=1024)
     write_checkpoint(root / "ckpt" / "te", 4, 8 * MiB, prefix="enc")
+    write_adapter(root / "turbo.safetensors", layers=24, rows=1280, cols=1024, rank=4)
     path = root / "deploy.yaml"
     path.write_text(CONFIG.lstrip())
     return load_config(path, environ={}), root
+
+
+def write_adapter(path, layers: int, rows: int, cols: int, rank: int) -> str:
+    """A rank-``rank`` adapter on every ``blocks.{i}.w0`` in the ComfyUI layout, alpha = rank."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for i in range(layers):
+        key = f"diffusion_model.blocks.{i}.w0"
+        tensors[f"{key}.lora_down.weight"] = torch.randn(rank, cols, generator=gen).to(torch.bfloat16)
+        tensors[f"{key}.lora_up.weight"] = (torch.randn(rows, rank, generator=gen) * 0.01).to(torch.bfloat16)
+        tensors[f"{key}.alpha"] = torch.tensor(float(rank))
+    return write_safetensors(path, tensors)
+
+
+def safetensors_module(folder) -> torch.nn.Module:
+    """A checkpoint loaded as servers do today: safetensors' own private writable mapping.
+
+    A write to these weights copies the pages it touches into anonymous memory.
+    """
+    tensors = []
+    for file in checkpoint_files(str(folder)):
+        with safe_open(file, "pt") as handle:
+            tensors += [(name, handle.get_tensor(name)) for name in handle.keys()]
+    return module_tree(tensors)
 
 
 def _loaded(root):
@@ -64,6 +98,7 @@ def test_the_what_if_plan_from_headers_matches_the_live_plan_within_1_percent(de
     reports = [r for r in caplog.records if r.getMessage().startswith("host memory plan")]
     assert len(reports) == 1 and "pin plans:" in reports[0].getMessage()  # the report, logged once
     assert after["mode"] == "live" and after["budget"]["committed"]["process_excess_bytes"] == 0
+    assert after["lora_merge"] is None and "LoRA merge (" not in reports[0].getMessage()
     assert before["budget"]["bytes"] == pytest.approx(100 * MiB, rel=0.01)
     assert _close(before["budget"]["bytes"], after["budget"]["bytes"])
     for name in ("dit", "text_encoder"):
@@ -78,23 +113,81 @@ def test_the_what_if_plan_from_headers_matches_the_live_plan_within_1_percent(de
     assert len(after["pin_plans"]["dit"]["pinned_layers"]) == 20  # 100 MiB of 5 MiB layers
 
 
+# Tolerance of the process's growth: the merge's own buffers (one fp32 layer and one output
+# layer, 7.5 MiB here) are freed when it ends, but the C allocator may keep some of them, so it
+# may grow by that much beyond the prediction; below it, by no more than 1%.
+MERGE_SCRATCH_SLACK = 8 * MiB
+
+
+def _settled_anonymous() -> int:
+    """RssAnon once freed heap is handed back, so the merge's own trim releases nothing older."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return read_status().rss_anon
+
+
 def test_an_in_place_merge_turns_exactly_the_predicted_bytes_anonymous(deployment):
     config, root = deployment
     predicted = what_if_components(config, "in-place")[0]["dit"]
     assert predicted.lora_target_bytes == 24 * 5 * MiB // 2
     assert predicted.extra.anonymous == predicted.lora_target_bytes  # the unmerge snapshot
-    module = mapped_module(root / "ckpt" / "dit")
-    snapshot = []
-    for name, param in module.named_parameters():
-        if name.endswith(".w0"):
-            snapshot.append(param.detach().clone())
-            param.data = param.detach() + 1  # what a merge into read-only weights must do
+    module = safetensors_module(root / "ckpt" / "dit")
+    for p in module.parameters():
+        torch.sum(p)  # read every page: all of it is page cache now
+    loaded = from_ledger(hostmem.account({"dit": module}).components["dit"], "layerwise", "blocks.{i}.")
+    assert loaded.residency.anonymous == 0 and loaded.residency.file_backed == loaded.weights_bytes
+    anon_before = _settled_anonymous()
+    stats = lora_cache.merge(module, [root / "turbo.safetensors"], progress=False)  # no cache root: in place
+    grown = read_status().rss_anon - anon_before
+    assert (stats.layers, stats.in_place, stats.cache_key) == (24, 24, None)
     measured = from_ledger(hostmem.account({"dit": module}).components["dit"], "layerwise", "blocks.{i}.")
     by_name = {u.name: u for u in predicted.units}
-    for unit in measured.units:
+    for unit in measured.units:  # the merged weights: written pages of the private mapping
         expected = by_name[unit.name].residency.anonymous
         assert abs(unit.residency.anonymous - expected) <= 0.01 * unit.nbytes, unit.name
-    assert sum(s.numel() * s.element_size() for s in snapshot) == predicted.extra.anonymous
+    merged_weights = sum(u.residency.anonymous for u in predicted.units)
+    assert merged_weights == predicted.lora_target_bytes
+    assert abs(sum(u.residency.anonymous for u in measured.units) - merged_weights) <= 0.01 * merged_weights
+    # What the process grew by: the merged weights and the snapshot the prediction adds besides.
+    expected_growth = predicted.residency.anonymous
+    assert expected_growth == merged_weights + predicted.extra.anonymous
+    assert expected_growth - 0.01 * expected_growth <= grown <= expected_growth + MERGE_SCRATCH_SLACK, (
+        grown, expected_growth)
+    assert lora_cache.unmerge(module) == 24
+
+
+def test_the_live_report_shows_what_the_merge_did(deployment, tmp_path, caplog):
+    config, root = deployment
+    te = mapped_module(root / "ckpt" / "te")
+    module = mapped_module(root / "ckpt" / "dit")
+    stats = lora_cache.merge(module, [root / "turbo.safetensors"], cache_root=tmp_path / "cache", progress=False)
+    assert (stats.built, stats.bytes) == (24, 60 * MiB)
+    with caplog.at_level(logging.INFO, logger="hostmem"):
+        plan = plan_loaded(config, {"dit": module, "text_encoder": te}, merge_stats=stats)
+    merged = report_dict(plan)["lora_merge"]
+    assert plan.merge == "cached" and merged["cache_key"] == stats.cache_key
+    assert (merged["layers"], merged["hit"], merged["built"], merged["fallen_back"]) == (24, 0, 24, 0)
+    assert merged["bytes"] == 60 * MiB and merged["bytes_written"] >= 60 * MiB
+    assert merged["seconds"] > 0 and merged["rate_bytes_per_s"] == pytest.approx(60 * MiB / merged["seconds"])
+    text = report_text(plan)
+    assert f"LoRA merge (cache {stats.cache_key[:12]} under {tmp_path / 'cache'}):" in text
+    header, row = text.split("LoRA merge (")[1].splitlines()[1:3]
+    assert header.split()[:4] == ["layers", "hit", "built", "fallen"] and row.split()[:4] == ["24", "0", "24", "0"]
+    assert "60.0 MiB" in row and "MiB/s" in row
+    assert "LoRA merge (" in caplog.records[-1].getMessage()  # the logged report has it too
+    lora_cache.unmerge(module)
+
+    again = mapped_module(root / "ckpt" / "dit")  # a second start with the same adapter
+    hit = lora_cache.merge(again, [root / "turbo.safetensors"], cache_root=tmp_path / "cache", progress=False)
+    reported = report_dict(plan_loaded(config, {"dit": again, "text_encoder": te}, merge_stats=hit))
+    assert (reported["lora_merge"]["hit"], reported["lora_merge"]["built"]) == (24, 0)
+    assert reported["components"]["dit"]["anonymous"] == 0  # mapped back from the cache
+    partial = {**hit.to_dict(), "hit": 20, "fallen_back": 4}  # as a full disk leaves it
+    warned = plan_loaded(config, {"dit": again, "text_encoder": te}, merge_stats=partial).warnings
+    assert any(w.startswith("4 LoRA layers fell back to an in-place merge") for w in warned), warned
+    with pytest.raises(TypeError, match="merge_stats lacks hit, built, fallen_back"):
+        plan_loaded(config, {"dit": again, "text_encoder": te}, merge_stats={"layers": 24})
+    lora_cache.unmerge(again)
 
 
 def test_declared_sizes_and_headers_agree_on_the_same_checkpoint(deployment):
@@ -104,4 +197,3 @@ def test_declared_sizes_and_headers_agree_on_the_same_checkpoint(deployment):
     assert headers.weights_bytes == declared.weights_bytes
     assert [u.nbytes for u in headers.units] == [u.nbytes for u in declared.units]
     assert headers.residency == declared.residency
-    assert os.path.isdir(root / "ckpt" / "te")
