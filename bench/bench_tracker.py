@@ -119,7 +119,7 @@ def main() -> None:
     args = parser.parse_args()
     pairs, seconds = (10, 0.05) if args.quick else (40, 0.2)
     n = calibrate(seconds)
-    PeakTracker().start().stop()  # warm: the first start also reads the sampler's source
+    PeakTracker().start().stop()  # warm: the first start loads the sampler interpreter and program from disk
     idle = measure(n, pairs)
     busy = with_cpu_hog(measure, n, pairs)
     lines = [

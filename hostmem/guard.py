@@ -29,7 +29,9 @@ import subprocess
 import threading
 from dataclasses import dataclass, field
 
-from .peak import DEFAULT_INTERVAL_S, CgroupPeak, PeakFigures, PeakTracker
+import psutil
+
+from .peak import DEFAULT_INTERVAL_S, CgroupPeak, PeakFigures, PeakTracker, PeakTrackerError
 from .units import format_size
 
 __all__ = ["EXIT_OVER_LIMIT", "GuardResult", "run_guarded"]
@@ -134,12 +136,7 @@ def run_guarded(
     ).prepare()
     try:
         proc = _start(command, env=env, cwd=cwd)
-        try:
-            tracker.start(proc.pid)
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
+        _track(tracker, proc, command)
         with _forwarding_signals(proc):
             exit_code, sig, usage = _wait(proc)
     finally:
@@ -168,6 +165,51 @@ def _start(command: tuple[str, ...], env: dict | None, cwd: str | None) -> subpr
         raise ValueError(f"{command[0]}: permission denied (is it executable?)") from None
     except NotADirectoryError:
         raise ValueError(f"{cwd}: not a folder (the working folder for the command)") from None
+
+
+def _track(tracker: PeakTracker, proc: subprocess.Popen, command: tuple[str, ...]) -> None:
+    """Start tracking the command just started; if that fails, end the command first.
+
+    A command the guard cannot track must not run on unguarded (it could eat the
+    host's memory with nobody judging it), so it is killed with every descendant it
+    has started and reaped before the error is raised.
+    """
+    try:
+        tracker.start(proc.pid)
+    except BaseException as exc:
+        _kill_tree(proc)
+        if isinstance(exc, PeakTrackerError):
+            raise PeakTrackerError(
+                f"could not track {command[0]} (pid {proc.pid}), so it was killed before it ran unguarded: "
+                f"{exc}. Run the guard again; if this repeats, check that this user may read /proc/{proc.pid} "
+                "and that the machine has memory to spare for the sampler"
+            ) from exc
+        raise
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the command and every descendant it has started, then reap the command.
+
+    Each process is stopped before its children are listed, so none can fork a new
+    one behind the walk; the descendants, reparented when the command dies, are
+    reaped by their new parent.
+    """
+    stopped: list[psutil.Process] = []
+    todo = [proc.pid]
+    while todo:
+        try:
+            process = psutil.Process(todo.pop())
+            process.suspend()
+            stopped.append(process)
+            todo.extend(child.pid for child in process.children())
+        except psutil.Error:  # gone already, or not ours to stop
+            continue
+    for process in reversed(stopped):
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    proc.wait()
 
 
 def _wait(proc: subprocess.Popen) -> tuple[int, int | None, object]:

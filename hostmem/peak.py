@@ -12,13 +12,11 @@ when asked) of a process, and optionally of its descendants, and keeps the peak:
 Why a separate process. An in-process thread needs the GIL to take a sample, and
 the code under test may hold it for the whole spike (a C loop that never releases
 it, a long torch call that keeps it), so a thread can miss exactly the spikes that
-matter. The sampler is a small interpreter of its own (standard library only, no
-torch, started with ``-I -S``: about 15 ms to start) that keeps ``/proc/PID/statm``
-open and reads it with ``pread`` every ``interval_s`` (default 1 ms): anonymous
-bytes are statm's resident minus shared, the same counters /proc/PID/status prints
-as RssAnon, at a fifth of its cost. With ``include_shmem`` it reads status instead.
-A sample costs a few microseconds of reading plus a 1 ms sleep in ``select``, which
-also watches for commands from the tracker; the sampler uses 3-6% of one core.
+matter. The sampler (:mod:`hostmem.peak_sampler_program`, driven through
+:mod:`hostmem.peak_sampler`) is a small interpreter of its own that reads the
+process's statm every ``interval_s`` (default 1 ms). A sample costs a few
+microseconds of reading plus a 1 ms sleep in ``select``, which also watches for
+commands from the tracker; the sampler uses 3-6% of one core.
 Because the machines this runs on have two cores shared with other jobs, the sampler
 asks for SCHED_FIFO where it may (root, CAP_SYS_NICE or an RLIMIT_RTPRIO), else for
 nice -10: measured with four CPU hogs on two cores, the longest gap between samples
@@ -26,366 +24,62 @@ was 4 ms under SCHED_FIFO and 16-22 ms at normal or nice -10 priority.
 ``max_gap_s`` (and ``sampler_priority``) say how well it kept the rhythm in each
 run: a spike shorter than the longest gap between two samples could have been missed.
 
-Two cross-checks that cannot miss a spike are reported beside the sampled peak, each
-saying what it counts:
+Every figure read while the tracker runs is fetched from the sampler on the spot,
+after a fresh sample, so a figure read while memory is held always includes it.
 
-- ``hwm_bytes``: the process's VmHWM, reset at start (``5`` written to
-  ``/proc/PID/clear_refs``). It is the peak of *all* resident pages (file and shmem
-  included), so it bounds nothing about anonymous memory alone, but if it exceeds
-  every RSS the sampler saw (``unseen_rss_bytes``) a spike fell between two samples.
-- ``cgroup``: the memory cgroup's peak counter (v1 ``memory.max_usage_in_bytes``,
-  v2 ``memory.peak``), which counts page cache and every process in the group and
-  is not reset here, so it only says something when it rose during tracking.
+Two counters that cannot miss a spike, VmHWM and the memory cgroup's peak, are
+reported beside the sampled peak (:mod:`hostmem.peak_crosscheck`).
 """
 
 from __future__ import annotations
 
-import inspect
-import json
 import os
-import select
-import subprocess
-import sys
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-from .procfs import ProcReadError, memory_cgroup_dir, proc_path, read_cgroup_v1_dir, read_cgroup_v2_dir, read_status
+from .peak_crosscheck import UNSEEN_TOLERANCE_BYTES, CgroupPeak, CrossChecks
+from .peak_sampler import PeakTrackerError, SamplerProcess
 from .units import format_size
 
 __all__ = [
     "DEFAULT_INTERVAL_S",
     "MIN_INTERVAL_S",
+    "MAX_INTERVAL_S",
     "UNSEEN_TOLERANCE_BYTES",
     "PeakTrackerError",
     "PeakFigures",
     "CgroupPeak",
     "PeakTracker",
     "track_peak_anon",
+    "parse_interval_ms",
 ]
 
 DEFAULT_INTERVAL_S = 0.001
-MIN_INTERVAL_S = 0.0001
-UNSEEN_TOLERANCE_BYTES = 4 * 1024 * 1024
-_REPLY_TIMEOUT_S = 30.0  # generous: a loaded CI machine may starve the sampler for seconds
+MIN_INTERVAL_S = 0.0001  # the sampler may run at real-time priority: shorter would busy a core
+MAX_INTERVAL_S = 10.0
 _DEFAULT_TIMELINE_POINTS = 1000
 
 
-class PeakTrackerError(ProcReadError):
-    """The sampler could not start, could not read the process, or stopped answering."""
+def parse_interval_ms(value: str | float | int | None, name: str = "--interval") -> float:
+    """Return a sampling interval given in milliseconds as seconds; None gives the default.
 
-
-# ---------------------------------------------------------------------------------
-# The sampler. Everything in this section runs in the sampler interpreter, which is
-# started with -I -S and gets only these definitions (see _sampler_program): it may
-# use os, select, sys and time, and nothing else of this module.
-# ---------------------------------------------------------------------------------
-
-
-class _Sampling:
-    """State of one sampling run: open /proc files, the peak, the timeline."""
-
-    def __init__(self, root, shmem, children, points, rescan):
-        self.root, self.shmem = root, shmem
-        self.children, self.points, self.rescan_every = children, points, rescan
-        self.page = os.sysconf("SC_PAGE_SIZE")
-        self.own_pid = os.getpid()
-        self.fds = {}
-        self.processes = 0
-        self.unrelated = set()
-        self.seen = set()
-        self.peak = self.baseline = self.last = self.rss_peak = -1
-        self.samples = 0
-        self.t0 = self.peak_t = self.last_t = 0.0
-        self.max_gap = self.max_gap_t = 0.0
-        self.width = 0.005
-        self.timeline = []
-        self.bucket = [-1, 0.0, -1]
-        self.next_rescan = self.cpu0 = 0.0
-        self.priority = "normal"
-        self.open_pid(root)
-
-    def open_pid(self, pid):
-        """Open the /proc file of ``pid`` once; every sample then costs one pread."""
-        name = "status" if self.shmem else "statm"
-        self.fds[pid] = os.open(f"/proc/{pid}/{name}", os.O_RDONLY)
-        self.seen.add(pid)
-        self.processes += 1
-
-    def read_pid(self, pid, fd):
-        """Return (anonymous, resident) bytes of ``pid``, or None once it is gone."""
-        try:
-            data = os.pread(fd, 4096, 0)
-        except OSError:
-            return None
-        if not data:
-            return None
-        if not self.shmem:
-            fields = data.split()
-            resident, shared = int(fields[1]), int(fields[2])
-            return (resident - shared) * self.page, resident * self.page
-        return self.status_field(data, b"RssAnon:") + self.status_field(data, b"RssShmem:"), self.status_field(
-            data, b"VmRSS:"
-        )
-
-    @staticmethod
-    def status_field(data, key):
-        """Bytes of one ``Key: N kB`` line; 0 when absent (a zombie has no memory lines)."""
-        at = data.find(key)
-        if at < 0:
-            return 0
-        return int(data[at + len(key) : data.index(b"kB", at)]) * 1024
-
-    def sample(self):
-        """Read every tracked process once and fold the sum into the figures."""
-        now = time.monotonic()
-        anon = 0
-        for pid, fd in list(self.fds.items()):
-            got = self.read_pid(pid, fd)
-            if got is None:
-                os.close(self.fds.pop(pid))
-                continue
-            anon += got[0]
-            if pid == self.root and got[1] > self.rss_peak:
-                self.rss_peak = got[1]
-        if self.samples == 0:
-            self.t0, self.baseline, self.peak, self.last_t = now, anon, anon, now
-            self.cpu0 = time.process_time()
-        t = now - self.t0
-        if now - self.last_t > self.max_gap:
-            self.max_gap, self.max_gap_t = now - self.last_t, t
-        self.last_t, self.last = now, anon
-        self.samples += 1
-        if anon > self.peak:
-            self.peak, self.peak_t = anon, t
-        self.add_point(t, anon)
-
-    def add_point(self, t, value):
-        """Keep the largest value per time bucket; widen buckets to stay under ``points``."""
-        index = int(t / self.width)
-        if index == self.bucket[0]:
-            if value > self.bucket[2]:
-                self.bucket[1], self.bucket[2] = t, value
-            return
-        if self.bucket[0] >= 0:
-            self.timeline.append((self.bucket[1], self.bucket[2]))
-        self.bucket = [index, t, value]
-        if len(self.timeline) >= self.points:
-            self.width *= 2
-            merged = []
-            for point in self.timeline:
-                if merged and int(merged[-1][0] / self.width) == int(point[0] / self.width):
-                    if point[1] > merged[-1][1]:
-                        merged[-1] = point
-                else:
-                    merged.append(point)
-            self.bucket[0] = int(self.bucket[1] / self.width)
-            if merged and int(merged[-1][0] / self.width) == self.bucket[0]:
-                last_t, last_v = merged.pop()
-                if last_v >= self.bucket[2]:
-                    self.bucket[1], self.bucket[2] = last_t, last_v
-            self.timeline = merged
-
-    def rescan(self, now):
-        """Find new descendants of the root: /proc entries not seen before, by ppid."""
-        if now < self.next_rescan:
-            return
-        self.next_rescan = now + self.rescan_every
-        present = {int(n) for n in os.listdir("/proc") if n.isdigit()}
-        self.unrelated &= present
-        self.seen &= present
-        parents = {}
-        for pid in present - self.unrelated - self.seen:
-            try:
-                with open(f"/proc/{pid}/stat", "rb") as handle:
-                    parents[pid] = int(handle.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-        tree = set(self.fds) | {self.root}
-        changed = True
-        while changed:
-            changed = False
-            for pid, ppid in list(parents.items()):
-                if ppid in tree and pid != self.own_pid:
-                    tree.add(pid)
-                    del parents[pid]
-                    changed = True
-                    try:
-                        self.open_pid(pid)
-                    except OSError:
-                        pass
-        self.unrelated.update(parents)
-
-    def report(self):
-        """One JSON line (written by hand: importing json costs the sampler 7 ms)."""
-        points = self.timeline + ([(self.bucket[1], self.bucket[2])] if self.bucket[0] >= 0 else [])
-        line = ",".join("[%.6f,%d]" % point for point in points)
-        return (
-            '{"peak": %d, "peak_t": %.6f, "baseline": %d, "last": %d, "samples": %d, "t0": %.6f,'
-            ' "duration": %.6f, "max_gap": %.6f, "max_gap_t": %.6f, "rss_peak": %d, "processes": %d, "cpu_s": %.6f,'
-            ' "priority": "%s", "timeline": [%s]}\n'
-            % (
-                self.peak, self.peak_t, self.baseline, self.last, self.samples, self.t0,
-                self.last_t - self.t0, self.max_gap, self.max_gap_t, self.rss_peak, self.processes,
-                time.process_time() - self.cpu0, self.priority, line,
-            )
-        ).encode()
-
-
-def _sampler_raise_priority():
-    """Ask for the highest priority allowed, so that busy CPUs do not starve the sampler.
-
-    SCHED_FIFO (needs CAP_SYS_NICE or an RLIMIT_RTPRIO) wakes it within ~1 ms even
-    with every core busy; nice -10 still lets a busy core delay it by 20 ms. The
-    sampler sleeps between samples, so the real-time class costs others ~3% of a core.
+    ``name`` is how the person gave it (an option, a marker keyword), so that the
+    error says where to look. Raises ``ValueError`` for a value that is not a number
+    or lies outside what the tracker accepts.
     """
+    if value is None:
+        return DEFAULT_INTERVAL_S
     try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-        return "fifo"
-    except (OSError, AttributeError):
-        pass
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, -10)
-        return "nice-10"
-    except OSError:
-        return "normal"
-
-
-def _sampler_main():
-    """Sample until told to stop: ``begin PID``, then ``snap`` or ``stop`` on stdin."""
-    opts = dict(arg.split("=", 1) for arg in sys.argv[1:])
-    priority = _sampler_raise_priority()
-    buffer = b""
-    while b"\n" not in buffer:
-        chunk = os.read(0, 4096)
-        if not chunk:
-            return
-        buffer += chunk
-    line, buffer = buffer.split(b"\n", 1)
-    root = int(line.split()[1])
-    interval = float(opts["interval"])
-    try:
-        state = _Sampling(
-            root, opts["shmem"] == "1", opts["children"] == "1", int(opts["points"]), float(opts["rescan"])
+        ms = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} {value!r}: not a number of milliseconds (e.g. {name} 1)") from None
+    if not MIN_INTERVAL_S * 1000 <= ms <= MAX_INTERVAL_S * 1000:
+        raise ValueError(
+            f"{name} {value!r}: must lie between {MIN_INTERVAL_S * 1000:g} and {MAX_INTERVAL_S * 1000:g} "
+            "milliseconds (1 catches a 20 ms spike)"
         )
-    except OSError as exc:
-        os.write(1, ("error %s: %s\n" % (exc.filename or "/proc/%d" % root, exc.strerror or exc)).encode())
-        return
-    state.priority = priority
-    if state.children:
-        state.rescan(time.monotonic())
-    state.sample()
-    os.write(1, state.report())
-    while True:
-        ready = b"\n" in buffer or select.select([0], [], [], interval)[0]
-        if state.children:
-            state.rescan(time.monotonic())
-        state.sample()
-        if not ready:
-            continue
-        if b"\n" not in buffer:
-            chunk = os.read(0, 4096)
-            if not chunk:
-                return
-            buffer += chunk
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
-            os.write(1, state.report())
-            if line.strip() == b"stop":
-                return
-
-
-_SAMPLER_PARTS = (_Sampling, _sampler_raise_priority, _sampler_main)
-
-# --------------------------------------------------------------- end of the sampler
-
-
-_program_cache: list[str] = []
-
-
-def _sampler_program() -> str:
-    """The sampler's source: the definitions above, then a call of ``_sampler_main``."""
-    if not _program_cache:
-        parts = [inspect.getsource(part) for part in _SAMPLER_PARTS]
-        _program_cache.append("import os, select, sys, time\n\n" + "\n\n".join(parts) + "\n_sampler_main()\n")
-    return _program_cache[0]
-
-
-class _SamplerProcess:
-    """The tracker's side of the sampler: start it, talk to it, end it."""
-
-    def __init__(self, interval_s: float, children: bool, include_shmem: bool, points: int):
-        args = [
-            f"interval={interval_s!r}",
-            f"shmem={int(include_shmem)}",
-            f"children={int(children)}",
-            f"points={int(points)}",
-            f"rescan={max(interval_s, 0.005)!r}",
-        ]
-        self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _sampler_program(), *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        self._pending = b""
-
-    def begin(self, pid: int) -> dict:
-        """Point the sampler at ``pid``; returns the first report (the baseline)."""
-        return self.request(f"begin {pid}")
-
-    def request(self, command: str) -> dict:
-        """Send one command line and return the sampler's report."""
-        try:
-            self.proc.stdin.write(command.encode() + b"\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, ValueError):
-            raise PeakTrackerError(f"peak sampler (pid {self.proc.pid}) has exited: {self._stderr()}") from None
-        line = self._read_line()
-        if line.startswith(b"error "):
-            self.close()
-            raise PeakTrackerError(
-                f"{line[6:].decode().strip()} (is the process still running, and may this user read its /proc?)"
-            )
-        return json.loads(line)
-
-    def _read_line(self) -> bytes:
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + _REPLY_TIMEOUT_S
-        while b"\n" not in self._pending:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                self.close()
-                raise PeakTrackerError(f"peak sampler gave no answer within {_REPLY_TIMEOUT_S:.0f} s; stopped it")
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                raise PeakTrackerError(f"peak sampler exited without an answer: {self._stderr()}")
-            self._pending += chunk
-        line, self._pending = self._pending.split(b"\n", 1)
-        return line
-
-    def _stderr(self) -> str:
-        try:
-            self.proc.wait(timeout=5)
-            text = self.proc.stderr.read().decode(errors="replace").strip()
-        except (subprocess.TimeoutExpired, ValueError, OSError):
-            text = ""
-        return text.splitlines()[-1] if text else f"exit status {self.proc.returncode}"
-
-    def close(self) -> None:
-        """End the sampler (closing its stdin ends it; kill only if it does not)."""
-        try:
-            self.proc.stdin.close()
-        except OSError:
-            pass  # already broken: the sampler has gone
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc.stdout.close()
-        self.proc.stderr.close()
+    return ms / 1000
 
 
 @dataclass(frozen=True)
@@ -423,6 +117,7 @@ class PeakFigures:
 
     @classmethod
     def from_report(cls, report: dict) -> "PeakFigures":
+        """Figures from one report of the sampler (see ``Sampling.report`` in the program)."""
         return cls(
             peak_bytes=int(report["peak"]),
             baseline_bytes=int(report["baseline"]),
@@ -439,41 +134,6 @@ class PeakFigures:
             start_monotonic=float(report["t0"]),
             timeline=tuple((float(t), int(v)) for t, v in report["timeline"]),
         )
-
-
-@dataclass(frozen=True)
-class CgroupPeak:
-    """The memory cgroup's own peak counter, read at start and at stop.
-
-    It counts page cache and every process in the group, and hostmem does not reset
-    it (that would disturb anyone else reading it), so it says something about the
-    tracked run only when it rose between start and stop (``rose``).
-    """
-
-    version: int
-    path: str
-    peak_at_start_bytes: int
-    peak_bytes: int
-    usage_at_start_bytes: int
-    includes: str = "page cache and every process in the group; not reset at start"
-
-    @property
-    def rose(self) -> bool:
-        return self.peak_bytes > self.peak_at_start_bytes
-
-    def to_dict(self) -> dict:
-        return {
-            "version": self.version,
-            "path": self.path,
-            "peak_bytes": self.peak_bytes,
-            "peak_at_start_bytes": self.peak_at_start_bytes,
-            "usage_at_start_bytes": self.usage_at_start_bytes,
-            "rose": self.rose,
-            "includes": self.includes,
-        }
-
-
-_hwm_owners: set[int] = set()  # pids whose VmHWM a running tracker here has reset
 
 
 class PeakTracker:
@@ -499,9 +159,9 @@ class PeakTracker:
         reset_hwm: bool = True,
         timeline_points: int = _DEFAULT_TIMELINE_POINTS,
     ):
-        if not MIN_INTERVAL_S <= interval_s <= 10:
+        if not MIN_INTERVAL_S <= interval_s <= MAX_INTERVAL_S:
             raise ValueError(
-                f"interval_s={interval_s!r}: must lie between {MIN_INTERVAL_S} and 10 seconds "
+                f"interval_s={interval_s!r}: must lie between {MIN_INTERVAL_S} and {MAX_INTERVAL_S:g} seconds "
                 "(the sampler may run at real-time priority; a shorter interval would busy a core)"
             )
         if timeline_points < 2:
@@ -512,20 +172,17 @@ class PeakTracker:
         self.include_shmem = bool(include_shmem)
         self.reset_hwm = bool(reset_hwm)
         self.timeline_points = int(timeline_points)
-        self._sampler: _SamplerProcess | None = None
+        self._sampler: SamplerProcess | None = None
         self._figures: PeakFigures | None = None
-        self._owns_hwm = False
+        self._checks = CrossChecks(self.pid, self.reset_hwm)
         self._started = False
-        self._cgroup_start: tuple | None = None
-        self.hwm_bytes: int | None = None
-        self.cgroup: CgroupPeak | None = None
 
     # -- running ----------------------------------------------------------------
 
     def prepare(self) -> "PeakTracker":
         """Start the sampler interpreter without sampling yet (see ``start``)."""
         if self._sampler is None:
-            self._sampler = _SamplerProcess(self.interval_s, self.children, self.include_shmem, self.timeline_points)
+            self._sampler = SamplerProcess(self.interval_s, self.children, self.include_shmem, self.timeline_points)
         return self
 
     def start(self, pid: int | None = None) -> "PeakTracker":
@@ -539,9 +196,8 @@ class PeakTracker:
         if pid is not None:
             self.pid = int(pid)
         self.prepare()
-        self.hwm_bytes, self.cgroup = None, None
-        self._cgroup_start = self._read_cgroup_start()
-        self._owns_hwm = self.reset_hwm and _reset_hwm(self.pid)
+        self._checks = CrossChecks(self.pid, self.reset_hwm)
+        self._checks.begin()
         try:
             self._figures = PeakFigures.from_report(self._sampler.begin(self.pid))
         except BaseException:
@@ -558,17 +214,13 @@ class PeakTracker:
         try:
             self._figures = PeakFigures.from_report(self._sampler.request("stop"))
         finally:
-            if self._owns_hwm:
-                self.hwm_bytes = _read_hwm(self.pid)
-            self.cgroup = self._read_cgroup_stop()
+            self._checks.end()
             self._release()
         return self
 
     def _release(self) -> None:
         self._started = False
-        if self._owns_hwm:
-            _hwm_owners.discard(self.pid)
-            self._owns_hwm = False
+        self._checks.release()
         if self._sampler is not None:
             self._sampler.close()
             self._sampler = None
@@ -576,6 +228,11 @@ class PeakTracker:
     @property
     def running(self) -> bool:
         return self._started
+
+    @property
+    def sampler_pid(self) -> int | None:
+        """The sampler process's pid while it exists (prepared or running), else None."""
+        return self._sampler.pid if self._sampler is not None else None
 
     def __enter__(self) -> "PeakTracker":
         return self.start()
@@ -633,18 +290,34 @@ class PeakTracker:
     def max_gap_s(self) -> float:
         return self.figures().max_gap_s
 
+    # -- cross-checks (read at stop) ---------------------------------------------
+
+    @property
+    def hwm_bytes(self) -> int | None:
+        """VmHWM at stop, reset at start; None when this tracker did not own the reset."""
+        return self._checks.hwm_bytes
+
+    @property
+    def cgroup(self) -> CgroupPeak | None:
+        """The memory cgroup's peak counter at start and stop, where the cgroup has one."""
+        return self._checks.cgroup
+
     @property
     def unseen_rss_bytes(self) -> int | None:
         """How far VmHWM rose above every RSS sampled, beyond counter noise (0: nothing missed).
 
-        The kernel's RSS counters are per-CPU and read approximately, and RSS moves a
-        little between two samples, so differences under ``UNSEEN_TOLERANCE_BYTES``
-        are counted as 0; what remains is a spike that fell between samples.
+        Differences under ``UNSEEN_TOLERANCE_BYTES`` are counted as 0; what remains
+        is a spike that fell between samples.
         """
-        if self.hwm_bytes is None or self._figures is None or self._figures.rss_peak_bytes < 0:
+        if self._figures is None:
             return None
-        unseen = self.hwm_bytes - self._figures.rss_peak_bytes
-        return unseen if unseen > UNSEEN_TOLERANCE_BYTES else 0
+        return self._checks.unseen_rss_bytes(self._figures.rss_peak_bytes)
+
+    def cross_check_text(self) -> str:
+        """What the counters that cannot miss a spike say, and what they count."""
+        return self._checks.text(self._figures.rss_peak_bytes if self._figures is not None else -1)
+
+    # -- reports ------------------------------------------------------------------
 
     def to_dict(self) -> dict:
         """JSON-safe figures, sizes in bytes."""
@@ -679,74 +352,6 @@ class PeakTracker:
             f"growth {format_size(fig.growth_bytes)}) at {fig.peak_t_s:.3f} s of {fig.duration_s:.3f} s; "
             f"{fig.samples} samples every {self.interval_s * 1000:g} ms, longest gap {fig.max_gap_s * 1000:.1f} ms"
         )
-
-    def cross_check_text(self) -> str:
-        """What the counters that cannot miss a spike say, and what they count."""
-        parts = []
-        if self.hwm_bytes is not None:
-            unseen = self.unseen_rss_bytes or 0
-            parts.append(
-                f"VmHWM {format_size(self.hwm_bytes)} (all resident pages, file-backed included"
-                + (f"; {format_size(unseen)} above any sampled RSS: a spike fell between samples)" if unseen else ")")
-            )
-        if self.cgroup is not None:
-            parts.append(
-                f"memory cgroup v{self.cgroup.version} peak {format_size(self.cgroup.peak_bytes)} "
-                f"({'rose during the run' if self.cgroup.rose else 'set before the run'}; counts "
-                f"{self.cgroup.includes})"
-            )
-        return "; ".join(parts) if parts else "no cross-check available"
-
-    # -- cross-checks -------------------------------------------------------------
-
-    def _read_cgroup_start(self) -> tuple | None:
-        try:
-            found = memory_cgroup_dir(self.pid)
-            if found is None or not os.path.isdir(found[1]):
-                return None
-            reading = _read_cgroup(found)
-        except (ProcReadError, OSError, ValueError):
-            return None
-        if reading.peak_bytes is None:
-            return None
-        return found, reading.peak_bytes, reading.usage_bytes
-
-    def _read_cgroup_stop(self) -> CgroupPeak | None:
-        if self._cgroup_start is None:
-            return None
-        found, peak_at_start, usage_at_start = self._cgroup_start
-        try:
-            reading = _read_cgroup(found)
-        except (ProcReadError, OSError, ValueError):
-            return None
-        if reading.peak_bytes is None:
-            return None
-        return CgroupPeak(found[0], found[1], peak_at_start, reading.peak_bytes, usage_at_start)
-
-
-def _read_cgroup(found: tuple):
-    version, folder, root = found
-    return (read_cgroup_v1_dir if version == 1 else read_cgroup_v2_dir)(folder, root)
-
-
-def _reset_hwm(pid: int) -> bool:
-    """Reset VmHWM of ``pid`` unless another tracker here already did; True if we own it."""
-    if pid in _hwm_owners:
-        return False
-    try:
-        with open(proc_path(pid, "clear_refs"), "w") as handle:
-            handle.write("5")
-    except OSError:
-        return False  # not permitted (another user's process) or a kernel without it
-    _hwm_owners.add(pid)
-    return True
-
-
-def _read_hwm(pid: int) -> int | None:
-    try:
-        return read_status(pid).vm_hwm
-    except ProcReadError:
-        return None  # the process has exited
 
 
 @contextmanager

@@ -2,7 +2,9 @@
 
 Active in every pytest run where hostmem is installed, with no conftest; it costs
 nothing in tests that use neither the marker nor the fixture. ``-p no:hostmem``
-turns it off.
+turns it off. It needs pytest 8 or later (pluggy 1.2 or later); under an older one
+it stays out of the way, and a test that uses the marker or the fixture fails with a
+line that says so.
 
 The marker fails a test whose anonymous memory grew too much while its body ran::
 
@@ -34,11 +36,28 @@ from dataclasses import dataclass
 
 import pytest
 
-from .peak import DEFAULT_INTERVAL_S, MIN_INTERVAL_S, PeakTracker
+from .peak import DEFAULT_INTERVAL_S, PeakTracker, parse_interval_ms
 from .units import format_size, parse_size
 
 MARKER = "limit_peak_anon"
-_TRACKER_KEY = pytest.StashKey[PeakTracker]()
+FIXTURE = "peak_anon"
+
+
+def _pytest_is_recent_enough() -> bool:
+    """pytest >= 8 (pluggy >= 1.2) takes ``hookimpl(wrapper=True)``; older ones reject it."""
+    try:
+        pytest.hookimpl(wrapper=True)
+    except TypeError:
+        return False
+    return hasattr(pytest, "StashKey")
+
+
+SUPPORTED = _pytest_is_recent_enough()
+TOO_OLD = (
+    f"hostmem's limit_peak_anon marker and peak_anon fixture need pytest >= 8 (this is pytest "
+    f"{pytest.__version__}): pip install 'pytest>=8', or run without them (-p no:hostmem turns the plugin off)"
+)
+_TRACKER_KEY = pytest.StashKey[PeakTracker]() if SUPPORTED else None
 _GAP_WARNING_S = 0.020  # the design target: a 20 ms spike must not fall between samples
 
 CAUSES = (
@@ -90,18 +109,10 @@ def pytest_configure(config) -> None:
 
 
 def _interval_from_option(config) -> float:
-    text = config.getoption("--peak-anon-interval", None)
-    if text is None:
-        return DEFAULT_INTERVAL_S
     try:
-        value = float(text) / 1000
-    except ValueError:
-        raise pytest.UsageError(f"--peak-anon-interval {text!r}: not a number of milliseconds") from None
-    if not MIN_INTERVAL_S <= value <= 10:
-        raise pytest.UsageError(
-            f"--peak-anon-interval {text}: must lie between {MIN_INTERVAL_S * 1000:g} and 10000 milliseconds"
-        )
-    return value
+        return parse_interval_ms(config.getoption("--peak-anon-interval", None), "--peak-anon-interval")
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
 
 
 def limit_for(item) -> PeakLimit | None:
@@ -125,12 +136,7 @@ def limit_for(item) -> PeakLimit | None:
         raise ValueError(f"{where}: unknown keyword {', '.join(unknown)} (known: {', '.join(sorted(known))})")
     interval_s = _interval_from_option(item.config)
     if kwargs.get("interval_ms") is not None:
-        try:
-            interval_s = float(kwargs["interval_ms"]) / 1000
-        except (TypeError, ValueError):
-            raise ValueError(f"{where}: interval_ms={kwargs['interval_ms']!r} is not a number") from None
-        if not MIN_INTERVAL_S <= interval_s <= 10:
-            raise ValueError(f"{where}: interval_ms={kwargs['interval_ms']!r} must lie between 0.1 and 10000")
+        interval_s = parse_interval_ms(kwargs["interval_ms"], f"{where}: interval_ms")
     absolute = kwargs.get("absolute")
     return PeakLimit(
         limit_bytes=limit,
@@ -165,7 +171,7 @@ def _tracker_for(item) -> PeakTracker:
     return tracker
 
 
-@pytest.fixture
+@pytest.fixture(name=FIXTURE)
 def peak_anon(request) -> PeakTracker:
     """The peak tracker running around this test's body; its figures are live.
 
@@ -175,8 +181,14 @@ def peak_anon(request) -> PeakTracker:
     return _tracker_for(request.node)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item):
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    """Under a pytest too old for this plugin, fail the tests that use it, saying why."""
+    if not SUPPORTED and (item.get_closest_marker(MARKER) or FIXTURE in getattr(item, "fixturenames", ())):
+        pytest.fail(f"{item.nodeid}: {TOO_OLD}", pytrace=False)
+
+
+def _runtest_call(item):
     """Track the test body when it is marked or asks for ``peak_anon``; judge the marker."""
     limit = _checked_limit(item)
     if limit is None and _TRACKER_KEY not in item.stash:
@@ -198,6 +210,10 @@ def pytest_runtest_call(item):
         if doubt:
             item.warn(PeakSamplingWarning(doubt))
     return result
+
+
+if SUPPORTED:  # an older pluggy would reject the whole plugin at registration
+    pytest_runtest_call = pytest.hookimpl(wrapper=True)(_runtest_call)
 
 
 class PeakSamplingWarning(pytest.PytestWarning):

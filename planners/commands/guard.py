@@ -40,21 +40,6 @@ def register(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
-def parse_interval_ms(text: str | None) -> float:
-    """Return the sampling interval in seconds from ``--interval MS``."""
-    from hostmem.peak import DEFAULT_INTERVAL_S, MIN_INTERVAL_S
-
-    if text is None:
-        return DEFAULT_INTERVAL_S
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"--interval {text!r}: not a number of milliseconds (e.g. --interval 1)") from None
-    if not MIN_INTERVAL_S * 1000 <= value <= 10_000:
-        raise ValueError(f"--interval {text}: must lie between {MIN_INTERVAL_S * 1000:g} and 10000 milliseconds")
-    return value / 1000
-
-
 def parse_limit(text: str) -> int:
     """Return ``--max-peak-anon`` in bytes; the message names the option on error."""
     from hostmem.units import parse_size
@@ -70,9 +55,10 @@ def parse_limit(text: str) -> int:
 
 def run(args) -> int:
     from hostmem.guard import run_guarded
+    from hostmem.peak import parse_interval_ms
 
     limit = parse_limit(args.max_peak_anon)
-    interval_s = parse_interval_ms(args.interval)
+    interval_s = parse_interval_ms(args.interval, "--interval")
     command = list(args.command)
     if command[:1] == ["--"]:
         command = command[1:]

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
 
+import psutil
 import pytest
 
-from hostmem.guard import EXIT_OVER_LIMIT, run_guarded
+from hostmem.guard import EXIT_OVER_LIMIT, _track, run_guarded
+from hostmem.peak import PeakTracker, PeakTrackerError
 from planners.cli import main
-from tests.hostmem.test_peak import write_sparse_safetensors
+from tests.hostmem.test_peak import process_state, wait_for, write_sparse_safetensors
 
 MiB = 1024 * 1024
 PY = [sys.executable, "-I", "-S", "-c"]  # a bare interpreter: starts in ~15 ms, a few MiB anonymous
@@ -27,6 +31,9 @@ CONTRACT = {
     "timeline": list,
 }
 
+# 1 GiB made resident (in ~0.3 s), held 25 ms, freed. Over a 512 MiB limit from the middle
+# of the fill on, so the verdicts below do not hang on catching the 25 ms; that is the
+# plugin's 20-out-of-20 test. Figures near 1 GiB are checked with the kernel's max RSS.
 SPIKE = "import sys, time; b = b'\\x01' * (1 << 30); time.sleep(0.025); del b; sys.exit({code})"
 
 
@@ -54,7 +61,7 @@ def test_over_the_limit_exits_3_with_a_verdict_and_the_json_contract(capfd, tmp_
         assert isinstance(data[key], kind), key
     assert data["exceeded"] is True and data["exit_code"] == 0 and data["guard_exit_code"] == 3
     assert data["limit_bytes"] == 512 * MiB
-    assert data["peak_anon_bytes"] >= 1000 * MiB
+    assert data["peak_anon_bytes"] > 512 * MiB
     assert data["baseline_anon_bytes"] < 64 * MiB
     assert data["max_rss_bytes"] >= 1000 * MiB  # the kernel's high-water mark agrees
     assert all(len(point) == 2 for point in data["timeline"])
@@ -92,7 +99,7 @@ def test_children_catches_a_spike_in_a_grandchild(capfd):
     assert "OVER LIMIT" in captured.err and "descendants" in captured.err
     data = json.loads(captured.out.strip().splitlines()[-1])
     assert data["children"] is True and data["processes"] >= 3
-    assert data["peak_anon_bytes"] >= 1000 * MiB
+    assert data["peak_anon_bytes"] > 512 * MiB
 
 
 def test_json_to_stdout(capfd):
@@ -110,7 +117,7 @@ def test_json_to_stdout(capfd):
         (["--max-peak-anon", "0", "--", "true"], "--max-peak-anon 0: must be more than 0 bytes"),
         (["--max-peak-anon", "1GiB"], "no command given"),
         (["--max-peak-anon", "1GiB", "--interval", "fast", "--", "true"], "--interval 'fast'"),
-        (["--max-peak-anon", "1GiB", "--interval", "0", "--", "true"], "--interval 0: must lie between"),
+        (["--max-peak-anon", "1GiB", "--interval", "0", "--", "true"], "--interval '0': must lie between 0.1 and 10000"),
         (["--max-peak-anon", "1GiB", "--", "no-such-command-here"], "no-such-command-here: command not found"),
         (["--max-peak-anon", "1GiB", "--json", "/no/such/folder/x.json", "--", "true"], "--json /no/such/folder"),
     ],
@@ -179,4 +186,44 @@ def test_ci_a_model_written_in_place_makes_the_guard_fail(capfd, model_512mib, t
     code, data, after_imports = guard_model(capfd, model_512mib, "inplace", tmp_path)
     assert code == 3
     assert data["exceeded"] is True
-    assert data["peak_anon_bytes"] - after_imports >= 500 * MiB
+    # pages turn anonymous one by one until the script exits: any sample in the write's second half sees 256 MiB
+    assert data["peak_anon_bytes"] - after_imports >= 256 * MiB
+
+
+# A command that the guard cannot track must not run on unguarded.
+
+MARK = f"86.{os.getpid()}"  # a sleep this long was started by this test run
+
+
+def running_marked() -> list[int]:
+    """Pids of live (not zombie) processes running ``sleep MARK``."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        if process.info["cmdline"] == ["sleep", MARK] and process.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(process.pid)
+    return found
+
+
+def test_a_command_that_cannot_be_tracked_is_killed_with_its_descendants():
+    tracker = PeakTracker(reset_hwm=False).prepare()
+    sampler = tracker.sampler_pid
+    os.kill(sampler, signal.SIGKILL)  # what the out-of-memory killer does to a sampler
+    wait_for(lambda: process_state(sampler) in (None, "Z"), f"sampler {sampler} killed")
+    command = ("sh", "-c", f"sleep {MARK} & sleep {MARK}; wait")
+    proc = subprocess.Popen(command)
+    try:
+        wait_for(lambda: len(running_marked()) == 2, "both sleeps of the command started")
+        with pytest.raises(PeakTrackerError) as raised:
+            _track(tracker, proc, command)
+        assert proc.returncode == -signal.SIGKILL  # killed and reaped
+        wait_for(lambda: not running_marked(), "the command's descendants killed")
+    finally:  # whatever failed above, leave nothing of this test running
+        for pid in running_marked():
+            os.kill(pid, signal.SIGKILL)
+        if proc.returncode is None:
+            proc.kill()
+            proc.wait()
+    message = str(raised.value)
+    assert f"could not track sh (pid {proc.pid}), so it was killed before it ran unguarded" in message
+    assert f"peak sampler (pid {sampler}) has exited: killed by signal 9" in message
+    assert "Run the guard again" in message
