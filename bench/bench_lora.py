@@ -72,9 +72,16 @@ def _load(shards: list[str], private: bool):
 
     if not private:
         return checkpoint_module(shards)
-    from safetensors.torch import load_file
+    return module_tree(item for path in shards for item in _private_tensors(path))
 
-    return module_tree((name, t) for path in shards for name, t in load_file(path).items())
+
+def _private_tensors(path: str) -> list:
+    """Every tensor of ``path`` as safetensors' own loader gives it: views of a private, writable
+    mapping (``safe_open(...).get_tensor``, which unlike ``safetensors.torch`` needs no numpy)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as handle:
+        return [(name, handle.get_tensor(name)) for name in handle.keys()]
 
 
 def _merge_measured(shards, adapter, root, private) -> dict:

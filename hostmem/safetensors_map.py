@@ -105,7 +105,7 @@ def load_readonly(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return {name: mapped.get_tensor(name) for name in mapped.keys()}
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (no numpy needed)."""
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
@@ -148,7 +148,7 @@ def save_file(
         handle.write(struct.pack("<Q", len(raw)))
         handle.write(raw)
         for name in sorted(prepared):
-            handle.write(_tensor_bytes(prepared[name]))
+            handle.write(tensor_bytes(prepared[name]))
         handle.flush()
         if fsync:
             os.fsync(handle.fileno())

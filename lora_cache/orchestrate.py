@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from tqdm import tqdm
 
+from hostmem.safetensors_header import read_header
 from hostmem.units import format_rate, format_size
 
 from .adapters import Adapter, AdapterFile, as_adapter, read_adapter
@@ -36,13 +37,33 @@ from .layers import (
     named_parameters,
     unmerge,
 )
-from .merge_math import Scratch
+from .merge_math import Scratch, compute_device
 from .switch import cache_disabled_by_env
 from .vault import CacheKey, Vault, base_identity, cache_key
 
-__all__ = ["CacheBuildError", "MergeStats", "merge", "merge_layers", "plan_targets", "MERGE_POLICY"]
+__all__ = [
+    "CacheBuildError",
+    "MergeStats",
+    "merge",
+    "merge_layers",
+    "plan_targets",
+    "MERGE_POLICY",
+    "merge_policy",
+    "base_shards",
+    "combination_key",
+]
 
 MERGE_POLICY = "fp32-sum-in-adapter-order-cast-once-v1"  # change when merged bytes would change
+
+
+def merge_policy(device: torch.device | str | None = None) -> str:
+    """The merge policy as the key records it: :data:`MERGE_POLICY` on the compute device's type.
+
+    The same fp32 sum can round differently on a GPU (its addmm) and on the CPU, so a
+    cache built on one is never served to starts that merge on the other.
+    """
+    device = torch.device(device) if device is not None else compute_device()
+    return f"{MERGE_POLICY}@{device.type}"
 
 
 class CacheBuildError(RuntimeError):
@@ -122,7 +143,7 @@ class _LayerLoop:
 
     def record(self, target: LayerTarget, outcome: str) -> None:
         if outcome == "fallen_back" and not self.stats.fallen_back:
-            warnings.warn(_fallback_message(self.session))
+            warnings.warn(f"{_vault_reason(self.session)}. Merging in place instead.")
         setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
         self.stats.bytes += target.nbytes
         self.bar.update(target.nbytes)
@@ -153,8 +174,8 @@ class _LayerLoop:
             self.record(target, "built")
         elif not self.fallback:
             raise CacheBuildError(
-                f"the cache could not store {target.name!r} ({format_size(target.nbytes)}): "
-                f"{_fallback_message(self.session)}"
+                f"the LoRA merge cache could not store {target.name!r} ({format_size(target.nbytes)}): "
+                f"{_vault_reason(self.session)}. Nothing was merged in place; the model is left as it was."
             )
         else:
             self.in_place(target, "fallen_back", merged)
@@ -210,11 +231,13 @@ class _LayerLoop:
 
 @contextlib.contextmanager
 def _core_for_the_writer(device: torch.device):
-    """Sum on one CPU thread fewer while the writer runs, then restore the count.
+    """Sum on one CPU thread fewer while the writer runs.
 
     The write thread (and the vault's checksum) need a core; an OpenMP pool that spins
     on every core starves them and the disk idles between layers. On a GPU the sum
-    takes no CPU threads to speak of, so nothing changes there.
+    takes no CPU threads to speak of, so nothing changes there. ``torch.set_num_threads``
+    is process-wide, so the previous count is restored when the build ends, also when
+    it ends in an error.
     """
     threads = torch.get_num_threads()
     if device.type == "cpu" and threads > 1:
@@ -241,9 +264,11 @@ def merge_layers(
     return _LayerLoop(targets, session, device, progress, fallback).run(targets)
 
 
-def _fallback_message(session) -> str:
-    """The vault's own reason (it says what was needed and what to do), said once."""
-    return getattr(session, "last_error", None) or "the LoRA merge cache could not store a layer; merging in place"
+def _vault_reason(session) -> str:
+    """Why the vault could not store a layer, in its own words: what was needed, what was
+    available, how to make room. The caller adds what it does about it."""
+    reason = getattr(session, "last_error", None) or "the LoRA merge cache could not store a layer"
+    return reason.rstrip(". ")
 
 
 def _return_freed_memory() -> None:
@@ -252,26 +277,73 @@ def _return_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def mapped_base_files(targets: list[LayerTarget], space: AddressSpace) -> list[str]:
-    """The checkpoint files the targets' base weights are mapped from.
+def _mapped_file(target: LayerTarget, space: AddressSpace) -> str | None:
+    """The file the target's base weight is a mapped view of, or None."""
+    area = space.area_of(target.current)
+    path = area.path if area is not None and area.is_file else None
+    if path is None or not path.startswith("/") or path.endswith(" (deleted)"):
+        return None
+    return path
 
-    The cache key needs the base checkpoint's identity; a model loaded through a file
-    mapping (``hostmem.load_readonly``, safetensors' own mmap) tells it by itself.
+
+def _dotted_suffixes(name: str) -> list[str]:
+    """``a.b.c`` -> ``["a.b.c", "b.c", "c"]``."""
+    parts = name.split(".")
+    return [".".join(parts[i:]) for i in range(len(parts))]
+
+
+def _shards_by_header(targets: list[LayerTarget], base_files: list[str]) -> set[str]:
+    """The given shards whose headers hold the targets: same shape, and the same name up to
+    wrapper prefixes on either side (``dit.blocks.0.w`` / ``model.blocks.0.w`` / ``blocks.0.w``).
+
+    When a target is found in none of them (renamed on load, say), every given shard is
+    kept: the key then covers more than it needs, never less.
     """
-    files, unknown = set(), []
+    exact: dict[str, list[tuple[str, tuple]]] = {}  # tensor name -> (shard, shape)
+    ending: dict[str, list[tuple[str, tuple]]] = {}  # every dotted suffix of a tensor name -> (shard, shape)
+    for path in base_files:
+        for name, info in read_header(path).tensors.items():
+            exact.setdefault(name, []).append((path, tuple(info.shape)))
+            for suffix in _dotted_suffixes(name):
+                ending.setdefault(suffix, []).append((path, tuple(info.shape)))
+    found = set()
     for target in targets:
-        area = space.area_of(target.current)
-        path = area.path if area is not None and area.is_file else None
-        if path is None or not path.startswith("/") or path.endswith(" (deleted)"):
-            unknown.append(target.name)
+        shape = tuple(target.current.shape)
+        shorter = [c for suffix in _dotted_suffixes(target.name)[1:] for c in exact.get(suffix, [])]
+        candidates = ending.get(target.name, []) + shorter
+        holders = {path for path, held in candidates if held == shape}
+        if not holders:
+            return set(base_files)
+        found |= holders
+    return found
+
+
+def base_shards(targets: list[LayerTarget], base_files: list[str] | None, space: AddressSpace) -> list[str]:
+    """The checkpoint shards that hold the targets' base weights: the base part of the key.
+
+    Only those shards decide the merged bytes, so only they enter the key, however the
+    merge learns of them, and every way gives the same set: a weight that is a view of a
+    mapped file (``hostmem.load_readonly``, safetensors' own mmap, ``hostmem lora
+    merge``) names its shard itself; for the others, ``base_files`` (every shard of the
+    checkpoint will do) is narrowed to the shards whose headers hold them. A shard
+    without targets (the norms, the embeddings) may change without losing the cache.
+    """
+    files, unplaced = set(), []
+    for target in targets:
+        path = _mapped_file(target, space)
+        if path is None:
+            unplaced.append(target)
         else:
             files.add(path)
-    if unknown:
+    if unplaced and base_files is None:
+        names = [t.name for t in unplaced]
         raise ValueError(
-            f"cannot tell which checkpoint {len(unknown)} weight(s) come from ({', '.join(unknown[:3])}"
-            f"{', ...' if len(unknown) > 3 else ''}): they are not views of a mapped file. Pass "
+            f"cannot tell which checkpoint {len(names)} weight(s) come from ({', '.join(names[:3])}"
+            f"{', ...' if len(names) > 3 else ''}): they are not views of a mapped file. Pass "
             "base_files=[the .safetensors shards the model was loaded from], or cache_root=None to merge in place"
         )
+    if unplaced:
+        files |= _shards_by_header(unplaced, [os.path.realpath(os.fspath(p)) for p in base_files])
     return sorted(files)
 
 
@@ -282,23 +354,24 @@ def _key_extras(adapter: AdapterFile, spec: Adapter) -> dict:
     return {"rules": rules, "rslora": spec.rslora, "peft_config": config}
 
 
-def combination_key(vault, files: list[AdapterFile], specs: list[Adapter], shards: list[str], dtypes) -> CacheKey:
-    """The vault key of merging ``files`` (as ``specs`` ask) into the checkpoint ``shards``."""
+def combination_key(
+    vault, files: list[AdapterFile], specs: list[Adapter], shards: list[str], dtypes, device=None
+) -> CacheKey:
+    """The vault key of merging ``files`` (as ``specs`` ask) into the checkpoint ``shards``
+    (the ones holding the targets: :func:`base_shards`), summed on ``device``
+    (default: the compute device, see :func:`merge_policy`)."""
     identities = [
         {**vault.adapter_identity(f.path, s.strength, s.alpha), **_key_extras(f, s)} for f, s in zip(files, specs)
     ]
     target_dtype = ",".join(sorted({str(d).removeprefix("torch.") for d in dtypes}))
-    return cache_key(base_identity(shards), identities, target_dtype, MERGE_POLICY)
+    return cache_key(base_identity(shards), identities, target_dtype, merge_policy(device))
 
 
-def _open_session(targets, files, specs, cache_root, max_size, base_files):
+def _open_session(targets, files, specs, cache_root, max_size, base_files, device):
     """Open the vault for this combination: ``(key hex, session context)``."""
-    if base_files is None:
-        shards = mapped_base_files(targets, AddressSpace())
-    else:
-        shards = [os.fspath(p) for p in base_files]
+    shards = base_shards(targets, base_files, AddressSpace())
     vault = Vault(os.path.expanduser(os.fspath(cache_root)), max_size)
-    key = combination_key(vault, files, specs, shards, {t.current.dtype for t in targets})
+    key = combination_key(vault, files, specs, shards, {t.current.dtype for t in targets}, device)
     expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in targets}
     return key.hex, vault.open(key, expected)
 
@@ -323,8 +396,12 @@ def merge(
     every merged weight is written once under it and installed as a read-only mapped
     view, so it stays file-backed and the next start with the same inputs reads it
     back; otherwise every layer is merged in place. ``base_files`` names the checkpoint
-    shards when the weights are not mapped from them. ``fallback=False`` raises instead
-    of merging in place when the cache cannot store a layer (for ahead-of-time builds).
+    shards when the weights are not mapped from them (every shard will do: the key
+    covers the ones holding the merged weights, see :func:`base_shards`). ``device`` is
+    where the sum runs (default: the GPU when there is one); it is part of the key.
+    ``fallback=False`` raises instead of merging in place when the cache cannot store a
+    layer (for ahead-of-time builds). The merged weights are views of the cache's files;
+    while any of them lives, the combination counts as in use and is never evicted.
 
     >>> stats = lora_cache.merge(dit, [("turbo.safetensors", 1.0)], cache_root="~/.cache/hostmem")  # doctest: +SKIP
     >>> lora_cache.unmerge(dit)                                                                       # doctest: +SKIP
@@ -337,7 +414,7 @@ def merge(
     key, cache_targets = None, [t for t in targets if t.current.device.type == "cpu"]
     session_cm = contextlib.nullcontext()
     if use_cache and cache_targets:
-        key, session_cm = _open_session(cache_targets, files, specs, cache_root, max_size, base_files)
+        key, session_cm = _open_session(cache_targets, files, specs, cache_root, max_size, base_files, device)
     try:
         with session_cm as session:
             stats = merge_layers(targets, session, device=device, progress=progress, fallback=fallback)

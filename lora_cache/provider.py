@@ -68,9 +68,11 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
     from .orchestrate import combination_key
     from .vault import Vault
 
-    infos = {}
+    infos, holder = {}, {}
     for path in shard_paths:
-        infos.update(read_header(path).tensors)
+        tensors = read_header(path).tensors
+        infos.update(tensors)
+        holder.update(dict.fromkeys(tensors, path))
     specs = [as_adapter(a) for a in adapters]
     files = [read_adapter(s.path) for s in specs]
     planned = plan_deltas(list(zip(files, specs)), ModuleIndex({n: i.shape for n, i in infos.items()}))
@@ -78,7 +80,8 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
     key, cached = None, False
     if cache_root is not None and os.path.isdir(os.path.expanduser(os.fspath(cache_root))) and chosen:
         vault = Vault(os.path.expanduser(os.fspath(cache_root)))
-        key = combination_key(vault, files, specs, list(shard_paths), {i.torch_dtype for i in chosen}).hex
+        shards = sorted({holder[name] for name in planned})  # the key covers the shards holding targets
+        key = combination_key(vault, files, specs, shards, {i.torch_dtype for i in chosen}).hex
         cached = any(c.key == key and c.complete for c in vault.combinations())
     return TargetLayers(
         names=tuple(planned),

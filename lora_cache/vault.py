@@ -10,7 +10,8 @@ Layout::
 
     <root>/lora_merge_cache/<key>/manifest.json          (see vault_manifest)
     <root>/lora_merge_cache/<key>/<32 hex>.safetensors   one layer each (see vault_layer)
-    <root>/lora_merge_cache/<key>.lock                   the key's flock
+    <root>/lora_merge_cache/<key>.lock                   the key's flock (sessions)
+    <root>/lora_merge_cache/<key>.use                    held shared while served weights live
     <root>/lora_merge_cache/adapter_hashes.json          memo of adapter content hashes
 
 Contract, in the order it happens:
@@ -24,11 +25,15 @@ Contract, in the order it happens:
   what is recorded or asked) drops the WHOLE combination, which is then rebuilt:
   the cache never serves a torn or stale file.
 - Least-recently-used combinations are evicted while the cache would exceed
-  ``max_size`` or the disk would keep less than ``headroom`` free; a combination
-  whose lock is held (open in some process) is never evicted.
-- If the expected bytes still do not fit, ``put`` answers None and ``session.space``
-  says how many bytes were needed and how many were available.
-- Closing the session writes the manifest last (the seal) and releases the lock.
+  ``max_size`` or the disk would keep less than ``headroom`` free; a combination in
+  use is never evicted: open in a session somewhere, or serving weights somewhere
+  (every view ``get`` and ``put`` return holds a shared lock on ``<key>.use`` for as
+  long as it lives, after the session too; see ``vault_use``).
+- If the expected bytes still do not fit, ``put`` answers None, ``last_error`` says
+  how many bytes were needed and how many were available and how to make room, and
+  ``session.space`` holds the numbers; what happens next is the caller's choice.
+- Closing the session writes the manifest last (the seal) and releases the lock;
+  the views it served keep the combination in use until they are gone.
 
 The default root is ``~/.cache/hostmem``; the environment variable
 ``HOSTMEM_CACHE_ROOT`` overrides it (:func:`default_cache_root`).
@@ -44,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hostmem.safetensors_map import SafetensorsError, open_readonly
+from hostmem.safetensors_map import SafetensorsError
 from hostmem.units import format_size, parse_size
 
 from .vault_adopt import adopt, drop_folder, shape_dtype_problem
@@ -60,7 +65,8 @@ from .vault_fs import (
 from .vault_key import CacheKey, adapter_identity, base_identity, cache_key
 from .vault_layer import LayerEntry, layer_file_bytes, write_layer
 from .vault_manifest import Manifest, write_manifest
-from .vault_store import cache_bytes, cache_dir, evict_lru, is_key, list_combinations, lock_path
+from .vault_store import cache_bytes, cache_dir, evict_lru, is_key, list_combinations, lock_path, use_path
+from .vault_use import lease_alive, map_layer, use_lease
 
 __all__ = [
     "Vault",
@@ -115,8 +121,8 @@ class SpaceCheck:
         return (
             f"no room for the LoRA merge cache in {self.folder}: needs {format_size(self.needed)}, "
             f"{format_size(max(self.available, 0))} available ({format_size(self.free_disk)} free on disk, "
-            f"keeping {format_size(self.headroom)} headroom{limit}); merging in place instead. Free disk "
-            "space, raise max_size, or run `hostmem cache prune`."
+            f"keeping {format_size(self.headroom)} headroom{limit}). Free disk space, raise max_size, "
+            "or run `hostmem cache prune`."
         )
 
 
@@ -189,6 +195,7 @@ class Vault:
         lock = None
         try:
             lock, waited = _lock_key(self.cache, hex_key)
+            lease = use_lease(use_path(self.cache, hex_key))  # under the key's lock, before any view
             folder = os.path.join(self.cache, hex_key)
             make_private_dir(folder)
             adopted = adopt(folder, expected_layers)
@@ -197,7 +204,7 @@ class Vault:
             needed = _still_needed(adopted.entries, expected_layers)
             evicted = evict_lru(self.cache, hex_key, needed, self.max_size, self.headroom)
             inputs = key.inputs if isinstance(key, CacheKey) else {}
-            return VaultSession(self, hex_key, folder, lock, inputs, adopted, expected_layers, waited, evicted)
+            return VaultSession(self, hex_key, folder, (lock, lease), inputs, adopted, expected_layers, waited, evicted)
         except BaseException:
             if lock is not None:
                 lock.release()
@@ -240,9 +247,9 @@ class VaultSession:
     :class:`SpaceCheck`) holds the numbers.
     """
 
-    def __init__(self, vault, key, folder, lock, inputs, adopted, expected, waited, evicted):
+    def __init__(self, vault, key, folder, locks, inputs, adopted, expected, waited, evicted):
         self.vault, self.key, self.folder = vault, key, folder
-        self._lock = lock
+        self._lock, self._lease = locks
         self._entries: dict[str, LayerEntry] = adopted.entries
         manifest: Manifest | None = adopted.manifest
         self._inputs = inputs or (manifest.inputs if manifest else {})
@@ -295,15 +302,14 @@ class VaultSession:
         path = os.path.join(self.folder, entry.file)
         try:
             check_not_symlink(path)
-            mapped = open_readonly(path)
+            view, header = map_layer(path, entry.name, self._lease)
         except (SafetensorsError, OSError) as exc:
             self._map_problem = str(exc)
             return None
-        header = mapped.header
         if header.file_size != entry.size or header.header_sha256 != entry.header_sha256:
             self._map_problem = f"{path}: size or header changed since it was sealed"
             return None
-        return mapped.get_tensor(entry.name)
+        return view
 
     def _drop(self, reason: str) -> None:
         _say(f"LoRA merge cache {self.key[:12]}: dropped the whole combination ({reason}); rebuilding it")
@@ -334,9 +340,9 @@ class VaultSession:
         started = time.perf_counter()
         try:
             entry = write_layer(self.folder, name, merged)
-            view = open_readonly(os.path.join(self.folder, entry.file)).get_tensor(name)
+            view, _ = map_layer(os.path.join(self.folder, entry.file), name, self._lease)
         except (OSError, VaultError, SafetensorsError) as exc:
-            self._refuse(f"could not write layer {name!r} to the LoRA merge cache in {self.folder}: {exc}; merging in place instead")
+            self._refuse(f"could not write layer {name!r} to the LoRA merge cache in {self.folder}: {exc}")
             self.stats["layers_failed"] += 1
             return None
         self._record_write(entry, time.perf_counter() - started)
@@ -378,15 +384,31 @@ class VaultSession:
             raise VaultError(f"LoRA merge cache {self.key[:12]}: session already closed")
 
     def close(self) -> None:
-        """Seal: write the manifest last, then release the lock. Never raises over a full disk."""
+        """Seal: write the manifest last, then release the lock. Never raises over a full disk.
+
+        The views served stay valid and keep the combination in use (``<key>.use``)
+        until they are gone; when none is left anywhere, the use file goes too.
+        """
         if self._closed:
             return
         self._closed = True
         try:
             self._seal()
         finally:
-            self._lock.release(remove=True)  # waiters see the file gone and take a fresh one
-            _unclaim_in_process(self.key)
+            try:
+                self._let_go_of_use()
+            finally:
+                self._lock.release(remove=True)  # waiters see the file gone and take a fresh one
+                _unclaim_in_process(self.key)
+
+    def _let_go_of_use(self) -> None:
+        """Drop the session's hold on the use lock; remove its file when no view holds it."""
+        path, self._lease = self._lease.path, None
+        if lease_alive(path):
+            return  # views of this process live on
+        probe = KeyLock(path)
+        if os.path.lexists(path) and probe.acquire(blocking=False):  # no other process's views either
+            probe.release(remove=True)  # under the key's lock: nobody is taking a lease now
 
     def _seal(self) -> None:
         if not self._entries:

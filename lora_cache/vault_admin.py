@@ -1,10 +1,12 @@
 """Looking after a cache root by hand: list, verify, prune, remove (``hostmem cache``).
 
-These never wait for a lock: a combination some process has open is reported as
-"in use" and left alone. ``verify`` is the one place that reads every byte: it
-recomputes each layer's checksum against the manifest, which adoption at start
-does not do (it checks sizes and headers, which is enough to never serve a torn
-file, and costs a few KiB per layer instead of the whole cache).
+These never wait for a lock: a combination some process has open, or serves
+weights from, is reported as "in use" and left alone. ``ls`` and ``verify`` are
+queries: they leave every file of the cache as they found it. ``verify`` is the one
+place that reads every byte: it recomputes each layer's checksum against the
+manifest, which adoption at start does not do (it checks sizes and headers, which is
+enough to never serve a torn file, and costs a few KiB per layer instead of the
+whole cache).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .vault_store import (
     remove_if_unused,
     resolve_key,
     scan_combination,
+    use_path,
 )
 
 __all__ = ["existing_cache_dir", "VerifyReport", "verify_combination", "verify_all", "prune", "remove"]
@@ -115,15 +118,22 @@ def _check_layer(folder: str, entry, report: VerifyReport) -> None:
 
 
 def verify_combination(cache: str, key: str) -> VerifyReport:
-    """Check every byte of one combination, under a shared lock taken without waiting."""
+    """Check every byte of one combination, under a shared lock taken without waiting.
+
+    A query: the lock file is left as it was found (one it had to create goes again).
+    """
     lock = KeyLock(lock_path(cache, key))
+    existed = os.path.lexists(lock.path)
     if not lock.acquire(exclusive=False, blocking=False):
         return VerifyReport(key, "in use")
     try:
         report = VerifyReport(key, "ok")
         _verify_files(os.path.join(cache, key), report)
     finally:
-        lock.release(remove=True)
+        if existed:
+            lock.release()
+        else:
+            lock.release_and_remove_if_alone()
     if report.problems:
         report.state = "bad"
     return report
@@ -169,15 +179,30 @@ def prune(cache: str, max_size: int | None = None, everything: bool = False, dry
 
 
 def _clear_strays(cache: str) -> None:
-    """Temporary files of dead writers, and lock files of keys nobody holds."""
+    """Temporary files of dead writers, and lock files of keys nobody holds.
+
+    A ``.use`` file goes only while its key's lock is held too: a lease is taken under
+    that lock, so none can start on a file that is about to disappear.
+    """
     for name in os.listdir(cache):
         path = os.path.join(cache, name)
+        key, _, suffix = name.rpartition(".")
         if name.startswith(TMP_PREFIX):
             discard(path)
-        elif name.endswith(".lock") and is_key(name[:-5]):
-            lock = KeyLock(path)
-            if lock.acquire(blocking=False):
-                lock.release(remove=True)
+        elif suffix in ("lock", "use") and is_key(key):
+            _clear_locks(cache, key)
+
+
+def _clear_locks(cache: str, key: str) -> None:
+    lock = KeyLock(lock_path(cache, key))
+    if not lock.acquire(blocking=False):
+        return
+    try:
+        use = KeyLock(use_path(cache, key))
+        if os.path.lexists(use.path) and use.acquire(blocking=False):
+            use.release(remove=True)
+    finally:
+        lock.release(remove=True)
 
 
 def remove(cache: str, key_prefix: str) -> Combination:
@@ -186,7 +211,8 @@ def remove(cache: str, key_prefix: str) -> Combination:
     combo = scan_combination(cache, key)
     if not remove_if_unused(cache, key):
         raise VaultError(
-            f"{combo.path}: in use by another process (its lock {lock_path(cache, key)} is held); "
-            "stop that process or wait for it, then run this again"
+            f"{combo.path}: in use (a process is building it, or serves weights from it: its lock "
+            f"{lock_path(cache, key)} or {use_path(cache, key)} is held); stop that process or unmerge "
+            "its model, then run this again"
         )
     return combo

@@ -12,6 +12,7 @@ would save no host memory at all).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import secrets
@@ -19,11 +20,10 @@ import shutil
 import stat
 from dataclasses import dataclass
 
-from hostmem.procfs import filesystem_of
+from hostmem.procfs import SHMEM_FS_TYPES, filesystem_of
 
 __all__ = [
     "VaultError",
-    "NON_RECLAIMABLE_FS",
     "TMP_PREFIX",
     "prepare_root",
     "check_not_tmpfs",
@@ -40,10 +40,9 @@ __all__ = [
     "free_bytes",
     "remove_tree",
     "KeyLock",
+    "lock_is_held",
 ]
 
-# Filesystems whose pages are shmem (or pinned), not page cache the kernel may drop.
-NON_RECLAIMABLE_FS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs", "shm"})
 TMP_PREFIX = ".tmp-"
 _CHUNK = 8 * 1024 * 1024
 
@@ -68,7 +67,7 @@ def _nearest_existing(path: str) -> str:
 def check_not_tmpfs(path: str) -> None:
     """Refuse a cache folder on tmpfs: its pages cannot be reclaimed without swap."""
     mount = filesystem_of(_nearest_existing(path))
-    if mount is not None and mount.fs_type in NON_RECLAIMABLE_FS:
+    if mount is not None and mount.fs_type in SHMEM_FS_TYPES:
         raise VaultError(
             f"{path}: on {mount.fs_type} (mounted at {mount.mount_point}); pages there are shared "
             "memory the kernel cannot drop without swap, so a merge cache there saves no host "
@@ -105,6 +104,21 @@ def check_not_symlink(path: str, st: os.stat_result | None = None) -> os.stat_re
     return st
 
 
+def _cannot_create(path: str, exc: OSError) -> VaultError:
+    """Say why ``path`` cannot be made a cache folder, naming the part of it that is in the way."""
+    blocker = _nearest_existing(os.path.dirname(path))
+    if os.path.lexists(blocker) and not os.path.isdir(blocker):
+        why = f"{blocker} is a file, not a folder"
+    elif exc.errno == errno.ENOENT:  # the folder exists but its filesystem makes no new entries (/proc, /sys)
+        why = f"{blocker} does not accept new folders ({exc.strerror})"
+    else:
+        why = f"{exc.strerror or exc} (creating it under {blocker})"
+    return VaultError(
+        f"{path}: cannot create the LoRA merge cache folder: {why}. Choose a cache root on a writable, "
+        "disk-backed filesystem (--root DIR, lora.cache.root or HOSTMEM_CACHE_ROOT, e.g. ~/.cache/hostmem)."
+    )
+
+
 def make_private_dir(path: str) -> None:
     """Create ``path`` 0700 if missing; an existing one must be a real folder of ours.
 
@@ -117,6 +131,8 @@ def make_private_dir(path: str) -> None:
         fsync_dir(os.path.dirname(path))  # the new folder's entry survives a crash too
     except FileExistsError:
         pass
+    except OSError as exc:
+        raise _cannot_create(path, exc) from None
     st = check_not_symlink(path)
     if not stat.S_ISDIR(st.st_mode):
         raise VaultError(f"{path}: exists and is not a folder; move it away or choose another cache root.")
@@ -133,13 +149,17 @@ def prepare_root(root: str | os.PathLike) -> str:
     root = os.path.abspath(os.path.expanduser(os.fspath(root)))
     check_not_tmpfs(root)
     if not os.path.isdir(root):
-        parent = os.path.dirname(root)
-        os.makedirs(parent, exist_ok=True)
+        try:  # a file where a parent folder should be, /proc, a read-only disk...
+            os.makedirs(os.path.dirname(root), exist_ok=True)
+        except OSError as exc:
+            raise _cannot_create(root, exc) from None
         try:
             os.mkdir(root, 0o700)
             os.chmod(root, 0o700)
         except FileExistsError:
-            pass
+            pass  # a file in the way of the root itself is refused below
+        except OSError as exc:
+            raise _cannot_create(root, exc) from None
     if not os.path.isdir(root):
         raise VaultError(f"{root}: exists and is not a folder; choose another cache root.")
     check_folder_private(root, os.stat(root))  # the root itself may be a symlink to a disk
@@ -275,6 +295,22 @@ class KeyLock:
     def held(self) -> bool:
         return self.fd >= 0
 
+    def release_and_remove_if_alone(self) -> None:
+        """Release the lock, removing its file only when nobody else holds it.
+
+        For a reader that created the lock file just to hold it a while: it leaves the
+        folder as it found it. The file goes only under an exclusive lock (taken without
+        waiting), as every remover takes it.
+        """
+        if self.fd < 0:
+            return
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.release()
+        else:
+            self.release(remove=True)
+
     def release(self, remove: bool = False) -> None:
         """Release the lock; ``remove`` deletes the lock file first (while still held)."""
         if self.fd < 0:
@@ -283,3 +319,24 @@ class KeyLock:
             discard(self.path)
         os.close(self.fd)  # closing the last descriptor releases the flock
         self.fd = -1
+
+
+def lock_is_held(path: str, shared_too: bool) -> bool:
+    """Whether some open file holds a flock on ``path``; asks without waiting.
+
+    A query only: it never creates, removes or keeps the lock file. ``shared_too``
+    counts shared holders as well (the probe asks for an exclusive lock); otherwise only
+    an exclusive holder counts (the probe asks for a shared one, so that it does not get
+    in the way of other shared holders). The probe's own lock is dropped at once.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if shared_too else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False

@@ -2,11 +2,15 @@
 
 A cached merge is only correct for exactly the inputs it was built from. The key is
 a sha256 over a canonical JSON of: the format version, the base checkpoint's
-identity (per shard: resolved path, size, mtime_ns, sha256 of its safetensors
-header), each adapter's content hash with its strength and alpha override, the
-target dtype and the merge policy. A same-size replacement of a base shard changes
-its mtime_ns (and, if someone forged that, almost surely its header hash); a
-same-size replacement of an adapter changes its content hash.
+identity (per shard: resolved path, size, mtime_ns, sha256 of its safetensors header
+and a sha256 of sampled pages of every tensor), each adapter's content hash with its
+strength and alpha override, the target dtype and the merge policy. Hashing a 60 GB
+base on every start is out of the question, so a base shard stands for its content
+by its header and three pages of every tensor: a replacement with other values under
+the same names and size, even with its mtime forged back by ``os.utime``, changes the
+key, while a faithful copy (an image layer unpacked on another host) keeps it, so a
+cache baked into an image is found there. A same-size replacement of an adapter
+changes its content hash.
 
 Hashing a multi-GiB adapter on every start would be slow, so content hashes are
 memoised by (path, device, inode, size, mtime_ns, ctime_ns): in this process by a
@@ -43,6 +47,7 @@ FORMAT_VERSION = 1
 # so the same adapter at another path (or copied) hits the same cache.
 _ADAPTER_LOCATION_FIELDS = frozenset({"path", "size", "mtime_ns"})
 _CHUNK = 8 * 1024 * 1024
+_SAMPLE = 4096
 
 
 @dataclass(frozen=True)
@@ -101,11 +106,35 @@ def cache_key(
     return CacheKey(hashlib.sha256(canonical.encode()).hexdigest(), readable)
 
 
-def base_identity(shard_paths: list[str]) -> dict:
-    """Identity of a base checkpoint: per shard resolved path, size, mtime_ns, header sha256.
+def sampled_sha256(path: str, header) -> str:
+    """sha256 of three pages of every tensor (its first, middle and last 4 KiB).
 
-    Reads only the headers (a few KiB per shard), never the weights. Shards are sorted
-    by resolved path so that the order they were listed in does not matter.
+    A replacement with other values under the same names changes the pages of every
+    tensor it changes, so this sees it; reading it costs three small reads per tensor
+    (about 12 KiB, where hashing the whole shard would read gigabytes at every start).
+    Unlike an inode or a ctime it survives a copy: a checkpoint and the cache built
+    from it can be baked into an image and unpacked on another host.
+    """
+    digest = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for info in sorted(header.tensors.values(), key=lambda t: t.begin):
+            start, end = header.data_offset + info.begin, header.data_offset + info.end
+            for offset in sorted({start, (start + end) // 2, max(start, end - _SAMPLE)}):
+                digest.update(os.pread(fd, min(_SAMPLE, end - offset), offset))
+    finally:
+        os.close(fd)
+    return digest.hexdigest()
+
+
+def base_identity(shard_paths: list[str]) -> dict:
+    """Identity of a base checkpoint: per shard resolved path, size, mtime_ns, header
+    sha256 and a sha256 of sampled pages of every tensor (:func:`sampled_sha256`).
+
+    A shard rewritten with the same names and shapes has the same header, and
+    ``os.utime`` can restore its mtime, but the sampled pages of the tensors it changed
+    differ. Shards are sorted by resolved path so that the order they were listed in
+    does not matter.
     """
     if not shard_paths:
         raise ValueError("base_identity: no shard paths given (expected the base checkpoint's .safetensors files)")
@@ -114,9 +143,13 @@ def base_identity(shard_paths: list[str]) -> dict:
         resolved = os.path.realpath(os.fspath(path))
         st = os.stat(resolved)
         header = read_header(resolved)
-        shards.append(
-            {"path": resolved, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "header_sha256": header.header_sha256}
-        )
+        shards.append({
+            "path": resolved,
+            "size": st.st_size,
+            "mtime_ns": st.st_mtime_ns,
+            "header_sha256": header.header_sha256,
+            "sampled_sha256": sampled_sha256(resolved, header),
+        })
     shards.sort(key=lambda s: s["path"])
     return {"shards": shards}
 

@@ -13,7 +13,6 @@ tensor name may hold characters a path must not, and the name is not a path.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -25,7 +24,7 @@ from math import prod
 
 import torch
 
-from hostmem.safetensors_map import DTYPE_NAMES, DTYPES, SafetensorsError, read_header
+from hostmem.safetensors_map import DTYPE_NAMES, DTYPES, SafetensorsError, read_header, tensor_bytes
 
 from .vault_fs import VaultError, check_not_symlink, discard, open_tmp, seal, write_all
 
@@ -93,15 +92,6 @@ def is_layer_file_name(file: str) -> bool:
     return len(stem) == 32 and all(c in "0123456789abcdef" for c in stem)
 
 
-def _raw_bytes(tensor: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor (which must outlive the view)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes == 0:
-        return memoryview(b"")
-    array = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
-    return memoryview(array).cast("B")
-
-
 def _header_bytes(name: str, dtype: str, shape: tuple[int, ...], nbytes: int, checksum: str) -> bytes:
     """Length prefix + JSON header, padded with spaces so the data starts page-aligned."""
     header = {
@@ -149,7 +139,7 @@ def write_layer(folder: str, name: str, merged: torch.Tensor) -> LayerEntry:
     except KeyError:
         raise VaultError(f"layer {name!r}: dtype {tensor.dtype} cannot be stored in safetensors") from None
     shape = tuple(tensor.shape)
-    data = _raw_bytes(tensor)
+    data = tensor_bytes(tensor)
     header = _header_bytes(name, dtype, shape, len(data), "0" * 64)
     fd, tmp = open_tmp(folder, _SUFFIX)
     try:

@@ -1,14 +1,14 @@
 """The combinations on disk: finding them, sizing them, removing them when unused.
 
 A combination is in use while some process holds its key's lock (a session is
-open: building, resuming or adopting). Removal takes that lock without waiting
-and gives up when it cannot, so eviction, ``prune`` and ``rm`` never pull files
-from under a build. A process that already mapped layers keeps them after an
-unlink (the inode lives until it unmaps), so a serving process is not broken
-either; the disk space returns when it exits.
+open: building, resuming or adopting) or a shared lock on its ``.use`` file (weights
+served from it are still alive somewhere: see ``vault_use``). Removal takes both
+locks without waiting and gives up when it cannot, so eviction, ``prune`` and ``rm``
+never pull files from under a build, nor from under a server that maps them (which
+would free no disk until that server exits, yet count the bytes freed).
 
-Lock files live next to the combination folders (``<key>.lock``), not inside
-them, so a folder can be removed while its lock is held.
+Lock files live next to the combination folders (``<key>.lock``, ``<key>.use``), not
+inside them, so a folder can be removed while its locks are held.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 
-from .vault_fs import TMP_PREFIX, KeyLock, VaultError, free_bytes, make_private_dir, remove_tree
+from .vault_fs import TMP_PREFIX, KeyLock, VaultError, free_bytes, lock_is_held, make_private_dir, remove_tree
 from .vault_manifest import ManifestError, read_manifest
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "cache_dir",
     "is_key",
     "lock_path",
+    "use_path",
     "scan_combination",
     "list_combinations",
     "remove_if_unused",
@@ -50,7 +51,13 @@ def is_key(name: str) -> bool:
 
 
 def lock_path(cache: str, key: str) -> str:
+    """The key's exclusive lock: held by a session while it builds, adopts or serves gets."""
     return os.path.join(cache, f"{key}.lock")
+
+
+def use_path(cache: str, key: str) -> str:
+    """The key's use lock: held shared for as long as weights served from it live."""
+    return os.path.join(cache, f"{key}.use")
 
 
 @dataclass
@@ -141,27 +148,28 @@ def list_combinations(cache: str) -> list[Combination]:
 
 
 def is_in_use(cache: str, key: str) -> bool:
-    """True when a session holds the key's lock (a shared probe, released at once)."""
-    path = lock_path(cache, key)
-    if not os.path.lexists(path):
-        return False
-    probe = KeyLock(path)
+    """True when a session holds the key's lock or served weights hold its use lock.
+
+    A query: it creates, removes and keeps nothing (``hostmem cache ls`` changes no file).
+    """
     try:
-        if not probe.acquire(exclusive=False, blocking=False):
-            return True
+        session = lock_is_held(lock_path(cache, key), shared_too=False)
+        return session or lock_is_held(use_path(cache, key), shared_too=True)
     except OSError:
         return False
-    probe.release(remove=True)
-    return False
 
 
 def remove_if_unused(cache: str, key: str) -> bool:
-    """Remove a combination unless a session holds its lock; True when removed."""
+    """Remove a combination unless it is in use (see :func:`is_in_use`); True when removed."""
     lock = KeyLock(lock_path(cache, key))
     if not lock.acquire(blocking=False):
         return False
     try:
+        use = KeyLock(use_path(cache, key))
+        if os.path.lexists(use.path) and not use.acquire(blocking=False):
+            return False
         remove_tree(os.path.join(cache, key))
+        use.release(remove=True)  # while held: nobody can be leasing it (that takes the key's lock)
     finally:
         lock.release(remove=True)
     return True

@@ -82,11 +82,10 @@ def run_merge(args) -> int:
     shards = checkpoint_files(component.path)
     root = config.lora.cache.root or default_cache_root()
     try:
-        stats = merge(
+        stats = merge(  # keyed as a server's start is: on the mapped shards that hold the targets
             checkpoint_module(shards),
             _adapters(config.lora),
             cache_root=root,
-            base_files=shards,
             max_size=config.lora.cache.max_size,
             progress=False if (args.no_progress or args.json) else None,
             fallback=False,

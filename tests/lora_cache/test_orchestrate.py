@@ -15,8 +15,11 @@ import pytest
 import torch
 
 import lora_cache
-from lora_cache.layers import checkpoint_module
+from lora_cache.adapters import as_adapter, read_adapter
+from lora_cache.layers import AddressSpace, checkpoint_module, module_tree
+from lora_cache.orchestrate import MERGE_POLICY, combination_key
 from lora_cache.switch import DISABLE_ENV
+from lora_cache.vault import Vault
 from planners.cli import main
 from tests.conftest import run_python, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter
@@ -33,13 +36,14 @@ from hostmem import account
 from hostmem.peak import track_peak_anon
 from hostmem.procfs import read_status
 from lora_cache.layers import checkpoint_module, module_tree
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 base, adapter, root, loader = sys.argv[1], sys.argv[2], sys.argv[3] or None, sys.argv[4]
 if loader == "readonly":   # hostmem's read-only mapping
     model = checkpoint_module([base])
 else:                      # safetensors' own loader: a private, writable mapping of the file
-    model = module_tree(load_file(base).items())
+    with safe_open(base, framework="pt") as handle:
+        model = module_tree([(name, handle.get_tensor(name)) for name in handle.keys()])
 before = read_status().rss_anon
 with track_peak_anon() as peak:
     stats = lora_cache.merge(model, [adapter], cache_root=root, progress=False)
@@ -57,16 +61,32 @@ print(json.dumps({
 """
 
 
+LAYERS, ROWS, COLS = 16, 2048, 4096  # 16 bf16 layers of 16 MiB: 256 MiB merged
+
+
 @pytest.fixture(scope="module")
 def file_backed_model(tmp_path_factory):
-    """A 64 MiB bf16 checkpoint (8 layers of 8 MiB) and a rank-16 adapter on every layer."""
+    """A 256 MiB bf16 checkpoint (16 layers of 16 MiB) and a rank-16 adapter on every layer.
+
+    Large enough that the cached merge's bound (two fp32 layers + 64 MiB = 128 MiB) is
+    half of what the cheapest in-place merge costs (the merged bytes), so the bound tells
+    the two apart.
+    """
     folder = tmp_path_factory.mktemp("memory")
     gen = torch.Generator().manual_seed(0)
-    layers = {f"blocks.{i}.proj.weight": torch.randn(2048, 2048, generator=gen).to(torch.bfloat16) for i in range(8)}
+    layers = {
+        f"blocks.{i}.proj.weight": torch.randn(ROWS, COLS, generator=gen).to(torch.bfloat16) for i in range(LAYERS)
+    }
     base = write_safetensors(folder / "base.safetensors", layers)
-    changes = {f"blocks.{i}.proj": lora_change(2048, 2048, 16, i, alpha=8) for i in range(8)}
+    del layers
+    changes = {f"blocks.{i}.proj": lora_change(ROWS, COLS, 16, i, alpha=8) for i in range(LAYERS)}
     adapter = write_adapter(folder / "turbo.safetensors", "comfyui", changes)
-    return {"base": base, "adapter": adapter, "folder": folder, "largest_fp32": 2048 * 2048 * 4, "merged": 64 * MiB}
+    return {"base": base, "adapter": adapter, "folder": folder, "largest_fp32": ROWS * COLS * 4, "merged": 256 * MiB}
+
+
+def cached_bound(model: dict) -> int:
+    """The most a cached merge may grow anonymous memory by: two fp32 layers + 64 MiB."""
+    return 2 * model["largest_fp32"] + 64 * MiB
 
 
 def _measure(model: dict, root: str, loader: str = "readonly") -> dict:
@@ -77,14 +97,15 @@ def _measure(model: dict, root: str, loader: str = "readonly") -> dict:
 
 def test_cached_merge_stays_one_layer_wide_and_leaves_merged_weights_file_backed(file_backed_model):
     model, root = file_backed_model, str(file_backed_model["folder"] / "cache")
+    assert cached_bound(model) <= model["merged"] / 2  # an in-place merge (>= the merged bytes) cannot pass it
     built = _measure(model, root)
-    assert built["stats"]["built"] == 8 and built["stats"]["fallen_back"] == 0
-    assert built["growth"] <= 2 * model["largest_fp32"] + 64 * MiB, built
+    assert built["stats"]["built"] == LAYERS and built["stats"]["fallen_back"] == 0
+    assert built["growth"] <= cached_bound(model), built
     assert built["kept"] <= 16 * MiB, f"the merge kept {built['kept']} bytes of scratch after it ended"
     assert built["anonymous"] == 0 and built["file_backed"] == model["merged"], built
     hit = _measure(model, root)
-    assert hit["stats"]["hit"] == 8 and hit["stats"]["built"] == 0
-    assert hit["growth"] <= 2 * model["largest_fp32"] + 64 * MiB, hit
+    assert hit["stats"]["hit"] == LAYERS and hit["stats"]["built"] == 0
+    assert hit["growth"] <= cached_bound(model), hit
     assert hit["anonymous"] == 0 and hit["file_backed"] == model["merged"], hit
 
 
@@ -92,11 +113,12 @@ def test_in_place_merge_of_the_same_model_costs_about_twice_the_merged_bytes(fil
     """Loaded as servers load it (safetensors' private mapping): snapshot + copied-on-write pages."""
     model = file_backed_model
     in_place = _measure(model, "", loader="private")
-    assert in_place["stats"]["in_place"] == 8
-    assert 1.9 * model["merged"] <= in_place["growth"] <= 2 * model["merged"] + 2 * model["largest_fp32"] + 64 * MiB
+    assert in_place["stats"]["in_place"] == LAYERS
+    assert 1.9 * model["merged"] <= in_place["growth"] <= 2 * model["merged"] + cached_bound(model)
+    assert in_place["growth"] > 3 * cached_bound(model)  # the bound the cached merge meets is far below
     assert in_place["anonymous"] == model["merged"], in_place
     cached = _measure(model, str(model["folder"] / "private-cache"), loader="private")
-    assert cached["stats"]["built"] == 8 and cached["growth"] <= 2 * model["largest_fp32"] + 64 * MiB, cached
+    assert cached["stats"]["built"] == LAYERS and cached["growth"] <= cached_bound(model), cached
     assert cached["anonymous"] == 0 and cached["file_backed"] == model["merged"], cached
 
 
@@ -104,7 +126,8 @@ def test_in_place_merge_over_a_read_only_mapping_needs_no_snapshot_copy(file_bac
     """The base cannot be written, so it stays intact and is its own snapshot: once the bytes."""
     model = file_backed_model
     in_place = _measure(model, "", loader="readonly")
-    assert 0.95 * model["merged"] <= in_place["growth"] <= model["merged"] + 2 * model["largest_fp32"] + 64 * MiB
+    assert 0.95 * model["merged"] <= in_place["growth"] <= model["merged"] + cached_bound(model)
+    assert in_place["growth"] > 1.5 * cached_bound(model)  # even the cheapest in-place merge fails the cached bound
     assert in_place["anonymous"] == model["merged"], in_place
 
 
@@ -148,14 +171,19 @@ def test_a_cache_without_room_falls_back_in_place_with_one_warning(tmp_path):
     lora_cache.unmerge(model)
     with pytest.warns(UserWarning, match="needs") as caught:
         stats = lora_cache.merge(model, [adapter], cache_root=tmp_path / "cache", max_size="4KiB", progress=False)
-    assert len([w for w in caught if "needs" in str(w.message)]) == 1
+    (warning,) = [str(w.message) for w in caught if "needs" in str(w.message)]
+    assert warning.startswith("no room for the LoRA merge cache") and "hostmem cache prune" in warning
+    assert warning.endswith("Merging in place instead.")
     assert (stats.fallen_back, stats.built, stats.bytes) == (6, 0, reference.bytes)
     assert all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
     lora_cache.unmerge(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with pytest.raises(lora_cache.CacheBuildError, match="could not store 'blocks.0.attn.to_q.weight'"):
+    with pytest.raises(lora_cache.CacheBuildError, match="could not store 'blocks.0.attn.to_q.weight'") as refused:
         lora_cache.merge(model, [adapter], cache_root=tmp_path / "cache", max_size="4KiB", fallback=False,
                          progress=False)
+    message = str(refused.value)
+    assert "no room for the LoRA merge cache" in message and "needs 72.0 KiB" in message
+    assert "Nothing was merged in place" in message and "merging in place instead" not in message.lower()
     assert not lora_cache.is_merged(model)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
@@ -171,6 +199,46 @@ def test_weights_not_mapped_from_a_file_need_base_files(tmp_path):
     assert not lora_cache.is_merged(model)
     stats = lora_cache.merge(model, [adapter], cache_root=tmp_path / "cache", base_files=[base], progress=False)
     assert stats.built == 1
+
+
+def test_the_compute_device_is_part_of_the_key(tmp_path):
+    """A GPU's addmm may round differently from the CPU's: a cache built on one never serves the other."""
+    model, adapter = _setup(tmp_path)
+    stats = lora_cache.merge(model, [adapter], cache_root=tmp_path / "cache", device="cpu", progress=False)
+    manifest = json.loads((tmp_path / "cache" / "lora_merge_cache" / stats.cache_key / "manifest.json").read_text())
+    assert manifest["inputs"]["merge_policy"] == f"{MERGE_POLICY}@cpu"
+    vault, specs = Vault(tmp_path / "cache"), [as_adapter(adapter)]
+    files, shards = [read_adapter(adapter)], [str(tmp_path / "base.safetensors")]
+    on_cpu = combination_key(vault, files, specs, shards, {torch.bfloat16}, "cpu")
+    assert on_cpu.hex == stats.cache_key
+    assert combination_key(vault, files, specs, shards, {torch.bfloat16}, "cuda").hex != on_cpu.hex
+
+
+def test_a_build_gives_back_the_thread_it_took_also_when_it_fails(tmp_path):
+    """The build sums on one CPU thread fewer; torch's thread count is process-wide, so it comes back."""
+    model, adapter = _setup(tmp_path)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        stats = lora_cache.merge(model, [adapter], cache_root=tmp_path / "cache", device="cpu", progress=False)
+        assert stats.built == 6 and torch.get_num_threads() == 2
+        lora_cache.unmerge(model)
+        with pytest.raises(lora_cache.CacheBuildError):
+            lora_cache.merge(model, [adapter], cache_root=tmp_path / "full", max_size="4KiB", fallback=False,
+                             device="cpu", progress=False)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_address_space_reads_maps_not_smaps(tmp_path):
+    """Paths and permissions are all a merge asks; smaps would walk every resident page for counts."""
+    model, _ = _setup(tmp_path)
+    weight = model.blocks[0].attn.to_q.weight
+    float(weight.float().sum())  # its pages are resident now: smaps would count them
+    area = AddressSpace().area_of(weight)
+    assert area.path == os.path.realpath(tmp_path / "base.safetensors") and "w" not in area.perms
+    assert (area.rss, area.vm_flags) == (0, frozenset())  # maps carries neither Rss nor VmFlags
 
 
 # ----------------------------------------------------------------- hostmem lora merge
@@ -218,3 +286,59 @@ def test_hostmem_lora_merge_refuses_a_disabled_cache(tmp_path, capsys, monkeypat
     monkeypatch.setenv(DISABLE_ENV, "1")
     assert main(["lora", "merge", _config(tmp_path / "x")]) == 2
     assert f"{DISABLE_ENV} is set" in capsys.readouterr().err
+
+
+def _sharded_config(tmp_path) -> tuple[str, list[str]]:
+    """A checkpoint folder of two shards, the second holding no LoRA target, and its config."""
+    config = _config(tmp_path)
+    folder = tmp_path / "dit"
+    folder.mkdir()
+    os.rename(tmp_path / "dit.safetensors", folder / "dit-00001-of-00002.safetensors")
+    write_safetensors(folder / "dit-00002-of-00002.safetensors", {"head.proj.weight": torch.ones(16, 64)})
+    with open(config) as handle:
+        text = handle.read().replace("path: dit.safetensors", "path: dit")
+    with open(config, "w") as handle:
+        handle.write(text)
+    return config, sorted(str(p) for p in folder.iterdir())
+
+
+_SERVER_START = """
+    import json, sys
+    import lora_cache
+    from lora_cache.layers import checkpoint_module
+    shards, adapter, root = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
+    model = checkpoint_module(shards)  # the whole checkpoint mapped, as a server loads it; no base_files
+    print(json.dumps(lora_cache.merge(model, [(adapter, 0.8)], cache_root=root, progress=False).to_dict()))
+"""
+
+
+def test_a_cache_built_ahead_of_time_is_hit_by_servers_when_a_shard_holds_no_target(tmp_path):
+    """The key covers the shards that hold the targets, whichever way the merge learns of them."""
+    config, shards = _sharded_config(tmp_path)
+    built = _hostmem("lora", "merge", config, "--json")
+    assert built.returncode == 0, built.stderr
+    built = json.loads(built.stdout)
+    assert (built["built"], built["hit"]) == (6, 0)
+    served = run_python(_SERVER_START, ",".join(shards), str(tmp_path / "a.safetensors"), str(tmp_path / "cache"))
+    assert served.returncode == 0, served.stderr
+    served = json.loads(served.stdout.strip().splitlines()[-1])
+    assert (served["hit"], served["built"], served["cache_key"]) == (6, 0, built["cache_key"])
+    # weights copied onto the heap: base_files lists every shard, and is narrowed to the one holding them
+    copied = module_tree((name, tensor.clone()) for name, tensor in checkpoint_module(shards).named_parameters())
+    stats = lora_cache.merge(copied, [(tmp_path / "a.safetensors", 0.8)], cache_root=tmp_path / "cache",
+                             base_files=shards, progress=False)
+    assert (stats.hit, stats.built, stats.cache_key) == (6, 0, built["cache_key"])
+
+
+def test_hostmem_lora_merge_without_room_says_what_it_needed_and_merges_nothing(tmp_path):
+    config = _config(tmp_path)
+    with open(config) as handle:
+        text = handle.read().replace("max_size: 1GiB", "max_size: 4KiB")
+    with open(config, "w") as handle:
+        handle.write(text)
+    done = _hostmem("lora", "merge", config)
+    assert done.returncode == 1
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("hostmem: error: the LoRA merge cache could not store ") and "needs 72.0 KiB" in error
+    assert "max_size 4.0 KiB" in error and "Nothing was merged in place" in error
+    assert "in place instead" not in error

@@ -229,6 +229,28 @@ def test_a_cache_folder_owned_by_another_user_is_refused(tmp_path):
         Vault(root)
 
 
+def test_a_root_under_a_regular_file_is_an_error_that_names_the_file(tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    for root in (blocker / "root", blocker / "deeper" / "root"):
+        with pytest.raises(VaultError) as refused:
+            Vault(root)
+        message = str(refused.value)
+        assert message.startswith(f"{root}: cannot create the LoRA merge cache folder: ")
+        assert f": {blocker} is a file, not a folder. Choose a cache root" in message
+        assert "--root DIR" in message and "HOSTMEM_CACHE_ROOT" in message
+    assert blocker.read_text() == ""
+
+
+def test_a_root_where_no_folder_can_be_made_is_an_error_that_says_so():
+    root = f"/proc/hostmem-vault-test-{os.getpid()}"
+    with pytest.raises(VaultError) as refused:
+        Vault(root)
+    message = str(refused.value)
+    assert message.startswith(f"{root}: cannot create the LoRA merge cache folder: /proc does not accept new folders")
+    assert "disk-backed filesystem" in message and "HOSTMEM_CACHE_ROOT" in message
+
+
 def test_a_root_on_tmpfs_is_refused_and_nothing_is_created():
     mount = filesystem_of("/dev/shm")
     if mount is None or mount.fs_type != "tmpfs":

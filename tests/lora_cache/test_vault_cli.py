@@ -13,6 +13,7 @@ import torch
 
 from hostmem.safetensors_map import read_header
 from lora_cache.vault import Vault, adapter_identity, cache_key
+from lora_cache.vault_fs import KeyLock
 from lora_cache.vault_layer import layer_file_name
 from planners.cli import main
 from tests.conftest import write_safetensors
@@ -56,6 +57,28 @@ def test_ls_of_a_root_never_used_creates_nothing(tmp_path, capsys):
     root = tmp_path / "nothing-here"
     code, out, _ = cli(capsys, "cache", "ls", "--root", str(root))
     assert code == 0 and "no cached LoRA merges" in out and not root.exists()
+
+
+def cache_files(cache: str) -> dict[str, int]:
+    """Every entry of the cache folder, by name, with its inode."""
+    return {name: os.lstat(os.path.join(cache, name)).st_ino for name in sorted(os.listdir(cache))}
+
+
+def test_ls_and_verify_are_queries_that_change_no_file(tmp_path, capsys):
+    root = str(tmp_path / "root")
+    key = build(root, "query", tmp_path)
+    cache = os.path.join(root, "lora_merge_cache")
+    for left_behind in (False, True):
+        if left_behind:  # a lock file whose holder has gone
+            left = KeyLock(os.path.join(cache, f"{key.hex}.lock"))
+            left.acquire()
+            left.release()
+        before = cache_files(cache)
+        assert (f"{key.hex}.lock" in before) == left_behind
+        for argv in (["ls"], ["ls", "--json"], ["verify"]):
+            code, out, _ = cli(capsys, "cache", *argv, "--root", root)
+            assert code == 0 and "in use" not in out
+            assert cache_files(cache) == before, f"hostmem cache {' '.join(argv)} changed the cache"
 
 
 def test_verify_finds_a_flipped_byte_that_adoption_does_not_look_for(tmp_path, capsys):
@@ -110,7 +133,8 @@ def test_rm_by_prefix_and_never_one_in_use(tmp_path, capsys):
     try:
         assert holder.stdout.readline().strip() == "holding"
         code, _, err = cli(capsys, "cache", "rm", "--root", root, second.hex[:10])
-        assert code == 2 and "in use by another process" in err and "stop that process" in err
+        assert code == 2 and "in use (a process is building it, or serves weights from it" in err
+        assert "stop that process" in err
         code, out, _ = cli(capsys, "cache", "ls", "--root", root, "--json")
         states = {c["key"]: c["state"] for c in json.loads(out)["combinations"]}
         assert states == {first.hex: "complete", second.hex: "in use"}

@@ -24,6 +24,7 @@ BUILDER = textwrap.dedent(
     import ctypes, hashlib, json, os, sys, time, torch
     from lora_cache.vault import Vault, cache_key
     root, go_file, delay, count, big = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    release = sys.argv[6]  # when set: once the lock is ours, say so and hold it until this file exists
     key = cache_key({"shards": []}, [], "float32", "concurrency")
     gen = torch.Generator().manual_seed(7)
     tensors = {f"blocks.{i}.w": torch.randn(128, 256, generator=gen) for i in range(count)}
@@ -35,6 +36,10 @@ BUILDER = textwrap.dedent(
         time.sleep(0.002)
     digest = hashlib.sha256()
     with Vault(root).open(key, expected) as session:
+        if release and not os.path.exists(release):
+            open(f"{release}.locked-by-{os.getpid()}", "w").close()
+            while not os.path.exists(release):
+                time.sleep(0.002)
         for name, tensor in tensors.items():
             view = session.get(name, tuple(tensor.shape), tensor.dtype)
             if view is None:
@@ -49,9 +54,9 @@ BUILDER = textwrap.dedent(
 )
 
 
-def start_builder(root, go_file, delay=0.0, count=4, big=0) -> subprocess.Popen:
+def start_builder(root, go_file, delay=0.0, count=4, big=0, release="") -> subprocess.Popen:
     child = subprocess.Popen(
-        [sys.executable, "-c", BUILDER, str(root), str(go_file), str(delay), str(count), str(big)],
+        [sys.executable, "-c", BUILDER, str(root), str(go_file), str(delay), str(count), str(big), str(release)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -75,20 +80,43 @@ def file_digests(folder: str) -> dict[str, str]:
     return {n: hashlib.sha256(open(os.path.join(folder, n), "rb").read()).hexdigest() for n in sorted(os.listdir(folder))}
 
 
-def test_two_processes_starting_at_once_build_once_and_serve_the_same_bytes(tmp_path):
-    root, go = tmp_path / "root", tmp_path / "go"
-    first = start_builder(root, go, delay=0.25)
-    second = start_builder(root, go, delay=0.25)
-    go.touch()
-    (a, err_a), (b, err_b) = finish(first), finish(second)
+def wait_for_lock_holder(release, children: list[subprocess.Popen], timeout=60.0) -> subprocess.Popen:
+    """The child that took the key's lock first (it says so with a file, then holds the lock)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in children:
+            assert child.poll() is None, child.stderr.read()
+            if os.path.exists(f"{release}.locked-by-{child.pid}"):
+                return child
+        time.sleep(0.002)
+    raise AssertionError("no builder took the key's lock")
 
-    written = a["stats"]["layers_written"] + b["stats"]["layers_written"]
-    hits = a["stats"]["layers_hit"] + b["stats"]["layers_hit"]
-    assert (written, hits) == (4, 4)  # one built all four, the other adopted all four
-    assert a["digest"] == b["digest"]
-    waiter_err = err_a if a["stats"]["layers_hit"] else err_b
-    assert "in use by another process (most likely building it); waiting" in waiter_err
-    assert max(a["stats"]["lock_wait_seconds"], b["stats"]["lock_wait_seconds"]) > 0.5
+
+def wait_for_line(child: subprocess.Popen, text: str) -> list[str]:
+    """Read the child's stderr until a line holds ``text``; return the lines read."""
+    lines = []
+    while not lines or text not in lines[-1]:
+        lines.append(child.stderr.readline())
+        assert lines[-1], f"the child ended without saying {text!r}: {''.join(lines)}"
+    return lines
+
+
+def test_two_processes_starting_at_once_build_once_and_serve_the_same_bytes(tmp_path):
+    """The one that gets the lock holds it until the other has said that it waits: no timing involved."""
+    root, go, release = tmp_path / "root", tmp_path / "go", tmp_path / "release"
+    children = [start_builder(root, go, delay=0.01, release=release) for _ in range(2)]
+    go.touch()
+    builder = wait_for_lock_holder(release, children)
+    (waiter,) = [c for c in children if c is not builder]
+    said = wait_for_line(waiter, "in use by another process (most likely building it); waiting")
+    assert waiter.poll() is None  # blocked on the lock the builder holds
+    release.touch()
+    (built, _), (adopted, err) = finish(builder), finish(waiter)
+
+    assert (built["stats"]["layers_written"], built["stats"]["layers_hit"]) == (4, 0)  # one built all four
+    assert (adopted["stats"]["layers_written"], adopted["stats"]["layers_hit"]) == (0, 4)  # the other adopted them
+    assert adopted["stats"]["lock_wait_seconds"] > 0 and "adopting it" in "".join(said) + err
+    assert built["digest"] == adopted["digest"]
     folder = os.path.join(root, "lora_merge_cache", KEY.hex)
     assert not [n for n in os.listdir(folder) if n.startswith(".tmp-")]
     assert [r.state for r in verify_all(os.path.join(root, "lora_merge_cache"))] == ["ok"]

@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 
+import pytest
 import torch
+
+from hostmem import load_readonly
 
 from lora_cache.vault import Vault
 from lora_cache.vault_key import AdapterHashMemo, adapter_identity, base_identity, cache_key
@@ -64,19 +68,60 @@ def test_shard_order_and_adapter_location_do_not_change_the_key(tmp_path):
     )
 
 
-def test_a_same_size_base_shard_with_the_old_mtime_still_changes_the_key(tmp_path):
-    """Header hash is what tells them apart when size and mtime_ns are forged."""
+def _wait_for_a_later_ctime(path: str) -> None:
+    """Wait until a file changed now gets a later ctime than ``path`` (the kernel's clock is coarse)."""
+    probe = f"{path}.clock"
+    while True:
+        with open(probe, "w"):
+            pass
+        if os.stat(probe).st_ctime_ns > os.stat(path).st_ctime_ns:
+            break
+        time.sleep(0.001)
+    os.unlink(probe)
+
+
+@pytest.mark.parametrize("how", ["replaced", "rewritten in place"])
+def test_a_base_shard_with_new_values_under_the_same_names_size_and_mtime_changes_the_key(tmp_path, how):
+    """Same names, shapes and size, so the same header; the mtime forged back: only the values differ."""
     path = write_safetensors(tmp_path / "base.safetensors", {"blocks.0.a": torch.ones(8, 8)})
     before = os.stat(path)
     identity = base_identity([path])
-    write_safetensors(tmp_path / "new.safetensors", {"blocks.0.b": torch.ones(8, 8)})
-    os.replace(tmp_path / "new.safetensors", path)
+    _wait_for_a_later_ctime(path)
+    new = write_safetensors(tmp_path / "new.safetensors", {"blocks.0.a": torch.full((8, 8), 2.0)})
+    if how == "replaced":
+        os.replace(new, path)
+    else:
+        with open(path, "r+b") as handle, open(new, "rb") as source:
+            handle.write(source.read())
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert torch.equal(load_readonly(path)["blocks.0.a"], torch.full((8, 8), 2.0))
     after = base_identity([path])
     shard_before, shard_after = identity["shards"][0], after["shards"][0]
-    assert (shard_before["size"], shard_before["mtime_ns"]) == (shard_after["size"], shard_after["mtime_ns"])
-    assert shard_before["header_sha256"] != shard_after["header_sha256"]
+    same = ("path", "size", "mtime_ns", "header_sha256")
+    assert [shard_before[k] for k in same] == [shard_after[k] for k in same]
     assert key(identity, []) != key(after, [])
+
+
+def test_a_faithful_copy_of_the_base_keeps_the_key(tmp_path):
+    """An image layer unpacked on another host: new inode and ctime, same bytes and mtime."""
+    import shutil
+
+    path = write_safetensors(tmp_path / "base.safetensors", {f"blocks.{i}.w": torch.randn(64, 256) for i in range(4)})
+    identity = base_identity([path])
+    _wait_for_a_later_ctime(path)
+    shutil.copy2(path, tmp_path / "copy.safetensors")  # copy2 keeps the mtime
+    os.replace(tmp_path / "copy.safetensors", path)
+    assert key(base_identity([path]), []) == key(identity, [])
+
+
+def test_one_changed_tensor_in_a_large_shard_changes_the_key(tmp_path):
+    tensors = {f"blocks.{i}.w": torch.randn(256, 1024) for i in range(16)}  # 16 MiB
+    path = write_safetensors(tmp_path / "base.safetensors", tensors)
+    before, identity = os.stat(path), base_identity([path])
+    tensors["blocks.11.w"] = tensors["blocks.11.w"] + 1.0  # a fine-tune of one layer
+    write_safetensors(path, tensors)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert key(base_identity([path]), []) != key(identity, [])
 
 
 def test_a_same_size_adapter_with_the_old_mtime_is_rehashed_and_changes_the_key(tmp_path):
