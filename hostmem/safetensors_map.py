@@ -54,8 +54,9 @@ assert set(DTYPES) == set(DTYPE_SIZES)
 class ReadOnlySafetensors:
     """A safetensors file mapped ``PROT_READ``; tensors are zero-copy views into it.
 
-    The mapping lives as long as any tensor taken from it. Writing into such a tensor
-    raises SIGSEGV: that is the point (it would otherwise copy the page).
+    The mapping lives as long as any tensor taken from it (there is nothing to close:
+    the last view to go unmaps it). Writing into such a tensor raises SIGSEGV: that is
+    the point (it would otherwise copy the page).
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -87,11 +88,6 @@ class ReadOnlySafetensors:
             flat = torch.frombuffer(self._map, dtype=torch.uint8, count=info.nbytes, offset=start)
         return flat.view(info.torch_dtype).reshape(info.shape)
 
-    def __enter__(self) -> "ReadOnlySafetensors":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
 
 
 def open_readonly(path: str | os.PathLike) -> ReadOnlySafetensors:

@@ -193,7 +193,10 @@ def test_an_area_without_access_rights_is_not_resident_and_costs_no_page_walk():
 def test_ranges_across_chunk_boundaries_add_up(monkeypatch):
     import hostmem.residency as residency
 
-    t = torch.empty(16 * MiB, dtype=torch.uint8)
+    import mmap
+
+    fresh = mmap.mmap(-1, 16 * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # untouched pages
+    t = torch.frombuffer(fresh, dtype=torch.uint8)
     t[: 5 * MiB].fill_(1)  # the rest is never touched
     start = t.data_ptr() + 123  # not page-aligned on purpose
     ranges = [(start, start + 3 * MiB + 7), (start + 3 * MiB + 7, start + 9 * MiB), (start + 9 * MiB, start + 15 * MiB)]
