@@ -197,10 +197,13 @@ def open_tmp(folder: str, suffix: str = "") -> tuple[int, str]:
     return os.open(path, flags, 0o600), path
 
 
-def seal(fd: int, tmp: str, final: str) -> None:
+def seal(fd: int, tmp: str, final: str, sync_dir: bool = True) -> None:
     """fsync, close, rename into place and fsync the folder: the file is now durable.
 
-    On any failure the temporary file is removed, so nothing partial stays behind.
+    ``sync_dir=False`` leaves the folder's fsync to a later seal in the same folder (the
+    manifest's): the file's data is on disk before its name, so a crash in between can
+    lose the name, never serve a torn file. On any failure the temporary file is
+    removed, so nothing partial stays behind.
     """
     try:
         os.fsync(fd)
@@ -214,7 +217,8 @@ def seal(fd: int, tmp: str, final: str) -> None:
     except BaseException:
         discard(tmp)
         raise
-    fsync_dir(os.path.dirname(final))
+    if sync_dir:
+        fsync_dir(os.path.dirname(final))
 
 
 def discard(path: str) -> None:

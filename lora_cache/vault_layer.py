@@ -13,6 +13,7 @@ tensor name may hold characters a path must not, and the name is not a path.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -119,6 +120,16 @@ def _write_and_hash(fd: int, data: memoryview, offset: int) -> str:
     return digest.hexdigest()
 
 
+def _reserve(fd: int, nbytes: int) -> None:
+    """Allocate the file's blocks before writing: a full disk fails here, before any data
+    is written, and the filesystem can lay the layer out in one extent."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+
+
 def _cpu_contiguous(merged: torch.Tensor) -> torch.Tensor:
     tensor = merged.detach()
     if tensor.device.type != "cpu":
@@ -143,6 +154,7 @@ def write_layer(folder: str, name: str, merged: torch.Tensor) -> LayerEntry:
     header = _header_bytes(name, dtype, shape, len(data), "0" * 64)
     fd, tmp = open_tmp(folder, _SUFFIX)
     try:
+        _reserve(fd, len(header) + len(data))
         checksum = _write_and_hash(fd, data, len(header))
         header = _header_bytes(name, dtype, shape, len(data), checksum)
         write_all(fd, header, 0)
@@ -151,7 +163,7 @@ def write_layer(folder: str, name: str, merged: torch.Tensor) -> LayerEntry:
         discard(tmp)
         raise
     final = os.path.join(folder, layer_file_name(name))
-    seal(fd, tmp, final)
+    seal(fd, tmp, final, sync_dir=False)  # the manifest's seal fsyncs the folder once
     return LayerEntry(
         name=name,
         file=os.path.basename(final),
