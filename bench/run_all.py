@@ -29,9 +29,11 @@ BENCHES = (
      "cores; the loop's CPU-time ratio is the tracker's cost to the tracked code."),
     ("bench_plan.py", "Planner: `hostmem plan` on a 4 GiB checkpoint folder", ""),
     ("bench_lora.py", "LoRA merge cache: anonymous peak, build throughput, start time",
-     "On two cores the build runs at what they merge, checksum and write; the raw write baseline "
-     "of a virtual disk varies from run to run (286 to 787 MiB/s seen here), and the build ratio "
-     "with it: read it next to the build's own rate."),
+     "The raw baseline is the faster of a buffered and an O_DIRECT write of the same bytes, "
+     "best of three rounds. 'write path' is the vault storing ready layers (checksum, O_DIRECT, "
+     "fsync): the cache's own cost. The build adds the fp32 rank-64 arithmetic, which on two "
+     "CPU cores with no GPU is the slower part; where a GPU merges, the build runs at the write "
+     "path's rate."),
 )
 
 

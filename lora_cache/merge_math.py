@@ -13,6 +13,7 @@ without any error.
 from __future__ import annotations
 
 import math
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,6 +26,7 @@ __all__ = [
     "compute_device",
     "lora_scale",
     "merged_weight",
+    "row_blocks",
     "refuse_unsupported",
 ]
 
@@ -119,6 +121,9 @@ def compute_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+_PAGE = 4096
+
+
 class Scratch:
     """One buffer, reused for every layer of a merge, handed out as views of any dtype.
 
@@ -126,18 +131,22 @@ class Scratch:
     allocator may keep such freed blocks instead of returning them to the kernel;
     reusing one buffer keeps the merge's resident high-water mark one layer wide however
     many layers there are. It only grows, to the largest request; :meth:`release` gives
-    it back at the end.
+    it back at the end. On the CPU its views start on a page boundary, so the vault can
+    hand them to the disk with O_DIRECT.
     """
 
     def __init__(self, device: torch.device | str | None = None):
         self.device = torch.device(device) if device is not None else compute_device()
-        self._bytes = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self.release()
 
     def reserve(self, nbytes: int) -> None:
         """Grow the buffer to ``nbytes`` (call once with the largest layer to avoid regrowth)."""
-        if nbytes > self._bytes.numel():
-            self._bytes = torch.empty(0, dtype=torch.uint8, device=self.device)  # free the old one first
-            self._bytes = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if nbytes > self.nbytes:
+            self.release()  # free the old one first
+            slack = _PAGE if self.device.type == "cpu" else 0
+            self._raw = torch.empty(nbytes + slack, dtype=torch.uint8, device=self.device)
+            start = -self._raw.data_ptr() % _PAGE if slack else 0
+            self._bytes = self._raw[start : start + nbytes]
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Return a view of ``shape`` and ``dtype`` over the buffer (its contents are garbage)."""
@@ -150,22 +159,66 @@ class Scratch:
         return self._bytes.numel()
 
     def release(self) -> None:
-        self._bytes = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._raw = self._bytes = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+
+# Rows summed per block on the CPU: the block's fp32 accumulator (about this many bytes)
+# stays in the core's cache from the copy of the base through every addmm to the cast.
+_BLOCK_BYTES = 4 * 1024 * 1024
 
 
 def _as_matrix(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device=device, dtype=torch.float32).flatten(1)
 
 
-def _accumulate(acc: torch.Tensor, delta: Delta) -> None:
-    """Add one delta to the fp32 accumulator ``acc`` in place."""
-    if delta.up is not None:
-        delta.check()
-        up = _as_matrix(delta.up, acc.device)
-        down = _as_matrix(delta.down, acc.device)
-        acc.view(acc.shape[0], -1).addmm_(up, down, alpha=delta.scale)
-    if delta.diff is not None:
-        acc.add_(delta.diff.to(acc.device), alpha=delta.diff_scale)
+@dataclass(frozen=True)
+class _Term:
+    """One delta, made ready for the fp32 sum on the compute device (converted once per layer)."""
+
+    up: torch.Tensor | None  # fp32 (rows, rank)
+    down: torch.Tensor | None  # fp32 (rank, cols)
+    scale: float
+    diff: torch.Tensor | None
+    diff_scale: float
+
+    @classmethod
+    def of(cls, delta: Delta, device: torch.device) -> "_Term":
+        if delta.up is None:
+            up = down = None
+        else:
+            delta.check()
+            up, down = _as_matrix(delta.up, device), _as_matrix(delta.down, device)
+        diff = None if delta.diff is None else delta.diff.to(device)
+        return cls(up, down, delta.scale, diff, delta.diff_scale)
+
+
+def row_blocks(shape: tuple[int, ...], device: torch.device) -> list[slice]:
+    """The row ranges a layer's sum is taken in: cache-sized blocks on the CPU, one on a GPU.
+
+    Fixed by the shape alone, so every merge of a layer (cached or in place, on one
+    thread or several) adds the same numbers in the same order and gives the same bytes.
+    """
+    rows = shape[0] if shape else 1
+    if device.type != "cpu":
+        return [slice(0, rows)]
+    row_bytes = 4 * math.prod(shape[1:])
+    step = max(1, _BLOCK_BYTES // max(row_bytes, 1))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def _sum_block(acc: torch.Tensor, base: torch.Tensor, terms: list[_Term], rows: slice) -> None:
+    """acc[rows] = base[rows] + every term's rows, in fp32, in the order given."""
+    block = acc[rows]
+    block.copy_(base[rows] if base.device == acc.device else base[rows].to(acc.device))
+    for term in terms:
+        if term.up is not None:
+            block.view(block.shape[0], -1).addmm_(term.up[rows], term.down, alpha=term.scale)
+        if term.diff is not None:
+            block.add_(term.diff[rows], alpha=term.diff_scale)
+
+
+def _cast_block(out: torch.Tensor, acc: torch.Tensor, rows: slice) -> None:
+    out[rows].copy_(acc[rows] if acc.device == out.device else acc[rows].to(out.dtype))
 
 
 def merged_weight(
@@ -174,25 +227,32 @@ def merged_weight(
     out: torch.Tensor,
     scratch: Scratch,
     out_ready: Callable[[], None] | None = None,
+    workers: Executor | None = None,
 ) -> torch.Tensor:
     """Write ``base + sum(deltas)`` into ``out`` (base's dtype and shape) and return ``out``.
 
-    The sum runs in fp32 on ``scratch``'s device; only the final cast writes ``out``.
-    ``out`` may be ``base`` itself (a writable in-place merge): base is fully read into
-    the accumulator before ``out`` is written. ``out_ready`` is called between the sum
-    and the cast, so a caller can let the previous layer's bytes leave ``out`` (be
-    written to disk) while this layer is summed.
+    The sum runs in fp32 on ``scratch``'s device, in the row blocks of
+    :func:`row_blocks`; only the final cast writes ``out``. ``out`` may be ``base``
+    itself (a writable in-place merge): each block of base is read into the accumulator
+    before that block of ``out`` is written. ``out_ready`` is called between the sum and
+    the cast, so a caller can let the previous layer's bytes leave ``out`` (be written to
+    disk) while this layer is summed. ``workers`` spreads the blocks over a thread pool
+    (torch releases the GIL); the bytes do not depend on it.
     """
     if out.shape != base.shape or out.dtype != base.dtype:
         raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, base is {tuple(base.shape)} {base.dtype}")
+    result = out
     acc = scratch.take(tuple(base.shape), torch.float32)
-    acc.copy_(base if base.device == acc.device else base.to(acc.device))
-    for delta in deltas:
-        _accumulate(acc, delta)
+    terms = [_Term.of(delta, acc.device) for delta in deltas]
+    if base.dim() == 0:  # a scalar parameter: one block of one row
+        acc, base, out = acc.view(1), base.view(1), out.view(1)
+        terms = [_Term(t.up, t.down, t.scale, None if t.diff is None else t.diff.view(1), t.diff_scale) for t in terms]
+    blocks = row_blocks(tuple(base.shape), acc.device)
+    run = map if workers is None else workers.map
+    for _ in run(lambda rows: _sum_block(acc, base, terms, rows), blocks):
+        pass  # drains the map, so an error in any block is raised here
     if out_ready is not None:
         out_ready()
-    if acc.device == out.device:
-        out.copy_(acc)
-    else:
-        out.copy_(acc.to(base.dtype))
-    return out
+    for _ in run(lambda rows: _cast_block(out, acc, rows), blocks):
+        pass
+    return result

@@ -53,7 +53,7 @@ __all__ = [
     "combination_key",
 ]
 
-MERGE_POLICY = "fp32-sum-in-adapter-order-cast-once-v1"  # change when merged bytes would change
+MERGE_POLICY = "fp32-sum-in-row-blocks-in-adapter-order-cast-once-v2"  # change when merged bytes would change
 
 
 def merge_policy(device: torch.device | str | None = None) -> str:
@@ -126,10 +126,10 @@ class _LayerLoop:
     """One merge's per-layer work, with the buffers it reuses and the figures it keeps.
 
     Cache hits are taken first; the misses are then built in a two-stage pipeline:
-    while one thread writes layer i to the vault, this one sums layer i+1 in the fp32
-    scratch, and casts it into the one output buffer only once layer i has left it.
-    The disk and the arithmetic overlap, and the anonymous memory stays one layer wide
-    (one fp32 scratch plus one output buffer). Vault calls never run concurrently:
+    while one thread writes layer i to the vault, the block workers sum layer i+1 in
+    the fp32 scratch, and cast it into the one output buffer only once layer i has left
+    it. The disk and the arithmetic overlap, and the anonymous memory stays one layer
+    wide (one fp32 scratch plus one output buffer). Vault calls never run concurrently:
     gets all happen before the first put, and puts run one at a time.
     """
 
@@ -198,11 +198,12 @@ class _LayerLoop:
                 self.finish(pending)
                 pending = None
 
-        # Leaving the executor waits for a write in flight, also when an error ends the loop.
-        with _core_for_the_writer(self.work.device), ThreadPoolExecutor(1, "lora-cache-write") as writer:
+        # Leaving the executors waits for the work in flight, also when an error ends the loop.
+        with _block_workers(self.work.device) as workers, ThreadPoolExecutor(1, "lora-cache-write") as writer:
             for target in targets:
                 base = target.current
-                merged = compute_merged(target, self.out.take(tuple(base.shape), base.dtype), self.work, previous_done)
+                out = self.out.take(tuple(base.shape), base.dtype)
+                merged = compute_merged(target, out, self.work, previous_done, workers)
                 pending = (target, merged, writer.submit(self.session.put, target.name, merged))
             previous_done()
 
@@ -229,21 +230,32 @@ class _LayerLoop:
         return self.stats
 
 
-@contextlib.contextmanager
-def _core_for_the_writer(device: torch.device):
-    """Sum on one CPU thread fewer while the writer runs.
-
-    The write thread (and the vault's checksum) need a core; an OpenMP pool that spins
-    on every core starves them and the disk idles between layers. On a GPU the sum
-    takes no CPU threads to speak of, so nothing changes there. ``torch.set_num_threads``
-    is process-wide, so the previous count is restored when the build ends, also when
-    it ends in an error.
-    """
-    threads = torch.get_num_threads()
-    if device.type == "cpu" and threads > 1:
-        torch.set_num_threads(threads - 1)
+def _cpu_count() -> int:
     try:
-        yield
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def _block_workers(device: torch.device):
+    """Threads that sum a layer's row blocks on the CPU, while the vault writes the last one.
+
+    Each worker runs torch single-threaded and takes the next block when it is done, so
+    the writer thread (and the vault's checksum) just share the cores with them: one
+    descheduled worker delays one block, where an OpenMP pool spread over every core
+    would stall at each operation's barrier. At most 8 workers: the sum then outruns any
+    disk. On a GPU the sum takes no CPU to speak of, so there are no workers. The
+    process-wide torch thread count is restored when the build ends, also on an error.
+    """
+    if device.type != "cpu":
+        yield None
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(min(8, _cpu_count()), "lora-cache-sum") as workers:
+            yield workers
     finally:
         torch.set_num_threads(threads)
 

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 
 from .vault_fs import TMP_PREFIX, KeyLock, VaultError, discard, prepare_root
-from .vault_layer import data_sha256, is_layer_file_name, layer_problem, read_layer_file
+from .vault_layer import data_crc32, is_layer_file_name, layer_problem, read_layer_file
 from .vault_manifest import MANIFEST_NAME, ManifestError, read_manifest
 from .vault_store import (
     CACHE_DIR,
@@ -108,7 +108,7 @@ def _check_layer(folder: str, entry, report: VerifyReport) -> None:
         return
     problem = layer_problem(folder, entry)
     path = os.path.join(folder, entry.file)
-    if problem is None and data_sha256(path) != entry.sha256:
+    if problem is None and data_crc32(path) != entry.crc32:
         problem = f"{path}: content checksum differs from the recorded one (layer {entry.name!r})"
     if problem:
         report.problems.append(problem)

@@ -42,7 +42,7 @@ __all__ = [
     "file_sha256",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: layer files carry a CRC-32 of their data (1: sha256)
 # Adapter fields that describe where the content came from; its sha256 stands for them,
 # so the same adapter at another path (or copied) hits the same cache.
 _ADAPTER_LOCATION_FIELDS = frozenset({"path", "size", "mtime_ns"})

@@ -5,16 +5,16 @@ and the record people read (``hostmem cache ls``). Its format::
 
     {
       "format": "hostmem-lora-merge-cache",
-      "format_version": 1,
+      "format_version": 2,
       "key": "<sha256 hex>",
-      "inputs": {"format_version": 1, "base": {"shards": [...]}, "adapters": [...],
+      "inputs": {"format_version": 2, "base": {"shards": [...]}, "adapters": [...],
                  "target_dtype": "bfloat16", "merge_policy": "..."},
       "created": 1718000000.0,          # unix seconds
       "last_used": 1718000100.0,        # unix seconds, updated on every open
       "complete": true,                 # every layer the builder expected is here
       "total_bytes": 123456,            # sum of the layer files' sizes
       "layers": [{"name": "blocks.0.attn.qkv.weight", "file": "<32 hex>.safetensors",
-                  "size": 8192, "header_sha256": "...", "sha256": "<of the tensor bytes>",
+                  "size": 8192, "header_sha256": "...", "crc32": "<8 hex, of the tensor bytes>",
                   "dtype": "BF16", "shape": [64, 32]}, ...]
     }
 """
@@ -33,7 +33,7 @@ __all__ = ["MANIFEST_NAME", "MANIFEST_FORMAT", "Manifest", "read_manifest", "wri
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "hostmem-lora-merge-cache"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 
 
 class ManifestError(ValueError):

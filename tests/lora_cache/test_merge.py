@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
 import lora_cache
 from hostmem import account
-from lora_cache.merge_math import Delta, Scratch, lora_scale, merged_weight
+from lora_cache.merge_math import Delta, Scratch, lora_scale, merged_weight, row_blocks
 from tests.lora_cache.test_adapters import lora_change, mapped_model, reference_merge, write_adapter
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -50,6 +52,25 @@ def test_merged_weight_matches_an_independent_fp64_merge(dtype):
     _assert_within_dtype_tolerance(out, reference)
     wrong = reference_merge(base, [(1.6, first)])
     assert not bool(((out.double() - wrong).abs() <= torch.finfo(dtype).eps * wrong.abs() + 1e-5).all())
+
+
+def test_a_layer_of_many_row_blocks_merges_to_the_same_bytes_on_any_number_of_threads():
+    """12 MiB of fp32 rows sums in 3 cache-sized blocks; workers, or none, or in place, same bytes."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(1536, 2048, generator=gen).to(torch.bfloat16)
+    change = lora_change(1536, 2048, 16, 4)
+    diff = torch.randn(1536, 2048, generator=gen) * 0.01
+    deltas = [Delta("a", change["up"], change["down"], lora_scale(1.0, 8, 16), diff, 0.25)]
+    blocks = row_blocks(tuple(base.shape), torch.device("cpu"))
+    assert len(blocks) == 3 and blocks[0] == slice(0, 512) and blocks[-1].stop == 1536
+    one = merged_weight(base, deltas, torch.empty_like(base), Scratch("cpu"))
+    with ThreadPoolExecutor(3) as workers:
+        spread = merged_weight(base, deltas, torch.empty_like(base), Scratch("cpu"), workers=workers)
+    in_place = base.clone()
+    merged_weight(in_place, deltas, in_place, Scratch("cpu"))
+    assert torch.equal(one, spread) and torch.equal(one, in_place)
+    _assert_within_dtype_tolerance(one, reference_merge(base, [(0.5, change), (1.0, {"diff": diff, "strength": 0.25})]))
+    assert row_blocks((1536, 2048), torch.device("meta")) == [slice(0, 1536)]  # off the CPU: one block
 
 
 def test_lora_scale_follows_alpha_over_rank_and_rslora():

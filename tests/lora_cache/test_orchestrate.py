@@ -214,8 +214,8 @@ def test_the_compute_device_is_part_of_the_key(tmp_path):
     assert combination_key(vault, files, specs, shards, {torch.bfloat16}, "cuda").hex != on_cpu.hex
 
 
-def test_a_build_gives_back_the_thread_it_took_also_when_it_fails(tmp_path):
-    """The build sums on one CPU thread fewer; torch's thread count is process-wide, so it comes back."""
+def test_a_build_gives_back_torchs_thread_count_also_when_it_fails(tmp_path):
+    """The build's workers run torch single-threaded; the count is process-wide, so it comes back."""
     model, adapter = _setup(tmp_path)
     before = torch.get_num_threads()
     torch.set_num_threads(2)

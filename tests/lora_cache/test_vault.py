@@ -113,7 +113,7 @@ def test_layout_manifest_records_every_layer_and_names_files_by_hash(tmp_path):
         entry, path = by_name[name], os.path.join(folder, layer_file_name(name))
         header = read_header(path)
         assert entry["file"] == layer_file_name(name) and entry["size"] == os.path.getsize(path)
-        assert entry["header_sha256"] == header.header_sha256 and len(entry["sha256"]) == 64
+        assert entry["header_sha256"] == header.header_sha256 and len(entry["crc32"]) == 8
         assert entry["shape"] == list(tensor.shape) and stat.S_IMODE(os.stat(path).st_mode) == 0o600
         assert header.data_offset % 4096 == 0  # tensor pages are the file's pages
         with safe_open(path, framework="pt") as reader:  # a plain safetensors file for any tool

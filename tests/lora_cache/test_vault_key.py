@@ -13,7 +13,7 @@ import torch
 from hostmem import load_readonly
 
 from lora_cache.vault import Vault
-from lora_cache.vault_key import AdapterHashMemo, adapter_identity, base_identity, cache_key
+from lora_cache.vault_key import FORMAT_VERSION, AdapterHashMemo, adapter_identity, base_identity, cache_key
 from tests.conftest import run_python, write_safetensors
 
 
@@ -46,7 +46,7 @@ def test_every_input_changes_the_key(tmp_path):
         "alpha": key(base, [adapter_identity(path, 1.0, 8.0, memo=memo)]),
         "dtype": key(base, [one], dtype="float16"),
         "policy": key(base, [one], policy="other"),
-        "format": cache_key(base, [one], "bfloat16", "fp32-sum", format_version=2).hex,
+        "format": cache_key(base, [one], "bfloat16", "fp32-sum", format_version=FORMAT_VERSION + 1).hex,
         "more adapters": key(base, [one, second]),
         "adapter order": key(base, [second, one]),
         "extra input": key(base, [dict(one, rules=[["^x", "y"]])]),
