@@ -3,7 +3,9 @@
 The in-place path and the cached path both call :func:`merged_weight`, so the bytes
 they produce are identical: the sum is taken in fp32 on a one-layer temporary on the
 compute device (the GPU when there is one, else the CPU), in the order the adapters
-were given, and cast back to the base dtype once, at the end.
+were given, and cast back to the base dtype once, at the end. The commonest case, a
+bf16 base and one bf16 adapter on the CPU, takes the same arithmetic in one pass with
+no temporary (see :func:`sums_in_output`).
 
 Variants whose merge is not ``W + scale * B @ A`` (DoRA's magnitude vectors, LoHa,
 LoKr, ...) are refused with the key named: merging them as plain LoRA would be wrong
@@ -12,6 +14,7 @@ without any error.
 
 from __future__ import annotations
 
+import functools
 import math
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -28,6 +31,7 @@ __all__ = [
     "merged_weight",
     "row_blocks",
     "refuse_unsupported",
+    "sums_in_output",
 ]
 
 # Markers of adapter variants whose merge is not W + scale * B @ A.
@@ -206,6 +210,56 @@ def row_blocks(shape: tuple[int, ...], device: torch.device) -> list[slice]:
     return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
+@functools.cache
+def _bf16_addmm_rounds_once() -> bool:
+    """Whether torch's CPU bf16 addmm takes the products, their sum and the add of the
+    base in fp32 and rounds once, at the end, as the merge must (oneDNN's kernels and
+    torch's own do; a kernel that rounded the product first would not).
+
+    Told by one case: 1 + 0.5 * (2**-7 + 2**-15) = 1 + 2**-8 + 2**-16 lies just above
+    the midpoint of the bf16 neighbours 1 and 1 + 2**-7, so rounding once gives the
+    upper one; rounding the product (or the partial sum) to bf16 first lands exactly on
+    the midpoint, which rounds to even: 1.
+    """
+    rows, cols, rank = 16, 256, 64
+    base = torch.ones(rows, cols, dtype=torch.bfloat16)
+    up = torch.zeros(rows, rank, dtype=torch.bfloat16)
+    down = torch.zeros(rank, cols, dtype=torch.bfloat16)
+    up[:, :2] = 1
+    down[0], down[1] = 2.0**-7, 2.0**-15
+    base.addmm_(up, down, alpha=0.5)
+    return bool((base == 1 + 2.0**-7).all())
+
+
+def sums_in_output(base: torch.Tensor, deltas: list[Delta], out: torch.Tensor, device: torch.device) -> bool:
+    """Whether :func:`merged_weight` writes this merge straight into ``out``, in one pass.
+
+    So it does for a bf16 base merged on the CPU with one LoRA term whose factors are
+    bf16 (no second adapter, no full delta), when torch's bf16 addmm rounds once (see
+    :func:`_bf16_addmm_rounds_once`): the kernel then does the merge's own arithmetic,
+    exact products summed in fp32, the base added in fp32, one rounding to bf16, several
+    times faster than an fp32 addmm and with no fp32 temporary at all. Otherwise the sum
+    runs in ``scratch`` and only its final cast writes ``out``. A caller that overlaps
+    layers needs to know which buffers a layer writes.
+    """
+    on_cpu = device.type == base.device.type == out.device.type == "cpu"
+    if not on_cpu or base.dtype != torch.bfloat16 or base.dim() < 2 or not out.is_contiguous():
+        return False
+    if len(deltas) != 1 or deltas[0].up is None or deltas[0].diff is not None:
+        return False
+    delta = deltas[0]
+    return delta.up.dtype == delta.down.dtype == torch.bfloat16 and _bf16_addmm_rounds_once()
+
+
+def _add_block_in_output(out: torch.Tensor, base: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                         scale: float, rows: slice) -> None:
+    """out[rows] = base[rows] + scale * up[rows] @ down, summed in fp32 by the kernel, rounded once."""
+    block = out[rows]
+    if block.data_ptr() != base[rows].data_ptr():  # an in-place merge adds into base itself
+        block.copy_(base[rows])
+    block.view(block.shape[0], -1).addmm_(up[rows], down, alpha=scale)
+
+
 def _sum_block(acc: torch.Tensor, base: torch.Tensor, terms: list[_Term], rows: slice) -> None:
     """acc[rows] = base[rows] + every term's rows, in fp32, in the order given."""
     block = acc[rows]
@@ -234,13 +288,26 @@ def merged_weight(
     The sum runs in fp32 on ``scratch``'s device, in the row blocks of
     :func:`row_blocks`; only the final cast writes ``out``. ``out`` may be ``base``
     itself (a writable in-place merge): each block of base is read into the accumulator
-    before that block of ``out`` is written. ``out_ready`` is called between the sum and
-    the cast, so a caller can let the previous layer's bytes leave ``out`` (be written to
-    disk) while this layer is summed. ``workers`` spreads the blocks over a thread pool
-    (torch releases the GIL); the bytes do not depend on it.
+    before that block of ``out`` is written. ``out_ready`` is called before ``out`` is
+    first written (between the sum and the cast), so a caller can let the previous
+    layer's bytes leave ``out`` (be written to disk) while this layer is summed. Where
+    :func:`sums_in_output` says so, the same arithmetic runs in one pass straight into
+    ``out`` (``out_ready`` first) and ``scratch`` is not touched. ``workers`` spreads the
+    blocks over a thread pool (torch releases the GIL); the bytes do not depend on it.
     """
     if out.shape != base.shape or out.dtype != base.dtype:
         raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, base is {tuple(base.shape)} {base.dtype}")
+    run = map if workers is None else workers.map
+    if sums_in_output(base, deltas, out, scratch.device):
+        delta = deltas[0]
+        delta.check()
+        up, down = delta.up.flatten(1), delta.down.flatten(1)
+        if out_ready is not None:
+            out_ready()
+        blocks = row_blocks(tuple(base.shape), scratch.device)
+        for _ in run(lambda rows: _add_block_in_output(out, base, up, down, delta.scale, rows), blocks):
+            pass  # drains the map, so an error in any block is raised here
+        return out
     result = out
     acc = scratch.take(tuple(base.shape), torch.float32)
     terms = [_Term.of(delta, acc.device) for delta in deltas]
@@ -248,7 +315,6 @@ def merged_weight(
         acc, base, out = acc.view(1), base.view(1), out.view(1)
         terms = [_Term(t.up, t.down, t.scale, None if t.diff is None else t.diff.view(1), t.diff_scale) for t in terms]
     blocks = row_blocks(tuple(base.shape), acc.device)
-    run = map if workers is None else workers.map
     for _ in run(lambda rows: _sum_block(acc, base, terms, rows), blocks):
         pass  # drains the map, so an error in any block is raised here
     if out_ready is not None:

@@ -21,9 +21,11 @@ import torch
 from tqdm import tqdm
 
 from hostmem.safetensors_header import read_header
+from hostmem.safetensors_map import tensor_bytes
 from hostmem.units import format_rate, format_size
 
 from .adapters import Adapter, AdapterFile, as_adapter, read_adapter
+from .crc32 import crc32_of
 from .keys import ModuleIndex, plan_deltas
 from .layers import (
     AddressSpace,
@@ -37,7 +39,7 @@ from .layers import (
     named_parameters,
     unmerge,
 )
-from .merge_math import Scratch, compute_device
+from .merge_math import Scratch, compute_device, sums_in_output
 from .switch import cache_disabled_by_env
 from .vault import CacheKey, Vault, base_identity, cache_key
 
@@ -53,7 +55,7 @@ __all__ = [
     "combination_key",
 ]
 
-MERGE_POLICY = "fp32-sum-in-row-blocks-in-adapter-order-cast-once-v2"  # change when merged bytes would change
+MERGE_POLICY = "fp32-sum-in-row-blocks-in-adapter-order-cast-once-v3"  # change when merged bytes would change
 
 
 def merge_policy(device: torch.device | str | None = None) -> str:
@@ -128,9 +130,10 @@ class _LayerLoop:
     Cache hits are taken first; the misses are then built in a two-stage pipeline:
     while one thread writes layer i to the vault, the block workers sum layer i+1 in
     the fp32 scratch, and cast it into the one output buffer only once layer i has left
-    it. The disk and the arithmetic overlap, and the anonymous memory stays one layer
-    wide (one fp32 scratch plus one output buffer). Vault calls never run concurrently:
-    gets all happen before the first put, and puts run one at a time.
+    it (a layer summed straight into its output goes to the other buffer instead, see
+    :meth:`compute`). The disk and the arithmetic overlap, and the anonymous memory
+    stays one layer wide (one fp32 scratch plus one output buffer). Vault calls never
+    run concurrently: gets all happen before the first put, and puts run one at a time.
     """
 
     def __init__(self, targets, session, device, progress, fallback):
@@ -186,26 +189,51 @@ class _LayerLoop:
         self.out.reserve(max((t.nbytes for t in targets), default=0))
 
     def build(self, targets: list[LayerTarget]) -> None:
-        """Compute and put every target, one write in flight while the next layer sums."""
+        """Compute and put every target, one write in flight while the next layer sums.
+
+        The block workers also take each layer's checksum, on every core while the
+        previous layer is being written, so the writer only writes.
+        """
         if not targets:
             return
         self.reserve(targets)
-        pending = None
+        pending, busy = None, None  # the layer being written, and the buffer it is written from
 
         def previous_done():
-            nonlocal pending
+            nonlocal pending, busy
             if pending is not None:
                 self.finish(pending)
-                pending = None
+                pending = busy = None
 
         # Leaving the executors waits for the work in flight, also when an error ends the loop.
         with _block_workers(self.work.device) as workers, ThreadPoolExecutor(1, "lora-cache-write") as writer:
             for target in targets:
-                base = target.current
-                out = self.out.take(tuple(base.shape), base.dtype)
-                merged = compute_merged(target, out, self.work, previous_done, workers)
-                pending = (target, merged, writer.submit(self.session.put, target.name, merged))
+                merged, busy_next = self.compute(target, busy, previous_done, workers)
+                crc = None if workers is None else crc32_of(tensor_bytes(merged), workers.map)
+                previous_done()
+                written = writer.submit(self.session.put, target.name, merged, crc)
+                pending, busy = (target, merged, written), busy_next
             previous_done()
+
+    def compute(self, target: LayerTarget, busy, previous_done, workers) -> tuple[torch.Tensor, Scratch]:
+        """Merge ``target`` while the previous layer is written from ``busy``; return the
+        merged weight and the buffer it is in.
+
+        A layer summed in one pass straight into its output (see
+        :func:`~lora_cache.merge_math.sums_in_output`) goes to whichever of the two
+        buffers is not being written, the compute buffer serving as the second output
+        buffer, so it never waits. Any other layer sums in the compute buffer and casts
+        into the output buffer once the previous layer has left it.
+        """
+        base = target.current
+        spare = self.work if busy is self.out else self.out
+        out = spare.take(tuple(base.shape), base.dtype)
+        if sums_in_output(base, target.deltas, out, self.work.device):
+            return compute_merged(target, out, self.work, None, workers), spare
+        if busy is self.work:
+            previous_done()  # its bytes are where this sum runs
+        out = self.out.take(tuple(base.shape), base.dtype)
+        return compute_merged(target, out, self.work, previous_done, workers), self.out
 
     def run(self, targets: list[LayerTarget]) -> MergeStats:
         start = time.monotonic()

@@ -321,8 +321,13 @@ class VaultSession:
 
     # ----------------------------------------------------------------- writing
 
-    def put(self, name: str, merged: torch.Tensor) -> torch.Tensor | None:
+    def put(self, name: str, merged: torch.Tensor, crc32: int | None = None) -> torch.Tensor | None:
         """Write ``merged`` as layer ``name`` durably; return a read-only mapped view of it.
+
+        ``crc32``, the CRC-32 of ``merged``'s bytes, may be given when the caller took it
+        already (:func:`lora_cache.crc32.crc32_of`, on every core while the previous layer
+        was being written, say); it is recorded as is (a wrong one makes ``hostmem cache
+        verify`` report the layer). Otherwise it is taken as the bytes are written.
 
         Returns None when it cannot (no room, a write error): nothing partial stays on
         disk, ``last_error`` says why (``space`` has the numbers), and later puts of this
@@ -339,7 +344,7 @@ class VaultSession:
             return None
         started = time.perf_counter()
         try:
-            entry = write_layer(self.folder, name, merged)
+            entry = write_layer(self.folder, name, merged, crc32)
             view, _ = map_layer(os.path.join(self.folder, entry.file), name, self._lease)
         except (OSError, VaultError, SafetensorsError) as exc:
             self._refuse(f"could not write layer {name!r} to the LoRA merge cache in {self.folder}: {exc}")

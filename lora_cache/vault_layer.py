@@ -128,7 +128,7 @@ def _is_crc32(text: str) -> bool:
     return len(text) == 8 and all(c in "0123456789abcdef" for c in text)
 
 
-def _write_and_hash(fd: int, path: str, tensor: torch.Tensor, offset: int) -> str:
+def _write_and_hash(fd: int, path: str, tensor: torch.Tensor, offset: int) -> int:
     """Write ``tensor``'s bytes at ``offset`` while a helper thread checksums them; return the CRC-32.
 
     The checksum and pwrite both release the GIL, so the checksum costs no extra time on
@@ -142,7 +142,7 @@ def _write_and_hash(fd: int, path: str, tensor: torch.Tensor, offset: int) -> st
         write_uncached(fd, path, data, offset, tensor.data_ptr())
     finally:
         hasher.join()
-    return digest.hexdigest()
+    return digest.value
 
 
 def _reserve(fd: int, nbytes: int) -> None:
@@ -162,12 +162,13 @@ def _cpu_contiguous(merged: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
-def write_layer(folder: str, name: str, merged: torch.Tensor) -> LayerEntry:
+def write_layer(folder: str, name: str, merged: torch.Tensor, crc32: int | None = None) -> LayerEntry:
     """Write ``merged`` as the sealed layer file of ``name`` in ``folder``; return its entry.
 
-    The data goes in first, checksummed as it is written (its whole pages with O_DIRECT
-    when ``merged`` starts on a page and the filesystem allows: see
-    :func:`~lora_cache.vault_fs.write_uncached`); then the header with the checksum over
+    The data goes in first (its whole pages with O_DIRECT when ``merged`` starts on a
+    page and the filesystem allows: see :func:`~lora_cache.vault_fs.write_uncached`),
+    checksummed as it is written unless ``crc32``, the CRC-32 of its bytes
+    (:func:`lora_cache.crc32.crc32_of`), is given; then the header with the checksum over
     a same-length placeholder; then fsync and rename (the folder is fsynced once, with the
     manifest). On any error the temporary file is removed and the error is raised.
     """
@@ -182,7 +183,11 @@ def write_layer(folder: str, name: str, merged: torch.Tensor) -> LayerEntry:
     fd, tmp = open_tmp(folder, _SUFFIX)
     try:
         _reserve(fd, len(header) + len(data))
-        checksum = _write_and_hash(fd, tmp, tensor, len(header))
+        if crc32 is None:
+            crc32 = _write_and_hash(fd, tmp, tensor, len(header))
+        else:
+            write_uncached(fd, tmp, data, len(header), tensor.data_ptr())
+        checksum = f"{crc32:08x}"
         header = _header_bytes(name, dtype, shape, len(data), checksum)
         write_all(fd, header, 0)
     except BaseException:

@@ -9,10 +9,11 @@ import torch
 
 import lora_cache
 from hostmem import account
-from lora_cache.merge_math import Delta, Scratch, lora_scale, merged_weight, row_blocks
+from lora_cache.merge_math import Delta, Scratch, lora_scale, merged_weight, row_blocks, sums_in_output
 from tests.lora_cache.test_adapters import lora_change, mapped_model, reference_merge, write_adapter
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+CPU = torch.device("cpu")
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
@@ -27,12 +28,18 @@ def _assert_within_dtype_tolerance(merged: torch.Tensor, reference: torch.Tensor
     assert bool((error <= bound).all()), f"max error {float(error.max()):.3g} beyond the {merged.dtype} bound"
 
 
-def _adapter(tmp_path, name="a", seed=1, fmt="kohya"):
+def _in_dtype(change: dict, dtype: torch.dtype) -> dict:
+    """The same change with its factors stored in ``dtype`` (trainers ship bf16 or fp32)."""
+    return {k: v.to(dtype) if k in ("up", "down") else v for k, v in change.items()}
+
+
+def _adapter(tmp_path, name="a", seed=1, fmt="kohya", factors=torch.float32):
     changes = {
         "blocks.0.attn.to_q": lora_change(64, 64, 8, seed, alpha=4),
         "blocks.1.ff.proj_in": lora_change(128, 64, 8, seed + 1, alpha=16),
         "patch_embed": lora_change(64, 4, 4, seed + 2, alpha=4, conv=(2, 2)),
     }
+    changes = {module: _in_dtype(change, factors) for module, change in changes.items()}
     suffix = "" if fmt == "peft" else ".safetensors"
     return write_adapter(tmp_path / f"{name}{suffix}", fmt, changes), changes
 
@@ -73,6 +80,52 @@ def test_a_layer_of_many_row_blocks_merges_to_the_same_bytes_on_any_number_of_th
     assert row_blocks((1536, 2048), torch.device("meta")) == [slice(0, 1536)]  # off the CPU: one block
 
 
+def test_a_bf16_base_and_one_bf16_adapter_merge_in_one_pass_with_no_fp32_temporary():
+    """torch's bf16 addmm does the merge's own arithmetic straight into out: same bytes on any
+    number of threads and in place, within the bf16 bound of the fp64 answer."""
+    base = torch.randn(1536, 2048, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)  # 3 row blocks
+    change = _in_dtype(lora_change(1536, 2048, 16, 4), torch.bfloat16)
+    deltas = [Delta("a", change["up"], change["down"], lora_scale(1.0, 8, 16))]
+    out, scratch = torch.empty_like(base), Scratch("cpu")
+    assert sums_in_output(base, deltas, out, CPU)
+    one = merged_weight(base, deltas, out, scratch)
+    assert scratch.nbytes == 0  # no fp32 temporary was ever taken
+    with ThreadPoolExecutor(3) as workers:
+        spread = merged_weight(base, deltas, torch.empty_like(base), Scratch("cpu"), workers=workers)
+    in_place = base.clone()
+    merged_weight(in_place, deltas, in_place, Scratch("cpu"))
+    assert torch.equal(one, spread) and torch.equal(one, in_place)
+    _assert_within_dtype_tolerance(one, reference_merge(base, [(0.5, change)]))
+
+
+def test_what_is_not_one_bf16_adapter_on_a_bf16_base_sums_in_the_fp32_temporary():
+    base = torch.zeros(64, 32, dtype=torch.bfloat16)
+    change = _in_dtype(lora_change(64, 32, 4, 1), torch.bfloat16)
+    lora = Delta("a", change["up"], change["down"], 1.0)
+    out = torch.empty_like(base)
+    assert sums_in_output(base, [lora], out, CPU)
+    assert not sums_in_output(base, [lora, lora], out, CPU)  # two adapters round once, after both
+    assert not sums_in_output(base, [Delta("a", change["up"], change["down"], 1.0, base.float(), 1.0)], out, CPU)
+    assert not sums_in_output(base, [Delta("a", change["up"].float(), change["down"].float(), 1.0)], out, CPU)
+    assert not sums_in_output(base.half(), [lora], out.half(), CPU)  # only bf16 bases
+    assert not sums_in_output(base, [lora], torch.empty(32, 64, dtype=torch.bfloat16).t(), CPU)  # strided out
+    assert not sums_in_output(base, [lora], out, torch.device("meta"))  # a GPU sums in its fp32 temporary
+
+
+def test_the_one_pass_merge_rounds_once_as_the_fp32_sum_does():
+    """1 + 0.5 * (2**-7 + 2**-15) is just above the midpoint of bf16's 1 and 1 + 2**-7: rounded
+    once it is the upper one; a kernel that rounded the product to bf16 first would give 1."""
+    base = torch.ones(512, 1024, dtype=torch.bfloat16)
+    up, down = torch.zeros(512, 64, dtype=torch.bfloat16), torch.zeros(64, 1024, dtype=torch.bfloat16)
+    up[:, :2] = 1
+    down[0], down[1] = 2.0**-7, 2.0**-15
+    one_pass = [Delta("tie", up, down, 0.5)]
+    assert sums_in_output(base, one_pass, torch.empty_like(base), CPU)
+    merged = merged_weight(base, one_pass, torch.empty_like(base), Scratch("cpu"))
+    fp32 = merged_weight(base, [Delta("tie", up.float(), down.float(), 0.5)], torch.empty_like(base), Scratch("cpu"))
+    assert bool((merged == 1 + 2.0**-7).all()) and torch.equal(merged, fp32)
+
+
 def test_lora_scale_follows_alpha_over_rank_and_rslora():
     assert lora_scale(1.0, None, 16) == 1.0
     assert lora_scale(0.5, 32, 16) == 1.0
@@ -81,10 +134,11 @@ def test_lora_scale_follows_alpha_over_rank_and_rslora():
         lora_scale(1.0, 8, 0)
 
 
+@pytest.mark.parametrize("factors", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_cached_and_in_place_merges_are_identical(tmp_path, dtype):
+def test_cached_and_in_place_merges_are_identical(tmp_path, dtype, factors):
     model = mapped_model(tmp_path, dtype=dtype)
-    adapter, _ = _adapter(tmp_path)
+    adapter, _ = _adapter(tmp_path, factors=factors)
     stats = lora_cache.merge(model, [(adapter, 0.9)], cache_root=tmp_path / "cache", progress=False)
     assert stats.built == 3 and stats.hit == 0 and stats.fallen_back == 0
     cached = _weights(model)

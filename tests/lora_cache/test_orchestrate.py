@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from lora_cache.adapters import as_adapter, read_adapter
 from lora_cache.layers import AddressSpace, checkpoint_module, module_tree
 from lora_cache.orchestrate import MERGE_POLICY, combination_key
 from lora_cache.switch import DISABLE_ENV
-from lora_cache.vault import Vault
+from lora_cache.vault import Vault, VaultSession
 from planners.cli import main
 from tests.conftest import run_python, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter
@@ -81,7 +82,10 @@ def file_backed_model(tmp_path_factory):
     del layers
     changes = {f"blocks.{i}.proj": lora_change(ROWS, COLS, 16, i, alpha=8) for i in range(LAYERS)}
     adapter = write_adapter(folder / "turbo.safetensors", "comfyui", changes)
-    return {"base": base, "adapter": adapter, "folder": folder, "largest_fp32": ROWS * COLS * 4, "merged": 256 * MiB}
+    in_bf16 = {m: {k: v.to(torch.bfloat16) for k, v in change.items()} for m, change in changes.items()}
+    adapter_bf16 = write_adapter(folder / "turbo-bf16.safetensors", "comfyui", in_bf16)
+    return {"base": base, "adapter": adapter, "adapter_bf16": adapter_bf16, "folder": folder,
+            "largest_fp32": ROWS * COLS * 4, "merged": 256 * MiB}
 
 
 def cached_bound(model: dict) -> int:
@@ -89,21 +93,22 @@ def cached_bound(model: dict) -> int:
     return 2 * model["largest_fp32"] + 64 * MiB
 
 
-def _measure(model: dict, root: str, loader: str = "readonly") -> dict:
-    done = run_python(_MEASURE, model["base"], model["adapter"], root, loader)
+def _measure(model: dict, root: str, loader: str = "readonly", adapter: str = "adapter") -> dict:
+    done = run_python(_MEASURE, model["base"], model[adapter], root, loader)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_cached_merge_stays_one_layer_wide_and_leaves_merged_weights_file_backed(file_backed_model):
-    model, root = file_backed_model, str(file_backed_model["folder"] / "cache")
+@pytest.mark.parametrize("adapter", ["adapter", "adapter_bf16"])  # fp32 factors sum in fp32 scratch, bf16 in one pass
+def test_cached_merge_stays_one_layer_wide_and_leaves_merged_weights_file_backed(file_backed_model, adapter):
+    model, root = file_backed_model, str(file_backed_model["folder"] / f"cache-{adapter}")
     assert cached_bound(model) <= model["merged"] / 2  # an in-place merge (>= the merged bytes) cannot pass it
-    built = _measure(model, root)
+    built = _measure(model, root, adapter=adapter)
     assert built["stats"]["built"] == LAYERS and built["stats"]["fallen_back"] == 0
     assert built["growth"] <= cached_bound(model), built
     assert built["kept"] <= 16 * MiB, f"the merge kept {built['kept']} bytes of scratch after it ended"
     assert built["anonymous"] == 0 and built["file_backed"] == model["merged"], built
-    hit = _measure(model, root)
+    hit = _measure(model, root, adapter=adapter)
     assert hit["stats"]["hit"] == LAYERS and hit["stats"]["built"] == 0
     assert hit["growth"] <= cached_bound(model), hit
     assert hit["anonymous"] == 0 and hit["file_backed"] == model["merged"], hit
@@ -152,6 +157,39 @@ def test_second_start_hits_every_layer_and_reports_stats(tmp_path, capsys):
     data = json.loads(json.dumps(second.to_dict()))
     assert data["hit"] == 6 and data["bytes"] == first.bytes and "rate_bytes_per_s" in data
     assert "6 hit" in str(second) and "KiB" in str(second)
+
+
+def test_a_build_that_mixes_one_pass_and_fp32_layers_writes_what_an_in_place_merge_computes(tmp_path, monkeypatch):
+    """bf16 layers with a bf16 LoRA sum straight into an output buffer (two take turns), the
+    ones that also carry a full delta sum in the fp32 buffer: while each layer is written,
+    the next is computed, and no layer may overwrite bytes still being written. Each put
+    is held back so that the next layer's arithmetic surely runs while it is in flight."""
+    gen = torch.Generator().manual_seed(7)
+    names = [f"blocks.{i}.proj" for i in range(7)]
+    base = write_safetensors(tmp_path / "base.safetensors", {
+        f"{n}.weight": torch.randn(512, 256, generator=gen).to(torch.bfloat16) for n in names})
+    changes = {n: {k: v.to(torch.bfloat16) for k, v in lora_change(512, 256, 8, i, alpha=4).items()}
+               for i, n in enumerate(names)}
+    # These take the fp32 path: 1 while layer 0 is written from the output buffer, 3 while
+    # layer 2 is written from the compute buffer (where 3 sums), 4 after an fp32 layer.
+    for i in (1, 3, 4):
+        changes[names[i]]["diff"] = torch.randn(512, 256, generator=gen).to(torch.bfloat16) * 0.01
+    adapter = write_adapter(tmp_path / "mixed.safetensors", "comfyui", changes)
+    put = VaultSession.put
+
+    def slow_put(self, *args):
+        time.sleep(0.05)
+        return put(self, *args)
+
+    monkeypatch.setattr(VaultSession, "put", slow_put)
+    model = checkpoint_module([base])
+    built = lora_cache.merge(model, [adapter], cache_root=tmp_path / "cache", progress=False)
+    assert (built.built, built.fallen_back) == (7, 0)
+    cached = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lora_cache.unmerge(model)
+    lora_cache.merge(model, [adapter], progress=False)
+    for name, weight in model.named_parameters():
+        assert torch.equal(weight, cached[name]), name
 
 
 def test_disabling_the_cache_merges_in_place(tmp_path, monkeypatch):

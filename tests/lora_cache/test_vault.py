@@ -12,9 +12,11 @@ import torch
 from safetensors import safe_open
 
 from hostmem.procfs import filesystem_of, read_smaps
-from hostmem.safetensors_map import read_header
+from hostmem.safetensors_map import read_header, tensor_bytes
+from lora_cache.crc32 import crc32_of
 from lora_cache.vault import Vault, VaultError, cache_key
-from lora_cache.vault_layer import layer_file_name
+from lora_cache.vault_admin import verify_combination
+from lora_cache.vault_layer import data_crc32, layer_file_name
 from tests.conftest import run_python
 
 SHAPE = (64, 48)
@@ -301,3 +303,21 @@ def test_a_closed_session_refuses_use_and_a_key_must_be_hex(tmp_path):
         session.get("w", SHAPE, torch.float32)
     with pytest.raises(VaultError, match="not a cache key"):
         vault.open("../../etc")
+
+
+
+def test_a_checksum_given_to_put_is_recorded_as_is_and_verify_checks_it(tmp_path):
+    """A caller that took the CRC-32 already (on every core) passes it; verify reads the data back."""
+    vault, tensors = Vault(tmp_path / "root"), layers(count=2)
+    true_crc = {name: crc32_of(tensor_bytes(tensor)) for name, tensor in tensors.items()}
+    damaged = next(iter(tensors))
+    for tag, given in (("right", true_crc), ("wrong", {**true_crc, damaged: true_crc[damaged] ^ 1})):
+        key = key_for(tag)
+        with vault.open(key, expected_of(tensors)) as session:
+            for name, tensor in tensors.items():
+                assert session.put(name, tensor, given[name]) is not None, session.last_error
+            entries = session.layers
+        assert {n: e.crc32 for n, e in entries.items()} == {n: f"{c:08x}" for n, c in given.items()}
+        for name, entry in entries.items():  # the bytes on disk are right either way
+            assert data_crc32(os.path.join(folder_of(vault, key), entry.file)) == f"{true_crc[name]:08x}"
+        assert verify_combination(vault.cache, key.hex).state == ("ok" if given is true_crc else "bad")
