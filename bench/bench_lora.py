@@ -17,7 +17,8 @@ state carries from one to the next; the parent only writes files and compares:
   compared: a slow moment of the disk can only make a run slower, never faster.
 - start: from launching the process to ready (imports, load, merge from a cache hit,
   one pass over every weight) / the same for the base without LoRA (goal <= 1.1),
-  page cache warm for both, best of three; the part after imports is shown beside it.
+  page cache warm for both (every file dropped and read back alike), best of three; the
+  part after imports is shown beside it.
 
     flock /tmp/hostmem-bench.lock .venv/bin/python bench/bench_lora.py            # 4 GiB
     .venv/bin/python bench/bench_lora.py --quick                                   # 256 MiB smoke run
@@ -228,10 +229,16 @@ def scenario(name: str, **spec) -> dict:
 
 
 def warm(paths: list[str]) -> None:
-    """Read files once so that both starts find them in the page cache."""
+    """Put files in the page cache the same way, so that both starts find them alike.
+
+    Each is dropped from the cache first, then read once: how pages got there shapes how
+    fast a mapping of them faults in (the base was written through the cache, the cache
+    files with O_DIRECT, so they would otherwise sit in folios of other sizes).
+    """
     buffer = bytearray(64 << 20)
     for path in paths:
         with open(path, "rb", buffering=0) as handle:
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
             while handle.readinto(buffer):
                 pass
 
