@@ -12,9 +12,10 @@ state carries from one to the next; the parent only writes files and compares:
   the cache's write path alone (ready layers put, no arithmetic) and the arithmetic
   alone (every layer summed and cast, nothing written) tell the disk's share of the
   build from the arithmetic's: the build cannot beat the slower of the two. A virtual
-  disk's speed swings from one moment to the next, so the five take turns, three times
-  each, each after a sync of what the previous one left dirty, and the best of each is
-  compared: a slow moment of the disk can only make a run slower, never faster.
+  disk's speed swings from one moment to the next, so the five take turns, five rounds
+  in an order that rotates (each runs once in every place, none always right after the
+  same other), each after a sync of what the previous one left dirty, and the best of
+  each is compared: a slow moment of the disk can only make a run slower, never faster.
 - start: from launching the process to ready (imports, load, merge from a cache hit,
   one pass over every weight) / the same for the base without LoRA (goal <= 1.1),
   page cache warm for both (every file dropped and read back alike), best of three; the
@@ -42,7 +43,7 @@ LAYERS = 48
 COLS = 5120
 RANK = 64
 SHARDS = 4
-ROUNDS = 3  # raw writes, the write path, the arithmetic and the build, in turn
+ROUNDS = 5  # raw writes, the write path, the arithmetic and the build, in turn, in a rotating order
 
 
 def write_model(folder: str, size: int) -> tuple[list[str], str]:
@@ -252,8 +253,12 @@ def main() -> None:
     os.makedirs(root, mode=0o700, exist_ok=True)
     in_place = scenario("in_place", shards=shards, adapter=adapter, private=True)
     runs = {"buffered": [], "direct": [], "write_path": [], "arithmetic": [], "build": []}
+    kinds = list(runs)
     for round_ in range(ROUNDS):
-        for kind in runs:
+        # Each kind in every place once; the last round is in the order above, so that it
+        # ends with a build, whose combination the starts below then hit.
+        shift = (round_ + 1 - ROUNDS) % len(kinds)
+        for kind in kinds[shift:] + kinds[:shift]:
             shutil.rmtree(os.path.join(root, "lora_merge_cache"), ignore_errors=True)  # each starts empty
             os.sync()  # nothing the previous run left dirty is written back during this one
             if kind == "build":
