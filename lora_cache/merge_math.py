@@ -239,8 +239,8 @@ def sums_in_output(base: torch.Tensor, deltas: list[Delta], out: torch.Tensor, d
     :func:`_bf16_addmm_rounds_once`): the kernel then does the merge's own arithmetic,
     exact products summed in fp32, the base added in fp32, one rounding to bf16, several
     times faster than an fp32 addmm and with no fp32 temporary at all. Otherwise the sum
-    runs in ``scratch`` and only its final cast writes ``out``. A caller that overlaps
-    layers needs to know which buffers a layer writes.
+    runs in :func:`merged_weight`'s fp32 scratch and only its final cast writes ``out``.
+    A caller that overlaps layers needs to know which buffers a layer writes.
     """
     on_cpu = device.type == base.device.type == out.device.type == "cpu"
     if not on_cpu or base.dtype != torch.bfloat16 or base.dim() < 2 or not out.is_contiguous():
