@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import math
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -313,7 +313,7 @@ def merged_weight(
     terms = [_Term.of(delta, acc.device) for delta in deltas]
     if base.dim() == 0:  # a scalar parameter: one block of one row
         acc, base, out = acc.view(1), base.view(1), out.view(1)
-        terms = [_Term(t.up, t.down, t.scale, None if t.diff is None else t.diff.view(1), t.diff_scale) for t in terms]
+        terms = [replace(t, diff=None if t.diff is None else t.diff.view(1)) for t in terms]
     blocks = row_blocks(tuple(base.shape), acc.device)
     for _ in run(lambda rows: _sum_block(acc, base, terms, rows), blocks):
         pass  # drains the map, so an error in any block is raised here

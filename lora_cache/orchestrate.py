@@ -14,8 +14,9 @@ import ctypes
 import os
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -124,6 +125,15 @@ def plan_targets(model, adapters) -> tuple[list[LayerTarget], list[AdapterFile]]
     return targets, files
 
 
+class _Write(NamedTuple):
+    """A layer on its way to the vault: its merged weight, the put in flight, the buffer it is in."""
+
+    target: LayerTarget
+    merged: torch.Tensor
+    written: Future
+    buffer: Scratch
+
+
 class _LayerLoop:
     """One merge's per-layer work, with the buffers it reuses and the figures it keeps.
 
@@ -168,9 +178,9 @@ class _LayerLoop:
         merge_in_place(target, merged, self.space.is_writable(base))
         self.record(target, outcome)
 
-    def finish(self, pending) -> None:
+    def finish(self, pending: _Write) -> None:
         """Install what the vault wrote for the pending layer, or fall back in place."""
-        target, merged, written = pending
+        target, merged, written, _ = pending
         view = written.result()
         if view is not None:
             install(target, view, Snapshot(original=target.current))
@@ -197,22 +207,22 @@ class _LayerLoop:
         if not targets:
             return
         self.reserve(targets)
-        pending, busy = None, None  # the layer being written, and the buffer it is written from
+        pending: _Write | None = None
 
         def previous_done():
-            nonlocal pending, busy
+            nonlocal pending
             if pending is not None:
                 self.finish(pending)
-                pending = busy = None
+                pending = None
 
         # Leaving the executors waits for the work in flight, also when an error ends the loop.
         with _block_workers(self.work.device) as workers, ThreadPoolExecutor(1, "lora-cache-write") as writer:
             for target in targets:
-                merged, busy_next = self.compute(target, busy, previous_done, workers)
+                busy = pending.buffer if pending is not None else None
+                merged, buffer = self.compute(target, busy, previous_done, workers)
                 crc = None if workers is None else crc32_of(tensor_bytes(merged), workers.map)
                 previous_done()
-                written = writer.submit(self.session.put, target.name, merged, crc)
-                pending, busy = (target, merged, written), busy_next
+                pending = _Write(target, merged, writer.submit(self.session.put, target.name, merged, crc), buffer)
             previous_done()
 
     def compute(self, target: LayerTarget, busy, previous_done, workers) -> tuple[torch.Tensor, Scratch]:

@@ -120,8 +120,10 @@ class _Crc32:
     def update(self, data) -> None:
         self.value = zlib.crc32(data, self.value)
 
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
+
+def _hex(crc32: int) -> str:
+    """A CRC-32 as the header and the manifest record it: 8 hex digits."""
+    return f"{crc32:08x}"
 
 
 def _is_crc32(text: str) -> bool:
@@ -179,7 +181,7 @@ def write_layer(folder: str, name: str, merged: torch.Tensor, crc32: int | None 
         raise VaultError(f"layer {name!r}: dtype {tensor.dtype} cannot be stored in safetensors") from None
     shape = tuple(tensor.shape)
     data = tensor_bytes(tensor)
-    header = _header_bytes(name, dtype, shape, len(data), "0" * 8)
+    header = _header_bytes(name, dtype, shape, len(data), _hex(0))  # same length as the real one
     fd, tmp = open_tmp(folder, _SUFFIX)
     try:
         _reserve(fd, len(header) + len(data))
@@ -187,7 +189,7 @@ def write_layer(folder: str, name: str, merged: torch.Tensor, crc32: int | None 
             crc32 = _write_and_hash(fd, tmp, tensor, len(header))
         else:
             write_uncached(fd, tmp, data, len(header), tensor.data_ptr())
-        checksum = f"{crc32:08x}"
+        checksum = _hex(crc32)
         header = _header_bytes(name, dtype, shape, len(data), checksum)
         write_all(fd, header, 0)
     except BaseException:
@@ -270,4 +272,4 @@ def data_crc32(path: str) -> str:
             offset += len(chunk)
     finally:
         os.close(fd)
-    return digest.hexdigest()
+    return _hex(digest.value)
