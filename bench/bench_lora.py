@@ -16,6 +16,9 @@ state carries from one to the next; the parent only writes files and compares:
   in an order that rotates (each runs once in every place, none always right after the
   same other), each after a sync of what the previous one left dirty, and the best of
   each is compared: a slow moment of the disk can only make a run slower, never faster.
+  The block device's own counters give each kind's average write request: a virtual
+  disk's rate depends on it (up to the 4 MiB it takes at once), and a buffer of
+  scattered 4 KiB pages cuts it to what one request can gather.
 - start: from launching the process to ready (imports, load, merge from a cache hit,
   one pass over every weight) / the same for the base without LoRA (goal <= 1.1),
   page cache warm for both (every file dropped and read back alike), best of three; the
@@ -27,6 +30,7 @@ state carries from one to the next; the parent only writes files and compares:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import shutil
@@ -130,10 +134,14 @@ def _start(shards, adapter, root) -> dict:
 def _raw_write(folder: str, nbytes: int, direct: bool, chunk: int = 64 << 20) -> dict:
     """Sequential write of ``nbytes`` (random data) to one file in ``folder``, then fsync.
 
-    ``direct``: with O_DIRECT (the disk reads our buffer), else through the page cache
-    (what ``dd conv=fsync`` measures). The buffer is a page-aligned anonymous mapping.
+    ``direct``: with O_DIRECT (the disk reads our buffer) into blocks allocated up front,
+    from a buffer on huge pages (so each request is as large as the disk takes), as the
+    cache writes; else through the page cache (what ``dd conv=fsync`` measures). Whatever
+    the cache does to go faster, the baseline does too.
     """
-    buffer = mmap.mmap(-1, chunk)
+    buffer = mmap.mmap(-1, chunk, flags=mmap.MAP_PRIVATE)
+    with contextlib.suppress(AttributeError, OSError):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
     buffer.write(os.urandom(chunk))
     view = memoryview(buffer)
     path = os.path.join(folder, "raw-write.bin")
@@ -143,6 +151,8 @@ def _raw_write(folder: str, nbytes: int, direct: bool, chunk: int = 64 << 20) ->
     started = time.perf_counter()
     fd = os.open(path, flags, 0o600)
     try:
+        if direct:
+            os.posix_fallocate(fd, 0, nbytes)
         written = 0
         while written < nbytes:
             written += os.pwrite(fd, view[: min(chunk, nbytes - written)], written)
@@ -244,6 +254,18 @@ def warm(paths: list[str]) -> None:
                 pass
 
 
+def disk_writes(folder: str) -> tuple[int, int] | None:
+    """(write requests completed, bytes written) so far by the block device under ``folder``,
+    from its /sys/dev/block/MAJ:MIN/stat; None where there is no such device (tmpfs, overlay)."""
+    device = os.stat(folder).st_dev
+    try:
+        with open(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}/stat") as handle:
+            fields = handle.read().split()
+    except OSError:
+        return None
+    return int(fields[4]), int(fields[6]) * 512  # writes completed, sectors written (always 512 B)
+
+
 def main() -> None:
     args = bench_args("LoRA merge cache vs in-place merge", default_size="4GiB", quick_size="256MiB")
     tmp = workdir(args)
@@ -254,6 +276,7 @@ def main() -> None:
     in_place = scenario("in_place", shards=shards, adapter=adapter, private=True)
     runs = {"buffered": [], "direct": [], "write_path": [], "arithmetic": [], "build": []}
     kinds = list(runs)
+    requests = {kind: [] for kind in kinds}  # the disk's average write request, bytes, per run
     for round_ in range(ROUNDS):
         # Each kind in every place once; the last round is in the order above, so that it
         # ends with a build, whose combination the starts below then hit.
@@ -261,14 +284,19 @@ def main() -> None:
         for kind in kinds[shift:] + kinds[:shift]:
             shutil.rmtree(os.path.join(root, "lora_merge_cache"), ignore_errors=True)  # each starts empty
             os.sync()  # nothing the previous run left dirty is written back during this one
+            before = disk_writes(root)
             if kind == "build":
-                runs[kind].append(scenario("build", shards=shards, adapter=adapter, root=root))
+                run = scenario("build", shards=shards, adapter=adapter, root=root)
             elif kind == "write_path":
-                runs[kind].append(scenario("write_path", shards=shards, root=root))
+                run = scenario("write_path", shards=shards, root=root)
             elif kind == "arithmetic":
-                runs[kind].append(scenario("arithmetic", shards=shards, adapter=adapter))
+                run = scenario("arithmetic", shards=shards, adapter=adapter)
             else:
-                runs[kind].append(scenario("raw_write", folder=root, bytes=merged, direct=kind == "direct"))
+                run = scenario("raw_write", folder=root, bytes=merged, direct=kind == "direct")
+            runs[kind].append(run)
+            after = disk_writes(root)
+            if before and after and after[0] > before[0]:
+                requests[kind].append((after[1] - before[1]) / (after[0] - before[0]))
     cache_files = [os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs if f.endswith(".safetensors")]
     warm(shards + cache_files)
     starts = {"base": [], "hit": []}
@@ -278,7 +306,7 @@ def main() -> None:
             run = scenario("start", shards=shards, **extra)
             assert kind == "base" or run["stats"]["hit"] == LAYERS, run
             starts[kind].append((run["ready_at"] - spawned, run["in_process_s"]))
-    summarize(merged, in_place, runs, starts)
+    summarize(merged, in_place, runs, starts, requests)
     if tmp is not None:
         tmp.cleanup()
 
@@ -292,7 +320,7 @@ def _rate(run: dict) -> float:
     return done["bytes"] / done["seconds"]
 
 
-def summarize(merged, in_place, runs, starts) -> None:
+def summarize(merged, in_place, runs, starts, requests) -> None:
     rates = {kind: [_rate(run) for run in found] for kind, found in runs.items()}
     best = {kind: max(found) for kind, found in rates.items()}
     raw_rate = max(best["buffered"], best["direct"])  # the disk at its best, whichever way gets it
@@ -320,6 +348,9 @@ def summarize(merged, in_place, runs, starts) -> None:
         f"{format_size(best['arithmetic'])}/s  -> ratio {ratios['arithmetic_over_raw_write']:.2f}",
         f"  build / buffered write + fsync {ratios['build_over_buffered_write']:.2f}",
         *(f"  every {kind} run: {_rates(found)}" for kind, found in rates.items()),
+        *(["  the disk's average write request: " + ", ".join(
+            f"{kind} {format_size(sum(found) / len(found))}" for kind, found in requests.items() if found)]
+          if any(requests.values()) else []),
         f"start (launch to ready, best of 3): cache hit {hit_s:.2f} s, base without LoRA {base_s:.2f} s"
         f"  -> ratio {ratios['hit_start_over_base_start']:.2f} (goal <= 1.1)",
         f"  of which after imports: cache hit {hit_in:.2f} s, base {base_in:.2f} s"
@@ -331,6 +362,7 @@ def summarize(merged, in_place, runs, starts) -> None:
         "peak_anon_growth_cached_bytes": build["growth"], "peak_anon_growth_in_place_bytes": in_place["growth"],
         "build_bytes_per_s": build_rate, "raw_write_bytes_per_s": raw_rate,
         "runs_bytes_per_s": rates,
+        "average_write_request_bytes": {k: sum(v) / len(v) for k, v in requests.items() if v},
         "build_seconds": min(b["stats"]["seconds"] for b in runs["build"]),
         "in_place_seconds": in_place["stats"]["seconds"],
         "hit_start_s": hit_s, "base_start_s": base_s, "hit_after_imports_s": hit_in, "base_after_imports_s": base_in,

@@ -83,6 +83,7 @@ class Vma:
     anonymous: int = 0
     locked: int = 0
     swap: int = 0
+    anon_huge_pages: int = 0  # of ``anonymous``, what transparent huge pages hold
     shmem_pmd_mapped: int = 0
     private_dirty: int = 0
     vm_flags: frozenset = field(default_factory=frozenset)
@@ -112,6 +113,7 @@ _SMAPS_FIELDS = {
     "Anonymous": "anonymous",
     "Locked": "locked",
     "Swap": "swap",
+    "AnonHugePages": "anon_huge_pages",
     "ShmemPmdMapped": "shmem_pmd_mapped",
     "Private_Dirty": "private_dirty",
 }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -27,6 +28,7 @@ __all__ = [
     "Scratch",
     "UnsupportedAdapterError",
     "compute_device",
+    "host_buffer",
     "lora_scale",
     "merged_weight",
     "row_blocks",
@@ -135,8 +137,9 @@ class Scratch:
     allocator may keep such freed blocks instead of returning them to the kernel;
     reusing one buffer keeps the merge's resident high-water mark one layer wide however
     many layers there are. It only grows, to the largest request; :meth:`release` gives
-    it back at the end. On the CPU its views start on a page boundary, so the vault can
-    hand them to the disk with O_DIRECT.
+    it back at the end. On the CPU it is a mapping of its own (see :func:`host_buffer`),
+    so its views start on a huge-page boundary and the vault can hand them to the disk
+    with O_DIRECT in large requests.
     """
 
     def __init__(self, device: torch.device | str | None = None):
@@ -147,10 +150,10 @@ class Scratch:
         """Grow the buffer to ``nbytes`` (call once with the largest layer to avoid regrowth)."""
         if nbytes > self.nbytes:
             self.release()  # free the old one first
-            slack = _PAGE if self.device.type == "cpu" else 0
-            self._raw = torch.empty(nbytes + slack, dtype=torch.uint8, device=self.device)
-            start = -self._raw.data_ptr() % _PAGE if slack else 0
-            self._bytes = self._raw[start : start + nbytes]
+            if self.device.type == "cpu":
+                self._bytes = host_buffer(nbytes)
+            else:
+                self._bytes = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Return a view of ``shape`` and ``dtype`` over the buffer (its contents are garbage)."""
@@ -163,7 +166,34 @@ class Scratch:
         return self._bytes.numel()
 
     def release(self) -> None:
-        self._raw = self._bytes = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._bytes = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+
+_HUGE_PAGE = 2 * 1024 * 1024
+
+
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of fresh host memory as a uint8 tensor that starts on a 2 MiB boundary.
+
+    A private anonymous mapping of its own, advised for transparent huge pages (where
+    the kernel has them, in its ``madvise`` mode too): each 2 MiB of it is then one
+    physically contiguous page, so an O_DIRECT write of it goes to the disk in requests
+    as large as the device takes (4 MiB on a virtio disk, against 0.5-1.5 MiB from a
+    heap buffer of scattered 4 KiB pages, which runs such a disk at about half its rate),
+    and filling it takes one fault per 2 MiB instead of 512. Its pages go back to the
+    kernel when the last view of it is gone (unmapped, never kept by the C allocator).
+    """
+    if nbytes <= 0:
+        return torch.empty(0, dtype=torch.uint8)
+    length = -(-nbytes // _PAGE) * _PAGE + _HUGE_PAGE  # room to start on the boundary
+    mapping = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE)
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # a kernel built without THP: 4 KiB pages, still correct
+        pass
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = -whole.data_ptr() % _HUGE_PAGE
+    return whole[start : start + nbytes]
 
 
 # Rows summed per block on the CPU: the block's fp32 accumulator (about this many bytes)

@@ -264,3 +264,36 @@ def test_a_quantized_base_is_refused_naming_the_parameter(tmp_path):
     path = write_adapter(tmp_path / "q.safetensors", "comfyui", {"0": lora_change(64, 64, 4, 1)})
     with pytest.raises(ValueError, match=r"changes '0.weight', which is torch.int8: .*floating-point weights only"):
         lora_cache.merge(model, [path], progress=False)
+
+
+def _transparent_huge_pages() -> str:
+    """The kernel's THP mode ("always", "madvise", "never"), or "" where it has none."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as handle:
+            return handle.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _vma_of(address: int):
+    from hostmem.procfs import read_smaps
+
+    return next((v for v in read_smaps() if v.start <= address < v.end), None)
+
+
+def test_the_merge_buffer_is_a_mapping_of_its_own_on_huge_pages_and_goes_back_when_released():
+    scratch = Scratch("cpu")
+    view = scratch.take((3 << 20,), torch.float32)  # 12 MiB
+    view.fill_(1.0)
+    address = view.data_ptr()
+    assert address % (2 << 20) == 0
+    vma = _vma_of(address)
+    assert vma is not None and not vma.is_file and not vma.is_shared
+    assert vma.anonymous >= view.nbytes  # counted where the tracker looks: anonymous memory
+    if _transparent_huge_pages():
+        assert "hg" in vma.vm_flags  # advised for transparent huge pages
+    if _transparent_huge_pages() in ("always", "madvise"):
+        assert vma.anon_huge_pages >= 2 << 20, f"no huge page in a 12 MiB advised buffer: {vma}"
+    del view
+    scratch.release()
+    assert _vma_of(address) is None  # unmapped, not kept by an allocator
