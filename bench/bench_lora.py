@@ -7,15 +7,17 @@ state carries from one to the next; the parent only writes files and compares:
 - peak anonymous growth: cached build / in-place merge (goal <= 0.05). The in-place
   merge runs on the model as servers load it (safetensors' private mapping).
 - build throughput: merged bytes per second of the cache build / raw sequential write
-  throughput of the same disk at its best (goal >= 0.7): one file written and fsynced
-  both through the page cache and with O_DIRECT, the faster counting. Beside them,
-  the cache's write path alone (ready layers put, no arithmetic) and the arithmetic
-  alone (every layer summed and cast, nothing written) tell the disk's share of the
-  build from the arithmetic's: the build cannot beat the slower of the two. A virtual
-  disk's speed swings from one moment to the next, so the five take turns, five rounds
-  in an order that rotates (each runs once in every place, none always right after the
-  same other), each after a sync of what the previous one left dirty, and the best of
-  each is compared: a slow moment of the disk can only make a run slower, never faster.
+  throughput of the same disk (goal >= 0.7): one file written and fsynced both
+  through the page cache and with O_DIRECT, the faster counting. Beside them, the
+  cache's write path alone (ready layers put, no arithmetic) and the arithmetic alone
+  (every layer summed and cast, nothing written) tell the disk's share of the build
+  from the arithmetic's: the build cannot beat the slower of the two. A virtual disk's
+  speed swings from one moment to the next (up and down: a host cache can absorb one
+  run's writes), so the five take turns, five rounds in an order that rotates (each
+  runs once in every place, none always right after the same other), each after a
+  sync of what the previous one left dirty. The ratio judged is the median over the
+  rounds of the build against the same round's raw write, seconds apart; the best of
+  each kind is compared beside it.
   The block device's own counters give each kind's average write request: a virtual
   disk's rate depends on it (up to the 4 MiB it takes at once), and a buffer of
   scattered 4 KiB pages cuts it to what one request can gather.
@@ -33,8 +35,9 @@ from __future__ import annotations
 import contextlib
 import json
 import mmap
-import shutil
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -321,15 +324,21 @@ def _rate(run: dict) -> float:
 
 
 def summarize(merged, in_place, runs, starts, requests) -> None:
+    from lora_cache.crc32 import CRC32_IMPLEMENTATION
+
     rates = {kind: [_rate(run) for run in found] for kind, found in runs.items()}
     best = {kind: max(found) for kind, found in rates.items()}
     raw_rate = max(best["buffered"], best["direct"])  # the disk at its best, whichever way gets it
     build_rate = best["build"]
+    # The same round's raw write, seconds away on the same disk: the ratio judged is the
+    # median of these, which one lucky moment of the disk for either side cannot move.
+    by_round = [b / max(d, f) for b, d, f in zip(rates["build"], rates["direct"], rates["buffered"])]
     build = max(runs["build"], key=lambda b: b["growth"])  # the largest growth of any build is the one judged
     (hit_s, hit_in), (base_s, base_in) = (tuple(min(x) for x in zip(*starts[k])) for k in ("hit", "base"))
     ratios = {
         "peak_anon_cached_over_in_place": build["growth"] / max(1, in_place["growth"]),
-        "build_over_raw_write": build_rate / raw_rate,
+        "build_over_raw_write": statistics.median(by_round),
+        "build_over_raw_write_best_of": build_rate / raw_rate,
         "write_path_over_raw_write": best["write_path"] / raw_rate,
         "arithmetic_over_raw_write": best["arithmetic"] / raw_rate,
         "build_over_buffered_write": build_rate / best["buffered"],
@@ -337,12 +346,15 @@ def summarize(merged, in_place, runs, starts, requests) -> None:
         "hit_over_base_after_imports": hit_in / base_in,
     }
     lines = [
-        f"model: {format_size(merged)} bf16, {LAYERS} layers, rank-{RANK} adapter on every layer",
+        f"model: {format_size(merged)} bf16, {LAYERS} layers, rank-{RANK} adapter on every layer; "
+        f"CRC-32 by {CRC32_IMPLEMENTATION}",
         f"peak anonymous growth: cached {format_size(build['growth'])}, in place {format_size(in_place['growth'])}"
         f"  -> ratio {ratios['peak_anon_cached_over_in_place']:.3f} (goal <= 0.05)",
-        f"cache build {format_size(build_rate)}/s, raw sequential write {format_size(raw_rate)}/s "
-        f"(best of {ROUNDS} each, with or without O_DIRECT)  -> ratio {ratios['build_over_raw_write']:.2f} "
-        "(goal >= 0.7)",
+        "cache build / raw sequential write, round by round (both in every round, the faster of "
+        f"O_DIRECT and buffered): {', '.join(f'{r:.2f}' for r in by_round)}  -> median "
+        f"{ratios['build_over_raw_write']:.2f} (goal >= 0.7)",
+        f"  best of {ROUNDS} each: cache build {format_size(build_rate)}/s, raw {format_size(raw_rate)}/s  -> "
+        f"ratio {ratios['build_over_raw_write_best_of']:.2f}",
         f"  the cache's write path alone (no arithmetic) {format_size(best['write_path'])}/s  -> ratio "
         f"{ratios['write_path_over_raw_write']:.2f}; its arithmetic alone (no disk) "
         f"{format_size(best['arithmetic'])}/s  -> ratio {ratios['arithmetic_over_raw_write']:.2f}",
@@ -358,10 +370,10 @@ def summarize(merged, in_place, runs, starts, requests) -> None:
         f"in-place merge took {in_place['stats']['seconds']:.1f} s",
     ]
     report("bench_lora", lines, {
-        "model_bytes": merged, "layers": LAYERS, "rank": RANK, **ratios,
+        "model_bytes": merged, "layers": LAYERS, "rank": RANK, "crc32_implementation": CRC32_IMPLEMENTATION, **ratios,
         "peak_anon_growth_cached_bytes": build["growth"], "peak_anon_growth_in_place_bytes": in_place["growth"],
         "build_bytes_per_s": build_rate, "raw_write_bytes_per_s": raw_rate,
-        "runs_bytes_per_s": rates,
+        "runs_bytes_per_s": rates, "build_over_raw_write_by_round": by_round,
         "average_write_request_bytes": {k: sum(v) / len(v) for k, v in requests.items() if v},
         "build_seconds": min(b["stats"]["seconds"] for b in runs["build"]),
         "in_place_seconds": in_place["stats"]["seconds"],
