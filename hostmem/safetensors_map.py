@@ -31,6 +31,7 @@ __all__ = [
     "open_readonly",
     "load_readonly",
     "save_file",
+    "advise_huge_pages",
 ]
 
 DTYPES: dict[str, torch.dtype] = {
@@ -51,6 +52,21 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 assert set(DTYPES) == set(DTYPE_SIZES)
 
 
+def advise_huge_pages(mapping: mmap.mmap) -> None:
+    """Ask the kernel to fault ``mapping`` in 2 MiB at a time (``MADV_HUGEPAGE``).
+
+    For a file mapping whose pages are not yet cached, each fault then reads a 2 MiB
+    folio and maps it with one page-table entry, where a mapping left to readahead ends
+    up with smaller folios at the start of every file that it keeps while they stay
+    cached: a pass over 48 layer files of 85 MiB took 1.3 s against 0.3 s. Without THP
+    in the kernel (or on other systems) nothing changes.
+    """
+    try:
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):
+        pass
+
+
 class ReadOnlySafetensors:
     """A safetensors file mapped ``PROT_READ``; tensors are zero-copy views into it.
 
@@ -66,6 +82,7 @@ class ReadOnlySafetensors:
             if self.header.file_size == 0:
                 raise SafetensorsError(f"{self.path}: empty file")
             self._map = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        advise_huge_pages(self._map)
 
     def keys(self) -> list[str]:
         return list(self.header.tensors)

@@ -31,7 +31,7 @@ import weakref
 
 import torch
 
-from hostmem.safetensors_map import SafetensorsError, SafetensorsHeader, read_header
+from hostmem.safetensors_map import SafetensorsError, SafetensorsHeader, advise_huge_pages, read_header
 
 from .vault_fs import KeyLock, check_not_symlink
 
@@ -107,6 +107,7 @@ def map_layer(path: str, name: str, lease: UseLease) -> tuple[torch.Tensor, Safe
         if info.nbytes == 0:
             return torch.empty(info.shape, dtype=info.torch_dtype), header
         mapping = _LeasedMapping(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        advise_huge_pages(mapping)
     finally:
         os.close(fd)
     mapping.lease = lease

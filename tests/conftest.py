@@ -41,6 +41,15 @@ def run_python(code: str, *args: str, timeout: float = 120, **kwargs) -> subproc
     )
 
 
+def transparent_huge_pages() -> str:
+    """The kernel's THP mode ("always", "madvise", "never"), or "" where it has none."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as handle:
+            return handle.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return ""
+
+
 @pytest.fixture
 def st_file(tmp_path):
     """A factory: ``st_file(name, tensors)`` writes a safetensors file under tmp_path."""

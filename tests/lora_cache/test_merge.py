@@ -10,6 +10,7 @@ import torch
 import lora_cache
 from hostmem import account
 from lora_cache.merge_math import Delta, Scratch, lora_scale, merged_weight, row_blocks, sums_in_output
+from tests.conftest import transparent_huge_pages
 from tests.lora_cache.test_adapters import lora_change, mapped_model, reference_merge, write_adapter
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -266,15 +267,6 @@ def test_a_quantized_base_is_refused_naming_the_parameter(tmp_path):
         lora_cache.merge(model, [path], progress=False)
 
 
-def _transparent_huge_pages() -> str:
-    """The kernel's THP mode ("always", "madvise", "never"), or "" where it has none."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as handle:
-            return handle.read().split("[", 1)[1].split("]", 1)[0]
-    except (OSError, IndexError):
-        return ""
-
-
 def _vma_of(address: int):
     from hostmem.procfs import read_smaps
 
@@ -290,9 +282,9 @@ def test_the_merge_buffer_is_a_mapping_of_its_own_on_huge_pages_and_goes_back_wh
     vma = _vma_of(address)
     assert vma is not None and not vma.is_file and not vma.is_shared
     assert vma.anonymous >= view.nbytes  # counted where the tracker looks: anonymous memory
-    if _transparent_huge_pages():
+    if transparent_huge_pages():
         assert "hg" in vma.vm_flags  # advised for transparent huge pages
-    if _transparent_huge_pages() in ("always", "madvise"):
+    if transparent_huge_pages() in ("always", "madvise"):
         assert vma.anon_huge_pages >= 2 << 20, f"no huge page in a 12 MiB advised buffer: {vma}"
     del view
     scratch.release()

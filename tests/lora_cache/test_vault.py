@@ -17,7 +17,7 @@ from lora_cache.crc32 import crc32_of
 from lora_cache.vault import Vault, VaultError, cache_key
 from lora_cache.vault_admin import verify_combination
 from lora_cache.vault_layer import data_crc32, layer_file_name
-from tests.conftest import run_python
+from tests.conftest import run_python, transparent_huge_pages
 
 SHAPE = (64, 48)
 
@@ -95,6 +95,23 @@ def test_a_write_into_a_served_view_faults_instead_of_copying(tmp_path):
     done = run_python(code, str(tmp_path / "root"))
     assert "written" in done.stdout and "no fault" not in done.stdout
     assert done.returncode == -signal.SIGSEGV
+
+
+def test_served_views_and_loaded_bases_are_advised_for_huge_pages(tmp_path):
+    """A layer faulted in 2 MiB at a time keeps 2 MiB folios in the page cache, so every
+    later start maps it with one entry per 2 MiB (the same for a base loaded read-only)."""
+    if not transparent_huge_pages():
+        pytest.skip("this kernel has no transparent huge pages")
+    from hostmem import load_readonly
+
+    vault, key, tensors = Vault(tmp_path / "root"), key_for("huge"), layers()
+    build(vault, key, tensors)
+    with vault.open(key, expected_of(tensors)) as session:
+        name, tensor = next(iter(tensors.items()))
+        view = session.get(name, tuple(tensor.shape), tensor.dtype)
+        assert "hg" in vma_holding(view.data_ptr()).vm_flags
+    base = load_readonly(os.path.join(folder_of(vault, key), layer_file_name(name)))[name]
+    assert "hg" in vma_holding(base.data_ptr()).vm_flags
 
 
 def test_layout_manifest_records_every_layer_and_names_files_by_hash(tmp_path):
