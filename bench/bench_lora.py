@@ -33,7 +33,6 @@ state carries from one to the next; the parent only writes files and compares:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import mmap
 import os
@@ -143,9 +142,10 @@ def _raw_write(folder: str, nbytes: int, direct: bool, chunk: int = 64 << 20) ->
     cache writes; else through the page cache (what ``dd conv=fsync`` measures). Whatever
     the cache does to go faster, the baseline does too.
     """
+    from hostmem.safetensors_map import advise_huge_pages
+
     buffer = mmap.mmap(-1, chunk, flags=mmap.MAP_PRIVATE)
-    with contextlib.suppress(AttributeError, OSError):
-        buffer.madvise(mmap.MADV_HUGEPAGE)
+    advise_huge_pages(buffer)
     buffer.write(os.urandom(chunk))
     view = memoryview(buffer)
     path = os.path.join(folder, "raw-write.bin")
@@ -324,6 +324,7 @@ def summarize(merged, in_place, runs, starts, requests) -> None:
     from lora_cache.crc32 import CRC32_IMPLEMENTATION
 
     rates = {kind: [_rate(run) for run in found] for kind, found in runs.items()}
+    request_bytes = {kind: sum(found) / len(found) for kind, found in requests.items() if found}
     best = {kind: max(found) for kind, found in rates.items()}
     raw_rate = max(best["buffered"], best["direct"])  # the disk at its best, whichever way gets it
     build_rate = best["build"]
@@ -358,8 +359,7 @@ def summarize(merged, in_place, runs, starts, requests) -> None:
         f"  build / buffered write + fsync {ratios['build_over_buffered_write']:.2f}",
         *(f"  every {kind} run: {_rates(found)}" for kind, found in rates.items()),
         *(["  the disk's average write request: " + ", ".join(
-            f"{kind} {format_size(sum(found) / len(found))}" for kind, found in requests.items() if found)]
-          if any(requests.values()) else []),
+            f"{kind} {format_size(size)}" for kind, size in request_bytes.items())] if request_bytes else []),
         f"start (launch to ready, best of 3): cache hit {hit_s:.2f} s, base without LoRA {base_s:.2f} s"
         f"  -> ratio {ratios['hit_start_over_base_start']:.2f} (goal <= 1.1)",
         f"  of which after imports: cache hit {hit_in:.2f} s, base {base_in:.2f} s"
@@ -371,7 +371,7 @@ def summarize(merged, in_place, runs, starts, requests) -> None:
         "peak_anon_growth_cached_bytes": build["growth"], "peak_anon_growth_in_place_bytes": in_place["growth"],
         "build_bytes_per_s": build_rate, "raw_write_bytes_per_s": raw_rate,
         "runs_bytes_per_s": rates, "build_over_raw_write_by_round": by_round,
-        "average_write_request_bytes": {k: sum(v) / len(v) for k, v in requests.items() if v},
+        "average_write_request_bytes": request_bytes,
         "build_seconds": min(b["stats"]["seconds"] for b in runs["build"]),
         "in_place_seconds": in_place["stats"]["seconds"],
         "hit_start_s": hit_s, "base_start_s": base_s, "hit_after_imports_s": hit_in, "base_after_imports_s": base_in,

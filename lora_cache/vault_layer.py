@@ -133,8 +133,8 @@ def _is_crc32(text: str) -> bool:
 def _write_and_hash(fd: int, path: str, tensor: torch.Tensor, offset: int) -> int:
     """Write ``tensor``'s bytes at ``offset`` while a helper thread checksums them; return the CRC-32.
 
-    The checksum and pwrite both release the GIL, so the checksum costs no extra time on
-    a host with a spare core: the layer's build time is the write, not write + checksum.
+    pwrite releases the GIL, so the checksum runs beside it and costs no extra time on a
+    host with a spare core: the layer's build time is the write, not write + checksum.
     """
     data = tensor_bytes(tensor)
     digest = _Crc32()
