@@ -206,7 +206,7 @@ def _arithmetic(shards: list[str], adapter: str) -> dict:
     with _block_workers(work.device) as workers:
         for target in targets:
             base = target.current
-            compute_merged(target, out.take(tuple(base.shape), base.dtype), work, None, workers)
+            compute_merged(target, out.take(tuple(base.shape), base.dtype), work, workers)
     return {"seconds": time.perf_counter() - started, "bytes": sum(t.nbytes for t in targets)}
 
 

@@ -126,13 +126,15 @@ class AddressSpace:
         return area is None or "w" in area.perms
 
 
-def compute_merged(target: LayerTarget, out: torch.Tensor, scratch: Scratch, out_ready=None, workers=None) -> torch.Tensor:
+def compute_merged(target: LayerTarget, out: torch.Tensor, scratch: Scratch, workers=None,
+                   claim=None, publish=None) -> torch.Tensor:
     """Write the merged weight of ``target`` into ``out``; the module is not touched.
 
-    ``out_ready`` is called once the sum is done, before ``out`` is written; ``workers``
-    is a thread pool for the row blocks (see :func:`lora_cache.merge_math.merged_weight`).
+    ``workers`` is a thread pool for the row blocks; ``claim`` and ``publish`` let a
+    caller stream ``out`` while it is computed (see
+    :func:`lora_cache.merge_math.merged_weight`).
     """
-    return merged_weight(target.current.detach(), target.deltas, out, scratch, out_ready, workers)
+    return merged_weight(target.current.detach(), target.deltas, out, scratch, workers, claim, publish)
 
 
 def install(target: LayerTarget, merged: torch.Tensor, snapshot: Snapshot, write: bool = False) -> None:

@@ -304,38 +304,57 @@ def _cast_block(out: torch.Tensor, acc: torch.Tensor, rows: slice) -> None:
     out[rows].copy_(acc[rows] if acc.device == out.device else acc[rows].to(out.dtype))
 
 
+def _block_ends(shape: tuple[int, ...], itemsize: int, blocks: list[slice]) -> list[int]:
+    """Where each block's bytes end in a contiguous tensor of ``shape``."""
+    row_bytes = itemsize * math.prod(shape[1:]) if shape else itemsize
+    return [rows.stop * row_bytes for rows in blocks]
+
+
 def merged_weight(
     base: torch.Tensor,
     deltas: list[Delta],
     out: torch.Tensor,
     scratch: Scratch,
-    out_ready: Callable[[], None] | None = None,
     workers: Executor | None = None,
+    claim: Callable[[int], None] | None = None,
+    publish: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """Write ``base + sum(deltas)`` into ``out`` (base's dtype and shape) and return ``out``.
 
     The sum runs in fp32 on ``scratch``'s device, in the row blocks of
     :func:`row_blocks`; only the final cast writes ``out``. ``out`` may be ``base``
     itself (a writable in-place merge): each block of base is read into the accumulator
-    before that block of ``out`` is written. ``out_ready`` is called before ``out`` is
-    first written (between the sum and the cast), so a caller can let the previous
-    layer's bytes leave ``out`` (be written to disk) while this layer is summed. Where
-    :func:`sums_in_output` says so, the same arithmetic runs in one pass straight into
-    ``out`` (``out_ready`` first) and ``scratch`` is not touched. ``workers`` spreads the
-    blocks over a thread pool (torch releases the GIL); the bytes do not depend on it.
+    before that block of ``out`` is written. Where :func:`sums_in_output` says so, the
+    same arithmetic runs in one pass straight into ``out`` and ``scratch`` is not
+    touched. ``workers`` spreads the blocks over a thread pool (torch releases the GIL);
+    the bytes do not depend on it.
+
+    For a caller that streams ``out`` to disk while it is computed (see
+    :mod:`lora_cache.handoff`), ``out`` must be contiguous: ``claim(end)`` is called
+    before a block writes ``out``'s bytes up to ``end`` (and may wait until they are
+    free), and ``publish(end)`` once bytes ``[0, end)`` of ``out`` are final, in order.
     """
     if out.shape != base.shape or out.dtype != base.dtype:
         raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, base is {tuple(base.shape)} {base.dtype}")
+    if (claim is not None or publish is not None) and not out.is_contiguous():
+        raise ValueError("a streamed merge needs a contiguous out")
     run = map if workers is None else workers.map
+    claim = claim or (lambda end: None)
+    publish = publish or (lambda end: None)
     if sums_in_output(base, deltas, out, scratch.device):
         delta = deltas[0]
         delta.check()
         up, down = delta.up.flatten(1), delta.down.flatten(1)
-        if out_ready is not None:
-            out_ready()
         blocks = row_blocks(tuple(base.shape), scratch.device)
-        for _ in run(lambda rows: _add_block_in_output(out, base, up, down, delta.scale, rows), blocks):
-            pass  # drains the map, so an error in any block is raised here
+        ends = _block_ends(tuple(base.shape), out.element_size(), blocks)
+
+        def one_block(i: int) -> int:
+            claim(ends[i])
+            _add_block_in_output(out, base, up, down, delta.scale, blocks[i])
+            return ends[i]
+
+        for end in run(one_block, range(len(blocks))):
+            publish(end)  # in order: the map yields the blocks as they were given
         return out
     result = out
     acc = scratch.take(tuple(base.shape), torch.float32)
@@ -344,10 +363,15 @@ def merged_weight(
         acc, base, out = acc.view(1), base.view(1), out.view(1)
         terms = [replace(t, diff=None if t.diff is None else t.diff.view(1)) for t in terms]
     blocks = row_blocks(tuple(base.shape), acc.device)
+    ends = _block_ends(tuple(base.shape), out.element_size(), blocks)
     for _ in run(lambda rows: _sum_block(acc, base, terms, rows), blocks):
         pass  # drains the map, so an error in any block is raised here
-    if out_ready is not None:
-        out_ready()
-    for _ in run(lambda rows: _cast_block(out, acc, rows), blocks):
-        pass
+
+    def cast_block(i: int) -> int:
+        claim(ends[i])
+        _cast_block(out, acc, blocks[i])
+        return ends[i]
+
+    for end in run(cast_block, range(len(blocks))):
+        publish(end)
     return result

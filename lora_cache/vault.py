@@ -52,6 +52,7 @@ import torch
 from hostmem.safetensors_map import SafetensorsError
 from hostmem.units import format_size, parse_size
 
+from .handoff import Handoff
 from .vault_adopt import adopt, drop_folder, shape_dtype_problem
 from .vault_fs import (
     KeyLock,
@@ -321,18 +322,29 @@ class VaultSession:
 
     # ----------------------------------------------------------------- writing
 
-    def put(self, name: str, merged: torch.Tensor, crc32: int | None = None) -> torch.Tensor | None:
+    def put(self, name: str, merged: torch.Tensor, crc32: int | None = None,
+            handoff: Handoff | None = None) -> torch.Tensor | None:
         """Write ``merged`` as layer ``name`` durably; return a read-only mapped view of it.
 
         ``crc32``, the CRC-32 of ``merged``'s bytes, may be given when the caller took it
-        already (:func:`lora_cache.crc32.crc32_of`, on every core while the previous layer
-        was being written, say); it is recorded as is (a wrong one makes ``hostmem cache
-        verify`` report the layer). Otherwise it is taken as the bytes are written.
+        already (:func:`lora_cache.crc32.crc32_of`); it is recorded as is (a wrong one
+        makes ``hostmem cache verify`` report the layer). Otherwise it is taken as the
+        bytes are written. With a ``handoff``, ``merged`` is the buffer a merge is still
+        computing: its bytes are written as the handoff publishes them, and every byte is
+        released back to the merge when the put ends, however it ends (see
+        :mod:`lora_cache.handoff`).
 
         Returns None when it cannot (no room, a write error): nothing partial stays on
         disk, ``last_error`` says why (``space`` has the numbers), and later puts of this
         session answer None at once, so the caller falls back in place with one warning.
         """
+        try:
+            return self._put(name, merged, crc32, handoff)
+        finally:
+            if handoff is not None:
+                handoff.release()
+
+    def _put(self, name, merged, crc32, handoff) -> torch.Tensor | None:
         self._check_open()
         size = layer_file_bytes(tuple(merged.shape), merged.dtype)
         if self.writable and size > self._room:
@@ -344,7 +356,7 @@ class VaultSession:
             return None
         started = time.perf_counter()
         try:
-            entry = write_layer(self.folder, name, merged, crc32)
+            entry = write_layer(self.folder, name, merged, crc32, handoff)
             view, _ = map_layer(os.path.join(self.folder, entry.file), name, self._lease)
         except (OSError, VaultError, SafetensorsError) as exc:
             self._refuse(f"could not write layer {name!r} to the LoRA merge cache in {self.folder}: {exc}")

@@ -34,6 +34,7 @@ import torch
 from hostmem.safetensors_map import DTYPE_NAMES, DTYPES, SafetensorsError, read_header, tensor_bytes
 
 from .crc32 import crc32
+from .handoff import Handoff
 from .vault_fs import VaultError, check_not_symlink, discard, open_tmp, seal, write_all, write_uncached
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
 LAYER_FORMAT = "hostmem-lora-merge-cache-layer/2"
 _ALIGN = 4096
 _CHUNK = 4 * 1024 * 1024
+_STREAM_BYTES = 16 * 1024 * 1024  # a streamed layer's smallest write: as fast as larger ones on a virtio disk
 _SUFFIX = ".safetensors"
 
 
@@ -130,20 +132,36 @@ def _is_crc32(text: str) -> bool:
     return len(text) == 8 and all(c in "0123456789abcdef" for c in text)
 
 
-def _write_and_hash(fd: int, path: str, tensor: torch.Tensor, offset: int) -> int:
-    """Write ``tensor``'s bytes at ``offset`` while a helper thread checksums them; return the CRC-32.
+def _write_hashing(fd: int, path: str, data: memoryview, offset: int, address: int, digest: _Crc32) -> None:
+    """Write ``data`` (in memory at ``address``) at ``offset`` while a helper thread feeds
+    its bytes to ``digest``.
 
     pwrite releases the GIL, so the checksum runs beside it and costs no extra time on a
     host with a spare core: the layer's build time is the write, not write + checksum.
     """
-    data = tensor_bytes(tensor)
-    digest = _Crc32()
     hasher = threading.Thread(target=digest.update, args=(data,), name="hostmem-vault-checksum")
     hasher.start()
     try:
-        write_uncached(fd, path, data, offset, tensor.data_ptr())
+        write_uncached(fd, path, data, offset, address)
     finally:
         hasher.join()
+
+
+def _write_streamed(fd: int, path: str, tensor: torch.Tensor, offset: int, handoff: Handoff) -> int:
+    """Write ``tensor``'s bytes at ``offset`` stretch by stretch, as ``handoff`` says they are
+    final, releasing each stretch once it is written; return their CRC-32.
+
+    Each stretch but the last ends on a page, so every one goes with O_DIRECT; it is at
+    least :data:`_STREAM_BYTES` (or the rest) so the disk gets large requests.
+    """
+    data = memoryview(tensor_bytes(tensor)).cast("B")
+    address, digest, done = tensor.data_ptr(), _Crc32(), 0
+    while done < len(data):
+        ready = handoff.wait_ready(done, _STREAM_BYTES)
+        end = ready if ready == len(data) else ready - ready % _ALIGN
+        _write_hashing(fd, path, data[done:end], offset + done, address + done, digest)
+        done = end
+        handoff.release(done)
     return digest.value
 
 
@@ -164,7 +182,8 @@ def _cpu_contiguous(merged: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
-def write_layer(folder: str, name: str, merged: torch.Tensor, crc32: int | None = None) -> LayerEntry:
+def write_layer(folder: str, name: str, merged: torch.Tensor, crc32: int | None = None,
+                handoff: Handoff | None = None) -> LayerEntry:
     """Write ``merged`` as the sealed layer file of ``name`` in ``folder``; return its entry.
 
     The data goes in first (its whole pages with O_DIRECT when ``merged`` starts on a
@@ -172,8 +191,12 @@ def write_layer(folder: str, name: str, merged: torch.Tensor, crc32: int | None 
     checksummed as it is written unless ``crc32``, the CRC-32 of its bytes
     (:func:`lora_cache.crc32.crc32_of`), is given; then the header with the checksum over
     a same-length placeholder; then fsync and rename (the folder is fsynced once, with the
-    manifest). On any error the temporary file is removed and the error is raised.
+    manifest). With a ``handoff`` (see :mod:`lora_cache.handoff`), ``merged`` is a
+    contiguous CPU buffer still being computed: its bytes are written as they are
+    published. On any error the temporary file is removed and the error is raised.
     """
+    if handoff is not None and (merged.device.type != "cpu" or not merged.is_contiguous()):
+        raise ValueError("a streamed layer must be a contiguous CPU tensor (the buffer being computed)")
     tensor = _cpu_contiguous(merged)
     try:
         dtype = DTYPE_NAMES[tensor.dtype]
@@ -185,8 +208,12 @@ def write_layer(folder: str, name: str, merged: torch.Tensor, crc32: int | None 
     fd, tmp = open_tmp(folder, _SUFFIX)
     try:
         _reserve(fd, len(header) + len(data))
-        if crc32 is None:
-            crc32 = _write_and_hash(fd, tmp, tensor, len(header))
+        if handoff is not None:
+            crc32 = _write_streamed(fd, tmp, tensor, len(header), handoff)
+        elif crc32 is None:
+            digest = _Crc32()
+            _write_hashing(fd, tmp, memoryview(data).cast("B"), len(header), tensor.data_ptr(), digest)
+            crc32 = digest.value
         else:
             write_uncached(fd, tmp, data, len(header), tensor.data_ptr())
         checksum = _hex(crc32)

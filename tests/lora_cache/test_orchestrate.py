@@ -160,18 +160,18 @@ def test_second_start_hits_every_layer_and_reports_stats(tmp_path, capsys):
 
 
 def test_a_build_that_mixes_one_pass_and_fp32_layers_writes_what_an_in_place_merge_computes(tmp_path, monkeypatch):
-    """bf16 layers with a bf16 LoRA sum straight into an output buffer (two take turns), the
-    ones that also carry a full delta sum in the fp32 buffer: while each layer is written,
-    the next is computed, and no layer may overwrite bytes still being written. Each put
-    is held back so that the next layer's arithmetic surely runs while it is in flight."""
+    """bf16 layers with a bf16 LoRA sum straight into the output buffer, the ones that also
+    carry a full delta sum in the fp32 scratch first and are cast into it: while each layer
+    is written from the buffer, the next one is summed into it, and no block may overwrite
+    bytes not yet written. Each put is held back so that the next layer's blocks surely
+    wait on it."""
     gen = torch.Generator().manual_seed(7)
     names = [f"blocks.{i}.proj" for i in range(7)]
     base = write_safetensors(tmp_path / "base.safetensors", {
         f"{n}.weight": torch.randn(512, 256, generator=gen).to(torch.bfloat16) for n in names})
     changes = {n: {k: v.to(torch.bfloat16) for k, v in lora_change(512, 256, 8, i, alpha=4).items()}
                for i, n in enumerate(names)}
-    # These take the fp32 path: 1 while layer 0 is written from the output buffer, 3 while
-    # layer 2 is written from the compute buffer (where 3 sums), 4 after an fp32 layer.
+    # These take the fp32 path: 1 and 3 after a one-pass layer, 4 after an fp32 one.
     for i in (1, 3, 4):
         changes[names[i]]["diff"] = torch.randn(512, 256, generator=gen).to(torch.bfloat16) * 0.01
     adapter = write_adapter(tmp_path / "mixed.safetensors", "comfyui", changes)
@@ -190,6 +190,46 @@ def test_a_build_that_mixes_one_pass_and_fp32_layers_writes_what_an_in_place_mer
     lora_cache.merge(model, [adapter], progress=False)
     for name, weight in model.named_parameters():
         assert torch.equal(weight, cached[name]), name
+
+
+_FAILING_MID_BUILD = r"""
+import os, resource, signal, sys, warnings
+import torch, lora_cache
+from lora_cache.layers import checkpoint_module
+base, adapter, root = sys.argv[1:4]
+model = checkpoint_module([base])
+lora_cache.merge(model, [adapter], progress=False)  # in place: the reference
+expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+lora_cache.unmerge(model)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    stats = lora_cache.merge(model, [adapter], cache_root=root, progress=False)
+same = all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
+folder = os.path.join(root, "lora_merge_cache", stats.cache_key)
+print(stats.built, stats.fallen_back, same, len([w for w in caught if "in place" in str(w.message)]))
+print(sorted(f for f in os.listdir(folder) if f.startswith(".tmp-")))
+"""
+
+
+def test_a_write_failing_mid_build_falls_back_from_that_layer_on_with_the_same_bytes(tmp_path):
+    """The fourth layer (2 MiB) cannot be written under a 1 MiB RLIMIT_FSIZE: the three before
+    it are built, it and the two after it merge in place, recomputed in the output buffer
+    the failed put was streaming from, and every weight equals the in-place merge's."""
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(256, 256)] * 3 + [(1024, 1024)] + [(256, 256)] * 2
+    names = [f"blocks.{i}.proj" for i in range(len(shapes))]
+    base = write_safetensors(tmp_path / "base.safetensors", {
+        f"{n}.weight": torch.randn(shape, generator=gen).to(torch.bfloat16) for n, shape in zip(names, shapes)})
+    changes = {n: {k: v.to(torch.bfloat16) for k, v in lora_change(*shape, 8, i, alpha=4).items()}
+               for i, (n, shape) in enumerate(zip(names, shapes))}
+    changes[names[4]]["diff"] = torch.randn(shapes[4], generator=gen).to(torch.bfloat16) * 0.01  # an fp32 layer
+    adapter = write_adapter(tmp_path / "a.safetensors", "comfyui", changes)
+    done = run_python(_FAILING_MID_BUILD, base, adapter, str(tmp_path / "cache"))
+    assert done.returncode == 0, done.stderr
+    counts, leftovers = done.stdout.splitlines()
+    assert counts == "3 3 True 1" and leftovers == "[]"
 
 
 def test_disabling_the_cache_merges_in_place(tmp_path, monkeypatch):
