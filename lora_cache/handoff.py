@@ -78,7 +78,3 @@ class Handoff:
             if end > self._released:
                 self._released = end
                 self._changed.notify_all()
-
-    @property
-    def published(self) -> int:
-        return self._ready

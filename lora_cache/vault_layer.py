@@ -147,6 +147,13 @@ def _write_hashing(fd: int, path: str, data: memoryview, offset: int, address: i
         hasher.join()
 
 
+def _all_ready(nbytes: int) -> Handoff:
+    """A handoff for bytes that are all final already."""
+    handoff = Handoff(nbytes)
+    handoff.publish(nbytes)
+    return handoff
+
+
 def _write_streamed(fd: int, path: str, tensor: torch.Tensor, offset: int, handoff: Handoff) -> int:
     """Write ``tensor``'s bytes at ``offset`` stretch by stretch, as ``handoff`` says they are
     final, releasing each stretch once it is written; return their CRC-32.
@@ -208,14 +215,10 @@ def write_layer(folder: str, name: str, merged: torch.Tensor, crc32: int | None 
     fd, tmp = open_tmp(folder, _SUFFIX)
     try:
         _reserve(fd, len(header) + len(data))
-        if handoff is not None:
-            crc32 = _write_streamed(fd, tmp, tensor, len(header), handoff)
-        elif crc32 is None:
-            digest = _Crc32()
-            _write_hashing(fd, tmp, memoryview(data).cast("B"), len(header), tensor.data_ptr(), digest)
-            crc32 = digest.value
-        else:
+        if handoff is None and crc32 is not None:
             write_uncached(fd, tmp, data, len(header), tensor.data_ptr())
+        else:  # checksummed as written: a ready tensor is one stretch, all published
+            crc32 = _write_streamed(fd, tmp, tensor, len(header), handoff or _all_ready(len(data)))
         checksum = _hex(crc32)
         header = _header_bytes(name, dtype, shape, len(data), checksum)
         write_all(fd, header, 0)

@@ -41,6 +41,13 @@ def run_python(code: str, *args: str, timeout: float = 120, **kwargs) -> subproc
     )
 
 
+def vma_holding(address: int):
+    """The mapping of this process that holds ``address`` (from /proc/self/smaps), or None."""
+    from hostmem.procfs import read_smaps
+
+    return next((v for v in read_smaps() if v.start <= address < v.end), None)
+
+
 def transparent_huge_pages() -> str:
     """The kernel's THP mode ("always", "madvise", "never"), or "" where it has none."""
     try:

@@ -10,7 +10,7 @@ import torch
 import lora_cache
 from hostmem import account
 from lora_cache.merge_math import Delta, Scratch, lora_scale, merged_weight, row_blocks, sums_in_output
-from tests.conftest import transparent_huge_pages
+from tests.conftest import transparent_huge_pages, vma_holding
 from tests.lora_cache.test_adapters import lora_change, mapped_model, reference_merge, write_adapter
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -267,19 +267,13 @@ def test_a_quantized_base_is_refused_naming_the_parameter(tmp_path):
         lora_cache.merge(model, [path], progress=False)
 
 
-def _vma_of(address: int):
-    from hostmem.procfs import read_smaps
-
-    return next((v for v in read_smaps() if v.start <= address < v.end), None)
-
-
 def test_the_merge_buffer_is_a_mapping_of_its_own_on_huge_pages_and_goes_back_when_released():
     scratch = Scratch("cpu")
     view = scratch.take((3 << 20,), torch.float32)  # 12 MiB
     view.fill_(1.0)
     address = view.data_ptr()
     assert address % (2 << 20) == 0
-    vma = _vma_of(address)
+    vma = vma_holding(address)
     assert vma is not None and not vma.is_file and not vma.is_shared
     assert vma.anonymous >= view.nbytes  # counted where the tracker looks: anonymous memory
     if transparent_huge_pages():
@@ -288,4 +282,4 @@ def test_the_merge_buffer_is_a_mapping_of_its_own_on_huge_pages_and_goes_back_wh
         assert vma.anon_huge_pages >= 2 << 20, f"no huge page in a 12 MiB advised buffer: {vma}"
     del view
     scratch.release()
-    assert _vma_of(address) is None  # unmapped, not kept by an allocator
+    assert vma_holding(address) is None  # unmapped, not kept by an allocator

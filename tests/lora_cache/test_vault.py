@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hostmem.procfs import filesystem_of, read_smaps
+from hostmem.procfs import filesystem_of
 from hostmem.safetensors_map import read_header, tensor_bytes
 from lora_cache.crc32 import crc32_of
 from lora_cache.vault import Vault, VaultError, cache_key
 from lora_cache.vault_admin import verify_combination
 from lora_cache.vault_layer import data_crc32, layer_file_name
-from tests.conftest import run_python, transparent_huge_pages
+from tests.conftest import run_python, transparent_huge_pages, vma_holding
 
 SHAPE = (64, 48)
 
@@ -45,10 +45,6 @@ def build(vault: Vault, key, tensors: dict[str, torch.Tensor]) -> dict:
 
 def folder_of(vault: Vault, key) -> str:
     return os.path.join(vault.cache, key.hex)
-
-
-def vma_holding(address: int):
-    return next(v for v in read_smaps() if v.start <= address < v.end)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
