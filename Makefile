@@ -11,8 +11,11 @@ $(PY):
 
 # torch is pinned to the CPU build these machines carry; the project declares a range.
 $(STAMP): $(PY) pyproject.toml
+	@echo "make: installing torch 2.13.0 (the CPU build) into $(VENV) ..."
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	@echo "make: installing hostmem (editable) with psutil, pyyaml, safetensors, tqdm, isal and, for the tests, pytest, hypothesis, diffusers, peft, transformers, accelerate ..."
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	@echo "make: $(VENV) is ready"
 	touch $(STAMP)
 
 demo: $(STAMP)

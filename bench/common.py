@@ -32,9 +32,11 @@ def workdir(args) -> tempfile.TemporaryDirectory | None:
     """A temporary folder on a real disk (never tmpfs) unless --workdir names one."""
     if args.workdir:
         os.makedirs(args.workdir, exist_ok=True)
+        set_workdir_for_machine(args.workdir)
         return None
     tmp = tempfile.TemporaryDirectory(prefix="hostmem-bench-", dir=os.environ.get("TMPDIR", "/var/tmp"))
     args.workdir = tmp.name
+    set_workdir_for_machine(tmp.name)
     return tmp
 
 
@@ -63,12 +65,75 @@ def timed(fn, *args, **kwargs):
     return result, time.perf_counter() - start
 
 
+def disk_of(folder: str) -> dict:
+    """The block device and filesystem under ``folder``: what a write or read figure is of."""
+    device = os.stat(folder).st_dev
+    found = {"device": f"{os.major(device)}:{os.minor(device)}", "filesystem": None, "model": None,
+             "rotational": None}
+    sys_dir = f"/sys/dev/block/{os.major(device)}:{os.minor(device)}"
+    if os.path.exists(sys_dir):
+        name = os.path.basename(os.path.realpath(sys_dir))
+        disk = os.path.realpath(os.path.join(sys_dir, "..")) if os.path.exists(os.path.join(sys_dir, "partition")) \
+            else os.path.realpath(sys_dir)
+        found["device"] = name
+        for key, leaf in (("model", "device/model"), ("rotational", "queue/rotational")):
+            try:
+                with open(os.path.join(disk, leaf)) as handle:
+                    found[key] = handle.read().strip()
+            except OSError:
+                pass
+    best = ""
+    with open("/proc/mounts") as handle:
+        for line in handle:
+            _, mount, fstype, *_ = line.split()
+            real = os.path.realpath(folder)
+            inside = mount == "/" or real == mount or real.startswith(mount + "/")
+            if inside and len(mount) > len(best):
+                best, found["filesystem"] = mount, fstype
+    return found
+
+
+def machine_summary(folder: str | None = None) -> dict:
+    """What every figure was measured on: CPU model and the flags that decide the merge's
+    kernels (avx512_bf16, amx), cores, torch's version, and the disk under ``folder``."""
+    from lora_cache.kernels import machine
+
+    found = dict(machine())
+    if folder is not None:
+        found["disk"] = disk_of(folder)
+    return found
+
+
+def machine_line(found: dict) -> str:
+    """``machine_summary`` in one line for people."""
+    flags = set(found["flags"])
+    marks = ", ".join(f"{flag} {'yes' if flag in flags else 'no'}" for flag in ("avx512_bf16", "amx_bf16"))
+    line = f"{found['cpu']} ({marks}), {found['cpus']} cores, torch {found['torch']}"
+    if "disk" in found:
+        disk = found["disk"]
+        line += f", disk {disk['device']} ({disk['model'] or 'model unknown'}, {disk['filesystem']})"
+    return line
+
+
+_MACHINE: dict = {}
+
+
+def set_workdir_for_machine(folder: str) -> None:
+    """Name the folder whose disk the figures of this benchmark are of."""
+    _MACHINE.clear()
+    _MACHINE.update(machine_summary(folder))
+
+
 def report(name: str, lines: list[str], summary: dict) -> None:
-    """Print readable lines, then one JSON line (sizes in bytes) for machines."""
+    """Print readable lines, then one JSON line (sizes in bytes) for machines, both with the
+    machine the figures come from (CPU model and flags, cores, torch, disk)."""
+    found = _MACHINE or machine_summary()
     print(f"== {name}")
+    print(f"  measured on: {machine_line(found)}")
     for line in lines:
         print(f"  {line}")
-    print(json.dumps({"bench": name, **summary}))
+    print(json.dumps({"bench": name, "machine": found, **summary}))
 
 
-__all__ = ["bench_args", "workdir", "write_layered_checkpoint", "timed", "report", "format_size"]
+__all__ = ["bench_args", "workdir", "write_layered_checkpoint", "timed", "report", "format_size", "machine_summary",
+           "machine_line"]

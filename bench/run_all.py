@@ -28,22 +28,33 @@ BENCHES = (
      "With the second core busy, the wall-clock ratio includes the sampler's own share of the two "
      "cores; the loop's CPU-time ratio is the tracker's cost to the tracked code."),
     ("bench_plan.py", "Planner: `hostmem plan` on a 4 GiB checkpoint folder", ""),
-    ("bench_lora.py", "LoRA merge cache: anonymous peak, build throughput, start time",
-     "The raw baseline is the faster of a buffered write and an O_DIRECT write (into blocks "
-     "allocated up front, from a buffer on huge pages) of the same bytes. Five rounds in a "
-     "rotating order run every kind once each; the build is judged against the raw write of "
-     "the same round, seconds apart (the median of the five), with the best of five of each "
-     "beside it. 'write path' is the vault storing ready layers (checksum, O_DIRECT, fsync) as "
-     "any caller would put them: the cache's own cost. The build streams each layer to disk "
-     "while it is summed: one output buffer, whose stretches the writer puts on disk as the "
-     "sum finishes them and the next layer reuses once written (a bf16 base and one bf16 "
-     "adapter sum in one pass of torch's bf16 addmm on both cores, fp32 inside, one rounding; "
-     "the summing threads run at nice +10 so the writer gets a core the moment a write ends; "
-     "the CRC-32 is ISA-L's, over 20 GiB/s on one core). The merge buffer sits on 2 MiB pages, "
-     "so the disk gets requests of about 3.3 MiB; from heap buffers of scattered 4 KiB pages "
-     "it got 0.5-1.6 MiB ones and ran at 0.55-0.7 of "
-     "raw. This virtual disk's own rate swings between about 1.1 and 3.4 GiB/s from one "
-     "minute to the next, hence the interleaved rounds."),
+    ("bench_lora.py", "LoRA merge cache: first start against peft, build throughput, start time, in place",
+     "Baselines of the same run: peft's merge_and_unload of the same model, loaded as safetensors "
+     "hands it over (first start and in-place path); the faster of a buffered and an O_DIRECT "
+     "write (into blocks allocated up front, from a buffer on huge pages) of the same bytes (the "
+     "build), run in five rounds in a rotating order, the build judged against the same round's raw "
+     "write; the arithmetic alone, with the kernel the build chose (where it is slower than the disk "
+     "the sum bounds the build, and the build is judged against it). Each layer's kernel (torch's "
+     "bf16 addmm in one pass, or the fp32 sum in row blocks then one cast) is chosen by timing both on "
+     "this machine once and remembered under the cache root; the key names it. The build streams each "
+     "layer to disk while it is summed, through one output buffer on 2 MiB pages that the next layer "
+     "reuses stretch by stretch once written; the summing threads run at the process's own priority. "
+     "'write path' is the vault storing ready layers (checksum, O_DIRECT, fsync): the cache's own "
+     "cost. A virtual disk's rate swings from one minute to the next, hence the interleaved rounds."),
+    ("bench_identity.py", "Content identity: hashing the inputs, hit starts, a cache baked read-only",
+     "The identity hash and the raw read both start from a cold page cache. The baked start maps a "
+     "copy of the base (new inode and times, so its digest is computed once) and a cache in a "
+     "read-only bind mount, and is judged against a build of the same cache."),
+    ("bench_diffusers.py", "With diffusers: fuse_lora, peft and the cache on one transformer",
+     "A shallow Flux transformer at Flux's width; each contender in a fresh process under the peak "
+     "tracker. The hit's growth is what a server pays on every start after the first; the first "
+     "start holds one layer's merge buffers by design."),
+    ("bench_switch.py", "Switching adapters: cached, at run time, against peft and diffusers", ""),
+    ("bench_shared_build.py", "Several ranks on one host: one merged copy, a build they share",
+     "On 2 cores one rank alone already sums on both cores, so the ranks of a shared build share the "
+     "same cores: its gain grows with a core or a GPU per rank, until the disk bounds the build."),
+    ("bench_vault_hit.py", "A cache hit in the vault: open, map every layer, close", ""),
+    ("bench_cli.py", "Light commands: start-up against `python -c pass`", ""),
 )
 
 
@@ -64,8 +75,14 @@ def run_one(script: str, quick: bool) -> tuple[list[str], dict | None, int]:
 
 
 def machine() -> str:
+    """The machine every figure below was measured on: CPU model and the flags that decide the
+    merge's kernels, cores, memory, torch, Python, and the disk the benchmarks write to."""
+    sys.path.insert(0, HERE)
+    from common import machine_line, machine_summary
+
     mem = psutil.virtual_memory().total / 1024**3
-    return f"{platform.machine()}, {os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}"
+    found = machine_summary(os.environ.get("TMPDIR", "/var/tmp"))
+    return f"{machine_line(found)}, {platform.machine()}, {mem:.0f} GiB, Python {platform.python_version()}"
 
 
 def write_markdown(path: str, results: list[tuple[str, str, str, list[str], dict | None]], quick: bool) -> None:

@@ -2,7 +2,9 @@
 
 Measurement only: /proc readers, the residency classifier, the accountant, peak
 tracking and the CI guard, the read-only safetensors mapping and the pinning
-backends. No planning and no LoRA live here.
+backends; beside the accountant the lowest provider, checkpoint remap
+(:func:`remap`), and the guards that meet writes into read-only weights
+(:func:`make_writable`). No planning and no LoRA live here.
 
 >>> import hostmem
 >>> ledger = hostmem.account({"dit": dit, "text_encoder": te})   # doctest: +SKIP
@@ -44,6 +46,16 @@ _EXPORTS = {
     "GuardResult": "guard",
     "Pinner": "pinning",
     "PinError": "pinning",
+    "aggregate_processes": "host_aggregate",
+    "aggregate_ranges": "host_aggregate",
+    "SetResidency": "host_aggregate",
+    "gather_host_ledger": "host_ledger",
+    "HostLedger": "host_ledger",
+    "HostGatherError": "host_ledger",
+    "remap": "checkpoint_remap",
+    "RemapReport": "checkpoint_remap",
+    "make_writable": "writers",
+    "ReadOnlyWeightsError": "writers",
 }
 
 __all__ = sorted(_EXPORTS)

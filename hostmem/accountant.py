@@ -147,7 +147,10 @@ def _components(model) -> Mapping[str, torch.nn.Module]:
         if bad:
             raise TypeError(f"account(): components {bad} are not torch.nn.Module")
         return model
-    raise TypeError(f"account() takes a module or a dict of named modules, not {type(model).__name__}")
+    components = getattr(model, "components", None)  # a pipeline (diffusers): its module components
+    if isinstance(components, Mapping):
+        return {k: v for k, v in components.items() if isinstance(v, torch.nn.Module)}
+    raise TypeError(f"account() takes a module, a dict of named modules or a pipeline, not {type(model).__name__}")
 
 
 def _is_pinned(tensor: torch.Tensor) -> bool:
@@ -155,6 +158,13 @@ def _is_pinned(tensor: torch.Tensor) -> bool:
         return bool(tensor.is_pinned())
     except RuntimeError:  # no accelerator runtime to ask
         return False
+
+
+def _pinning_possible() -> bool:
+    """Whether a CPU tensor can be pinned by an accelerator runtime in this process; where
+    none is there (a CPU build, no GPU), asking each of thousands of tensors is skipped."""
+    cuda = getattr(torch, "cuda", None)
+    return bool(cuda is not None and cuda.is_available())
 
 
 @dataclass
@@ -169,24 +179,27 @@ class _Storage:
 
 
 def _unique_storages(components: Mapping[str, torch.nn.Module]) -> list[_Storage]:
-    """Every distinct storage reached from the components, with all names it goes by."""
-    by_key: dict[tuple[int, int, str], _Storage] = {}
+    """Every distinct storage reached from the components, with all names it goes by.
+
+    A few microseconds per tensor: the accountant's cost on a model of thousands of
+    parameters is mostly this walk, so it asks each tensor only what it must.
+    """
+    by_key: dict[tuple[int, int, torch.device], _Storage] = {}
+    dtype_names: dict[torch.dtype, str] = {}
+    ask_pinned = _pinning_possible()
     for comp_name, module in components.items():
         for name, tensor in _named_tensors(module):
             storage = tensor.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes(), str(tensor.device))
-            if key in by_key:
-                by_key[key].names.append(name)
+            device = tensor.device
+            key = (storage.data_ptr(), storage.nbytes(), device)
+            found = by_key.get(key)
+            if found is not None:
+                found.names.append(name)
                 continue
-            by_key[key] = _Storage(
-                component=comp_name,
-                names=[name],
-                start=storage.data_ptr(),
-                nbytes=storage.nbytes(),
-                dtype=str(tensor.dtype).replace("torch.", ""),
-                device=str(tensor.device),
-                pinned=tensor.device.type == "cpu" and _is_pinned(tensor),
-            )
+            dtype = dtype_names.get(tensor.dtype) or dtype_names.setdefault(
+                tensor.dtype, str(tensor.dtype).replace("torch.", ""))
+            by_key[key] = _Storage(comp_name, [name], key[0], key[1], dtype, str(device),
+                                   ask_pinned and device.type == "cpu" and _is_pinned(tensor))
     return list(by_key.values())
 
 

@@ -1,8 +1,11 @@
-"""A memory cgroup with a real limit, nested under this process's own cgroup.
+"""A memory cgroup of its own, nested under this process's own cgroup.
 
-Used to show a real kill: a child started inside the group is charged for what it
-touches, and the kernel's OOM killer ends it when it goes over the limit. The group
-is created under the cgroup the process is already in (from /proc/self/cgroup),
+Two uses. With a limit it shows a real kill: a child started inside the group is
+charged for what it touches, and the kernel's OOM killer ends it when it goes over.
+Without one it counts: ``hostmem guard`` starts its command inside a group, and the
+group's anonymous figure (:meth:`MemoryCgroup.anon_bytes`) covers every process the
+command starts, once per page, including daemons that re-parent away from it. The
+group is created under the cgroup the process is already in (from /proc/self/cgroup),
 never beside it or at the root, and removed afterwards. Where the machine does not
 allow it, :func:`can_nest_memory_cgroup` says why and nothing is created.
 """
@@ -10,27 +13,97 @@ allow it, :func:`can_nest_memory_cgroup` says why and nothing is created.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from .procfs import ProcReadError, memory_cgroup_dir
 
-__all__ = ["MemoryCgroup", "can_nest_memory_cgroup", "memory_cgroup"]
+__all__ = ["MemoryCgroup", "STAT_KEYS", "can_nest_memory_cgroup", "memory_cgroup"]
+
+# memory.stat keys of (anonymous, shmem) bytes, hierarchical (subgroups included), by version
+STAT_KEYS = {1: ("total_rss", "total_shmem"), 2: ("anon", "shmem")}
 
 
-@dataclass(frozen=True)
-class MemoryCgroup:
+class MemoryCgroup(NamedTuple):
     """A nested memory cgroup: where it is, which version, and how to put a process in."""
 
     path: str
     version: int
-    limit_bytes: int
+    limit_bytes: int | None
 
     @property
     def procs_file(self) -> str:
         return os.path.join(self.path, "cgroup.procs")
+
+    @property
+    def stat_file(self) -> str:
+        return os.path.join(self.path, "memory.stat")
+
+    def pids(self) -> list[int]:
+        """The processes in the group now (an empty list once the group is gone)."""
+        try:
+            with open(self.procs_file) as handle:
+                return [int(line) for line in handle if line.strip()]
+        except FileNotFoundError:
+            return []
+
+    def anon_bytes(self, include_shmem: bool = False) -> int:
+        """Anonymous memory charged to the group and its subgroups, each page once.
+
+        From memory.stat: ``total_rss`` in v1, ``anon`` in v2 (plus the shmem
+        figure when asked). Not ``usage``: that one includes page cache.
+        """
+        try:
+            with open(self.stat_file) as handle:
+                stat = dict(line.split() for line in handle if line.count(" ") == 1)
+        except OSError as exc:
+            raise ProcReadError(f"{self.stat_file}: {exc.strerror}") from None
+        keys = STAT_KEYS[self.version][: 2 if include_shmem else 1]
+        return sum(int(stat.get(key, 0)) for key in keys)
+
+    def signal_all(self, signum: int) -> int:
+        """Send ``signum`` to every process in the group now; returns how many were sent it."""
+        sent = 0
+        for pid in self.pids():
+            try:
+                os.kill(pid, signum)
+                sent += 1
+            except ProcessLookupError:
+                pass
+        return sent
+
+    def kill_all(self) -> int:
+        """SIGKILL every process in the group until none is left; returns how many were sent."""
+        sent = 0
+        for _ in range(100):  # a process may fork while the list is read: read it again
+            pids = self.pids()
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    sent += 1
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.01)
+        return sent
+
+    def move_out(self) -> list[int]:
+        """Move every process still in the group to the parent group; returns their pids.
+
+        What a command leaves running (a daemon) keeps running; only the group goes.
+        """
+        moved = []
+        parent = os.path.join(os.path.dirname(self.path), "cgroup.procs")
+        for pid in self.pids():
+            try:
+                _write(parent, str(pid))
+                moved.append(pid)
+            except ProcessLookupError:
+                pass  # exited meanwhile
+        return moved
 
     def join(self) -> None:
         """Move the calling process into the group (use as a ``preexec_fn``)."""
@@ -86,11 +159,13 @@ def _write(path: str, value: str) -> None:
 
 
 @contextmanager
-def memory_cgroup(limit_bytes: int, name: str | None = None) -> Iterator[MemoryCgroup]:
-    """Create a group with ``limit_bytes`` under this process's own; remove it afterwards.
+def memory_cgroup(limit_bytes: int | None, name: str | None = None) -> Iterator[MemoryCgroup]:
+    """Create a group under this process's own, limited unless ``limit_bytes`` is None.
 
-    Processes still in the group when the block ends are the caller's to end first:
-    removal waits briefly for them to leave, then raises saying which group is left.
+    The group is removed afterwards. Processes still in it when the block ends are
+    the caller's to end or move out first (:meth:`MemoryCgroup.kill_all`,
+    :meth:`MemoryCgroup.move_out`): removal waits briefly for them to leave, then
+    raises saying which group is left.
     """
     reason = can_nest_memory_cgroup()
     if reason is not None:
@@ -99,7 +174,9 @@ def memory_cgroup(limit_bytes: int, name: str | None = None) -> Iterator[MemoryC
     path = os.path.join(parent, name or f"hostmem-{os.getpid()}-{time.monotonic_ns()}")
     os.mkdir(path)
     try:
-        if version == 1:
+        if limit_bytes is None:
+            pass
+        elif version == 1:
             _write(os.path.join(path, "memory.limit_in_bytes"), str(limit_bytes))
         else:
             _write(os.path.join(path, "memory.max"), str(limit_bytes))

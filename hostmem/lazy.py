@@ -4,7 +4,7 @@ stays cheap: the command line, the guard and the planner never pay for torch."""
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable  # not typing: importing it costs a light command 3 ms
 
 
 def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable, Callable]:

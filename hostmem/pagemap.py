@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from .procfs import PAGE_SIZE, ProcReadError, proc_path
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["PageBits", "PagemapReader", "read_page_bits"]
 
@@ -62,11 +64,18 @@ class PagemapReader:
 
     def read_raw(self, start: int, end: int) -> torch.Tensor:
         """Return the int64 entries of the pages overlapping ``[start, end)``."""
+        import torch  # here, not at import: ``hostmem inspect`` reads bytes only
+
+        buf = self.read_bytes(start, end)
+        return torch.frombuffer(buf, dtype=torch.int64) if buf else torch.empty(0, dtype=torch.int64)
+
+    def read_bytes(self, start: int, end: int) -> bytearray:
+        """The raw 8-byte little-endian entries of the pages overlapping ``[start, end)``."""
         first = start // PAGE_SIZE
         last = (end + PAGE_SIZE - 1) // PAGE_SIZE
         count = max(0, last - first)
         if count == 0:
-            return torch.empty(0, dtype=torch.int64)
+            return bytearray()
         want = count * _ENTRY
         buf = bytearray(want)
         view = memoryview(buf)
@@ -79,9 +88,9 @@ class PagemapReader:
             if n <= 0:
                 break
             got += n
-        return torch.frombuffer(buf, dtype=torch.int64, count=got // _ENTRY) if got else torch.empty(
-            0, dtype=torch.int64
-        )
+        view.release()
+        del buf[got - got % _ENTRY :]
+        return buf
 
     def read(self, start: int, end: int) -> PageBits:
         """Return the decoded bits of the pages overlapping ``[start, end)``."""

@@ -9,7 +9,8 @@ contract other tools parse::
      "mappings": [{"path": str | null, "start": int, "end": int, ...same class keys...}],
      "precision": "page" | "vma"}
 
-Every size is bytes. Keys may be added, never renamed.
+Every size is bytes. Keys may be added, never renamed. Classifying whole areas needs
+no torch (:class:`hostmem.areas.AreaSnapshot`), so ``hostmem inspect`` starts fast.
 """
 
 from __future__ import annotations
@@ -17,11 +18,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .residency import RangeClassifier, Residency
+from .areas import AreaSnapshot
+from .procfs import ProcReadError
+from .residency_classes import Residency
 from .table import format_table
 from .units import format_size
 
-__all__ = ["MappingResidency", "ProcessResidency", "inspect_process"]
+__all__ = ["MappingResidency", "ProcessResidency", "inspect_process", "require_process"]
+
+
+def require_process(pid: int) -> None:
+    """Raise :class:`ProcReadError` ("no such process") unless ``pid`` names a live process."""
+    if pid <= 0 or not os.path.isdir(f"/proc/{int(pid)}"):
+        raise ProcReadError(f"pid {pid}: no such process (it may have exited; list processes with `ps`)")
 
 
 @dataclass(frozen=True)
@@ -95,11 +104,14 @@ class ProcessResidency:
 
 
 def inspect_process(pid: int | None = None) -> ProcessResidency:
-    """Classify every mapping of process ``pid`` (default: this one)."""
-    with RangeClassifier(pid) as classifier:
-        classified = classifier.classify_many([(v.start, v.end) for v in classifier.vmas])
-        mappings = [
-            MappingResidency(v.path, v.start, v.end, v.perms, r) for v, r in zip(classifier.vmas, classified)
-        ]
-        precision = classifier.precision
+    """Classify every mapping of process ``pid`` (default: this one).
+
+    Raises :class:`ProcReadError` saying "no such process" when ``pid`` names none,
+    rather than naming whichever /proc file happened to be read first.
+    """
+    if pid is not None:
+        require_process(pid)
+    with AreaSnapshot(pid) as areas:  # whole areas only: no torch, a byte count per area
+        mappings = [MappingResidency(v.path, v.start, v.end, v.perms, areas.classify_whole_area(v)) for v in areas.vmas]
+        precision = areas.precision
     return ProcessResidency(pid=os.getpid() if pid is None else pid, mappings=mappings, precision=precision)

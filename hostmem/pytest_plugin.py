@@ -11,12 +11,13 @@ The marker fails a test whose anonymous memory grew too much while its body ran:
     @pytest.mark.limit_peak_anon("512MiB")
     def test_load_stays_mapped(): ...
 
-Growth is the peak minus the figure at the start of the test body (RssAnon of the
-pytest process, sampled every millisecond from a separate process, see
-:mod:`hostmem.peak`). ``absolute=True`` (or ``--peak-anon-absolute`` for every
-marker that does not say) compares the peak itself instead. Other keywords:
-``include_shmem=True`` counts RssShmem too, ``children=True`` adds every descendant
-process, ``interval_ms=`` changes the sampling interval (``--peak-anon-interval``).
+Growth is the peak minus the figure at the start of the test body: RssAnon of the
+pytest process and of every process the test starts (a tree scan of its
+descendants; ``children=False`` counts the pytest process alone), sampled every
+millisecond from a separate process, see :mod:`hostmem.peak`. ``absolute=True`` (or
+``--peak-anon-absolute`` for every marker that does not say) compares the peak
+itself instead. Other keywords: ``include_shmem=True`` counts RssShmem too,
+``interval_ms=`` changes the sampling interval (``--peak-anon-interval``).
 
 A marked test that passes while the sampler was starved for more than 20 ms, or
 while VmHWM saw resident memory that no sample saw, gets a ``PeakSamplingWarning``
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from .peak import DEFAULT_INTERVAL_S, PeakTracker, parse_interval_ms
+from .peak import DEFAULT_INTERVAL_S, PeakTracker, PeakTrackerError, parse_interval_ms
 from .units import format_size, parse_size
 
 MARKER = "limit_peak_anon"
@@ -100,9 +101,10 @@ def pytest_addoption(parser) -> None:
 def pytest_configure(config) -> None:
     config.addinivalue_line(
         "markers",
-        f"{MARKER}(limit, absolute=False, include_shmem=False, children=False, interval_ms=None): fail the "
-        "test when its anonymous memory (RssAnon) grows by more than limit (e.g. '512MiB') during the "
-        "test body; absolute=True judges the peak itself (hostmem)",
+        f"{MARKER}(limit, absolute=False, include_shmem=False, children=True, interval_ms=None): fail the "
+        "test when its anonymous memory (RssAnon, with every process the test starts unless "
+        "children=False) grows by more than limit (e.g. '512MiB') during the test body; absolute=True "
+        "judges the peak itself (hostmem)",
     )
     if config.getoption("--peak-anon-interval", None) is not None:
         _interval_from_option(config)  # a bad value stops the run at once, with its name
@@ -142,7 +144,7 @@ def limit_for(item) -> PeakLimit | None:
         limit_bytes=limit,
         absolute=bool(item.config.getoption("--peak-anon-absolute") if absolute is None else absolute),
         include_shmem=bool(kwargs.get("include_shmem", False)),
-        children=bool(kwargs.get("children", False)),
+        children=bool(kwargs.get("children", True)),
         interval_s=interval_s,
     )
 
@@ -162,7 +164,7 @@ def _tracker_for(item) -> PeakTracker:
     if tracker is None:
         limit = _checked_limit(item)
         if limit is None:
-            tracker = PeakTracker(interval_s=_interval_from_option(item.config))
+            tracker = PeakTracker(interval_s=_interval_from_option(item.config), children=True)
         else:
             tracker = PeakTracker(
                 interval_s=limit.interval_s, children=limit.children, include_shmem=limit.include_shmem
@@ -198,8 +200,7 @@ def _runtest_call(item):
     try:
         result = yield
     except BaseException:
-        tracker.stop()
-        if limit is not None and _over(tracker, limit):
+        if _stopped_quietly(tracker) and limit is not None and _over(tracker, limit):
             item.add_report_section("call", "hostmem", failure_message(tracker, limit))
         raise
     tracker.stop()
@@ -210,6 +211,19 @@ def _runtest_call(item):
         if doubt:
             item.warn(PeakSamplingWarning(doubt))
     return result
+
+
+def _stopped_quietly(tracker: PeakTracker) -> bool:
+    """Stop the tracker while the test's own exception (a Ctrl-C too) is on its way.
+
+    A sampler that failed meanwhile must not replace that exception with its own:
+    the figures are then lost (False), and the test's error is what pytest shows.
+    """
+    try:
+        tracker.stop()
+    except PeakTrackerError:
+        return False
+    return True
 
 
 if SUPPORTED:  # an older pluggy would reject the whole plugin at registration
@@ -256,11 +270,10 @@ def failure_message(tracker: PeakTracker, limit: PeakLimit) -> str:
     """Limit, peak, baseline, when the peak came, the timeline's shape, and the usual causes."""
     fig = tracker.figures()
     what = "anonymous+shmem memory" if limit.include_shmem else "anonymous memory (RssAnon)"
-    scope = " of this process and its children" if limit.children else ""
     if limit.absolute:
-        head = f"peak {what}{scope} reached {format_size(fig.peak_bytes)}, over the absolute limit of"
+        head = f"peak {what} reached {format_size(fig.peak_bytes)}, over the absolute limit of"
     else:
-        head = f"{what}{scope} grew by {format_size(fig.growth_bytes)} during the test, over the limit of"
+        head = f"{what} grew by {format_size(fig.growth_bytes)} during the test, over the limit of"
     return "\n".join(
         [
             f"hostmem: {head} {format_size(limit.limit_bytes)}",
@@ -269,11 +282,20 @@ def failure_message(tracker: PeakTracker, limit: PeakLimit) -> str:
             f"  the peak came {fig.peak_t_s:.3f} s into the test body, which ran {fig.duration_s:.3f} s",
             f"  timeline: {timeline_text(fig.timeline)}",
             f"  {fig.samples} samples, every {tracker.interval_s * 1000:g} ms "
-            f"(longest gap {fig.max_gap_s * 1000:.1f} ms, sampler priority {fig.sampler_priority})",
+            f"(longest gap {fig.max_gap_s * 1000:.1f} ms, sampler priority {fig.sampler_priority}); "
+            f"{_processes_text(tracker)}",
             f"  cross-checks: {tracker.cross_check_text()}",
             f"  {CAUSES}",
         ]
     )
+
+
+def _processes_text(tracker: PeakTracker) -> str:
+    """Whose memory was counted, e.g. "3 processes counted (the test's and those it started, tree scan)"."""
+    if not tracker.children:
+        return "the pytest process alone counted (children=False)"
+    n = tracker.figures().processes
+    return f"{n} process{'' if n == 1 else 'es'} counted (the test's and those it started, {tracker.counting})"
 
 
 def timeline_text(timeline, points: int = 6) -> str:

@@ -21,47 +21,17 @@ tensors is split between them by the bytes each one covers.
 from __future__ import annotations
 
 import bisect
-from dataclasses import fields
 
 import torch
 
-from .pagemap import PagemapReader
-from .procfs import (
-    PAGE_SIZE,
-    Mount,
-    ProcReadError,
-    Vma,
-    is_shmem_fs,
-    read_maps,
-    read_mounts,
-    read_smaps,
-    read_status,
-)
+from .areas import CHUNK_PAGES, CODE_TABLES, CODES, UNIFORM_CODE, AreaKind, AreaSnapshot, classify_from_smaps, residency_of_counts
+from .procfs import PAGE_SIZE, Vma
 from .residency_classes import CLASSES, Residency
 
 __all__ = ["Residency", "RangeClassifier", "classify_range", "CLASSES"]
 
-_ANONYMOUS, _FILE_BACKED, _SHMEM, _PINNED, _SWAPPED, _NOT_RESIDENT = range(len(CLASSES))
 
-_DEVICE_PREFIXES = ("/dev/nvidia", "/dev/dri/", "/dev/kfd")
-_SHMEM_NAMES = ("/SYSV", "/memfd:", "/dev/zero", "[anon_shmem")
-
-
-def _strip_deleted(path: str) -> str:
-    return path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
-
-
-class _AreaKind:
-    DEVICE = "device"
-    LOCKED = "locked"
-    SHMEM_SHARED = "shmem_shared"  # every present page is shmem
-    FILE = "file"  # present pages: file bit -> file_backed, else anonymous
-    SHMEM_FILE = "shmem_file"  # private tmpfs mapping: file bit -> shmem, else anonymous
-    ANON = "anon"  # present pages: shared bit -> shmem, else anonymous
-    NO_ACCESS = "no_access"  # ---p: nothing can be resident
-
-
-class RangeClassifier:
+class RangeClassifier(AreaSnapshot):
     """A snapshot of one process's memory areas that classifies address ranges.
 
     Reads smaps and mountinfo once, keeps pagemap open, and answers many
@@ -70,55 +40,11 @@ class RangeClassifier:
     """
 
     def __init__(self, pid: int | None = None):
-        self.pid = pid
-        self._mounts: list[Mount] = read_mounts(pid)
-        self._fs_cache: dict[str, bool] = {}
-        try:
-            self._pagemap: PagemapReader | None = PagemapReader(pid)
-            self.precision = "page"
-        except ProcReadError:
-            # Another user's process: smaps is readable, pagemap is not. Classify per
-            # area from smaps' Anonymous/Rss/Swap, pro-rated for partial ranges.
-            self._pagemap = None
-            self.precision = "vma"
-        # smaps costs a page-table walk (tens of ms per resident GiB); it is only needed
-        # for VmFlags when something is locked, or for counters when pagemap is closed.
-        needs_smaps = self._pagemap is None or read_status(pid).vm_lck > 0
-        self.vmas: list[Vma] = read_smaps(pid) if needs_smaps else read_maps(pid)
+        super().__init__(pid)
         self._starts = [v.start for v in self.vmas]
-
-    def close(self) -> None:
-        if self._pagemap is not None:
-            self._pagemap.close()
 
     def __enter__(self) -> "RangeClassifier":
         return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _on_shmem_fs(self, path: str) -> bool:
-        cached = self._fs_cache.get(path)
-        if cached is None:
-            cached = self._fs_cache[path] = is_shmem_fs(_strip_deleted(path), self._mounts)
-        return cached
-
-    def area_kind(self, vma: Vma) -> str:
-        """Return how pages of ``vma`` are classified (one of :class:`_AreaKind`)."""
-        path = vma.path or ""
-        if path.startswith(_DEVICE_PREFIXES):
-            return _AreaKind.DEVICE
-        if vma.perms.startswith("---"):
-            return _AreaKind.NO_ACCESS
-        if vma.is_locked:
-            return _AreaKind.LOCKED
-        if path.startswith(_SHMEM_NAMES):
-            return _AreaKind.SHMEM_SHARED
-        if vma.is_file and path.startswith("/"):
-            if self._on_shmem_fs(path):
-                return _AreaKind.SHMEM_SHARED if vma.is_shared else _AreaKind.SHMEM_FILE
-            return _AreaKind.FILE
-        return _AreaKind.ANON
 
     def classify(self, start: int, end: int) -> Residency:
         """Return the residency of the bytes ``[start, end)``; unmapped bytes are skipped."""
@@ -143,13 +69,13 @@ class RangeClassifier:
         for area, items in pieces.items():
             vma = self.vmas[area]
             kind = self.area_kind(vma)
-            if self._pagemap is None and kind != _AreaKind.DEVICE:
+            if self._pagemap is None and kind != AreaKind.DEVICE:
                 for index, start, end in items:
-                    out[index] += torch.tensor(_as_row(_classify_from_smaps(vma, kind, start, end)))
+                    out[index] += torch.tensor(_as_row(classify_from_smaps(vma, kind, start, end)))
                 continue
             index, sums = self._sum_pieces(vma, kind, items)
             out.index_add_(0, index, sums)
-        return [_from_row(row) for row in out.tolist()]
+        return [residency_of_counts(row) for row in out.tolist()]
 
     def _overlapping_indices(self, start: int, end: int) -> list[int]:
         i = max(0, bisect.bisect_right(self._starts, start) - 1)
@@ -181,11 +107,22 @@ class RangeClassifier:
         return index, sums
 
     def _sum_chunk(self, kind: str, lo: int, hi: int, pieces: list[tuple[int, int, int]]) -> torch.Tensor:
-        """Prefix sums of the page codes of ``[lo, hi)``, read off at each piece's ends."""
-        codes = self._page_codes(kind, lo, hi)
+        """Prefix sums of the page codes of ``[lo, hi)``, read off at each piece's ends.
+
+        Where every page of the chunk has the same pagemap bits (a model's weights, all
+        resident and file-backed, say) each piece is wholly that one class: its bytes
+        are its length, with no lookup, count or prefix sum over the pages.
+        """
+        code_bytes = _code_bytes(kind, self._pagemap.read_bytes(lo, hi))
         # Offsets from the chunk's first page: kernel addresses do not fit an int64.
         starts = torch.tensor([s - lo for _, s, _ in pieces], dtype=torch.int64)
         ends = torch.tensor([e - lo for _, _, e in pieces], dtype=torch.int64)
+        pages = (hi - lo + PAGE_SIZE - 1) // PAGE_SIZE
+        if len(code_bytes) == pages and code_bytes.count(code_bytes[:1]) == pages:  # one class throughout
+            sums = torch.zeros(len(pieces), _CODES, dtype=torch.int64)
+            sums[:, code_bytes[0]] = ends - starts
+            return sums
+        codes = self._page_codes(kind, lo, hi, code_bytes)
         first = starts // PAGE_SIZE
         stop = (ends + PAGE_SIZE - 1) // PAGE_SIZE
         sums = torch.zeros(len(pieces), _CODES, dtype=torch.int64)
@@ -200,74 +137,36 @@ class RangeClassifier:
         sums[rows, codes[stop - 1]] -= stop * PAGE_SIZE - ends
         return sums
 
-    def _page_codes(self, kind: str, start: int, end: int) -> torch.Tensor:
-        """One code per page of ``[start, end)``: pagemap bits 63..61 looked up per kind."""
+    def _page_codes(self, kind: str, start: int, end: int, code_bytes: bytes | None = None) -> torch.Tensor:
+        """One code per page of ``[start, end)`` (pages pagemap has no entry for: not
+        resident); ``code_bytes`` as :func:`_code_bytes` gives them, read here when not given."""
         pages = (end - start + PAGE_SIZE - 1) // PAGE_SIZE
-        raw = self._pagemap.read_raw(start, end)
-        codes = torch.full((pages,), _NOT_RESIDENT, dtype=torch.int64)
-        codes[: raw.numel()] = _CODE_TABLES[kind][(raw >> 61) & 7]
+        if code_bytes is None:
+            code_bytes = _code_bytes(kind, self._pagemap.read_bytes(start, end))
+        codes = torch.full((pages,), CLASSES.index("not_resident"), dtype=torch.int64)
+        if code_bytes:
+            codes[: len(code_bytes)] = torch.frombuffer(bytearray(code_bytes), dtype=torch.uint8)
         return codes
 
 
-def _code_table(present_file: int, present_other: int) -> torch.Tensor:
-    """Codes for the 8 values of pagemap bits (present, swapped, file-or-shared)."""
-    table = []
-    for bits in range(8):
-        present, swapped, file_page = bits & 4, bits & 2, bits & 1
-        if present:
-            table.append(present_file if file_page else present_other)
-        else:
-            table.append(_SWAPPED if swapped else _NOT_RESIDENT)
-    return torch.tensor(table, dtype=torch.int64)
+# Page codes per area kind, per top byte of a pagemap entry (bits 63..61 are its bits 7..5).
+_BYTE_TABLES = {kind: bytes(table[(byte >> 5) & 7] for byte in range(256)) for kind, table in CODE_TABLES.items()}
+_CODES = CODES
+_UNIFORM_CODE = UNIFORM_CODE
+_CHUNK_PAGES = CHUNK_PAGES
 
 
-# A page's code: the six CLASSES, plus pinned pages of anonymous memory (still RssAnon).
-_PINNED_ANON = len(CLASSES)
-_CODES = len(CLASSES) + 1
-_CHUNK_PAGES = 1 << 18  # 1 GiB of 4 KiB pages per pagemap read: bounded memory per chunk
-_CODE_TABLES = {
-    _AreaKind.LOCKED: _code_table(_PINNED, _PINNED_ANON),
-    _AreaKind.SHMEM_SHARED: _code_table(_SHMEM, _SHMEM),
-    _AreaKind.FILE: _code_table(_FILE_BACKED, _ANONYMOUS),
-    _AreaKind.SHMEM_FILE: _code_table(_SHMEM, _ANONYMOUS),
-    _AreaKind.ANON: _code_table(_SHMEM, _ANONYMOUS),
-}
-# Areas classified without pagemap: driver memory is pinned whole; an area with no
-# access rights (a reservation, a guard region) cannot be touched, so nothing is resident.
-_UNIFORM_CODE = {_AreaKind.DEVICE: _PINNED, _AreaKind.NO_ACCESS: _NOT_RESIDENT}
-
-
-def _from_row(row: list[int]) -> Residency:
-    return Residency(
-        anonymous=row[_ANONYMOUS],
-        file_backed=row[_FILE_BACKED],
-        shmem=row[_SHMEM],
-        pinned=row[_PINNED] + row[_PINNED_ANON],
-        swapped=row[_SWAPPED],
-        not_resident=row[_NOT_RESIDENT],
-        pinned_anonymous=row[_PINNED_ANON],
-    )
+def _code_bytes(kind: str, entries: bytearray) -> bytes:
+    """One class code per page, as bytes: the top byte of each little-endian 8-byte pagemap
+    entry (bits 63..56) looked up in the kind's table. C-speed slicing and translation, no
+    tensor operation: on a busy host each of those can wait on a descheduled thread."""
+    return bytes(entries[7::8]).translate(_BYTE_TABLES[kind])
 
 
 def _as_row(residency: Residency) -> list[int]:
     row = [getattr(residency, name) for name in CLASSES] + [residency.pinned_anonymous]
-    row[_PINNED] -= residency.pinned_anonymous
+    row[CLASSES.index("pinned")] -= residency.pinned_anonymous
     return row
-
-
-def _classify_from_smaps(vma: Vma, kind: str, start: int, end: int) -> Residency:
-    """Per-area estimate from smaps counters, scaled to the part ``[start, end)``."""
-    share = (end - start) / vma.size if vma.size else 0.0
-    anon = vma.anonymous
-    other = max(0, vma.rss - anon)
-    absent = max(0, vma.size - vma.rss - vma.swap)
-    if kind == _AreaKind.LOCKED:
-        full = Residency(pinned=vma.rss, swapped=vma.swap, not_resident=absent)
-    elif kind in (_AreaKind.SHMEM_SHARED, _AreaKind.SHMEM_FILE, _AreaKind.ANON):
-        full = Residency(anonymous=anon, shmem=other, swapped=vma.swap, not_resident=absent)
-    else:
-        full = Residency(anonymous=anon, file_backed=other, swapped=vma.swap, not_resident=absent)
-    return Residency(*(int(getattr(full, f.name) * share) for f in fields(full)))
 
 
 def classify_range(start: int, end: int, pid: int | None = None) -> Residency:

@@ -83,6 +83,9 @@ class ReadOnlySafetensors:
                 raise SafetensorsError(f"{self.path}: empty file")
             self._map = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         advise_huge_pages(self._map)
+        from .writers import guard_foreign_writers  # read-only weights handed out: catch writers
+
+        guard_foreign_writers()
 
     def keys(self) -> list[str]:
         return list(self.header.tensors)

@@ -4,15 +4,15 @@ Every size that a person types ("32GiB", "18.4 G", "512MiB", "0", "4096") goes
 through :func:`parse_size`; every size that a person reads goes through
 :func:`format_size`. JSON carries plain integers of bytes and never passes here.
 
-Binary suffixes (KiB, MiB, GiB, TiB, and the short K, M, G, T) are powers of 1024;
-decimal suffixes (kB, MB, GB, TB) are powers of 1000, as disks and vendors count.
+Binary suffixes (KiB, MiB, GiB, TiB, PiB, and the short K, M, G, T, P) are powers of
+1024; decimal suffixes (kB, MB, GB, TB, PB) are powers of 1000, as disks and vendors count.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["parse_size", "format_size", "parse_rate", "format_rate", "parse_fraction"]
+__all__ = ["parse_size", "size_option", "MAX_SIZE", "format_size", "parse_rate", "format_rate", "parse_fraction"]
 
 _MULTIPLIERS = {
     "": 1,
@@ -21,41 +21,79 @@ _MULTIPLIERS = {
     "m": 1024**2, "mi": 1024**2, "mib": 1024**2,
     "g": 1024**3, "gi": 1024**3, "gib": 1024**3,
     "t": 1024**4, "ti": 1024**4, "tib": 1024**4,
-    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+    "p": 1024**5, "pi": 1024**5, "pib": 1024**5,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4, "pb": 1000**5,
 }
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+_DIGITS_MAX = 30  # more digits than any size can have: refused before float() sees them
+# The largest size accepted: offsets in safetensors and /proc are 64-bit, and a larger
+# figure in a config is a typo that would overflow the plan's arithmetic downstream.
+MAX_SIZE = (1 << 63) - 1
+_EXAMPLES = "expected e.g. '32GiB', '512MiB', '61.7GB' or a whole number of bytes"
 
 
 def parse_size(text: str | int | float) -> int:
     """Return the number of bytes that ``text`` names.
 
-    Accepts plain integers, ``"4096"``, ``"512MiB"``, ``"32 GiB"``, ``"18.4G"`` and
-    decimal units (``"61.7GB"``). Raises ``ValueError`` quoting the input when it is
-    not a size.
+    Accepts whole numbers of bytes (``4096``, ``"4096"``), ``"512MiB"``, ``"32 GiB"``,
+    ``"18.4G"`` and decimal units (``"61.7GB"``). A fraction without a unit (``"1.5"``)
+    is refused rather than rounded to 2 bytes: it is almost always a size whose unit
+    was forgotten. Raises ``ValueError`` quoting the input when it is not a size, is
+    negative, not finite, or larger than :data:`MAX_SIZE`.
     """
-    if isinstance(text, bool):
-        raise ValueError(f"not a size: {text!r} (expected e.g. '32GiB', '512MiB' or bytes)")
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+        raise ValueError(f"not a size: {_quote(text)} ({_EXAMPLES})")
     if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"not a size: {text!r} (sizes are never negative)")
-        return text
+        return _checked(text, text)
     if isinstance(text, float):
-        if text < 0 or text != text:
-            raise ValueError(f"not a size: {text!r} (sizes are never negative)")
-        return int(round(text))
-    if not isinstance(text, str):
-        raise ValueError(f"not a size: {text!r} (expected e.g. '32GiB', '512MiB' or bytes)")
+        if text != text or text in (float("inf"), float("-inf")):
+            raise ValueError(f"not a size: {_quote(text)} (not a finite number; {_EXAMPLES})")
+        if not text.is_integer():
+            raise ValueError(f"not a size: {_quote(text)} (a fraction of a byte: add a unit, e.g. '{text}GiB')")
+        return _checked(text, int(text))
     match = _SIZE_RE.match(text)
     if not match:
-        raise ValueError(f"not a size: {text!r} (expected e.g. '32GiB', '512MiB', '61.7GB' or bytes)")
+        raise ValueError(f"not a size: {_quote(text)} ({_EXAMPLES})")
     number, unit = match.groups()
     multiplier = _MULTIPLIERS.get(unit.lower())
     if multiplier is None:
         raise ValueError(
-            f"not a size: {text!r} (unknown unit {unit!r}; use B, KiB, MiB, GiB, TiB or kB, MB, GB, TB)"
+            f"not a size: {_quote(text)} (unknown unit {unit!r}; use B, KiB, MiB, GiB, TiB, PiB or kB, MB, GB, TB, PB)"
         )
-    return int(round(float(number) * multiplier))
+    if len(number.lstrip("0")) > _DIGITS_MAX:
+        raise ValueError(f"not a size: {_quote(text)} (larger than any host: at most {format_size(MAX_SIZE)})")
+    if multiplier == 1 and "." in number and float(number) != int(float(number)):
+        raise ValueError(f"not a size: {_quote(text)} (a fraction of a byte: add a unit, e.g. '{number}GiB')")
+    if "." not in number:
+        return _checked(text, int(number) * multiplier)
+    return _checked(text, int(round(float(number) * multiplier)))
+
+
+def _quote(text) -> str:
+    """``repr(text)``, cut short: a 400-digit typo need not be echoed whole."""
+    shown = repr(text)
+    return shown if len(shown) <= 40 else f"{shown[:30]}...({len(shown)} characters)"
+
+
+def _checked(text, value: int) -> int:
+    """``value`` when it is a size a host can have; a ValueError quoting ``text`` if not."""
+    if value < 0:
+        raise ValueError(f"not a size: {_quote(text)} (sizes are never negative)")
+    if value > MAX_SIZE:
+        raise ValueError(f"not a size: {_quote(text)} (larger than any host: at most {format_size(MAX_SIZE)})")
+    return value
+
+
+def size_option(text: str) -> int:
+    """``parse_size`` for argparse's ``type=``: a bad value is reported with its option's
+    name (``argument --scale: not a size: 'abc' ...``) and exit code 2."""
+    import argparse
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def format_size(num_bytes: int | float, precision: int = 1) -> str:
@@ -63,18 +101,18 @@ def format_size(num_bytes: int | float, precision: int = 1) -> str:
     value = float(num_bytes)
     sign = "-" if value < 0 else ""
     value = abs(value)
-    for unit in ("B", "KiB", "MiB", "GiB"):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
         if value < 1024:
             return f"{sign}{int(value)} B" if unit == "B" else f"{sign}{value:.{precision}f} {unit}"
         value /= 1024
-    return f"{sign}{value:.{precision}f} TiB"
+    return f"{sign}{value:.{precision}f} EiB"
 
 
 def parse_rate(text: str | int | float) -> float:
     """Return bytes per second for a rate such as ``"24GB/s"`` or ``"8 GiB/s"``."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if text <= 0:
-            raise ValueError(f"not a rate: {text!r} (a rate must be positive)")
+        if not 0 < text <= MAX_SIZE:  # NaN fails both comparisons
+            raise ValueError(f"not a rate: {_quote(text)} (a rate must be positive and finite)")
         return float(text)
     if not isinstance(text, str) or not text.strip().endswith("/s"):
         raise ValueError(f"not a rate: {text!r} (expected e.g. '24GB/s' or '8GiB/s')")

@@ -13,8 +13,9 @@ without merging::
     print(stats)                 # layers hit, built, fallen back; bytes; seconds
     lora_cache.unmerge(dit)      # back to the base, bit for bit
 
-``cache_root=None``, ``enabled=False`` or ``HOSTMEM_DISABLE_LORA_MERGE_CACHE=1`` merge in
-place, as servers always have. :class:`Adapter` gives alpha overrides and key rules.
+Without ``cache_root`` the default root is used (``$HOSTMEM_CACHE_ROOT``, else
+``~/.cache/hostmem``); ``enabled=False`` or ``HOSTMEM_DISABLE_LORA_MERGE_CACHE=1`` merge in
+place, as servers always have, and the stats say so. :class:`Adapter` gives alpha overrides and key rules.
 """
 
 from hostmem.lazy import lazy_exports
@@ -25,11 +26,16 @@ _EXPORTS = {
     "CacheBuildError": "orchestrate",
     "unmerge": "layers",
     "is_merged": "layers",
+    "UnmergeError": "layers",
     "Adapter": "adapters",
     "read_adapter": "adapters",
     "AdapterError": "adapters",
     "KeyResolutionError": "keys",
+    "load_lora": "diffusers_entry",
     "UnsupportedAdapterError": "merge_math",
+    "set_adapters": "adapter_switch",
+    "swap_ready": "adapter_switch",
+    "set_pipeline_adapters": "diffusers_switch",
 }
 
 __all__ = sorted(_EXPORTS)

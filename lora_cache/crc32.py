@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 __all__ = ["crc32", "crc32_combine", "crc32_of", "CRC32_IMPLEMENTATION", "PIECE_BYTES"]
 

@@ -6,6 +6,19 @@ dots turned into underscores (``lora_unet_blocks_0_attn_to_q``), which is ambigu
 its own (``to_q`` has an underscore too) and is therefore resolved against the model's
 real module names. Rules from the config (regex -> replacement) are tried first.
 
+Fused projections take rules too. A LoRA trained on a fused qkv (or Flux's ``linear1``)
+onto a model with separate q/k/v weights: a rule whose replacement is a list of modules
+splits the up matrix's rows over them in order, each placement a view of its rows with
+the shared down matrix. Separate q/k/v LoRAs onto a model with one fused weight: rules
+ending in ``[start:stop]`` place each on its rows, as one delta per slice whose up (and
+diff) is set into zero rows of the fused weight's height. That was chosen over one
+delta with a block-diagonal up and concatenated downs (what diffusers does when it fuses
+projections) because each slice keeps its own scale exactly, as ``addmm``'s alpha: a
+block-diagonal up would have to fold three scales into its values, rounding them in the
+adapter's dtype, and the merge would no longer be the one each separate weight gets.
+Adding a zero row is exact, so every row of the fused weight gets the same fp32 sum,
+rounded once, as the separate weight it stands for; the padding costs rows x rank.
+
 Resolution works on names and shapes only (``{parameter name: shape}``), so the same code
 serves a loaded model and a checkpoint's headers (the planner's provider).
 """
@@ -14,12 +27,14 @@ from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 from .adapters import Adapter, AdapterFile, ModuleChange
 from .merge_math import Delta, lora_scale
 
-__all__ = ["KeyResolutionError", "KeyRule", "ModuleIndex", "plan_deltas", "resolve_adapter"]
+__all__ = ["KeyResolutionError", "KeyRule", "ModuleIndex", "Placement", "Target", "plan_deltas", "resolve_adapter"]
 
 _DOTTED_PREFIXES = (
     "base_model.model.",
@@ -43,12 +58,29 @@ class KeyResolutionError(ValueError):
     """Adapter keys that match no module, match several, or do not fit their parameter."""
 
 
+_ROWS = re.compile(r"^(?P<name>.*)\[(?P<start>\d+):(?P<stop>\d+)\]$")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where (part of) an adapter key lands: a module, and optionally rows of its weight."""
+
+    module: str
+    rows: slice | None = None  # rows of the module's weight (and bias) the change covers
+
+
 @dataclass(frozen=True)
 class KeyRule:
-    """A user's rule: a key stem matching ``pattern`` names ``pattern.sub(replace, stem)``."""
+    """A user's rule: a key stem matching ``pattern`` names ``pattern.sub(replace, stem)``.
+
+    ``replace`` is one module name, which may end in ``[start:stop]`` to name rows of a
+    fused weight (a LoRA on ``to_q`` landing on rows 0:3072 of a fused ``qkv``), or a list
+    of module names: a LoRA on a fused projection whose up matrix's rows are split over
+    them in order, each taking as many rows as its weight has.
+    """
 
     pattern: re.Pattern
-    replace: str
+    replace: str | tuple[str, ...]
 
     @classmethod
     def parse(cls, spec) -> "KeyRule":
@@ -59,12 +91,29 @@ class KeyRule:
             spec = (spec["match"], spec["replace"])
         if not (isinstance(spec, (tuple, list)) and len(spec) == 2):
             raise KeyResolutionError(
-                f"key rule {spec!r}: expected {{match: REGEX, replace: MODULE_NAME}} or (regex, replacement)"
+                f"key rule {spec!r}: expected {{match: REGEX, replace: MODULE_NAME or [MODULE_NAME, ...]}} "
+                "or (regex, replacement)"
             )
+        replace = spec[1]
+        replace = tuple(str(r) for r in replace) if isinstance(replace, (list, tuple)) else str(replace)
+        if isinstance(replace, tuple) and not replace:
+            raise KeyResolutionError(f"key rule {spec[0]!r}: an empty list of modules to replace with")
         try:
-            return cls(re.compile(spec[0]), str(spec[1]))
+            return cls(re.compile(spec[0]), replace)
         except re.error as exc:
             raise KeyResolutionError(f"key rule {spec[0]!r}: not a regular expression ({exc})") from None
+
+    def apply(self, stem: str, index: "ModuleIndex") -> list[Target] | None:
+        """The targets of ``stem`` under this rule (None when a named module is missing)."""
+        if isinstance(self.replace, str):
+            name = self.pattern.sub(self.replace, stem)
+            rows = _ROWS.match(name)
+            found = _find_with_prefixes(rows["name"] if rows else name, index)
+            if found is None:
+                return None
+            return [Target(found, slice(int(rows["start"]), int(rows["stop"])) if rows else None)]
+        found = [_find_with_prefixes(self.pattern.sub(r, stem), index) for r in self.replace]
+        return None if None in found else [Target(module) for module in found]
 
 
 class ModuleIndex:
@@ -122,12 +171,61 @@ def _find_with_prefixes(name: str, index: ModuleIndex) -> str | None:
     return found
 
 
-def resolve_stem(stem: str, rules: list[KeyRule], index: ModuleIndex) -> str | None:
-    """The module a key stem names: the first rule that matches decides, else the prefixes."""
+def resolve_stem(stem: str, rules: list[KeyRule], index: ModuleIndex) -> list[Target] | None:
+    """Where a key stem lands: the first rule that matches decides, else the prefixes."""
     for rule in rules:
         if rule.pattern.search(stem):
-            return _find_with_prefixes(rule.pattern.sub(rule.replace, stem), index)
-    return _find_with_prefixes(stem, index)
+            return rule.apply(stem, index)
+    found = _find_with_prefixes(stem, index)
+    return None if found is None else [Target(found)]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One module change (or a row slice of it) landing on one module (or rows of it)."""
+
+    module: str
+    change: ModuleChange
+    source: slice | None = None  # rows of the change's up/diff this placement takes
+    rows: slice | None = None  # rows of the module's weight it lands on
+
+
+def _change_rows(change: ModuleChange) -> int | None:
+    part = change.parts.get("up", change.parts.get("diff", change.parts.get("diff_b")))
+    return None if part is None or part.dim() == 0 else int(part.shape[0])
+
+
+def _split(adapter: AdapterFile, change: ModuleChange, targets: list[Target], index: ModuleIndex) -> list[Placement]:
+    """A change on a fused projection, split by rows over separate modules in order."""
+    if len(targets) == 1:
+        return [Placement(targets[0].module, change, rows=targets[0].rows)]
+    sizes = [index.shapes.get(f"{t.module}.weight", (0,))[0] for t in targets]
+    key = next(iter(change.keys.values()))
+    if sum(sizes) != _change_rows(change):
+        raise KeyResolutionError(
+            f"{adapter.path}: {key!r} has {_change_rows(change)} rows, but the modules it is split over "
+            f"({', '.join(t.module for t in targets)}) have {' + '.join(map(str, sizes))} = {sum(sizes)}; "
+            "does the rule list the right modules?"
+        )
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [Placement(t.module, change, slice(a, a + n)) for t, a, n in zip(targets, starts, sizes)]
+
+
+def _overlap(a: slice | None, b: slice | None) -> bool:
+    return a is None or b is None or (a.start < b.stop and b.start < a.stop)
+
+
+def _check_overlaps(adapter: AdapterFile, placements: list[Placement]) -> None:
+    """Two keys may share a fused weight only on disjoint rows."""
+    seen: dict[str, list[Placement]] = {}
+    for p in placements:
+        for other in seen.get(p.module, []):
+            if _overlap(p.rows, other.rows):
+                raise KeyResolutionError(
+                    f"{adapter.path}: keys {other.change.stem!r} and {p.change.stem!r} both name module "
+                    f"{p.module!r}; remove one or add a key rule that tells them apart"
+                )
+        seen.setdefault(p.module, []).append(p)
 
 
 def _unmatched_message(path: str, keys: list[str], index: ModuleIndex) -> str:
@@ -139,36 +237,33 @@ def _unmatched_message(path: str, keys: list[str], index: ModuleIndex) -> str:
     )
 
 
-def resolve_adapter(adapter: AdapterFile, spec: Adapter, index: ModuleIndex) -> dict[str, ModuleChange]:
-    """Map each module change of ``adapter`` to a model module name.
+def resolve_adapter(adapter: AdapterFile, spec: Adapter, index: ModuleIndex) -> list[Placement]:
+    """Where each module change of ``adapter`` lands in the model.
 
     Unmatched keys raise :class:`KeyResolutionError` (first 20 and a count), or warn and are
-    skipped when ``spec.strict`` is false. Two keys that land on one module are an error.
+    skipped when ``spec.strict`` is false. Two keys that land on one module (on rows that
+    overlap) are an error.
     """
     rules = [KeyRule.parse(r) for r in spec.rules]
-    resolved: dict[str, ModuleChange] = {}
+    placements: list[Placement] = []
     unmatched: list[str] = []
     for stem, change in adapter.modules.items():
         first_key = next(iter(change.keys.values()))
         try:
-            module = resolve_stem(stem, rules, index)
+            targets = resolve_stem(stem, rules, index)
         except KeyResolutionError as exc:
             raise KeyResolutionError(f"{adapter.path}: adapter key {first_key!r} {exc}") from None
-        if module is None:
+        if targets is None:
             unmatched.append(first_key)
-        elif module in resolved:
-            raise KeyResolutionError(
-                f"{adapter.path}: keys {resolved[module].stem!r} and {stem!r} both name module "
-                f"{module!r}; remove one or add a key rule that tells them apart"
-            )
         else:
-            resolved[module] = change
+            placements.extend(_split(adapter, change, targets, index))
+    _check_overlaps(adapter, placements)
     if unmatched:
         message = _unmatched_message(adapter.path, unmatched, index)
         if spec.strict:
             raise KeyResolutionError(message)
         warnings.warn(message.replace(_HOW_TO_FIX, "strict: false, so they are skipped."), stacklevel=3)
-    return resolved
+    return placements
 
 
 def _check_shape(adapter: AdapterFile, key: str, param: str, delta: Delta, index: ModuleIndex) -> None:
@@ -182,32 +277,54 @@ def _check_shape(adapter: AdapterFile, key: str, param: str, delta: Delta, index
         )
 
 
-def _module_deltas(adapter: AdapterFile, spec: Adapter, module: str, change: ModuleChange):
-    """Yield ``(parameter, key, Delta)`` for the weight and bias changes of one module."""
-    parts, strength = change.parts, spec.strength
-    if "up" in parts or "diff" in parts:
-        scale = 0.0
-        if "up" in parts:
-            alpha = spec.alpha if spec.alpha is not None else adapter.alpha(change)
-            rslora = adapter.rslora if spec.rslora is None else spec.rslora
-            scale = lora_scale(strength, alpha, adapter.rank(change), rslora)
-        key = change.keys.get("up", change.keys.get("diff"))
-        source = f"{adapter.path}: {key!r}"
-        yield f"{module}.weight", key, Delta(
-            source, parts.get("up"), parts.get("down"), scale, parts.get("diff"), strength
+def _placed(adapter: AdapterFile, key: str, tensor: torch.Tensor, place: Placement, param: str,
+            index: ModuleIndex) -> torch.Tensor:
+    """``tensor``'s rows as ``place`` puts them: a row slice (a view) of a fused change, or
+    the change set into zero rows of a fused weight (see :func:`plan_deltas`)."""
+    if place.source is not None:
+        tensor = tensor[place.source]
+    if place.rows is None:
+        return tensor
+    total = index.shapes.get(param, (None,))[0]
+    if total is None or place.rows.stop > total or tensor.shape[0] != place.rows.stop - place.rows.start:
+        raise KeyResolutionError(
+            f"{adapter.path}: {key!r} has {tensor.shape[0]} rows but is placed on rows "
+            f"{place.rows.start}:{place.rows.stop} of {param!r} ({total} rows); fix the rule's [start:stop]"
         )
-    if "diff_b" in parts:
-        key = change.keys["diff_b"]
-        yield f"{module}.bias", key, Delta(f"{adapter.path}: {key!r}", diff=parts["diff_b"], diff_scale=strength)
+    padded = tensor.new_zeros((total, *tensor.shape[1:]))
+    padded[place.rows] = tensor
+    return padded
+
+
+def _module_deltas(adapter: AdapterFile, spec: Adapter, place: Placement, index: ModuleIndex):
+    """Yield ``(parameter, key, Delta)`` for the weight and bias changes of one placement."""
+    change, module, strength = place.change, place.module, spec.strength
+    parts = change.parts
+    scale = 0.0
+    if "up" in parts:
+        alpha = spec.alpha if spec.alpha is not None else adapter.alpha(change)
+        rslora = adapter.rslora_for(change) if spec.rslora is None else spec.rslora
+        scale = lora_scale(strength, alpha, adapter.rank(change), rslora)
+    if "up" in parts or "diff" in parts:
+        key = change.keys.get("up", change.keys.get("diff"))
+        param = f"{module}.weight"
+        up = None if "up" not in parts else _placed(adapter, key, parts["up"], place, param, index)
+        diff = None if "diff" not in parts else _placed(adapter, key, parts["diff"], place, param, index)
+        yield param, key, Delta(f"{adapter.path}: {key!r}", up, parts.get("down"), scale, diff, strength)
+    for role, factor in (("diff_b", strength), ("up_b", scale)):  # up_b: peft's lora_bias, scaled as B @ A
+        if role in parts:
+            key, param = change.keys[role], f"{module}.bias"
+            bias = _placed(adapter, key, parts[role], place, param, index)
+            yield param, key, Delta(f"{adapter.path}: {key!r}", diff=bias, diff_scale=factor)
 
 
 def plan_deltas(adapters: list[tuple[AdapterFile, Adapter]], index: ModuleIndex) -> dict[str, list[Delta]]:
     """Every changed parameter with its deltas in adapter order, in the model's parameter order."""
     planned: dict[str, list[Delta]] = {}
     for adapter, spec in adapters:
-        for module, change in resolve_adapter(adapter, spec, index).items():
-            for param, key, delta in _module_deltas(adapter, spec, module, change):
+        for place in resolve_adapter(adapter, spec, index):
+            for param, key, delta in _module_deltas(adapter, spec, place, index):
                 delta.check()
                 _check_shape(adapter, key, param, delta, index)
-                planned.setdefault(param, []).append(delta)
+                planned.setdefault(param, []).append(replace(delta, values_check=adapter.values_check))
     return {name: planned[name] for name in index.shapes if name in planned}

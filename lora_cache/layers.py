@@ -4,12 +4,13 @@
 - :func:`install`: the parameter now holds a merged weight (the only state transition;
   it also records what unmerge needs).
 - :func:`merge_in_place`: the path the cache replaces: the merged weight in anonymous
-  memory. A writable base is copied aside first (the unmerge snapshot), then
-  overwritten, as servers always have.
+  memory. A writable base is summed into where it lies, as peft's ``merge_and_unload``
+  does; its bytes are copied aside first (the unmerge snapshot) only where the caller
+  asks to be able to unmerge.
 - :func:`unmerge`: where the base was never touched (a cached merge, or any merge over a
   read-only mapping) the snapshot is the original parameter, a zero-copy view of the
   mapped base, and is reinstalled; where it was overwritten, the snapshot's bytes are
-  copied back.
+  copied back; where no snapshot was kept, it says so and how to merge instead.
 
 Snapshots live in a weak table keyed by module, so a merged model carries no extra
 attributes and a dropped model drops its snapshots.
@@ -28,10 +29,11 @@ from torch import nn
 from hostmem.procfs import Vma, read_maps
 from hostmem.safetensors_map import open_readonly
 
-from .merge_math import Delta, Scratch, merged_weight
+from .merge_math import FP32_ROWS, Delta, Scratch, merged_weight
 
 __all__ = [
     "AddressSpace",
+    "UnmergeError",
     "checkpoint_module",
     "module_tree",
     "LayerTarget",
@@ -48,10 +50,19 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Snapshot:
-    """What unmerge restores: the original parameter object, or a copy of its bytes."""
+    """What unmerge restores: the original parameter object, or a copy of its bytes, or
+    neither (merged in place without a copy: unmerge cannot restore it)."""
 
     original: nn.Parameter | None = None  # reinstalled as is (cached merge)
     copy: torch.Tensor | None = None  # copied back into the parameter (in-place merge)
+
+    @property
+    def kept(self) -> bool:
+        return self.original is not None or self.copy is not None
+
+
+class UnmergeError(RuntimeError):
+    """Some merged weights were written over in place without a copy to restore."""
 
 
 _SNAPSHOTS: "weakref.WeakKeyDictionary[nn.Module, dict[str, Snapshot]]" = weakref.WeakKeyDictionary()
@@ -127,46 +138,49 @@ class AddressSpace:
 
 
 def compute_merged(target: LayerTarget, out: torch.Tensor, scratch: Scratch, workers=None,
-                   claim=None, publish=None) -> torch.Tensor:
+                   claim=None, publish=None, kernel: str = FP32_ROWS) -> torch.Tensor:
     """Write the merged weight of ``target`` into ``out``; the module is not touched.
 
-    ``workers`` is a thread pool for the row blocks; ``claim`` and ``publish`` let a
-    caller stream ``out`` while it is computed (see
-    :func:`lora_cache.merge_math.merged_weight`).
+    ``workers`` is a thread pool for the row blocks, ``kernel`` the one chosen for this
+    layer (see :mod:`lora_cache.kernels`); ``claim`` and ``publish`` let a caller stream
+    ``out`` while it is computed (see :func:`lora_cache.merge_math.merged_weight`).
     """
-    return merged_weight(target.current.detach(), target.deltas, out, scratch, workers, claim, publish)
+    return merged_weight(target.current.detach(), target.deltas, out, scratch, workers, claim, publish, kernel)
 
 
-def install(target: LayerTarget, merged: torch.Tensor, snapshot: Snapshot, write: bool = False) -> None:
-    """Make ``target`` hold ``merged``: the one place where a module changes.
+def install(target: LayerTarget, merged: torch.Tensor, snapshot: Snapshot) -> None:
+    """Make ``target`` hold ``merged`` (a view of a read-only mapping from the cache, or an
+    anonymous tensor of its own): the one place where a parameter is replaced."""
+    target.module._parameters[target.attr] = nn.Parameter(merged, requires_grad=False)
+    _remember(target, snapshot)
 
-    ``write=True`` copies the bytes into the parameter's own storage (in place);
-    otherwise ``merged`` becomes the parameter's tensor (a view of a read-only mapping
-    from the cache, or an anonymous tensor of its own). The first snapshot recorded for
-    a parameter is the one unmerge restores.
-    """
-    if write:
-        with torch.no_grad():
-            target.current.copy_(merged)
-    else:
-        target.module._parameters[target.attr] = nn.Parameter(merged, requires_grad=False)
+
+def _remember(target: LayerTarget, snapshot: Snapshot) -> None:
+    """Record what unmerge restores (the first snapshot recorded for a parameter stands)."""
     _SNAPSHOTS.setdefault(target.module, {}).setdefault(target.attr, snapshot)
 
 
-def merge_in_place(target: LayerTarget, merged: torch.Tensor, writable: bool) -> None:
+def merge_in_place(target: LayerTarget, scratch: Scratch, workers=None, kernel: str = FP32_ROWS,
+                   writable: bool = True, keep_copy: bool = False) -> None:
     """Merge ``target`` into anonymous memory: the path the cache replaces.
 
     A writable base (a heap tensor, or the private mapping safetensors hands torch) is
-    overwritten, so its bytes are copied aside first: that snapshot plus the written
-    (copied-on-write) pages cost twice the layer. A base on a read-only mapping cannot be
-    written and so stays intact: the snapshot is the original parameter, the merged
-    weight a new anonymous tensor, and the cost once the layer.
+    summed into where it lies, block by block, so the merge costs the layer's bytes (its
+    copied-on-write pages) and nothing more, as peft's ``merge_and_unload``; with
+    ``keep_copy`` its bytes are copied aside first, for :func:`unmerge`, which doubles
+    that. A base on a read-only mapping cannot be written and so stays intact: the
+    merged weight is a new tensor, the original parameter its own snapshot.
     """
-    current = target.current
+    current = target.current.detach()
     if writable:
-        install(target, merged, Snapshot(copy=current.detach().clone()), write=True)
+        snapshot = Snapshot(copy=current.clone()) if keep_copy else Snapshot()
+        with torch.no_grad():
+            compute_merged(target, current, scratch, workers, kernel=kernel)
+        _remember(target, snapshot)
     else:
-        install(target, merged.clone(), Snapshot(original=current))
+        merged = compute_merged(target, torch.empty_like(current, memory_format=torch.contiguous_format),
+                                scratch, workers, kernel=kernel)
+        install(target, merged, Snapshot(original=target.current))
 
 
 def is_merged(model) -> bool:
@@ -174,22 +188,37 @@ def is_merged(model) -> bool:
     return any(_SNAPSHOTS.get(m) for root in components_of(model).values() for m in root.modules())
 
 
-def unmerge(model) -> int:
+def unmerge(model, strict: bool = True) -> int:
     """Restore every merged parameter of ``model``; return how many were restored.
 
     Bit for bit: a cached merge reinstalls the original parameter (its base never
-    changed), an in-place merge copies the snapshot's bytes back.
+    changed), an in-place merge copies the snapshot's bytes back. A parameter merged in
+    place without a snapshot cannot be restored: it is left merged (the model still
+    counts as merged) and, with ``strict``, :class:`UnmergeError` says which and how to
+    merge so that unmerge works, once the others are restored.
     """
-    restored = 0
-    for root in components_of(model).values():
-        for module in root.modules():
-            for attr, snapshot in _SNAPSHOTS.pop(module, {}).items():
-                if snapshot.copy is not None:
+    restored, lost = 0, []
+    for component, root in components_of(model).items():
+        for module_name, module in root.named_modules():
+            snapshots = _SNAPSHOTS.pop(module, {})
+            for attr, snapshot in snapshots.items():
+                if not snapshot.kept:
+                    lost.append(".".join(p for p in (component, module_name, attr) if p))
+                    _SNAPSHOTS.setdefault(module, {})[attr] = snapshot
+                elif snapshot.copy is not None:
                     with torch.no_grad():
                         module._parameters[attr].copy_(snapshot.copy)
+                    restored += 1
                 else:
                     module._parameters[attr] = snapshot.original
-                restored += 1
+                    restored += 1
+    if lost and strict:
+        raise UnmergeError(
+            f"{len(lost)} weight(s) were merged in place without a copy of their base ({', '.join(lost[:3])}"
+            f"{', ...' if len(lost) > 3 else ''}), so they cannot be unmerged: reload the model. To be able "
+            "to unmerge, merge with lora_cache.merge(..., unmergeable=True), or through the cache "
+            "(cache_root=...), whose merged weights leave the base untouched"
+        )
     return restored
 
 

@@ -1,11 +1,18 @@
 """The merge math, in one place: base + sum of scaled up @ down (and full deltas).
 
 The in-place path and the cached path both call :func:`merged_weight`, so the bytes
-they produce are identical: the sum is taken in fp32 on a one-layer temporary on the
-compute device (the GPU when there is one, else the CPU), in the order the adapters
-were given, and cast back to the base dtype once, at the end. The commonest case, a
-bf16 base and one bf16 adapter on the CPU, takes the same arithmetic in one pass with
-no temporary (see :func:`sums_in_output`).
+they produce are identical. Two kernels compute a layer, both in the row blocks of
+:func:`row_blocks`, each adding the same numbers in a fixed order and rounding once:
+
+- :data:`FP32_ROWS`, every case: each block of the base is copied into an fp32
+  accumulator of one block, the terms are added in the order the adapters were given,
+  and the block is cast back to the base dtype once;
+- :data:`BF16_ADDMM`, a bf16 base with one bf16 LoRA on the CPU: torch's bf16 addmm
+  writes the block straight into the output, fp32 inside, one rounding.
+
+They can differ in the last bit of a few elements (the matrix kernels order the rank's
+products differently), so the choice is never left to chance: :mod:`lora_cache.kernels`
+picks one by timing both on the machine, remembers it, and the cache key names it.
 
 Variants whose merge is not ``W + scale * B @ A`` (DoRA's magnitude vectors, LoHa,
 LoKr, ...) are refused with the key named: merging them as plain LoRA would be wrong
@@ -16,16 +23,18 @@ from __future__ import annotations
 
 import functools
 import math
-import mmap
+import queue
 from concurrent.futures import Executor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 
-from hostmem.safetensors_map import advise_huge_pages
+from .buffers import Scratch, compute_device, host_buffer
 
 __all__ = [
+    "BF16_ADDMM",
+    "FP32_ROWS",
     "Delta",
     "Scratch",
     "UnsupportedAdapterError",
@@ -33,10 +42,16 @@ __all__ = [
     "host_buffer",
     "lora_scale",
     "merged_weight",
+    "one_pass_applies",
+    "one_pass_possible",
     "row_blocks",
     "refuse_unsupported",
+    "scratch_bytes",
     "sums_in_output",
 ]
+
+FP32_ROWS = "fp32-rows"  # fp32 accumulator per row block, terms in order, one cast: every case
+BF16_ADDMM = "bf16-addmm"  # torch's bf16 addmm into the output, fp32 inside, one rounding
 
 # Markers of adapter variants whose merge is not W + scale * B @ A.
 _UNSUPPORTED = {
@@ -98,7 +113,9 @@ class Delta:
     """One adapter's change to one parameter: ``scale * up @ down`` and/or ``diff_scale * diff``.
 
     ``up`` is (out, rank) or (out, rank, 1, 1); ``down`` is (rank, in) or (rank, in, kh, kw).
-    ``source`` names the adapter file and key for error messages.
+    ``source`` names the adapter file and key for error messages; ``values_check`` is the
+    file's check of its values, run before they are first consumed
+    (:func:`lora_cache.adapters.checks.check_before_use`).
     """
 
     source: str
@@ -107,6 +124,7 @@ class Delta:
     scale: float = 1.0
     diff: torch.Tensor | None = None
     diff_scale: float = 1.0
+    values_check: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def check(self) -> None:
         """Refuse what ``up @ down`` cannot express, before any layer is merged."""
@@ -122,77 +140,6 @@ class Delta:
         if self.up is not None:
             return (self.up.shape[0], *self.down.shape[1:])
         return tuple(self.diff.shape)
-
-
-def compute_device() -> torch.device:
-    """The device merges run on: the GPU when there is one, else the CPU."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-_PAGE = 4096
-
-
-class Scratch:
-    """One buffer, reused for every layer of a merge, handed out as views of any dtype.
-
-    A fresh one-layer temporary per layer would be freed after each layer, and the C
-    allocator may keep such freed blocks instead of returning them to the kernel;
-    reusing one buffer keeps the merge's resident high-water mark one layer wide however
-    many layers there are. It only grows, to the largest request; :meth:`release` gives
-    it back at the end. On the CPU it is a mapping of its own (see :func:`host_buffer`),
-    so its views start on a huge-page boundary and the vault can hand them to the disk
-    with O_DIRECT in large requests.
-    """
-
-    def __init__(self, device: torch.device | str | None = None):
-        self.device = torch.device(device) if device is not None else compute_device()
-        self.release()
-
-    def reserve(self, nbytes: int) -> None:
-        """Grow the buffer to ``nbytes`` (call once with the largest layer to avoid regrowth)."""
-        if nbytes > self.nbytes:
-            self.release()  # free the old one first
-            if self.device.type == "cpu":
-                self._bytes = host_buffer(nbytes)
-            else:
-                self._bytes = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Return a view of ``shape`` and ``dtype`` over the buffer (its contents are garbage)."""
-        nbytes = math.prod(shape) * dtype.itemsize
-        self.reserve(nbytes)
-        return self._bytes[:nbytes].view(dtype).view(shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes.numel()
-
-    def release(self) -> None:
-        self._bytes = torch.empty(0, dtype=torch.uint8, device=self.device)
-
-
-_HUGE_PAGE = 2 * 1024 * 1024
-
-
-def host_buffer(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of fresh host memory as a uint8 tensor that starts on a 2 MiB boundary.
-
-    A private anonymous mapping of its own, advised for transparent huge pages (where
-    the kernel has them, in its ``madvise`` mode too): each 2 MiB of it is then one
-    physically contiguous page, so an O_DIRECT write of it goes to the disk in large
-    requests (about 3.3 MiB on a virtio disk that takes 4 MiB, against 0.5-1.6 MiB from
-    a heap buffer of scattered 4 KiB pages, which ran that disk at 0.55-0.7 of its rate),
-    and filling it takes one fault per 2 MiB instead of 512. Its pages go back to the
-    kernel when the last view of it is gone (unmapped, never kept by the C allocator).
-    """
-    if nbytes <= 0:
-        return torch.empty(0, dtype=torch.uint8)
-    length = -(-nbytes // _PAGE) * _PAGE + _HUGE_PAGE  # room to start on the boundary
-    mapping = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE)
-    advise_huge_pages(mapping)  # a kernel without THP keeps 4 KiB pages: still correct
-    whole = torch.frombuffer(mapping, dtype=torch.uint8)
-    start = -whole.data_ptr() % _HUGE_PAGE
-    return whole[start : start + nbytes]
 
 
 # Rows summed per block on the CPU: the block's fp32 accumulator (about this many bytes)
@@ -260,24 +207,38 @@ def _bf16_addmm_rounds_once() -> bool:
     return bool((base == 1 + 2.0**-7).all())
 
 
-def sums_in_output(base: torch.Tensor, deltas: list[Delta], out: torch.Tensor, device: torch.device) -> bool:
-    """Whether :func:`merged_weight` writes this merge straight into ``out``, in one pass.
+def one_pass_applies(dtype: torch.dtype, ndim: int, deltas: list[Delta], device: torch.device | str) -> bool:
+    """Whether :data:`BF16_ADDMM` computes a layer of this kind exactly as the merge must.
 
-    So it does for a bf16 base merged on the CPU with one LoRA term whose factors are
-    bf16 (no second adapter, no full delta), when torch's bf16 addmm rounds once (see
-    :func:`_bf16_addmm_rounds_once`): the kernel then does the merge's own arithmetic,
-    exact products summed in fp32, the base added in fp32, one rounding to bf16, several
-    times faster than an fp32 addmm and with no fp32 temporary at all. Otherwise the sum
-    runs in :func:`merged_weight`'s fp32 scratch and only its final cast writes ``out``.
-    A caller that overlaps layers needs to know which buffers a layer writes.
+    So it does for a bf16 base of two or more dimensions merged on the CPU with one LoRA
+    term whose factors are bf16 (no second adapter, no full delta), when torch's bf16
+    addmm rounds once (see :func:`_bf16_addmm_rounds_once`): the kernel then does the
+    merge's own arithmetic, exact products summed in fp32, the base added in fp32, one
+    rounding to bf16. Whether it is faster than :data:`FP32_ROWS` depends on the CPU
+    (several times faster with AVX512-BF16 or AMX, several times slower with AVX2
+    alone): that is measured, not assumed (see :mod:`lora_cache.kernels`).
     """
-    on_cpu = device.type == base.device.type == out.device.type == "cpu"
-    if not on_cpu or base.dtype != torch.bfloat16 or base.dim() < 2 or not out.is_contiguous():
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or ndim < 2:
         return False
     if len(deltas) != 1 or deltas[0].up is None or deltas[0].diff is not None:
         return False
     delta = deltas[0]
     return delta.up.dtype == delta.down.dtype == torch.bfloat16 and _bf16_addmm_rounds_once()
+
+
+def one_pass_possible(base: torch.Tensor, deltas: list[Delta], out: torch.Tensor, device: torch.device) -> bool:
+    """Whether :data:`BF16_ADDMM` can write this merge straight into ``out`` (both on the CPU,
+    ``out`` contiguous, a layer of the kind :func:`one_pass_applies` names)."""
+    if not base.device.type == out.device.type == "cpu" or not out.is_contiguous():
+        return False
+    return one_pass_applies(base.dtype, base.dim(), deltas, device)
+
+
+def sums_in_output(base: torch.Tensor, deltas: list[Delta], out: torch.Tensor, device: torch.device,
+                   kernel: str = BF16_ADDMM) -> bool:
+    """Whether :func:`merged_weight` with ``kernel`` writes this merge straight into ``out``
+    and needs no fp32 accumulator (a caller that sizes buffers needs to know)."""
+    return kernel == BF16_ADDMM and one_pass_possible(base, deltas, out, device)
 
 
 def _add_block_in_output(out: torch.Tensor, base: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
@@ -290,24 +251,60 @@ def _add_block_in_output(out: torch.Tensor, base: torch.Tensor, up: torch.Tensor
 
 
 def _sum_block(acc: torch.Tensor, base: torch.Tensor, terms: list[_Term], rows: slice) -> None:
-    """acc[rows] = base[rows] + every term's rows, in fp32, in the order given."""
-    block = acc[rows]
-    block.copy_(base[rows] if base.device == acc.device else base[rows].to(acc.device))
+    """acc = base[rows] + every term's rows, in fp32, in the order given (acc: one block)."""
+    acc.copy_(base[rows] if base.device == acc.device else base[rows].to(acc.device))
     for term in terms:
         if term.up is not None:
-            block.view(block.shape[0], -1).addmm_(term.up[rows], term.down, alpha=term.scale)
+            acc.view(acc.shape[0], -1).addmm_(term.up[rows], term.down, alpha=term.scale)
         if term.diff is not None:
-            block.add_(term.diff[rows], alpha=term.diff_scale)
-
-
-def _cast_block(out: torch.Tensor, acc: torch.Tensor, rows: slice) -> None:
-    out[rows].copy_(acc[rows] if acc.device == out.device else acc[rows].to(out.dtype))
+            acc.add_(term.diff[rows], alpha=term.diff_scale)
 
 
 def _block_ends(shape: tuple[int, ...], itemsize: int, blocks: list[slice]) -> list[int]:
     """Where each block's bytes end in a contiguous tensor of ``shape``."""
     row_bytes = itemsize * math.prod(shape[1:]) if shape else itemsize
     return [rows.stop * row_bytes for rows in blocks]
+
+
+def _concurrency(workers: Executor | None) -> int:
+    """How many blocks may be in flight at once: the pool's threads (one without a pool)."""
+    if workers is None:
+        return 1
+    return int(getattr(workers, "threads", None) or getattr(workers, "_max_workers", None) or 32)
+
+
+def scratch_bytes(shape: tuple[int, ...], device: torch.device, workers: Executor | None = None) -> int:
+    """The fp32 accumulator :data:`FP32_ROWS` needs for a layer of ``shape``: one block per
+    block in flight (on a GPU, the one block is the layer)."""
+    blocks = row_blocks(tuple(shape), device)
+    largest = max(b.stop - b.start for b in blocks) * math.prod(shape[1:])
+    return min(len(blocks), _concurrency(workers)) * largest * 4
+
+
+class _Accumulators:
+    """One fp32 block accumulator per block in flight, views of the scratch buffer.
+
+    A block takes a free one and gives it back when cast, so a layer's fp32 temporary is
+    a few cache-sized blocks, not the layer: the in-place path then grows by no more than
+    the layer it writes, and the cached path touches less fresh memory.
+    """
+
+    def __init__(self, scratch: Scratch, shape: tuple[int, ...], blocks: list[slice], workers):
+        self.per_row = math.prod(shape[1:])
+        self.largest = max(b.stop - b.start for b in blocks) * self.per_row
+        slots = min(len(blocks), _concurrency(workers))
+        self.whole = scratch.take((slots, self.largest), torch.float32)
+        self.free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(slots):
+            self.free.put(slot)
+
+    def take(self, rows: slice, shape: tuple[int, ...]) -> tuple[int, torch.Tensor]:
+        slot = self.free.get()
+        count = (rows.stop - rows.start) * self.per_row
+        return slot, self.whole[slot, :count].view(rows.stop - rows.start, *shape[1:])
+
+    def give_back(self, slot: int) -> None:
+        self.free.put(slot)
 
 
 def merged_weight(
@@ -318,16 +315,17 @@ def merged_weight(
     workers: Executor | None = None,
     claim: Callable[[int], None] | None = None,
     publish: Callable[[int], None] | None = None,
+    kernel: str = FP32_ROWS,
 ) -> torch.Tensor:
     """Write ``base + sum(deltas)`` into ``out`` (base's dtype and shape) and return ``out``.
 
-    The sum runs in fp32 on ``scratch``'s device, in the row blocks of
-    :func:`row_blocks`; only the final cast writes ``out``. ``out`` may be ``base``
-    itself (a writable in-place merge): each block of base is read into the accumulator
-    before that block of ``out`` is written. Where :func:`sums_in_output` says so, the
-    same arithmetic runs in one pass straight into ``out`` and ``scratch`` is not
-    touched. ``workers`` spreads the blocks over a thread pool (torch releases the GIL);
-    the bytes do not depend on it.
+    ``kernel`` says how (:data:`FP32_ROWS`, or :data:`BF16_ADDMM` where
+    :func:`one_pass_possible`; elsewhere :data:`FP32_ROWS` runs). Either runs in the
+    row blocks of :func:`row_blocks`; the fp32 one sums each block in an accumulator
+    of ``scratch`` (one per block in flight) and casts it into ``out``. ``out`` may be
+    ``base`` itself (a writable in-place merge): each block of base is read before
+    that block of ``out`` is written. ``workers`` spreads the blocks over a thread
+    pool (torch releases the GIL); the bytes do not depend on it.
 
     For a caller that streams ``out`` to disk while it is computed (see
     :mod:`lora_cache.handoff`), ``out`` must be contiguous: ``claim(end)`` is called
@@ -340,38 +338,49 @@ def merged_weight(
         raise ValueError("a streamed merge needs a contiguous out")
     run = map if workers is None else workers.map
     claim = claim or (lambda end: None)
-    publish = publish or (lambda end: None)
-    if sums_in_output(base, deltas, out, scratch.device):
-        delta = deltas[0]
-        delta.check()
-        up, down = delta.up.flatten(1), delta.down.flatten(1)
-        blocks = row_blocks(tuple(base.shape), scratch.device)
-        ends = _block_ends(tuple(base.shape), out.element_size(), blocks)
-
-        def one_block(i: int) -> int:
-            claim(ends[i])
-            _add_block_in_output(out, base, up, down, delta.scale, blocks[i])
-            return ends[i]
-
-        for end in run(one_block, range(len(blocks))):
-            publish(end)  # in order: the map yields the blocks as they were given
-        return out
-    result = out
-    acc = scratch.take(tuple(base.shape), torch.float32)
-    terms = [_Term.of(delta, acc.device) for delta in deltas]
-    if base.dim() == 0:  # a scalar parameter: one block of one row
-        acc, base, out = acc.view(1), base.view(1), out.view(1)
-        terms = [replace(t, diff=None if t.diff is None else t.diff.view(1)) for t in terms]
-    blocks = row_blocks(tuple(base.shape), acc.device)
+    blocks = row_blocks(tuple(base.shape), scratch.device)
     ends = _block_ends(tuple(base.shape), out.element_size(), blocks)
-    for _ in run(lambda rows: _sum_block(acc, base, terms, rows), blocks):
-        pass  # drains the map, so an error in any block is raised here
+    if sums_in_output(base, deltas, out, scratch.device, kernel):
+        one_block = _one_pass_blocks(base, deltas[0], out, blocks, ends, claim)
+    else:
+        one_block = _fp32_blocks(base, deltas, out, scratch, workers, blocks, ends, claim)
+    for end in run(one_block, range(len(blocks))):
+        if publish is not None:
+            publish(end)  # in order: the map yields the blocks as they were given
+    return out
 
-    def cast_block(i: int) -> int:
+
+def _one_pass_blocks(base, delta: Delta, out, blocks, ends, claim) -> Callable[[int], int]:
+    """The :data:`BF16_ADDMM` work of block ``i``: claim its bytes of ``out``, then add into them."""
+    delta.check()
+    up, down = delta.up.flatten(1), delta.down.flatten(1)
+
+    def one_block(i: int) -> int:
         claim(ends[i])
-        _cast_block(out, acc, blocks[i])
+        _add_block_in_output(out, base, up, down, delta.scale, blocks[i])
         return ends[i]
 
-    for end in run(cast_block, range(len(blocks))):
-        publish(end)
-    return result
+    return one_block
+
+
+def _fp32_blocks(base, deltas, out, scratch, workers, blocks, ends, claim) -> Callable[[int], int]:
+    """The :data:`FP32_ROWS` work of block ``i``: sum it in an fp32 accumulator (before its
+    bytes of ``out`` are claimed, so the sum overlaps the wait), then cast it into ``out``."""
+    device = scratch.device
+    terms = [_Term.of(delta, device) for delta in deltas]
+    if base.dim() == 0:  # a scalar parameter: one block of one row
+        base, out = base.view(1), out.view(1)
+        terms = [replace(t, diff=None if t.diff is None else t.diff.view(1)) for t in terms]
+    accumulators = _Accumulators(scratch, tuple(base.shape), blocks, workers)
+
+    def one_block(i: int) -> int:
+        slot, acc = accumulators.take(blocks[i], tuple(base.shape))
+        try:
+            _sum_block(acc, base, terms, blocks[i])
+            claim(ends[i])
+            out[blocks[i]].copy_(acc if acc.device == out.device else acc.to(out.dtype))
+        finally:
+            accumulators.give_back(slot)
+        return ends[i]
+
+    return one_block

@@ -65,6 +65,7 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
     """
     from .adapters import as_adapter, read_adapter  # torch: only when files are read
     from .keys import ModuleIndex, plan_deltas
+    from .kernels import plan_kernels
     from .orchestrate import combination_key
     from .vault import Vault
 
@@ -81,7 +82,9 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
     if cache_root is not None and os.path.isdir(os.path.expanduser(os.fspath(cache_root))) and chosen:
         vault = Vault(os.path.expanduser(os.fspath(cache_root)))
         shards = sorted({holder[name] for name in planned})  # the key covers the shards holding targets
-        key = combination_key(vault, files, specs, shards, {i.torch_dtype for i in chosen}).hex
+        layers = ((infos[name].shape, infos[name].torch_dtype, deltas) for name, deltas in planned.items())
+        kernels = plan_kernels(layers, None, vault.root)  # the key names the kernels a build would use
+        key = combination_key(vault, files, specs, shards, {i.torch_dtype for i in chosen}, None, kernels).hex
         cached = any(c.key == key and c.complete for c in vault.combinations())
     return TargetLayers(
         names=tuple(planned),

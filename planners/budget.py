@@ -18,7 +18,7 @@ since a cgroup charges page cache too and oversubscribing it gets the server kil
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from hostmem.procfs import read_cgroup_memory, read_meminfo
 from hostmem.residency_classes import Residency
@@ -29,8 +29,7 @@ from .config import DeploymentConfig
 __all__ = ["HostLimit", "HostBudget", "resolve_host_limit", "read_host_limit", "host_budget"]
 
 
-@dataclass(frozen=True)
-class HostLimit:
+class HostLimit(NamedTuple):
     """The limit planned for, where it came from, and what this machine offers."""
 
     bytes: int
@@ -71,8 +70,7 @@ def read_host_limit(config: DeploymentConfig) -> HostLimit:
     return limit
 
 
-@dataclass(frozen=True)
-class HostBudget:
+class HostBudget(NamedTuple):
     """Each term of the budget, in bytes; ``bytes`` is what pins may use."""
 
     limit: int

@@ -4,6 +4,12 @@ Each sub-command lives in its own module under ``planners.commands`` with a
 ``register(subparsers)`` that adds its parser and sets ``run``; ``run(args)``
 returns the exit code. Errors a person can act on are printed as one line
 ``hostmem: error: ...`` with exit code 2, never as a traceback.
+
+Nothing here imports torch or the command modules' dependencies: a command imports
+what it needs when it runs, so ``inspect``, ``plan``, ``guard`` and ``cache`` start in
+a few tens of milliseconds (bench/bench_cli.py measures it). The project's errors are
+ValueErrors (SafetensorsError, ConfigError) or OSErrors (ProcReadError), so they are
+caught by their base classes without importing the modules that define them.
 """
 
 from __future__ import annotations
@@ -17,34 +23,109 @@ import warnings
 COMMANDS = ("inspect", "plan", "guard", "lora", "cache", "demo")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser, with only the sub-command ``argv`` names when it starts with one.
+
+    Registering a command imports its module and builds its parsers; doing that for
+    all six costs more than the rest of a light command's start, and parses the same.
+    Anything else (``--help``, ``--version``, a typo) gets every command.
+    """
+    parser = _Parser(
         prog="hostmem",
         description="Host-memory accounting and offload planning for diffusion-model serving.",
     )
+    parser.add_argument("--version", action=_VersionAction, help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name in COMMANDS:
+    named = argv[0] if argv and argv[0] in COMMANDS else None
+    for name in (named,) if named else COMMANDS:
         importlib.import_module(f"planners.commands.{name}").register(sub)
     return parser
 
 
+def _terminal_columns() -> int:
+    """``shutil.get_terminal_size().columns``, without importing shutil.
+
+    argparse builds a help formatter for every argument it adds, and its default asks
+    shutil for the width: importing shutil (and the compression modules it imports)
+    is a tenth of a light command's start, for help text that is rarely printed.
+    """
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns
+        except (AttributeError, ValueError, OSError):
+            columns = 0
+    return columns or 80
+
+
+class _Formatter(argparse.HelpFormatter):
+    """argparse's help formatter, at the width it would choose (see :func:`_terminal_columns`)."""
+
+    def __init__(self, prog, indent_increment=2, max_help_position=24, width=None, **kwargs):
+        super().__init__(prog, indent_increment, max_help_position,
+                         _terminal_columns() - 2 if width is None else width, **kwargs)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser with :class:`_Formatter`; sub-command parsers are of this class too."""
+
+    def __init__(self, *args, formatter_class=_Formatter, **kwargs):
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: looks the version up only when asked (importlib.metadata is slow)."""
+
+    def __init__(self, option_strings, dest, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            found = version("hostmem")
+        except PackageNotFoundError:
+            found = "unknown (not installed; run `pip install -e .`)"
+        print(f"hostmem {found}")
+        parser.exit()
+
+
+def _skip_exit_collection() -> None:
+    """Spare the interpreter's last garbage collection the objects alive now.
+
+    At exit the interpreter collects once more over every object the imports made
+    (yaml, typing, inspect: tens of thousands), a tenth of a light command's start.
+    A collection finds only cycles, and what a cycle's finalizer would still do at
+    exit matters only for something being written; so only a read-only command,
+    run as the program (the process ends next), skips it (``gc.freeze``).
+    """
+    import gc
+
+    gc.freeze()
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    from hostmem.procfs import ProcReadError
-    from hostmem.safetensors_header import SafetensorsError
-
-    parser = build_parser()
+    program = argv is None  # the console script or ``python -m planners.cli``: the process ends after this
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:
-        return int(args.run(args) or 0)
+        code = int(args.run(args) or 0)
+        if program and getattr(args, "read_only", False):
+            _skip_exit_collection()
+        return code
     except BrokenPipeError:  # `hostmem plan ... | head`: the reader left, nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    except (ProcReadError, SafetensorsError, ValueError) as exc:
+    except ValueError as exc:  # SafetensorsError, ConfigError, a bad size or option
         print(f"hostmem: error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # a file or folder named on the command line or in a config
+    except OSError as exc:  # ProcReadError, or a file or folder named on the command line
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"hostmem: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2

@@ -8,8 +8,7 @@ resolved, so the same numbers always give the same plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 from hostmem.residency_classes import Residency
 from hostmem.units import format_size
@@ -19,13 +18,12 @@ from .config import DeploymentConfig
 from .device_plan import DevicePlan, plan_device
 from .pin_plan import CostModel, MoveGroup, PinPlans, plan_pins
 from .providers import OfferRecord, apply_offer, collect_offers
-from .sizes import ComponentSizes
+from .sizes import ComponentSizes, sum_residency
 
 __all__ = ["AlternativePlan", "DeploymentPlan", "OfferOutcome", "plan_deployment", "cost_model"]
 
 
-@dataclass(frozen=True)
-class OfferOutcome:
+class OfferOutcome(NamedTuple):
     """A provider's offer and the plan it would give, next to the plan without it."""
 
     offer: OfferRecord
@@ -34,8 +32,7 @@ class OfferOutcome:
     transfer_s_per_request: float
 
 
-@dataclass(frozen=True)
-class AlternativePlan:
+class AlternativePlan(NamedTuple):
     """The same deployment planned another way (without the LoRA merge cache), for comparison."""
 
     label: str
@@ -48,8 +45,7 @@ class AlternativePlan:
     over_limit_bytes: int = 0  # committed beyond the host limit: killed while it loads, without swap
 
 
-@dataclass(frozen=True)
-class DeploymentPlan:
+class DeploymentPlan(NamedTuple):
     deployment: str
     mode: str  # "what-if" (before loading) or "live" (measured)
     merge: str
@@ -63,6 +59,7 @@ class DeploymentPlan:
     merge_reason: str = ""
     alternatives: tuple[AlternativePlan, ...] = ()
     lora_merge: Mapping | None = None  # what lora_cache.merge did (MergeStats.to_dict()), live plans
+    host_share: Mapping | None = None  # this rank's part of the host budget (HostShare.to_dict()), live plans
 
 
 def cost_model(config: DeploymentConfig) -> CostModel:
@@ -71,10 +68,7 @@ def cost_model(config: DeploymentConfig) -> CostModel:
 
 
 def _committed(components: Mapping[str, ComponentSizes]) -> Residency:
-    total = Residency()
-    for sizes in components.values():
-        total = total + sizes.residency
-    return total
+    return sum_residency(sizes.residency for sizes in components.values())
 
 
 def _move_groups(config: DeploymentConfig, components, device: DevicePlan) -> list[MoveGroup]:
@@ -150,7 +144,7 @@ def plan_deployment(
         layers = {name: tuple(plan.pinned_layers) for name, plan in p.plans.items()}
         others.append(AlternativePlan(label, other_merge, b.bytes, b.committed, p.pinned_bytes, layers,
                                       p.transfer_s_per_request, max(0, b.committed - b.limit)))
-    warnings = list(notes) + _host_warnings(host, budget, device) + list(pins.warnings)
+    warnings = list(notes) + _host_warnings(host, budget, device, merge) + list(pins.warnings)
     return DeploymentPlan(
         deployment=config.deployment,
         mode=mode,
@@ -168,7 +162,21 @@ def plan_deployment(
     )
 
 
-def _host_warnings(host: HostLimit, budget: HostBudget, device: DevicePlan) -> list[str]:
+# A machine sold as 32 GiB reports 31.2-31.6 GiB of MemTotal (firmware and the kernel keep
+# the rest); a limit that names the machine's nominal size is not larger than the machine.
+_MEMTOTAL_SHORTFALL = 0.04
+
+
+def _budget_advice(budget: HostBudget, merge: str) -> str:
+    """What would give the budget back, for this plan: never advice it already follows."""
+    if budget.committed == 0:
+        return "lower host.reserve or raise host.limit"
+    if merge == "in-place":
+        return "merge the LoRA through the cache (--what-if cached), map weights read-only, or raise host.limit"
+    return "turn anonymous weights back into mapped ones (load them read-only, not copied) or raise host.limit"
+
+
+def _host_warnings(host: HostLimit, budget: HostBudget, device: DevicePlan, merge: str = "none") -> list[str]:
     out = []
     over = budget.committed - budget.limit
     if over > 0:
@@ -179,10 +187,10 @@ def _host_warnings(host: HostLimit, budget: HostBudget, device: DevicePlan) -> l
     if budget.bytes == 0:
         out.append(
             f"host budget is 0: committed non-reclaimable {format_size(budget.committed)} and the reserve "
-            f"{format_size(budget.reserve)} reach the limit {format_size(budget.limit)}, so nothing is pinned. "
-            "Turn anonymous weights back into mapped ones (a cached LoRA merge: --what-if cached) or raise host.limit"
+            f"{format_size(budget.reserve)} reach the limit {format_size(budget.limit)}, so nothing is pinned: "
+            f"{_budget_advice(budget, merge)}"
         )
-    if host.source not in ("MemTotal", "cgroup") and host.bytes > host.machine_bytes:
+    if host.source not in ("MemTotal", "cgroup") and host.bytes > host.machine_bytes * (1 + _MEMTOTAL_SHORTFALL):
         out.append(
             f"host limit {format_size(host.bytes)} is larger than this machine ({format_size(host.machine_bytes)}): "
             "right for planning another host, wrong for a server on this one"

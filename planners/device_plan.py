@@ -10,15 +10,14 @@ Without a device budget (``vram: 0``) or room for the rest, the rest streams too
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .sizes import ComponentSizes
 
 __all__ = ["DevicePlan", "plan_device"]
 
 
-@dataclass(frozen=True)
-class DevicePlan:
+class DevicePlan(NamedTuple):
     component: str | None
     vram: int
     reserve: int

@@ -21,7 +21,7 @@ request, so it pins less when pinning more would push streamed layers to disk.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from hostmem.units import format_size
 
@@ -31,8 +31,7 @@ from .sizes import Layer
 __all__ = ["CostModel", "MoveGroup", "PinPlan", "PinPlans", "plan_pins"]
 
 
-@dataclass(frozen=True)
-class CostModel:
+class CostModel(NamedTuple):
     """Transfer rates in bytes per second."""
 
     pinned_h2d: float
@@ -44,8 +43,7 @@ class CostModel:
         return pinned / self.pinned_h2d + pageable / self.pageable_h2d + from_disk / self.disk_read
 
 
-@dataclass(frozen=True)
-class MoveGroup:
+class MoveGroup(NamedTuple):
     """The units of one component that move ``moves`` times per request."""
 
     component: str
@@ -53,8 +51,7 @@ class MoveGroup:
     moves: int
 
 
-@dataclass(frozen=True)
-class PinPlan:
+class PinPlan(NamedTuple):
     """One component's pins and the transfer time they buy, per request."""
 
     component: str
@@ -70,8 +67,7 @@ class PinPlan:
     baseline_transfer_s_per_request: float
 
 
-@dataclass(frozen=True)
-class PinPlans:
+class PinPlans(NamedTuple):
     """The pin plans of all components, and what the budget had to say."""
 
     plans: dict[str, PinPlan]
@@ -79,6 +75,7 @@ class PinPlans:
     room_after_pins: int
     allowed_layers: int  # layers the budget alone would pin
     warnings: tuple[str, ...]
+    notes: tuple[str, ...] = ()  # facts of the host no setting changes (weights larger than it)
 
     @property
     def pinned_bytes(self) -> int:
@@ -111,8 +108,7 @@ def _greedy(groups: list[MoveGroup], budget: HostBudget) -> list[tuple[int, Laye
     return chosen
 
 
-@dataclass(frozen=True)
-class _Outcome:
+class _Outcome(NamedTuple):
     seconds: tuple[float, ...]
     from_disk: tuple[int, ...]
     fits: tuple[bool, ...]
@@ -172,25 +168,39 @@ def _assemble(groups, chosen, best, outcomes, budget) -> PinPlans:
             transfer_s_per_request=outcome.seconds[g],
             baseline_transfer_s_per_request=baseline.seconds[g],
         )
-    warnings = _warnings(groups, plans, outcome, budget, len(chosen), best, outcomes)
-    return PinPlans(plans, budget.bytes, outcome.room_after_pins, len(chosen), tuple(warnings))
+    warnings, notes = _warnings(groups, plans, outcome, budget, len(chosen), best, outcomes)
+    return PinPlans(plans, budget.bytes, outcome.room_after_pins, len(chosen), tuple(warnings), tuple(notes))
 
 
-def _warnings(groups, plans, outcome, budget, allowed, best, outcomes) -> list[str]:
-    out = []
+def _thrash(plan: PinPlan, budget) -> tuple[str, bool]:
+    """The page-cache thrash line, and whether it is a warning (something in the deployment to change).
+
+    With committed non-reclaimable memory, giving it back makes room for page cache:
+    that is advice. With none, the streamed weights are simply larger than what the
+    host holds next to the pins the planner judged worth it: a fact of the host, shown
+    beside the pin plans, which only a larger host or more VRAM changes.
+    """
+    head = (f"{plan.component} reads {format_size(plan.disk_bytes_per_request)} from disk per request: its "
+            f"unpinned layers need {format_size(plan.page_cache_bytes)} of page cache, more than the host holds "
+            "next to the pins and the layers before it")
+    if budget.committed > 0:
+        return (f"page-cache thrash: {head}. Give back the {format_size(budget.committed)} of committed "
+                "non-reclaimable memory (map weights read-only, merge LoRAs through the cache), raise "
+                "host.limit or keep more layers on the device"), True
+    return f"{head} (nothing is committed to give back: only a larger host or more VRAM avoids it)", False
+
+
+def _warnings(groups, plans, outcome, budget, allowed, best, outcomes) -> tuple[list[str], list[str]]:
+    out, notes = [], []
     for group in groups:
         plan = plans[group.component]
         if not plan.page_cache_fits and plan.page_cache_bytes:
-            out.append(
-                f"page-cache thrash: {group.component} needs {format_size(plan.page_cache_bytes)} of page cache "
-                f"for its unpinned layers and the host cannot hold it next to the pins and the layers before it; "
-                f"it reads {format_size(plan.disk_bytes_per_request)} from disk per request. Raise host.limit, "
-                "lower committed memory (a cached LoRA merge, mapped weights) or keep more layers on the device"
-            )
+            line, is_warning = _thrash(plan, budget)
+            (out if is_warning else notes).append(line)
     if best < allowed:
         saved = sum(outcomes[allowed].seconds) - sum(outcomes[best].seconds)
         out.append(
             f"pinned {best} of the {allowed} layers the budget allows: pinning the rest would leave too "
             f"little page cache for the streamed layers and cost {saved:.2f} s more per request"
         )
-    return out
+    return out, notes

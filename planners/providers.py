@@ -1,7 +1,8 @@
 """Providers: anything that can turn a component's anonymous weights into mapped ones.
 
 The interface is a pair of :class:`typing.Protocol` over attribute names, so a
-provider (``lora_cache`` supplies the first) implements it without importing
+provider (``lora_cache`` supplies the LoRA merge cache, ``hostmem.remap_offer`` the
+checkpoint remap: :func:`remap_providers`) implements it without importing
 ``planners``: any object with these attributes is an offer, and any object with a
 ``name`` and an ``offer()`` method is a provider.
 
@@ -26,12 +27,11 @@ weights (an unmerge snapshot, which the mapped base makes unnecessary).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
-from .sizes import ComponentSizes, spread
+from .sizes import ComponentSizes, spread, with_residency
 
-__all__ = ["Offer", "Provider", "OfferRecord", "apply_offer", "collect_offers"]
+__all__ = ["Offer", "Provider", "OfferRecord", "apply_offer", "collect_offers", "remap_providers"]
 
 
 @runtime_checkable
@@ -55,8 +55,7 @@ class Provider(Protocol):
     def offer(self) -> Offer | None: ...
 
 
-@dataclass(frozen=True)
-class OfferRecord:
+class OfferRecord(NamedTuple):
     """A plain copy of an offer, so a plan holds data and not the provider's objects."""
 
     provider: str
@@ -103,11 +102,29 @@ def apply_offer(sizes: ComponentSizes, offer: OfferRecord) -> ComponentSizes:
     from_weights = min(offer.anonymous_bytes, sum(u.residency.anonymous for u in units))
     shares = spread(from_weights, [u.residency.anonymous for u in units])
     units = [
-        replace(u, residency=replace(u.residency, anonymous=u.residency.anonymous - s,
-                                     file_backed=u.residency.file_backed + s))
+        u._replace(residency=with_residency(u.residency, anonymous=u.residency.anonymous - s,
+                                            file_backed=u.residency.file_backed + s))
         for u, s in zip(units, shares)
     ]
     from_extra = min(offer.anonymous_bytes - from_weights, sizes.extra.anonymous)
-    extra = replace(sizes.extra, anonymous=sizes.extra.anonymous - from_extra)
-    return replace(sizes.with_units(units), extra=extra)
+    extra = with_residency(sizes.extra, anonymous=sizes.extra.anonymous - from_extra)
+    return sizes.with_units(units)._replace(extra=extra)
 
+
+def remap_providers(components, files=None) -> list:
+    """Checkpoint remap offered for each loaded component (``{config name: nn.Module}``).
+
+    Pass them to ``plan_loaded(config, components, providers=...)`` beside the LoRA
+    cache's. A component whose checkpoint its config does not name (and no ``files``)
+    is skipped: remap has nothing to compare it with.
+    """
+    from hostmem.checkpoint_files import CheckpointNotFound
+    from hostmem.remap_offer import RemapProvider
+
+    providers = []
+    for name, module in components.items():
+        try:
+            providers.append(RemapProvider.from_model(name, module, files))
+        except CheckpointNotFound:
+            continue
+    return providers

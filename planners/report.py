@@ -21,13 +21,15 @@ added but never renamed::
      "transfer_s_per_request", "baseline_transfer_s_per_request",
      "offers": [{"provider", "component", "anonymous_bytes", "disk_bytes", "one_time_s", "note",
                  "budget_bytes", "pinned_bytes", "transfer_s_per_request"}],
-     "warnings": [str],
+     "warnings": [str], "notes": [str],
      "merge_reason": str,
      "alternatives": [{"label", "merge", "budget_bytes", "committed_bytes", "pinned_bytes",
                        "pinned_layers": {NAME: [..]}, "transfer_s_per_request", "over_limit_bytes"}],
      "lora_merge": null | {"layers", "hit", "built", "fallen_back", "in_place", "bytes",
                            "bytes_written", "seconds", "rate_bytes_per_s", "cache_key",
-                           "cache_root", "adapters"}}
+                           "cache_root", "adapters"},
+     "host_share": null | {"local_rank", "local_world_size", "source", "host_budget_bytes",
+                           "share_bytes", "shares_bytes", "needs_bytes"}}
 
 A component's ``total`` is every byte it holds: its weights plus ``extra_anonymous``
 (an unmerge snapshot). ``cgroup_limit_bytes`` is null where no cgroup limits memory.
@@ -36,6 +38,8 @@ A component's ``total`` is every byte it holds: its weights plus ``extra_anonymo
 merge is shown next to the in-place merge it replaces ("without the LoRA merge
 cache"), so the budget the cache gives back reads off one report. ``lora_merge`` is
 what ``lora_cache.merge`` did (a live plan given ``merge_stats``), null otherwise.
+``host_share`` is this rank's part of a host budget split across the ranks of one
+host (:mod:`planners.host_share`), null for the only rank on its host.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from hostmem.table import format_table
 from hostmem.units import format_rate, format_size
 
 from .deployment import DeploymentPlan
+from .sizes import REST
 
 __all__ = ["report_dict", "report_text", "compress_names"]
 
@@ -146,11 +151,12 @@ def report_dict(plan: DeploymentPlan) -> dict:
         "transfer_s_per_request": plan.pins.transfer_s_per_request,
         "baseline_transfer_s_per_request": plan.pins.baseline_transfer_s_per_request,
         "offers": [
-            {**o.offer.__dict__, "budget_bytes": o.budget_bytes, "pinned_bytes": o.pinned_bytes,
+            {**o.offer._asdict(), "budget_bytes": o.budget_bytes, "pinned_bytes": o.pinned_bytes,
              "transfer_s_per_request": o.transfer_s_per_request}
             for o in plan.offers
         ],
         "warnings": list(plan.warnings),
+        "notes": list(plan.pins.notes),
         "merge_reason": plan.merge_reason,
         "alternatives": [
             {"label": a.label, "merge": a.merge, "budget_bytes": a.budget_bytes,
@@ -160,6 +166,7 @@ def report_dict(plan: DeploymentPlan) -> dict:
             for a in plan.alternatives
         ],
         "lora_merge": None if plan.lora_merge is None else dict(plan.lora_merge),
+        "host_share": None if plan.host_share is None else dict(plan.host_share),
     }
 
 
@@ -198,6 +205,7 @@ def _host_lines(plan: DeploymentPlan) -> list[str]:
     return [
         f"host: limit {format_size(h.bytes)} ({h.source}); MemTotal {format_size(h.mem_total)}; "
         f"cgroup limit {cgroup}",
+        *(_host_share_lines(plan.host_share) if plan.host_share else []),
         "budget:",
         *format_table([
             ("limit", format_size(b.limit), ""),
@@ -211,6 +219,15 @@ def _host_lines(plan: DeploymentPlan) -> list[str]:
             ("budget for pins", format_size(b.bytes), "(room, capped by max pinned)"),
         ], indent="  "),
     ]
+
+
+def _host_share_lines(share) -> list[str]:
+    """This rank's part of the host budget: its pins are capped at that share."""
+    alike = "; ranks taken to be alike: equal shares" if "no process group" in share["source"] else ""
+    return [f"host share: local rank {share['local_rank']} of {share['local_world_size']} (from {share['source']}"
+            f"{alike})",
+            f"  {format_size(share['share_bytes'])} of the host budget {format_size(share['host_budget_bytes'])}, "
+            f"split by need ({', '.join(format_size(s) for s in share['shares_bytes'])}); pins capped at this share"]
 
 
 def _component_lines(plan: DeploymentPlan) -> list[str]:
@@ -254,6 +271,9 @@ def _pin_lines(plan: DeploymentPlan) -> list[str]:
     for name, p in plan.pins.plans.items():
         if p.pinned_layers:
             lines.append(f"  {name} pinned: {compress_names(p.pinned_layers)}")
+    if any(REST in p.pinned_layers for p in plan.pins.plans.values()):
+        lines.append(f"  {REST}: the tensors outside every layer (embeddings, norms, heads), pinned as one unit")
+    lines += [f"  note: {n}" for n in plan.pins.notes]
     return lines
 
 
@@ -279,10 +299,10 @@ def _alternative_lines(plan: DeploymentPlan) -> list[str]:
     layers = sum(len(p.pinned_layers) for p in plan.pins.plans.values())
     rows.append(("this plan", plan.merge, format_size(plan.budget.committed), format_size(plan.budget.bytes),
                  format_size(plan.pins.pinned_bytes), layers, _seconds(plan.pins.transfer_s_per_request)))
-    for a in plan.alternatives:
+    for a in plan.alternatives:  # a plan killed while it loads never serves: no transfer time to compare
         rows.append((a.label, a.merge, format_size(a.committed_bytes), format_size(a.budget_bytes),
                      format_size(a.pinned_bytes), sum(len(v) for v in a.pinned_layers.values()),
-                     _seconds(a.transfer_s_per_request)))
+                     "killed while loading" if a.over_limit_bytes else _seconds(a.transfer_s_per_request)))
     lines = ["compared (committed = non-reclaimable memory the components hold):", *format_table(rows, indent="  ")]
     for a in plan.alternatives:
         killed = (f"; its committed memory exceeds the host limit by {format_size(a.over_limit_bytes)}: without "
@@ -299,6 +319,8 @@ def _lora_merge_lines(plan: DeploymentPlan) -> list[str]:
     if m is None:
         return []
     where = f"cache {str(m['cache_key'])[:12]} under {m.get('cache_root')}" if m.get("cache_key") else "in place"
+    if m.get("cache_off"):
+        where += f": {m['cache_off']}"
     rows = [("layers", "hit", "built", "fallen back", "in place", "merged", "written", "time", "rate"),
             (m["layers"], m["hit"], m["built"], m["fallen_back"], m["in_place"], format_size(m["bytes"]),
              format_size(m["bytes_written"]), f"{m['seconds']:.1f} s", format_rate(m["rate_bytes_per_s"]))]

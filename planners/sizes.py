@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass, field, replace
-from typing import Iterable
+from collections.abc import Iterable
+from operator import attrgetter
+from typing import NamedTuple
 
 from hostmem.residency_classes import CLASSES, Residency
 
@@ -31,15 +32,40 @@ __all__ = [
     "with_lora_target_bytes",
     "from_declared",
     "from_ledger",
+    "sum_residency",
+    "with_residency",
     "REST",
 ]
 
 REST = "(rest)"
 
+# Residency's fields in order (both a dataclass and a NamedTuple list them here).
+_RESIDENCY_FIELDS: tuple[str, ...] = Residency.__match_args__
+_residency_values = attrgetter(*_RESIDENCY_FIELDS)  # Residency -> tuple of its fields
 
-@dataclass(frozen=True)
-class Layer:
-    """One unit that moves and is pinned whole. ``residency`` sums to ``nbytes``."""
+
+def sum_residency(parts: Iterable[Residency]) -> Residency:
+    """The sum of ``parts`` (``Residency()`` when empty), built once.
+
+    Adding a component's few hundred layers one ``+`` at a time builds as many
+    intermediate objects; a plan sums every component several times.
+    """
+    columns = zip(*map(_residency_values, parts))  # one tuple per class; none when empty
+    return Residency(*map(sum, columns))
+
+
+def with_residency(residency: Residency, **changes: int) -> Residency:
+    """``residency`` with the classes named in ``changes`` set to new values."""
+    return Residency(*(changes.get(name, getattr(residency, name)) for name in _RESIDENCY_FIELDS))
+
+
+class Layer(NamedTuple):
+    """One unit that moves and is pinned whole. ``residency`` sums to ``nbytes``.
+
+    A named tuple, like the other records the planners build: they are defined on
+    every start of ``hostmem plan`` and copied thousands of times per plan, and a
+    dataclass costs several times more at both.
+    """
 
     name: str
     nbytes: int
@@ -61,8 +87,7 @@ class Layer:
         return max(0, self.nbytes - self.residency.non_reclaimable)
 
 
-@dataclass(frozen=True)
-class ComponentSizes:
+class ComponentSizes(NamedTuple):
     """A component's layers, the rest of its tensors, and memory it holds besides."""
 
     name: str
@@ -70,7 +95,7 @@ class ComponentSizes:
     source: str  # "headers", "declared" or "ledger"
     layers: tuple[Layer, ...]
     rest: Layer | None = None
-    extra: Residency = field(default_factory=Residency)
+    extra: Residency = Residency()  # frozen: one shared default is safe
     dtype: str | None = None
 
     @property
@@ -89,17 +114,14 @@ class ComponentSizes:
     @property
     def residency(self) -> Residency:
         """Residency of the weights plus ``extra``."""
-        total = self.extra
-        for unit in self.units:
-            total = total + unit.residency
-        return total
+        return sum_residency((self.extra, *(unit.residency for unit in self.units)))
 
     def with_units(self, units: Iterable[Layer]) -> "ComponentSizes":
         """A copy whose layers and rest are replaced by ``units`` (same order)."""
         units = tuple(units)
         if self.rest is not None and self.rest.nbytes and units and units[-1].name == REST:
-            return replace(self, layers=units[:-1], rest=units[-1])
-        return replace(self, layers=units)
+            return self._replace(layers=units[:-1], rest=units[-1])
+        return self._replace(layers=units)
 
 
 def layer_matcher(pattern: str):
@@ -170,9 +192,9 @@ def with_lora_target_bytes(sizes: ComponentSizes, target_bytes: int) -> Componen
     """Spread declared LoRA target bytes over the layers in proportion to their size."""
     layers = list(sizes.layers) or list(sizes.units)
     shares = spread(min(target_bytes, sum(u.nbytes for u in layers)), [u.nbytes for u in layers])
-    updated = [replace(u, lora_target_bytes=s) for u, s in zip(layers, shares)]
+    updated = [u._replace(lora_target_bytes=s) for u, s in zip(layers, shares)]
     if sizes.layers:
-        return replace(sizes, layers=tuple(updated))
+        return sizes._replace(layers=tuple(updated))
     return sizes.with_units(updated)
 
 
@@ -193,11 +215,12 @@ def from_declared(
     count = layer_count or 1
     prefix = "layers" if layer_count else name
     shares = spread(size, [1] * count)
+    targets = spread(min(lora_target_bytes or 0, size), shares)  # as with_lora_target_bytes spreads them
     layers = tuple(
-        Layer(f"{prefix}.{i}" if layer_count else prefix, n, Residency(not_resident=n)) for i, n in enumerate(shares)
+        Layer(f"{prefix}.{i}" if layer_count else prefix, n, Residency(not_resident=n), t)
+        for i, (n, t) in enumerate(zip(shares, targets))
     )
-    sizes = ComponentSizes(name=name, offload=offload, source="declared", layers=layers, dtype=dtype)
-    return with_lora_target_bytes(sizes, lora_target_bytes) if lora_target_bytes else sizes
+    return ComponentSizes(name=name, offload=offload, source="declared", layers=layers, dtype=dtype)
 
 
 def from_ledger(

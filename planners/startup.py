@@ -14,7 +14,8 @@
 :func:`plan_loaded` accounts the loaded components with :func:`hostmem.account`
 (measured residency per parameter), groups them into the config's layers, plans
 under the host limit, logs the report once (logger ``hostmem``, one record) and
-returns the plan. Pinning is a separate, explicit step. ``merge_stats`` (what
+returns the plan. Several ranks on one host share one host budget, split by need
+(:mod:`planners.host_share`). Pinning is a separate, explicit step. ``merge_stats`` (what
 ``lora_cache.merge`` returned) puts the merge in the report: layers hit, built and
 fallen back, bytes, seconds and rate.
 """
@@ -31,6 +32,7 @@ from .budget import read_host_limit
 from .config import DeploymentConfig, load_config
 from .deployment import DeploymentPlan, plan_deployment
 from .host_checks import cache_root_warnings
+from .host_share import capped_config, rank_need, share_for
 from .report import report_text
 from .sizes import ComponentSizes, from_ledger
 from .whatif import default_merge, merge_reason
@@ -90,7 +92,7 @@ def _merge_done(stats: dict) -> tuple[str, str, list[str]]:
     elif where:
         merge, reason = "in-place", f"the {where} could not store any layer: lora_cache.merge merged all in place"
     else:
-        merge, reason = "in-place", "lora_cache.merge merged in place (no cache root given, or the cache is off)"
+        merge, reason = "in-place", f"lora_cache.merge merged in place ({stats.get('cache_off') or 'the cache is off'})"
     warnings = []
     if stats["fallen_back"]:
         warnings.append(
@@ -123,17 +125,25 @@ def plan_loaded(
     stats = None if merge_stats is None else merge_stats_dict(merge_stats)
     if stats is not None:
         merge, reason, notes = _merge_done(stats)
-    plan = plan_deployment(
-        config,
-        sizes,
-        host,
-        mode="live",
-        merge=merge,
-        process_excess=max(0, ledger.unattributed_anonymous - config.host.reserve),
-        providers=providers,
-        notes=tuple(cache_root_warnings(config) + notes),
-        merge_reason=reason,
-        lora_merge=stats,
-    )
+
+    def plan_under(cfg: DeploymentConfig) -> DeploymentPlan:
+        return plan_deployment(
+            cfg,
+            sizes,
+            host,
+            mode="live",
+            merge=merge,
+            process_excess=max(0, ledger.unattributed_anonymous - cfg.host.reserve),
+            providers=providers,
+            notes=tuple(cache_root_warnings(cfg) + notes),
+            merge_reason=reason,
+            lora_merge=stats,
+        )
+
+    plan = plan_under(config)
+    share = share_for(config, host.bytes, rank_need(plan))  # None: the only rank on this host
+    if share is not None:
+        capped = plan_under(capped_config(config, share, plan.budget.committed_pinned))
+        plan = capped._replace(host_share=share.to_dict())
     (logger or _LOG).info("host memory plan\n%s", report_text(plan))
     return plan

@@ -12,12 +12,9 @@ Residency follows from declared behaviour, not from measurement:
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from hostmem.residency_classes import Residency
 from lora_cache.switch import DISABLE_ENV, cache_disabled_by_env
 
-from .checkpoint import read_checkpoint
 from .config import ComponentConfig, DeploymentConfig
 from .sizes import ComponentSizes, Layer, from_declared
 
@@ -66,32 +63,32 @@ def merge_reason(config: DeploymentConfig) -> str:
             f"under {root} and mapped back read-only, so they stay file-backed")
 
 
-def _loaded(unit: Layer, load: str) -> Layer:
-    kind = "file_backed" if load == "mapped" else "anonymous"
-    return replace(unit, residency=Residency(**{kind: unit.nbytes}))
+def _predicted(unit: Layer, load: str, merge: str) -> Layer:
+    """The unit once loaded and merged: its residency built once, from ``nbytes``.
 
-
-def _merged(unit: Layer, merge: str) -> Layer:
-    """The unit after the merge: in place, its targets turn anonymous; cached, file-backed."""
-    r, moved = unit.residency, unit.lora_target_bytes
+    Loading decides every byte (mapped: file-backed; copied: anonymous), whatever the
+    unit's residency was; an in-place merge then turns its targets anonymous, a cached
+    one file-backed.
+    """
+    anonymous = 0 if load == "mapped" else unit.nbytes
+    file_backed = unit.nbytes - anonymous
+    moved = unit.lora_target_bytes
     if merge == "in-place":
-        take = min(moved, r.file_backed)
-        return replace(unit, residency=replace(r, file_backed=r.file_backed - take, anonymous=r.anonymous + take))
-    take = min(moved, r.anonymous)
-    return replace(unit, residency=replace(r, anonymous=r.anonymous - take, file_backed=r.file_backed + take))
+        take = min(moved, file_backed)
+        file_backed, anonymous = file_backed - take, anonymous + take
+    elif merge == "cached":
+        take = min(moved, anonymous)
+        anonymous, file_backed = anonymous - take, file_backed + take
+    return unit._replace(residency=Residency(anonymous=anonymous, file_backed=file_backed))
 
 
 def predict(sizes: ComponentSizes, load: str, merge: str = "none") -> ComponentSizes:
     """Return ``sizes`` with the residency that ``load`` and ``merge`` will give it."""
     if merge not in MERGE_MODES:
         raise ValueError(f"merge {merge!r}: choose one of {', '.join(MERGE_MODES)}")
-    units = [_loaded(u, load) for u in sizes.units]
-    extra = Residency()
-    if merge != "none":
-        units = [_merged(u, merge) for u in units]
-        if merge == "in-place":
-            extra = Residency(anonymous=sizes.lora_target_bytes)
-    return replace(sizes.with_units(units), extra=extra)
+    units = [_predicted(u, load, merge) for u in sizes.units]
+    extra = Residency(anonymous=sizes.lora_target_bytes) if merge == "in-place" else Residency()
+    return sizes.with_units(units)._replace(extra=extra)
 
 
 def component_sizes(config: DeploymentConfig, component: ComponentConfig) -> ComponentSizes:
@@ -101,11 +98,17 @@ def component_sizes(config: DeploymentConfig, component: ComponentConfig) -> Com
             component.name, component.offload, component.size, component.layer_count,
             component.lora_target_bytes, component.dtype,
         )
+    from .checkpoint import read_checkpoint  # here: declared sizes read no header
+
     sizes = read_checkpoint(
         component.name, component.offload, component.path, component.layer_pattern,
         component.lora_target_patterns, component.lora_target_bytes, component.dtype,
     )
     key = f"components.{component.name}"
+    if _targets_from_adapters(config, component):
+        from .adapter_targets import with_adapter_targets
+
+        sizes = with_adapter_targets(config, sizes, component.path, component.layer_pattern)
     if component.layer_pattern and not sizes.layers:
         raise config.origin.error(
             f"{key}.layers",
@@ -117,6 +120,13 @@ def component_sizes(config: DeploymentConfig, component: ComponentConfig) -> Com
     if component.lora_target_patterns and not sizes.lora_target_bytes:
         raise config.origin.error(f"{key}.lora_targets", f"{list(component.lora_target_patterns)} match no tensor")
     return sizes
+
+
+def _targets_from_adapters(config: DeploymentConfig, component: ComponentConfig) -> bool:
+    """True for the merged component given by path without declared ``lora_targets``."""
+    target = config.merge_target
+    return (target is not None and target.name == component.name and not component.has_lora_targets
+            and config.lora is not None and bool(config.lora.adapters))
 
 
 def checkpoint_sizes(config: DeploymentConfig) -> dict[str, ComponentSizes]:
@@ -136,10 +146,11 @@ def what_if_components(
         sizes = checkpoint_sizes(config)
     warnings: list[str] = []
     target = config.merge_target
-    if merge != "none" and (target is None or not target.has_lora_targets):
+    if merge != "none" and (target is None or not sizes[target.name].lora_target_bytes):
         warnings.append(
-            f"merge {merge} asked for, but no component declares lora_targets: nothing is merged; "
-            "add lora_targets (a size, or tensor name patterns) to the merged component"
+            f"merge {merge} asked for, but no component has LoRA targets: nothing is merged; "
+            "list the adapters under lora.adapters with the merged component given by path, or "
+            "declare lora_targets (a size, or tensor name patterns) on it"
         )
     out = {}
     for component in config.components.values():

@@ -3,13 +3,42 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
 import torch
 from hostmem.safetensors_map import save_file
+
+
+_RUN_TEMP = None  # this run's own temp folder: every temp file of the run lands in it
+
+
+def pytest_configure(config):
+    """Confine the run's temp files to one folder of its own, removed when the run ends.
+
+    pytest's ``tmp_path`` folders, ``tempfile`` in this process, and every subprocess a
+    test starts (they inherit ``TMPDIR``) all write under it; the default LoRA merge
+    cache root (``HOSTMEM_CACHE_ROOT``) lives there too, so a merge that takes the
+    default does not write into the user's home. Nothing of the run is left behind.
+    """
+    global _RUN_TEMP
+    if _RUN_TEMP is not None or config.option.basetemp:
+        return
+    _RUN_TEMP = tempfile.mkdtemp(prefix="hostmem-tests-")
+    os.environ["TMPDIR"] = _RUN_TEMP
+    tempfile.tempdir = _RUN_TEMP
+    os.environ.setdefault("HOSTMEM_CACHE_ROOT", os.path.join(_RUN_TEMP, "cache-root"))
+
+
+def pytest_unconfigure(config):
+    global _RUN_TEMP
+    if _RUN_TEMP is not None:
+        shutil.rmtree(_RUN_TEMP, ignore_errors=True)
+        _RUN_TEMP = None
 
 
 def write_safetensors(path, tensors: dict[str, torch.Tensor]) -> str:

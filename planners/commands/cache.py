@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-from hostmem.units import format_size, parse_size
+from hostmem.units import format_size, parse_size, size_option
 
 _ROOT_HELP = "cache root (default: $HOSTMEM_CACHE_ROOT, else ~/.cache/hostmem)"
 
@@ -33,16 +33,16 @@ def register(subparsers) -> None:
     ls = sub.add_parser("ls", parents=[common], help="list combinations, least recently used first")
     ls.add_argument("--json", action="store_true", help="print JSON (sizes in bytes, times in unix seconds)")
     ls.set_defaults(run=run_ls)
-    verify = sub.add_parser("verify", parents=[common], help="check every layer's checksum")
+    verify = sub.add_parser("verify", parents=[common], help="check every layer's checksum; record what is damaged")
     verify.add_argument("keys", nargs="*", metavar="KEY", help="keys or unique prefixes (default: all)")
     verify.add_argument("--json", action="store_true", help="print JSON")
     verify.set_defaults(run=run_verify)
     prune = sub.add_parser(
         "prune",
         parents=[common],
-        help="remove damaged and interrupted combinations (and LRU ones beyond --max-size)",
+        help="remove damaged and partial combinations and dead writers' temporary files (and LRU ones beyond --max-size)",
     )
-    prune.add_argument("--max-size", metavar="SIZE", default=None, help="then evict least recently used down to SIZE, e.g. 200GiB")
+    prune.add_argument("--max-size", metavar="SIZE", default=None, type=size_option, help="then evict least recently used down to SIZE, e.g. 200GiB")
     prune.add_argument("--all", action="store_true", help="remove every combination not in use")
     prune.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
     prune.set_defaults(run=run_prune)
@@ -53,10 +53,24 @@ def register(subparsers) -> None:
 
 def _cache(args) -> tuple[str, str | None]:
     from lora_cache.vault import default_cache_root
-    from lora_cache.vault_admin import existing_cache_dir
+    from lora_cache.vault.admin import existing_cache_dir
 
+    if args.root is not None:
+        _check_given_root(args.root)
     root = args.root or default_cache_root()
     return root, existing_cache_dir(root)
+
+
+def _check_given_root(root: str) -> None:
+    """A ``--root`` that is not a folder is a typo, not an empty cache: say so (exit 2)."""
+    import os
+
+    path = os.path.expanduser(root)
+    if os.path.isdir(path):
+        return
+    if os.path.lexists(path):
+        raise ValueError(f"--root {root}: is a file, not a folder; give the cache root folder (the one holding lora_merge_cache)")
+    raise ValueError(f"--root {root}: no such folder; check the path (the default root is $HOSTMEM_CACHE_ROOT, else ~/.cache/hostmem)")
 
 
 def _when(stamp: float | None) -> str:
@@ -81,8 +95,38 @@ def _inputs_summary(inputs: dict) -> str:
     return f"{base} + [{adapters}] -> {inputs.get('target_dtype')}, {inputs.get('merge_policy')}"
 
 
+def _flat(value, prefix: str = "") -> dict[str, str]:
+    """An inputs record as ``dotted.key -> text``, digests cut to 12 digits."""
+    if isinstance(value, dict):
+        return {k: v for key, item in value.items() for k, v in _flat(item, f"{prefix}{key}.").items()}
+    if isinstance(value, list):
+        return {k: v for i, item in enumerate(value) for k, v in _flat(item, f"{prefix}{i}.").items()}
+    text = str(value)
+    return {prefix.rstrip("."): text[:12] if len(text) == 64 else text}
+
+
+_PEOPLE_ONLY = ("path", "mtime_ns", "size")  # recorded for people, not part of what makes a combination
+
+
+def _differences(combos) -> dict[str, str]:
+    """For combinations listed with the same one-line summary: the inputs that tell them apart."""
+    groups: dict[str, list] = {}
+    for c in combos:
+        groups.setdefault(_inputs_summary(c.inputs), []).append(c)
+    found = {}
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        flats = [_flat(c.inputs) for c in group]
+        keys = sorted({k for f in flats for k in f if not k.endswith(_PEOPLE_ONLY)})
+        differing = [k for k in keys if len({f.get(k) for f in flats}) > 1]
+        for c, flat in zip(group, flats):
+            found[c.key] = ", ".join(f"{k}={flat.get(k, '-')}" for k in differing) or "inputs look the same"
+    return found
+
+
 def run_ls(args) -> int:
-    from lora_cache.vault_store import list_combinations
+    from lora_cache.vault.combinations import list_combinations
 
     root, cache = _cache(args)
     combos = list_combinations(cache) if cache else []
@@ -96,16 +140,21 @@ def run_ls(args) -> int:
         return 0
     print(f"{cache}: {len(combos)} combination(s), {format_size(total)}")
     print(f"{'KEY':<12}  {'STATE':<11}  {'SIZE':>10}  {'LAYERS':>6}  {'LAST USED':<16}  INPUTS")
+    differences = _differences(combos)
     for c in combos:
         print(
             f"{c.key[:12]:<12}  {c.state:<11}  {format_size(c.bytes):>10}  {c.layers:>6}  "
             f"{_when(c.last_used):<16}  {_inputs_summary(c.inputs)}"
         )
+        if c.key in differences:
+            print(f"{'':<12}  differs: {differences[c.key]}")
+        if c.problem:
+            print(f"{'':<12}  {c.problem}")
     return 0
 
 
 def run_verify(args) -> int:
-    from lora_cache.vault_admin import verify_all
+    from lora_cache.vault.admin import verify_all
 
     root, cache = _cache(args)
     if cache is None:
@@ -132,7 +181,7 @@ def run_verify(args) -> int:
 
 
 def run_prune(args) -> int:
-    from lora_cache.vault_admin import prune
+    from lora_cache.vault.admin import prune
 
     root, cache = _cache(args)
     max_size = None if args.max_size is None else parse_size(args.max_size)
@@ -145,7 +194,7 @@ def run_prune(args) -> int:
 
 
 def run_rm(args) -> int:
-    from lora_cache.vault_admin import remove
+    from lora_cache.vault.admin import remove
 
     root, cache = _cache(args)
     if cache is None:

@@ -7,6 +7,8 @@ import json
 import sys
 import time
 
+from hostmem.units import size_option
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -15,8 +17,9 @@ def register(subparsers) -> None:
         description="Write a synthetic DiT, text encoder and LoRA adapter, start each scenario in its own "
         "process under the peak tracker, and print what each costs the host.",
     )
-    parser.add_argument("--scale", default="4GiB", help="size of the synthetic DiT (default 4GiB)")
-    parser.add_argument("--host-limit", default=None, metavar="SIZE",
+    parser.add_argument("--scale", default="4GiB", type=size_option, metavar="SIZE",
+                        help="size of the synthetic DiT (default 4GiB)")
+    parser.add_argument("--host-limit", default=None, metavar="SIZE", type=size_option,
                         help="host convention (default: 32 GiB scaled to the DiT as to MiniMax-H3's 61.7 GB)")
     parser.add_argument("--workdir", default=None, metavar="DIR",
                         help="where to write the files (default: a temporary folder on a real disk, removed after)")
@@ -25,6 +28,15 @@ def register(subparsers) -> None:
     parser.add_argument("--cgroup", action="store_true",
                         help="also run scenarios 2 and 4 under a real memory cgroup at the host limit")
     parser.set_defaults(run=run)
+
+
+def _what_was_kept(args) -> str:
+    """One line: what an interrupted demo leaves behind, and how to run it again."""
+    cgroup = "; the memory cgroup was removed" if args.cgroup else ""
+    if args.workdir:
+        return (f"the files written so far are kept in {args.workdir}{cgroup}; run the same command "
+                "again to start over (it rewrites them), or delete that folder")
+    return f"its temporary files were removed{cgroup}; run the same command again to start over"
 
 
 def run(args) -> int:
@@ -45,6 +57,9 @@ def run(args) -> int:
     except DemoError as exc:
         print(f"hostmem: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"\nhostmem demo: interrupted; {_what_was_kept(args)}", file=sys.stderr)
+        return 130
     print(format_table(demo))
     best = next(s for s in demo.scenarios if s.name == "cached_hit")
     print(f"\nstartup report of scenario 4 (cached merge, second start):\n{best.report_text}")

@@ -2,8 +2,10 @@
 
 Exit status: the command's own when the peak stays within the limit; 3 when the peak
 exceeded it and the command succeeded; the command's own non-zero code when it failed
-(the verdict still prints). The one-line verdict goes to stderr; ``--json FILE``
-writes the JSON contract documented in :mod:`hostmem.guard` (``-`` for stdout).
+(the verdict still prints); 128 + N when signal N (Ctrl-C: 130) interrupted the guard,
+with one line saying what reached the command and what was cleaned up instead of a
+verdict. The one-line verdict goes to stderr; ``--json FILE`` writes the JSON
+contract documented in :mod:`hostmem.guard` (``-`` for stdout).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ def register(subparsers) -> None:
         help="run a command; exit 3 when its peak anonymous memory exceeds a limit",
         description=(
             "Run CMD while sampling its anonymous resident memory (RssAnon) from a separate "
-            "process, and judge the peak against --max-peak-anon. Exits with the command's "
-            "code, or 3 when it succeeded but went over the limit."
+            "process, and judge the peak against --max-peak-anon. Every process the command "
+            "starts is counted (in a memory cgroup of its own where the machine allows it, else "
+            "by a tree scan). Exits with the command's code, or 3 when it succeeded but went "
+            "over the limit, or 130 when interrupted."
         ),
     )
     parser.add_argument(
@@ -30,8 +34,12 @@ def register(subparsers) -> None:
         "--interval", default=None, metavar="MS", help="milliseconds between samples (default 1)"
     )
     parser.add_argument(
-        "--children", action="store_true", help="add the memory of every descendant of the command"
+        "--no-children",
+        dest="children",
+        action="store_false",
+        help="count the command's own process only (default: it and every process it starts)",
     )
+    parser.add_argument("--children", dest="children", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--include-shmem", action="store_true", help="count RssShmem (tmpfs, /dev/shm) as well"
     )
@@ -69,7 +77,7 @@ def run(args) -> int:
         result = run_guarded(
             command, limit, interval_s=interval_s, children=args.children, include_shmem=args.include_shmem
         )
-        print(result.verdict(), file=sys.stderr)
+        print(result.interruption() if result.interrupted else result.verdict(), file=sys.stderr)
         if json_out is not None:
             json.dump(result.to_dict(), json_out)
             json_out.write("\n")

@@ -5,12 +5,18 @@ every merged layer on disk. It needs no model class: the checkpoint named by the
 config is mapped read-only into a tree of parameters named like its tensors, and the
 adapters are merged into it through the cache. A layer the cache cannot store is an
 error here (a build that merged in place would have built nothing).
+
+SIGINT or SIGTERM stops the build between writes: the layers sealed so far stay, the
+manifest records them, and the command exits 130 saying how many there are; the next
+start (or this command again) resumes from there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
 
 
@@ -68,11 +74,38 @@ def _check_enabled(config) -> None:
         raise ValueError(f"{DISABLE_ENV} is set, which turns the cache off; unset it to build the cache")
 
 
+def _interrupt(signum, frame) -> None:
+    """Turn the first SIGINT/SIGTERM into KeyboardInterrupt; ignore later ones while the
+    build seals what it has (a second signal must not tear what the first stops)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _stoppable():
+    """SIGINT and SIGTERM stop the build as KeyboardInterrupt; the old handlers come back after."""
+    old = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _interrupted_line(exc: KeyboardInterrupt) -> str:
+    sealed = getattr(exc, "sealed_layers", None)
+    what = "no layer" if not sealed else f"{sealed} layer(s)"
+    return (
+        f"hostmem: interrupted ({exc or 'SIGINT'}): {what} sealed in the LoRA merge cache; "
+        "the next start, or `hostmem lora merge` again, resumes from there"
+    )
+
+
 def run_merge(args) -> int:
     from lora_cache import CacheBuildError, merge
     from lora_cache.layers import checkpoint_module
-    from lora_cache.vault import default_cache_root
-    from lora_cache.vault_store import CACHE_DIR
+    from lora_cache.vault.combinations import CACHE_DIR
     from planners.checkpoint import checkpoint_files
     from planners.config import load_config
 
@@ -80,19 +113,23 @@ def run_merge(args) -> int:
     _check_enabled(config)
     component = _merge_component(config)
     shards = checkpoint_files(component.path)
-    root = config.lora.cache.root or default_cache_root()
+    roots = list(config.lora.cache.roots) or None  # None: the default root
     try:
-        stats = merge(  # keyed as a server's start is: on the mapped shards that hold the targets
-            checkpoint_module(shards),
-            _adapters(config.lora),
-            cache_root=root,
-            max_size=config.lora.cache.max_size,
-            progress=False if (args.no_progress or args.json) else None,
-            fallback=False,
-        )
+        with _stoppable():
+            stats = merge(  # keyed as a server's start is: on the mapped shards that hold the targets
+                checkpoint_module(shards),
+                _adapters(config.lora),
+                cache_root=roots,
+                max_size=config.lora.cache.max_size,
+                progress=False if (args.no_progress or args.json) else None,
+                fallback=False,
+            )
     except CacheBuildError as exc:
         print(f"hostmem: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as exc:
+        print(_interrupted_line(exc), file=sys.stderr)
+        return 130
     if args.json:
         json.dump({"config": config.origin.path, "component": component.name, **stats.to_dict()}, sys.stdout)
         sys.stdout.write("\n")

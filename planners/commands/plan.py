@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 
@@ -26,7 +25,7 @@ def register(subparsers) -> None:
         help="the LoRA merge to predict (default: cached if lora.cache is enabled, in-place if not, "
         "none without adapters)",
     )
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, read_only=True)  # writes nothing: cli.main may skip the exit collection
 
 
 def _providers(config, components, merge) -> list:
@@ -54,13 +53,14 @@ def _without_cache(config, merge, sizes) -> tuple:
     from planners.whatif import what_if_components
 
     target = config.merge_target
-    if merge != "cached" or target is None or not target.has_lora_targets:
+    if merge != "cached" or target is None or not sizes[target.name].lora_target_bytes:
         return ()
     in_place, _ = what_if_components(config, "in-place", sizes)
     return (("without the LoRA merge cache", "in-place", in_place),)
 
 
 def run(args) -> int:
+    from planners.adapter_targets import check_adapter_files
     from planners.budget import read_host_limit
     from planners.config import load_config
     from planners.deployment import plan_deployment
@@ -69,6 +69,8 @@ def run(args) -> int:
     from planners.whatif import checkpoint_sizes, default_merge, merge_reason, what_if_components
 
     config = load_config(args.config)
+    if any(c.path is not None for c in config.components.values()):
+        check_adapter_files(config)  # weights on this machine: so must the adapters be
     merge = args.what_if or default_merge(config)
     reason = f"asked for with --what-if {merge}" if args.what_if else merge_reason(config)
     sizes = checkpoint_sizes(config)
@@ -81,6 +83,8 @@ def run(args) -> int:
         alternatives=_without_cache(config, merge, sizes),
     )
     if args.json:
+        import json  # here: the text report needs no JSON
+
         json.dump(report_dict(plan), sys.stdout)
         sys.stdout.write("\n")
     else:

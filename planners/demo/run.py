@@ -26,6 +26,8 @@ from hostmem.procfs import is_shmem_fs
 from hostmem.table import format_table as format_table_lines
 from hostmem.units import format_size, parse_size
 
+from .progress import StatusLine
+
 from .scenario import SCENARIOS
 from .synthetic import SyntheticSet, write_synthetic_set
 
@@ -113,11 +115,17 @@ def measure_runtime_anon() -> int:
     return int(out.stdout.split()[-1])
 
 
-def write_config(folder: str, files: SyntheticSet, limit: int, reserve: int) -> str:
+def deployment_name(scale: int) -> str:
+    """``demo-4g`` for the default 4 GiB DiT (as configs/demo.yaml names it), ``demo-64m`` at 64 MiB."""
+    gib, mib = 1024**3, 1024**2
+    return f"demo-{scale // gib}g" if scale >= gib and scale % gib == 0 else f"demo-{max(1, scale // mib)}m"
+
+
+def write_config(folder: str, files: SyntheticSet, limit: int, reserve: int, name: str = "demo-4g") -> str:
     """The deployment config of the demo, written beside its checkpoints."""
     vram = scaled(SEED["vram"], files.dit_bytes)
     config = {
-        "deployment": "demo-scaled-32g",
+        "deployment": name,
         "host": {"limit": limit, "reserve": reserve, "max_pinned": "75%"},
         "device": {"vram": vram, "reserve": scaled(SEED["device_reserve"], files.dit_bytes)},
         "transfer": {"pinned_h2d": "24GB/s", "pageable_h2d": "8GB/s", "disk_read": "3GB/s"},
@@ -137,7 +145,22 @@ def write_config(folder: str, files: SyntheticSet, limit: int, reserve: int) -> 
     return path
 
 
-def run_scenario(config_path: str, name: str, workdir: str, cgroup=None) -> ScenarioResult:
+def _wait_showing_growth(child: subprocess.Popen, label: str, progress: bool) -> str:
+    """Wait for ``child``; meanwhile a status line shows its anonymous memory. Returns its stderr."""
+    from hostmem.procfs import ProcReadError, read_status
+
+    with StatusLine(f"  {label}", enabled=progress) as line:
+        while True:
+            try:
+                return child.communicate(timeout=0.5)[1]
+            except subprocess.TimeoutExpired:
+                try:
+                    line.show(f"{format_size(read_status(child.pid).rss_anon)} anonymous")
+                except ProcReadError:  # it is exiting
+                    pass
+
+
+def run_scenario(config_path: str, name: str, workdir: str, cgroup=None, progress: bool = False) -> ScenarioResult:
     """Start scenario ``name`` in a child process and track its anonymous memory."""
     out_path = os.path.join(workdir, f"{name}.json")
     if os.path.exists(out_path):
@@ -149,14 +172,22 @@ def run_scenario(config_path: str, name: str, workdir: str, cgroup=None) -> Scen
         stderr=subprocess.PIPE,
         text=True,
     )
+    interrupted = False
     try:
         tracker.start(child.pid)
-        _, stderr = child.communicate()
+        stderr = _wait_showing_growth(child, LABELS[name], progress)
+    except KeyboardInterrupt:
+        interrupted = True
+        raise
     finally:
-        if child.poll() is None:  # the tracker failed: never leave a scenario running
+        if child.poll() is None:  # the tracker failed or Ctrl-C: never leave a scenario running
             child.kill()
             child.wait()
-        tracker.stop()
+        try:
+            tracker.stop()
+        except Exception:
+            if not interrupted:  # after Ctrl-C the sampler got it too: the interrupt is the news
+                raise
     if child.returncode != 0:
         if cgroup is not None:
             return _killed(name, tracker, child.returncode)
@@ -188,11 +219,12 @@ def _killed(name: str, tracker: PeakTracker, code: int) -> ScenarioResult:
 
 def _prepare(settings: DemoSettings, workdir: str) -> tuple[SyntheticSet, str, int, int, int]:
     files = write_synthetic_set(workdir, settings.scale, rank=settings.rank, progress=settings.progress)
+    _say(settings, "measuring the anonymous memory of a bare start (Python, torch, hostmem) ...")
     runtime = measure_runtime_anon() + RUNTIME_MARGIN
     scaled_limit = settings.host_limit or scaled(SEED["limit"], files.dit_bytes)
     reserve = scaled(SEED["reserve"], files.dit_bytes) * scaled_limit // scaled(SEED["limit"], files.dit_bytes)
     limit = scaled_limit + runtime
-    config_path = write_config(workdir, files, limit, reserve + runtime)
+    config_path = write_config(workdir, files, limit, reserve + runtime, deployment_name(settings.scale))
     return files, config_path, limit, scaled_limit, runtime
 
 
@@ -218,8 +250,8 @@ def run_demo(settings: DemoSettings) -> DemoResult:
                        f"{format_size(files.dit_bytes)} DiT) + {format_size(runtime)} runtime")
         results = []
         for name in SCENARIOS:
-            _say(settings, f"scenario {LABELS[name]} ...")
-            results.append(run_scenario(config_path, name, workdir))
+            _say(settings, f"scenario {LABELS[name]}:")
+            results.append(run_scenario(config_path, name, workdir, progress=settings.progress))
         demo = DemoResult(limit, scaled_limit, runtime, files.dit_bytes, files.lora_target_bytes, results)
         if settings.cgroup:
             demo.cgroup = run_cgroup_pair(config_path, workdir, scaled_limit + runtime, settings)
@@ -240,7 +272,7 @@ def run_cgroup_pair(config_path: str, workdir: str, limit: int, settings: DemoSe
     for name in ("in_place", "cached_hit"):
         _say(settings, f"scenario {LABELS[name]} under a {format_size(limit)} memory cgroup ...")
         with memory_cgroup(limit) as group:
-            result = run_scenario(config_path, name, workdir, cgroup=group)
+            result = run_scenario(config_path, name, workdir, cgroup=group, progress=settings.progress)
             out[name] = {"killed": bool(result.killed_in_cgroup), "oom_kills": group.oom_kills(),
                          "peak_anon_bytes": result.peak_anon_bytes}
     return out
@@ -248,6 +280,14 @@ def run_cgroup_pair(config_path: str, workdir: str, limit: int, settings: DemoSe
 
 def _ratio(value: int, against: int) -> str:
     return f"{value / against:.2f}x" if against else "-"
+
+
+_LEGEND = (
+    "peak/final anon: the start's anonymous memory (RssAnon) at its highest and at the end; file-backed: "
+    "weights the kernel can drop; budget: what pins may use; pinned DiT/TE: what the pin plans lock; "
+    "merged: layers whose merge was computed at this start; start: seconds to a served first request; "
+    "peak vs 2: the peak against the in-place merge's"
+)
 
 
 def format_table(demo: DemoResult) -> str:
@@ -269,6 +309,7 @@ def format_table(demo: DemoResult) -> str:
         f"plus {format_size(demo.runtime_bytes)} for the Python runtime (also reserved)",
         "",
         *format_table_lines(rows),
+        _LEGEND,
     ]
     if demo.cgroup:
         lines.append("")
@@ -305,12 +346,12 @@ def plot_timelines(demo: DemoResult, path: str) -> None:
     fig.savefig(path)
 
 
-def parse_settings(scale: str, host_limit: str | None, workdir: str | None, cgroup: bool) -> DemoSettings:
-    """Settings from command-line text; sizes through :func:`hostmem.units.parse_size`."""
+def parse_settings(scale: str | int, host_limit: str | int | None, workdir: str | None, cgroup: bool) -> DemoSettings:
+    """Settings from command-line sizes (text or bytes, through :func:`hostmem.units.parse_size`)."""
     size = parse_size(scale)
     if size < 8 * 1024**2:
-        raise ValueError(f"--scale {scale!r}: at least 8MiB of DiT is needed for a meaningful demo")
-    limit = parse_size(host_limit) if host_limit else None
+        raise ValueError(f"--scale {format_size(size)}: at least 8MiB of DiT is needed for a meaningful demo")
+    limit = parse_size(host_limit) if host_limit is not None else None
     if limit == 0:
         raise ValueError("--host-limit 0: the host must have some memory; give e.g. 1GiB")
     return DemoSettings(scale=size, host_limit=limit, workdir=workdir, cgroup=cgroup)

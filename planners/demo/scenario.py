@@ -66,8 +66,11 @@ def run(config_path: str, name: str) -> dict:
     stats = None
     if name != "base":
         adapters = [(a.path, a.strength) for a in config.lora.adapters]
-        root = None if name == "in_place" else config.lora.cache.root
-        stats = lora_cache.merge(dit, adapters, cache_root=root, base_files=dit_files, progress=False)
+        # The old way merges in place and keeps the unmerge snapshot (what the planner's
+        # --what-if in-place predicts); the cache is asked off, not merely left unnamed.
+        in_place = name == "in_place"
+        stats = lora_cache.merge(dit, adapters, cache_root=None if in_place else config.lora.cache.root,
+                                 enabled=not in_place, unmergeable=in_place, base_files=dit_files, progress=False)
     _first_request(dit, text_encoder)
     plan = plan_loaded(config, {"dit": dit, "text_encoder": text_encoder}, merge_stats=stats)
     start_s = time.perf_counter() - started

@@ -17,9 +17,9 @@ import os
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
-
 from hostmem.safetensors_map import read_header, save_file
+
+from .progress import SizeBar
 
 __all__ = ["SyntheticSet", "dit_dims", "write_synthetic_set", "LORA_TARGETS"]
 
@@ -73,12 +73,12 @@ def _dit_block(i: int, d: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write_dit(folder: str, d: int, blocks: int, gen: torch.Generator, progress: bool) -> str:
+def _write_dit(folder: str, d: int, blocks: int, gen: torch.Generator, bar: SizeBar) -> str:
     """One shard per 8 blocks, with an index file, as published DiTs ship."""
     os.makedirs(folder, exist_ok=True)
     per_shard = 8
     shards = -(-blocks // per_shard)
-    for shard in tqdm(range(shards), desc="writing DiT", unit="shard", disable=not progress):
+    for shard in range(shards):
         tensors = {}
         for i in range(shard * per_shard, min(blocks, (shard + 1) * per_shard)):
             tensors.update(_dit_block(i, d, gen))
@@ -86,6 +86,7 @@ def _write_dit(folder: str, d: int, blocks: int, gen: torch.Generator, progress:
             tensors["patch_embedding.weight"] = (torch.randn(d, 64, generator=gen) / 8).to(torch.bfloat16)
             tensors["head.head.weight"] = (torch.randn(64, d, generator=gen) / 8).to(torch.bfloat16)
         save_file(tensors, os.path.join(folder, f"diffusion_pytorch_model-{shard + 1:05d}-of-{shards:05d}.safetensors"))
+        bar.update(sum(t.nbytes for t in tensors.values()))
     return folder
 
 
@@ -123,9 +124,12 @@ def write_synthetic_set(folder: str, dit_bytes: int, rank: int = 32, progress: b
     """Write the DiT folder, the text encoder and the adapter under ``folder``."""
     gen = torch.Generator().manual_seed(seed)
     hidden, blocks = dit_dims(dit_bytes)
-    dit_path = _write_dit(os.path.join(folder, "transformer"), hidden, blocks, gen, progress)
-    te_path = os.path.join(folder, "text_encoder.safetensors")
-    te_bytes = _write_text_encoder(te_path, hidden, int(dit_bytes * TEXT_ENCODER_SHARE), gen)
+    te_target = int(dit_bytes * TEXT_ENCODER_SHARE)
+    with SizeBar("writing the DiT and text encoder", dit_bytes + te_target, enabled=progress) as bar:
+        dit_path = _write_dit(os.path.join(folder, "transformer"), hidden, blocks, gen, bar)
+        te_path = os.path.join(folder, "text_encoder.safetensors")
+        te_bytes = _write_text_encoder(te_path, hidden, te_target, gen)
+        bar.update(te_bytes)
     adapter_path = os.path.join(folder, "turbo_lora_rank%d.safetensors" % rank)
     _write_adapter(adapter_path, hidden, blocks, rank, gen)
     dit_total = sum(

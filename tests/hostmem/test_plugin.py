@@ -66,7 +66,8 @@ def test_a_1gib_spike_of_25ms_fails_at_512mib_and_passes_at_2gib_20_times_out_of
             r"\s+peak \d.*, baseline \d.* at the start of the test body, .* at its end",
             r"\s+the peak came \d+\.\d+ s into the test body, which ran \d+\.\d+ s",
             r"\s+timeline: .* -> .*",
-            r"\s+\d+ samples, every 1 ms \(longest gap .* ms, sampler priority .*\)",
+            r"\s+\d+ samples, every 1 ms \(longest gap .* ms, sampler priority .*\); 1 process counted "
+            r"\(the test's and those it started, tree scan\)",
             r"\s+cross-checks: .*",
             r"\s+what usually causes it: an in-place write into a mapped checkpoint.*clone.*pinned copy.*",
         ]
@@ -221,6 +222,42 @@ def test_a_starved_sampler_warns_and_a_failing_test_keeps_its_own_message(pytest
     result.stdout.fnmatch_lines(["*the test's own assertion*"])
     result.stdout.fnmatch_lines(
         ["*Captured hostmem call*", "*grew by 6?.? MiB during the test, over the limit of 16.0 MiB"]
+    )
+
+
+CHILD_TESTS = textwrap.dedent(
+    """
+    import subprocess, sys
+    import pytest
+
+    CHILD = "import time; b = b'\\x01' * (256 << 20); time.sleep(0.3)"   # 256 MiB, held 0.3 s
+
+    def run_child():
+        subprocess.run([sys.executable, "-I", "-S", "-c", CHILD], check=True)
+
+    @pytest.mark.limit_peak_anon("128MiB")
+    def test_child_counted():
+        run_child()
+
+    @pytest.mark.limit_peak_anon("128MiB", children=False)
+    def test_child_not_counted():
+        run_child()
+    """
+)
+
+
+def test_the_marker_counts_the_processes_a_test_starts_unless_told_not_to(pytester):
+    pytester.makepyfile(test_child=CHILD_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "ignore", "-rA")
+    result.assert_outcomes(failed=1, passed=1)
+    failed = [line for line in result.stdout.lines if line.startswith("FAILED")]
+    assert len(failed) == 1 and "test_child_counted" in failed[0]
+    result.stdout.re_match_lines(
+        [
+            r"hostmem: anonymous memory \(RssAnon\) grew by 2\d\d\.\d MiB during the test, "
+            r"over the limit of 128\.0 MiB",
+            r"\s+\d+ samples, .*; [2-9] processes counted \(the test's and those it started, tree scan\)",
+        ]
     )
 
 

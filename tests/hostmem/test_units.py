@@ -55,3 +55,79 @@ def test_rates_and_fractions():
     for bad in ("120%", "-1", "half"):
         with pytest.raises(ValueError, match="not a fraction"):
             parse_fraction(bad)
+
+
+# ---------------------------------------------------------------- what a person may type
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from hostmem.units import MAX_SIZE, size_option  # noqa: E402
+
+_SETTINGS = settings(database=None, deadline=None, max_examples=300)
+
+
+@pytest.mark.parametrize("text", ["1.5", "0.5", ".5", "2.25B", 1.5, 0.1])
+def test_a_fraction_of_a_byte_is_refused_not_rounded(text):
+    with pytest.raises(ValueError, match="a fraction of a byte: add a unit"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (float("inf"), "not a finite number"),
+        (float("nan"), "not a finite number"),
+        ("9" * 400, "larger than any host"),
+        (10**400, "larger than any host"),
+        ("9223372036854775808", "larger than any host"),
+        ("8EiB", "unknown unit"),
+    ],
+)
+def test_sizes_beyond_any_host_are_refused_with_the_input_cut_short(text, words):
+    with pytest.raises(ValueError, match=words) as info:
+        parse_size(text)
+    assert len(str(info.value)) < 200
+
+
+def test_whole_numbers_and_the_largest_size_still_parse():
+    assert parse_size("1.0") == 1 and parse_size(4096.0) == 4096 and parse_size("1.5KiB") == 1536
+    assert parse_size(str(MAX_SIZE)) == MAX_SIZE and parse_size("2PiB") == 2 * 1024**5
+    assert format_size(MAX_SIZE) == "8.0 EiB"
+    for bad in (float("inf"), float("nan"), 0, -1.0, 10**400):
+        with pytest.raises(ValueError, match="not a rate"):
+            parse_rate(bad)
+
+
+@_SETTINGS
+@given(st.one_of(st.text(max_size=30), st.integers(-(2**80), 2**80), st.floats(), st.none(), st.booleans()))
+def test_any_input_is_a_size_in_range_or_a_value_error(value):
+    try:
+        size = parse_size(value)
+    except ValueError as exc:
+        assert str(exc).startswith("not a size: ")
+    else:
+        assert isinstance(size, int) and 0 <= size <= MAX_SIZE
+
+
+@_SETTINGS
+@given(
+    st.integers(0, 10**6),
+    st.sampled_from(["", "B", "K", "KiB", "M", "MiB", "G", "GiB", "T", "kB", "MB", "GB", "TB", "PiB"]),
+    st.sampled_from(["", " "]),
+)
+def test_a_whole_number_with_a_unit_is_exact(number, unit, space):
+    multiplier = parse_size(f"1{unit}") if unit else 1
+    if number * multiplier > MAX_SIZE:
+        with pytest.raises(ValueError, match="larger than any host"):
+            parse_size(f"{number}{space}{unit}")
+    else:
+        assert parse_size(f"{number}{space}{unit}") == number * multiplier
+
+
+def test_size_option_reports_through_argparse():
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size: 'abc'"):
+        size_option("abc")
+    assert size_option("2MiB") == 2 * 1024**2

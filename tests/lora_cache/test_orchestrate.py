@@ -47,7 +47,7 @@ else:                      # safetensors' own loader: a private, writable mappin
         model = module_tree([(name, handle.get_tensor(name)) for name in handle.keys()])
 before = read_status().rss_anon
 with track_peak_anon() as peak:
-    stats = lora_cache.merge(model, [adapter], cache_root=root, progress=False)
+    stats = lora_cache.merge(model, [adapter], cache_root=root, enabled=root is not None, progress=False)
 after = read_status().rss_anon
 merged = {n: p for n, p in model.named_parameters() if n.endswith("weight")}
 for p in merged.values():
@@ -114,13 +114,15 @@ def test_cached_merge_stays_one_layer_wide_and_leaves_merged_weights_file_backed
     assert hit["anonymous"] == 0 and hit["file_backed"] == model["merged"], hit
 
 
-def test_in_place_merge_of_the_same_model_costs_about_twice_the_merged_bytes(file_backed_model):
-    """Loaded as servers load it (safetensors' private mapping): snapshot + copied-on-write pages."""
+def test_in_place_merge_of_the_same_model_costs_the_merged_bytes_and_one_layer_at_most(file_backed_model):
+    """Loaded as servers load it (safetensors' private mapping): each layer is summed where it
+    lies, so the copied-on-write pages are the cost, as with peft's merge (no unmerge copy
+    unless asked for), plus less than one layer of fp32 blocks."""
     model = file_backed_model
     in_place = _measure(model, "", loader="private")
     assert in_place["stats"]["in_place"] == LAYERS
-    assert 1.9 * model["merged"] <= in_place["growth"] <= 2 * model["merged"] + cached_bound(model)
-    assert in_place["growth"] > 3 * cached_bound(model)  # the bound the cached merge meets is far below
+    assert 0.95 * model["merged"] <= in_place["growth"] <= model["merged"] + model["largest_fp32"] // 2
+    assert in_place["growth"] > 1.5 * cached_bound(model)  # the bound the cached merge meets is far below
     assert in_place["anonymous"] == model["merged"], in_place
     cached = _measure(model, str(model["folder"] / "private-cache"), loader="private")
     assert cached["stats"]["built"] == LAYERS and cached["growth"] <= cached_bound(model), cached
@@ -187,7 +189,7 @@ def test_a_build_that_mixes_one_pass_and_fp32_layers_writes_what_an_in_place_mer
     assert (built.built, built.fallen_back) == (7, 0)
     cached = {n: p.detach().clone() for n, p in model.named_parameters()}
     lora_cache.unmerge(model)
-    lora_cache.merge(model, [adapter], progress=False)
+    lora_cache.merge(model, [adapter], progress=False, enabled=False)
     for name, weight in model.named_parameters():
         assert torch.equal(weight, cached[name]), name
 
@@ -198,14 +200,14 @@ import torch, lora_cache
 from lora_cache.layers import checkpoint_module
 base, adapter, root = sys.argv[1:4]
 model = checkpoint_module([base])
-lora_cache.merge(model, [adapter], progress=False)  # in place: the reference
+lora_cache.merge(model, [adapter], progress=False, enabled=False)  # in place: the reference
 expected = {n: p.detach().clone() for n, p in model.named_parameters()}
 lora_cache.unmerge(model)
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    stats = lora_cache.merge(model, [adapter], cache_root=root, progress=False)
+    stats = lora_cache.merge(model, [adapter], cache_root=root, enabled=root is not None, progress=False)
 same = all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
 folder = os.path.join(root, "lora_merge_cache", stats.cache_key)
 print(stats.built, stats.fallen_back, same, len([w for w in caught if "in place" in str(w.message)]))
@@ -244,7 +246,7 @@ def test_disabling_the_cache_merges_in_place(tmp_path, monkeypatch):
 
 def test_a_cache_without_room_falls_back_in_place_with_one_warning(tmp_path):
     model, adapter = _setup(tmp_path)
-    reference = lora_cache.merge(model, [adapter], progress=False)
+    reference = lora_cache.merge(model, [adapter], progress=False, enabled=False)
     expected = {n: p.detach().clone() for n, p in model.named_parameters()}
     lora_cache.unmerge(model)
     with pytest.warns(UserWarning, match="needs") as caught:

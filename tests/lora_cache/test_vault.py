@@ -15,8 +15,8 @@ from hostmem.procfs import filesystem_of
 from hostmem.safetensors_map import read_header, tensor_bytes
 from lora_cache.crc32 import crc32_of
 from lora_cache.vault import Vault, VaultError, cache_key
-from lora_cache.vault_admin import verify_combination
-from lora_cache.vault_layer import data_crc32, layer_file_name
+from lora_cache.vault.admin import verify_combination
+from lora_cache.vault.layer_file import data_crc32, layer_file_name
 from tests.conftest import run_python, transparent_huge_pages, vma_holding
 
 SHAPE = (64, 48)
@@ -115,7 +115,7 @@ def test_layout_manifest_records_every_layer_and_names_files_by_hash(tmp_path):
     odd = {"../../escape/name": torch.randn(4, 4), "a/b c\n.weight": torch.randn(8).half()}
     build(vault, key, odd)
     folder = folder_of(vault, key)
-    assert sorted(os.listdir(folder)) == sorted(["manifest.json"] + [layer_file_name(n) for n in odd])
+    assert sorted(os.listdir(folder)) == sorted(["manifest.json", "verified.json"] + [layer_file_name(n) for n in odd])
     assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
     with open(os.path.join(folder, "manifest.json")) as handle:
         manifest = json.load(handle)
@@ -181,10 +181,12 @@ def test_a_truncated_layer_file_is_never_served(tmp_path):
     path = os.path.join(folder_of(vault, key), layer_file_name(name))
     os.truncate(path, os.path.getsize(path) - 100)
     with vault.open(key, expected_of(tensors)) as session:
-        assert session.stats["dropped"] and "bytes" in session.stats["dropped"]
-        assert all(session.get(n, SHAPE, torch.float32) is None for n in tensors)
-        for n, t in tensors.items():  # and it rebuilds
-            session.put(n, t)
+        assert session.stats["layers_failed_check"] == [name] and not os.path.exists(path)
+        assert session.get(name, SHAPE, torch.float32) is None
+        for n, t in tensors.items():  # the others are served; the torn one is rebuilt
+            if n != name:
+                assert torch.equal(session.get(n, SHAPE, torch.float32), t)
+        session.put(name, tensors[name])
         assert session.complete
 
 

@@ -13,14 +13,15 @@ import torch
 
 from hostmem.safetensors_map import read_header
 from lora_cache.vault import Vault, adapter_identity, cache_key
-from lora_cache.vault_fs import KeyLock
-from lora_cache.vault_layer import layer_file_name
+from lora_cache.vault.locks import KeyLock
+from lora_cache.vault.layer_file import layer_file_name
 from planners.cli import main
 from tests.conftest import write_safetensors
 
 
 def build(root, tag: str, tmp_path, count=2):
-    shard = write_safetensors(tmp_path / f"{tag}-dit.safetensors", {"w": torch.zeros(2)})
+    seed = float(sum(tag.encode()))  # a different tag is different content, hence another key
+    shard = write_safetensors(tmp_path / f"{tag}-dit.safetensors", {"w": torch.full((2,), seed)})
     lora = write_safetensors(tmp_path / f"{tag}-turbo.safetensors", {"a": torch.ones(2)})
     from lora_cache.vault import base_identity
 
@@ -54,9 +55,20 @@ def test_ls_shows_each_combination_in_text_and_json(tmp_path, capsys):
 
 
 def test_ls_of_a_root_never_used_creates_nothing(tmp_path, capsys):
-    root = tmp_path / "nothing-here"
+    root = tmp_path / "empty-root"
+    root.mkdir()
     code, out, _ = cli(capsys, "cache", "ls", "--root", str(root))
-    assert code == 0 and "no cached LoRA merges" in out and not root.exists()
+    assert code == 0 and "no cached LoRA merges" in out and os.listdir(root) == []
+
+
+@pytest.mark.parametrize("action", ["ls", "verify", "prune"])
+def test_a_root_that_is_missing_or_a_file_exits_2_saying_so(tmp_path, capsys, action):
+    missing, file = tmp_path / "nothing-here", tmp_path / "a-file"
+    file.write_text("x")
+    code, _, err = cli(capsys, "cache", action, "--root", str(missing))
+    assert code == 2 and "no such folder" in err and "Traceback" not in err and not missing.exists()
+    code, _, err = cli(capsys, "cache", action, "--root", str(file))
+    assert code == 2 and "is a file, not a folder" in err and file.read_text() == "x"
 
 
 def cache_files(cache: str) -> dict[str, int]:
@@ -173,3 +185,24 @@ def test_a_tmpfs_root_is_a_one_line_error(tmp_path, capsys):
         os.rmdir(os.path.join(root, "lora_merge_cache"))
         os.rmdir(root)
     assert code == 2 and err.startswith("hostmem: error: ") and "on tmpfs" in err
+
+
+def test_ls_shows_the_inputs_that_differ_between_combinations_that_look_alike(tmp_path, capsys):
+    """Two builds of dit.safetensors + turbo.safetensors x0.8: the same line, different contents."""
+    root = str(tmp_path / "root")
+    keys = []
+    for version in ("v1", "v2"):
+        os.mkdir(tmp_path / version)
+        shard = write_safetensors(tmp_path / version / "dit.safetensors", {"w": torch.full((2,), float(len(keys)))})
+        lora = write_safetensors(tmp_path / version / "turbo.safetensors", {"a": torch.ones(2)})
+        from lora_cache.vault import base_identity
+
+        key = cache_key(base_identity([shard]), [adapter_identity(lora, 0.8, None)], "bfloat16", "fp32-sum")
+        with Vault(root).open(key, {"blocks.0.w": ((4, 4), torch.float32)}) as session:
+            session.put("blocks.0.w", torch.randn(4, 4))
+        keys.append(key)
+    code, out, _ = cli(capsys, "cache", "ls", "--root", root)
+    differs = [line.split("differs: ")[1] for line in out.splitlines() if "differs: " in line]
+    assert code == 0 and len(differs) == 2, out
+    assert all(d.startswith("base.shards.0.sha256=") and "adapters" not in d for d in differs), differs
+    assert {d.split("=")[1] for d in differs} == {k.inputs["base"]["shards"][0]["sha256"][:12] for k in keys}

@@ -14,7 +14,7 @@ import time
 import torch
 
 from lora_cache.vault import Vault, cache_key
-from lora_cache.vault_admin import verify_all
+from lora_cache.vault.admin import verify_all
 
 KEY = cache_key({"shards": []}, [], "float32", "concurrency")
 

@@ -1,4 +1,4 @@
-"""The cache key: each input changes it, same-size replacements change it, hashes are memoised."""
+"""The cache key: each input changes it, any byte changed anywhere changes it, touches and copies keep it, digests are memoised."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 from hostmem import load_readonly
 
 from lora_cache.vault import Vault
-from lora_cache.vault_key import FORMAT_VERSION, AdapterHashMemo, adapter_identity, base_identity, cache_key
+from lora_cache.vault.content_hash import PIECE_BYTES, ContentHashMemo, file_digest
+from lora_cache.vault.identity import FORMAT_VERSION, adapter_identity, base_identity, cache_key
 from tests.conftest import run_python, write_safetensors
 
 
@@ -33,7 +34,7 @@ def key(base, adapters, dtype="bfloat16", policy="fp32-sum"):
 
 
 def test_every_input_changes_the_key(tmp_path):
-    base, memo = base_identity(shards(tmp_path)), AdapterHashMemo()
+    base, memo = base_identity(shards(tmp_path)), ContentHashMemo()
     path = adapter(tmp_path)
     one = adapter_identity(path, 1.0, None, memo=memo)
     reference = key(base, [one])
@@ -59,7 +60,7 @@ def test_every_input_changes_the_key(tmp_path):
 def test_shard_order_and_adapter_location_do_not_change_the_key(tmp_path):
     paths = shards(tmp_path)
     assert base_identity(paths) == base_identity(paths[::-1])
-    memo = AdapterHashMemo()
+    memo = ContentHashMemo()
     original = adapter(tmp_path)
     copy = shutil.copy(original, tmp_path / "copied-elsewhere.safetensors")
     base = base_identity(paths)
@@ -97,21 +98,54 @@ def test_a_base_shard_with_new_values_under_the_same_names_size_and_mtime_change
     assert torch.equal(load_readonly(path)["blocks.0.a"], torch.full((8, 8), 2.0))
     after = base_identity([path])
     shard_before, shard_after = identity["shards"][0], after["shards"][0]
-    same = ("path", "size", "mtime_ns", "header_sha256")
+    same = ("path", "size", "mtime_ns")
     assert [shard_before[k] for k in same] == [shard_after[k] for k in same]
     assert key(identity, []) != key(after, [])
 
 
-def test_a_faithful_copy_of_the_base_keeps_the_key(tmp_path):
-    """An image layer unpacked on another host: new inode and ctime, same bytes and mtime."""
-    import shutil
-
+@pytest.mark.parametrize("how", ["copied with its mtime", "copied elsewhere", "touched", "moved"])
+def test_a_base_with_the_same_bytes_keeps_the_key(tmp_path, how):
+    """An image layer unpacked on another host, a ``touch``, a ``cp``, a ``mv``: same bytes, same key."""
     path = write_safetensors(tmp_path / "base.safetensors", {f"blocks.{i}.w": torch.randn(64, 256) for i in range(4)})
     identity = base_identity([path])
     _wait_for_a_later_ctime(path)
-    shutil.copy2(path, tmp_path / "copy.safetensors")  # copy2 keeps the mtime
-    os.replace(tmp_path / "copy.safetensors", path)
+    if how == "copied with its mtime":
+        shutil.copy2(path, tmp_path / "copy.safetensors")
+        os.replace(tmp_path / "copy.safetensors", path)
+    elif how == "copied elsewhere":
+        os.mkdir(tmp_path / "elsewhere")
+        path = shutil.copy(path, tmp_path / "elsewhere" / "renamed.safetensors")
+    elif how == "touched":
+        os.utime(path)
+    else:
+        path = shutil.move(path, tmp_path / "moved.safetensors")
     assert key(base_identity([path]), []) == key(identity, [])
+
+
+def test_a_byte_changed_outside_every_sampled_page_changes_the_key(tmp_path):
+    """A byte in the middle of a tensor's data, 5 KiB from its ends and middle, mtime put back."""
+    path = write_safetensors(tmp_path / "base.safetensors", {"blocks.0.w": torch.zeros(64, 1024)})
+    before, identity = os.stat(path), base_identity([path])
+    with open(path, "r+b") as handle:
+        handle.seek(before.st_size - 64 * 1024 * 4 // 4 - 5000)
+        handle.write(b"\x01")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert key(base_identity([path]), []) != key(identity, [])
+
+
+def test_the_tree_digest_covers_every_piece_and_the_size(tmp_path):
+    """Two pieces and a tail: a byte flipped in each piece changes the digest, and so does a length."""
+    path = tmp_path / "big.bin"
+    path.write_bytes(bytes(2 * PIECE_BYTES + 10))
+    digests = {file_digest(str(path))}
+    for offset in (0, PIECE_BYTES + 7, 2 * PIECE_BYTES + 9):
+        data = bytearray(2 * PIECE_BYTES + 10)
+        data[offset] = 1
+        path.write_bytes(bytes(data))
+        digests.add(file_digest(str(path)))
+    path.write_bytes(bytes(2 * PIECE_BYTES + 11))
+    digests.add(file_digest(str(path)))
+    assert len(digests) == 5
 
 
 def test_one_changed_tensor_in_a_large_shard_changes_the_key(tmp_path):
@@ -125,7 +159,7 @@ def test_one_changed_tensor_in_a_large_shard_changes_the_key(tmp_path):
 
 
 def test_a_same_size_adapter_with_the_old_mtime_is_rehashed_and_changes_the_key(tmp_path):
-    memo = AdapterHashMemo()
+    memo = ContentHashMemo()
     path = adapter(tmp_path, fill=1.0)
     before = os.stat(path)
     first = adapter_identity(path, 1.0, None, memo=memo)
@@ -140,7 +174,7 @@ def test_a_same_size_adapter_with_the_old_mtime_is_rehashed_and_changes_the_key(
 
 
 def test_an_unchanged_adapter_is_not_rehashed_in_process(tmp_path):
-    memo = AdapterHashMemo()
+    memo = ContentHashMemo()
     path = adapter(tmp_path)
     first = adapter_identity(path, 1.0, None, memo=memo)
     for strength in (0.5, 1.0, 2.0):
@@ -153,11 +187,12 @@ def test_the_on_disk_memo_spares_a_new_process_the_rehash(tmp_path):
     path = adapter(tmp_path)
     digest = vault.adapter_identity(path, 1.0, None)["sha256"]
     with open(vault.memo_file) as handle:
-        assert json.load(handle)["adapters"][os.path.realpath(path)]["sha256"] == digest
+        st = os.stat(path)
+        assert json.load(handle)["files"][f"{st.st_dev}:{st.st_ino}"]["digest"] == digest
     code = """
         import sys
         from lora_cache.vault import Vault
-        from lora_cache.vault_key import ADAPTER_HASH_MEMO as memo
+        from lora_cache.vault.content_hash import CONTENT_HASH_MEMO as memo
         identity = Vault(sys.argv[1]).adapter_identity(sys.argv[2], 1.0, None)
         print(identity["sha256"], memo.computed, memo.hits)
     """

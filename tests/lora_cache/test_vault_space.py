@@ -13,7 +13,7 @@ import torch
 
 import lora_cache
 from lora_cache.vault import Vault, VaultError, cache_key
-from lora_cache.vault_admin import prune, remove
+from lora_cache.vault.admin import prune, remove
 from tests.conftest import write_safetensors
 from tests.lora_cache.test_adapters import lora_change, write_adapter
 
@@ -197,7 +197,7 @@ def test_layers_beyond_the_expected_ones_stop_when_the_room_is_spent(tmp_path):
         assert "no room" in session.last_error and session.stats["needed_bytes"] == 4096 + 64 * 48 * 4
         sealed = sorted(e.file for e in session.layers.values())
     assert len(sealed) == 2
-    assert sorted(os.listdir(session.folder)) == sorted(["manifest.json", *sealed])
+    assert sorted(os.listdir(session.folder)) == sorted(["manifest.json", "verified.json", *sealed])
 
 
 FSIZE_CHILD = textwrap.dedent(
@@ -224,7 +224,7 @@ def test_a_write_failing_mid_file_leaves_no_partial_file(tmp_path):
     vault = Vault(tmp_path / "root")
     key = cache_key({"shards": []}, [], "float32", "fsize")
     folder = os.path.join(vault.cache, key.hex)
-    assert len(os.listdir(folder)) == 2 and not leftovers(folder)  # the small layer and the manifest
+    assert len(os.listdir(folder)) == 3 and not leftovers(folder)  # the small layer, the manifest, the memo
     with vault.open(key) as session:
         assert torch.equal(session.get("small", (64, 64), torch.float32), torch.ones(64, 64))
         assert session.get("large", (1024, 512), torch.float32) is None

@@ -120,7 +120,16 @@ def test_thrash_is_reported_with_the_disk_reads_it_costs():
     plan = plans.plans["dit"]
     assert not plan.page_cache_fits and plan.disk_bytes_per_request == 4 * 1000 * MiB
     assert plan.transfer_s_per_request == pytest.approx(4 * 1000 * MiB * (1 / 8e9 + 1 / 3e9))
-    assert any(w.startswith("page-cache thrash: dit") for w in plans.warnings)
+    # Nothing committed: the weights are larger than the host, a fact beside the plans, not advice.
+    assert not plans.warnings
+    (note,) = plans.notes
+    assert note.startswith("dit reads 3.9 GiB from disk per request") and "only a larger host" in note
+    # With committed anonymous memory the same thrash is a warning that names what to give back.
+    budget = host_budget(GiB + 800 * MiB, GiB, 0, Residency(anonymous=300 * MiB))
+    plans = plan_pins([dit], budget, COST)
+    (warning,) = plans.warnings
+    assert warning.startswith("page-cache thrash: dit reads") and "Give back the 300.0 MiB" in warning
+    assert not plans.notes
 
 
 def test_anonymous_layers_cost_nothing_more_to_pin():

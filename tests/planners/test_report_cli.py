@@ -66,11 +66,16 @@ def test_the_text_report_is_aligned_and_human(capsys):
     code, out, _ = _plan(capsys, SEED, "--what-if", "cached")
     assert code == 0
     table = out.split("pin plans:\n")[1].split("\n\n")[0].splitlines()
-    rows = [line for line in table if not line.lstrip().startswith(("dit pinned", "text_encoder pinned"))]
+    rows = [line for line in table if not line.lstrip().startswith(("dit pinned", "text_encoder pinned", "note:"))]
     assert len({len(r) for r in rows}) == 1, rows  # right-aligned columns end together
     assert re.search(r"budget for pins\s+24\.0 GiB", out)
     assert "resident 34 of 208" in out and "layers.34..207" in out
     assert not re.search(r"\d{5,} ?B\b", out)  # no raw byte counts for people
+    # The in-place plan beside it is killed while loading: no transfer time that looks better.
+    compared = out.split("compared (")[1].split("\n\n")[0]
+    assert re.search(r"without the LoRA merge cache\s+in-place\s+70\.8 GiB\s+0 B\s+0 B\s+0\s+killed while loading",
+                     compared)
+    assert "use a cached" not in out and "--what-if cached" not in out.split("warnings:")[1]
 
 
 def test_a_config_error_is_one_line_with_file_key_and_line(capsys, write_config):
@@ -165,3 +170,17 @@ def test_the_installed_command_runs(tmp_path):
 ])
 def test_layer_lists_are_compressed(names, text):
     assert compress_names(names) == text
+
+
+def test_the_shipped_configs_warn_only_about_a_machine_smaller_than_their_host(capsys):
+    """demo and workstation plan clean here; the seed case's 32 GiB convention warns only on a smaller machine."""
+    from hostmem.procfs import read_meminfo
+
+    for name in ("demo.yaml", "workstation-24g.yaml", "minimax-h3-32g.yaml"):
+        code, out, _ = _plan(capsys, os.path.join(REPO, "configs", name), "--json")
+        assert code == 0
+        warnings = json.loads(out)["warnings"]
+        if name.startswith("minimax") and read_meminfo().total * 1.04 < 32 * 1024**3:
+            assert len(warnings) == 1 and warnings[0].startswith("host limit 32.0 GiB is larger than this machine")
+        else:
+            assert warnings == [], (name, warnings)

@@ -137,7 +137,8 @@ def test_an_in_place_merge_turns_exactly_the_predicted_bytes_anonymous(deploymen
     loaded = from_ledger(hostmem.account({"dit": module}).components["dit"], "layerwise", "blocks.{i}.")
     assert loaded.residency.anonymous == 0 and loaded.residency.file_backed == loaded.weights_bytes
     anon_before = _settled_anonymous()
-    stats = lora_cache.merge(module, [root / "turbo.safetensors"], progress=False)  # no cache root: in place
+    stats = lora_cache.merge(module, [root / "turbo.safetensors"], progress=False, enabled=False,
+                             unmergeable=True)  # the cache off: in place, keeping the unmerge snapshot
     grown = read_status().rss_anon - anon_before
     assert (stats.layers, stats.in_place, stats.cache_key) == (24, 24, None)
     measured = from_ledger(hostmem.account({"dit": module}).components["dit"], "layerwise", "blocks.{i}.")

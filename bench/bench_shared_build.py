@@ -1,0 +1,186 @@
+"""Several ranks on one host: in-place merges against the LoRA merge cache's shared build.
+
+Four ranks (torch.multiprocessing, a gloo process group on the CPU) load one synthetic
+bf16 DiT (1 GiB by default) with a rank-64 adapter on every layer, as a multi-GPU server
+runs one process per GPU. Side by side in one run:
+
+- host memory: the non-reclaimable bytes of the four ranks together (measured by
+  ``hostmem.aggregate_processes`` over their pids, a shared page once) while each holds
+  its merged model, with in-place merges (the model loaded as servers load it, through
+  safetensors' private mapping) against the cache (goal: the cache's under 1/4 of
+  in-place's: every in-place rank holds its own anonymous copy, the cache's ranks map
+  one set of files);
+- first start: the wall time of the shared build (every rank calls ``lora_cache.merge``
+  into an empty cache at once; the slowest rank counts) against one rank building alone
+  into an empty cache (goal <= 0.6 on 2 cores). The arithmetic of a build scales with the
+  cores the ranks can use between them, and the writes with what the disk takes at once:
+  one rank alone already sums each layer on every core, so on 2 cores the ranks only
+  share the same two cores (and add a few gathers and one short adoption each): the
+  shared build is no faster there than one rank alone. It gains where the ranks bring
+  their own compute: with a core (or a GPU, ``device=``) per rank the sums run side by
+  side, up to the rank count, until the disk's write rate is the bound. The non-
+  reclaimable figures include each rank's own heap (torch, Python: about 150 MiB here),
+  which the cache does not remove, so the memory ratio falls toward 0 as the model grows
+  (from the figures at 256 MiB per rank, about 600 MiB of heaps for four ranks, it
+  should meet its goal from about 512 MiB per rank).
+
+The page cache of the checkpoint is warm for every scenario (read once first).
+
+    .venv/bin/python bench/bench_shared_build.py                 # 4 ranks, 1 GiB
+    .venv/bin/python bench/bench_shared_build.py --quick         # 64 MiB smoke run
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+
+import torch.multiprocessing as mp
+
+from common import bench_args, format_size, report, workdir  # noqa: E402 (sets sys.path)
+
+RANKS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _host_non_reclaimable(dist, world: int) -> dict | None:
+    """All ranks hold their merged models: rank 0 adds the ranks' memory up, a shared page once."""
+    from hostmem import aggregate_processes
+
+    pids: list = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    found = None
+    if dist.get_rank() == 0:
+        together = aggregate_processes(pids)
+        found = {"non_reclaimable": together.totals.non_reclaimable, "precision": together.precision,
+                 "file_backed": together.totals.file_backed, "summed_file_backed": together.summed.file_backed}
+    dist.barrier()  # nobody lets go of its model before the figures are taken
+    return found
+
+
+def _rank(rank: int, world: int, port: int, shards: list[str], adapter: str, folder: str, kind: str) -> None:
+    """One rank: load, merge (in place or through the cache), measure, report to ``folder``."""
+    import torch.distributed as dist
+
+    import lora_cache
+    from bench_lora import _load
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=1800))
+    model = _load(shards, private=kind == "in_place")
+    root = os.path.join(folder, "cache") if kind == "cache" else None
+    _ready(model, adapter)
+    dist.barrier()  # every rank starts its merge at once
+    started = time.perf_counter()
+    stats = lora_cache.merge(model, [adapter], cache_root=root, enabled=root is not None, base_files=shards,
+                             progress=False)
+    seconds = time.perf_counter() - started
+    times: list = [None] * world
+    dist.all_gather_object(times, seconds)
+    memory = _host_non_reclaimable(dist, world)
+    if rank == 0:
+        with open(os.path.join(folder, f"{kind}.json"), "w") as handle:
+            json.dump({"seconds": max(times), "memory": memory, "built": stats.built, "hit": stats.hit,
+                       "layers": stats.layers}, handle)
+    dist.destroy_process_group()
+
+
+def _ready(model, adapter: str) -> None:
+    """Read the adapter and resolve its keys once, untimed: the imports this pulls in (and
+    four ranks pulling them in at once on two cores) are not the build, alone or shared."""
+    from lora_cache.orchestrate import plan_targets
+
+    plan_targets(model, [adapter])
+
+
+def _alone(shards: list[str], adapter: str, folder: str) -> float:
+    """One rank building the same combination alone into an empty cache (its own process)."""
+    ctx = mp.get_context("spawn")
+    process = ctx.Process(target=_alone_child, args=(shards, adapter, folder))
+    process.start()
+    process.join()
+    if process.exitcode != 0:
+        raise SystemExit(f"the single-rank build failed (exit {process.exitcode})")
+    with open(os.path.join(folder, "alone.json")) as handle:
+        return json.load(handle)["seconds"]
+
+
+def _alone_child(shards: list[str], adapter: str, folder: str) -> None:
+    import lora_cache
+    from bench_lora import _load
+
+    model = _load(shards, private=False)
+    _ready(model, adapter)
+    started = time.perf_counter()
+    lora_cache.merge(model, [adapter], cache_root=os.path.join(folder, "cache"), base_files=shards, progress=False)
+    with open(os.path.join(folder, "alone.json"), "w") as handle:
+        json.dump({"seconds": time.perf_counter() - started}, handle)
+
+
+def _ranks(kind: str, shards: list[str], adapter: str, folder: str) -> dict:
+    os.makedirs(folder, exist_ok=True)
+    mp.spawn(_rank, args=(RANKS, _free_port(), shards, adapter, folder, kind), nprocs=RANKS, join=True)
+    with open(os.path.join(folder, f"{kind}.json")) as handle:
+        return json.load(handle)
+
+
+def _warm(paths: list[str]) -> None:
+    for path in paths:
+        with open(path, "rb") as handle:
+            while handle.read(64 << 20):
+                pass
+
+
+def main() -> None:
+    from bench_lora import write_model
+
+    args = bench_args(__doc__.splitlines()[0], "1GiB", "64MiB")
+    tmp = workdir(args)
+    try:
+        shards, adapter = write_model(args.workdir, args.size_bytes)
+        _warm([*shards, adapter])
+        in_place = _ranks("in_place", shards, adapter, os.path.join(args.workdir, "in-place"))
+        alone = _alone(shards, adapter, os.path.join(args.workdir, "alone"))
+        shutil.rmtree(os.path.join(args.workdir, "alone"))  # its disk space back before the shared build
+        cached = _ranks("cache", shards, adapter, os.path.join(args.workdir, "shared"))
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    _report(args.size_bytes, in_place, cached, alone)
+
+
+def _report(size: int, in_place: dict, cached: dict, alone: float) -> None:
+    memory = cached["memory"]["non_reclaimable"] / max(1, in_place["memory"]["non_reclaimable"])
+    speed = cached["seconds"] / max(alone, 1e-9)
+    cores = len(os.sched_getaffinity(0))
+    lines = [
+        f"{RANKS} ranks, {format_size(size)} merged per rank, {cores} cores",
+        f"host non-reclaimable, in place: {format_size(in_place['memory']['non_reclaimable'])}; cache: "
+        f"{format_size(cached['memory']['non_reclaimable'])} (file-backed, a shared page once: "
+        f"{format_size(cached['memory']['file_backed'])}; each rank alone, summed: "
+        f"{format_size(cached['memory']['summed_file_backed'])}); ratio {memory:.3f} (goal < 0.25)",
+        f"first start, shared build of {RANKS} ranks: {cached['seconds']:.2f} s; one rank alone: {alone:.2f} s; "
+        f"ratio {speed:.2f} (goal <= 0.6 on 2 cores)",
+    ]
+    report("shared_build", lines, {
+        "ranks": RANKS, "size_bytes": size, "cores": cores,
+        "in_place_non_reclaimable_bytes": in_place["memory"]["non_reclaimable"],
+        "cache_non_reclaimable_bytes": cached["memory"]["non_reclaimable"],
+        "memory_ratio": memory, "shared_build_seconds": cached["seconds"], "alone_seconds": alone,
+        "first_start_ratio": speed, "built_by_rank0": cached["built"], "layers": cached["layers"],
+        "precision": cached["memory"]["precision"],
+    })
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""A process's memory areas and how each one's pages are classified, without torch.
+
+:class:`AreaSnapshot` reads a process's areas (maps or smaps), its mounts and its
+pagemap once, and says per area how a page of it is classified (:meth:`area_kind`).
+It classifies whole areas itself (:meth:`AreaSnapshot.classify_area`): one pagemap read
+per area and a byte histogram in C, which is all ``hostmem inspect`` needs, so that
+command never imports torch. :class:`hostmem.residency.RangeClassifier` builds on it
+for arbitrary ranges (prefix sums over page codes, with torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from .pagemap import PagemapReader
+from .procfs import PAGE_SIZE, Mount, ProcReadError, Vma, is_shmem_fs, read_maps, read_mounts, read_smaps, read_status
+from .residency_classes import CLASSES, Residency
+
+__all__ = ["AreaKind", "AreaSnapshot", "CODE_TABLES", "CODES", "UNIFORM_CODE", "residency_of_counts"]
+
+ANONYMOUS, FILE_BACKED, SHMEM, PINNED, SWAPPED, NOT_RESIDENT = range(len(CLASSES))
+# A page's code: the six CLASSES, plus pinned pages of anonymous memory (still RssAnon).
+PINNED_ANON = len(CLASSES)
+CODES = len(CLASSES) + 1
+
+_DEVICE_PREFIXES = ("/dev/nvidia", "/dev/dri/", "/dev/kfd")
+_SHMEM_NAMES = ("/SYSV", "/memfd:", "/dev/zero", "[anon_shmem")
+CHUNK_PAGES = 1 << 18  # 1 GiB of 4 KiB pages per pagemap read: bounded memory per chunk
+
+
+def _strip_deleted(path: str) -> str:
+    return path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
+
+
+class AreaKind:
+    DEVICE = "device"
+    LOCKED = "locked"
+    SHMEM_SHARED = "shmem_shared"  # every present page is shmem
+    FILE = "file"  # present pages: file bit -> file_backed, else anonymous
+    SHMEM_FILE = "shmem_file"  # private tmpfs mapping: file bit -> shmem, else anonymous
+    ANON = "anon"  # present pages: shared bit -> shmem, else anonymous
+    NO_ACCESS = "no_access"  # ---p: nothing can be resident
+
+
+def _code_table(present_file: int, present_other: int) -> tuple[int, ...]:
+    """Codes for the 8 values of pagemap bits 63..61 (present, swapped, file-or-shared)."""
+    table = []
+    for bits in range(8):
+        present, swapped, file_page = bits & 4, bits & 2, bits & 1
+        if present:
+            table.append(present_file if file_page else present_other)
+        else:
+            table.append(SWAPPED if swapped else NOT_RESIDENT)
+    return tuple(table)
+
+
+CODE_TABLES = {
+    AreaKind.LOCKED: _code_table(PINNED, PINNED_ANON),
+    AreaKind.SHMEM_SHARED: _code_table(SHMEM, SHMEM),
+    AreaKind.FILE: _code_table(FILE_BACKED, ANONYMOUS),
+    AreaKind.SHMEM_FILE: _code_table(SHMEM, ANONYMOUS),
+    AreaKind.ANON: _code_table(SHMEM, ANONYMOUS),
+}
+# Areas classified without pagemap: driver memory is pinned whole; an area with no
+# access rights (a reservation, a guard region) cannot be touched, so nothing is resident.
+UNIFORM_CODE = {AreaKind.DEVICE: PINNED, AreaKind.NO_ACCESS: NOT_RESIDENT}
+# The top byte of a pagemap entry holds bits 63..56; bits 63..61 pick the code.
+_TOP_BITS = bytes(b >> 5 for b in range(256))
+
+
+def residency_of_counts(row: list[int]) -> Residency:
+    """A :class:`Residency` from bytes per code (``CODES`` entries)."""
+    return Residency(
+        anonymous=row[ANONYMOUS],
+        file_backed=row[FILE_BACKED],
+        shmem=row[SHMEM],
+        pinned=row[PINNED] + row[PINNED_ANON],
+        swapped=row[SWAPPED],
+        not_resident=row[NOT_RESIDENT],
+        pinned_anonymous=row[PINNED_ANON],
+    )
+
+
+def classify_from_smaps(vma: Vma, kind: str, start: int, end: int) -> Residency:
+    """Per-area figures from smaps counters, scaled to the part ``[start, end)``."""
+    share = (end - start) / vma.size if vma.size else 0.0
+    anon = vma.anonymous
+    other = max(0, vma.rss - anon)
+    absent = max(0, vma.size - vma.rss - vma.swap)
+    if kind == AreaKind.LOCKED:
+        full = Residency(pinned=vma.rss, swapped=vma.swap, not_resident=absent)
+    elif kind in (AreaKind.SHMEM_SHARED, AreaKind.SHMEM_FILE, AreaKind.ANON):
+        full = Residency(anonymous=anon, shmem=other, swapped=vma.swap, not_resident=absent)
+    else:
+        full = Residency(anonymous=anon, file_backed=other, swapped=vma.swap, not_resident=absent)
+    return Residency(*(int(getattr(full, f.name) * share) for f in fields(full)))
+
+
+class AreaSnapshot:
+    """A snapshot of one process's memory areas; use as a context manager, or call :meth:`close`.
+
+    Reads mountinfo once and keeps pagemap open. Take a new one after the process
+    maps or locks more memory.
+    """
+
+    def __init__(self, pid: int | None = None):
+        self.pid = pid
+        self._mounts: list[Mount] = read_mounts(pid)
+        self._fs_cache: dict[str, bool] = {}
+        try:
+            self._pagemap: PagemapReader | None = PagemapReader(pid)
+            self.precision = "page"
+        except ProcReadError:
+            # Another user's process: smaps is readable, pagemap is not. Classify per
+            # area from smaps' Anonymous/Rss/Swap, pro-rated for partial ranges.
+            self._pagemap = None
+            self.precision = "vma"
+        # smaps costs a page-table walk (tens of ms per resident GiB); it is only needed
+        # for VmFlags when something is locked, or for counters when pagemap is closed.
+        needs_smaps = self._pagemap is None or read_status(pid).vm_lck > 0
+        self.vmas: list[Vma] = read_smaps(pid) if needs_smaps else read_maps(pid)
+
+    def close(self) -> None:
+        if self._pagemap is not None:
+            self._pagemap.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _on_shmem_fs(self, path: str) -> bool:
+        cached = self._fs_cache.get(path)
+        if cached is None:
+            cached = self._fs_cache[path] = is_shmem_fs(_strip_deleted(path), self._mounts)
+        return cached
+
+    def area_kind(self, vma: Vma) -> str:
+        """Return how pages of ``vma`` are classified (one of :class:`AreaKind`)."""
+        path = vma.path or ""
+        if path.startswith(_DEVICE_PREFIXES):
+            return AreaKind.DEVICE
+        if vma.perms.startswith("---"):
+            return AreaKind.NO_ACCESS
+        if vma.is_locked:
+            return AreaKind.LOCKED
+        if path.startswith(_SHMEM_NAMES):
+            return AreaKind.SHMEM_SHARED
+        if vma.is_file and path.startswith("/"):
+            if self._on_shmem_fs(path):
+                return AreaKind.SHMEM_SHARED if vma.is_shared else AreaKind.SHMEM_FILE
+            return AreaKind.FILE
+        return AreaKind.ANON
+
+    def classify_whole_area(self, vma: Vma) -> Residency:
+        """The residency of a whole area: pagemap's bits counted in C, no torch.
+
+        A whole area needs no prefix sums: the count of pages per value of bits 63..61
+        says everything, and ``bytes.translate``/``count`` give it at memory speed.
+        """
+        kind = self.area_kind(vma)
+        row = [0] * CODES
+        uniform = UNIFORM_CODE.get(kind)
+        if uniform is not None:
+            row[uniform] = vma.size
+            return residency_of_counts(row)
+        if self._pagemap is None:
+            return classify_from_smaps(vma, kind, vma.start, vma.end)
+        table, chunk = CODE_TABLES[kind], CHUNK_PAGES * PAGE_SIZE
+        for lo in range(vma.start, vma.end, chunk):
+            hi = min(vma.end, lo + chunk)
+            top = self._pagemap.read_bytes(lo, hi)[7::8].translate(_TOP_BITS)
+            for bits in range(8):
+                row[table[bits]] += top.count(bits) * PAGE_SIZE
+            row[NOT_RESIDENT] += (hi - lo) - len(top) * PAGE_SIZE  # pages pagemap did not return
+        return residency_of_counts(row)

@@ -1,0 +1,366 @@
+"""Switching a live model between adapter combinations without anonymous memory.
+
+:func:`set_adapters` moves a model to another combination (or to the base with ``[]``):
+
+- a combination the vault holds whole is installed by re-pointing every affected
+  parameter at its mapped layer files: no merge, no copy, no anonymous memory;
+- a missing one is served at once at run time (:mod:`lora_cache.runtime_lora`: the base
+  stays mapped and untouched, each targeted Linear adds its adapter terms to its
+  output) while a background thread builds it into the vault, one layer at a time, as
+  ``hostmem lora merge`` does: into stand-in modules that share the base's mapped
+  tensors, so the live model is never touched by the build. At the next safe point
+  (the next forward call of the model, or :func:`swap_ready`) the run-time terms come
+  off and the built layers go in, while no forward is running
+  (:mod:`lora_cache.forward_gate`).
+
+Strengths are part of a combination, so a strength change is a switch like any other.
+The vault evicts least-recently-used combinations and never one a live model maps; this
+module relies on that and keeps no list of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .adapters import Adapter, AdapterFile, as_adapter
+from .forward_gate import ForwardGate
+from .kernels import plan_for_targets
+from .layers import LayerTarget, components_of, is_merged, unmerge
+from .orchestrate import CacheBuildError, cache_roots, merge, merge_layers, open_combination, plan_targets
+from .runtime_lora import apply_runtime, remove_runtime, runtime_bytes, unsupported_reason
+
+__all__ = ["SwitchResult", "set_adapters", "swap_ready", "serving", "build_reserve_bytes"]
+
+
+@dataclass
+class SwitchResult:
+    """What a switch did. ``mode``: ``base``, ``cached`` (re-pointed at the vault),
+    ``runtime`` (served at run time while the vault builds it) or ``built`` (built now,
+    because some target cannot be applied at run time). Sizes in bytes."""
+
+    mode: str
+    layers: int = 0
+    seconds: float = 0.0
+    runtime_bytes: int = 0
+    copied_bytes: int = 0
+
+    def __str__(self) -> str:
+        return f"adapter switch: {self.mode}, {self.layers} layers in {self.seconds * 1000:.1f} ms"
+
+
+@dataclass(eq=False)
+class _Pending:
+    """A combination served at run time while its merged layers are built."""
+
+    identity: tuple
+    specs: list[Adapter]
+    files: list[AdapterFile]
+    targets: list[LayerTarget]  # the live model's parameters
+    stand_ins: list[LayerTarget]  # the same base tensors in modules of their own, for the build
+    kernels: object  # the kernel plan the key is made with (lora_cache.kernels)
+    future: Future | None = None
+    swap_error: BaseException | None = None
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the build or the swap failed (None while it runs, or when it succeeded)."""
+        if self.swap_error is not None:
+            return self.swap_error
+        done = self.future is not None and self.future.done()
+        return self.future.exception() if done else None
+
+    @property
+    def built(self) -> bool:
+        return self.future is not None and self.future.done() and self.error is None
+
+
+@dataclass(eq=False)
+class _State:
+    """One model's switching state, shared by the hooks on its root modules."""
+
+    components: dict
+    options: dict
+    gate: ForwardGate = field(default_factory=ForwardGate)
+    identity: tuple = ()
+    pending: _Pending | None = None
+
+
+class _Enter:
+    """Forward pre-hook on a root module: swap if a build is ready, then enter the gate."""
+
+    def __init__(self, state: _State):
+        self.state = state
+
+    def __call__(self, module, args):
+        pending = self.state.pending
+        if pending is not None and pending.built and not self.state.gate.in_forward:
+            _swap(self.state, pending, blocking=False)
+        self.state.gate.enter()
+
+
+class _Leave:
+    def __init__(self, state: _State):
+        self.state = state
+
+    def __call__(self, module, args, output):
+        self.state.gate.leave()
+
+
+_BUILDER: ThreadPoolExecutor | None = None
+_BUILDER_LOCK = threading.Lock()
+_COMBINATION_LOCKS: dict[tuple, threading.Lock] = {}
+
+
+def _builder() -> ThreadPoolExecutor:
+    """The process's one build thread: builds run one at a time, in the order asked."""
+    global _BUILDER
+    with _BUILDER_LOCK:
+        if _BUILDER is None:
+            _BUILDER = ThreadPoolExecutor(1, "lora-switch-build")
+        return _BUILDER
+
+
+def _combination_lock(identity: tuple) -> threading.Lock:
+    """Held while this process has the combination's vault session open (one per key)."""
+    with _BUILDER_LOCK:
+        return _COMBINATION_LOCKS.setdefault(identity, threading.Lock())
+
+
+def _state_of(model, options: dict | None = None) -> _State:
+    """The model's state, hooking its root modules the first time."""
+    roots = components_of(model)
+    for root in roots.values():
+        for hook in root._forward_pre_hooks.values():
+            if isinstance(hook, _Enter):
+                if options is not None:
+                    hook.state.options = options
+                return hook.state
+    if options is None:
+        raise ValueError("lora_cache.set_adapters has not been called on this model")
+    state = _State(dict(roots), options)
+    for root in roots.values():
+        root.register_forward_pre_hook(_Enter(state))
+        root.register_forward_hook(_Leave(state), always_call=True)
+    return state
+
+
+def _identity(specs: list[Adapter], cache_root: str) -> tuple:
+    """What tells two combinations apart in this process (the vault key does across them)."""
+    return (cache_root,) + tuple(
+        (os.path.realpath(s.path), float(s.strength), s.alpha, repr(s.rules), s.strict, s.rslora) for s in specs
+    )
+
+
+def _stand_ins(targets: list[LayerTarget]) -> list[LayerTarget]:
+    """The host targets again, over the same base tensors, in throwaway modules.
+
+    The build installs its layers into these, so it never touches the live model, and
+    the base stays a view of the checkpoint's mapping (no copy). Device weights are not
+    the vault's: they are merged in place at the swap, as :func:`lora_cache.merge` does.
+    """
+    out = []
+    for target in targets:
+        if target.current.device.type != "cpu":
+            continue
+        holder = nn.Module()
+        holder.register_parameter("weight", nn.Parameter(target.current.detach(), requires_grad=False))
+        out.append(LayerTarget(target.name, holder, "weight", target.deltas))
+    return out
+
+
+def _open(targets, files, specs, opts, kernels):
+    """The vault session of this combination, keyed exactly as :func:`lora_cache.merge` keys it."""
+    return open_combination((targets, files), specs, opts["cache_root"], max_size=opts["max_size"],
+                            base_files=opts["base_files"], device=opts["device"], kernels=kernels).session
+
+
+def _merge_through(targets, session, opts, kernels) -> None:
+    """Every host layer through the vault (hits, or built); device weights in place, restorably."""
+    merge_layers(targets, session, device=opts["device"], progress=False, fallback=False, kernels=kernels,
+                 unmergeable=True)
+
+
+def _install_cached(state: _State, identity, targets, files, specs, kernels) -> bool:
+    """Re-point ``targets`` at the vault's layers when it holds the whole combination."""
+    lock = _combination_lock(identity)
+    if not lock.acquire(blocking=False):
+        return False  # the build thread has it open: it is being built
+    try:
+        with _open(targets, files, specs, state.options, kernels) as session:
+            if not session.complete:
+                return False
+            try:
+                _merge_through(targets, session, state.options, kernels)
+            except BaseException:
+                unmerge(state.components, strict=False)
+                raise
+        return True
+    finally:
+        lock.release()
+
+
+def _build(state: _State, pending: _Pending) -> None:
+    """Build ``pending`` into the vault (the build thread). Never touches the live model."""
+    with _combination_lock(pending.identity):
+        if state.pending is not pending:
+            return  # switched away before the build began: build it when asked again
+        with _open(pending.stand_ins, pending.files, pending.specs, state.options, pending.kernels) as session:
+            _merge_through(pending.stand_ins, session, state.options, pending.kernels)
+    pending.stand_ins = []  # drops the stand-ins' views; the vault keeps the files
+
+
+def _after_build(future: Future) -> None:
+    error = future.exception()
+    if error is not None:
+        warnings.warn(f"lora_cache: building the merged combination failed ({error}); "
+                      "it stays applied at run time", stacklevel=1)
+
+
+def _schedule(state: _State, pending: _Pending) -> None:
+    pending.future = _builder().submit(_build, state, pending)
+    pending.future.add_done_callback(_after_build)
+
+
+def _to_base(state: _State) -> None:
+    """Take every adapter off: run-time terms unhooked, merged weights pointed back at the base."""
+    remove_runtime(state.components)
+    unmerge(state.components)  # every merge here keeps what it needs to restore the base
+    state.pending = None
+    state.identity = ()
+
+
+def _swap(state: _State, pending: _Pending, blocking: bool) -> bool:
+    """Replace the run-time terms of ``pending`` by its built layers, at a safe point."""
+    with state.gate.exclusive(blocking) as held:
+        if not held or state.pending is not pending or not pending.built:
+            return False
+        remove_runtime(state.components)
+        try:
+            installed = _install_cached(state, pending.identity, pending.targets, pending.files, pending.specs,
+                                        pending.kernels)
+        except Exception as exc:  # the model is back at the base: serve at run time again, say why
+            apply_runtime(pending.targets)
+            pending.swap_error = exc
+            warnings.warn(f"lora_cache: swapping in the merged combination failed ({exc}); "
+                          "it stays applied at run time", stacklevel=1)
+            return False
+        if installed:
+            state.pending = None
+            return True
+        # evicted between the build and the swap: serve at run time again and rebuild
+        apply_runtime(pending.targets)
+        pending.stand_ins = _stand_ins(pending.targets)
+        _schedule(state, pending)
+        return False
+
+
+def set_adapters(
+    model,
+    adapters,
+    cache_root: str | os.PathLike,
+    *,
+    max_size: int | str | None = None,
+    base_files: list[str] | None = None,
+    device: torch.device | str | None = None,
+    background: bool = True,
+) -> SwitchResult:
+    """Switch ``model`` to ``adapters`` (``[]``: the base) and return what it took.
+
+    ``adapters`` is what :func:`lora_cache.merge` takes (paths, ``(path, strength)``
+    tuples, dicts, :class:`lora_cache.Adapter`). A combination the vault under
+    ``cache_root`` holds whole is installed as mapped views; any other is applied at run
+    time at once and built in the background (``background=False``: built now), then
+    swapped in at the next safe point (see :func:`swap_ready`). Waits for forward calls
+    in flight on other threads; raises when called from inside one. ``max_size``,
+    ``base_files`` and ``device`` are :func:`lora_cache.merge`'s.
+    """
+    started = time.perf_counter()
+    cache_root = os.path.expanduser(os.fspath(cache_root))
+    options = {"cache_root": cache_root, "max_size": max_size, "base_files": base_files, "device": device}
+    state = _state_of(model, options)
+    specs = [as_adapter(a) for a in adapters]
+    identity = _identity(specs, cache_root)
+    with state.gate.exclusive():
+        if identity == state.identity and (specs or not is_merged(model)):
+            return SwitchResult("unchanged", seconds=time.perf_counter() - started)
+        planned = plan_targets(model, specs) if specs else None  # bad input fails here, losing nothing
+        _to_base(state)
+        result = _switch(state, model, specs, planned, identity, background) if specs else SwitchResult("base")
+        state.identity = identity
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _switch(state: _State, model, specs, planned, identity, background: bool) -> SwitchResult:
+    """From the base to ``specs``: cached, else at run time and in the background, else now."""
+    targets, files = planned
+    kernels = plan_for_targets(targets, state.options["device"], cache_roots(state.options["cache_root"])[0])
+    if _install_cached(state, identity, targets, files, specs, kernels):
+        return SwitchResult("cached", layers=len(targets))
+    unsupported = next((r for r in map(unsupported_reason, targets) if r is not None), None)
+    if unsupported is not None or not background:
+        opts = state.options
+        merge(model, specs, cache_root=opts["cache_root"], max_size=opts["max_size"],
+              base_files=opts["base_files"], device=opts["device"], progress=False, fallback=False, unmergeable=True)
+        return SwitchResult("built", layers=len(targets))
+    copied = apply_runtime(targets)
+    pending = _Pending(identity, specs, files, targets, _stand_ins(targets), kernels)
+    state.pending = pending
+    _schedule(state, pending)
+    return SwitchResult("runtime", layers=len(targets), runtime_bytes=runtime_bytes(targets), copied_bytes=copied)
+
+
+def swap_ready(model, wait: bool = False, timeout: float | None = None) -> bool:
+    """Swap in the merged layers of a combination built in the background, if they are ready.
+
+    A safe point the server may offer between requests (the model's next forward call is
+    one too). ``wait=True`` waits up to ``timeout`` seconds for the build first. Returns
+    True when the model now serves merged weights (or the base), False while it still
+    serves at run time. Re-raises the build's error, if it failed.
+    """
+    state = _state_of(model)
+    pending = state.pending
+    if pending is None:
+        return True
+    if wait and pending.future is not None:
+        try:
+            pending.future.exception(timeout=timeout)
+        except TimeoutError:
+            return False
+    if pending.error is not None:
+        raise CacheBuildError(f"building the merged combination failed: {pending.error}") from pending.error
+    return _swap(state, pending, blocking=True) or state.pending is None
+
+
+def serving(model) -> str:
+    """How ``model`` is served now: ``base``, ``runtime`` or ``merged``."""
+    try:
+        state = _state_of(model)
+    except ValueError:
+        return "merged" if is_merged(model) else "base"
+    if state.pending is not None:
+        return "runtime"
+    return "merged" if is_merged(model) else "base"
+
+
+def build_reserve_bytes(model) -> int:
+    """Host bytes a background build of ``model``'s pending combination may still need:
+    one layer of output buffer and, for the layers that sum in fp32, one fp32 layer (the
+    build's working set; 0 when nothing is being built). For the planner's budget."""
+    try:
+        pending = _state_of(model).pending
+    except ValueError:
+        return 0
+    if pending is None or pending.built:
+        return 0
+    sizes = [t.current.numel() for t in pending.targets if t.current.device.type == "cpu"]
+    widest = max((t.current.numel() * t.current.element_size() for t in pending.targets), default=0)
+    return widest + 4 * max(sizes, default=0)

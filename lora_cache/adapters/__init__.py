@@ -1,0 +1,42 @@
+"""Adapter files of the formats people ship, read into one normalized form.
+
+Every format names the same few parts of a module's change with its own suffixes:
+
+- peft: ``base_model.model.<module>.lora_A.weight`` (down) and ``.lora_B.weight`` (up),
+  rank and alpha from ``adapter_config.json`` beside it (``r``, ``lora_alpha``,
+  ``rank_pattern``, ``alpha_pattern``, ``use_rslora``);
+- diffusers: ``transformer.<module>.lora_A.weight`` / ``.lora_B.weight``, with or
+  without its adapter metadata (``lora_adapter_metadata`` in the header, the same fields
+  per component), or ``.alpha`` keys (network alphas);
+- kohya / sd-scripts: ``lora_unet_<module_with_underscores>.lora_down.weight``,
+  ``.lora_up.weight`` and ``.alpha``, ``ss_network_alpha`` in the header;
+- ComfyUI / lightx2v: ``diffusion_model.<module>.lora_down.weight``, ``.lora_up.weight``,
+  ``.alpha``, and full deltas ``.diff`` (weight) and ``.diff_b`` (bias).
+
+A path may be the file or the folder peft (``adapter_model.safetensors``) or diffusers
+(``pytorch_lora_weights.safetensors``) wrote. Alpha precedence, and what happens when two
+places disagree, is in :mod:`lora_cache.adapters.alpha`. For a diffusers model the keys
+are converted by diffusers itself (:mod:`lora_cache.adapters.diffusers_format`); which
+model module a key names is decided in :mod:`lora_cache.keys`.
+"""
+
+from __future__ import annotations
+
+from .alpha import AlphaSources, PeftConfig
+from .checks import forget_checked
+from .for_model import read_adapters
+from .read import AdapterFile, ModuleChange, read_adapter
+from .spec import Adapter, AdapterError, as_adapter
+
+__all__ = [
+    "Adapter",
+    "AdapterError",
+    "AdapterFile",
+    "AlphaSources",
+    "ModuleChange",
+    "PeftConfig",
+    "as_adapter",
+    "forget_checked",
+    "read_adapter",
+    "read_adapters",
+]

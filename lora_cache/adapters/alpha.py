@@ -1,0 +1,200 @@
+"""Where a module's alpha (and rank) is stored, and which place wins.
+
+A LoRA's scale is alpha / r; missing the place an alpha is stored in gives a wrong image
+without any error, so every place is read:
+
+1. an explicit override (``Adapter(alpha=...)``, config ``alpha:``) wins over everything;
+2. the module's own ``.alpha`` tensor (kohya, ComfyUI, diffusers' network alphas);
+3. peft's ``adapter_config.json`` beside the file: ``alpha_pattern`` for the module,
+   else ``lora_alpha``;
+4. diffusers' adapter metadata in the file's header (``lora_adapter_metadata``, written
+   by ``save_lora_weights(..., transformer_lora_adapter_metadata=...)`` per component,
+   or by ``save_lora_adapter``): ``alpha_pattern`` for the module, else ``lora_alpha``;
+5. kohya's ``ss_network_alpha`` in the header, for modules without a ``.alpha`` tensor;
+6. none: alpha = r (scale 1, the peft and diffusers convention).
+
+Sources 2-4 each state the alpha the trainer used. Where two of them give a module
+different alphas the file contradicts itself, and which one was meant cannot be told:
+that is an :class:`AdapterError` naming both (an override settles it). ``ss_network_alpha``
+is a record of the training command, and kohya writes a ``.alpha`` per module anyway
+(conv layers get ``conv_alpha``), so it only fills in; it is never compared.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+
+from .spec import AdapterError
+
+__all__ = ["PeftConfig", "AlphaSources", "diffusers_metadata", "peft_config_from"]
+
+_AGREE = 1e-3  # an alpha stored in fp16 (0.1 -> 0.09998) agrees with the same alpha in JSON
+
+
+@dataclass(frozen=True)
+class PeftConfig:
+    """The fields of a peft ``LoraConfig`` that decide a module's scale."""
+
+    r: int | None = None
+    lora_alpha: float | None = None
+    rank_pattern: dict = field(default_factory=dict)
+    alpha_pattern: dict = field(default_factory=dict)
+    use_rslora: bool = False
+
+    @staticmethod
+    def _lookup(patterns: dict, stem: str):
+        """peft matches a pattern against the end of the module's dotted name."""
+        for pattern, value in patterns.items():
+            if re.fullmatch(rf"(.*\.)?(?:{pattern})", stem):
+                return pattern, value
+        return None
+
+    def rank_for(self, stem: str) -> int | None:
+        found = self._lookup(self.rank_pattern, stem)
+        return self.r if found is None else int(found[1])
+
+    def alpha_for(self, stem: str) -> tuple[str, float] | None:
+        """``(which field, alpha)`` for a module, or None when the config has no alpha."""
+        found = self._lookup(self.alpha_pattern, stem)
+        if found is not None:
+            return f"alpha_pattern[{found[0]!r}]", float(found[1])
+        return None if self.lora_alpha is None else ("lora_alpha", float(self.lora_alpha))
+
+
+def _number(where: str, name: str, value, whole: bool = False):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise AdapterError(f"{where}: {name} is {value!r}; expected a finite number")
+    if whole and (value != int(value) or value <= 0):
+        raise AdapterError(f"{where}: {name} is {value!r}; expected a positive whole number")
+    return int(value) if whole else float(value)
+
+
+def _patterns(where: str, name: str, raw, whole: bool) -> dict:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{where}: {name} is {type(raw).__name__}; expected a mapping of module pattern -> value")
+    return {str(k): _number(where, f"{name}[{k!r}]", v, whole) for k, v in raw.items()}
+
+
+def peft_config_from(where: str, raw: dict) -> PeftConfig:
+    """Read the scale fields of a peft config (``adapter_config.json`` or diffusers metadata)."""
+    if not isinstance(raw, dict):
+        raise AdapterError(f"{where}: expected a JSON object, found {type(raw).__name__}")
+    if raw.get("use_dora"):
+        raise AdapterError(
+            f"{where}: use_dora is true; lora_cache does not merge DoRA adapters (the magnitude "
+            "vectors make the merge more than W + scale * B @ A)"
+        )
+    return PeftConfig(
+        r=_number(where, "r", raw.get("r"), whole=True),
+        lora_alpha=_number(where, "lora_alpha", raw.get("lora_alpha")),
+        rank_pattern=_patterns(where, "rank_pattern", raw.get("rank_pattern"), whole=True),
+        alpha_pattern=_patterns(where, "alpha_pattern", raw.get("alpha_pattern"), whole=False),
+        use_rslora=bool(raw.get("use_rslora", False)),
+    )
+
+
+def diffusers_metadata(path: str, header_metadata: dict) -> dict[str, PeftConfig]:
+    """diffusers' adapter metadata by component prefix (``""`` when unprefixed).
+
+    ``save_lora_weights`` stores ``{"transformer.r": 8, "transformer.lora_alpha": 16, ...}``
+    (one group per component); ``save_lora_adapter`` stores the config unprefixed.
+    """
+    raw = header_metadata.get("lora_adapter_metadata")
+    if raw is None:
+        return {}
+    where = f"{path}: header metadata 'lora_adapter_metadata'"
+    try:
+        parsed = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise AdapterError(f"{where} is not JSON ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise AdapterError(f"{where}: expected a JSON object, found {type(parsed).__name__}")
+    groups: dict[str, dict] = {}
+    for key, value in parsed.items():
+        prefix, _, name = key.rpartition(".") if "." in key and not key.startswith(".") else ("", "", key)
+        groups.setdefault(prefix, {})[name] = value
+    return {p: peft_config_from(f"{where} ({p or 'unprefixed'})", fields) for p, fields in groups.items()}
+
+
+def network_alpha(path: str, header_metadata: dict) -> float | None:
+    """kohya's ``ss_network_alpha`` (a string in the header), or None."""
+    raw = header_metadata.get("ss_network_alpha")
+    if raw in (None, "", "None"):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise AdapterError(f"{path}: header metadata ss_network_alpha={raw!r} is not a number") from None
+    if not math.isfinite(value):
+        raise AdapterError(f"{path}: header metadata ss_network_alpha={raw!r} is not finite")
+    return value
+
+
+@dataclass
+class AlphaSources:
+    """Every place of one file that may state alphas and ranks (see the module docstring)."""
+
+    path: str
+    peft: PeftConfig | None = None  # adapter_config.json beside the file
+    metadata: dict[str, PeftConfig] = field(default_factory=dict)  # diffusers', by component
+    kohya_alpha: float | None = None  # ss_network_alpha
+
+    def _metadata_for(self, stem: str) -> tuple[str, str, PeftConfig] | None:
+        """The metadata group for a stem, and the stem as that group names it."""
+        for prefix, config in self.metadata.items():
+            if prefix and stem.startswith(prefix + "."):
+                return prefix, stem[len(prefix) + 1 :], config
+        if "" in self.metadata:
+            return "", stem, self.metadata[""]
+        if len(self.metadata) == 1:  # one component's metadata, stems written without its prefix
+            prefix, config = next(iter(self.metadata.items()))
+            return prefix, stem, config
+        return None
+
+    def configs_for(self, stem: str) -> list[tuple[str, str, PeftConfig]]:
+        """``(source name, stem as the config names it, config)`` in precedence order."""
+        found = []
+        if self.peft is not None:
+            found.append(("adapter_config.json", stem, self.peft))
+        meta = self._metadata_for(stem)
+        if meta is not None:
+            prefix, inner, config = meta
+            found.append((f"lora_adapter_metadata{f' {prefix!r}' if prefix else ''}", inner, config))
+        return found
+
+    def alpha(self, stem: str, stored: tuple[str, float] | None) -> float | None:
+        """The module's alpha; ``stored`` is its ``.alpha`` tensor as ``(key, value)``."""
+        stated = [] if stored is None else [(f"{stored[0]!r}", stored[1])]
+        for name, inner, config in self.configs_for(stem):
+            found = config.alpha_for(inner)
+            if found is not None:
+                stated.append((f"{name} {found[0]}", found[1]))
+        for (first, a), (other, b) in zip(stated, stated[1:]):
+            if not math.isclose(a, b, rel_tol=_AGREE):
+                raise AdapterError(
+                    f"{self.path}: module {stem!r} has alpha {a:g} from {first} but {b:g} from {other}; "
+                    "the file contradicts itself: fix one, or give the alpha explicitly (Adapter(alpha=...))"
+                )
+        if stated:
+            return stated[0][1]
+        return self.kohya_alpha
+
+    def check_rank(self, stem: str, key: str, rank: int) -> None:
+        """A rank that contradicts a config's ``r``/``rank_pattern`` is a broken pairing."""
+        for name, inner, config in self.configs_for(stem):
+            expected = config.rank_for(inner)
+            if expected is not None and expected != rank:
+                raise AdapterError(
+                    f"{self.path}: {key!r} has rank {rank} but {name} says r={expected} for it; "
+                    "fix r/rank_pattern or use the matching config"
+                )
+
+    def rslora(self, stem: str) -> bool:
+        return any(config.use_rslora for _, _, config in self.configs_for(stem))

@@ -1,0 +1,121 @@
+"""Adapter files read through diffusers' own converters, for diffusers models.
+
+diffusers turns every layout its loaders accept (kohya sd-scripts with the BFL/Flux
+names, ComfyUI and lightx2v, xlabs, its own) into its own keys with the pipeline class's
+``lora_state_dict``; re-implementing those converters here would drift from them. So for
+a diffusers model the file is read and checked here (every key, the alphas of the
+header; its values when they are first consumed, as for any file), handed to that classmethod as a dict, and what comes back is grouped
+like any other file. kohya's converter folds each module's alpha into its matrices
+(scale 1 afterwards); an ``ss_network_alpha`` is written into the modules without a
+``.alpha`` first, so the precedence of :mod:`lora_cache.adapters.alpha` holds on this path
+too. The converters get copies of the tensors (some scale them in place, which a
+read-only mapping refuses with a SIGSEGV): as much anonymous memory as the adapter, as
+diffusers' own loader takes, for the length of the merge. diffusers is an optional
+extra: nothing here imports it unless a model is a diffusers model.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+import torch
+
+from .alpha import network_alpha
+from .checks import FiniteCheck
+from .read import AdapterFile, build_adapter_file, group_parts, open_adapter
+from .spec import AdapterError
+
+__all__ = ["diffusers_loader", "is_diffusers_model", "read_with_diffusers"]
+
+# Model class -> the pipeline loader mixin whose lora_state_dict converts for it.
+_LOADERS = {
+    "FluxTransformer2DModel": "FluxLoraLoaderMixin",
+    "Flux2Transformer2DModel": "Flux2LoraLoaderMixin",
+    "WanTransformer3DModel": "WanLoraLoaderMixin",
+    "SD3Transformer2DModel": "SD3LoraLoaderMixin",
+    "UNet2DConditionModel": "StableDiffusionXLLoraLoaderMixin",
+    "HunyuanVideoTransformer3DModel": "HunyuanVideoLoraLoaderMixin",
+    "LTXVideoTransformer3DModel": "LTXVideoLoraLoaderMixin",
+    "CogVideoXTransformer3DModel": "CogVideoXLoraLoaderMixin",
+    "MochiTransformer3DModel": "Mochi1LoraLoaderMixin",
+    "SanaTransformer2DModel": "SanaLoraLoaderMixin",
+    "Lumina2Transformer2DModel": "Lumina2LoraLoaderMixin",
+    "HiDreamImageTransformer2DModel": "HiDreamImageLoraLoaderMixin",
+    "QwenImageTransformer2DModel": "QwenImageLoraLoaderMixin",
+    "SkyReelsV2Transformer3DModel": "SkyReelsV2LoraLoaderMixin",
+}
+
+
+def is_diffusers_model(module) -> bool:
+    """Whether ``module`` is a diffusers model (never imports diffusers to find out)."""
+    diffusers = sys.modules.get("diffusers")
+    return diffusers is not None and isinstance(module, diffusers.ModelMixin)
+
+
+def diffusers_loader(module):
+    """The loader mixin class that converts adapters for ``module``'s class, or None."""
+    name = _LOADERS.get(type(module).__name__)
+    if name is None:
+        return None
+    from diffusers.loaders import lora_pipeline
+
+    return getattr(lora_pipeline, name, None)
+
+
+def _component_name(loader) -> str:
+    return getattr(loader, "transformer_name", None) or getattr(loader, "unet_name", None) or "transformer"
+
+
+def _with_network_alpha(path: str, tensors: dict, metadata: dict) -> dict:
+    """kohya modules without ``.alpha`` get ``ss_network_alpha`` before the converter folds alphas."""
+    alpha = network_alpha(path, metadata)
+    if alpha is None:
+        return tensors
+    filled = dict(tensors)
+    for key, down in tensors.items():
+        stem = key.removesuffix(".lora_down.weight")
+        if stem != key and f"{stem}.alpha" not in tensors:
+            filled[f"{stem}.alpha"] = torch.tensor(alpha, dtype=down.dtype)
+    return filled
+
+
+def _convert(loader, path: str, tensors: dict) -> tuple[dict, dict]:
+    """diffusers' conversion: ``(state dict in diffusers' keys, network alphas)``."""
+    wants_alphas = "return_alphas" in inspect.signature(loader.lora_state_dict).parameters
+    kwargs = {"return_alphas": True} if wants_alphas else {}
+    try:
+        out = loader.lora_state_dict(dict(tensors), **kwargs)
+    except Exception as exc:  # diffusers' converters also fail by assert (sizes they hard-code)
+        reason = str(exc) or type(exc).__name__
+        raise AdapterError(
+            f"{path}: diffusers' {loader.__name__}.lora_state_dict cannot convert it ({reason}); "
+            "pass convert='native' with key rules to read it without diffusers"
+        ) from None
+    state, alphas = (out if isinstance(out, tuple) else (out, None))[:2]
+    return state, dict(alphas or {})
+
+
+def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None) -> AdapterFile:
+    """Read ``path`` through ``loader.lora_state_dict``; keep the keys of ``components``."""
+    import diffusers
+
+    path, mapped, tensors = open_adapter(path)
+    metadata = mapped.metadata()
+    group_parts(path, tensors)  # the file's own keys and shapes, checked before any conversion
+    values_check = FiniteCheck(path, tensors)  # the file's own values, under the file's own keys
+    # diffusers' converters scale some matrices in place (Wan's: ``*=``): they get writable
+    # copies, never views of the read-only mapping (a write there is a SIGSEGV).
+    writable = {k: v.clone() for k, v in _with_network_alpha(path, tensors, metadata).items()}
+    state, alphas = _convert(loader, path, writable)
+    state.update({k: v if torch.is_tensor(v) else torch.tensor(float(v)) for k, v in alphas.items()})
+    keep = components or (_component_name(loader),)
+    kept = {k: v for k, v in state.items() if k.split(".", 1)[0] in keep}
+    if not kept:
+        raise AdapterError(
+            f"{path}: after diffusers' conversion no key belongs to {', '.join(keep)} "
+            f"(they start with {sorted({k.split('.', 1)[0] for k in state})}); is it an adapter for another model?"
+        )
+    converted_metadata = {k: v for k, v in metadata.items() if k != "ss_network_alpha"}  # folded above
+    converter = f"diffusers {diffusers.__version__} {loader.__name__}.lora_state_dict"
+    return build_adapter_file(path, kept, converted_metadata, converter=converter, values_check=values_check)

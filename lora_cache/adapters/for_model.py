@@ -1,0 +1,52 @@
+"""Reading the adapters of one merge for the model they go into.
+
+A diffusers model (or the components ``lora_cache.load_lora`` took from a pipeline) gets
+its adapters through diffusers' own converter; every other model through this package's
+reader. The choice is made here, once per merge, so the rest of the merge never asks.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .diffusers_format import diffusers_loader, is_diffusers_model, read_with_diffusers
+from .read import AdapterFile, read_adapter, resolve_file
+from .spec import Adapter, AdapterError
+
+__all__ = ["read_adapters"]
+
+
+def _diffusers_parts(model) -> tuple[object, tuple[str, ...]] | None:
+    """``(loader, component names)`` when ``model`` is a diffusers model (or a dict of them)."""
+    if isinstance(model, dict):
+        loaders = {n: diffusers_loader(m) for n, m in model.items() if is_diffusers_model(m)}
+        found = {found for found in loaders.values() if found is not None}
+        return (found.pop(), tuple(model)) if len(found) == 1 else None
+    if is_diffusers_model(model):
+        loader = diffusers_loader(model)
+        return None if loader is None else (loader, ())
+    return None
+
+
+def read_adapters(model, specs: list[Adapter], loader=None, components: tuple[str, ...] = ()) -> list[AdapterFile]:
+    """Read every adapter for ``model``: through diffusers' converter where ``loader`` (a
+    pipeline class or loader mixin) is given or ``model`` is a diffusers model and the
+    spec allows it, else with this package's reader. A peft folder (adapter_config.json
+    beside the file) is always read here: diffusers' loaders do not take it. The values
+    are checked when they are first consumed, not here (a start that hits every layer in
+    the cache never reads them).
+    """
+    loader = loader or getattr(model, "lora_loader", None)  # lora_cache.load_lora's pipeline class
+    if loader is not None and not components and isinstance(model, dict):
+        components = tuple(model)
+    found = (loader, components) if loader is not None else _diffusers_parts(model)
+    files = []
+    for spec in specs:
+        path = resolve_file(spec.path)
+        peft_folder = os.path.exists(os.path.join(os.path.dirname(path), "adapter_config.json"))
+        use = spec.convert == "diffusers" or (spec.convert == "auto" and found is not None and not peft_folder)
+        if use and found is None:
+            raise AdapterError(f"{spec.path}: convert='diffusers' but the model is not one diffusers loads LoRA into")
+        files.append(read_with_diffusers(path, found[0], found[1] or None) if use
+                     else read_adapter(path, check_values=False))
+    return files

@@ -1,0 +1,220 @@
+"""Reading an adapter file (or the folder a trainer wrote) into :class:`ModuleChange` records.
+
+Every format names the same few parts of a module's change with its own suffixes;
+:func:`read_adapter` strips them and groups the parts by key stem. Which model module a
+stem names is decided in :mod:`lora_cache.keys`. Tensors stay views of a read-only
+mapping of the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from hostmem.safetensors_map import SafetensorsError, open_readonly
+
+from ..merge_math import refuse_unsupported
+from .alpha import AlphaSources, PeftConfig, diffusers_metadata, network_alpha, peft_config_from
+from .checks import FiniteCheck, check_change
+from .spec import AdapterError
+
+__all__ = ["AdapterFile", "ModuleChange", "build_adapter_file", "open_adapter", "read_adapter", "resolve_file"]
+
+# Suffix -> role, longest first so "lora_down.weight" wins over a bare "weight".
+_ROLES = (
+    ("lora_A.weight", "down"),
+    ("lora_down.weight", "down"),
+    ("lora_B.weight", "up"),
+    ("lora_up.weight", "up"),
+    ("lora_B.bias", "up_b"),  # peft's lora_bias: diffusers turns ComfyUI's diff_b into it
+    ("diff_b", "diff_b"),
+    ("alpha", "alpha"),
+    ("diff", "diff"),
+)
+_KNOWN_PARTS = "lora_A/lora_B.weight, lora_B.bias, lora_down/lora_up.weight, alpha, diff, diff_b"
+# The file a trainer's folder holds: peft's save_pretrained, diffusers' save_lora_weights.
+_FOLDER_FILES = ("adapter_model.safetensors", "pytorch_lora_weights.safetensors")
+
+
+@dataclass
+class ModuleChange:
+    """One module's change in an adapter file, under the file's own key stem."""
+
+    stem: str
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)  # role -> tensor
+    keys: dict[str, str] = field(default_factory=dict)  # role -> key in the file
+
+    @property
+    def rank(self) -> int | None:
+        down = self.parts.get("down")
+        return None if down is None else int(down.shape[0])
+
+    @property
+    def stored_alpha(self) -> float | None:
+        alpha = self.parts.get("alpha")
+        return None if alpha is None else float(alpha.float().reshape(-1)[0])
+
+
+@dataclass
+class AdapterFile:
+    """An adapter file read into :class:`ModuleChange` records, by key stem.
+
+    ``config`` is peft's ``adapter_config.json`` beside the file; ``sources`` every place
+    the file states alphas (see :mod:`lora_cache.adapters.alpha`); ``converter`` names
+    the converter that produced ``modules`` when it was not this package's reader;
+    ``values_check`` refuses NaN and infinite values in the file, run before the values
+    are first consumed (see :mod:`lora_cache.adapters.checks`).
+    """
+
+    path: str
+    format: str
+    modules: dict[str, ModuleChange]
+    config: PeftConfig | None = None
+    sources: AlphaSources | None = None
+    converter: str | None = None
+    values_check: FiniteCheck | None = None
+
+    def __post_init__(self):
+        if self.sources is None:
+            self.sources = AlphaSources(self.path, peft=self.config)
+
+    def alpha(self, change: ModuleChange) -> float | None:
+        """The alpha the file gives a module, by the precedence of :mod:`~lora_cache.adapters.alpha`."""
+        stored = None if change.stored_alpha is None else (change.keys["alpha"], change.stored_alpha)
+        return self.sources.alpha(change.stem, stored)
+
+    def rank(self, change: ModuleChange) -> int | None:
+        """The module's rank (the down matrix's rows), checked against the configs."""
+        rank = change.rank
+        if rank is not None:
+            self.sources.check_rank(change.stem, change.keys["down"], rank)
+        return rank
+
+    def rslora_for(self, change: ModuleChange) -> bool:
+        return self.sources.rslora(change.stem)
+
+    @property
+    def key_extras(self) -> dict:
+        """Inputs of the merged bytes beyond the file's content (the converter, when one ran)."""
+        return {} if self.converter is None else {"converter": self.converter}
+
+
+def _split_key(key: str) -> tuple[str, str] | None:
+    for suffix, role in _ROLES:
+        if key.endswith("." + suffix):
+            return key[: -len(suffix) - 1], role
+    return None
+
+
+def _read_peft_config(folder: str) -> PeftConfig | None:
+    path = os.path.join(folder, "adapter_config.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            raw = json.load(handle)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AdapterError(f"{path}: cannot read the adapter config ({exc})") from None
+    return peft_config_from(path, raw)
+
+
+def _detect_format(keys: list[str], metadata: dict) -> str:
+    if any(k.startswith(("lora_unet_", "lora_te", "lora_transformer_")) for k in keys):
+        return "kohya"
+    if any(k.startswith(("diffusion_model.", "model.diffusion_model.")) for k in keys):
+        return "comfyui"
+    if "lora_adapter_metadata" in metadata or any(k.startswith(("transformer.", "unet.")) for k in keys):
+        return "diffusers"
+    if any(".lora_A." in k for k in keys):
+        return "peft"
+    return "lora"
+
+
+def resolve_file(path: str) -> str:
+    """The adapter file a path names: itself, or the file the trainer wrote into a folder."""
+    if not os.path.isdir(path):
+        return path
+    for name in _FOLDER_FILES:
+        inner = os.path.join(path, name)
+        if os.path.exists(inner):
+            return inner
+    found = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if len(found) == 1:
+        return os.path.join(path, found[0])
+    listed = f"it holds {', '.join(found)}" if found else "it holds no .safetensors file"
+    raise AdapterError(
+        f"{path}: a folder without {' or '.join(_FOLDER_FILES)}, and {listed}; name the .safetensors file"
+    )
+
+
+def group_parts(path: str, tensors: dict[str, torch.Tensor]) -> dict[str, ModuleChange]:
+    """Group ``tensors`` by key stem; every key must be a LoRA part this merge understands."""
+    modules: dict[str, ModuleChange] = {}
+    for key in sorted(tensors):
+        refuse_unsupported(path, key)
+        split = _split_key(key)
+        if split is None:
+            raise AdapterError(f"{path}: key {key!r} is not a LoRA part this merge understands ({_KNOWN_PARTS})")
+        stem, role = split
+        change = modules.setdefault(stem, ModuleChange(stem))
+        change.parts[role] = tensors[key]
+        change.keys[role] = key
+    for change in modules.values():
+        check_change(path, change.parts, change.keys)
+    return modules
+
+
+def build_adapter_file(path: str, tensors: dict[str, torch.Tensor], header_metadata: dict,
+                       converter: str | None = None, values_check: FiniteCheck | None = None) -> AdapterFile:
+    """An :class:`AdapterFile` from a file's tensors and header metadata (read or converted).
+
+    Its values are not checked here: ``values_check`` (default: a check of ``tensors``)
+    runs when they are first consumed, or when the reader asks for it at once.
+    """
+    if not tensors:
+        raise AdapterError(f"{path}: the file holds no tensors; is it an adapter at all?")
+    modules = group_parts(path, tensors)
+    if values_check is None:
+        values_check = FiniteCheck(path, tensors, memo=converter is None)
+    config = _read_peft_config(os.path.dirname(path))
+    metadata = diffusers_metadata(path, header_metadata)
+    sources = AlphaSources(path, config, metadata, network_alpha(path, header_metadata))
+    return AdapterFile(path, _detect_format(list(tensors), header_metadata), modules, config, sources, converter,
+                       values_check)
+
+
+def open_adapter(path: str | os.PathLike):
+    """``(file, mapping, tensors)`` of an adapter: the file ``path`` names (itself, or the one
+    in the folder peft or diffusers wrote), mapped read-only, and its tensors by name.
+
+    Every reader starts here, so a file that cannot be read is the same
+    :class:`AdapterError` naming it whichever reader meets it.
+    """
+    path = resolve_file(os.fspath(path))
+    try:
+        mapped = open_readonly(path)
+        tensors = {name: mapped.get_tensor(name) for name in mapped.keys()}
+    except SafetensorsError as exc:
+        raise AdapterError(f"adapter {exc}") from None
+    except OSError as exc:
+        raise AdapterError(f"adapter {path}: cannot read it ({exc.strerror or exc})") from None
+    return path, mapped, tensors
+
+
+def read_adapter(path: str | os.PathLike, check_values: bool = True) -> AdapterFile:
+    """Read an adapter file (or the folder peft or diffusers wrote) into its normalized form.
+
+    Every key must be a LoRA part this merge understands; a key of an unsupported
+    variant (DoRA, LoHa, ...) or an unknown key is an error naming it, never skipped, and
+    so is a NaN or an infinite value. ``check_values=False`` leaves that check (which
+    reads every value) to the first use of the values: a merge runs it before the first
+    layer it computes, so a start whose every layer is cached never reads them.
+    """
+    path, mapped, tensors = open_adapter(path)
+    adapter = build_adapter_file(path, tensors, mapped.metadata())
+    if check_values:
+        adapter.values_check()
+    return adapter

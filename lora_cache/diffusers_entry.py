@@ -1,0 +1,88 @@
+"""One call for diffusers users: ``lora_cache.load_lora(pipe, "style.safetensors")``.
+
+It takes what ``pipe.load_lora_weights`` takes (a file, the folder diffusers or peft
+wrote, with ``weight_name=`` to pick a file in it) or several adapters with strengths,
+converts the keys with the pipeline class's own ``lora_state_dict``, and merges through
+the LoRA cache into every component the adapter targets. The result is diffusers'
+``load_lora_weights`` + ``fuse_lora`` up to one rounding (the merge sums in fp32 and
+rounds once, where ``fuse_lora`` rounds the delta and then the sum), but the merged
+weights are read-only mappings of cache files instead of anonymous memory, and the next
+start with the same adapters reads them back without merging.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .adapters import Adapter, AdapterError, as_adapter
+
+__all__ = ["PipelineComponents", "load_lora"]
+
+
+class PipelineComponents(dict):
+    """A pipeline's LoRA-loadable components by name, with the class whose converter reads
+    adapters for them (``read_adapters`` looks for ``lora_loader``)."""
+
+    def __init__(self, components: dict, loader):
+        super().__init__(components)
+        self.lora_loader = loader
+
+
+def _is_pipeline(obj) -> bool:
+    return hasattr(type(obj), "_lora_loadable_modules") and hasattr(type(obj), "lora_state_dict")
+
+
+def _model_of(pipe_or_model):
+    """What to merge into: the pipeline's loadable components, or the model itself."""
+    from .adapters.diffusers_format import diffusers_loader, is_diffusers_model
+
+    if _is_pipeline(pipe_or_model):
+        names = type(pipe_or_model)._lora_loadable_modules
+        present = {n: getattr(pipe_or_model, n, None) for n in names}
+        return PipelineComponents({n: m for n, m in present.items() if m is not None}, type(pipe_or_model))
+    if is_diffusers_model(pipe_or_model) and diffusers_loader(pipe_or_model) is not None:
+        return pipe_or_model
+    raise TypeError(
+        f"lora_cache.load_lora takes a diffusers pipeline or a diffusers model diffusers loads LoRA into, "
+        f"not {type(pipe_or_model).__name__}; for other models call lora_cache.merge(model, adapters, cache_root=...)"
+    )
+
+
+def _specs(lora, strength: float, weight_name: str | None) -> list[Adapter]:
+    """Each adapter asked for; a bare path takes ``strength`` (tuples and Adapters their own)."""
+    if isinstance(lora, dict) and "path" not in lora:
+        raise AdapterError(
+            "lora_cache.load_lora takes adapter files, not a state dict: the cache keys merged weights by "
+            "the file's content. Save the state dict with save_lora_weights and pass the folder"
+        )
+    items = lora if isinstance(lora, list) else [lora]
+    specs = []
+    for item in items:
+        if isinstance(item, (str, os.PathLike)):
+            path = os.fspath(item)
+            if weight_name is not None and os.path.isdir(path):
+                path = os.path.join(path, weight_name)
+            item = Adapter(path, strength)
+        specs.append(as_adapter(item))
+    if not specs:
+        raise AdapterError("lora_cache.load_lora: no adapter given")
+    return specs
+
+
+def load_lora(pipe_or_model, lora, strength: float = 1.0, cache_root: str | os.PathLike | None = None, *,
+              weight_name: str | None = None, **merge_options):
+    """Merge ``lora`` into a diffusers pipeline (or model) through the cache; return the
+    :class:`~lora_cache.orchestrate.MergeStats`.
+
+    ``lora`` is a file, a folder (``weight_name`` picks the file in it, as in diffusers), a
+    ``(path, strength)`` tuple, a :class:`lora_cache.Adapter`, or a list of them (merged in
+    order, each with its strength). ``cache_root`` and ``merge_options`` mean what they mean
+    to :func:`lora_cache.merge` (the default root, ``enabled=False`` to merge in place as
+    ``fuse_lora`` does, ``base_files``, ``max_size``, ``device``, ``progress``, ...). Undo
+    with ``lora_cache.unmerge(pipe.transformer)`` (or the component), never with
+    ``unfuse_lora``.
+    """
+    from .orchestrate import merge
+
+    model = _model_of(pipe_or_model)
+    return merge(model, _specs(lora, strength, weight_name), cache_root, **merge_options)

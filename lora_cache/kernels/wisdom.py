@@ -1,0 +1,148 @@
+"""Kernel timings remembered per machine, the way FFTW keeps its wisdom.
+
+Which kernel sums a layer fastest depends on the CPU (torch's bf16 addmm is several
+times faster than the fp32 sum with AVX512-BF16 or AMX, several times slower with AVX2
+alone), on torch's version, the dtype, the layer's shape and the threads. So a choice
+is measured once and remembered under that whole description: in
+``<root>/kernel_wisdom.json`` beside the cache, and in this process. The cache key
+names the kernel, so the choice must stick: once a class is recorded, every later
+merge on that machine reads it instead of timing again, and two processes that time
+at once agree through a lock (the first to record wins).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import json
+import os
+import platform
+import tempfile
+import threading
+import warnings
+
+import torch
+
+__all__ = ["WISDOM_FILE", "Wisdom", "machine"]
+
+WISDOM_FILE = "kernel_wisdom.json"
+_VERSION = 1
+# The CPU flags that decide which matrix kernels torch can use for bf16 and fp32.
+_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "asimd", "bf16", "sve")
+_MEMORY: dict[str, dict] = {}  # this process's wisdom, whatever the root
+_MEMORY_LOCK = threading.Lock()
+
+
+@functools.cache
+def machine() -> dict:
+    """The CPU model and the flags that matter, the CPU count and torch's version."""
+    info: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                name, _, value = line.partition(":")
+                info.setdefault(name.strip(), value.strip())  # the first CPU's
+    model = info.get("model name") or info.get("Model") or platform.processor() or platform.machine()
+    flags = set((info.get("flags") or info.get("Features") or "").split())
+    return {"cpu": model, "flags": [f for f in _FLAGS if f in flags], "cpus": os.cpu_count(),
+            "torch": torch.__version__}
+
+
+def entry_key(dtype: str, shape_class: str, threads: int) -> str:
+    """The description a timing is remembered under (one JSON string)."""
+    m = machine()
+    return json.dumps([m["cpu"], m["flags"], m["torch"], dtype, shape_class, threads], separators=(",", ":"))
+
+
+class Wisdom:
+    """Remembered kernel choices: in ``root`` (a cache root) when given, else in this process only."""
+
+    def __init__(self, root: str | os.PathLike | None = None):
+        self.path = None if root is None else os.path.join(os.path.expanduser(os.fspath(root)), WISDOM_FILE)
+        self.writable = False
+
+    def recall(self, key: str) -> dict | None:
+        """The entry remembered for ``key``: the file's (with a root), else this process's."""
+        if self.path is not None:
+            return self._read().get(key)
+        with _MEMORY_LOCK:
+            return _MEMORY.get(key)
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Hold the lock while timing and recording, so concurrent processes agree.
+
+        Yields ``record(key, measure) -> entry``: the entry that stands for ``key`` (the
+        file's, else this process's, else what ``measure()`` returns, which is then kept
+        in both), so a choice once made is the one every later merge uses.
+        """
+        with self._locked():
+            known = self._read() if self.path is not None else {}
+            added: dict[str, dict] = {}
+
+            def record(key: str, measure) -> dict:
+                if key in known:
+                    standing = known[key]
+                else:
+                    with _MEMORY_LOCK:
+                        standing = _MEMORY.get(key)
+                    standing = standing or measure()
+                    added[key] = standing
+                with _MEMORY_LOCK:
+                    _MEMORY[key] = standing
+                return standing
+
+            yield record
+            if added and self.path is not None and self.writable:
+                self._write({**known, **added})
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """The root's wisdom lock; a root that cannot be written (a read-only image) is read
+        but not written, and its new choices stay in this process."""
+        self.writable = False
+        if self.path is None:
+            yield
+            return
+        try:
+            os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+            fd = os.open(self.path + ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+        except OSError:
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self.writable = True
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _read(self) -> dict:
+        try:
+            with open(self.path) as handle:
+                data = json.load(handle)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as error:
+            warnings.warn(f"{self.path}: unreadable kernel wisdom ({error}); timing the kernels again. "
+                          "Delete the file to stop this warning.")
+            return {}
+        if not isinstance(data, dict) or data.get("version") != _VERSION or not isinstance(data.get("entries"), dict):
+            return {}
+        return data["entries"]
+
+    def _write(self, entries: dict) -> None:
+        """Replace the file atomically: a reader sees the old wisdom or the new, never a torn one."""
+        folder = os.path.dirname(self.path)
+        fd, temporary = tempfile.mkstemp(prefix=".kernel_wisdom-", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(fd, "w") as handle:
+                json.dump({"version": _VERSION, "entries": entries}, handle, indent=1, sort_keys=True)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise

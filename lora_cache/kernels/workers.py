@@ -1,0 +1,61 @@
+"""The threads a layer's row blocks are summed on."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+__all__ = ["BlockWorkers", "block_workers", "cpu_count"]
+
+MAX_WORKERS = 8  # the sum then outruns any disk
+
+
+def cpu_count() -> int:
+    """The CPUs this process may run on (its affinity mask, where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class BlockWorkers(ThreadPoolExecutor):
+    """A thread pool that says how many blocks it runs at once (``threads``), so the
+    merge sizes one fp32 accumulator per block in flight."""
+
+    def __init__(self, threads: int):
+        super().__init__(threads, "lora-cache-sum")
+        self.threads = threads
+
+
+def worker_count() -> int:
+    """How many block workers a CPU merge runs: one per CPU, at most :data:`MAX_WORKERS`."""
+    return min(MAX_WORKERS, cpu_count())
+
+
+@contextlib.contextmanager
+def block_workers(device: torch.device):
+    """Threads that sum a layer's row blocks on the CPU, while the vault writes the last one.
+
+    Each worker runs torch single-threaded and takes the next block when it is done, so
+    the writer thread (and the vault's checksum) just share the cores with them: one
+    descheduled worker delays one block, where an OpenMP pool spread over every core
+    would stall at each operation's barrier. The workers run at the process's own
+    priority: a server waits for this build, and with the workers made nicer any other
+    load on the host (another rank loading, the text encoder, a neighbour) took their
+    cores. On a GPU the sum takes no CPU to speak of, so there are no workers. The
+    process-wide torch thread count is restored when the build ends, also on an error;
+    the workers end with it.
+    """
+    if device.type != "cpu":
+        yield None
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with BlockWorkers(worker_count()) as workers:
+            yield workers
+    finally:
+        torch.set_num_threads(threads)

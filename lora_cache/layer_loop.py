@@ -1,0 +1,317 @@
+"""The per-layer work of a merge: hits first, then the misses built through one buffer.
+
+:func:`merge_layers` is what :func:`lora_cache.merge` runs once the vault is open (or
+with none: in place). See :class:`_LayerLoop` for how the work overlaps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import mmap
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
+
+import torch
+from tqdm import tqdm
+
+from hostmem.units import format_rate, format_size
+
+from .adapters.checks import check_before_use
+from .handoff import Handoff
+from .kernels import KernelPlan, block_workers, plan_for_targets
+from .layers import AddressSpace, LayerTarget, Snapshot, compute_merged, install, merge_in_place
+from .merge_math import Scratch, compute_device, scratch_bytes, sums_in_output
+
+__all__ = ["CacheBuildError", "MergeStats", "merge_layers"]
+
+
+class CacheBuildError(RuntimeError):
+    """The vault could not store a layer and falling back in place was not allowed."""
+
+
+@dataclass
+class MergeStats:
+    """What a merge did, for the planner's report. Sizes are bytes, times seconds."""
+
+    layers: int = 0
+    hit: int = 0
+    built: int = 0
+    fallen_back: int = 0
+    in_place: int = 0
+    bytes: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    cache_key: str | None = None
+    cache_root: str | None = None
+    cache_off: str | None = None  # why the cache was not used at all (turned off), in words
+    adapters: list[str] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        """Merged bytes per second over the whole merge."""
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "rate_bytes_per_s": self.rate}
+
+    def __str__(self) -> str:
+        where = f"cache {self.cache_key[:12]}" if self.cache_key else "in place"
+        if self.cache_off:
+            where += f": {self.cache_off}"
+        return (
+            f"lora merge ({where}): {self.layers} layers, {self.hit} hit, {self.built} built, "
+            f"{self.fallen_back} fallen back, {self.in_place} in place; {format_size(self.bytes)} "
+            f"merged, {format_size(self.bytes_written)} written in {self.seconds:.1f} s "
+            f"({format_rate(self.rate)})"
+        )
+
+
+class _Write(NamedTuple):
+    """A layer on its way to the vault: the put in flight and the handoff it reads."""
+
+    target: LayerTarget
+    written: Future
+    handoff: Handoff
+
+
+class _LayerLoop:
+    """One merge's per-layer work, with the buffers it reuses and the figures it keeps.
+
+    Cache hits are taken first; the misses are then built through one output buffer
+    that a writer thread streams to the vault as it fills (see
+    :mod:`lora_cache.handoff`): the block workers sum layer i's row blocks into it in
+    order, the writer puts each finished stretch on disk while the rest is summed, and
+    layer i+1's blocks reuse each stretch once layer i has written it. Before a layer is
+    summed, the kernel is asked to read the next one's base in (a cold page cache then
+    overlaps with the sum too). The anonymous memory stays one layer wide (the output
+    buffer, plus one fp32 block per worker for layers the chosen kernel sums in fp32).
+    Vault calls never run concurrently: gets all happen before the first put, and puts
+    run one at a time, in order.
+
+    In place, each layer is summed straight into its own weight where that is writable
+    (the private mapping safetensors hands torch, a heap tensor), else into a new tensor:
+    the layer's bytes and nothing more, as peft's merge; its copy for unmerge is only
+    taken where ``unmergeable`` asks for it.
+    """
+
+    def __init__(self, targets, session, device, progress, fallback, kernels: KernelPlan, unmergeable: bool):
+        self.session, self.fallback, self.kernels, self.unmergeable = session, fallback, kernels, unmergeable
+        self.stats = MergeStats(layers=len(targets))
+        self.space = AddressSpace()
+        self.work, self.out = Scratch(device), Scratch("cpu")
+        self.workers = None
+        self.bar = tqdm(total=sum(t.nbytes for t in targets), unit="B", unit_scale=True, unit_divisor=1024,
+                        desc="lora merge", disable=None if progress is None else not progress, leave=False)
+
+    def record(self, target: LayerTarget, outcome: str) -> None:
+        if outcome == "fallen_back" and not self.stats.fallen_back:
+            warnings.warn(f"{_vault_reason(self.session)}. Merging in place instead.")
+        setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+        self.stats.bytes += target.nbytes
+        self.bar.update(target.nbytes)
+        self.bar.set_postfix(hit=self.stats.hit, built=self.stats.built, fallback=self.stats.fallen_back, refresh=False)
+
+    def kernel(self, target: LayerTarget) -> str:
+        base = target.current
+        return self.kernels.kernel_for(tuple(base.shape), base.dtype, target.deltas, self.work.device)
+
+    def look_up(self, targets: list[LayerTarget]) -> tuple[list[tuple[LayerTarget, torch.Tensor]], list[LayerTarget]]:
+        """``(hits with the vault's copies, misses)``; nothing is installed yet."""
+        hits, misses = [], []
+        for target in targets:
+            base = target.current
+            view = self.session.get(target.name, tuple(base.shape), base.dtype)
+            if view is None:
+                misses.append(target)
+            else:
+                hits.append((target, view))
+        return hits, misses
+
+    def take_hit(self, target: LayerTarget, view: torch.Tensor) -> None:
+        """Install the vault's copy of ``target``."""
+        install(target, view, Snapshot(original=target.current))
+        self.record(target, "hit")
+
+    def in_place(self, target: LayerTarget, outcome: str = "in_place") -> None:
+        merge_in_place(target, self.work, self.workers, self.kernel(target), self.space.is_writable(target.current),
+                       keep_copy=self.unmergeable)
+        self.record(target, outcome)
+
+    def settle(self, pending: list[_Write]) -> None:
+        """Install what the vault wrote for the oldest pending layer, or fall back in place.
+
+        A failed put means every later one fails too (the session stops writing), so the
+        writes behind it are awaited first, before the fallback merges.
+        """
+        target, written, _ = pending.pop(0)
+        view = written.result()
+        if view is not None:
+            install(target, view, Snapshot(original=target.current))
+            self.record(target, "built")
+            return
+        for later in pending:
+            later.written.exception()  # waits; its outcome is settled in its own turn
+        self.fall_back(target)
+
+    def fall_back(self, target: LayerTarget) -> None:
+        """Merge ``target`` in place because the vault cannot store it, where that is allowed."""
+        if not self.fallback:
+            raise CacheBuildError(
+                f"the LoRA merge cache could not store {target.name!r} ({format_size(target.nbytes)}): "
+                f"{_vault_reason(self.session)}. Nothing was merged in place; the model is left as it was."
+            )
+        self.in_place(target, "fallen_back")
+
+    def reserve(self, targets: list[LayerTarget], output: bool) -> None:
+        """Size the buffers for the largest layer once, so a layer never regrows them.
+
+        The output buffer only where layers are built (``output``); the fp32 scratch only
+        where some layer's kernel sums in it, one block per worker. Address space only,
+        either way: pages are touched as layers fill them.
+        """
+        if output:
+            self.out.reserve(max((t.nbytes for t in targets), default=0))
+        in_scratch = [t for t in targets if not self._sums_in_output(t)]
+        self.work.reserve(max((scratch_bytes(tuple(t.current.shape), self.work.device, self.workers)
+                               for t in in_scratch), default=0))
+
+    def _sums_in_output(self, target: LayerTarget) -> bool:
+        base = target.current  # stands in for out: contiguous as the output buffer is, or not
+        return sums_in_output(base, target.deltas, base, self.work.device, self.kernel(target))
+
+    def build(self, targets: list[LayerTarget]) -> None:
+        """Compute and put every target, the writer streaming each layer as it is summed.
+
+        At most two layers are in flight: the one being summed and the one before it,
+        whose put may still be writing its last stretch, sealing or mapping.
+        """
+        if not targets:
+            return
+        self.reserve(targets, output=True)
+        pending: list[_Write] = []
+        # Leaving the executor waits for the work in flight, also when an error ends the loop.
+        with ThreadPoolExecutor(1, "lora-cache-write") as writer:
+            for i, target in enumerate(targets):
+                if not self.session.writable:  # a put failed: the rest merges in place
+                    while pending:
+                        self.settle(pending)
+                    self.fall_back(target)
+                    continue
+                if i + 1 < len(targets):
+                    _read_ahead(targets[i + 1].current)
+                pending.append(self.stream(target, writer, pending[-1].handoff if pending else None))
+                if len(pending) > 1:
+                    self.settle(pending)
+            while pending:
+                self.settle(pending)
+
+    def stream(self, target: LayerTarget, writer, previous: Handoff | None) -> _Write:
+        """Sum ``target`` into the output buffer while ``writer`` puts it, stretch by stretch.
+
+        Each row block waits until the previous layer's put has written the bytes it
+        overwrites. Returns once the sum is done; the put may still be running.
+        """
+        base = target.current
+        out = self.out.take(tuple(base.shape), base.dtype)
+        handoff = Handoff(target.nbytes)
+        written = writer.submit(self.session.put, target.name, out, None, handoff)
+        try:
+            compute_merged(target, out, self.work, self.workers, kernel=self.kernel(target),
+                           claim=None if previous is None else previous.wait_released, publish=handoff.publish)
+        except BaseException:
+            handoff.cancel()  # the put gives up and removes its temporary file
+            raise
+        handoff.publish(target.nbytes)
+        return _Write(target, written, handoff)
+
+    def run(self, targets: list[LayerTarget]) -> MergeStats:
+        start = time.monotonic()
+        try:
+            if self.session is None:
+                cached = []
+            else:  # the vault holds host memory only: device weights merge in place
+                cached = [t for t in targets if t.current.device.type == "cpu"]
+            in_place = [t for t in targets if t not in cached]
+            hits, misses = self.look_up(cached) if cached else ([], [])
+            # the adapters' values, read only where a layer is computed, before any weight changes
+            check_before_use(d for t in in_place + misses for d in t.deltas)
+            for target, view in hits:
+                self.take_hit(target, view)
+            with block_workers(self.work.device) as self.workers:
+                self.reserve(in_place, output=False)
+                for target in in_place:
+                    self.in_place(target)
+                self.build(misses)
+        finally:
+            self.workers = None
+            self.bar.close()
+            self.work.release()
+            self.out.release()
+            _return_freed_memory()
+        self.stats.seconds = time.monotonic() - start
+        if self.session is not None:
+            self.stats.bytes_written = int(self.session.stats.get("bytes_written", 0))
+        return self.stats
+
+
+def merge_layers(
+    targets: list[LayerTarget],
+    session=None,
+    *,
+    device: torch.device | str | None = None,
+    progress: bool | None = None,
+    fallback: bool = True,
+    kernels: KernelPlan | None = None,
+    unmergeable: bool = False,
+) -> MergeStats:
+    """Merge ``targets`` one layer at a time through ``session`` (``None``: in place).
+
+    Per layer: the vault's copy, else put(compute), else (the vault could not store it)
+    in place; ``fallback=False`` raises :class:`CacheBuildError` instead of that last step.
+    ``kernels`` is the choice the key was made with (default: chosen now, see
+    :func:`lora_cache.kernels.plan_kernels`); ``unmergeable`` keeps, for a layer merged in
+    place over a writable base, the copy :func:`lora_cache.unmerge` needs.
+    """
+    device = torch.device(device) if device is not None else compute_device()
+    if kernels is None:
+        kernels = plan_for_targets(targets, device)
+    return _LayerLoop(targets, session, device, progress, fallback, kernels, unmergeable).run(targets)
+
+
+def _read_ahead(tensor: torch.Tensor) -> None:
+    """Ask the kernel to start reading ``tensor``'s pages (a file mapping's) in the background.
+
+    MADV_WILLNEED on a mapped file starts readahead and returns at once, so the next
+    layer's base comes off the disk while this one is summed; on anonymous memory or
+    where madvise is missing it does nothing worth speaking of.
+    """
+    if tensor.device.type != "cpu" or not tensor.numel():
+        return
+    page = 4096
+    start = tensor.data_ptr() // page * page
+    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    with contextlib.suppress(OSError, AttributeError):
+        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_WILLNEED)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _vault_reason(session) -> str:
+    """Why the vault could not store a layer, in its own words: what was needed, what was
+    available, how to make room. The caller adds what it does about it."""
+    reason = getattr(session, "last_error", None) or "the LoRA merge cache could not store a layer"
+    return reason.rstrip(". ")
+
+
+def _return_freed_memory() -> None:
+    """Ask glibc to hand freed heap blocks back to the kernel (no-op elsewhere)."""
+    with contextlib.suppress(OSError, AttributeError):
+        _libc().malloc_trim(0)

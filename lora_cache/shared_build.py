@@ -1,0 +1,246 @@
+"""A shared build: the ranks of one host build a missing combination together, once.
+
+A multi-GPU server runs one process per GPU, and every one of them calls
+:func:`lora_cache.merge` with the same model and adapters. Unshared, the first rank to
+take the key's lock builds every layer while the others wait; with a torch.distributed
+process group initialised, :func:`build_shares` (run by ``merge`` before it opens the
+vault, without being asked) splits the work instead:
+
+1. the ranks meet (:func:`hostmem.gather_on_host`, ranks of one host found by
+   hostname); the host's lowest rank computes the key first, hashing the inputs once,
+   and the others then compute it from the digests it memoised;
+2. the lowest rank probes the vault cheaply (the manifest and the folder listing, no
+   checksum read) for whether the combination is complete and which layers are
+   missing, and one all-gather over the world makes every rank agree on it, and on the
+   key (a rank whose key differs is named, on every rank). A hit everywhere ends here:
+   ``merge`` then maps every layer read-only, as it always does;
+3. on a miss, the host's missing layers are split into disjoint shares balanced by
+   bytes, and each rank builds its share in parallel through a share session of the
+   vault (:mod:`lora_cache.vault.shares`), without installing anything;
+4. the ranks meet again; the lowest rank records every share's layers as verified
+   (each writer checksummed them as it wrote them), the ranks meet once more, and
+   ``merge`` opens the vault as usual: each rank adopts the layer files without reading
+   them again, the first seals the manifest, and every rank maps every layer read-only.
+
+A rank that dies or never arrives fails the others at the next gather, within
+``rank_timeout`` seconds (a keyword of ``merge``, default 600), with a message naming it; what
+was sealed stays, and the next start resumes. A share that cannot be stored (a full
+disk) says so and leaves its layers to the plain session, which builds them or falls
+back in place as any merge does. Without a process group, processes on one key still
+never build twice: the second waits on the key's lock and adopts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from hostmem.host_ledger import gather_on_host
+from hostmem.units import format_size
+
+from .layer_loop import CacheBuildError, MergeStats, merge_layers
+from .layers import AddressSpace, LayerTarget
+from .vault import Vault, VaultError
+from .vault.adoption import shape_dtype_problem
+from .vault.layer_file import layer_file_name
+from .vault.manifest import ManifestError, read_manifest
+from .vault.session import say
+from .vault.shares import open_share, vouch_for
+
+__all__ = ["DEFAULT_TIMEOUT", "ShareOutcome", "build_shares", "check_rank_timeout", "split_by_bytes", "probe"]
+
+DEFAULT_TIMEOUT = 600.0
+
+
+@dataclass
+class ShareOutcome:
+    """What this rank built of a shared build: share ``index`` of ``count``."""
+
+    index: int
+    count: int
+    built: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    written: list = field(default_factory=list)  # what the share wrote, for the others to trust
+
+    def account(self, stats: MergeStats) -> None:
+        """Count the layers this rank built in its share as built, not as hits (the plain
+        session that followed found them all sealed)."""
+        moved = min(self.built, stats.hit)
+        stats.hit -= moved
+        stats.built += moved
+        stats.bytes_written += self.bytes_written
+        stats.seconds += self.seconds
+
+
+def check_rank_timeout(value) -> float:
+    """``merge``'s ``rank_timeout``, the seconds a rank waits for the others at a gather, as
+    a float; a ValueError saying what to pass when it is not a finite number above 0."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if isinstance(value, bool) or not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"rank_timeout={value!r}: expected a number of seconds above 0 (for example 600)")
+    return seconds
+
+
+def _process_group():
+    """``torch.distributed`` when a process group of two ranks or more is initialised, else None."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return None
+    return dist
+
+
+def probe(vaults: list[Vault], key: str, expected: dict) -> tuple[bool, list[str]]:
+    """``(complete, missing)`` of ``key`` in ``vaults``, cheaply: manifests and folder
+    listings only. Complete in some root: ``(True, [])``; else the expected layers of the
+    first writable root that have neither a manifest entry nor a layer file. No writable
+    root: ``(False, [])`` (nothing can be built)."""
+    for vault in vaults:
+        folder = os.path.join(vault.cache, key)
+        try:
+            manifest = read_manifest(folder) if os.path.isdir(folder) else None
+        except (ManifestError, OSError):
+            manifest = None
+        recorded = manifest.layers if manifest is not None else {}
+        if manifest is not None and manifest.complete and all(
+            n in recorded and shape_dtype_problem(recorded[n], s, d) is None for n, (s, d) in expected.items()
+        ):
+            return True, []
+        if not vault.read_only:
+            present = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+            return False, [n for n in expected if n not in recorded and layer_file_name(n) not in present]
+    return False, []
+
+
+def split_by_bytes(targets: list[LayerTarget], count: int) -> list[list[LayerTarget]]:
+    """``targets`` in ``count`` disjoint shares of about equal bytes (largest first, each to
+    the lightest share), each share in the model's order. The same on every rank."""
+    shares: list[list[LayerTarget]] = [[] for _ in range(count)]
+    loads = [0] * count
+    order = {id(t): i for i, t in enumerate(targets)}
+    for target in sorted(targets, key=lambda t: (-t.nbytes, order[id(t)])):
+        lightest = min(range(count), key=lambda i: (loads[i], i))
+        shares[lightest].append(target)
+        loads[lightest] += target.nbytes
+    return [sorted(share, key=lambda t: order[id(t)]) for share in shares]
+
+
+def _detached(target: LayerTarget) -> LayerTarget:
+    """``target`` over a stand-in module holding the same base parameter (no copy): a share
+    build installs the merged view there and drops it, and the model is left untouched
+    until ``merge`` maps every layer for real."""
+    holder = nn.Module()
+    holder.register_parameter("weight", target.current)
+    return LayerTarget(target.name, holder, "weight", target.deltas)
+
+
+def _build_share(vault: Vault, key, mine: list[LayerTarget], index: int, count: int, device, kernels,
+                 progress) -> ShareOutcome:
+    """Build this rank's share; a share the vault cannot store says why and builds nothing more."""
+    outcome = ShareOutcome(index, count)
+    if not mine:
+        return outcome
+    total = sum(t.nbytes for t in mine)
+    say(f"LoRA merge cache {key.hex[:12]}: building share {index + 1} of {count} "
+        f"({len(mine)} layers, {format_size(total)})")
+    expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in mine}
+    try:
+        with open_share(vault, key, expected, index, count) as session:
+            try:
+                stats = merge_layers([_detached(t) for t in mine], session, device=device, progress=progress,
+                                     fallback=False, kernels=kernels)
+            finally:
+                outcome.written = session.written()
+    except (CacheBuildError, VaultError, OSError) as exc:
+        outcome.error = str(exc)
+        say(f"LoRA merge cache {key.hex[:12]}: share {index + 1} of {count} stopped ({exc}); "
+            "its remaining layers are built when the cache is opened")
+        return outcome
+    outcome.built, outcome.bytes_written, outcome.seconds = stats.built, stats.bytes_written, stats.seconds
+    return outcome
+
+
+def _same_key(host: list[tuple[int, dict]], key: str) -> None:
+    """Every rank of the host computed ``key``; else name the ranks that differ."""
+    other = [(rank, p["key"]) for rank, p in host if p["key"] != key]
+    if other:
+        raise ValueError(
+            "the ranks of this host computed different LoRA merge cache keys ("
+            + ", ".join(f"rank {r}: {k[:12]}" for r, k in [(host[0][0], host[0][1]["key"]), *other])
+            + "): every rank must merge the same adapters into the same checkpoint with the same "
+            "settings for a shared build; merge the differing ones with torch.distributed not initialised"
+        )
+
+
+def _key_of(vaults: list[Vault], targets, files, specs, base_files, device, kernels):
+    from .orchestrate import base_shards, combination_key  # orchestrate imports this module
+
+    shards = base_shards(targets, base_files, AddressSpace())
+    keyer = next((v for v in vaults if not v.read_only), vaults[0])
+    return combination_key(keyer, files, specs, shards, {t.current.dtype for t in targets}, device, kernels)
+
+
+def _agree(dist, vaults: list[Vault], key, expected: dict, leader: bool):
+    """``(build anywhere, build here, missing layers)``, the same on every rank of a host:
+    the host's lowest rank probes, every rank's key must be its leader's (else every rank
+    of the world raises, naming the ranks that differ). One all-gather over the world."""
+    complete, missing = probe(vaults, key.hex, expected) if leader else (True, [])
+    writable = any(not v.read_only for v in vaults)
+    mine = (socket.gethostname(), dist.get_rank(), {"key": key.hex, "complete": complete or not writable,
+                                                     "missing": missing})
+    world: list = [None] * dist.get_world_size()
+    dist.all_gather_object(world, mine)
+    hosts: dict[str, list] = {}
+    for host, rank, payload in world:
+        hosts.setdefault(host, []).append((rank, payload))
+    for ranks in hosts.values():
+        _same_key(ranks, ranks[0][1]["key"])
+    first = hosts[mine[0]][0][1]
+    build_here = not first["complete"]
+    anywhere = any(not ranks[0][1]["complete"] for ranks in hosts.values())
+    return anywhere, build_here, set(first["missing"]) if build_here else set()
+
+
+def build_shares(targets: list[LayerTarget], files, specs, roots: list[str], max_size, base_files, device,
+                 kernels, progress=None, timeout: float = DEFAULT_TIMEOUT) -> ShareOutcome | None:
+    """Build the missing layers of this combination across the ranks of this host (a
+    collective: every rank of the world calls it). None when there is no process group,
+    or nothing to build anywhere; else what this rank built (see the module's docstring).
+    ``timeout``: the seconds a rank waits for the others at each gather.
+    """
+    dist = _process_group()
+    if dist is None or not roots or not targets:
+        return None
+    ranks = [rank for rank, _ in gather_on_host(None, timeout=timeout, what="start a shared LoRA merge build")]
+    index, count = ranks.index(dist.get_rank()), len(ranks)
+    vaults = [Vault(root, max_size) for root in roots]
+    key = _key_of(vaults, targets, files, specs, base_files, device, kernels) if index == 0 else None
+    gather_on_host(None, timeout=timeout, what="wait for the host's first rank to hash the inputs")
+    if key is None:  # the first rank memoised the digests: no rehash
+        key = _key_of(vaults, targets, files, specs, base_files, device, kernels)
+    expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in targets}
+    anywhere, build_here, todo = _agree(dist, vaults, key, expected, index == 0)
+    if not anywhere:
+        return None
+    writable = next((v for v in vaults if not v.read_only), None)
+    mine = split_by_bytes([t for t in targets if t.name in todo], count)[index]
+    started = time.monotonic()
+    outcome = _build_share(writable, key, mine, index, count, device, kernels, progress)
+    finished = gather_on_host({"built": outcome.built, "written": outcome.written}, timeout=timeout,
+                              what=f"finish the shared build of LoRA merge cache {key.hex[:12]}")
+    if build_here and index == 0:
+        trusted = vouch_for(writable, key.hex, [w for _, p in finished for w in p["written"]])
+        say(f"LoRA merge cache {key.hex[:12]}: {count} ranks built {sum(p['built'] for _, p in finished)} "
+            f"layers in {time.monotonic() - started:.1f} s ({trusted} sealed and checksummed as written)")
+    gather_on_host(None, timeout=timeout, what=f"seal the shared build of LoRA merge cache {key.hex[:12]}")
+    return outcome

@@ -1,0 +1,232 @@
+"""Looking after a cache root by hand: list, verify, prune, remove (``hostmem cache``).
+
+These never wait for a lock: a combination some process is building is reported as
+"in use" and left alone. ``ls`` is a query: it leaves every file as it found it.
+``verify`` reads every byte of every layer whatever the verification memo says, and
+keeps its word: what it finds damaged is recorded in the combination
+(``damage.json``), so that ``ls`` shows it damaged, ``prune`` removes it, and no start
+trusts that combination's memo until every layer has been checked again and the bad
+ones rebuilt. ``prune`` removes damaged and partial combinations and the temporary
+files of writers that died, anywhere under the root.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .durable import TMP_PREFIX
+from .layer_file import data_crc32, is_layer_file_name, layer_problem, read_layer_file
+from .locks import KeyLock
+from .manifest import MANIFEST_NAME, ManifestError, read_manifest
+from .safety import VaultError, prepare_root, root_is_read_only
+from .verification import DAMAGE_NAME, VERIFIED_NAME, record_damage
+from .combinations import (
+    CACHE_DIR,
+    Combination,
+    is_key,
+    list_combinations,
+    lock_path,
+    remove_if_unused,
+    resolve_key,
+    scan_combination,
+    sweep_dead_temporaries,
+    use_path,
+)
+
+__all__ = ["existing_cache_dir", "VerifyReport", "verify_combination", "verify_all", "prune", "remove"]
+
+
+def existing_cache_dir(root: str) -> str | None:
+    """``<root>/lora_merge_cache`` if it exists (after the root's safety checks), else None.
+
+    Listing a root that was never used must not create it.
+    """
+    root = os.path.abspath(os.path.expanduser(root))
+    if not os.path.isdir(os.path.join(root, CACHE_DIR)):
+        return None
+    return os.path.join(prepare_root(root, create=False), CACHE_DIR)
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of checking one combination's every byte."""
+
+    key: str
+    state: str  # ok | bad | in use
+    layers: int = 0
+    bytes: int = 0
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "key": self.key,
+            "state": self.state,
+            "layers": self.layers,
+            "bytes": self.bytes,
+            "problems": self.problems,
+            "notes": self.notes,
+        }
+
+
+def _verify_files(folder: str, report: VerifyReport) -> None:
+    """Check the manifest's layers (size, header, checksum) and flag files it does not know."""
+    try:
+        manifest = read_manifest(folder)
+    except (ManifestError, VaultError) as exc:
+        report.problems.append(str(exc))
+        return
+    if manifest is None:
+        report.notes.append(f"{folder}: no {MANIFEST_NAME} yet (an interrupted build; the next start resumes it)")
+        entries = {}
+    else:
+        entries = {e.file: e for e in manifest.layers.values()}
+    for name in sorted(os.listdir(folder)):
+        if name in (MANIFEST_NAME, VERIFIED_NAME, DAMAGE_NAME):
+            continue
+        path = os.path.join(folder, name)
+        if os.path.islink(path):
+            report.problems.append(f"{path}: a symlink (the cache refuses them)")
+        elif name.startswith(TMP_PREFIX):
+            report.problems.append(f"{path}: leftover temporary file of a writer that died")
+        elif name in entries:
+            continue
+        elif is_layer_file_name(name):  # sealed by a session that died before its manifest
+            _check_layer(folder, _self_described(path, report), report)
+        else:
+            report.problems.append(f"{path}: a file the cache did not write")
+    for entry in entries.values():
+        _check_layer(folder, entry, report)
+
+
+def _self_described(path: str, report: VerifyReport):
+    try:
+        return read_layer_file(path)
+    except (ValueError, OSError) as exc:
+        report.problems.append(str(exc))
+        return None
+
+
+def _check_layer(folder: str, entry, report: VerifyReport) -> None:
+    if entry is None:
+        return
+    problem = layer_problem(folder, entry)
+    path = os.path.join(folder, entry.file)
+    if problem is None and data_crc32(path) != entry.crc32:
+        problem = f"{path}: content checksum differs from the recorded one (layer {entry.name!r})"
+    if problem:
+        report.problems.append(problem)
+    else:
+        report.layers += 1
+        report.bytes += entry.size
+
+
+def verify_combination(cache: str, key: str) -> VerifyReport:
+    """Check every byte of one combination, under a shared lock taken without waiting,
+    and record what is damaged (or clear an old record when nothing is).
+
+    The lock file is left as it was found (one it had to create goes again). On a
+    read-only root nobody can be building, so there is no lock to take, and nothing is
+    recorded: the report is all there is.
+    """
+    report = VerifyReport(key, "ok")
+    folder = os.path.join(cache, key)
+    if root_is_read_only(cache):
+        _verify_files(folder, report)
+    else:
+        lock = KeyLock(lock_path(cache, key))
+        existed = os.path.lexists(lock.path)
+        if not lock.acquire(exclusive=False, blocking=False):
+            return VerifyReport(key, "in use")
+        try:
+            _verify_files(folder, report)
+            record_damage(folder, report.problems)  # kept, so no start trusts what failed here
+        finally:
+            if existed:
+                lock.release()
+            else:
+                lock.release_and_remove_if_alone()
+    if report.problems:
+        report.state = "bad"
+    return report
+
+
+def verify_all(cache: str, keys: list[str] | None = None) -> list[VerifyReport]:
+    """Verify the named combinations (key prefixes), or all of them."""
+    names = [resolve_key(cache, k) for k in keys] if keys else [c.key for c in list_combinations(cache)]
+    return [verify_combination(cache, k) for k in names]
+
+
+def _prune_reason(combo: Combination, everything: bool) -> str | None:
+    if combo.in_use:
+        return None
+    if everything:
+        return "all"
+    if combo.problem:
+        return f"damaged: {combo.problem}"
+    if not combo.sealed:
+        return "partial: an interrupted build"
+    if not combo.complete:
+        return "partial: a build that stopped before its last layer"
+    return None
+
+
+def prune(cache: str, max_size: int | None = None, everything: bool = False, dry_run: bool = False) -> list[tuple[Combination, str]]:
+    """Remove unused combinations that are damaged or partial, then (with
+    ``max_size``) least-recently-used ones until the cache fits; ``everything`` removes
+    every unused one. Also clears temporary files and locks nobody holds.
+    Returns what was (or, with ``dry_run``, would be) removed, with the reason."""
+    combos = list_combinations(cache)
+    chosen = [(c, r) for c in combos if (r := _prune_reason(c, everything))]
+    total = sum(c.bytes for c in combos) - sum(c.bytes for c, _ in chosen)
+    for combo in combos:
+        if max_size is None or total <= max_size:
+            break
+        if not combo.in_use and all(combo is not c for c, _ in chosen):
+            chosen.append((combo, f"least recently used beyond {max_size} bytes"))
+            total -= combo.bytes
+    if dry_run:
+        return chosen
+    removed = [(c, r) for c, r in chosen if remove_if_unused(cache, c.key)]
+    _clear_strays(cache)
+    return removed
+
+
+def _clear_strays(cache: str) -> None:
+    """Temporary files of dead writers anywhere under the cache, and lock files of keys
+    nobody holds.
+
+    A ``.use`` file goes only while its key's lock is held too: a lease is taken under
+    that lock, so none can start on a file that is about to disappear.
+    """
+    sweep_dead_temporaries(cache)
+    for name in os.listdir(cache):
+        key, _, suffix = name.rpartition(".")
+        if suffix in ("lock", "use") and is_key(key):
+            _clear_locks(cache, key)
+
+
+def _clear_locks(cache: str, key: str) -> None:
+    lock = KeyLock(lock_path(cache, key))
+    if not lock.acquire(blocking=False):
+        return
+    try:
+        use = KeyLock(use_path(cache, key))
+        if os.path.lexists(use.path) and use.acquire(blocking=False):
+            use.release(remove=True)
+    finally:
+        lock.release(remove=True)
+
+
+def remove(cache: str, key_prefix: str) -> Combination:
+    """Remove one combination (a unique key prefix will do); refuse one in use."""
+    key = resolve_key(cache, key_prefix)
+    combo = scan_combination(cache, key)
+    if not remove_if_unused(cache, key):
+        raise VaultError(
+            f"{combo.path}: in use (a process is building it, or serves weights from it: its lock "
+            f"{lock_path(cache, key)} or {use_path(cache, key)} is held); stop that process or unmerge "
+            "its model, then run this again"
+        )
+    return combo

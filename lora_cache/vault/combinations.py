@@ -1,0 +1,264 @@
+"""The combinations on disk: finding them, sizing them, removing them when unused.
+
+A combination is in use while some process holds its key's lock (a session is
+open: building, resuming or adopting) or a shared lock on its ``.use`` file (weights
+served from it are still alive somewhere: see ``leases``). Removal takes both
+locks without waiting and gives up when it cannot, so eviction, ``prune`` and ``rm``
+never pull files from under a build, nor from under a server that maps them (which
+would free no disk until that server exits, yet count the bytes freed).
+
+Lock files live next to the combination folders (``<key>.lock``, ``<key>.use``), not
+inside them, so a folder can be removed while its locks are held.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass, field
+
+from .durable import TMP_PREFIX, discard, free_bytes, is_running, remove_tree, writer_of
+from .locks import KeyLock, lock_is_held
+from .safety import VaultError, make_private_dir
+from .manifest import ManifestError, last_used, read_manifest
+from .verification import read_damage
+
+__all__ = [
+    "CACHE_DIR",
+    "Combination",
+    "default_cache_root",
+    "cache_dir",
+    "is_key",
+    "lock_path",
+    "use_path",
+    "scan_combination",
+    "list_combinations",
+    "remove_if_unused",
+    "is_in_use",
+    "evict_lru",
+    "resolve_key",
+    "cache_bytes",
+    "sweep_dead_temporaries",
+]
+
+CACHE_DIR = "lora_merge_cache"
+
+
+def default_cache_root() -> str:
+    """``$HOSTMEM_CACHE_ROOT`` if set, else ``~/.cache/hostmem``."""
+    return os.environ.get("HOSTMEM_CACHE_ROOT") or os.path.join(os.path.expanduser("~"), ".cache", "hostmem")
+
+
+def cache_dir(root: str) -> str:
+    """``<root>/lora_merge_cache``, created 0700 when missing."""
+    path = os.path.join(root, CACHE_DIR)
+    make_private_dir(path)
+    return path
+
+
+def is_key(name: str) -> bool:
+    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
+
+
+def lock_path(cache: str, key: str) -> str:
+    """The key's exclusive lock: held by a session while it builds, adopts or serves gets."""
+    return os.path.join(cache, f"{key}.lock")
+
+
+def use_path(cache: str, key: str) -> str:
+    """The key's use lock: held shared for as long as weights served from it live."""
+    return os.path.join(cache, f"{key}.use")
+
+
+@dataclass
+class Combination:
+    """What ``hostmem cache ls`` shows of one combination (read without its lock)."""
+
+    key: str
+    path: str
+    bytes: int = 0
+    files: int = 0
+    layers: int = 0
+    created: float | None = None
+    last_used: float = 0.0
+    sealed: bool = False  # a manifest is there
+    complete: bool = False
+    in_use: bool = False
+    inputs: dict = field(default_factory=dict)
+    problem: str | None = None
+
+    @property
+    def state(self) -> str:
+        if self.in_use:
+            return "in use"
+        if self.problem:
+            return "damaged"
+        return "complete" if self.sealed and self.complete else "partial"
+
+    def to_dict(self) -> dict:
+        return {
+            "key": self.key,
+            "path": self.path,
+            "bytes": self.bytes,
+            "files": self.files,
+            "layers": self.layers,
+            "created": self.created,
+            "last_used": self.last_used,
+            "state": self.state,
+            "complete": self.complete,
+            "inputs": self.inputs,
+            "problem": self.problem,
+        }
+
+
+def _folder_bytes(path: str) -> tuple[int, int, float]:
+    """Apparent bytes and count of the regular files in a folder, and its mtime."""
+    total = count = 0
+    with os.scandir(path) as entries:
+        for entry in entries:
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+                count += 1
+    return total, count, os.lstat(path).st_mtime
+
+
+def scan_combination(cache: str, key: str) -> Combination:
+    """Describe one combination folder; never raises over a damaged one (says so)."""
+    path = os.path.join(cache, key)
+    combo = Combination(key=key, path=path, in_use=is_in_use(cache, key))
+    try:
+        combo.bytes, combo.files, combo.last_used = _folder_bytes(path)
+        manifest = read_manifest(path)
+    except (OSError, ManifestError, VaultError) as exc:
+        combo.problem = str(exc)
+        return combo
+    damage = read_damage(path)
+    if damage:
+        combo.problem = f"`hostmem cache verify` found it damaged: {'; '.join(damage[:3])}"
+    if manifest is not None:
+        combo.sealed = True
+        combo.layers = len(manifest.layers)
+        combo.created, combo.last_used = manifest.created, last_used(path, manifest)
+        combo.complete = manifest.complete
+        combo.inputs = manifest.inputs
+    else:
+        combo.layers = sum(1 for n in os.listdir(path) if n.endswith(".safetensors") and not n.startswith(TMP_PREFIX))
+    return combo
+
+
+def list_combinations(cache: str) -> list[Combination]:
+    """Every combination folder under the cache, least recently used first."""
+    combos = []
+    for name in sorted(os.listdir(cache)):
+        full = os.path.join(cache, name)
+        if is_key(name) and (os.path.isdir(full) or os.path.islink(full)):
+            combos.append(scan_combination(cache, name))
+    combos.sort(key=lambda c: c.last_used)
+    return combos
+
+
+def is_in_use(cache: str, key: str) -> bool:
+    """True when a session holds the key's lock or served weights hold its use lock.
+
+    A query: it creates, removes and keeps nothing (``hostmem cache ls`` changes no file).
+    """
+    try:
+        session = lock_is_held(lock_path(cache, key), shared_too=False)
+        return session or lock_is_held(use_path(cache, key), shared_too=True)
+    except OSError:
+        return False
+
+
+def remove_if_unused(cache: str, key: str) -> bool:
+    """Remove a combination unless it is in use (see :func:`is_in_use`); True when removed."""
+    lock = KeyLock(lock_path(cache, key))
+    if not lock.acquire(blocking=False):
+        return False
+    try:
+        use = KeyLock(use_path(cache, key))
+        if os.path.lexists(use.path) and not use.acquire(blocking=False):
+            return False
+        remove_tree(os.path.join(cache, key))
+        use.release(remove=True)  # while held: nobody can be leasing it (that takes the key's lock)
+    finally:
+        lock.release(remove=True)
+    return True
+
+
+def resolve_key(cache: str, prefix: str) -> str:
+    """The full key a (unique) prefix names, as ``hostmem cache rm`` accepts it."""
+    prefix = prefix.strip().lower()
+    matches = [n for n in os.listdir(cache) if is_key(n) and n.startswith(prefix)] if prefix else []
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise VaultError(f"{cache}: no combination whose key starts with {prefix!r}; `hostmem cache ls` lists them")
+    raise VaultError(f"{cache}: {len(matches)} combinations start with {prefix!r}; give more of the key")
+
+
+def evict_lru(cache: str, keep: str, needed: int, max_size: int | None, headroom: int) -> list[Combination]:
+    """Remove least-recently-used unused combinations so that ``needed`` more bytes fit.
+
+    They fit when the cache's total stays within ``max_size`` and the disk keeps
+    ``headroom`` free. ``keep`` (the key being opened) and combinations in use stay.
+    When even removing every unused one would not make room, none is removed: losing
+    a good combination for a build that cannot be stored anyway helps nobody.
+    """
+    total, free = cache_bytes(cache), free_bytes(cache)
+
+    def fits(freed: int) -> bool:
+        within = max_size is None or total - freed + needed <= max_size
+        return within and free + freed >= needed + headroom
+
+    if fits(0):
+        return []  # the usual open (a hit needs nothing): no manifest of another combination is read
+    candidates = [c for c in list_combinations(cache) if c.key != keep and not c.in_use]
+    plan, freed = [], 0
+    for combo in candidates:
+        if fits(freed):
+            break
+        plan.append(combo)
+        freed += combo.bytes
+    if not plan or not fits(freed):
+        return []
+    return [c for c in plan if remove_if_unused(cache, c.key)]
+
+
+def cache_bytes(cache: str, exclude: str | None = None) -> int:
+    """Apparent bytes of every combination but ``exclude``."""
+    total = 0
+    for name in os.listdir(cache):
+        full = os.path.join(cache, name)
+        if is_key(name) and name != exclude and os.path.isdir(full) and not os.path.islink(full):
+            total += _folder_bytes(full)[0]
+    return total
+
+
+def _dead_temporaries(folder: str) -> list[str]:
+    """Temporary files in ``folder`` whose writer is no longer running."""
+    found = []
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            pid = writer_of(entry.name)
+            if pid is not None and pid != os.getpid() and not is_running(pid):
+                found.append(entry.path)
+    return found
+
+
+def sweep_dead_temporaries(cache: str) -> int:
+    """Remove the temporary files of writers that died, anywhere under the cache.
+
+    A combination folder is swept only while nobody holds its key's lock: a writer in
+    another pid namespace (a container sharing the disk) looks dead from here, but it
+    holds the lock while it writes. Returns how many files went.
+    """
+    removed = _dead_temporaries(cache)
+    for name in os.listdir(cache):
+        folder = os.path.join(cache, name)
+        if is_key(name) and os.path.isdir(folder) and not os.path.islink(folder):
+            if not lock_is_held(lock_path(cache, name), shared_too=False):
+                removed += _dead_temporaries(folder)
+    for path in removed:
+        discard(path)
+    return len(removed)

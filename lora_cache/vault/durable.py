@@ -1,0 +1,241 @@
+"""Durable writes: a file is either whole under its final name, or not there.
+
+Files are written to a temporary name in their final folder, fsynced, renamed, and
+the folder fsynced (a rename is atomic; the folder fsync makes it durable), so a crash
+at any instant never leaves a torn file under a name the cache serves. Temporary
+names carry the writer's pid (``.tmp-<pid>-<random>``), so a later start can tell a
+dead writer's leftovers from a live one's work.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import shutil
+
+__all__ = [
+    "TMP_PREFIX",
+    "fsync_dir",
+    "write_all",
+    "start_writeback",
+    "write_uncached",
+    "DIRECT_ALIGN",
+    "tmp_path_in",
+    "writer_of",
+    "is_running",
+    "open_tmp",
+    "seal",
+    "discard",
+    "durable_write",
+    "free_bytes",
+    "read_small",
+    "remove_tree",
+]
+
+TMP_PREFIX = ".tmp-"
+_CHUNK = 8 * 1024 * 1024
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a folder so that a rename or unlink in it survives a crash."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
+
+
+@functools.cache
+def _sync_file_range():
+    """libc's sync_file_range (Linux), or None where the C library lacks it."""
+    try:
+        import ctypes  # only a build flushes ranges; `hostmem cache` starts without it
+
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    call.restype = ctypes.c_int
+    return call
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing ``nbytes`` at ``offset`` to disk now, without waiting.
+
+    A hint that makes the later fsync short: the disk works on a layer's first chunks
+    while its last ones are still being written, instead of idling until the fsync and
+    then taking the whole layer at once. It promises nothing about durability (the
+    fsync still does), so where the call is missing or fails it is simply skipped.
+    """
+    call = _sync_file_range()
+    if call is not None:
+        call(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def write_all(fd: int, data, offset: int, writeback: bool = False) -> None:
+    """pwrite every byte of ``data`` at ``offset`` (pwrite may write less than asked).
+
+    ``writeback`` starts the disk on each chunk as soon as it is written
+    (:func:`start_writeback`), for large files that are fsynced next.
+    """
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view[:_CHUNK], offset)
+        if writeback:
+            start_writeback(fd, offset, written)
+        view = view[written:]
+        offset += written
+
+
+DIRECT_ALIGN = 4096  # O_DIRECT needs address, offset and length in whole logical blocks; a page covers every disk
+_DIRECT_CHUNK = 64 * 1024 * 1024
+
+
+def _write_direct(path: str, data: memoryview, offset: int) -> int:
+    """Write ``data`` (whole, aligned pages) at ``offset`` of ``path`` with O_DIRECT.
+
+    Returns the bytes written: all of them, or fewer (0 at first) where the filesystem
+    refuses O_DIRECT or these alignments (EINVAL), so the caller writes the rest its
+    usual way. Any other error (no space, file too large, I/O) is raised.
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return 0
+        raise
+    done = 0
+    try:
+        while done < len(data):
+            try:
+                done += os.pwrite(fd, data[done : done + _DIRECT_CHUNK], offset + done)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:
+                    break
+                raise
+    finally:
+        os.close(fd)
+    return done - done % DIRECT_ALIGN
+
+
+def write_uncached(fd: int, path: str, data, offset: int, address: int) -> None:
+    """Write ``data`` (in memory at ``address``) at ``offset`` of ``path``, open as ``fd``,
+    without passing it through the page cache where the filesystem allows.
+
+    Its whole pages go with O_DIRECT through a second descriptor: the disk reads them
+    from our buffer, with no copy into newly allocated page cache (on a virtual machine,
+    touching fresh pages can cost more than the disk), and the build does not push out
+    of the cache what it holds, such as the base checkpoint being merged. What O_DIRECT
+    cannot take (an unaligned buffer or offset, the last partial page, a filesystem
+    without it) goes through ``fd`` as usual. The later fsync is still what makes it
+    durable: O_DIRECT skips the page cache, not the disk's own.
+    """
+    data = memoryview(data).cast("B")
+    body = 0
+    if address % DIRECT_ALIGN == 0 and offset % DIRECT_ALIGN == 0:
+        body = len(data) - len(data) % DIRECT_ALIGN
+    if body:
+        body = _write_direct(path, data[:body], offset)
+    write_all(fd, data[body:], offset + body, writeback=True)
+
+
+def tmp_path_in(folder: str, suffix: str = "") -> str:
+    """A fresh temporary name in ``folder`` (same filesystem, so the rename is atomic)."""
+    return os.path.join(folder, f"{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}{suffix}")
+
+
+def writer_of(name: str) -> int | None:
+    """The pid a temporary file name carries (``.tmp-<pid>-<random>``), or None."""
+    if not name.startswith(TMP_PREFIX):
+        return None
+    pid = name[len(TMP_PREFIX):].split("-", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
+def is_running(pid: int) -> bool:
+    """Whether a process ``pid`` exists (in this pid namespace)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def open_tmp(folder: str, suffix: str = "") -> tuple[int, str]:
+    """Create a new 0600 temporary file in ``folder``; never through a symlink."""
+    path = tmp_path_in(folder, suffix)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.open(path, flags, 0o600), path
+
+
+def seal(fd: int, tmp: str, final: str, sync_dir: bool = True) -> None:
+    """fsync, close, rename into place and fsync the folder: the file is now durable.
+
+    ``sync_dir=False`` leaves the folder's fsync to a later seal in the same folder (the
+    manifest's): the file's data is on disk before its name, so a crash in between can
+    lose the name, never serve a torn file. On any failure the temporary file is
+    removed, so nothing partial stays behind.
+    """
+    try:
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        discard(tmp)
+        raise
+    os.close(fd)
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        discard(tmp)
+        raise
+    if sync_dir:
+        fsync_dir(os.path.dirname(final))
+
+
+def discard(path: str) -> None:
+    """Remove a file if it is there (cleanup must not raise over the real error)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def durable_write(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically and durably (small files: the manifest)."""
+    fd, tmp = open_tmp(os.path.dirname(path))
+    try:
+        write_all(fd, data, 0)
+    except BaseException:
+        os.close(fd)
+        discard(tmp)
+        raise
+    seal(fd, tmp, path)
+
+
+def read_small(path: str) -> bytes:
+    """The bytes of a small file of the cache (a memo, a record), never through a symlink."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as handle:
+        return handle.read()
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem of ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def remove_tree(path: str) -> None:
+    """Remove a cache folder; links inside are unlinked, never followed."""
+    if os.path.islink(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)

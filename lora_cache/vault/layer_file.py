@@ -1,0 +1,308 @@
+"""One merged layer as one self-describing safetensors file.
+
+Each layer file holds one tensor under its real name, and its header metadata
+carries the CRC-32 of the tensor bytes. A file under its final name was renamed
+there only after an fsync, so its presence plus a header that checks out means
+the layer is sealed: a build killed mid-way resumes from these files alone, with
+no journal to keep consistent. The data section starts on a page boundary so
+that the tensor's pages are the file's pages (residency per layer is exact).
+
+File names come from a hash of the tensor name, never from the name itself: a
+tensor name may hold characters a path must not, and the name is not a path.
+
+The content checksum is there to catch corruption (a torn write, a bad block, a file
+changed behind the cache's back), not an adversary: the cache folder is private and
+owner-checked. CRC-32 catches every burst up to 32 bits and random damage with odds of
+2^-32 of missing it, at over 20 GiB/s on one core with ISA-L and 4-5 GiB/s with zlib
+(sha256: under 2); see :mod:`lora_cache.crc32`.
+
+Reading and checking a layer file needs no torch (``hostmem cache`` imports this module
+and must start light); only writing one does, and imports it then.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import stat
+import struct
+import threading
+from dataclasses import asdict, dataclass
+from math import prod
+
+from hostmem.safetensors_header import SafetensorsError, read_header
+
+from ..crc32 import crc32
+from ..handoff import Handoff
+from .content_hash import read_chunks
+from .durable import discard, open_tmp, seal, write_all, write_uncached
+from .safety import VaultError, check_not_symlink
+
+__all__ = [
+    "LayerEntry",
+    "layer_file_name",
+    "layer_file_bytes",
+    "is_layer_file_name",
+    "write_layer",
+    "read_layer_file",
+    "layer_problem",
+    "data_crc32",
+]
+
+LAYER_FORMAT = "hostmem-lora-merge-cache-layer/2"
+_ALIGN = 4096
+_CHUNK = 4 * 1024 * 1024
+_STREAM_BYTES = 16 * 1024 * 1024  # a streamed layer's smallest write: as fast as larger ones on a virtio disk
+_SUFFIX = ".safetensors"
+
+
+@dataclass(frozen=True)
+class LayerEntry:
+    """What the manifest records of one layer file."""
+
+    name: str
+    file: str
+    size: int
+    header_sha256: str
+    crc32: str  # 8 hex digits, of the tensor bytes (the data section)
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        from hostmem.safetensors_map import DTYPES
+
+        return DTYPES[self.dtype]
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), shape=list(self.shape))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LayerEntry":
+        return cls(
+            name=str(data["name"]),
+            file=str(data["file"]),
+            size=int(data["size"]),
+            header_sha256=str(data["header_sha256"]),
+            crc32=str(data["crc32"]),
+            dtype=str(data["dtype"]),
+            shape=tuple(int(d) for d in data["shape"]),
+        )
+
+
+def layer_file_name(name: str) -> str:
+    """The file of tensor ``name``: 32 hex digits of sha256(name)."""
+    return hashlib.sha256(name.encode("utf-8")).hexdigest()[:32] + _SUFFIX
+
+
+def layer_file_bytes(shape, dtype: torch.dtype) -> int:
+    """Bytes the layer file of a tensor takes: one page of header (names under ~3.9 KiB) plus the data."""
+    return _ALIGN + prod(shape) * dtype.itemsize
+
+
+def is_layer_file_name(file: str) -> bool:
+    stem = file[: -len(_SUFFIX)] if file.endswith(_SUFFIX) else ""
+    return len(stem) == 32 and all(c in "0123456789abcdef" for c in stem)
+
+
+def _header_bytes(name: str, dtype: str, shape: tuple[int, ...], nbytes: int, checksum: str) -> bytes:
+    """Length prefix + JSON header, padded with spaces so the data starts page-aligned."""
+    header = {
+        "__metadata__": {"format": LAYER_FORMAT, "crc32": checksum},
+        name: {"dtype": dtype, "shape": list(shape), "data_offsets": [0, nbytes]},
+    }
+    body = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    padded = -(-(8 + len(body)) // _ALIGN) * _ALIGN - 8
+    return struct.pack("<Q", padded) + body.ljust(padded, b" ")
+
+
+class _Crc32:
+    """A running CRC-32, fed in order (see :func:`lora_cache.crc32.crc32`)."""
+
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = crc32(data, self.value)
+
+
+def _hex(crc32: int) -> str:
+    """A CRC-32 as the header and the manifest record it: 8 hex digits."""
+    return f"{crc32:08x}"
+
+
+def _is_crc32(text: str) -> bool:
+    return len(text) == 8 and all(c in "0123456789abcdef" for c in text)
+
+
+def _write_hashing(fd: int, path: str, data: memoryview, offset: int, address: int, digest: _Crc32) -> None:
+    """Write ``data`` (in memory at ``address``) at ``offset`` while a helper thread feeds
+    its bytes to ``digest``.
+
+    pwrite releases the GIL, so the checksum runs beside it and costs no extra time on a
+    host with a spare core: the layer's build time is the write, not write + checksum.
+    """
+    hasher = threading.Thread(target=digest.update, args=(data,), name="hostmem-vault-checksum")
+    hasher.start()
+    try:
+        write_uncached(fd, path, data, offset, address)
+    finally:
+        hasher.join()
+
+
+def _all_ready(nbytes: int) -> Handoff:
+    """A handoff for bytes that are all final already."""
+    handoff = Handoff(nbytes)
+    handoff.publish(nbytes)
+    return handoff
+
+
+def _write_streamed(fd: int, path: str, tensor: torch.Tensor, offset: int, handoff: Handoff) -> int:
+    """Write ``tensor``'s bytes at ``offset`` stretch by stretch, as ``handoff`` says they are
+    final, releasing each stretch once it is written; return their CRC-32.
+
+    Each stretch but the last ends on a page, so every one goes with O_DIRECT; it is at
+    least :data:`_STREAM_BYTES` (or the rest) so the disk gets large requests.
+    """
+    from hostmem.safetensors_map import tensor_bytes
+
+    data = memoryview(tensor_bytes(tensor)).cast("B")
+    address, digest, done = tensor.data_ptr(), _Crc32(), 0
+    while done < len(data):
+        ready = handoff.wait_ready(done, _STREAM_BYTES)
+        end = ready if ready == len(data) else ready - ready % _ALIGN
+        _write_hashing(fd, path, data[done:end], offset + done, address + done, digest)
+        done = end
+        handoff.release(done)
+    return digest.value
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Allocate the file's blocks before writing: a full disk fails here, before any data
+    is written, and the filesystem can lay the layer out in one extent."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
+
+
+def _cpu_contiguous(merged: torch.Tensor) -> torch.Tensor:
+    tensor = merged.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    return tensor.contiguous()
+
+
+def write_layer(folder: str, name: str, merged: torch.Tensor, crc32: int | None = None,
+                handoff: Handoff | None = None) -> LayerEntry:
+    """Write ``merged`` as the sealed layer file of ``name`` in ``folder``; return its entry.
+
+    The data goes in first (its whole pages with O_DIRECT when ``merged`` starts on a
+    page and the filesystem allows: see :func:`~lora_cache.vault.durable.write_uncached`),
+    checksummed as it is written unless ``crc32``, the CRC-32 of its bytes
+    (:func:`lora_cache.crc32.crc32_of`), is given; then the header with the checksum over
+    a same-length placeholder; then fsync and rename (the folder is fsynced once, with the
+    manifest). With a ``handoff`` (see :mod:`lora_cache.handoff`), ``merged`` is a
+    contiguous CPU buffer still being computed: its bytes are written as they are
+    published. On any error the temporary file is removed and the error is raised.
+    """
+    from hostmem.safetensors_map import DTYPE_NAMES, tensor_bytes
+
+    if handoff is not None and (merged.device.type != "cpu" or not merged.is_contiguous()):
+        raise ValueError("a streamed layer must be a contiguous CPU tensor (the buffer being computed)")
+    tensor = _cpu_contiguous(merged)
+    try:
+        dtype = DTYPE_NAMES[tensor.dtype]
+    except KeyError:
+        raise VaultError(f"layer {name!r}: dtype {tensor.dtype} cannot be stored in safetensors") from None
+    shape = tuple(tensor.shape)
+    data = tensor_bytes(tensor)
+    header = _header_bytes(name, dtype, shape, len(data), _hex(0))  # same length as the real one
+    fd, tmp = open_tmp(folder, _SUFFIX)
+    try:
+        _reserve(fd, len(header) + len(data))
+        if handoff is None and crc32 is not None:
+            write_uncached(fd, tmp, data, len(header), tensor.data_ptr())
+        else:  # checksummed as written: a ready tensor is one stretch, all published
+            crc32 = _write_streamed(fd, tmp, tensor, len(header), handoff or _all_ready(len(data)))
+        checksum = _hex(crc32)
+        header = _header_bytes(name, dtype, shape, len(data), checksum)
+        write_all(fd, header, 0)
+    except BaseException:
+        os.close(fd)
+        discard(tmp)
+        raise
+    final = os.path.join(folder, layer_file_name(name))
+    seal(fd, tmp, final, sync_dir=False)  # the manifest's seal fsyncs the folder once
+    return LayerEntry(
+        name=name,
+        file=os.path.basename(final),
+        size=len(header) + len(data),
+        header_sha256=hashlib.sha256(header).hexdigest(),
+        crc32=checksum,
+        dtype=dtype,
+        shape=shape,
+    )
+
+
+def read_layer_file(path: str) -> LayerEntry:
+    """Read a layer file's header into its entry; raise ``SafetensorsError`` if it is not one.
+
+    Checks what adoption must: a regular file (never a link), exactly header + data long,
+    one tensor whose name hashes to this file name, and our format's checksum metadata.
+    """
+    st = check_not_symlink(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise SafetensorsError(f"{path}: not a regular file")
+    header = read_header(path)
+    if len(header.tensors) != 1:
+        raise SafetensorsError(f"{path}: holds {len(header.tensors)} tensors, a layer file holds one")
+    (info,) = header.tensors.values()
+    if header.metadata.get("format") != LAYER_FORMAT or not _is_crc32(header.metadata.get("crc32", "")):
+        raise SafetensorsError(f"{path}: not a layer file of this cache (format {header.metadata.get('format')!r})")
+    if layer_file_name(info.name) != os.path.basename(path):
+        raise SafetensorsError(f"{path}: holds tensor {info.name!r}, whose file would be {layer_file_name(info.name)}")
+    if header.file_size != header.data_offset + info.end:
+        raise SafetensorsError(
+            f"{path}: {header.file_size} bytes, expected {header.data_offset + info.end} (torn or appended to)"
+        )
+    return LayerEntry(
+        name=info.name,
+        file=os.path.basename(path),
+        size=header.file_size,
+        header_sha256=header.header_sha256,
+        crc32=header.metadata["crc32"],
+        dtype=info.dtype,
+        shape=tuple(info.shape),
+    )
+
+
+def layer_problem(folder: str, entry: LayerEntry) -> str | None:
+    """Why the file of ``entry`` cannot be adopted as is (size, header), or None if it can."""
+    path = os.path.join(folder, entry.file)
+    try:
+        found = read_layer_file(path)
+    except FileNotFoundError:
+        return f"{path}: missing"
+    except (SafetensorsError, OSError) as exc:  # a symlink (VaultError) is refused, not dropped
+        return str(exc)
+    if found.size != entry.size:
+        return f"{path}: {found.size} bytes, the manifest says {entry.size}"
+    if found.header_sha256 != entry.header_sha256 or found.name != entry.name:
+        return f"{path}: header differs from the one the manifest recorded"
+    return None
+
+
+def data_crc32(path: str) -> str:
+    """CRC-32 of a layer file's data section, read from disk (what `cache verify` checks)."""
+    header = read_header(path)
+    digest = _Crc32()
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        read_chunks(fd, header.data_offset, header.file_size, digest.update)
+    finally:
+        os.close(fd)
+    return _hex(digest.value)

@@ -1,0 +1,120 @@
+"""A combination stays in use for as long as any weight served from it lives.
+
+A session's exclusive lock (``<key>.lock``) covers building and adopting and is
+released when the session closes; the model then goes on serving read-only views of
+the layer files for as long as the process runs. Evicting the combination then would
+free no disk (a mapped file's inode lives until it is unmapped) while counting it
+freed, so the views hold the combination in use themselves:
+
+- every layer the vault hands out is a view of a :class:`_LeasedMapping`, a read-only
+  mapping that references its key's :class:`UseLease`; torch keeps a mapping alive
+  for as long as any tensor over its storage lives (the installed parameter, a view
+  of it, a copy of the reference anywhere);
+- the lease holds a shared flock on ``<key>.use``; one lease per key and process,
+  taken by the session while it holds the key's exclusive lock, so nobody can remove
+  the file in between;
+- when the last view goes (``lora_cache.unmerge``, the model dropped, the process
+  gone), the lease's descriptor closes and the kernel releases the flock.
+
+Eviction, ``prune`` and ``hostmem cache rm`` ask for ``<key>.use`` exclusively without
+waiting (after ``<key>.lock``) and leave the combination alone when they cannot have it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import threading
+import warnings
+import weakref
+
+import torch
+
+from hostmem.safetensors_map import SafetensorsError, SafetensorsHeader, advise_huge_pages, read_header
+from hostmem.writers import guard_foreign_writers
+
+from .locks import KeyLock
+from .safety import check_not_symlink
+
+__all__ = ["UseLease", "use_lease", "lease_alive", "map_layer"]
+
+_LEASES: "weakref.WeakValueDictionary[str, UseLease]" = weakref.WeakValueDictionary()
+_LEASES_LOCK = threading.Lock()
+
+
+class UseLease:
+    """A shared flock on a key's ``.use`` file, released when the last reference goes."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if os.path.lexists(path):
+            check_not_symlink(path)
+        self._lock = KeyLock(path)
+        self._lock.acquire(exclusive=False)  # only a momentary probe can hold it exclusively
+        weakref.finalize(self, self._lock.release)
+
+    def __repr__(self) -> str:
+        return f"UseLease({self.path!r})"
+
+
+def use_lease(path: str) -> UseLease:
+    """This process's lease on ``path``: the live one, or a new one.
+
+    Take it only while holding the key's exclusive lock: removers take that lock first,
+    so the ``.use`` file cannot be removed under a lease being taken.
+    """
+    with _LEASES_LOCK:
+        lease = _LEASES.get(path)
+        if lease is None:
+            lease = UseLease(path)
+            _LEASES[path] = lease
+        return lease
+
+
+def lease_alive(path: str) -> bool:
+    """True while some view (or session) of this process still holds the lease on ``path``."""
+    with _LEASES_LOCK:
+        return _LEASES.get(path) is not None
+
+
+class _LeasedMapping(mmap.mmap):
+    """A ``PROT_READ``/``MAP_SHARED`` mapping that keeps its key's lease while it lives."""
+
+    lease: UseLease | None = None
+
+
+def _header_of_open_file(fd: int, path: str) -> SafetensorsHeader:
+    """The header of the very file ``fd`` is open on (not of whatever ``path`` names by now)."""
+    via = f"/proc/self/fd/{fd}"
+    try:
+        header = read_header(via)
+    except SafetensorsError as exc:
+        raise SafetensorsError(str(exc).replace(via, path)) from None
+    return dataclasses.replace(header, path=path)
+
+
+def map_layer(path: str, name: str, lease: UseLease) -> tuple[torch.Tensor, SafetensorsHeader]:
+    """Map tensor ``name`` of layer file ``path`` read-only; the view holds ``lease``.
+
+    Returns the view and the header it was read with (the caller checks it against
+    what it recorded). A write into the view faults instead of copying the page.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        header = _header_of_open_file(fd, path)
+        if name not in header.tensors:
+            raise SafetensorsError(f"{path}: no tensor named {name!r}")
+        info = header.tensors[name]
+        if info.nbytes == 0:
+            return torch.empty(info.shape, dtype=info.torch_dtype), header
+        mapping = _LeasedMapping(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        advise_huge_pages(mapping)
+        guard_foreign_writers()  # a read-only weight is handed out: writers get an error, not a bare SIGSEGV
+    finally:
+        os.close(fd)
+    mapping.lease = lease
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # not writable: that is the point
+        flat = torch.frombuffer(mapping, dtype=torch.uint8, count=info.nbytes, offset=header.data_offset + info.begin)
+    return flat.view(info.torch_dtype).reshape(info.shape), header

@@ -1,0 +1,183 @@
+"""Where the vault may live: a root of our own, private folders, no links followed.
+
+A cache folder others can write into, or one another user owns, is a door for
+replacing the model weights we serve; so roots and folders are refused the way sshd's
+StrictModes refuses a home folder: owned by this user (or root), and not writable by
+others unless the sticky bit is set. A root on tmpfs is refused too: its pages are
+shared memory the kernel cannot drop without swap, so mapping merged weights from
+there would save no host memory at all. Nothing in the cache is opened through a
+symlink.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from hostmem.procfs import SHMEM_FS_TYPES, filesystem_of
+
+from .durable import fsync_dir
+
+__all__ = [
+    "VaultError",
+    "prepare_root",
+    "check_not_tmpfs",
+    "check_not_symlink",
+    "check_folder_private",
+    "make_private_dir",
+    "check_owned",
+    "check_folder_safe",
+    "root_is_read_only",
+]
+
+
+class VaultError(ValueError):
+    """The cache cannot be used as configured; the message names the path and the fix.
+
+    A ``ValueError`` so that the command line prints it as one actionable line.
+    """
+
+
+def _nearest_existing(path: str) -> str:
+    """Return ``path`` or its closest existing ancestor (to learn its filesystem)."""
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def check_not_tmpfs(path: str) -> None:
+    """Refuse a cache folder on tmpfs: its pages cannot be reclaimed without swap."""
+    mount = filesystem_of(_nearest_existing(path))
+    if mount is not None and mount.fs_type in SHMEM_FS_TYPES:
+        raise VaultError(
+            f"{path}: on {mount.fs_type} (mounted at {mount.mount_point}); pages there are shared "
+            "memory the kernel cannot drop without swap, so a merge cache there saves no host "
+            "memory. Choose a folder on a disk-backed filesystem (--root DIR or HOSTMEM_CACHE_ROOT, "
+            "e.g. ~/.cache/hostmem)."
+        )
+
+
+def check_folder_private(path: str, st: os.stat_result | None = None) -> None:
+    """Refuse a folder that others may write into without the sticky bit.
+
+    Anyone who can write there could plant or swap a layer file that we would then
+    serve as model weights.
+    """
+    st = os.lstat(path) if st is None else st
+    if stat.S_ISLNK(st.st_mode):
+        check_not_symlink(path, st)
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise VaultError(
+            f"{path}: writable by every user (mode {stat.S_IMODE(st.st_mode):04o}) without the "
+            "sticky bit, so another user could replace cached weights. Run `chmod o-w` on it "
+            "(or `chmod +t`), or choose another cache root."
+        )
+
+
+def check_not_symlink(path: str, st: os.stat_result | None = None) -> os.stat_result:
+    """Return ``lstat(path)``; refuse a symlink where the cache expects its own file."""
+    st = os.lstat(path) if st is None else st
+    if stat.S_ISLNK(st.st_mode):
+        raise VaultError(
+            f"{path}: is a symlink; the cache never follows links inside itself. Remove the link "
+            "(`hostmem cache rm KEY` or `rm` it) and start again."
+        )
+    return st
+
+
+def _cannot_create(path: str, exc: OSError) -> VaultError:
+    """Say why ``path`` cannot be made a cache folder, naming the part of it that is in the way."""
+    blocker = _nearest_existing(os.path.dirname(path))
+    if os.path.lexists(blocker) and not os.path.isdir(blocker):
+        why = f"{blocker} is a file, not a folder"
+    elif exc.errno == errno.ENOENT:  # the folder exists but its filesystem makes no new entries (/proc, /sys)
+        why = f"{blocker} does not accept new folders ({exc.strerror})"
+    else:
+        why = f"{exc.strerror or exc} (creating it under {blocker})"
+    return VaultError(
+        f"{path}: cannot create the LoRA merge cache folder: {why}. Choose a cache root on a writable, "
+        "disk-backed filesystem (--root DIR, lora.cache.root or HOSTMEM_CACHE_ROOT, e.g. ~/.cache/hostmem)."
+    )
+
+
+def check_owned(path: str, st: os.stat_result) -> None:
+    """Refuse a folder another user owns (root's are accepted, as sshd's StrictModes does):
+    its owner could replace cached weights, even when its mode looks private to us."""
+    if st.st_uid not in (os.geteuid(), 0):
+        raise VaultError(
+            f"{path}: owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}), who could replace "
+            f"cached weights. `chown {os.geteuid()} {path}` if it is yours, or choose a cache root of your own "
+            "(--root DIR, lora.cache.roots or HOSTMEM_CACHE_ROOT)."
+        )
+
+
+def check_folder_safe(path: str) -> os.stat_result:
+    """A cache folder that is there must be a real folder (no link), ours, and private."""
+    st = check_not_symlink(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise VaultError(f"{path}: exists and is not a folder; move it away or choose another cache root.")
+    check_owned(path, st)
+    check_folder_private(path, st)
+    return st
+
+
+def make_private_dir(path: str) -> None:
+    """Create ``path`` 0700 if missing; an existing one must pass :func:`check_folder_safe`."""
+    try:
+        os.mkdir(path, 0o700)
+        os.chmod(path, 0o700)  # the umask may have narrowed it; never widened, but be exact
+        fsync_dir(os.path.dirname(path))  # the new folder's entry survives a crash too
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise _cannot_create(path, exc) from None
+    check_folder_safe(path)
+
+
+def root_is_read_only(root: str | os.PathLike) -> bool:
+    """True when nothing can be written under ``root``: its filesystem (or that of its
+    nearest existing parent) is mounted read-only, or this user may not write there."""
+    path = _nearest_existing(os.path.abspath(os.path.expanduser(os.fspath(root))))
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return True
+    except OSError:
+        return False
+    return os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK)
+
+
+def _create_root(root: str) -> None:
+    try:  # a file where a parent folder should be, /proc, a read-only disk...
+        os.makedirs(os.path.dirname(root), exist_ok=True)
+    except OSError as exc:
+        raise _cannot_create(root, exc) from None
+    try:
+        os.mkdir(root, 0o700)
+        os.chmod(root, 0o700)
+    except FileExistsError:
+        pass  # a file in the way of the root itself is refused below
+    except OSError as exc:
+        raise _cannot_create(root, exc) from None
+
+
+def prepare_root(root: str | os.PathLike, create: bool = True) -> str:
+    """Return the absolute root, created 0700 if missing (with ``create``), after the
+    safety checks: a folder (the root itself may be a link to a disk), owned by this
+    user or root, not writable by others without the sticky bit, not on tmpfs."""
+    root = os.path.abspath(os.path.expanduser(os.fspath(root)))
+    check_not_tmpfs(root)
+    if not os.path.isdir(root):
+        if not create:
+            return root  # a read-only root that holds nothing: nothing to check, nothing to serve
+        _create_root(root)
+    if not os.path.isdir(root):
+        raise VaultError(f"{root}: exists and is not a folder; choose another cache root.")
+    st = os.stat(root)
+    check_owned(root, st)
+    check_folder_private(root, st)
+    check_not_tmpfs(root)
+    return root

@@ -1,0 +1,316 @@
+"""Sessions: one open combination of the vault, its gets and puts, and its seal.
+
+The store's contract is in the package docstring (:mod:`lora_cache.vault`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import torch
+
+from hostmem.safetensors_map import SafetensorsError
+
+from ..handoff import Handoff
+from .adoption import drop_folder, shape_dtype_problem
+from .durable import remove_tree
+from .layer_file import LayerEntry, layer_file_bytes, write_layer
+from .leases import lease_alive, map_layer
+from .locks import KeyLock
+from .manifest import Manifest, touch_use_time, write_manifest
+from .safety import VaultError, check_not_symlink
+from .space import SpaceCheck
+from .verification import VerifiedMemo, record_damage
+
+__all__ = ["VaultSession", "still_needed", "say", "claim_in_process", "unclaim_in_process"]
+
+
+_OPEN_KEYS: set[str] = set()  # keys open in this process: a second flock of ours would deadlock
+_OPEN_KEYS_LOCK = threading.Lock()
+
+
+def claim_in_process(key: str) -> None:
+    with _OPEN_KEYS_LOCK:
+        if key in _OPEN_KEYS:
+            raise VaultError(f"LoRA merge cache {key[:12]} is already open in this process; close that session first")
+        _OPEN_KEYS.add(key)
+
+
+def unclaim_in_process(key: str) -> None:
+    with _OPEN_KEYS_LOCK:
+        _OPEN_KEYS.discard(key)
+
+
+def say(message: str) -> None:
+    print(f"hostmem: {message}", file=sys.stderr, flush=True)
+
+
+def still_needed(entries: dict[str, LayerEntry], expected: dict | None) -> int:
+    """Bytes of the expected layers not yet sealed."""
+    return sum(layer_file_bytes(s, d) for n, (s, d) in (expected or {}).items() if n not in entries)
+
+
+def _new_stats(waited: float, evicted) -> dict:
+    return {
+        "layers_hit": 0,
+        "layers_missed": 0,
+        "layers_written": 0,
+        "layers_failed": 0,
+        "layers_resumed": 0,
+        "bytes_hit": 0,
+        "bytes_written": 0,
+        "seconds": 0.0,
+        "rate": 0.0,
+        "lock_wait_seconds": waited,
+        "evicted": [c.key for c in evicted],
+        "evicted_bytes": sum(c.bytes for c in evicted),
+        "needed_bytes": 0,
+        "available_bytes": 0,
+        "dropped": None,
+    }
+
+
+class VaultSession:
+    """One open combination: get/put layers while holding its lock; close seals it.
+
+    ``stats`` is live: layers hit, missed, written, failed, resumed; bytes hit and
+    written; seconds spent writing and the rate; lock wait; evictions; the space
+    needed and available; why the combination was dropped, if it was. When a put
+    answers None, ``last_error`` is the one line to warn with and ``space`` (a
+    :class:`SpaceCheck`) holds the numbers.
+    """
+
+    def __init__(self, vault, key, folder, locks, inputs, adopted, expected, waited, evicted):
+        self.vault, self.key, self.folder = vault, key, folder
+        self._lock, self._lease = locks
+        self._entries: dict[str, LayerEntry] = adopted.entries
+        manifest: Manifest | None = adopted.manifest
+        self._inputs = inputs or (manifest.inputs if manifest else {})
+        self._created = manifest.created if manifest else time.time()
+        self._was_complete = bool(manifest and manifest.complete)
+        self._sealed = dict(manifest.layers) if adopted.vouched else None  # what the seal would write again
+        self._expected = expected
+        self._closed = False
+        self._map_problem = ""
+        self.last_error: str | None = None
+        self.stats = _new_stats(waited, evicted)
+        self.stats["layers_resumed"] = adopted.resumed
+        self.stats["dropped"] = adopted.dropped
+        self.stats["layers_verified"] = adopted.memo.reread if adopted.memo else 0
+        self.stats["layers_failed_check"] = sorted(adopted.failed)
+        self._memo = adopted.memo or VerifiedMemo(folder)
+        self._damaged = adopted.damaged
+        self._measure_space()
+
+    def _measure_space(self) -> None:
+        """Recompute the room this session may still write into."""
+        self.space = self.vault.space(self.key, still_needed(self._entries, self._expected))
+        self._room = self.space.available
+        self.writable = self.space.ok and self._room > 0
+        self.stats["needed_bytes"] = self.space.needed
+        self.stats["available_bytes"] = max(self.space.available, 0)
+        if not self.space.ok:
+            self.last_error = self.space.message
+
+    # ----------------------------------------------------------------- reading
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A read-only mapped view of the sealed layer ``name``, or None when not cached.
+
+        A layer whose shape or dtype differs from what is asked, or whose file no longer
+        has the recorded size and header, drops the whole combination (and answers None).
+        """
+        self._check_open()
+        entry = self._entries.get(name)
+        if entry is None:
+            self.stats["layers_missed"] += 1
+            return None
+        problem = shape_dtype_problem(entry, shape, dtype)
+        view = None if problem else self._map(entry)
+        if view is None:
+            self._drop(problem or self._map_problem)
+            self.stats["layers_missed"] += 1
+            return None
+        self.stats["layers_hit"] += 1
+        self.stats["bytes_hit"] += entry.size
+        return view
+
+    def _map(self, entry: LayerEntry) -> torch.Tensor | None:
+        """Map a layer file read-only, if it still is what the manifest recorded."""
+        path = os.path.join(self.folder, entry.file)
+        try:
+            check_not_symlink(path)
+            view, header = map_layer(path, entry.name, self._lease)
+        except (SafetensorsError, OSError) as exc:
+            self._map_problem = str(exc)
+            return None
+        if header.file_size != entry.size or header.header_sha256 != entry.header_sha256:
+            self._map_problem = f"{path}: size or header changed since it was sealed"
+            return None
+        return view
+
+    def _drop(self, reason: str) -> None:
+        if self.vault.read_only:
+            say(f"LoRA merge cache {self.key[:12]}: not serving the combination ({reason}; a read-only root)")
+        else:
+            say(f"LoRA merge cache {self.key[:12]}: dropped the whole combination ({reason}); rebuilding it")
+            drop_folder(self.folder)
+        self._entries.clear()
+        self._was_complete = False
+        self.stats["dropped"] = reason
+        self._measure_space()
+
+    # ----------------------------------------------------------------- writing
+
+    def put(self, name: str, merged: torch.Tensor, crc32: int | None = None,
+            handoff: Handoff | None = None) -> torch.Tensor | None:
+        """Write ``merged`` as layer ``name`` durably; return a read-only mapped view of it.
+
+        ``crc32``, the CRC-32 of ``merged``'s bytes, may be given when the caller took it
+        already (:func:`lora_cache.crc32.crc32_of`); it is recorded as is (a wrong one
+        makes ``hostmem cache verify`` report the layer). Otherwise it is taken as the
+        bytes are written. With a ``handoff``, ``merged`` is the buffer a merge is still
+        computing: its bytes are written as the handoff publishes them, and every byte is
+        released back to the merge when the put ends, however it ends (see
+        :mod:`lora_cache.handoff`).
+
+        Returns None when it cannot (no room, a write error): nothing partial stays on
+        disk, ``last_error`` says why (``space`` has the numbers), and later puts of this
+        session answer None at once, so the caller falls back in place with one warning.
+        """
+        try:
+            return self._put(name, merged, crc32, handoff)
+        finally:
+            if handoff is not None:
+                handoff.release()
+
+    def _put(self, name, merged, crc32, handoff) -> torch.Tensor | None:
+        self._check_open()
+        size = layer_file_bytes(tuple(merged.shape), merged.dtype)
+        if self.writable and size > self._room:
+            needed = max(size, still_needed(self._entries, self._expected))
+            self.space = SpaceCheck(needed, self._room, *_space_tail(self.space))
+            self._refuse(self.space.message)
+        if not self.writable:
+            self.stats["layers_failed"] += 1
+            return None
+        started = time.perf_counter()
+        try:
+            entry = write_layer(self.folder, name, merged, crc32, handoff)
+            view, _ = map_layer(os.path.join(self.folder, entry.file), name, self._lease)
+        except (OSError, VaultError, SafetensorsError) as exc:
+            self._refuse(f"could not write layer {name!r} to the LoRA merge cache in {self.folder}: {exc}")
+            self.stats["layers_failed"] += 1
+            return None
+        self._record_write(entry, time.perf_counter() - started)
+        return view
+
+    def _record_write(self, entry: LayerEntry, seconds: float) -> None:
+        self._entries[entry.name] = entry
+        self._memo.record(entry)  # written and checksummed here: no later start re-reads it
+        self._room -= entry.size
+        self.stats["layers_written"] += 1
+        self.stats["bytes_written"] += entry.size
+        self.stats["seconds"] += seconds
+        self.stats["rate"] = self.stats["bytes_written"] / max(self.stats["seconds"], 1e-9)
+
+    def _refuse(self, message: str) -> None:
+        self.writable = False
+        self.last_error = message
+        self.stats["needed_bytes"] = self.space.needed
+        self.stats["available_bytes"] = max(self.space.available, 0)
+
+    # ----------------------------------------------------------------- state
+
+    @property
+    def complete(self) -> bool:
+        """Every expected layer is sealed (without ``expected_layers``: the sealed manifest said so)."""
+        if self._expected is None:
+            return self._was_complete
+        return all(
+            n in self._entries and shape_dtype_problem(self._entries[n], s, d) is None
+            for n, (s, d) in self._expected.items()
+        )
+
+    @property
+    def layers(self) -> dict[str, LayerEntry]:
+        """The sealed layers, by tensor name (a copy)."""
+        return dict(self._entries)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise VaultError(f"LoRA merge cache {self.key[:12]}: session already closed")
+
+    def close(self) -> None:
+        """Seal: write the manifest last, then release the lock. Never raises over a full disk.
+
+        The views served stay valid and keep the combination in use (``<key>.use``)
+        until they are gone; when none is left anywhere, the use file goes too.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._lock is None:  # a read-only root: nothing was locked, nothing is written
+            return
+        try:
+            self._seal()
+        finally:
+            try:
+                self._let_go_of_use()
+            finally:
+                self._lock.release(remove=True)  # waiters see the file gone and take a fresh one
+                unclaim_in_process(self.key)
+
+    def _let_go_of_use(self) -> None:
+        """Drop the session's hold on the use lock; remove its file when no view holds it."""
+        path, self._lease = self._lease.path, None
+        if lease_alive(path):
+            return  # views of this process live on
+        probe = KeyLock(path)
+        if os.path.lexists(path) and probe.acquire(blocking=False):  # no other process's views either
+            probe.release(remove=True)  # under the key's lock: nobody is taking a lease now
+
+    def _unchanged(self) -> bool:
+        """Nothing to seal: the session opened a sealed, complete, vouched-for combination
+        and served it as it was (no put, no drop, no layer lost)."""
+        return self._sealed is not None and self._entries == self._sealed and not self.stats["dropped"]
+
+    def _seal(self) -> None:
+        if not self._entries:
+            remove_tree(self.folder)  # nothing built: leave nothing behind
+            return
+        if self._unchanged():
+            touch_use_time(self.folder)  # for the LRU order; the manifest stays as it was sealed
+            return
+        manifest = Manifest(
+            key=self.key,
+            inputs=self._inputs,
+            created=self._created,
+            last_used=time.time(),
+            complete=self.complete,
+            layers=dict(self._entries),
+        )
+        try:
+            self._memo.save(self._entries)
+            write_manifest(self.folder, manifest)
+            if self._damaged and manifest.complete:
+                record_damage(self.folder, [])  # every layer was checked again, the bad ones rebuilt
+        except OSError as exc:
+            self.last_error = (
+                f"could not write {self.folder}/manifest.json ({exc}); the layers written stay and the "
+                "next start adopts them"
+            )
+            say(self.last_error)
+
+    def __enter__(self) -> "VaultSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _space_tail(space: SpaceCheck) -> tuple:
+    return space.free_disk, space.headroom, space.max_size, space.folder

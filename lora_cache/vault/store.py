@@ -1,0 +1,152 @@
+"""A cache root: where combinations are opened, from a writable root or a read-only one.
+
+The store's contract is in the package docstring (:mod:`lora_cache.vault`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from hostmem.units import parse_size
+
+from .adoption import Adopted, adopt
+from .combinations import (
+    CACHE_DIR,
+    cache_bytes,
+    cache_dir,
+    default_cache_root,
+    evict_lru,
+    is_key,
+    list_combinations,
+    lock_path,
+    sweep_dead_temporaries,
+    use_path,
+)
+from .durable import free_bytes
+from .identity import CacheKey, adapter_identity, base_identity
+from .leases import use_lease
+from .locks import KeyLock
+from .safety import VaultError, check_folder_safe, check_not_symlink, make_private_dir, prepare_root, root_is_read_only
+from .session import VaultSession, claim_in_process, say, still_needed, unclaim_in_process
+from .space import SpaceCheck
+
+__all__ = ["Vault", "default_cache_root", "DEFAULT_HEADROOM", "MEMO_NAME"]
+
+DEFAULT_HEADROOM = 256 * 1024 * 1024
+MEMO_NAME = "content_hashes.json"
+
+
+def _lock_key(cache: str, key: str) -> tuple[KeyLock, float]:
+    """Take the key's exclusive lock, saying so when another process holds it."""
+    lock = KeyLock(lock_path(cache, key))
+    if os.path.lexists(lock.path):
+        check_not_symlink(lock.path)
+    if lock.acquire(blocking=False):
+        return lock, 0.0
+    say(
+        f"LoRA merge cache {key[:12]} is in use by another process (most likely building it); waiting "
+        f"for it to finish (lock {lock.path}), then using what it built"
+    )
+    started = time.monotonic()
+    lock.acquire()
+    waited = time.monotonic() - started
+    say(f"LoRA merge cache {key[:12]}: waited {waited:.1f} s; adopting it")
+    return lock, waited
+
+
+class Vault:
+    """A cache root. Cheap to create; all work happens in :meth:`open`.
+
+    A root this process cannot write (a read-only filesystem, an image layer) is
+    ``read_only``: it is never written, not even a lock file, and :meth:`open` serves
+    from it only what is there and verified. A writable root is swept of the
+    temporary files of writers that are no longer running.
+    """
+
+    def __init__(self, root: str | os.PathLike, max_size: int | str | None = None, headroom: int | str = DEFAULT_HEADROOM):
+        self.read_only = root_is_read_only(root)
+        self.root = prepare_root(root, create=not self.read_only)
+        self.cache = os.path.join(self.root, CACHE_DIR) if self.read_only else cache_dir(self.root)
+        self.max_size = None if max_size is None else parse_size(max_size)
+        self.headroom = parse_size(headroom)
+        if not self.read_only:
+            sweep_dead_temporaries(self.cache)
+
+    @property
+    def memo_file(self) -> str | None:
+        """The on-disk memo of input content digests (a hint: losing it costs a rehash);
+        None for a read-only root."""
+        return None if self.read_only else os.path.join(self.cache, MEMO_NAME)
+
+    def adapter_identity(self, path: str, strength: float, alpha_override: float | None) -> dict:
+        """:func:`adapter_identity` with the memo kept under this root across starts."""
+        return adapter_identity(path, strength, alpha_override, memo_file=self.memo_file)
+
+    def base_identity(self, shard_paths: list[str]) -> dict:
+        """:func:`base_identity` with the memo kept under this root across starts."""
+        return base_identity(shard_paths, memo_file=self.memo_file)
+
+    def combinations(self):
+        """Every combination on disk, least recently used first (see ``combinations``)."""
+        return list_combinations(self.cache) if os.path.isdir(self.cache) else []
+
+    def space(self, key: str, needed: int) -> SpaceCheck:
+        """How much of ``needed`` fits now, by free disk and by ``max_size``."""
+        if self.read_only:
+            return SpaceCheck(needed, 0, 0, self.headroom, self.max_size, os.path.join(self.cache, key), read_only=True)
+        free = free_bytes(self.cache)
+        available = free - self.headroom
+        if self.max_size is not None:
+            available = min(available, self.max_size - cache_bytes(self.cache))
+        return SpaceCheck(needed, available, free, self.headroom, self.max_size, os.path.join(self.cache, key))
+
+    def open(self, key: CacheKey | str, expected_layers: dict | None = None) -> "VaultSession":
+        """Lock, adopt, make room, and return a session (see the package's contract)."""
+        hex_key = key.hex if isinstance(key, CacheKey) else str(key)
+        if not is_key(hex_key):
+            raise VaultError(f"{hex_key!r} is not a cache key (64 lowercase hex digits from cache_key())")
+        if self.read_only:
+            return self._open_read_only(key, hex_key, expected_layers)
+        claim_in_process(hex_key)
+        lock = None
+        try:
+            lock, waited = _lock_key(self.cache, hex_key)
+            lease = use_lease(use_path(self.cache, hex_key))  # under the key's lock, before any view
+            folder = os.path.join(self.cache, hex_key)
+            make_private_dir(folder)
+            adopted = adopt(folder, expected_layers)
+            _tell(hex_key, adopted)
+            needed = still_needed(adopted.entries, expected_layers)
+            evicted = evict_lru(self.cache, hex_key, needed, self.max_size, self.headroom)
+            inputs = key.inputs if isinstance(key, CacheKey) else {}
+            return VaultSession(self, hex_key, folder, (lock, lease), inputs, adopted, expected_layers, waited, evicted)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            unclaim_in_process(hex_key)
+            raise
+
+    def _open_read_only(self, key, hex_key: str, expected_layers: dict | None) -> "VaultSession":
+        """A session that serves what a read-only root holds, verified, and writes nothing."""
+        folder = os.path.join(self.cache, hex_key)
+        if os.path.isdir(folder) and not os.path.islink(folder):
+            check_folder_safe(folder)
+            adopted = adopt(folder, expected_layers, writable=False)
+            _tell(hex_key, adopted, read_only=True)
+        else:
+            adopted = Adopted({}, None)
+        inputs = key.inputs if isinstance(key, CacheKey) else {}
+        return VaultSession(self, hex_key, folder, (None, None), inputs, adopted, expected_layers, 0.0, [])
+
+
+def _tell(key: str, adopted: Adopted, read_only: bool = False) -> None:
+    """Say what adoption found wrong: which file, and why, and what happens now."""
+    then = "not serving it (a read-only root)" if read_only else "rebuilding it"
+    if adopted.dropped:
+        say(f"LoRA merge cache {key[:12]}: dropped the whole combination ({adopted.dropped}); {then}")
+    for shown, (name, why) in enumerate(sorted(adopted.failed.items())):
+        if shown == 5:
+            say(f"LoRA merge cache {key[:12]}: ... and {len(adopted.failed) - 5} more layer(s) like these")
+            break
+        say(f"LoRA merge cache {key[:12]}: layer {name!r} failed its check ({why}); {then}")

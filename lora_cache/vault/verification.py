@@ -1,0 +1,151 @@
+"""Verified adoption: a layer file is served only once its bytes match its checksum.
+
+A layer file whose data changed (a bad block, a stray write, a file swapped behind the
+cache's back) still has the size and header it was sealed with, so only its content
+checksum can tell; a server that skipped it would draw wrong images and say nothing.
+Reading every layer at every start would cost the whole cache's bytes, though, so a
+verification is memoised the way content digests are (:mod:`.content_hash`): by the
+file's (device, inode, size, mtime_ns, ctime_ns), with the checksum it matched. A file
+this build wrote, or one verified once and unchanged since, is not read again; a new
+or changed one (copied in, unpacked from an image, written to) is verified first.
+
+The memo lives in this process and, where the combination's folder is writable, in
+``<key>/verified.json``. ``hostmem cache verify`` reads every byte whatever the memo
+says, and records what it finds damaged in ``<key>/damage.json``: while that file is
+there no start trusts the memo for that combination, so the damaged layers are found
+again, removed and rebuilt; the session that has rebuilt them removes the record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+from .content_hash import stamp_of
+from .durable import discard, durable_write, read_small
+from .layer_file import LayerEntry, data_crc32, layer_problem
+
+__all__ = ["VERIFIED_NAME", "DAMAGE_NAME", "VerifiedMemo", "check_layers", "read_damage", "record_damage"]
+
+VERIFIED_NAME = "verified.json"
+DAMAGE_NAME = "damage.json"
+_PROCESS: dict[str, tuple[list[int], str]] = {}  # "dev:ino" -> (stamp, crc32) verified in this process
+_PROCESS_LOCK = threading.Lock()
+
+
+def _ident(stamp: list[int]) -> str:
+    return f"{stamp[0]}:{stamp[1]}"
+
+
+class VerifiedMemo:
+    """What is known verified in one combination folder (this process's, and on disk)."""
+
+    def __init__(self, folder: str, trust: bool = True):
+        self.folder = folder
+        self._disk: dict[str, tuple[list[int], str]] = _load(os.path.join(folder, VERIFIED_NAME)) if trust else {}
+        self._trust = trust
+        self.reread = 0  # files read to verify them in this session
+
+    def holds(self, entry: LayerEntry) -> bool:
+        """True when ``entry``'s file is unchanged since it was written or verified."""
+        if not self._trust:
+            return False
+        try:
+            stamp = stamp_of(os.lstat(os.path.join(self.folder, entry.file)))
+        except OSError:
+            return False
+        with _PROCESS_LOCK:
+            known = _PROCESS.get(_ident(stamp))
+        if known is None:
+            known = self._disk.get(entry.file)
+        return known is not None and list(known[0]) == stamp and known[1] == entry.crc32
+
+    def record(self, entry: LayerEntry) -> None:
+        """``entry``'s file now matches its checksum (just written, or just read)."""
+        try:
+            stamp = stamp_of(os.lstat(os.path.join(self.folder, entry.file)))
+        except OSError:
+            return
+        with _PROCESS_LOCK:
+            _PROCESS[_ident(stamp)] = (stamp, entry.crc32)
+        self._disk[entry.file] = (stamp, entry.crc32)
+
+    def save(self, entries: dict[str, LayerEntry]) -> None:
+        """Keep the memo of ``entries`` on disk (a hint: where it cannot be written, it is not)."""
+        files = {e.file for e in entries.values()}
+        data = {f: {"stamp": s, "crc32": c} for f, (s, c) in self._disk.items() if f in files}
+        try:
+            durable_write(os.path.join(self.folder, VERIFIED_NAME), json.dumps(data).encode())
+        except OSError:
+            pass
+
+
+def _load(path: str) -> dict[str, tuple[list[int], str]]:
+    try:
+        data = json.loads(read_small(path))
+        return {f: (list(e["stamp"]), str(e["crc32"])) for f, e in data.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def _problem(folder: str, entry: LayerEntry) -> str | None:
+    """Why ``entry``'s file is not the layer it was sealed as: header, size, or content."""
+    problem = layer_problem(folder, entry)
+    if problem is None:
+        found = data_crc32(os.path.join(folder, entry.file))
+        if found != entry.crc32:
+            problem = (
+                f"{os.path.join(folder, entry.file)}: content checksum {found} differs from the recorded "
+                f"{entry.crc32} (layer {entry.name!r})"
+            )
+    return problem
+
+
+def _threads() -> int:
+    try:
+        return max(1, min(8, len(os.sched_getaffinity(0))))
+    except AttributeError:
+        return 1
+
+
+def check_layers(folder: str, entries: dict[str, LayerEntry], memo: VerifiedMemo) -> dict[str, str]:
+    """Verify every entry the memo does not vouch for, a few files at a time.
+
+    Returns the problems by tensor name; entries that pass are recorded in ``memo``.
+    """
+    todo = [e for e in entries.values() if not memo.holds(e)]
+    if not todo:
+        return {}
+    from concurrent.futures import ThreadPoolExecutor  # not at import: `hostmem cache` starts light
+
+    with ThreadPoolExecutor(min(_threads(), len(todo)), "hostmem-vault-verify") as pool:
+        problems = list(pool.map(lambda e: _problem(folder, e), todo))
+    memo.reread += len(todo)
+    failed = {}
+    for entry, problem in zip(todo, problems):
+        if problem:
+            failed[entry.name] = problem
+        else:
+            memo.record(entry)
+    return failed
+
+
+def read_damage(folder: str) -> list[str] | None:
+    """The problems ``hostmem cache verify`` recorded for this folder, or None."""
+    try:
+        data = json.loads(read_small(os.path.join(folder, DAMAGE_NAME)))
+        return [str(p) for p in data.get("problems", [])] or ["recorded as damaged"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError):
+        return ["recorded as damaged (its record is unreadable)"]
+
+
+def record_damage(folder: str, problems: list[str]) -> None:
+    """Record ``problems`` (or, with none, clear the record)."""
+    path = os.path.join(folder, DAMAGE_NAME)
+    if problems:
+        durable_write(path, json.dumps({"problems": problems}, indent=1).encode())
+    else:
+        discard(path)

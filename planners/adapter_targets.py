@@ -1,0 +1,67 @@
+"""LoRA targets read from the adapters' and the checkpoint's headers, before loading.
+
+A config that gives the merged component by path need not declare ``lora_targets``:
+the adapter files say which modules they change, and the checkpoint's headers say
+how many bytes each of those weights holds. The names are resolved by the same code
+the merge runs (:func:`lora_cache.provider.target_layers`), so ``--what-if in-place``
+predicts the bytes a merge will actually write. This is the one planning path that
+imports torch (the adapter reader maps the files); declared sizes never do.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .config import AdapterConfig, DeploymentConfig
+from .sizes import ComponentSizes, layer_matcher
+
+__all__ = ["adapter_spec", "check_adapter_files", "with_adapter_targets"]
+
+
+def adapter_spec(adapter: AdapterConfig) -> dict:
+    """The config's adapter as the dict ``lora_cache.as_adapter`` takes."""
+    spec = {"path": adapter.path, "strength": adapter.strength, "rules": list(adapter.rules),
+            "strict": adapter.strict}
+    if adapter.alpha is not None:
+        spec["alpha"] = adapter.alpha
+    if adapter.rslora is not None:
+        spec["rslora"] = adapter.rslora
+    return spec
+
+
+def check_adapter_files(config: DeploymentConfig) -> None:
+    """Raise a ConfigError naming ``lora.adapters[N].path`` and its line for a missing file."""
+    for i, adapter in enumerate(config.lora.adapters if config.lora else ()):
+        if not os.path.exists(adapter.path):
+            raise config.origin.error(
+                f"lora.adapters[{i}].path",
+                f"{adapter.path}: no such adapter file; fix the path (relative paths start at the "
+                "config's folder), or declare lora_targets on the merged component to plan without it",
+            )
+
+
+def with_adapter_targets(config: DeploymentConfig, sizes: ComponentSizes, path: str, pattern: str | None) -> ComponentSizes:
+    """``sizes`` with each layer's LoRA target bytes: the weights the adapters change."""
+    from lora_cache.provider import target_layers
+
+    from .checkpoint import checkpoint_files  # here: ``hostmem plan`` imports this module for its check
+
+    check_adapter_files(config)
+    shards = checkpoint_files(path)
+    found = target_layers(shards, [adapter_spec(a) for a in config.lora.adapters])
+    if not found.names:
+        return sizes
+    from hostmem.safetensors_header import read_header
+
+    nbytes = {name: info.nbytes for shard in shards for name, info in read_header(shard).tensors.items()}
+    match = layer_matcher(pattern) if pattern else (lambda name: None)
+    per_layer: dict[str, int] = {}
+    for name in found.names:
+        layer = match(name)
+        key = layer[1] if layer else None
+        per_layer[key] = per_layer.get(key, 0) + nbytes[name]
+    layers = tuple(u._replace(lora_target_bytes=per_layer.get(u.name, 0)) for u in sizes.layers)
+    rest = sizes.rest
+    if rest is not None:
+        rest = rest._replace(lora_target_bytes=per_layer.get(None, 0))
+    return sizes._replace(layers=layers, rest=rest)

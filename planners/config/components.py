@@ -1,0 +1,101 @@
+"""The components section: each one a checkpoint (``path``) or declared sizes (``size``)."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from .model import DTYPES, LOAD_MODES, OFFLOAD_MODES, ComponentConfig
+from .source import ConfigOrigin, Section, resolve_path
+
+__all__ = ["parse_components"]
+
+# A declared layer count beyond this is a typo: DiTs have tens to hundreds of blocks,
+# and the planners walk every layer.
+_MAX_LAYERS = 10_000
+
+_COMPONENT_KEYS = (
+    "path", "offload", "layers", "prefetch", "size", "lora_targets", "dtype", "load",
+)
+
+
+def _component(origin: ConfigOrigin, name: str, data: Any) -> ComponentConfig:
+    s = Section(origin, f"components.{name}", data, _COMPONENT_KEYS)
+    offload = s.choice("offload", OFFLOAD_MODES, None)
+    if s.has("path") == s.has("size"):
+        raise origin.error(
+            s.key, "give either path (a checkpoint) or size (declared sizes, to plan without the weights)"
+        )
+    path = resolve_path(origin, s.sub("path"), s.get("path")) if s.has("path") else None
+    if path is not None and not os.path.exists(path):
+        raise origin.error(
+            s.sub("path"),
+            f"{path} does not exist; fix the path (relative paths start at the config's folder), "
+            "write the checkpoint first, or declare size/layers instead",
+        )
+    pattern, count = _layers(s, offload, declared=path is None)
+    target_bytes, target_patterns = _lora_targets(s, declared=path is None)
+    size = s.size("size")
+    if size is not None and target_bytes is not None and target_bytes > size:
+        raise origin.error(s.sub("lora_targets"), f"{s.get('lora_targets')!r} exceeds size {s.get('size')!r}")
+    return ComponentConfig(
+        name=name,
+        offload=offload,
+        path=path,
+        layer_pattern=pattern,
+        layer_count=count,
+        size=size,
+        lora_target_bytes=target_bytes,
+        lora_target_patterns=target_patterns,
+        dtype=s.choice("dtype", DTYPES, None) if s.has("dtype") else None,
+        load=s.choice("load", LOAD_MODES, "mapped"),
+        prefetch=s.integer("prefetch", 1, 0, maximum=_MAX_LAYERS),
+    )
+
+
+def _layers(s: Section, offload: str, declared: bool) -> tuple[str | None, int | None]:
+    """``layers`` is a name pattern (``"blocks.{i}."``) with a checkpoint, a count when declared."""
+    value = s.get("layers")
+    if value is None:
+        if offload == "layerwise":
+            need = "a count such as 208" if declared else 'a pattern such as "blocks.{i}."'
+            raise s.origin.error(s.sub("layers"), f"missing; a layerwise component needs {need}")
+        return None, None
+    if declared:
+        return None, s.integer("layers", None, 1, maximum=_MAX_LAYERS)
+    if not isinstance(value, str) or value.count("{i}") != 1:
+        raise s.origin.error(
+            s.sub("layers"), f"{value!r} is not a layer pattern; write one with a single {{i}}, e.g. \"blocks.{{i}}.\""
+        )
+    return value, None
+
+
+def _lora_targets(s: Section, declared: bool) -> tuple[int | None, tuple[str, ...]]:
+    """A size (bytes of merged weights) or, with a checkpoint, glob patterns of tensor names."""
+    value = s.get("lora_targets")
+    if value is None:
+        return None, ()
+    if isinstance(value, list):
+        if declared or not value or not all(isinstance(v, str) and v for v in value):
+            need = "a size (declared components have no tensor names)" if declared else "non-empty name patterns"
+            raise s.origin.error(s.sub("lora_targets"), f"expected {need}, e.g. 38GB or [\"*.attn.*.weight\"]")
+        return None, tuple(value)
+    return s.size("lora_targets"), ()
+
+
+def parse_components(origin: ConfigOrigin, data: Any) -> dict[str, ComponentConfig]:
+    if not isinstance(data, dict) or not data:
+        raise origin.error("components", "missing or empty; name at least one component (dit, text_encoder, ...)")
+    out = {}
+    for name, body in data.items():
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_\-]*", name):
+            raise origin.error(f"components.{name}", "a component name is a word such as dit or text_encoder")
+        out[name] = _component(origin, name, body)
+    streamed = [c.name for c in out.values() if c.offload == "layerwise"]
+    if len(streamed) > 1:
+        raise origin.error(
+            f"components.{streamed[1]}.offload",
+            f"only one component may stream layer by layer ({', '.join(streamed)} do); set offload: full on the others",
+        )
+    return out

@@ -1,0 +1,106 @@
+"""The host, device, transfer and workload sections: sizes, shares, rates and counts."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from hostmem.units import parse_fraction, parse_rate, parse_size
+
+from .model import DeviceConfig, HostConfig, TransferConfig, WorkloadConfig
+from .source import ConfigOrigin, Section
+
+__all__ = ["parse_host", "parse_device", "parse_transfer", "parse_workload"]
+
+
+def parse_host(origin: ConfigOrigin, data: Any) -> HostConfig:
+    s = Section(origin, "host", data, ("limit", "reserve", "max_pinned"))
+    limit_text = s.get("limit", "auto")
+    limit = None if str(limit_text).strip().lower() == "auto" else s.parsed(
+        "limit", parse_size, advice="write a size such as 32GiB, or auto"
+    )
+    if limit == 0:
+        raise origin.error("host.limit", "0 leaves nothing to plan; write a size such as 32GiB, or auto")
+    reserve = s.size("reserve", parse_size("4GiB"))
+    if limit is not None and reserve >= limit:
+        raise origin.error(
+            "host.reserve",
+            f"{s.get('reserve')!r} is not below host.limit {limit_text!r}; lower the reserve or raise the limit",
+        )
+    fraction, cap = _max_pinned(s)
+    return HostConfig(limit=limit, reserve=reserve, max_pinned_fraction=fraction, max_pinned_bytes=cap)
+
+
+_BARE_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def _is_bare_number(value: Any) -> bool:
+    """A number without a unit: ``1``, ``0.75``, or the text ``"1"`` of an override."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, (int, float)) or (isinstance(value, str) and bool(_BARE_NUMBER.fullmatch(value.strip())))
+
+
+def _as_float(value: Any) -> float:
+    """``float(value)``, with a number too large for a float read as infinity (then refused)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return float("inf")
+
+
+def _max_pinned(s: Section) -> tuple[float | None, int | None]:
+    """``max_pinned`` is a share of the limit (``75%``, ``0.75``) or a size with a unit (``18GiB``).
+
+    A bare number is a share, so it must lie in [0, 1]: ``max_pinned: 1`` is all of the
+    limit, never 1 byte, and ``max_pinned: 16`` (16 bytes? 16%? 16 GiB?) is refused.
+    """
+    value = s.get("max_pinned", "75%")
+    if _is_bare_number(value):
+        if not 0.0 <= _as_float(value) <= 1.0:
+            raise s.origin.error(
+                s.sub("max_pinned"),
+                f"{value!r} is a number without a unit, read as a share of the limit, so it must lie between "
+                "0 and 1; write a share (75% or 0.75) or a size with its unit (18GiB)",
+            )
+        return _as_float(value), None
+    if isinstance(value, str) and value.strip().endswith("%"):
+        return s.parsed("max_pinned", parse_fraction, 0.75, "write e.g. 75% or 18GiB"), None
+    return None, s.parsed("max_pinned", parse_size, None, "write e.g. 75% or 18GiB")
+
+
+def parse_device(origin: ConfigOrigin, data: Any) -> DeviceConfig:
+    s = Section(origin, "device", data, ("vram", "reserve"))
+    vram, reserve = s.size("vram", 0), s.size("reserve", 0)
+    if vram and reserve >= vram:
+        raise origin.error("device.reserve", f"{s.get('reserve')!r} is not below device.vram {s.get('vram')!r}")
+    return DeviceConfig(vram=vram, reserve=reserve)
+
+
+_MIN_RATE = 1e6  # 1 MB/s: anything slower is a unit slip (24 instead of 24GB/s)
+
+
+def _rate(text: Any) -> float:
+    """A transfer rate of at least 1 MB/s (so that transfer times stay finite)."""
+    rate = parse_rate(text)
+    if rate < _MIN_RATE:
+        raise ValueError(f"{text!r} is slower than 1 MB/s; write a rate with its unit, e.g. 24GB/s")
+    return rate
+
+
+def parse_transfer(origin: ConfigOrigin, data: Any) -> TransferConfig:
+    s = Section(origin, "transfer", data, ("pinned_h2d", "pageable_h2d", "disk_read"))
+    d = TransferConfig()
+    return TransferConfig(
+        pinned_h2d=s.parsed("pinned_h2d", _rate, d.pinned_h2d),
+        pageable_h2d=s.parsed("pageable_h2d", _rate, d.pageable_h2d),
+        disk_read=s.parsed("disk_read", _rate, d.disk_read),
+    )
+
+
+def parse_workload(origin: ConfigOrigin, data: Any) -> WorkloadConfig:
+    s = Section(origin, "workload", data, ("steps", "passes_per_step"))
+    s.require("steps", "say how many denoising steps a request runs, e.g. steps: 4")
+    return WorkloadConfig(
+        steps=s.integer("steps", None, 1, maximum=10_000), passes_per_step=s.integer("passes_per_step", 1, 1, maximum=100)
+    )

@@ -1,0 +1,79 @@
+"""A config file as a whole: read it, apply the environment overrides, parse each section."""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+from .components import parse_components
+from .host import parse_device, parse_host, parse_transfer, parse_workload
+from .lora import parse_lora
+from .model import DeploymentConfig
+from .source import ConfigError, ConfigOrigin, Section, kind, load_yaml_with_lines
+
+__all__ = ["ENV_OVERRIDES", "parse_config", "load_config"]
+
+ENV_OVERRIDES: dict[str, str] = {
+    "HOSTMEM_HOST_LIMIT": "host.limit",
+    "HOSTMEM_HOST_RESERVE": "host.reserve",
+    "HOSTMEM_MAX_PINNED": "host.max_pinned",
+    "HOSTMEM_DEVICE_VRAM": "device.vram",
+}
+
+
+def _apply_overrides(data: dict, environ: Mapping[str, str]) -> dict[str, str]:
+    """Write ``HOSTMEM_*`` values into ``data``; return ``{key: variable}`` of those used."""
+    used = {}
+    for variable, key in ENV_OVERRIDES.items():
+        value = environ.get(variable)
+        if value is None or value.strip() == "":
+            continue
+        section, name = key.split(".")
+        if not isinstance(data.get(section), dict):
+            data[section] = {}
+        data[section][name] = value.strip()
+        used[key] = variable
+    return used
+
+
+_TOP_KEYS = ("deployment", "host", "device", "transfer", "workload", "components", "lora")
+
+
+def parse_config(text: str, path: str, environ: Mapping[str, str] | None = None) -> DeploymentConfig:
+    """Parse the YAML ``text`` of the file ``path`` (``path`` names it and anchors relative paths)."""
+    data, lines = load_yaml_with_lines(text, path)
+    origin = ConfigOrigin(path=path, lines=lines)
+    if not isinstance(data, dict):
+        raise ConfigError(path, "", f"expected a mapping with {', '.join(_TOP_KEYS)}, found {kind(data)}")
+    overrides = _apply_overrides(data, os.environ if environ is None else environ)
+    origin = ConfigOrigin(path=path, lines=lines, overrides=overrides)
+    top = Section(origin, "", data, _TOP_KEYS)
+    name = top.require("deployment", "name the deployment, e.g. deployment: minimax-h3-32g")
+    if not isinstance(name, str):
+        raise origin.error("deployment", f"expected a name, found {kind(name)}")
+    components = parse_components(origin, data.get("components"))
+    return DeploymentConfig(
+        deployment=name,
+        host=parse_host(origin, data.get("host")),
+        device=parse_device(origin, data.get("device")),
+        transfer=parse_transfer(origin, data.get("transfer")),
+        workload=parse_workload(origin, data.get("workload")),
+        components=components,
+        lora=parse_lora(origin, data.get("lora"), components),
+        origin=origin,
+    )
+
+
+def load_config(path: str | os.PathLike, environ: Mapping[str, str] | None = None) -> DeploymentConfig:
+    """Read and validate a deployment config; ``environ`` defaults to ``os.environ``."""
+    path = os.fspath(path)
+    try:
+        with open(path, "r", encoding="utf-8") as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        raise ConfigError(path, "", "no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(path, "", "is a folder; name a .yaml file") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(path, "", f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    return parse_config(text, path, environ)

@@ -1,0 +1,49 @@
+"""A ComfyUI / lightx2v Wan adapter (``diffusion_model.blocks.N.self_attn.q.lora_down.weight``,
+``.alpha``, ``.diff_b``) on a diffusers Wan model: diffusers converts the keys (its ``diff_b``
+becomes peft's ``lora_B.bias``), and the merge equals ``load_lora_weights`` + ``fuse_lora``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers", reason="the diffusers comparisons need diffusers (pip install hostmem[test])")
+pytest.importorskip("peft", reason="the diffusers comparisons need peft (pip install hostmem[test])")
+
+import lora_cache  # noqa: E402
+from hostmem.safetensors_map import save_file  # noqa: E402
+from tests.clients import tiny_models as tm  # noqa: E402
+
+DIM = tm.WAN["num_attention_heads"] * tm.WAN["attention_head_dim"]
+SHAPES = {"self_attn.q": (DIM, DIM), "self_attn.o": (DIM, DIM), "cross_attn.k": (DIM, DIM),
+          "ffn.0": (tm.WAN["ffn_dim"], DIM), "ffn.2": (DIM, tm.WAN["ffn_dim"])}
+
+
+def _lightx2v(path, rank=4) -> str:
+    gen = torch.Generator().manual_seed(5)
+    tensors = {}
+    for block in range(tm.WAN["num_layers"]):
+        for module, (rows, cols) in SHAPES.items():
+            stem = f"diffusion_model.blocks.{block}.{module}"
+            tensors[f"{stem}.lora_down.weight"] = torch.randn(rank, cols, generator=gen) / cols**0.5
+            tensors[f"{stem}.lora_up.weight"] = torch.randn(rows, rank, generator=gen)
+            tensors[f"{stem}.alpha"] = torch.tensor(2.0 * (block + 1))
+        tensors[f"diffusion_model.blocks.{block}.self_attn.q.diff_b"] = torch.randn(DIM, generator=gen)
+    save_file(tensors, path)
+    return os.fspath(path)
+
+
+def test_lightx2v_wan_lora_equals_diffusers_load_and_fuse(tmp_path):
+    model_folder = tm.save_model("wan", tmp_path / "model")
+    path = _lightx2v(tmp_path / "lightx2v.safetensors")
+    ours = tm.load_model("wan", model_folder)
+    stats = lora_cache.load_lora(ours, path, strength=0.6, cache_root=tmp_path / "cache", progress=False)
+    assert stats.built == stats.layers == 2 * (len(SHAPES) + 1)  # every weight, and the biases of q
+    reference = tm.weights(tm.diffusers_fused("wan", model_folder, [(path, 0.6)]))
+    base = tm.weights(tm.load_model("wan", model_folder))
+    merged = tm.weights(ours)
+    assert not torch.equal(merged["blocks.0.attn1.to_q.bias"], base["blocks.0.attn1.to_q.bias"])
+    for name, ref in reference.items():
+        torch.testing.assert_close(merged[name], ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()), msg=name)

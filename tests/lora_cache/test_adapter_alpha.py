@@ -1,0 +1,132 @@
+"""Alpha from every place an adapter stores it, its precedence, and the folders trainers write."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from hostmem.safetensors_map import save_file
+from lora_cache import Adapter, AdapterError, read_adapter
+from lora_cache.orchestrate import plan_targets
+from tests.lora_cache.test_adapters import adapter_key, lora_change, mapped_model, write_adapter
+
+
+def _scales(model, adapters) -> dict[str, float]:
+    targets, _ = plan_targets(model, adapters)
+    return {t.name: t.deltas[0].scale for t in targets}
+
+
+def _diffusers_file(path, changes: dict[str, dict], metadata: dict | None = None, prefix="transformer") -> str:
+    """A file as diffusers' save_lora_weights writes it: prefixed peft keys, metadata per component."""
+    tensors = {}
+    for module, parts in changes.items():
+        tensors[f"{prefix}.{module}.lora_A.weight"] = parts["down"]
+        tensors[f"{prefix}.{module}.lora_B.weight"] = parts["up"]
+    header = {"format": "pt"}
+    if metadata is not None:
+        header["lora_adapter_metadata"] = json.dumps({f"{prefix}.{k}": v for k, v in metadata.items()})
+    os.makedirs(os.path.dirname(os.fspath(path)), exist_ok=True)
+    save_file(tensors, path, metadata=header)
+    return os.fspath(path)
+
+
+def test_diffusers_metadata_alpha_sets_the_scale(tmp_path):
+    """The silent half-delta of issue 15: lora_alpha 16 at r 8 is scale 2, not 1."""
+    model = mapped_model(tmp_path)
+    changes = {"blocks.0.attn.to_q": lora_change(64, 64, 8, 1), "blocks.0.attn.to_k": lora_change(64, 64, 8, 2)}
+    meta = {"r": 8, "lora_alpha": 16, "alpha_pattern": {"to_k": 4}, "rank_pattern": {}}
+    with_meta = _diffusers_file(tmp_path / "meta" / "pytorch_lora_weights.safetensors", changes, meta)
+    without = _diffusers_file(tmp_path / "plain" / "pytorch_lora_weights.safetensors", changes)
+    assert read_adapter(with_meta).format == "diffusers"
+    assert _scales(model, [with_meta]) == {
+        "blocks.0.attn.to_q.weight": pytest.approx(2.0), "blocks.0.attn.to_k.weight": pytest.approx(0.5),
+    }
+    assert _scales(model, [without]) == {
+        "blocks.0.attn.to_q.weight": pytest.approx(1.0), "blocks.0.attn.to_k.weight": pytest.approx(1.0),
+    }
+
+
+def test_the_folders_peft_and_diffusers_write_are_read(tmp_path):
+    changes = {"blocks.0.attn.to_q": lora_change(64, 64, 8, 1)}
+    folder = tmp_path / "diffusers"
+    _diffusers_file(folder / "pytorch_lora_weights.safetensors", changes, {"r": 8, "lora_alpha": 8})
+    assert read_adapter(folder).path == os.fspath(folder / "pytorch_lora_weights.safetensors")
+    peft = write_adapter(tmp_path / "peft", "peft", changes)
+    assert read_adapter(peft).path.endswith("adapter_model.safetensors")
+    lone = tmp_path / "lone"
+    write_adapter(lone / "style_v2.safetensors", "kohya", changes)
+    assert read_adapter(lone).path.endswith("style_v2.safetensors")
+    write_adapter(lone / "style_v3.safetensors", "kohya", changes)
+    with pytest.raises(AdapterError, match=r"lone: a folder without .* it holds style_v2.safetensors, style_v3"):
+        read_adapter(lone)
+
+
+def test_kohya_ss_network_alpha_fills_modules_without_their_own(tmp_path):
+    model = mapped_model(tmp_path)
+    tensors = {}
+    for module, alpha in (("blocks.0.attn.to_q", None), ("blocks.0.attn.to_k", 2.0)):
+        parts = lora_change(64, 64, 4, 1, alpha=alpha)
+        tensors.update({adapter_key("kohya", module, role): t for role, t in parts.items()})
+    path = tmp_path / "k.safetensors"
+    save_file(tensors, path, metadata={"ss_network_alpha": "8.0", "ss_network_dim": "4"})
+    assert _scales(model, [os.fspath(path)]) == {
+        "blocks.0.attn.to_q.weight": pytest.approx(8 / 4),  # ss_network_alpha
+        "blocks.0.attn.to_k.weight": pytest.approx(2 / 4),  # its own .alpha wins
+    }
+
+
+def test_two_stored_alphas_that_disagree_name_both_and_an_override_settles_it(tmp_path):
+    model = mapped_model(tmp_path)
+    parts = lora_change(64, 64, 8, 1, alpha=4)
+    tensors = {f"transformer.blocks.0.attn.to_q.{s}": parts[r]
+               for r, s in (("down", "lora_A.weight"), ("up", "lora_B.weight"), ("alpha", "alpha"))}
+    path = tmp_path / "both.safetensors"
+    save_file(tensors, path, metadata={"lora_adapter_metadata": json.dumps({"transformer.lora_alpha": 16})})
+    expected = (r"module 'transformer.blocks.0.attn.to_q' has alpha 4 from 'transformer.blocks.0.attn.to_q.alpha' "
+                r"but 16 from lora_adapter_metadata 'transformer' lora_alpha")
+    with pytest.raises(AdapterError, match=expected):
+        plan_targets(model, [os.fspath(path)])
+    assert _scales(model, [Adapter(path, alpha=16)]) == {"blocks.0.attn.to_q.weight": pytest.approx(2.0)}
+
+
+def test_peft_config_and_metadata_that_agree_are_fine(tmp_path):
+    """Sources that state the same alpha (fp16 rounding aside) do not conflict."""
+    model = mapped_model(tmp_path)
+    parts = lora_change(64, 64, 8, 1, alpha=0.1)
+    parts["alpha"] = parts["alpha"].half()
+    folder = write_adapter(tmp_path / "peft", "peft", {"blocks.0.attn.to_q": parts}, config={"lora_alpha": 0.1})
+    assert _scales(model, [folder]) == {"blocks.0.attn.to_q.weight": pytest.approx(0.1 / 8, rel=1e-3)}
+
+
+def test_rank_that_contradicts_diffusers_metadata_is_an_error(tmp_path):
+    model = mapped_model(tmp_path)
+    path = _diffusers_file(tmp_path / "d" / "a.safetensors", {"blocks.0.attn.to_q": lora_change(64, 64, 4, 1)},
+                           {"r": 8, "lora_alpha": 8})
+    with pytest.raises(AdapterError, match=r"has rank 4 but lora_adapter_metadata 'transformer' says r=8"):
+        plan_targets(model, [path])
+
+
+@pytest.mark.parametrize("meta, message", [
+    ("{not json", "is not JSON"),
+    (json.dumps({"transformer.lora_alpha": "sixteen"}), "lora_alpha is 'sixteen'; expected a finite number"),
+    (json.dumps({"transformer.r": 0}), "r is 0; expected a positive whole number"),
+    (json.dumps({"transformer.use_dora": True}), "use_dora is true"),
+])
+def test_broken_metadata_says_where(tmp_path, meta, message):
+    parts = lora_change(8, 8, 2, 1)
+    path = tmp_path / "m.safetensors"
+    save_file({"transformer.x.lora_A.weight": parts["down"], "transformer.x.lora_B.weight": parts["up"]}, path,
+              metadata={"lora_adapter_metadata": meta})
+    with pytest.raises(AdapterError, match=rf"m.safetensors: header metadata 'lora_adapter_metadata'.*{message}"):
+        read_adapter(path)
+
+
+def test_asking_for_diffusers_conversion_on_another_model_is_an_error(tmp_path):
+    model = mapped_model(tmp_path)
+    path = write_adapter(tmp_path / "k.safetensors", "kohya", {"blocks.0.attn.to_q": lora_change(64, 64, 4, 1)})
+    with pytest.raises(AdapterError, match=r"k.safetensors: convert='diffusers' but the model is not one diffusers"):
+        plan_targets(model, [Adapter(path, convert="diffusers")])
+    assert _scales(model, [Adapter(path, convert="auto")]) == {"blocks.0.attn.to_q.weight": pytest.approx(1.0)}

@@ -1,0 +1,149 @@
+"""The shared build: ranks of one host (gloo on the CPU, spawned processes) build a missing
+combination together, each a disjoint share, and every rank ends with the same merged
+weights as a single-process merge. One spawn per world size runs several scenarios.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import lora_cache
+from lora_cache.layers import LayerTarget, checkpoint_module
+from lora_cache.shared_build import split_by_bytes
+from tests.conftest import write_safetensors
+from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter
+
+SHAPES = [(96, 64), (64, 64), (128, 32), (32, 96), (64, 128), (80, 64), (48, 48), (64, 16), (16, 64)]
+LATE_TIMEOUT = 3.0
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """A base checkpoint of 9 fp32 layers of different sizes, an adapter on each, and the
+    single-process merge of the two (the reference every rank must match bit for bit)."""
+    folder = tmp_path_factory.mktemp("shared-build")
+    gen = torch.Generator().manual_seed(0)
+    layers = {f"blocks.{i}.proj.weight": torch.randn(*s, generator=gen) for i, s in enumerate(SHAPES)}
+    base = write_safetensors(folder / "base.safetensors", layers)
+    changes = {f"blocks.{i}.proj": lora_change(*s, 4, i, alpha=2) for i, s in enumerate(SHAPES)}
+    adapter = write_adapter(folder / "turbo.safetensors", "comfyui", changes)
+    model = checkpoint_module([base])
+    stats = lora_cache.merge(model, [adapter], cache_root=str(folder / "single"), progress=False)
+    assert stats.built == len(SHAPES)
+    reference = write_safetensors(folder / "reference.safetensors",
+                                  {n: p.detach().clone() for n, p in model.named_parameters()})
+    return {"base": base, "adapter": adapter, "reference": reference}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _merge(paths: dict, root: str, **options) -> tuple:
+    """Merge on this rank; the stats and whether every weight equals the reference."""
+    from safetensors.torch import load_file
+
+    model = checkpoint_module([paths["base"]])
+    stats = lora_cache.merge(model, [paths["adapter"]], cache_root=root, progress=False, **options)
+    reference = load_file(paths["reference"])
+    equal = all(torch.equal(p, reference[n]) for n, p in model.named_parameters())
+    return model, {"built": stats.built, "hit": stats.hit, "equal": equal, "layers": stats.layers}
+
+
+def _late(paths: dict, root: str, rank: int) -> dict:
+    """Rank 1 never calls merge; rank 0 must fail within the timeout, naming it."""
+    if rank != 0:
+        return {}
+    started = time.monotonic()
+    try:
+        _merge(paths, root, rank_timeout=LATE_TIMEOUT)
+    except Exception as exc:  # noqa: BLE001 - what it raised is what the test checks
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started}
+    return {"error": None, "seconds": time.monotonic() - started}
+
+
+def _rank_main(rank: int, world: int, port: int, paths: dict, folder: str, scenarios: list[str]) -> None:
+    """One rank: join the gloo group, run the scenarios in order, write what each saw."""
+    import torch.distributed as dist
+
+    results: dict = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        model = None
+        for scenario in scenarios:
+            if scenario == "build":
+                model, results["build"] = _merge(paths, os.path.join(folder, "cache"))
+            elif scenario == "hit":
+                lora_cache.unmerge(model)
+                model, results["hit"] = _merge(paths, os.path.join(folder, "cache"))
+            elif scenario == "late":
+                results["late"] = _late(paths, os.path.join(folder, "late-cache"), rank)
+    except Exception:  # noqa: BLE001 - reported to the test, which fails with it
+        results["crash"] = traceback.format_exc()
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as handle:
+        json.dump(results, handle)
+    if dist.is_initialized() and "late" not in scenarios:
+        dist.destroy_process_group()
+
+
+def _spawn(inputs, folder, world: int, scenarios: list[str]) -> list[dict]:
+    mp.spawn(_rank_main, args=(world, _free_port(), inputs, str(folder), scenarios), nprocs=world, join=True)
+    results = []
+    for rank in range(world):
+        with open(folder / f"rank{rank}.json") as handle:
+            found = json.load(handle)
+        assert "crash" not in found, f"rank {rank}: {found['crash']}"
+        results.append(found)
+    return results
+
+
+def test_two_ranks_build_once_between_them_hit_after_and_fail_on_a_missing_rank(inputs, tmp_path):
+    results = _spawn(inputs, tmp_path, 2, ["build", "hit", "late"])
+    built = [r["build"]["built"] for r in results]
+    assert sum(built) == len(SHAPES) and all(b > 0 for b in built), built  # one build, in parallel
+    assert all(r["build"]["equal"] and r["build"]["layers"] == len(SHAPES) for r in results), results
+    assert all(r["hit"]["built"] == 0 and r["hit"]["hit"] == len(SHAPES) and r["hit"]["equal"] for r in results)
+    late = results[0]["late"]
+    assert late["error"] and "rank 1 did not arrive" in late["error"], late
+    assert LATE_TIMEOUT <= late["seconds"] < LATE_TIMEOUT + 20, late
+
+
+def test_four_ranks_split_the_layers_into_disjoint_shares_that_add_up_to_one_build(inputs, tmp_path):
+    results = _spawn(inputs, tmp_path, 4, ["build"])
+    built = [r["build"]["built"] for r in results]
+    assert sum(built) == len(SHAPES) and all(b > 0 for b in built), built
+    assert all(r["build"]["equal"] for r in results), results
+
+
+def test_shares_are_disjoint_cover_every_layer_and_balance_bytes():
+    targets = []
+    for i, (rows, cols) in enumerate(SHAPES):
+        holder = torch.nn.Linear(cols, rows, bias=False)
+        targets.append(LayerTarget(f"blocks.{i}.proj.weight", holder, "weight"))
+    shares = split_by_bytes(targets, 4)
+    names = [t.name for share in shares for t in share]
+    assert sorted(names) == sorted(t.name for t in targets) and len(set(names)) == len(names)
+    loads = [sum(t.nbytes for t in share) for share in shares]
+    assert max(loads) - min(loads) <= max(t.nbytes for t in targets), loads
+
+
+@pytest.mark.parametrize("value", ["soon", 0, -5, math.inf, math.nan, True, None])
+def test_a_bad_rank_timeout_says_what_to_pass_and_merges_nothing(tmp_path, value):
+    model = mapped_model(tmp_path)
+    adapter = write_adapter(tmp_path / "a.safetensors", "kohya", {"blocks.0.attn.to_q": lora_change(64, 64, 4, 0)})
+    with pytest.raises(ValueError, match=r"rank_timeout=.*: expected a number of seconds above 0 \(for example 600\)"):
+        lora_cache.merge(model, [adapter], cache_root=tmp_path / "cache", rank_timeout=value)
+    assert not lora_cache.is_merged(model) and not (tmp_path / "cache").exists()

@@ -1,0 +1,88 @@
+"""One host budget split across the local ranks: the rule, and plan_loaded under torchrun's variables."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from planners.config import load_config
+from planners.host_share import local_world, split_host_budget
+from planners.report import report_dict, report_text
+from planners.startup import plan_loaded
+
+from .conftest import MiB, mapped_module, write_checkpoint
+
+
+def test_a_budget_that_covers_every_need_gives_each_rank_its_need():
+    assert split_host_budget(100, [10, 0, 30]) == [10, 0, 30]
+
+
+def test_a_short_budget_is_split_in_proportion_to_need():
+    assert split_host_budget(100, [100, 300, 0, 100]) == [20, 60, 0, 20]
+    assert split_host_budget(10, [1, 1, 1]) == [1, 1, 1]
+    assert split_host_budget(2, [1, 1, 1]) == [0, 0, 0]  # rounded down: never more than the budget
+
+
+@given(st.integers(0, 1 << 50), st.lists(st.integers(0, 1 << 45), min_size=1, max_size=16))
+def test_shares_never_exceed_the_budget_nor_a_need(budget, needs):
+    shares = split_host_budget(budget, needs)
+    assert sum(shares) <= budget
+    assert all(0 <= s <= n for s, n in zip(shares, needs))
+    assert sum(shares) >= min(budget, sum(needs)) - len(needs)  # rounding loses under a byte per rank
+
+
+def test_negative_sizes_are_refused():
+    with pytest.raises(ValueError, match="must not be negative"):
+        split_host_budget(10, [5, -1])
+
+
+def test_torchruns_variables_name_the_local_world():
+    assert local_world({}) is None
+    assert local_world({"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "3"}) == (3, 4)
+    with pytest.raises(ValueError, match="LOCAL_RANK=4 is not within LOCAL_WORLD_SIZE=4"):
+        local_world({"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "4"})
+    with pytest.raises(ValueError, match="expected whole numbers"):
+        local_world({"LOCAL_WORLD_SIZE": "four"})
+
+
+# The host has 100 MiB above four reserves; each rank could pin 12 x 4 MiB of streamed DiT
+# layers and an 8 MiB text encoder: 56 MiB, 224 MiB for four ranks.
+CONFIG = """
+deployment: host-share
+host: {limit: 4196MiB, reserve: 1GiB, max_pinned: 100%}
+workload: {steps: 2}
+components:
+  dit: {path: dit, layers: "blocks.{i}.", offload: layerwise}
+  text_encoder: {path: te, layers: "enc.{i}.", offload: full}
+"""
+
+
+@pytest.fixture
+def loaded(tmp_path):
+    write_checkpoint(tmp_path / "dit", 12, 4 * MiB)
+    write_checkpoint(tmp_path / "te", 2, 4 * MiB, prefix="enc")
+    (tmp_path / "deploy.yaml").write_text(CONFIG.lstrip())
+    config = load_config(tmp_path / "deploy.yaml", environ={})
+    return config, {"dit": mapped_module(tmp_path / "dit"), "text_encoder": mapped_module(tmp_path / "te")}
+
+
+def test_under_torchrun_each_rank_pins_within_its_share_of_one_host_budget(loaded, monkeypatch):
+    config, modules = loaded
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone = plan_loaded(config, modules)
+    assert alone.host_share is None and report_dict(alone)["host_share"] is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    plan = plan_loaded(config, modules)
+    share = report_dict(plan)["host_share"]
+    assert share["local_rank"] == 1 and share["local_world_size"] == 4
+    assert share["source"] == "LOCAL_WORLD_SIZE (no process group)"
+    assert share["needs_bytes"] == [56 * MiB] * 4
+    host = share["host_budget_bytes"]
+    assert 0 < host <= 100 * MiB and alone.budget.bytes > host
+    assert sum(share["shares_bytes"]) <= host and share["share_bytes"] == host // 4
+    assert plan.budget.bytes == share["share_bytes"]
+    assert plan.pins.pinned_bytes <= share["share_bytes"] < alone.pins.pinned_bytes
+    text = report_text(plan)
+    assert "host share: local rank 1 of 4 (from LOCAL_WORLD_SIZE (no process group); ranks taken to be alike" in text
