@@ -78,6 +78,15 @@ def write_demo_checkpoint(folder: str, total_bytes: int) -> None:
     json.dump(spec, open(marker, "w"))
 
 
+def _write_adapter(path: str, shard: str, rank: int = 16) -> None:
+    """A small rank-``rank`` LoRA on the first block's q projection (the planner reads its header)."""
+    rows, cols = read_header(shard).tensors["blocks.0.attn.q.weight"].shape
+    save_file({
+        "blocks.0.attn.q.lora_down.weight": torch.zeros(rank, cols, dtype=torch.bfloat16),
+        "blocks.0.attn.q.lora_up.weight": torch.zeros(rows, rank, dtype=torch.bfloat16),
+    }, path)
+
+
 def write_config(folder: str) -> str:
     """configs/demo.yaml with its components given by the checkpoint in ``folder``."""
     with open(DEMO_CONFIG) as handle:
@@ -88,6 +97,8 @@ def write_config(folder: str) -> str:
         "text_encoder": {"path": "text_encoder.safetensors", "layers": "encoder.block.{i}.", "offload": "full"},
     }
     config["lora"] = {"adapters": [{"path": "turbo.safetensors", "strength": 1.0}], "cache": {"root": "cache"}}
+    first_shard = checkpoint_files(os.path.join(folder, "transformer"))[0]
+    _write_adapter(os.path.join(folder, "turbo.safetensors"), first_shard)  # the plan reads its header
     path = os.path.join(folder, "demo.yaml")
     with open(path, "w") as handle:
         yaml.safe_dump(config, handle, sort_keys=False)

@@ -85,6 +85,31 @@ def machine() -> str:
     return f"{machine_line(found)}, {platform.machine()}, {mem:.0f} GiB, Python {platform.python_version()}"
 
 
+def _section(script: str, title: str, note: str, lines: list[str], summary: dict | None) -> list[str]:
+    out = [f"## {title}", "", f"`bench/{script}`", "", "```"] + lines + ["```", ""]
+    out += [note, ""] if note else []
+    if summary:
+        out += ["<details><summary>JSON</summary>", "", "```json", json.dumps(summary), "```", "", "</details>", ""]
+    return out
+
+
+def replace_sections(path: str, results: list[tuple[str, str, str, list[str], dict | None]]) -> None:
+    """Rewrite only the given benchmarks' sections of BENCHMARKS.md (``--only`` with ``--write``),
+    each under its own ``## title``, the rest of the file as it was; a section not there is added."""
+    with open(path) as handle:
+        text = handle.read()
+    for script, title, note, lines, summary in results:
+        body = "\n".join(_section(script, title, note, lines, summary))
+        start = text.find(f"## {title}\n")
+        if start < 0:
+            text = text.rstrip("\n") + "\n\n" + body
+            continue
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + body + ("\n" + text[end + 1:] if end >= 0 else "")
+    with open(path, "w") as handle:
+        handle.write(text)
+
+
 def write_markdown(path: str, results: list[tuple[str, str, str, list[str], dict | None]], quick: bool) -> None:
     day = datetime.date.today().isoformat()
     out = [
@@ -100,11 +125,8 @@ def write_markdown(path: str, results: list[tuple[str, str, str, list[str], dict
         "Each benchmark can also be run alone: `.venv/bin/python bench/<name>.py [--quick]`.",
         "",
     ]
-    for script, title, note, lines, summary in results:
-        out += [f"## {title}", "", f"`bench/{script}`", "", "```"] + lines + ["```", ""]
-        out += [note, ""] if note else []
-        if summary:
-            out += ["<details><summary>JSON</summary>", "", "```json", json.dumps(summary), "```", "", "</details>", ""]
+    for result in results:
+        out += _section(*result)
     with open(path, "w") as handle:
         handle.write("\n".join(out))
 
@@ -113,7 +135,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run at MiB sizes")
     parser.add_argument("--write", action="store_true", help="replace BENCHMARKS.md with this run's figures")
-    parser.add_argument("--only", default=None, help="run only the benchmarks whose file name contains this")
+    parser.add_argument("--only", default=None, help="run only the benchmarks whose file name contains this "
+                        "(with --write: replace only their sections of BENCHMARKS.md)")
     args = parser.parse_args()
     results, failed = [], 0
     for script, title, note in BENCHES:
@@ -124,7 +147,10 @@ def main() -> int:
         print("\n".join(lines), flush=True)
         failed += code != 0
         results.append((script, title, note, lines, summary))
-    if args.write:
+    if args.write and args.only:
+        replace_sections(os.path.join(REPO, "BENCHMARKS.md"), results)
+        print("BENCHMARKS.md: the sections of this run replaced")
+    elif args.write:
         write_markdown(os.path.join(REPO, "BENCHMARKS.md"), results, args.quick)
         print("BENCHMARKS.md written")
     return 1 if failed else 0

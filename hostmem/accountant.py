@@ -135,8 +135,15 @@ class Ledger:
 
 
 def _named_tensors(module: torch.nn.Module):
-    yield from module.named_parameters(remove_duplicate=False)
-    yield from module.named_buffers(remove_duplicate=False)
+    """``named_parameters`` then ``named_buffers`` (duplicates kept), in their order, read
+    straight from each module's dicts: the generators behind them cost more than the
+    rest of the walk on a model of thousands of parameters."""
+    modules = [(prefix + "." if prefix else "", m) for prefix, m in module.named_modules(remove_duplicate=False)]
+    for attr in ("_parameters", "_buffers"):
+        for prefix, m in modules:
+            for name, tensor in getattr(m, attr).items():
+                if tensor is not None:
+                    yield prefix + name, tensor
 
 
 def _components(model) -> Mapping[str, torch.nn.Module]:
@@ -184,13 +191,13 @@ def _unique_storages(components: Mapping[str, torch.nn.Module]) -> list[_Storage
     A few microseconds per tensor: the accountant's cost on a model of thousands of
     parameters is mostly this walk, so it asks each tensor only what it must.
     """
-    by_key: dict[tuple[int, int, torch.device], _Storage] = {}
+    by_key: dict[tuple, _Storage] = {}
     dtype_names: dict[torch.dtype, str] = {}
     ask_pinned = _pinning_possible()
     for comp_name, module in components.items():
         for name, tensor in _named_tensors(module):
             storage = tensor.untyped_storage()
-            device = tensor.device
+            device = "cpu" if tensor.is_cpu else str(tensor.device)
             key = (storage.data_ptr(), storage.nbytes(), device)
             found = by_key.get(key)
             if found is not None:
@@ -198,8 +205,8 @@ def _unique_storages(components: Mapping[str, torch.nn.Module]) -> list[_Storage
                 continue
             dtype = dtype_names.get(tensor.dtype) or dtype_names.setdefault(
                 tensor.dtype, str(tensor.dtype).replace("torch.", ""))
-            by_key[key] = _Storage(comp_name, [name], key[0], key[1], dtype, str(device),
-                                   ask_pinned and device.type == "cpu" and _is_pinned(tensor))
+            by_key[key] = _Storage(comp_name, [name], key[0], key[1], dtype, device,
+                                   ask_pinned and device == "cpu" and _is_pinned(tensor))
     return list(by_key.values())
 
 
@@ -216,21 +223,17 @@ def account(model) -> Ledger:
     host = [s for s in storages if s.device == "cpu" and s.nbytes and not s.pinned]
     with RangeClassifier() as classifier:
         classified = classifier.classify_many([(s.start, s.start + s.nbytes) for s in host])
-    residency_of = {id(s): r for s, r in zip(host, classified)}
+    residency_of = dict(zip(map(id, host), classified))
     params: dict[str, dict[str, ParameterEntry]] = {name: {} for name in components}
     device_bytes = {name: 0 for name in components}
+    nothing = Residency()
     for s in storages:
         if s.device != "cpu":
             device_bytes[s.component] += s.nbytes
             continue
-        residency = Residency(pinned=s.nbytes) if s.pinned else residency_of.get(id(s), Residency())
+        residency = Residency(pinned=s.nbytes) if s.pinned else residency_of.get(id(s), nothing)
         params[s.component][s.names[0]] = ParameterEntry(
-            name=s.names[0],
-            nbytes=s.nbytes,
-            dtype=s.dtype,
-            residency=residency,
-            shared_with=tuple(s.names[1:]),
-            device=s.device,
+            s.names[0], s.nbytes, s.dtype, residency, tuple(s.names[1:]), s.device
         )
     return Ledger(
         pid=os.getpid(),

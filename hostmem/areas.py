@@ -5,7 +5,7 @@ pagemap once, and says per area how a page of it is classified (:meth:`area_kind
 It classifies whole areas itself (:meth:`AreaSnapshot.classify_area`): one pagemap read
 per area and a byte histogram in C, which is all ``hostmem inspect`` needs, so that
 command never imports torch. :class:`hostmem.residency.RangeClassifier` builds on it
-for arbitrary ranges (prefix sums over page codes, with torch).
+for arbitrary ranges (page codes counted per range, also without torch).
 """
 
 from __future__ import annotations

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import bisect
 
-import torch
-
 from .areas import CHUNK_PAGES, CODE_TABLES, CODES, UNIFORM_CODE, AreaKind, AreaSnapshot, classify_from_smaps, residency_of_counts
 from .procfs import PAGE_SIZE, Vma
 from .residency_classes import CLASSES, Residency
@@ -42,6 +40,7 @@ class RangeClassifier(AreaSnapshot):
     def __init__(self, pid: int | None = None):
         super().__init__(pid)
         self._starts = [v.start for v in self.vmas]
+        self._ends = [v.end for v in self.vmas]
 
     def __enter__(self) -> "RangeClassifier":
         return self
@@ -55,98 +54,102 @@ class RangeClassifier(AreaSnapshot):
         return self.classify_many([(vma.start, vma.end)])[0]
 
     def classify_many(self, ranges: list[tuple[int, int]]) -> list[Residency]:
-        """Classify many ranges at once: one pagemap read per area, prefix sums per range.
+        """Classify many ranges at once: one pagemap read per area, byte counts per range.
 
         This is what keeps accounting a 2,000-parameter model in milliseconds: the cost
-        is one pass over the pages plus a few tensor operations, not a call per range.
+        is one pass over the pages (slicing and counting bytes in C) plus a few list
+        operations per range, with no tensor built per range or per area. Ranges with the
+        same figures share one :class:`Residency` (it is immutable).
         """
-        out = torch.zeros(len(ranges), _CODES, dtype=torch.int64)
-        pieces: dict[int, list[tuple[int, int, int]]] = {}
-        for index, (start, end) in enumerate(ranges):
-            for area in self._overlapping_indices(start, end):
-                vma = self.vmas[area]
-                pieces.setdefault(area, []).append((index, max(start, vma.start), min(end, vma.end)))
-        for area, items in pieces.items():
+        rows = [[0] * _CODES for _ in ranges]
+        for area, items in self._pieces(ranges).items():
             vma = self.vmas[area]
             kind = self.area_kind(vma)
             if self._pagemap is None and kind != AreaKind.DEVICE:
                 for index, start, end in items:
-                    out[index] += torch.tensor(_as_row(classify_from_smaps(vma, kind, start, end)))
+                    for code, count in enumerate(_as_row(classify_from_smaps(vma, kind, start, end))):
+                        rows[index][code] += count
                 continue
-            index, sums = self._sum_pieces(vma, kind, items)
-            out.index_add_(0, index, sums)
-        return [residency_of_counts(row) for row in out.tolist()]
+            self._count_pieces(kind, items, rows)
+        shared: dict[tuple[int, ...], Residency] = {}
+        out = []
+        for row in rows:
+            key = tuple(row)
+            found = shared.get(key)
+            if found is None:
+                found = shared[key] = residency_of_counts(row)
+            out.append(found)
+        return out
 
-    def _overlapping_indices(self, start: int, end: int) -> list[int]:
-        i = max(0, bisect.bisect_right(self._starts, start) - 1)
-        found = []
-        while i < len(self.vmas) and self.vmas[i].start < end:
-            if self.vmas[i].end > start:
-                found.append(i)
-            i += 1
-        return found
+    def _pieces(self, ranges: list[tuple[int, int]]) -> dict[int, list[tuple[int, int, int]]]:
+        """Area index -> ``(range index, start, end)`` of each part of a range inside it."""
+        starts, ends, count = self._starts, self._ends, len(self._starts)
+        pieces: dict[int, list[tuple[int, int, int]]] = {}
+        for index, (start, end) in enumerate(ranges):
+            i = bisect.bisect_right(starts, start) - 1
+            if i >= 0 and start < end <= ends[i]:  # inside one area: the usual case
+                found = pieces.get(i)
+                if found is None:
+                    found = pieces[i] = []
+                found.append((index, start, end))
+                continue
+            i = max(0, i)
+            while i < count and starts[i] < end:
+                if ends[i] > start:
+                    pieces.setdefault(i, []).append((index, max(start, starts[i]), min(end, ends[i])))
+                i += 1
+        return pieces
 
-    def _sum_pieces(self, vma: Vma, kind: str, items: list[tuple[int, int, int]]):
-        """Bytes per code of each piece: whole areas at once, pages in bounded chunks."""
-        index = torch.tensor([i for i, _, _ in items], dtype=torch.int64)
+    def _count_pieces(self, kind: str, items: list[tuple[int, int, int]], rows: list[list[int]]) -> None:
+        """Add each piece's bytes per code to its row: whole areas at once, pages in bounded chunks."""
         uniform = _UNIFORM_CODE.get(kind)
         if uniform is not None:
-            sums = torch.zeros(len(items), _CODES, dtype=torch.int64)
-            sums[:, uniform] = torch.tensor([e - s for _, s, e in items], dtype=torch.int64)
-            return index, sums
+            for index, start, end in items:
+                rows[index][uniform] += end - start
+            return
         base = min(s for _, s, _ in items) // PAGE_SIZE * PAGE_SIZE
         top = max(e for _, _, e in items)
-        sums = torch.zeros(len(items), _CODES, dtype=torch.int64)
         chunk = _CHUNK_PAGES * PAGE_SIZE
         for lo in range(base, top, chunk):
             hi = min(top, lo + chunk)
-            inside = [(row, max(s, lo), min(e, hi)) for row, (_, s, e) in enumerate(items) if s < hi and e > lo]
+            inside = [(index, max(s, lo), min(e, hi)) for index, s, e in items if s < hi and e > lo]
             if inside:
-                rows = torch.tensor([r for r, _, _ in inside], dtype=torch.int64)
-                sums.index_add_(0, rows, self._sum_chunk(kind, lo, hi, inside))
-        return index, sums
+                _count_chunk(self._page_codes(kind, lo, hi), lo, inside, rows)
 
-    def _sum_chunk(self, kind: str, lo: int, hi: int, pieces: list[tuple[int, int, int]]) -> torch.Tensor:
-        """Prefix sums of the page codes of ``[lo, hi)``, read off at each piece's ends.
-
-        Where every page of the chunk has the same pagemap bits (a model's weights, all
-        resident and file-backed, say) each piece is wholly that one class: its bytes
-        are its length, with no lookup, count or prefix sum over the pages.
-        """
-        code_bytes = _code_bytes(kind, self._pagemap.read_bytes(lo, hi))
-        # Offsets from the chunk's first page: kernel addresses do not fit an int64.
-        starts = torch.tensor([s - lo for _, s, _ in pieces], dtype=torch.int64)
-        ends = torch.tensor([e - lo for _, _, e in pieces], dtype=torch.int64)
-        pages = (hi - lo + PAGE_SIZE - 1) // PAGE_SIZE
-        if len(code_bytes) == pages and code_bytes.count(code_bytes[:1]) == pages:  # one class throughout
-            sums = torch.zeros(len(pieces), _CODES, dtype=torch.int64)
-            sums[:, code_bytes[0]] = ends - starts
-            return sums
-        codes = self._page_codes(kind, lo, hi, code_bytes)
-        first = starts // PAGE_SIZE
-        stop = (ends + PAGE_SIZE - 1) // PAGE_SIZE
-        sums = torch.zeros(len(pieces), _CODES, dtype=torch.int64)
-        present = torch.bincount(codes, minlength=_CODES).nonzero().flatten().tolist()
-        for code in present:  # usually one or two codes per area
-            cumulative = torch.zeros(codes.numel() + 1, dtype=torch.int64)
-            torch.cumsum(codes == code, 0, out=cumulative[1:])
-            sums[:, code] = (cumulative[stop] - cumulative[first]) * PAGE_SIZE
-        rows = torch.arange(len(pieces))
-        # Partial first and last pages: take off the bytes outside the piece.
-        sums[rows, codes[first]] -= starts - first * PAGE_SIZE
-        sums[rows, codes[stop - 1]] -= stop * PAGE_SIZE - ends
-        return sums
-
-    def _page_codes(self, kind: str, start: int, end: int, code_bytes: bytes | None = None) -> torch.Tensor:
-        """One code per page of ``[start, end)`` (pages pagemap has no entry for: not
-        resident); ``code_bytes`` as :func:`_code_bytes` gives them, read here when not given."""
+    def _page_codes(self, kind: str, start: int, end: int) -> bytes:
+        """One code per page of ``[start, end)`` as bytes (pages pagemap has no entry for:
+        not resident)."""
         pages = (end - start + PAGE_SIZE - 1) // PAGE_SIZE
-        if code_bytes is None:
-            code_bytes = _code_bytes(kind, self._pagemap.read_bytes(start, end))
-        codes = torch.full((pages,), CLASSES.index("not_resident"), dtype=torch.int64)
-        if code_bytes:
-            codes[: len(code_bytes)] = torch.frombuffer(bytearray(code_bytes), dtype=torch.uint8)
-        return codes
+        codes = _code_bytes(kind, self._pagemap.read_bytes(start, end))
+        return codes + bytes([_NOT_RESIDENT]) * (pages - len(codes))
+
+
+def _count_chunk(codes: bytes, lo: int, pieces: list[tuple[int, int, int]], rows: list[list[int]]) -> None:
+    """Add the bytes per code of each piece of the chunk starting at ``lo`` to its row.
+
+    Where every page of the chunk has one code (a model's weights, all resident and
+    file-backed, say), each piece is wholly that class: its bytes are its length. Else a
+    piece whose own pages share one code is that class; only a mixed piece is counted
+    per code, its partial first and last pages taking off the bytes outside it.
+    """
+    if codes.count(codes[0]) == len(codes):
+        code = codes[0]
+        for index, start, end in pieces:
+            rows[index][code] += end - start
+        return
+    for index, start, end in pieces:
+        if end <= start:
+            continue
+        first, stop = (start - lo) // PAGE_SIZE, (end - lo + PAGE_SIZE - 1) // PAGE_SIZE
+        own = codes[first:stop]
+        row = rows[index]
+        if own.count(own[0]) == len(own):
+            row[own[0]] += end - start
+            continue
+        for code in set(own):
+            row[code] += own.count(code) * PAGE_SIZE
+        row[own[0]] -= start - lo - first * PAGE_SIZE
+        row[own[-1]] -= stop * PAGE_SIZE - (end - lo)
 
 
 # Page codes per area kind, per top byte of a pagemap entry (bits 63..61 are its bits 7..5).
@@ -154,6 +157,7 @@ _BYTE_TABLES = {kind: bytes(table[(byte >> 5) & 7] for byte in range(256)) for k
 _CODES = CODES
 _UNIFORM_CODE = UNIFORM_CODE
 _CHUNK_PAGES = CHUNK_PAGES
+_NOT_RESIDENT = CLASSES.index("not_resident")
 
 
 def _code_bytes(kind: str, entries: bytearray) -> bytes:

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from hostmem.host_ledger import gather_on_host
 from hostmem.units import format_size
 
 from .layer_loop import CacheBuildError, MergeStats, merge_layers
@@ -221,6 +220,8 @@ def build_shares(targets: list[LayerTarget], files, specs, roots: list[str], max
     dist = _process_group()
     if dist is None or not roots or not targets:
         return None
+    from hostmem.host_ledger import gather_on_host  # here: a start without a process group never needs it
+
     ranks = [rank for rank, _ in gather_on_host(None, timeout=timeout, what="start a shared LoRA merge build")]
     index, count = ranks.index(dist.get_rank()), len(ranks)
     vaults = [Vault(root, max_size) for root in roots]
