@@ -35,6 +35,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
+from .pagemap import PagemapReader
 from .procfs import PAGE_SIZE, ProcReadError, proc_path
 from .residency_classes import CLASSES, Residency
 from .table import format_table
@@ -113,11 +114,8 @@ def pfns_visible() -> bool:
     probe = bytearray(PAGE_SIZE * 2)
     probe[PAGE_SIZE] = 1
     address = _buffer_address(probe) + PAGE_SIZE
-    fd = os.open(proc_path(None, "pagemap"), os.O_RDONLY)
-    try:
-        raw = _read_entries(fd, address, address + 1, "/proc/self/pagemap")
-    finally:
-        os.close(fd)
+    with PagemapReader() as reader:
+        raw = reader.read_bytes(address, address + 1)
     entry = int.from_bytes(raw[:_ENTRY], "little")
     return bool(entry >> 63) and bool(entry & _PFN_MASK)
 
@@ -126,24 +124,6 @@ def _buffer_address(buffer: bytearray) -> int:
     import ctypes
 
     return ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
-
-
-def _read_entries(fd: int, start: int, end: int, path: str) -> bytearray:
-    """The raw 8-byte pagemap entries of the pages overlapping ``[start, end)``."""
-    first, last = start // PAGE_SIZE, (end + PAGE_SIZE - 1) // PAGE_SIZE
-    buf = bytearray(max(0, last - first) * _ENTRY)
-    view, got = memoryview(buf), 0
-    while got < len(buf):
-        try:
-            n = os.preadv(fd, [view[got:]], first * _ENTRY + got)
-        except OSError as exc:
-            raise ProcReadError(f"{path}: {exc.strerror} at page {first + got // _ENTRY}") from None
-        if n <= 0:
-            break
-        got += n
-    del view
-    del buf[got - got % _ENTRY:]
-    return buf
 
 
 def _tag_table(set_class: int, clear_class: int) -> bytes:
@@ -182,13 +162,13 @@ class _PageSet:
         self.keys: set[int] = set()
         self.unseen = Residency()  # classified resident bytes pagemap shows no page for
 
-    def add_range(self, fd: int, path: str, start: int, end: int, residency: Residency) -> None:
+    def add_range(self, reader: PagemapReader, start: int, end: int, residency: Residency) -> None:
         if not residency.resident and not residency.swapped:
             return  # a reservation, or never touched: no page to read (and often GiBs of address space)
         tags = _TAG_TABLES[_page_classes(residency)]
         present = 0
         for lo in range(start, end, _CHUNK_PAGES * PAGE_SIZE):
-            raw = _read_entries(fd, lo, min(end, lo + _CHUNK_PAGES * PAGE_SIZE), path)
+            raw = reader.read_bytes(lo, min(end, lo + _CHUNK_PAGES * PAGE_SIZE))
             top = raw[7::8].translate(tags)
             present += len(top) - top.count(_ABSENT) - top.count(_SWAPPED)
             raw[7::8] = top
@@ -293,16 +273,9 @@ def _aggregate(classified: Mapping[int, list[tuple[int, int, Residency]]], use_p
 
 
 def _add_pages(pages: _PageSet, pid: int, items) -> None:
-    path = proc_path(pid, "pagemap")
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise ProcReadError(f"{path}: {exc.strerror} (the process may have exited)") from None
-    try:
+    with PagemapReader(pid) as reader:
         for start, end, residency in items:
-            pages.add_range(fd, path, start, end, residency)
-    finally:
-        os.close(fd)
+            pages.add_range(reader, start, end, residency)
 
 
 def cgroup_pids(path: str | os.PathLike) -> list[int]:

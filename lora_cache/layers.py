@@ -18,7 +18,6 @@ attributes and a dropped model drops its snapshots.
 
 from __future__ import annotations
 
-import bisect
 import weakref
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -26,7 +25,8 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from hostmem.procfs import Vma, read_maps
+from hostmem.procfs import Vma
+from hostmem.slots import MappedAreas
 from hostmem.safetensors_map import open_readonly
 
 from .merge_math import FP32_ROWS, Delta, Scratch, merged_weight
@@ -108,26 +108,19 @@ def named_parameters(model) -> dict[str, tuple[nn.Module, str]]:
 
 
 class AddressSpace:
-    """This process's memory areas, read once on first use, to ask where a tensor's bytes live.
+    """This process's memory areas (:class:`hostmem.slots.MappedAreas`), read on first use.
 
-    Lazy because a merge served wholly from the cache never needs to ask. Paths and
-    permissions are all it asks, so it reads /proc/self/maps, not smaps (whose page walk
-    costs tens of milliseconds per resident GiB).
+    Lazy because a merge served wholly from the cache never needs to ask where a
+    tensor's bytes live.
     """
 
     def __init__(self):
-        self._areas: list[Vma] | None = None
-        self._starts: list[int] = []
+        self._mapped: MappedAreas | None = None
 
     def area_of(self, tensor: torch.Tensor) -> Vma | None:
-        if self._areas is None:
-            self._areas = read_maps()
-            self._starts = [a.start for a in self._areas]
-        address = tensor.untyped_storage().data_ptr()
-        i = bisect.bisect_right(self._starts, address) - 1
-        if i >= 0 and self._areas[i].start <= address < self._areas[i].end:
-            return self._areas[i]
-        return None
+        if self._mapped is None:
+            self._mapped = MappedAreas()
+        return self._mapped.area_of(tensor)
 
     def is_writable(self, tensor: torch.Tensor) -> bool:
         """False for a read-only mapping (writing would fault), True otherwise."""
