@@ -18,11 +18,12 @@ import functools
 import json
 import os
 import platform
-import tempfile
 import threading
 import warnings
 
 import torch
+
+from ..vault.durable import durable_write
 
 __all__ = ["WISDOM_FILE", "Wisdom", "machine"]
 
@@ -134,15 +135,5 @@ class Wisdom:
 
     def _write(self, entries: dict) -> None:
         """Replace the file atomically: a reader sees the old wisdom or the new, never a torn one."""
-        folder = os.path.dirname(self.path)
-        fd, temporary = tempfile.mkstemp(prefix=".kernel_wisdom-", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "w") as handle:
-                json.dump({"version": _VERSION, "entries": entries}, handle, indent=1, sort_keys=True)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(temporary, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
+        text = json.dumps({"version": _VERSION, "entries": entries}, indent=1, sort_keys=True)
+        durable_write(self.path, text.encode())
