@@ -8,7 +8,7 @@ tensors once, so it runs where the values are first consumed (:class:`FiniteChec
 carried by every delta the file yields and run by :func:`check_before_use` before the
 first layer is computed, merged in place or applied at run time), not where the file is
 read: a start whose every layer is a cache hit never pages the adapter's values in. Its
-verdict is kept per file identity (path, size, mtime, inode), so a second merge of the
+verdict is kept per file identity (path, and the device, inode, size, mtime and ctime the cache's digests are memoised by), so a second merge of the
 same file does not read it again.
 """
 
@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from ..vault.content_hash import stamp_of
 from .spec import AdapterError
 
 __all__ = ["FiniteCheck", "check_before_use", "check_change", "check_finite", "forget_checked"]
@@ -30,7 +31,7 @@ def _identity(path: str) -> tuple | None:
         st = os.stat(path)
     except OSError:
         return None
-    return (os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino)
+    return (os.path.realpath(path), *stamp_of(st))
 
 
 def forget_checked() -> None:
