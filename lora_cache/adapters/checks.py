@@ -8,8 +8,9 @@ tensors once, so it runs where the values are first consumed (:class:`FiniteChec
 carried by every delta the file yields and run by :func:`check_before_use` before the
 first layer is computed, merged in place or applied at run time), not where the file is
 read: a start whose every layer is a cache hit never pages the adapter's values in. Its
-verdict is kept per file identity (path, and the device, inode, size, mtime and ctime the cache's digests are memoised by), so a second merge of the
-same file does not read it again.
+verdict is kept per file identity (path, and the device, inode, size, mtime and ctime
+the cache's digests are memoised by), so a second merge of the same file does not read
+it again.
 """
 
 from __future__ import annotations
