@@ -59,7 +59,10 @@ class _SigAction(ctypes.Structure):
 
 _HANDLER_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.POINTER(_SigInfo), ctypes.c_void_p)
 _LOCK = threading.Lock()
-_STATE: dict = {"installed": False, "reported": False, "previous": {}, "handler": None, "libc": None}
+_REPORT = threading.Lock()  # held by the one fault that writes the report
+_REPORTED = threading.Event()  # set once it is written (or there was nothing to report)
+_REPORT_WAIT_S = 5.0
+_STATE: dict = {"installed": False, "previous": {}, "handler": None, "libc": None}
 
 
 def _supported() -> bool:
@@ -124,12 +127,20 @@ def _on_fault(signum: int, info, _context) -> None:
     """Report a fault in a read-only hostmem mapping, then hand the signal back to its old handler."""
     try:
         # Sent by the kernel (si_code > 0), so si_addr is the faulting address. Threads that
-        # fault together (a copy split over a pool) take the GIL in turn: one report only.
-        if info and info.contents.si_code > 0 and not _STATE["reported"]:
-            report = describe_address(info.contents.si_addr or 0, signum)
-            if report:
-                _STATE["reported"] = True
-                os.write(2, report.encode("utf-8", "replace"))
+        # fault together (a copy split over a pool) all get here, and describing a fault
+        # reads /proc, letting the GIL go: the first to claim the report (an atomic,
+        # non-blocking acquire) writes it; the others write nothing but wait for it, since
+        # the first of them to return re-faults under the old handler and ends the process.
+        if info and info.contents.si_code > 0:
+            if _REPORT.acquire(blocking=False):
+                try:
+                    report = describe_address(info.contents.si_addr or 0, signum)
+                    if report:
+                        os.write(2, report.encode("utf-8", "replace"))
+                finally:
+                    _REPORTED.set()
+            else:
+                _REPORTED.wait(_REPORT_WAIT_S)
     except BaseException:  # a report is a courtesy; the signal must go on either way
         pass
     finally:
