@@ -7,44 +7,20 @@ The bits used here (Documentation/admin-guide/mm/pagemap.rst):
 - 61: page is a file page or shared anonymous (clear for a private copy-on-write page)
 - 56: page exclusively mapped
 
-A range is read with one ``pread`` and decoded with tensor operations over the
-whole batch, never one ``struct`` call per page.
+A range is read with one ``pread`` into raw bytes; the classifiers (``residency``,
+``areas``, ``host_aggregate``) decode whole batches of them at once, never one
+``struct`` call per page.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .procfs import PAGE_SIZE, ProcReadError, proc_path
 
-if TYPE_CHECKING:
-    import torch
-
-__all__ = ["PageBits", "PagemapReader", "read_page_bits"]
+__all__ = ["PagemapReader"]
 
 _ENTRY = 8
-
-
-@dataclass(frozen=True)
-class PageBits:
-    """Decoded pagemap bits for a run of pages (bool tensors of one length)."""
-
-    present: torch.Tensor
-    swapped: torch.Tensor
-    file_or_shared: torch.Tensor
-    exclusive: torch.Tensor
-
-    @classmethod
-    def decode(cls, raw: torch.Tensor) -> "PageBits":
-        """Decode int64 pagemap entries (bit 63 is the sign bit)."""
-        return cls(
-            present=raw < 0,
-            swapped=((raw >> 62) & 1).bool(),
-            file_or_shared=((raw >> 61) & 1).bool(),
-            exclusive=((raw >> 56) & 1).bool(),
-        )
 
 
 class PagemapReader:
@@ -61,13 +37,6 @@ class PagemapReader:
                 f"{self.path}: permission denied (reading another user's pagemap needs root "
                 "or CAP_SYS_ADMIN)"
             ) from None
-
-    def read_raw(self, start: int, end: int) -> torch.Tensor:
-        """Return the int64 entries of the pages overlapping ``[start, end)``."""
-        import torch  # here, not at import: ``hostmem inspect`` reads bytes only
-
-        buf = self.read_bytes(start, end)
-        return torch.frombuffer(buf, dtype=torch.int64) if buf else torch.empty(0, dtype=torch.int64)
 
     def read_bytes(self, start: int, end: int) -> bytearray:
         """The raw 8-byte little-endian entries of the pages overlapping ``[start, end)``."""
@@ -92,10 +61,6 @@ class PagemapReader:
         del buf[got - got % _ENTRY :]
         return buf
 
-    def read(self, start: int, end: int) -> PageBits:
-        """Return the decoded bits of the pages overlapping ``[start, end)``."""
-        return PageBits.decode(self.read_raw(start, end))
-
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
@@ -113,8 +78,3 @@ class PagemapReader:
         except Exception:
             pass
 
-
-def read_page_bits(start: int, end: int, pid: int | None = None) -> PageBits:
-    """Read the pagemap bits of ``[start, end)`` in one call."""
-    with PagemapReader(pid) as reader:
-        return reader.read(start, end)
