@@ -34,7 +34,7 @@ import lora_cache  # noqa: E402
 from common import report, set_workdir_for_machine  # noqa: E402
 from hostmem.units import format_rate, format_size, parse_size  # noqa: E402
 from lora_cache.layers import checkpoint_module  # noqa: E402
-from lora_cache.vault.content_hash import file_digest  # noqa: E402
+from hostmem.vault.content_hash import file_digest  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 

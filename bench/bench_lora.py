@@ -182,7 +182,7 @@ def _write_path(shards: list[str], root: str) -> dict:
     output buffer (untimed, as the build's cast), put into a fresh combination, then sealed."""
     from hostmem.safetensors_map import load_readonly
     from lora_cache.merge_math import Scratch
-    from lora_cache.vault import Vault
+    from hostmem.vault import Vault
 
     named = [item for path in shards for item in load_readonly(path).items()]
     out = Scratch("cpu")

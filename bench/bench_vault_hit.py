@@ -65,7 +65,7 @@ def main() -> None:
     layers = int(args.size_bytes)
     tmp = workdir(args)
     try:
-        from lora_cache.vault import Vault
+        from hostmem.vault import Vault
 
         vault = Vault(os.path.join(args.workdir, "cache"))
         key = "ab" * 32

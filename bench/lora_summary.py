@@ -25,7 +25,7 @@ def _bound(best: dict, raw_rate: float, by_round: list[float]) -> dict:
 
 def summarize(merged, in_place, runs, starts, requests, first, layers: int, rank: int, rounds: int) -> None:
     """Print and report every ratio; ``layers``, ``rank``, ``rounds``: how the model and the runs were made."""
-    from lora_cache.crc32 import CRC32_IMPLEMENTATION
+    from hostmem.crc32 import CRC32_IMPLEMENTATION
 
     rates = {kind: [_rate(run) for run in found] for kind, found in runs.items()}
     request_bytes = {kind: sum(found) / len(found) for kind, found in requests.items() if found}

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from hostmem.units import format_rate, format_size
 
 from .adapters.checks import check_before_use
-from .handoff import Handoff
+from hostmem.vault.handoff import Handoff
 from .kernels import KernelPlan, block_workers, plan_for_targets
 from .layers import AddressSpace, LayerTarget, Snapshot, compute_merged, install, merge_in_place
 from .merge_math import Scratch, compute_device, scratch_bytes, sums_in_output
@@ -84,7 +84,7 @@ class _LayerLoop:
 
     Cache hits are taken first; the misses are then built through one output buffer
     that a writer thread streams to the vault as it fills (see
-    :mod:`lora_cache.handoff`): the block workers sum layer i's row blocks into it in
+    :mod:`hostmem.vault.handoff`): the block workers sum layer i's row blocks into it in
     order, the writer puts each finished stretch on disk while the rest is summed, and
     layer i+1's blocks reuse each stretch once layer i has written it. Before a layer is
     summed, the kernel is asked to read the next one's base in (a cold page cache then

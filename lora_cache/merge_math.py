@@ -328,7 +328,7 @@ def merged_weight(
     pool (torch releases the GIL); the bytes do not depend on it.
 
     For a caller that streams ``out`` to disk while it is computed (see
-    :mod:`lora_cache.handoff`), ``out`` must be contiguous: ``claim(end)`` is called
+    :mod:`hostmem.vault.handoff`), ``out`` must be contiguous: ``claim(end)`` is called
     before a block writes ``out``'s bytes up to ``end`` (and may wait until they are
     free), and ``publish(end)`` once bytes ``[0, end)`` of ``out`` are final, in order.
     """

@@ -27,8 +27,8 @@ from .layers import AddressSpace, LayerTarget, components_of, is_merged, named_p
 from .merge_math import compute_device
 from .shared_build import DEFAULT_TIMEOUT, build_shares, check_rank_timeout
 from .switch import DISABLE_ENV, cache_disabled_by_env
-from .vault import CacheKey, Vault, cache_key, default_cache_root
-from .vault.safety import root_is_read_only
+from hostmem.vault import CacheKey, Vault, cache_key, default_cache_root
+from hostmem.vault.safety import root_is_read_only
 
 __all__ = [
     "CacheBuildError",
@@ -229,7 +229,7 @@ class OpenCombination(NamedTuple):
 
     key: str  # the combination's key, hex
     root: str  # the cache root whose vault serves it
-    session: object  # lora_cache.vault.VaultSession
+    session: object  # hostmem.vault.VaultSession
 
 
 def open_combination(planned, specs, cache_root=None, *, max_size=None, base_files=None, device=None,

@@ -67,7 +67,7 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
     from .keys import ModuleIndex, plan_deltas
     from .kernels import plan_kernels
     from .orchestrate import combination_key
-    from .vault import Vault
+    from hostmem.vault import Vault
 
     infos, holder = {}, {}
     for path in shard_paths:

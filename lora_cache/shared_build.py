@@ -16,7 +16,7 @@ vault, without being asked) splits the work instead:
    ``merge`` then maps every layer read-only, as it always does;
 3. on a miss, the host's missing layers are split into disjoint shares balanced by
    bytes, and each rank builds its share in parallel through a share session of the
-   vault (:mod:`lora_cache.vault.shares`), without installing anything;
+   vault (:mod:`hostmem.vault.shares`), without installing anything;
 4. the ranks meet again; the lowest rank records every share's layers as verified
    (each writer checksummed them as it wrote them), the ranks meet once more, and
    ``merge`` opens the vault as usual: each rank adopts the layer files without reading
@@ -44,12 +44,12 @@ from hostmem.units import format_size
 
 from .layer_loop import CacheBuildError, MergeStats, merge_layers
 from .layers import AddressSpace, LayerTarget
-from .vault import Vault, VaultError
-from .vault.adoption import shape_dtype_problem
-from .vault.layer_file import layer_file_name
-from .vault.manifest import ManifestError, read_manifest
-from .vault.session import say
-from .vault.shares import open_share, vouch_for
+from hostmem.vault import Vault, VaultError
+from hostmem.vault.adoption import shape_dtype_problem
+from hostmem.vault.layer_file import layer_file_name
+from hostmem.vault.manifest import ManifestError, read_manifest
+from hostmem.vault.session import say
+from hostmem.vault.shares import open_share, vouch_for
 
 __all__ = ["DEFAULT_TIMEOUT", "ShareOutcome", "build_shares", "check_rank_timeout", "split_by_bytes", "probe"]
 

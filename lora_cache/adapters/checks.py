@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from ..vault.content_hash import stamp_of
+from hostmem.vault.content_hash import stamp_of
 from .spec import AdapterError
 
 __all__ = ["FiniteCheck", "check_before_use", "check_change", "check_finite", "forget_checked"]

@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from ..vault.durable import durable_write
+from hostmem.vault.durable import durable_write
 
 __all__ = ["WISDOM_FILE", "Wisdom", "machine"]
 

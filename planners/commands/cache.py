@@ -52,8 +52,8 @@ def register(subparsers) -> None:
 
 
 def _cache(args) -> tuple[str, str | None]:
-    from lora_cache.vault import default_cache_root
-    from lora_cache.vault.admin import existing_cache_dir
+    from hostmem.vault import default_cache_root
+    from hostmem.vault.admin import existing_cache_dir
 
     if args.root is not None:
         _check_given_root(args.root)
@@ -126,7 +126,7 @@ def _differences(combos) -> dict[str, str]:
 
 
 def run_ls(args) -> int:
-    from lora_cache.vault.combinations import list_combinations
+    from hostmem.vault.combinations import list_combinations
 
     root, cache = _cache(args)
     combos = list_combinations(cache) if cache else []
@@ -154,7 +154,7 @@ def run_ls(args) -> int:
 
 
 def run_verify(args) -> int:
-    from lora_cache.vault.admin import verify_all
+    from hostmem.vault.admin import verify_all
 
     root, cache = _cache(args)
     if cache is None:
@@ -181,7 +181,7 @@ def run_verify(args) -> int:
 
 
 def run_prune(args) -> int:
-    from lora_cache.vault.admin import prune
+    from hostmem.vault.admin import prune
 
     root, cache = _cache(args)
     max_size = None if args.max_size is None else parse_size(args.max_size)
@@ -194,7 +194,7 @@ def run_prune(args) -> int:
 
 
 def run_rm(args) -> int:
-    from lora_cache.vault.admin import remove
+    from hostmem.vault.admin import remove
 
     root, cache = _cache(args)
     if cache is None:

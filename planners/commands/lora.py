@@ -105,7 +105,7 @@ def _interrupted_line(exc: KeyboardInterrupt) -> str:
 def run_merge(args) -> int:
     from lora_cache import CacheBuildError, merge
     from lora_cache.layers import checkpoint_module
-    from lora_cache.vault.combinations import CACHE_DIR
+    from hostmem.vault.combinations import CACHE_DIR
     from planners.checkpoint import checkpoint_files
     from planners.config import load_config
 

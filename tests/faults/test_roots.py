@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from lora_cache.vault import VaultError
+from hostmem.vault import VaultError
 from tests.conftest import run_python
 from tests.faults.world import (
     LAYERS,
@@ -194,7 +194,7 @@ def test_sigterm_during_hostmem_lora_merge_exits_130_and_the_next_start_resumes(
             f"lora:\n  adapters: [{{path: {world.adapter}}}]\n  cache: {{roots: [{world.path('root')}]}}\n"
         )
     code = (
-        "import sys, time, lora_cache.vault.session as s\n"
+        "import sys, time, hostmem.vault.session as s\n"
         "real = s.write_layer\n"
         "def slow(*a, **k):\n    print('writing', flush=True)\n    time.sleep(0.4)\n    return real(*a, **k)\n"
         "s.write_layer = slow\n"  # each layer takes a while, so the signal lands mid-build

@@ -9,12 +9,12 @@ import time
 import pytest
 import torch
 
-from lora_cache.handoff import Handoff, HandoffCancelled
+from hostmem.vault.handoff import Handoff, HandoffCancelled
 from lora_cache.kernels import block_workers
 from lora_cache.merge_math import BF16_ADDMM, FP32_ROWS, Delta, Scratch, host_buffer, merged_weight, sums_in_output
-from lora_cache.vault import Vault, cache_key
-from lora_cache.vault.durable import TMP_PREFIX
-from lora_cache.vault.layer_file import data_crc32
+from hostmem.vault import Vault, cache_key
+from hostmem.vault.durable import TMP_PREFIX
+from hostmem.vault.layer_file import data_crc32
 
 SHAPE = (2600, 4099)  # 20.3 MiB of bf16: two stretches and a tail; rows not a whole page
 

@@ -20,7 +20,7 @@ from lora_cache.adapters import as_adapter, read_adapter
 from lora_cache.layers import AddressSpace, checkpoint_module, module_tree
 from lora_cache.orchestrate import MERGE_POLICY, combination_key
 from lora_cache.switch import DISABLE_ENV
-from lora_cache.vault import Vault, VaultSession
+from hostmem.vault import Vault, VaultSession
 from planners.cli import main
 from tests.conftest import run_python, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter

@@ -87,7 +87,7 @@ def test_from_checkpoint_sizes_the_targets_from_headers_and_sees_a_built_cache(t
 def test_lora_cache_imports_nothing_from_planners():
     done = run_python(
         """
-        import sys, lora_cache, lora_cache.provider, lora_cache.vault
+        import sys, lora_cache, lora_cache.provider, hostmem.vault
         print(sorted(m for m in sys.modules if m == "planners" or m.startswith("planners.")))
         """
     )
@@ -99,7 +99,7 @@ def test_the_offer_counts_layer_files_as_the_vault_writes_them():
     import torch
 
     from lora_cache.provider import LAYER_FILE_OVERHEAD
-    from lora_cache.vault import layer_file_bytes
+    from hostmem.vault import layer_file_bytes
 
     assert layer_file_bytes((0,), torch.uint8) == LAYER_FILE_OVERHEAD
     assert layer_file_bytes((1024, 64), torch.bfloat16) == LAYER_FILE_OVERHEAD + 1024 * 64 * 2

@@ -13,10 +13,10 @@ from safetensors import safe_open
 
 from hostmem.procfs import filesystem_of
 from hostmem.safetensors_map import read_header, tensor_bytes
-from lora_cache.crc32 import crc32_of
-from lora_cache.vault import Vault, VaultError, cache_key
-from lora_cache.vault.admin import verify_combination
-from lora_cache.vault.layer_file import data_crc32, layer_file_name
+from hostmem.crc32 import crc32_of
+from hostmem.vault import Vault, VaultError, cache_key
+from hostmem.vault.admin import verify_combination
+from hostmem.vault.layer_file import data_crc32, layer_file_name
 from tests.conftest import run_python, transparent_huge_pages, vma_holding
 
 SHAPE = (64, 48)
@@ -80,7 +80,7 @@ def test_put_returns_a_view_of_the_file_it_wrote(tmp_path):
 def test_a_write_into_a_served_view_faults_instead_of_copying(tmp_path):
     code = """
         import sys, torch
-        from lora_cache.vault import Vault, cache_key
+        from hostmem.vault import Vault, cache_key
         key = cache_key({"shards": []}, [], "float32", "ro")
         with Vault(sys.argv[1]).open(key) as session:
             view = session.put("w", torch.ones(256, 256))

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from hostmem.safetensors_map import read_header
-from lora_cache.vault import Vault, adapter_identity, cache_key
-from lora_cache.vault.locks import KeyLock
-from lora_cache.vault.layer_file import layer_file_name
+from hostmem.vault import Vault, adapter_identity, cache_key
+from hostmem.vault.locks import KeyLock
+from hostmem.vault.layer_file import layer_file_name
 from planners.cli import main
 from tests.conftest import write_safetensors
 
@@ -23,7 +23,7 @@ def build(root, tag: str, tmp_path, count=2):
     seed = float(sum(tag.encode()))  # a different tag is different content, hence another key
     shard = write_safetensors(tmp_path / f"{tag}-dit.safetensors", {"w": torch.full((2,), seed)})
     lora = write_safetensors(tmp_path / f"{tag}-turbo.safetensors", {"a": torch.ones(2)})
-    from lora_cache.vault import base_identity
+    from hostmem.vault import base_identity
 
     key = cache_key(base_identity([shard]), [adapter_identity(lora, 0.8, None)], "bfloat16", "fp32-sum")
     layers = {f"blocks.{i}.w": torch.randn(32, 32) for i in range(count)}
@@ -130,7 +130,7 @@ def test_prune_removes_interrupted_builds_and_then_lru_beyond_max_size(tmp_path,
 HOLDER = textwrap.dedent(
     """
     import sys
-    from lora_cache.vault import Vault
+    from hostmem.vault import Vault
     with Vault(sys.argv[1]).open(sys.argv[2]):
         print("holding", flush=True)
         sys.stdin.read()
@@ -195,7 +195,7 @@ def test_ls_shows_the_inputs_that_differ_between_combinations_that_look_alike(tm
         os.mkdir(tmp_path / version)
         shard = write_safetensors(tmp_path / version / "dit.safetensors", {"w": torch.full((2,), float(len(keys)))})
         lora = write_safetensors(tmp_path / version / "turbo.safetensors", {"a": torch.ones(2)})
-        from lora_cache.vault import base_identity
+        from hostmem.vault import base_identity
 
         key = cache_key(base_identity([shard]), [adapter_identity(lora, 0.8, None)], "bfloat16", "fp32-sum")
         with Vault(root).open(key, {"blocks.0.w": ((4, 4), torch.float32)}) as session:

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from lora_cache.vault import Vault, cache_key
-from lora_cache.vault.admin import verify_all
+from hostmem.vault import Vault, cache_key
+from hostmem.vault.admin import verify_all
 
 KEY = cache_key({"shards": []}, [], "float32", "concurrency")
 
@@ -22,7 +22,7 @@ KEY = cache_key({"shards": []}, [], "float32", "concurrency")
 BUILDER = textwrap.dedent(
     """
     import ctypes, hashlib, json, os, sys, time, torch
-    from lora_cache.vault import Vault, cache_key
+    from hostmem.vault import Vault, cache_key
     root, go_file, delay, count, big = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     release = sys.argv[6]  # when set: once the lock is ours, say so and hold it until this file exists
     key = cache_key({"shards": []}, [], "float32", "concurrency")

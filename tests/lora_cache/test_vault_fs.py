@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from lora_cache.vault.durable import DIRECT_ALIGN, open_tmp, write_uncached
+from hostmem.vault.durable import DIRECT_ALIGN, open_tmp, write_uncached
 
 PAGE = DIRECT_ALIGN
 

@@ -13,16 +13,16 @@ import os
 
 import torch
 
-from lora_cache.vault import Vault
-from lora_cache.vault.combinations import list_combinations
-from lora_cache.vault.manifest import MANIFEST_NAME
+from hostmem.vault import Vault
+from hostmem.vault.combinations import list_combinations
+from hostmem.vault.manifest import MANIFEST_NAME
 from tests.conftest import run_python
 from tests.lora_cache.test_vault import SHAPE, build, expected_of, folder_of, key_for, layers
 
 _SESSION = r"""
 import json, os, sys
 import torch
-from lora_cache.vault import Vault, cache_key
+from hostmem.vault import Vault, cache_key
 
 root, count, touch = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "touch"
 key = cache_key({"shards": ["base"]}, [], "bfloat16", "hit")

@@ -12,9 +12,9 @@ import torch
 
 from hostmem import load_readonly
 
-from lora_cache.vault import Vault
-from lora_cache.vault.content_hash import PIECE_BYTES, ContentHashMemo, file_digest
-from lora_cache.vault.identity import FORMAT_VERSION, adapter_identity, base_identity, cache_key
+from hostmem.vault import Vault
+from hostmem.vault.content_hash import PIECE_BYTES, ContentHashMemo, file_digest
+from hostmem.vault.identity import FORMAT_VERSION, adapter_identity, base_identity, cache_key
 from tests.conftest import run_python, write_safetensors
 
 
@@ -191,8 +191,8 @@ def test_the_on_disk_memo_spares_a_new_process_the_rehash(tmp_path):
         assert json.load(handle)["files"][f"{st.st_dev}:{st.st_ino}"]["digest"] == digest
     code = """
         import sys
-        from lora_cache.vault import Vault
-        from lora_cache.vault.content_hash import CONTENT_HASH_MEMO as memo
+        from hostmem.vault import Vault
+        from hostmem.vault.content_hash import CONTENT_HASH_MEMO as memo
         identity = Vault(sys.argv[1]).adapter_identity(sys.argv[2], 1.0, None)
         print(identity["sha256"], memo.computed, memo.hits)
     """

@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from lora_cache.vault import Vault, VaultError
-from lora_cache.vault.combinations import lock_path
-from lora_cache.vault.locks import KeyLock
-from lora_cache.vault import verification
-from lora_cache.vault.shares import open_share, share_lock_path, vouch_for
+from hostmem.vault import Vault, VaultError
+from hostmem.vault.combinations import lock_path
+from hostmem.vault.locks import KeyLock
+from hostmem.vault import verification
+from hostmem.vault.shares import open_share, share_lock_path, vouch_for
 from tests.lora_cache.test_vault import expected_of, key_for, layers
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import lora_cache
-from lora_cache.vault import Vault, VaultError, cache_key
-from lora_cache.vault.admin import prune, remove
+from hostmem.vault import Vault, VaultError, cache_key
+from hostmem.vault.admin import prune, remove
 from tests.conftest import write_safetensors
 from tests.lora_cache.test_adapters import lora_change, write_adapter
 
@@ -67,7 +67,7 @@ def test_least_recently_used_combinations_go_beyond_max_size(tmp_path):
 HOLDER = textwrap.dedent(
     """
     import sys
-    from lora_cache.vault import Vault
+    from hostmem.vault import Vault
     with Vault(sys.argv[1]).open(sys.argv[2]) as session:
         print("holding", flush=True)
         sys.stdin.read()
@@ -203,7 +203,7 @@ def test_layers_beyond_the_expected_ones_stop_when_the_room_is_spent(tmp_path):
 FSIZE_CHILD = textwrap.dedent(
     """
     import os, resource, signal, sys, torch
-    from lora_cache.vault import Vault, cache_key
+    from hostmem.vault import Vault, cache_key
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
     key = cache_key({"shards": []}, [], "float32", "fsize")

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 
-from lora_cache.vault.layer_file import layer_file_name
+from hostmem.vault.layer_file import layer_file_name
 from tests.conftest import run_python
 from tests.faults.world import LAYERS, combination_folder, make_world, start
 
 COUNTING_START = """
 import sys
-import lora_cache, lora_cache.vault.verification as v
+import lora_cache, hostmem.vault.verification as v
 from lora_cache.layers import checkpoint_module
 read = []
 real = v.data_crc32

@@ -72,7 +72,7 @@ def cached_combination(root) -> str:
     """A real sealed combination of two layers under ``root``; its key."""
     import torch
 
-    from lora_cache.vault import Vault
+    from hostmem.vault import Vault
 
     key = "ab" * 32
     layers = {f"blocks.{i}.w": torch.randn(16, 16) for i in range(2)}

@@ -5,7 +5,7 @@ a sha256 over a canonical JSON of: the format version, each base shard's content
 digest (the shards that hold the merged weights, in digest order), each adapter's
 content digest with its strength and alpha override and whatever the caller adds, the
 target dtype and the merge policy. Digests cover every byte of a file
-(:mod:`lora_cache.vault.content_hash`), so any change anywhere changes the key,
+(:mod:`hostmem.vault.content_hash`), so any change anywhere changes the key,
 whatever the timestamps say, while a touched, copied, moved or freshly unpacked file
 keeps it (a cache baked into an image is found on another host). Paths, sizes and
 mtimes are recorded for people (``hostmem cache ls``) but stay out of the key.

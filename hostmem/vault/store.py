@@ -1,6 +1,6 @@
 """A cache root: where combinations are opened, from a writable root or a read-only one.
 
-The store's contract is in the package docstring (:mod:`lora_cache.vault`).
+The store's contract is in the package docstring (:mod:`hostmem.vault`).
 """
 
 from __future__ import annotations

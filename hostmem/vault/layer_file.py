@@ -14,7 +14,7 @@ The content checksum is there to catch corruption (a torn write, a bad block, a 
 changed behind the cache's back), not an adversary: the cache folder is private and
 owner-checked. CRC-32 catches every burst up to 32 bits and random damage with odds of
 2^-32 of missing it, at over 20 GiB/s on one core with ISA-L and 4-5 GiB/s with zlib
-(sha256: under 2); see :mod:`lora_cache.crc32`.
+(sha256: under 2); see :mod:`hostmem.crc32`.
 
 Reading and checking a layer file needs no torch (``hostmem cache`` imports this module
 and must start light); only writing one does, and imports it then.
@@ -35,7 +35,7 @@ from math import prod
 from hostmem.safetensors_header import SafetensorsError, read_header
 
 from ..crc32 import crc32
-from ..handoff import Handoff
+from .handoff import Handoff
 from .content_hash import read_chunks
 from .durable import discard, open_tmp, seal, write_all, write_uncached
 from .safety import VaultError, check_not_symlink
@@ -119,7 +119,7 @@ def _header_bytes(name: str, dtype: str, shape: tuple[int, ...], nbytes: int, ch
 
 
 class _Crc32:
-    """A running CRC-32, fed in order (see :func:`lora_cache.crc32.crc32`)."""
+    """A running CRC-32, fed in order (see :func:`hostmem.crc32.crc32`)."""
 
     def __init__(self):
         self.value = 0
@@ -201,11 +201,11 @@ def write_layer(folder: str, name: str, merged: torch.Tensor, crc32: int | None 
     """Write ``merged`` as the sealed layer file of ``name`` in ``folder``; return its entry.
 
     The data goes in first (its whole pages with O_DIRECT when ``merged`` starts on a
-    page and the filesystem allows: see :func:`~lora_cache.vault.durable.write_uncached`),
+    page and the filesystem allows: see :func:`~hostmem.vault.durable.write_uncached`),
     checksummed as it is written unless ``crc32``, the CRC-32 of its bytes
-    (:func:`lora_cache.crc32.crc32_of`), is given; then the header with the checksum over
+    (:func:`hostmem.crc32.crc32_of`), is given; then the header with the checksum over
     a same-length placeholder; then fsync and rename (the folder is fsynced once, with the
-    manifest). With a ``handoff`` (see :mod:`lora_cache.handoff`), ``merged`` is a
+    manifest). With a ``handoff`` (see :mod:`hostmem.vault.handoff`), ``merged`` is a
     contiguous CPU buffer still being computed: its bytes are written as they are
     published. On any error the temporary file is removed and the error is raised.
     """

@@ -1,6 +1,6 @@
 """Sessions: one open combination of the vault, its gets and puts, and its seal.
 
-The store's contract is in the package docstring (:mod:`lora_cache.vault`).
+The store's contract is in the package docstring (:mod:`hostmem.vault`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from hostmem.safetensors_map import SafetensorsError
 
-from ..handoff import Handoff
+from .handoff import Handoff
 from .adoption import drop_folder, shape_dtype_problem
 from .durable import remove_tree
 from .layer_file import LayerEntry, layer_file_bytes, write_layer
@@ -170,12 +170,12 @@ class VaultSession:
         """Write ``merged`` as layer ``name`` durably; return a read-only mapped view of it.
 
         ``crc32``, the CRC-32 of ``merged``'s bytes, may be given when the caller took it
-        already (:func:`lora_cache.crc32.crc32_of`); it is recorded as is (a wrong one
+        already (:func:`hostmem.crc32.crc32_of`); it is recorded as is (a wrong one
         makes ``hostmem cache verify`` report the layer). Otherwise it is taken as the
         bytes are written. With a ``handoff``, ``merged`` is the buffer a merge is still
         computing: its bytes are written as the handoff publishes them, and every byte is
         released back to the merge when the put ends, however it ends (see
-        :mod:`lora_cache.handoff`).
+        :mod:`hostmem.vault.handoff`).
 
         Returns None when it cannot (no room, a write error): nothing partial stays on
         disk, ``last_error`` says why (``space`` has the numbers), and later puts of this

@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import lora_cache.crc32 as crc32_module
-from lora_cache.crc32 import PIECE_BYTES, crc32, crc32_combine, crc32_of
+import hostmem.crc32 as crc32_module
+from hostmem.crc32 import PIECE_BYTES, crc32, crc32_combine, crc32_of
 
 
 @pytest.mark.parametrize("first, second", [(0, 7), (7, 0), (1, 1), (3, 1000), (4096, 12345), (100, PIECE_BYTES)])
