@@ -3,10 +3,14 @@
 Prints three ratios, each against a baseline measured in the same run:
 
 - identity hash rate / raw sequential read of the same file (cold page cache for
-  both: the file's pages are dropped with ``posix_fadvise(DONTNEED)`` before each);
-  the issue asks >= 0.8;
+  both: the file's pages are dropped with ``posix_fadvise(DONTNEED)`` before each),
+  the median of three rounds, each a raw read then a hash (a virtual disk's rate swings
+  from minute to minute, so each hash is compared with the read just before it); the
+  issue asks >= 0.8;
 - a start on an unchanged base with a complete cache / a start without LoRA (the
-  checkpoint mapped, nothing merged); <= 1.05;
+  checkpoint mapped, nothing merged), each from launching a fresh process to ready (one
+  pass over every weight, as streaming them to a GPU reads them: ``bench_lora``'s start),
+  the best of three in turns after one untimed round of each; <= 1.05;
 - a first start on a copied base with the cache baked into a read-only root / a build
   of the same cache; <= 0.3. The read-only root is a read-only bind mount where the
   machine allows one, else a folder this run cannot write (as a non-root user).
@@ -31,10 +35,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import lora_cache  # noqa: E402
+from bench_lora import scenario  # noqa: E402
 from common import report, set_workdir_for_machine  # noqa: E402
 from hostmem.units import format_rate, format_size, parse_size  # noqa: E402
 from lora_cache.layers import checkpoint_module  # noqa: E402
-from hostmem.vault.content_hash import file_digest  # noqa: E402
+from hostmem.vault.content_hash import file_digest, hash_name  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 
@@ -62,6 +67,17 @@ def timed(call) -> float:
     started = time.perf_counter()
     call()
     return time.perf_counter() - started
+
+
+def hash_against_read(path: str, rounds: int = 3) -> tuple[float, float]:
+    """(raw read seconds, hash seconds) of the round with the median ratio of the two."""
+    pairs = []
+    for _ in range(rounds):
+        drop_cache(path)
+        raw = raw_read(path)
+        drop_cache(path)
+        pairs.append((raw, timed(lambda: file_digest(path))))
+    return sorted(pairs, key=lambda pair: pair[0] / pair[1])[len(pairs) // 2]
 
 
 def make_inputs(folder: str, size: int, layers: int) -> tuple[str, str]:
@@ -94,6 +110,20 @@ def start(base: str, adapter: str | None, roots) -> float:
     return seconds
 
 
+def process_starts(base: str, adapter: str, root: str) -> tuple[float, float]:
+    """``(hit, without LoRA)``: the best launch-to-ready seconds of fresh processes started
+    in turns, the first round untimed (it fills the page cache as a server's first start
+    would)."""
+    best = {"hit": float("inf"), "base": float("inf")}
+    for round_ in range(4):
+        for kind, extra in (("base", {}), ("hit", {"adapter": adapter, "root": root})):
+            spawned = time.time()
+            run = scenario("start", shards=[base], **extra)
+            if round_:
+                best[kind] = min(best[kind], run["ready_at"] - spawned)
+    return best["hit"], best["base"]
+
+
 def read_only(path: str, scratch: str) -> tuple[str, callable]:
     """``path`` as a read-only root, and how to undo it."""
     point = os.path.join(scratch, "ro")
@@ -117,16 +147,12 @@ def main() -> int:
     try:
         set_workdir_for_machine(scratch)
         base, adapter = make_inputs(scratch, size, layers)
-        drop_cache(base)
-        raw = raw_read(base)
-        drop_cache(base)
-        hashed = timed(lambda: file_digest(base))
+        raw, hashed = hash_against_read(base)
         size = os.path.getsize(base)
 
         root = os.path.join(scratch, "root")
         built = start(base, adapter, root)  # a build (the base's digest is memoised from here on)
-        no_lora = min(start(base, None, None) for _ in range(3))
-        hit = min(start(base, adapter, root) for _ in range(3))
+        hit, no_lora = process_starts(base, adapter, root)
 
         copy_folder = os.path.join(scratch, "host")
         os.mkdir(copy_folder)
@@ -139,12 +165,12 @@ def main() -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     report("identity", [
-        f"identity hash: {format_rate(size / hashed)}, raw read: {format_rate(size / raw)} "
-        f"({format_size(size)}): ratio {raw / hashed:.2f} (>= 0.8)",
+        f"identity hash ({hash_name()}): {format_rate(size / hashed)}, raw read: {format_rate(size / raw)} "
+        f"({format_size(size)}, median of 3 rounds): ratio {raw / hashed:.2f} (>= 0.8)",
         f"start with a complete cache {hit:.2f} s / without LoRA {no_lora:.2f} s: ratio {hit / no_lora:.2f} (<= 1.05)",
         f"first start on a copied base, cache baked read-only {first:.2f} s / a build {built:.2f} s: "
         f"ratio {first / built:.2f} (<= 0.3)",
-    ], {"base_bytes": size, "hash_s": hashed, "raw_read_s": raw, "hash_to_read": raw / hashed,
+    ], {"base_bytes": size, "hash": hash_name(), "hash_s": hashed, "raw_read_s": raw, "hash_to_read": raw / hashed,
         "hit_start_s": hit, "no_lora_start_s": no_lora, "hit_to_no_lora": hit / no_lora,
         "baked_first_start_s": first, "build_s": built, "baked_to_build": first / built})
     return 0

@@ -17,7 +17,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 
-from .durable import TMP_PREFIX, discard, free_bytes, is_running, remove_tree, writer_of
+from .durable import TMP_PREFIX, free_bytes, remove_if_abandoned, remove_tree
 from .locks import KeyLock, lock_is_held
 from .safety import VaultError, make_private_dir
 from .manifest import ManifestError, last_used, read_manifest
@@ -235,30 +235,28 @@ def cache_bytes(cache: str, exclude: str | None = None) -> int:
     return total
 
 
-def _dead_temporaries(folder: str) -> list[str]:
-    """Temporary files in ``folder`` whose writer is no longer running."""
-    found = []
+def _sweep_folder(folder: str) -> int:
+    """Remove the temporary files in ``folder`` that no writer holds; how many went."""
     with os.scandir(folder) as entries:
-        for entry in entries:
-            pid = writer_of(entry.name)
-            if pid is not None and pid != os.getpid() and not is_running(pid):
-                found.append(entry.path)
-    return found
+        found = [entry.path for entry in entries if entry.name.startswith(TMP_PREFIX)]
+    return sum(remove_if_abandoned(path) for path in found)
 
 
 def sweep_dead_temporaries(cache: str) -> int:
     """Remove the temporary files of writers that died, anywhere under the cache.
 
-    A combination folder is swept only while nobody holds its key's lock: a writer in
-    another pid namespace (a container sharing the disk) looks dead from here, but it
-    holds the lock while it writes. Returns how many files went.
+    A writer is alive while it holds its temporary file's lock (see
+    :mod:`hostmem.vault.durable`), which the kernel keeps across pid namespaces and
+    drops when the writer dies; the pid in the name decides nothing. A combination
+    folder whose key lock is held is not even looked into: its session is writing
+    there. Other folders (a provider's records, such as ``conversions/``) are swept the
+    same way. Returns how many files went.
     """
-    removed = _dead_temporaries(cache)
+    removed = _sweep_folder(cache)
     for name in os.listdir(cache):
         folder = os.path.join(cache, name)
-        if is_key(name) and os.path.isdir(folder) and not os.path.islink(folder):
-            if not lock_is_held(lock_path(cache, name), shared_too=False):
-                removed += _dead_temporaries(folder)
-    for path in removed:
-        discard(path)
-    return len(removed)
+        if not os.path.isdir(folder) or os.path.islink(folder):
+            continue
+        if not is_key(name) or not lock_is_held(lock_path(cache, name), shared_too=False):
+            removed += _sweep_folder(folder)
+    return removed

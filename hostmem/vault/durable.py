@@ -2,17 +2,25 @@
 
 Files are written to a temporary name in their final folder, fsynced, renamed, and
 the folder fsynced (a rename is atomic; the folder fsync makes it durable), so a crash
-at any instant never leaves a torn file under a name the cache serves. Temporary
-names carry the writer's pid (``.tmp-<pid>-<random>``), so a later start can tell a
-dead writer's leftovers from a live one's work.
+at any instant never leaves a torn file under a name the cache serves.
+
+A later start must tell a dead writer's leftovers from a live one's work, including a
+writer in another pid namespace (a container sharing the root), where no pid means
+anything. So liveness is a kernel fact: the writer holds an exclusive flock on its
+temporary file from creating it until it is renamed into place, and the kernel drops
+that lock when the writer dies, however it dies. A sweep removes a temporary file only
+when it takes that lock without waiting (:func:`remove_if_abandoned`). The pid in the
+name (``.tmp-<pid>-<random>``) is for people only.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import os
 import shutil
+import stat
 
 __all__ = [
     "TMP_PREFIX",
@@ -22,9 +30,8 @@ __all__ = [
     "write_uncached",
     "DIRECT_ALIGN",
     "tmp_path_in",
-    "writer_of",
-    "is_running",
     "open_tmp",
+    "remove_if_abandoned",
     "seal",
     "discard",
     "durable_write",
@@ -148,52 +155,95 @@ def tmp_path_in(folder: str, suffix: str = "") -> str:
     return os.path.join(folder, f"{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}{suffix}")
 
 
-def writer_of(name: str) -> int | None:
-    """The pid a temporary file name carries (``.tmp-<pid>-<random>``), or None."""
-    if not name.startswith(TMP_PREFIX):
-        return None
-    pid = name[len(TMP_PREFIX):].split("-", 1)[0]
-    return int(pid) if pid.isdigit() else None
-
-
-def is_running(pid: int) -> bool:
-    """Whether a process ``pid`` exists (in this pid namespace)."""
+def _same_file(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (not removed, not replaced)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        named = os.lstat(path)
+    except FileNotFoundError:
         return False
-    except PermissionError:
-        return True
-    return True
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
 def open_tmp(folder: str, suffix: str = "") -> tuple[int, str]:
-    """Create a new 0600 temporary file in ``folder``; never through a symlink."""
-    path = tmp_path_in(folder, suffix)
+    """Create a new 0600 temporary file in ``folder``, never through a symlink, and hold
+    its writer's lock (see the module docstring) until :func:`seal` or ``os.close``.
+
+    A sweep may take the lock in the instant between creating the file and locking it;
+    it removes the file while holding the lock, so once ours is granted the name is
+    checked to still be our file, and a new one is made if it is not.
+    """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    return os.open(path, flags, 0o600), path
+    while True:
+        path = tmp_path_in(folder, suffix)
+        fd = os.open(path, flags, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if _same_file(fd, path):
+                return fd, path
+        except BaseException:
+            os.close(fd)
+            discard(path)
+            raise
+        os.close(fd)
+
+
+def _open_to_probe(path: str) -> int:
+    """Open a temporary file to take its lock: for writing where allowed (NFS grants an
+    exclusive flock only on a file open for writing), else for reading."""
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        return os.open(path, os.O_RDWR | flags)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+    return os.open(path, os.O_RDONLY | flags)
+
+
+def remove_if_abandoned(path: str) -> bool:
+    """Remove the temporary file ``path`` if no writer holds its lock; True if it went.
+
+    The lock is taken without waiting and held while the file is unlinked, so a writer
+    that just created it learns it lost the name (see :func:`open_tmp`). A file that is
+    gone, not a regular file, or cannot be opened at all is left alone.
+    """
+    try:
+        fd = _open_to_probe(path)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held (EWOULDBLOCK): its writer is alive; or a filesystem without flock
+        os.close(fd)
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or not _same_file(fd, path):
+            return False
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def seal(fd: int, tmp: str, final: str, sync_dir: bool = True) -> None:
-    """fsync, close, rename into place and fsync the folder: the file is now durable.
+    """fsync, rename into place, close and fsync the folder: the file is now durable.
 
-    ``sync_dir=False`` leaves the folder's fsync to a later seal in the same folder (the
-    manifest's): the file's data is on disk before its name, so a crash in between can
-    lose the name, never serve a torn file. On any failure the temporary file is
-    removed, so nothing partial stays behind.
+    The rename comes before the close, so the writer's lock covers the temporary name
+    for as long as it exists. ``sync_dir=False`` leaves the folder's fsync to a later
+    seal in the same folder (the manifest's): the file's data is on disk before its
+    name, so a crash in between can lose the name, never serve a torn file. On any
+    failure the temporary file is removed, so nothing partial stays behind.
     """
     try:
         os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        discard(tmp)
-        raise
-    os.close(fd)
-    try:
         os.rename(tmp, final)
     except BaseException:
         discard(tmp)
+        os.close(fd)
         raise
+    os.close(fd)
     if sync_dir:
         fsync_dir(os.path.dirname(final))
 

@@ -2,8 +2,8 @@
 
 A cached merge is only correct for exactly the inputs it was built from. The key is
 a sha256 over a canonical JSON of: the format version, each base shard's content
-digest (the shards that hold the merged weights, in digest order), each adapter's
-content digest with its strength and alpha override and whatever the caller adds, the
+digest (``blake3:<hex>``: it names its algorithm; the shards that hold the merged
+weights, in digest order), each adapter's content digest with its strength and alpha override and whatever the caller adds, the
 target dtype and the merge policy. Digests cover every byte of a file
 (:mod:`hostmem.vault.content_hash`), so any change anywhere changes the key,
 whatever the timestamps say, while a touched, copied, moved or freshly unpacked file
@@ -28,7 +28,7 @@ __all__ = [
     "adapter_identity",
 ]
 
-FORMAT_VERSION = 3  # 3: inputs by whole-content digest; 2: layer files carry a CRC-32 of their data
+FORMAT_VERSION = 4  # 4: input digests name their algorithm (BLAKE3); 3: inputs by whole-content sha256; 2: layer CRC-32
 # Fields that say where a file's content came from; its digest stands for them, so the
 # same file at another path (or copied, or touched) hits the same cache.
 _LOCATION_FIELDS = frozenset({"path", "size", "mtime_ns"})
@@ -56,8 +56,8 @@ def _dtype_name(target_dtype) -> str:
 
 
 def _content_part(identity: dict, what: str, build_with: str) -> dict:
-    if "sha256" not in identity:
-        raise ValueError(f"{what} identity {identity!r} has no 'sha256'; build it with {build_with}")
+    if "digest" not in identity:
+        raise ValueError(f"{what} identity {identity!r} has no 'digest'; build it with {build_with}")
     return {k: v for k, v in identity.items() if k not in _LOCATION_FIELDS}
 
 
@@ -65,10 +65,10 @@ def _key_part_of_base(base: dict) -> dict:
     """The base's shards by content alone, where they carry a digest (from
     :func:`base_identity`); any other base description enters the key as given."""
     shards = base.get("shards") if isinstance(base, dict) else None
-    if not shards or not all(isinstance(s, dict) and "sha256" in s for s in shards):
+    if not shards or not all(isinstance(s, dict) and "digest" in s for s in shards):
         return base
     shards = [_content_part(s, "base shard", "base_identity(paths)") for s in shards]
-    return dict(base, shards=sorted(shards, key=lambda s: s["sha256"]))
+    return dict(base, shards=sorted(shards, key=lambda s: s["digest"]))
 
 
 def cache_key(
@@ -106,7 +106,7 @@ def _file_identity(path, memo_file: str | None, memo: ContentHashMemo | None) ->
     resolved = os.path.realpath(os.fspath(path))
     st = os.stat(resolved)
     digest = (memo or CONTENT_HASH_MEMO).digest(resolved, memo_file)
-    return {"path": resolved, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+    return {"path": resolved, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "digest": digest}
 
 
 def base_identity(shard_paths: list[str], memo_file: str | None = None, memo: ContentHashMemo | None = None) -> dict:
@@ -116,7 +116,7 @@ def base_identity(shard_paths: list[str], memo_file: str | None = None, memo: Co
     if not shard_paths:
         raise ValueError("base_identity: no shard paths given (expected the base checkpoint's .safetensors files)")
     shards = [_file_identity(p, memo_file, memo) for p in shard_paths]
-    return {"shards": sorted(shards, key=lambda s: (s["sha256"], s["path"]))}
+    return {"shards": sorted(shards, key=lambda s: (s["digest"], s["path"]))}
 
 
 def adapter_identity(

@@ -102,7 +102,8 @@ def _flat(value, prefix: str = "") -> dict[str, str]:
     if isinstance(value, list):
         return {k: v for i, item in enumerate(value) for k, v in _flat(item, f"{prefix}{i}.").items()}
     text = str(value)
-    return {prefix.rstrip("."): text[:12] if len(text) == 64 else text}
+    algorithm, colon, digits = text.rpartition(":")  # digests name their algorithm: "blake3:<hex>"
+    return {prefix.rstrip("."): f"{algorithm}{colon}{digits[:12]}" if len(digits) == 64 else text}
 
 
 _PEOPLE_ONLY = ("path", "mtime_ns", "size")  # recorded for people, not part of what makes a combination

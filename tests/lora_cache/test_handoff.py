@@ -20,7 +20,7 @@ SHAPE = (2600, 4099)  # 20.3 MiB of bf16: two stretches and a tail; rows not a w
 
 
 def _key(tag: str):
-    return cache_key({"shards": [{"path": f"/models/{tag}.safetensors", "sha256": tag}]}, [], "bfloat16", "handoff")
+    return cache_key({"shards": [{"path": f"/models/{tag}.safetensors", "digest": tag}]}, [], "bfloat16", "handoff")
 
 
 def _in_thread(call, *args) -> threading.Thread:

@@ -13,7 +13,7 @@ import torch
 from hostmem import load_readonly
 
 from hostmem.vault import Vault
-from hostmem.vault.content_hash import PIECE_BYTES, ContentHashMemo, file_digest
+from hostmem.vault.content_hash import ContentHashMemo
 from hostmem.vault.identity import FORMAT_VERSION, adapter_identity, base_identity, cache_key
 from tests.conftest import run_python, write_safetensors
 
@@ -133,21 +133,6 @@ def test_a_byte_changed_outside_every_sampled_page_changes_the_key(tmp_path):
     assert key(base_identity([path]), []) != key(identity, [])
 
 
-def test_the_tree_digest_covers_every_piece_and_the_size(tmp_path):
-    """Two pieces and a tail: a byte flipped in each piece changes the digest, and so does a length."""
-    path = tmp_path / "big.bin"
-    path.write_bytes(bytes(2 * PIECE_BYTES + 10))
-    digests = {file_digest(str(path))}
-    for offset in (0, PIECE_BYTES + 7, 2 * PIECE_BYTES + 9):
-        data = bytearray(2 * PIECE_BYTES + 10)
-        data[offset] = 1
-        path.write_bytes(bytes(data))
-        digests.add(file_digest(str(path)))
-    path.write_bytes(bytes(2 * PIECE_BYTES + 11))
-    digests.add(file_digest(str(path)))
-    assert len(digests) == 5
-
-
 def test_one_changed_tensor_in_a_large_shard_changes_the_key(tmp_path):
     tensors = {f"blocks.{i}.w": torch.randn(256, 1024) for i in range(16)}  # 16 MiB
     path = write_safetensors(tmp_path / "base.safetensors", tensors)
@@ -168,7 +153,7 @@ def test_a_same_size_adapter_with_the_old_mtime_is_rehashed_and_changes_the_key(
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     second = adapter_identity(path, 1.0, None, memo=memo)
     assert (first["size"], first["mtime_ns"]) == (second["size"], second["mtime_ns"])
-    assert first["sha256"] != second["sha256"] and memo.computed == 2
+    assert first["digest"] != second["digest"] and memo.computed == 2
     base = base_identity(shards(tmp_path))
     assert key(base, [first]) != key(base, [second])
 
@@ -178,14 +163,14 @@ def test_an_unchanged_adapter_is_not_rehashed_in_process(tmp_path):
     path = adapter(tmp_path)
     first = adapter_identity(path, 1.0, None, memo=memo)
     for strength in (0.5, 1.0, 2.0):
-        assert adapter_identity(path, strength, None, memo=memo)["sha256"] == first["sha256"]
+        assert adapter_identity(path, strength, None, memo=memo)["digest"] == first["digest"]
     assert (memo.computed, memo.hits) == (1, 3)
 
 
 def test_the_on_disk_memo_spares_a_new_process_the_rehash(tmp_path):
     vault = Vault(tmp_path / "root")
     path = adapter(tmp_path)
-    digest = vault.adapter_identity(path, 1.0, None)["sha256"]
+    digest = vault.adapter_identity(path, 1.0, None)["digest"]
     with open(vault.memo_file) as handle:
         st = os.stat(path)
         assert json.load(handle)["files"][f"{st.st_dev}:{st.st_ino}"]["digest"] == digest
@@ -194,7 +179,7 @@ def test_the_on_disk_memo_spares_a_new_process_the_rehash(tmp_path):
         from hostmem.vault import Vault
         from hostmem.vault.content_hash import CONTENT_HASH_MEMO as memo
         identity = Vault(sys.argv[1]).adapter_identity(sys.argv[2], 1.0, None)
-        print(identity["sha256"], memo.computed, memo.hits)
+        print(identity["digest"], memo.computed, memo.hits)
     """
     done = run_python(code, str(tmp_path / "root"), path)
     assert done.returncode == 0, done.stderr
