@@ -33,10 +33,13 @@ state carries from one to the next; the parent only writes files and compares:
   peft's merge of the same model (goals: growth <= peft's + one layer, time <= peft's).
 - the build's bound: where the arithmetic alone (the chosen kernel, timed) is slower
   than the raw write, the sum bounds the build, judged at >= 0.9 of the arithmetic's
-  rate; else the disk does, judged at >= 0.8 of the raw write (the median by round).
+  rate; else the disk does, judged at >= 0.8 of the raw write (either way the median by
+  round, against the same round's run). ``--build-only`` runs these rounds alone.
 
     flock /tmp/hostmem-bench.lock .venv/bin/python bench/bench_lora.py            # 4 GiB
     .venv/bin/python bench/bench_lora.py --quick                                   # 256 MiB smoke run
+    .venv/bin/python bench/bench_lora.py --build-only --size 1GiB                  # the build's bound alone
+    .venv/bin/python bench/bench_lora.py --start-only                              # hit start / base start alone
 """
 
 from __future__ import annotations
@@ -51,15 +54,16 @@ import time
 
 import torch
 
-from common import bench_args, save_file, workdir  # noqa: E402 (sets sys.path)
+from common import bench_args, format_size, report, save_file, workdir  # noqa: E402 (sets sys.path)
 from lora_baselines import first_starts, peft_start  # noqa: E402
-from lora_summary import summarize  # noqa: E402
+from lora_summary import summarize, summarize_build  # noqa: E402
 
 LAYERS = 48
 COLS = 5120
 RANK = 64
 SHARDS = 4
 ROUNDS = 5  # raw writes, the write path, the arithmetic and the build, in turn, in a rotating order
+BUILD_ONLY_ROUNDS = 3  # --build-only: a run in under two minutes at 1 GiB
 
 
 def write_model(folder: str, size: int) -> tuple[list[str], str]:
@@ -288,21 +292,16 @@ def disk_writes(folder: str) -> tuple[int, int] | None:
     return int(fields[4]), int(fields[6]) * 512  # writes completed, sectors written (always 512 B)
 
 
-def main() -> None:
-    args = bench_args("LoRA merge cache vs in-place merge", default_size="4GiB", quick_size="256MiB")
-    tmp = workdir(args)
-    shards, adapter = write_model(args.workdir, args.size_bytes)
-    merged = sum(os.path.getsize(s) for s in shards)
-    root = os.path.join(args.workdir, "cache")
-    os.makedirs(root, mode=0o700, exist_ok=True)
-    in_place = scenario("in_place", shards=shards, adapter=adapter, private=True)
+def build_rounds(shards: list[str], adapter: str, root: str, merged: int, rounds: int = ROUNDS) -> tuple[dict, dict]:
+    """``rounds`` rounds of the raw writes, the write path, the arithmetic and the build, each in
+    a fresh process on an empty cache: ``(runs by kind, the disk's average write request by kind)``."""
     runs = {"buffered": [], "direct": [], "write_path": [], "arithmetic": [], "build": []}
     kinds = list(runs)
     requests = {kind: [] for kind in kinds}  # the disk's average write request, bytes, per run
-    for round_ in range(ROUNDS):
-        # Each kind in every place once; the last round is in the order above, so that it
-        # ends with a build, whose combination the starts below then hit.
-        shift = (round_ + 1 - ROUNDS) % len(kinds)
+    for round_ in range(rounds):
+        # Each kind in a new place each round; the last round is in the order above, so that
+        # it ends with a build, whose combination the starts then hit.
+        shift = (round_ + 1 - rounds) % len(kinds)
         for kind in kinds[shift:] + kinds[:shift]:
             shutil.rmtree(os.path.join(root, "lora_merge_cache"), ignore_errors=True)  # each starts empty
             os.sync()  # nothing the previous run left dirty is written back during this one
@@ -319,6 +318,12 @@ def main() -> None:
             after = disk_writes(root)
             if before and after and after[0] > before[0]:
                 requests[kind].append((after[1] - before[1]) / (after[0] - before[0]))
+    return runs, requests
+
+
+def start_rounds(shards: list[str], adapter: str, root: str) -> dict:
+    """Starts without LoRA and with a cache hit, in turns, each in a fresh process: ``{kind:
+    [(launch to ready, after imports), ...]}``, the first round untimed."""
     cache_files = [os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs if f.endswith(".safetensors")]
     # Page cache warm for both, filled as a server's own first start fills it: each file
     # dropped, then one untimed start of each kind faults it in through its own mapping
@@ -332,6 +337,46 @@ def main() -> None:
             assert kind == "base" or run["stats"]["hit"] == LAYERS, run
             if round_:
                 starts[kind].append((run["ready_at"] - spawned, run["in_process_s"]))
+    return starts
+
+
+def summarize_starts(merged: int, starts: dict) -> None:
+    """``--start-only``'s figures: the best start of each kind, launch to ready and after imports."""
+    (hit_s, hit_in), (base_s, base_in) = (tuple(min(x) for x in zip(*starts[k])) for k in ("hit", "base"))
+    report("bench_lora_start", [
+        f"model: {format_size(merged)} bf16, {LAYERS} layers, rank-{RANK} adapter on every layer",
+        f"start (launch to ready, best of 3): cache hit {hit_s:.2f} s, base without LoRA {base_s:.2f} s"
+        f"  -> ratio {hit_s / base_s:.3f} (goal <= 1.05)",
+        f"  of which after imports: cache hit {hit_in:.3f} s, base {base_in:.3f} s  -> ratio {hit_in / base_in:.2f}",
+    ], {"model_bytes": merged, "hit_start_over_base_start": hit_s / base_s, "hit_over_base_after_imports":
+        hit_in / base_in, "hit_start_s": hit_s, "base_start_s": base_s, "hit_after_imports_s": hit_in,
+        "base_after_imports_s": base_in})
+
+
+def main() -> None:
+    args = bench_args("LoRA merge cache vs in-place merge", default_size="4GiB", quick_size="256MiB", switches={
+        "--build-only": "only the build rounds (build, raw writes, write path, arithmetic) and the build's bound",
+        "--start-only": "only one build, then the starts: cache hit / without LoRA"})
+    tmp = workdir(args)
+    shards, adapter = write_model(args.workdir, args.size_bytes)
+    merged = sum(os.path.getsize(s) for s in shards)
+    root = os.path.join(args.workdir, "cache")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    if args.build_only:
+        runs, requests = build_rounds(shards, adapter, root, merged, BUILD_ONLY_ROUNDS)
+        summarize_build(merged, runs, requests, LAYERS, RANK, BUILD_ONLY_ROUNDS)
+        if tmp is not None:
+            tmp.cleanup()
+        return
+    if args.start_only:
+        scenario("build", shards=shards, adapter=adapter, root=root)  # the combination the starts hit
+        summarize_starts(merged, start_rounds(shards, adapter, root))
+        if tmp is not None:
+            tmp.cleanup()
+        return
+    in_place = scenario("in_place", shards=shards, adapter=adapter, private=True)
+    runs, requests = build_rounds(shards, adapter, root, merged)
+    starts = start_rounds(shards, adapter, root)
     first = first_starts(scenario, shards, adapter, args.workdir)
     summarize(merged, in_place, runs, starts, requests, first, LAYERS, RANK, ROUNDS)
     if tmp is not None:

@@ -17,12 +17,16 @@ from hostmem.safetensors_map import save_file  # noqa: E402
 from hostmem.units import format_size, parse_size  # noqa: E402
 
 
-def bench_args(description: str, default_size: str, quick_size: str) -> argparse.Namespace:
-    """The common flags: --size, --quick (small, for a smoke run) and --workdir."""
+def bench_args(description: str, default_size: str, quick_size: str,
+               switches: dict[str, str] | None = None) -> argparse.Namespace:
+    """The common flags: --size, --quick (small, for a smoke run) and --workdir, plus a
+    benchmark's own on/off ``switches`` (flag: help)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--size", default=None, help=f"model size (default {default_size})")
     parser.add_argument("--quick", action="store_true", help=f"smoke run at {quick_size}")
     parser.add_argument("--workdir", default=None, help="where to write checkpoints (default: a temp folder)")
+    for flag, text in (switches or {}).items():
+        parser.add_argument(flag, action="store_true", help=text)
     args = parser.parse_args()
     args.size_bytes = parse_size(args.size or (quick_size if args.quick else default_size))
     return args

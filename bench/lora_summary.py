@@ -15,51 +15,104 @@ def _rates(rates: list[float]) -> str:
     return ", ".join(f"{format_size(r)}/s" for r in rates)
 
 
-def _bound(best: dict, raw_rate: float, by_round: list[float]) -> dict:
+def _bound(best: dict, raw_rate: float, by_round: list[float], by_round_sum: list[float]) -> dict:
     """Which bound holds for the build, and its ratio: the sum where the arithmetic alone
-    is slower than the raw write (judged against the fastest kernel's rate), else the disk."""
+    is slower than the raw write (judged against the fastest kernel's rate), else the disk;
+    either way the median over the rounds of the build against the same round's bound."""
     if best["arithmetic"] < raw_rate:
-        return {"build_bound": "sum", "build_over_bound": best["build"] / best["arithmetic"], "build_goal": 0.9}
+        return {"build_bound": "sum", "build_over_bound": statistics.median(by_round_sum), "build_goal": 0.9}
     return {"build_bound": "disk", "build_over_bound": statistics.median(by_round), "build_goal": 0.8}
+
+
+def build_verdict(runs: dict, requests: dict, rounds: int) -> tuple[dict, list[str], dict]:
+    """The build rounds judged: ``(ratios, lines, figures)`` (figures: the JSON's, bytes)."""
+    rates = {kind: [_rate(run) for run in found] for kind, found in runs.items()}
+    request_bytes = {kind: sum(found) / len(found) for kind, found in requests.items() if found}
+    best = {kind: max(found) for kind, found in rates.items()}
+    raw_rate = max(best["buffered"], best["direct"])  # the disk at its best, whichever way gets it
+    build_rate = best["build"]
+    # The same round's raw write (or arithmetic), seconds away on the same machine: the ratio
+    # judged is the median of these, which one lucky moment for either side cannot move.
+    by_round = [b / max(d, f) for b, d, f in zip(rates["build"], rates["direct"], rates["buffered"])]
+    by_round_sum = [b / a for b, a in zip(rates["build"], rates["arithmetic"])]
+    bound = _bound(best, raw_rate, by_round, by_round_sum)
+    ratios = {
+        "build_over_bound": bound["build_over_bound"],
+        "build_over_raw_write": statistics.median(by_round),
+        "build_over_raw_write_best_of": build_rate / raw_rate,
+        "build_over_arithmetic": statistics.median(by_round_sum),
+        "build_over_arithmetic_best_of": build_rate / best["arithmetic"],
+        "write_path_over_raw_write": best["write_path"] / raw_rate,
+        "arithmetic_over_raw_write": best["arithmetic"] / raw_rate,
+        "build_over_buffered_write": build_rate / best["buffered"],
+    }
+    arithmetic = runs["arithmetic"][-1]
+    timings = "; ".join(f"{cls}: " + ", ".join(f"{k} {v:.2f} s/GiB" for k, v in entry["seconds_per_gib"].items())
+                        for cls, entry in arithmetic["wisdom"].items())
+    lines = [
+        f"kernels chosen: {arithmetic['kernels']} (timed: {timings or 'no choice to time'})",
+        f"the build's bound: the {bound['build_bound']}; build / "
+        f"{'fastest kernel (arithmetic alone)' if bound['build_bound'] == 'sum' else 'raw write'}, median by round"
+        f" {bound['build_over_bound']:.2f} (goal >= {bound['build_goal']})",
+        "cache build / raw sequential write, round by round (both in every round, the faster of "
+        f"O_DIRECT and buffered): {', '.join(f'{r:.2f}' for r in by_round)}  -> median "
+        f"{ratios['build_over_raw_write']:.2f}",
+        f"cache build / arithmetic alone, round by round: {', '.join(f'{r:.2f}' for r in by_round_sum)}  -> median "
+        f"{ratios['build_over_arithmetic']:.2f}",
+        f"  best of {rounds} each: cache build {format_size(build_rate)}/s, raw {format_size(raw_rate)}/s  -> "
+        f"ratio {ratios['build_over_raw_write_best_of']:.2f}; arithmetic alone {format_size(best['arithmetic'])}/s"
+        f"  -> ratio {ratios['build_over_arithmetic_best_of']:.2f}",
+        f"  the cache's write path alone (no arithmetic) {format_size(best['write_path'])}/s  -> ratio "
+        f"{ratios['write_path_over_raw_write']:.2f}; its arithmetic alone (no disk) -> ratio "
+        f"{ratios['arithmetic_over_raw_write']:.2f}",
+        f"  build / buffered write + fsync {ratios['build_over_buffered_write']:.2f}",
+        *(f"  every {kind} run: {_rates(found)}" for kind, found in rates.items()),
+        *(["  the disk's average write request: " + ", ".join(
+            f"{kind} {format_size(size)}" for kind, size in request_bytes.items())] if request_bytes else []),
+    ]
+    figures = {
+        "build_bound": bound["build_bound"], "kernels": arithmetic["kernels"], "kernel_wisdom": arithmetic["wisdom"],
+        "build_bytes_per_s": build_rate, "raw_write_bytes_per_s": raw_rate, "runs_bytes_per_s": rates,
+        "build_over_raw_write_by_round": by_round, "build_over_arithmetic_by_round": by_round_sum,
+        "average_write_request_bytes": request_bytes,
+        "build_seconds": min(b["stats"]["seconds"] for b in runs["build"]),
+    }
+    return ratios, lines, figures
+
+
+def summarize_build(merged: int, runs: dict, requests: dict, layers: int, rank: int, rounds: int) -> None:
+    """Print and report the build rounds alone (``bench_lora.py --build-only``)."""
+    from hostmem.crc32 import CRC32_IMPLEMENTATION
+
+    ratios, lines, figures = build_verdict(runs, requests, rounds)
+    head = f"model: {format_size(merged)} bf16, {layers} layers, rank-{rank} adapter on every layer; " \
+           f"CRC-32 by {CRC32_IMPLEMENTATION}; the build rounds alone"
+    report("bench_lora_build", [head, *lines], {
+        "model_bytes": merged, "layers": layers, "rank": rank, "crc32_implementation": CRC32_IMPLEMENTATION,
+        **ratios, **figures,
+    })
 
 
 def summarize(merged, in_place, runs, starts, requests, first, layers: int, rank: int, rounds: int) -> None:
     """Print and report every ratio; ``layers``, ``rank``, ``rounds``: how the model and the runs were made."""
     from hostmem.crc32 import CRC32_IMPLEMENTATION
 
-    rates = {kind: [_rate(run) for run in found] for kind, found in runs.items()}
-    request_bytes = {kind: sum(found) / len(found) for kind, found in requests.items() if found}
-    best = {kind: max(found) for kind, found in rates.items()}
-    raw_rate = max(best["buffered"], best["direct"])  # the disk at its best, whichever way gets it
-    build_rate = best["build"]
-    # The same round's raw write, seconds away on the same disk: the ratio judged is the
-    # median of these, which one lucky moment of the disk for either side cannot move.
-    by_round = [b / max(d, f) for b, d, f in zip(rates["build"], rates["direct"], rates["buffered"])]
+    build_ratios, build_lines, build_figures = build_verdict(runs, requests, rounds)
     build = max(runs["build"], key=lambda b: b["growth"])  # the largest growth of any build is the one judged
     (hit_s, hit_in), (base_s, base_in) = (tuple(min(x) for x in zip(*starts[k])) for k in ("hit", "base"))
-    bound = _bound(best, raw_rate, by_round)
     miss_s, peft_s, busy_s = min(first["miss"]), min(first["peft"]), min(first["busy"])
     peft_growth, peft_merge_s = min(first["peft_growth"]), min(first["peft_merge_s"])
     layer = merged // layers
-    arithmetic = runs["arithmetic"][-1]
     ratios = {
         "first_start_miss_over_peft": miss_s / peft_s,
         "first_start_busy_over_idle": busy_s / miss_s,
-        "build_over_bound": bound["build_over_bound"],
         "hit_start_over_base_start": hit_s / base_s,
         "in_place_growth_over_peft_plus_layer": in_place["growth"] / (peft_growth + layer),
         "in_place_time_over_peft": in_place["stats"]["seconds"] / peft_merge_s,
         "peak_anon_cached_over_in_place": build["growth"] / max(1, in_place["growth"]),
-        "build_over_raw_write": statistics.median(by_round),
-        "build_over_raw_write_best_of": build_rate / raw_rate,
-        "build_over_arithmetic": build_rate / best["arithmetic"],
-        "write_path_over_raw_write": best["write_path"] / raw_rate,
-        "arithmetic_over_raw_write": best["arithmetic"] / raw_rate,
-        "build_over_buffered_write": build_rate / best["buffered"],
+        **build_ratios,
         "hit_over_base_after_imports": hit_in / base_in,
     }
-    timings = "; ".join(f"{cls}: " + ", ".join(f"{k} {v:.2f} s/GiB" for k, v in entry["seconds_per_gib"].items())
-                        for cls, entry in arithmetic["wisdom"].items())
     lines = [
         f"model: {format_size(merged)} bf16, {layers} layers, rank-{rank} adapter on every layer; "
         f"CRC-32 by {CRC32_IMPLEMENTATION}",
@@ -67,22 +120,7 @@ def summarize(merged, in_place, runs, starts, requests, first, layers: int, rank
         f"  -> ratio {ratios['first_start_miss_over_peft']:.2f} (goal <= 1.0)",
         f"  with one busy process per core: {busy_s:.2f} s  -> ratio {ratios['first_start_busy_over_idle']:.2f} "
         "of the idle first start (goal <= 2.0)",
-        f"kernels chosen: {arithmetic['kernels']} (timed: {timings or 'no choice to time'})",
-        f"the build's bound: the {bound['build_bound']}; build / "
-        f"{'fastest kernel (arithmetic alone)' if bound['build_bound'] == 'sum' else 'raw write, median by round'}"
-        f" {bound['build_over_bound']:.2f} (goal >= {bound['build_goal']})",
-        "cache build / raw sequential write, round by round (both in every round, the faster of "
-        f"O_DIRECT and buffered): {', '.join(f'{r:.2f}' for r in by_round)}  -> median "
-        f"{ratios['build_over_raw_write']:.2f}",
-        f"  best of {rounds} each: cache build {format_size(build_rate)}/s, raw {format_size(raw_rate)}/s  -> "
-        f"ratio {ratios['build_over_raw_write_best_of']:.2f}",
-        f"  the cache's write path alone (no arithmetic) {format_size(best['write_path'])}/s  -> ratio "
-        f"{ratios['write_path_over_raw_write']:.2f}; its arithmetic alone (no disk) "
-        f"{format_size(best['arithmetic'])}/s  -> ratio {ratios['arithmetic_over_raw_write']:.2f}",
-        f"  build / buffered write + fsync {ratios['build_over_buffered_write']:.2f}",
-        *(f"  every {kind} run: {_rates(found)}" for kind, found in rates.items()),
-        *(["  the disk's average write request: " + ", ".join(
-            f"{kind} {format_size(size)}" for kind, size in request_bytes.items())] if request_bytes else []),
+        *build_lines,
         f"start (launch to ready, best of 3): cache hit {hit_s:.2f} s, base without LoRA {base_s:.2f} s"
         f"  -> ratio {ratios['hit_start_over_base_start']:.2f} (goal <= 1.05)",
         f"  of which after imports: cache hit {hit_in:.2f} s, base {base_in:.2f} s"
@@ -95,14 +133,9 @@ def summarize(merged, in_place, runs, starts, requests, first, layers: int, rank
     ]
     report("bench_lora", lines, {
         "model_bytes": merged, "layers": layers, "rank": rank, "crc32_implementation": CRC32_IMPLEMENTATION, **ratios,
-        "build_bound": bound["build_bound"], "kernels": arithmetic["kernels"], "kernel_wisdom": arithmetic["wisdom"],
         "first_start_miss_s": miss_s, "first_start_peft_s": peft_s, "first_start_busy_s": busy_s,
         "peak_anon_growth_cached_bytes": build["growth"], "peak_anon_growth_in_place_bytes": in_place["growth"],
-        "peak_anon_growth_peft_bytes": peft_growth, "peft_merge_seconds": peft_merge_s,
-        "build_bytes_per_s": build_rate, "raw_write_bytes_per_s": raw_rate,
-        "runs_bytes_per_s": rates, "build_over_raw_write_by_round": by_round,
-        "average_write_request_bytes": request_bytes,
-        "build_seconds": min(b["stats"]["seconds"] for b in runs["build"]),
+        "peak_anon_growth_peft_bytes": peft_growth, "peft_merge_seconds": peft_merge_s, **build_figures,
         "in_place_seconds": in_place["stats"]["seconds"],
         "hit_start_s": hit_s, "base_start_s": base_s, "hit_after_imports_s": hit_in, "base_after_imports_s": base_in,
     })

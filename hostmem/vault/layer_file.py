@@ -28,7 +28,6 @@ import json
 import os
 import stat
 import struct
-import threading
 from dataclasses import asdict, dataclass
 from math import prod
 
@@ -38,6 +37,7 @@ from ..crc32 import crc32
 from .handoff import Handoff
 from .content_hash import read_chunks
 from .durable import discard, open_tmp, seal, write_all, write_uncached
+from .piece_writer import write_pieces
 from .safety import VaultError, check_not_symlink
 
 __all__ = [
@@ -46,6 +46,10 @@ __all__ = [
     "layer_file_bytes",
     "is_layer_file_name",
     "write_layer",
+    "write_layer_data",
+    "seal_layer",
+    "discard_layer",
+    "UnsealedLayer",
     "read_layer_file",
     "layer_problem",
     "data_crc32",
@@ -54,7 +58,6 @@ __all__ = [
 LAYER_FORMAT = "hostmem-lora-merge-cache-layer/2"
 _ALIGN = 4096
 _CHUNK = 4 * 1024 * 1024
-_STREAM_BYTES = 16 * 1024 * 1024  # a streamed layer's smallest write: as fast as larger ones on a virtio disk
 _SUFFIX = ".safetensors"
 
 
@@ -137,21 +140,6 @@ def _is_crc32(text: str) -> bool:
     return len(text) == 8 and all(c in "0123456789abcdef" for c in text)
 
 
-def _write_hashing(fd: int, path: str, data: memoryview, offset: int, address: int, digest: _Crc32) -> None:
-    """Write ``data`` (in memory at ``address``) at ``offset`` while a helper thread feeds
-    its bytes to ``digest``.
-
-    pwrite releases the GIL, so the checksum runs beside it and costs no extra time on a
-    host with a spare core: the layer's build time is the write, not write + checksum.
-    """
-    hasher = threading.Thread(target=digest.update, args=(data,), name="hostmem-vault-checksum")
-    hasher.start()
-    try:
-        write_uncached(fd, path, data, offset, address)
-    finally:
-        hasher.join()
-
-
 def _all_ready(nbytes: int) -> Handoff:
     """A handoff for bytes that are all final already."""
     handoff = Handoff(nbytes)
@@ -160,22 +148,13 @@ def _all_ready(nbytes: int) -> Handoff:
 
 
 def _write_streamed(fd: int, path: str, tensor: torch.Tensor, offset: int, handoff: Handoff) -> int:
-    """Write ``tensor``'s bytes at ``offset`` stretch by stretch, as ``handoff`` says they are
-    final, releasing each stretch once it is written; return their CRC-32.
-
-    Each stretch but the last ends on a page, so every one goes with O_DIRECT; it is at
-    least :data:`_STREAM_BYTES` (or the rest) so the disk gets large requests.
-    """
+    """Write ``tensor``'s bytes at ``offset`` as ``handoff`` says they are final, handing each
+    piece back once it and every piece before it are written; return their CRC-32
+    (see :mod:`hostmem.vault.piece_writer`)."""
     from hostmem.safetensors_map import tensor_bytes
 
-    data = memoryview(tensor_bytes(tensor)).cast("B")
-    address, digest, done = tensor.data_ptr(), _Crc32(), 0
-    while done < len(data):
-        ready = handoff.wait_ready(done, _STREAM_BYTES)
-        end = ready if ready == len(data) else ready - ready % _ALIGN
-        _write_hashing(fd, path, data[done:end], offset + done, address + done, digest)
-        done = end
-        handoff.release(done)
+    digest = _Crc32()
+    write_pieces(fd, path, memoryview(tensor_bytes(tensor)).cast("B"), offset, tensor.data_ptr(), handoff, digest)
     return digest.value
 
 
@@ -196,18 +175,36 @@ def _cpu_contiguous(merged: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
+@dataclass(frozen=True)
+class UnsealedLayer:
+    """A layer file whose data and header are written, under its temporary name, its
+    descriptor open: what :func:`seal_layer` makes durable and names (or :func:`discard_layer`
+    removes). Never served: only a sealed file has its final name."""
+
+    fd: int
+    tmp: str
+    final: str
+    entry: LayerEntry
+
+
 def write_layer(folder: str, name: str, merged: torch.Tensor, crc32: int | None = None,
                 handoff: Handoff | None = None) -> LayerEntry:
-    """Write ``merged`` as the sealed layer file of ``name`` in ``folder``; return its entry.
+    """Write ``merged`` as the sealed layer file of ``name`` in ``folder``; return its entry
+    (:func:`write_layer_data`, then :func:`seal_layer`)."""
+    return seal_layer(write_layer_data(folder, name, merged, crc32, handoff))
+
+
+def write_layer_data(folder: str, name: str, merged: torch.Tensor, crc32: int | None = None,
+                     handoff: Handoff | None = None) -> UnsealedLayer:
+    """Write ``merged``'s layer file of ``name`` in ``folder`` under a temporary name, unsealed.
 
     The data goes in first (its whole pages with O_DIRECT when ``merged`` starts on a
     page and the filesystem allows: see :func:`~hostmem.vault.durable.write_uncached`),
     checksummed as it is written unless ``crc32``, the CRC-32 of its bytes
     (:func:`hostmem.crc32.crc32_of`), is given; then the header with the checksum over
-    a same-length placeholder; then fsync and rename (the folder is fsynced once, with the
-    manifest). With a ``handoff`` (see :mod:`hostmem.vault.handoff`), ``merged`` is a
-    contiguous CPU buffer still being computed: its bytes are written as they are
-    published. On any error the temporary file is removed and the error is raised.
+    a same-length placeholder. With a ``handoff`` (see :mod:`hostmem.vault.handoff`),
+    ``merged`` is a contiguous CPU buffer still being computed: its bytes are written as
+    they are published. On any error the temporary file is removed and the error is raised.
     """
     from hostmem.safetensors_map import DTYPE_NAMES, tensor_bytes
 
@@ -226,26 +223,31 @@ def write_layer(folder: str, name: str, merged: torch.Tensor, crc32: int | None 
         _reserve(fd, len(header) + len(data))
         if handoff is None and crc32 is not None:
             write_uncached(fd, tmp, data, len(header), tensor.data_ptr())
-        else:  # checksummed as written: a ready tensor is one stretch, all published
+        else:  # checksummed as written: a ready tensor is all published at once
             crc32 = _write_streamed(fd, tmp, tensor, len(header), handoff or _all_ready(len(data)))
-        checksum = _hex(crc32)
-        header = _header_bytes(name, dtype, shape, len(data), checksum)
+        header = _header_bytes(name, dtype, shape, len(data), _hex(crc32))
         write_all(fd, header, 0)
     except BaseException:
+        discard(tmp)  # before the close: the writer's lock covers the temporary name while it exists
         os.close(fd)
-        discard(tmp)
         raise
     final = os.path.join(folder, layer_file_name(name))
-    seal(fd, tmp, final, sync_dir=False)  # the manifest's seal fsyncs the folder once
-    return LayerEntry(
-        name=name,
-        file=os.path.basename(final),
-        size=len(header) + len(data),
-        header_sha256=hashlib.sha256(header).hexdigest(),
-        crc32=checksum,
-        dtype=dtype,
-        shape=shape,
-    )
+    entry = LayerEntry(name=name, file=os.path.basename(final), size=len(header) + len(data),
+                       header_sha256=hashlib.sha256(header).hexdigest(), crc32=_hex(crc32), dtype=dtype, shape=shape)
+    return UnsealedLayer(fd, tmp, final, entry)
+
+
+def seal_layer(layer: UnsealedLayer) -> LayerEntry:
+    """fsync the file written by :func:`write_layer_data` and rename it to its final name;
+    return its entry. On any error the temporary file is removed and the error is raised."""
+    seal(layer.fd, layer.tmp, layer.final, sync_dir=False)  # the manifest's seal fsyncs the folder once
+    return layer.entry
+
+
+def discard_layer(layer: UnsealedLayer) -> None:
+    """Remove and close a layer file that will not be sealed."""
+    discard(layer.tmp)
+    os.close(layer.fd)
 
 
 def read_layer_file(path: str) -> LayerEntry:

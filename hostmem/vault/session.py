@@ -17,7 +17,7 @@ from hostmem.safetensors_map import SafetensorsError
 from .handoff import Handoff
 from .adoption import drop_folder, shape_dtype_problem
 from .durable import remove_tree
-from .layer_file import LayerEntry, layer_file_bytes, write_layer
+from .layer_file import LayerEntry, UnsealedLayer, discard_layer, layer_file_bytes, seal_layer, write_layer_data
 from .leases import lease_alive, map_layer
 from .locks import KeyLock
 from .manifest import Manifest, touch_use_time, write_manifest
@@ -95,6 +95,9 @@ class VaultSession:
         self._expected = expected
         self._closed = False
         self._map_problem = ""
+        self._state = threading.Lock()  # a put's data and the seal of the put before it may run at once
+        self._write_seconds: dict[str, float] = {}  # put_data's time, until its seal_put records it
+        self._seal_failed = False  # a failed seal fails the seals after it (a failed put_data, the puts after it)
         self.last_error: str | None = None
         self.stats = _new_stats(waited, evicted)
         self.stats["layers_resumed"] = adopted.resumed
@@ -174,48 +177,86 @@ class VaultSession:
         makes ``hostmem cache verify`` report the layer). Otherwise it is taken as the
         bytes are written. With a ``handoff``, ``merged`` is the buffer a merge is still
         computing: its bytes are written as the handoff publishes them, and every byte is
-        released back to the merge when the put ends, however it ends (see
+        released back to the merge when the write ends, however it ends (see
         :mod:`hostmem.vault.handoff`).
 
         Returns None when it cannot (no room, a write error): nothing partial stays on
         disk, ``last_error`` says why (``space`` has the numbers), and later puts of this
         session answer None at once, so the caller falls back in place with one warning.
+
+        The same as :meth:`put_data` then :meth:`seal_put`, which a caller may run on two
+        threads, so that one layer's fsync overlaps the next layer's writes.
         """
+        return self.seal_put(self.put_data(name, merged, crc32, handoff))
+
+    def put_data(self, name: str, merged: torch.Tensor, crc32: int | None = None,
+                 handoff: Handoff | None = None) -> UnsealedLayer | None:
+        """The first half of :meth:`put`: the layer's file written under a temporary name,
+        its room reserved; None where :meth:`put` answers None. Calls of this run one at a
+        time, in order; each may run beside the :meth:`seal_put` of the one before."""
         try:
-            return self._put(name, merged, crc32, handoff)
+            return self._put_data(name, merged, crc32, handoff)
         finally:
             if handoff is not None:
                 handoff.release()
 
-    def _put(self, name, merged, crc32, handoff) -> torch.Tensor | None:
+    def _put_data(self, name, merged, crc32, handoff) -> UnsealedLayer | None:
         self._check_open()
         size = layer_file_bytes(tuple(merged.shape), merged.dtype)
-        if self.writable and size > self._room:
-            needed = max(size, still_needed(self._entries, self._expected))
-            self.space = SpaceCheck(needed, self._room, *_space_tail(self.space))
-            self._refuse(self.space.message)
-        if not self.writable:
-            self.stats["layers_failed"] += 1
+        with self._state:
+            if self.writable and size > self._room:
+                needed = max(size, still_needed(self._entries, self._expected))
+                self.space = SpaceCheck(needed, self._room, *_space_tail(self.space))
+                self._refuse(self.space.message)
+            if not self.writable:
+                self.stats["layers_failed"] += 1
+                return None
+            self._room -= size  # reserved now: the put after this one checks what is left
+        started = time.perf_counter()
+        try:
+            layer = write_layer_data(self.folder, name, merged, crc32, handoff)
+        except (OSError, VaultError, SafetensorsError) as exc:
+            self._failed(name, exc)
+            return None
+        self._write_seconds[name] = time.perf_counter() - started
+        return layer
+
+    def seal_put(self, layer: UnsealedLayer | None) -> torch.Tensor | None:
+        """The second half of :meth:`put`: fsync and name the file :meth:`put_data` wrote,
+        record it and map it. Calls run in the order of their :meth:`put_data`."""
+        if layer is None:
+            return None
+        name = layer.entry.name
+        if self._seal_failed:  # the seal before this one failed: later puts answer None
+            discard_layer(layer)
+            with self._state:
+                self.stats["layers_failed"] += 1
             return None
         started = time.perf_counter()
         try:
-            entry = write_layer(self.folder, name, merged, crc32, handoff)
+            entry = seal_layer(layer)
             view, _ = map_layer(os.path.join(self.folder, entry.file), name, self._lease)
         except (OSError, VaultError, SafetensorsError) as exc:
-            self._refuse(f"could not write layer {name!r} to the LoRA merge cache in {self.folder}: {exc}")
-            self.stats["layers_failed"] += 1
+            self._seal_failed = True
+            self._failed(name, exc)
             return None
-        self._record_write(entry, time.perf_counter() - started)
+        self._record_write(entry, self._write_seconds.pop(name, 0.0) + time.perf_counter() - started)
         return view
 
+    def _failed(self, name: str, exc: Exception) -> None:
+        with self._state:
+            self._refuse(f"could not write layer {name!r} to the LoRA merge cache in {self.folder}: {exc}")
+            self.stats["layers_failed"] += 1
+
     def _record_write(self, entry: LayerEntry, seconds: float) -> None:
-        self._entries[entry.name] = entry
-        self._memo.record(entry)  # written and checksummed here: no later start re-reads it
-        self._room -= entry.size
-        self.stats["layers_written"] += 1
-        self.stats["bytes_written"] += entry.size
-        self.stats["seconds"] += seconds
-        self.stats["rate"] = self.stats["bytes_written"] / max(self.stats["seconds"], 1e-9)
+        with self._state:
+            self._entries[entry.name] = entry
+            self._memo.record(entry)  # written and checksummed here: no later start re-reads it
+            self._room -= entry.size - layer_file_bytes(entry.shape, entry.torch_dtype)  # beyond what was reserved
+            self.stats["layers_written"] += 1
+            self.stats["bytes_written"] += entry.size
+            self.stats["seconds"] += seconds
+            self.stats["rate"] = self.stats["bytes_written"] / max(self.stats["seconds"], 1e-9)
 
     def _refuse(self, message: str) -> None:
         self.writable = False

@@ -47,7 +47,7 @@ def check_finite(path: str, tensors: dict[str, torch.Tensor], memo: bool = True)
         return
     for key in sorted(tensors):
         tensor = tensors[key]
-        if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+        if tensor.is_floating_point() and tensor.numel() and not _all_finite(tensor):
             bad = int((~torch.isfinite(tensor)).sum())
             raise AdapterError(
                 f"{path}: {key!r} holds {bad} NaN or infinite value(s) of {tensor.numel()}; merging it "
@@ -56,6 +56,18 @@ def check_finite(path: str, tensors: dict[str, torch.Tensor], memo: bool = True)
             )
     if identity is not None:
         _CHECKED.add(identity)
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value is finite, told by the smallest and the largest (a NaN anywhere
+    makes both NaN; an infinity is one of them): one pass with no bool tensor, on bf16
+    tens of times faster than ``isfinite(tensor).all()``, which a first start paid for
+    every adapter value (a second per 43 MiB on a 2-core EPYC)."""
+    try:
+        low, high = torch.aminmax(tensor)
+    except (NotImplementedError, RuntimeError):  # dtypes without it (fp8)
+        return bool(torch.isfinite(tensor).all())
+    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
 
 
 class FiniteCheck:

@@ -195,9 +195,9 @@ def test_sigterm_during_hostmem_lora_merge_exits_130_and_the_next_start_resumes(
         )
     code = (
         "import sys, time, hostmem.vault.session as s\n"
-        "real = s.write_layer\n"
+        "real = s.write_layer_data\n"
         "def slow(*a, **k):\n    print('writing', flush=True)\n    time.sleep(0.4)\n    return real(*a, **k)\n"
-        "s.write_layer = slow\n"  # each layer takes a while, so the signal lands mid-build
+        "s.write_layer_data = slow\n"  # each layer takes a while, so the signal lands mid-build
         "from planners.cli import main\nsys.exit(main(['lora', 'merge', sys.argv[1], '--no-progress']))\n"
     )
     child = subprocess.Popen([sys.executable, "-c", code, config], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
