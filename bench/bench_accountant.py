@@ -1,7 +1,8 @@
 """Accountant speed: classify every parameter of a >= 4 GiB file-backed model.
 
 Baseline in the same run: one sequential read of the same weights (what loading the
-model costs at least). Goal: 10 ms per GiB of parameters or less.
+model costs at least). Goal: 10 ms per GiB of parameters or less. The figure is the best
+of ten calls.
 
     python bench/bench_accountant.py            # 4 GiB, 2,048 parameters
     python bench/bench_accountant.py --quick    # 256 MiB smoke run
@@ -17,6 +18,7 @@ from common import bench_args, format_size, report, timed, workdir, write_layere
 from hostmem import account, load_readonly
 
 GiB = 1024**3
+CALLS = 10
 
 
 def load_model(paths: list[str]) -> torch.nn.Module:
@@ -40,9 +42,11 @@ def main() -> None:
     size = sum(p.nbytes for p in model.parameters())
     # Fault every page in: the accountant then has the most pages to classify.
     _, read_s = timed(lambda: [float(p.float().sum()) for p in model.parameters()])
-    ledger, account_s = timed(account, model)
-    _, again_s = timed(account, model)
-    best = min(account_s, again_s)
+    # Best of ten calls (about half a second): the figure is the accountant's own cost, not
+    # a neighbour's load on a shared machine (the first call is counted too).
+    ledger, best = timed(account, model)
+    for _ in range(CALLS - 1):
+        best = min(best, timed(account, model)[1])
     totals = ledger.totals
     ms_per_gib = best * 1000 / (size / GiB)
     us_per_param = best * 1e6 / params

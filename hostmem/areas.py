@@ -2,17 +2,18 @@
 
 :class:`AreaSnapshot` reads a process's areas (maps or smaps), its mounts and its
 pagemap once, and says per area how a page of it is classified (:meth:`area_kind`).
-It classifies whole areas itself (:meth:`AreaSnapshot.classify_area`): one pagemap read
-per area and a byte histogram in C, which is all ``hostmem inspect`` needs, so that
-command never imports torch. :class:`hostmem.residency.RangeClassifier` builds on it
-for arbitrary ranges (page codes counted per range, also without torch).
+It classifies whole areas itself (:meth:`AreaSnapshot.classify_whole_area`): one
+pagemap read per area (a page-table scan for a shared file mapping) and a byte histogram
+in C, which is all ``hostmem inspect`` needs, so that command never imports torch.
+:class:`hostmem.residency.RangeClassifier` builds on it for arbitrary ranges (page codes
+counted per range, also without torch).
 """
 
 from __future__ import annotations
 
 from dataclasses import fields
 
-from .pagemap import PagemapReader
+from .pagemap import SCAN_PRESENT, SCAN_SWAPPED, PagemapReader
 from .procfs import PAGE_SIZE, Mount, ProcReadError, Vma, is_shmem_fs, read_maps, read_mounts, read_smaps, read_status
 from .residency_classes import CLASSES, Residency
 
@@ -37,6 +38,9 @@ class AreaKind:
     LOCKED = "locked"
     SHMEM_SHARED = "shmem_shared"  # every present page is shmem
     FILE = "file"  # present pages: file bit -> file_backed, else anonymous
+    # MAP_SHARED file on a page-cache filesystem: a present page can only be a page of the
+    # file (no copy-on-write), so present/swapped alone decide and a scan can read them.
+    FILE_SHARED = "file_shared"
     SHMEM_FILE = "shmem_file"  # private tmpfs mapping: file bit -> shmem, else anonymous
     ANON = "anon"  # present pages: shared bit -> shmem, else anonymous
     NO_ACCESS = "no_access"  # ---p: nothing can be resident
@@ -58,14 +62,17 @@ CODE_TABLES = {
     AreaKind.LOCKED: _code_table(PINNED, PINNED_ANON),
     AreaKind.SHMEM_SHARED: _code_table(SHMEM, SHMEM),
     AreaKind.FILE: _code_table(FILE_BACKED, ANONYMOUS),
+    AreaKind.FILE_SHARED: _code_table(FILE_BACKED, ANONYMOUS),
     AreaKind.SHMEM_FILE: _code_table(SHMEM, ANONYMOUS),
     AreaKind.ANON: _code_table(SHMEM, ANONYMOUS),
 }
 # Areas classified without pagemap: driver memory is pinned whole; an area with no
 # access rights (a reservation, a guard region) cannot be touched, so nothing is resident.
 UNIFORM_CODE = {AreaKind.DEVICE: PINNED, AreaKind.NO_ACCESS: NOT_RESIDENT}
-# The top byte of a pagemap entry holds bits 63..56; bits 63..61 pick the code.
-_TOP_BITS = bytes(b >> 5 for b in range(256))
+# Page codes per area kind, per top byte of a pagemap entry (bits 63..56; 63..61 pick the code).
+_BYTE_TABLES = {kind: bytes(table[(byte >> 5) & 7] for byte in range(256)) for kind, table in CODE_TABLES.items()}
+# Paths whose shared mappings may be driver memory (VM_PFNMAP/VM_MIXEDMAP), never a scan.
+_PSEUDO_PREFIXES = ("/dev/", "/proc/", "/sys/")
 
 
 def residency_of_counts(row: list[int]) -> Residency:
@@ -150,14 +157,16 @@ class AreaSnapshot:
         if vma.is_file and path.startswith("/"):
             if self._on_shmem_fs(path):
                 return AreaKind.SHMEM_SHARED if vma.is_shared else AreaKind.SHMEM_FILE
+            if vma.is_shared and not path.startswith(_PSEUDO_PREFIXES):
+                return AreaKind.FILE_SHARED
             return AreaKind.FILE
         return AreaKind.ANON
 
     def classify_whole_area(self, vma: Vma) -> Residency:
-        """The residency of a whole area: pagemap's bits counted in C, no torch.
+        """The residency of a whole area: its pages' codes counted in C, no torch.
 
-        A whole area needs no prefix sums: the count of pages per value of bits 63..61
-        says everything, and ``bytes.translate``/``count`` give it at memory speed.
+        A whole area needs no prefix sums: the count of pages per code says everything,
+        and ``bytes.count`` gives it at memory speed.
         """
         kind = self.area_kind(vma)
         row = [0] * CODES
@@ -167,11 +176,52 @@ class AreaSnapshot:
             return residency_of_counts(row)
         if self._pagemap is None:
             return classify_from_smaps(vma, kind, vma.start, vma.end)
-        table, chunk = CODE_TABLES[kind], CHUNK_PAGES * PAGE_SIZE
+        chunk = CHUNK_PAGES * PAGE_SIZE
         for lo in range(vma.start, vma.end, chunk):
-            hi = min(vma.end, lo + chunk)
-            top = self._pagemap.read_bytes(lo, hi)[7::8].translate(_TOP_BITS)
-            for bits in range(8):
-                row[table[bits]] += top.count(bits) * PAGE_SIZE
-            row[NOT_RESIDENT] += (hi - lo) - len(top) * PAGE_SIZE  # pages pagemap did not return
+            codes = self.page_codes(kind, lo, min(vma.end, lo + chunk))
+            for code in range(CODES):
+                row[code] += codes.count(code) * PAGE_SIZE
         return residency_of_counts(row)
+
+    def page_codes(self, kind: str, start: int, end: int) -> bytes:
+        """One class code per page of ``[start, end)`` of an area of ``kind``, as bytes.
+
+        A shared file area is scanned (present and swapped runs, no ``struct page`` per
+        page) where the kernel can; the gaps between runs, and every other kind, come
+        from pagemap's entries, so an area the scan skips still reads as pagemap has it.
+        Pages pagemap has no entry for are not resident.
+        """
+        if kind == AreaKind.FILE_SHARED:
+            runs = self._pagemap.scan(start, end)
+            if runs is not None:
+                return self._codes_of_runs(kind, runs, start, end)
+        return self._entry_codes(kind, start, end)
+
+    def _entry_codes(self, kind: str, start: int, end: int) -> bytes:
+        """Codes from pagemap's entries: the top byte of each little-endian 8-byte entry
+        looked up in the kind's table (C-speed slicing and translation)."""
+        pages = (end - start + PAGE_SIZE - 1) // PAGE_SIZE
+        codes = bytes(self._pagemap.read_bytes(start, end)[7::8]).translate(_BYTE_TABLES[kind])
+        return codes + bytes([NOT_RESIDENT]) * (pages - len(codes))
+
+    def _codes_of_runs(self, kind: str, runs: list[tuple[int, int, int]], start: int, end: int) -> bytes:
+        """Codes for ``[start, end)`` from scan runs: present -> file_backed, swapped ->
+        swapped; each gap between runs is read from pagemap."""
+        base = start // PAGE_SIZE * PAGE_SIZE
+        pages = (end - base + PAGE_SIZE - 1) // PAGE_SIZE
+        if len(runs) == 1 and runs[0][0] <= base and runs[0][1] >= base + pages * PAGE_SIZE:
+            return bytes([_RUN_CODE[runs[0][2]]]) * pages  # the usual case: all resident
+        codes = bytearray(pages)
+        at = base
+        for lo, hi, categories in runs + [(base + pages * PAGE_SIZE, 0, 0)]:
+            if lo > at:
+                gap = self._entry_codes(kind, at, lo)
+                codes[(at - base) // PAGE_SIZE : (lo - base) // PAGE_SIZE] = gap
+            if categories:
+                first, last = (lo - base) // PAGE_SIZE, (hi - base) // PAGE_SIZE
+                codes[first:last] = bytes([_RUN_CODE[categories]]) * (last - first)
+            at = max(at, hi)
+        return bytes(codes)
+
+
+_RUN_CODE = {SCAN_PRESENT: FILE_BACKED, SCAN_SWAPPED: SWAPPED}

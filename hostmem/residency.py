@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 
-from .areas import CHUNK_PAGES, CODE_TABLES, CODES, UNIFORM_CODE, AreaKind, AreaSnapshot, classify_from_smaps, residency_of_counts
+from .areas import CHUNK_PAGES, CODES, UNIFORM_CODE, AreaKind, AreaSnapshot, classify_from_smaps, residency_of_counts
 from .procfs import PAGE_SIZE, Vma
 from .residency_classes import CLASSES, Residency
 
@@ -114,14 +114,7 @@ class RangeClassifier(AreaSnapshot):
             hi = min(top, lo + chunk)
             inside = [(index, max(s, lo), min(e, hi)) for index, s, e in items if s < hi and e > lo]
             if inside:
-                _count_chunk(self._page_codes(kind, lo, hi), lo, inside, rows)
-
-    def _page_codes(self, kind: str, start: int, end: int) -> bytes:
-        """One code per page of ``[start, end)`` as bytes (pages pagemap has no entry for:
-        not resident)."""
-        pages = (end - start + PAGE_SIZE - 1) // PAGE_SIZE
-        codes = _code_bytes(kind, self._pagemap.read_bytes(start, end))
-        return codes + bytes([_NOT_RESIDENT]) * (pages - len(codes))
+                _count_chunk(self.page_codes(kind, lo, hi), lo, inside, rows)
 
 
 def _count_chunk(codes: bytes, lo: int, pieces: list[tuple[int, int, int]], rows: list[list[int]]) -> None:
@@ -152,19 +145,9 @@ def _count_chunk(codes: bytes, lo: int, pieces: list[tuple[int, int, int]], rows
         row[own[-1]] -= stop * PAGE_SIZE - (end - lo)
 
 
-# Page codes per area kind, per top byte of a pagemap entry (bits 63..61 are its bits 7..5).
-_BYTE_TABLES = {kind: bytes(table[(byte >> 5) & 7] for byte in range(256)) for kind, table in CODE_TABLES.items()}
 _CODES = CODES
 _UNIFORM_CODE = UNIFORM_CODE
 _CHUNK_PAGES = CHUNK_PAGES
-_NOT_RESIDENT = CLASSES.index("not_resident")
-
-
-def _code_bytes(kind: str, entries: bytearray) -> bytes:
-    """One class code per page, as bytes: the top byte of each little-endian 8-byte pagemap
-    entry (bits 63..56) looked up in the kind's table. C-speed slicing and translation, no
-    tensor operation: on a busy host each of those can wait on a descheduled thread."""
-    return bytes(entries[7::8]).translate(_BYTE_TABLES[kind])
 
 
 def _as_row(residency: Residency) -> list[int]:

@@ -43,6 +43,7 @@ __all__ = [
     "lora_scale",
     "merged_weight",
     "one_pass_applies",
+    "one_pass_kind",
     "one_pass_possible",
     "row_blocks",
     "refuse_unsupported",
@@ -218,12 +219,19 @@ def one_pass_applies(dtype: torch.dtype, ndim: int, deltas: list[Delta], device:
     (several times faster with AVX512-BF16 or AMX, several times slower with AVX2
     alone): that is measured, not assumed (see :mod:`lora_cache.kernels`).
     """
+    return one_pass_kind(dtype, ndim, deltas, device) and _bf16_addmm_rounds_once()
+
+
+def one_pass_kind(dtype: torch.dtype, ndim: int, deltas: list[Delta], device: torch.device | str) -> bool:
+    """Whether a layer is of the kind :data:`BF16_ADDMM` can sum (see :func:`one_pass_applies`),
+    before asking how torch's addmm rounds: a plan that knows the answer already (the
+    kernel wisdom keeps it) spares a start its first bf16 addmm."""
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or ndim < 2:
         return False
     if len(deltas) != 1 or deltas[0].up is None or deltas[0].diff is not None:
         return False
     delta = deltas[0]
-    return delta.up.dtype == delta.down.dtype == torch.bfloat16 and _bf16_addmm_rounds_once()
+    return delta.up.dtype == delta.down.dtype == torch.bfloat16
 
 
 def one_pass_possible(base: torch.Tensor, deltas: list[Delta], out: torch.Tensor, device: torch.device) -> bool:

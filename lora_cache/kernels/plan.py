@@ -9,14 +9,16 @@ from dataclasses import dataclass
 import torch
 
 from ..buffers import Scratch, compute_device, host_buffer
-from ..merge_math import BF16_ADDMM, FP32_ROWS, Delta, merged_weight, one_pass_applies, row_blocks
-from .wisdom import Wisdom, entry_key, machine
+from ..merge_math import (BF16_ADDMM, FP32_ROWS, Delta, _bf16_addmm_rounds_once, merged_weight, one_pass_kind,
+                          row_blocks)
+from .wisdom import FACTS, Wisdom, entry_key, machine
 from .workers import block_workers, worker_count
 
 __all__ = ["KernelPlan", "measure_kernels", "plan_kernels", "shape_class"]
 
 CANDIDATES = (BF16_ADDMM, FP32_ROWS)
 _REPEATS = 3  # timed runs of each kernel, after one untimed run that touches the buffers
+ROUNDS_ONCE = "bf16-addmm-rounds-once"  # the fact, in the wisdom, of how torch's bf16 addmm rounds
 
 
 def _bucket(n: int) -> int:
@@ -26,8 +28,10 @@ def _bucket(n: int) -> int:
 
 def shape_class(shape: tuple[int, ...], dtype: torch.dtype, deltas: list[Delta], device) -> str | None:
     """The class a layer's kernel is timed and remembered under; None where only
-    :data:`~lora_cache.merge_math.FP32_ROWS` applies (nothing to choose)."""
-    if not one_pass_applies(dtype, len(shape), deltas, device):
+    :data:`~lora_cache.merge_math.FP32_ROWS` applies to a layer of this kind (nothing to
+    choose). Where torch's bf16 addmm does not round as the merge must, no plan holds a
+    class (:func:`plan_kernels`), so every layer is summed by FP32_ROWS."""
+    if not one_pass_kind(dtype, len(shape), deltas, device):
         return None
     cols, rank = math.prod(shape[1:]), deltas[0].down.shape[0]
     return f"bf16-lora/cols{_bucket(cols)}/rank{_bucket(rank)}"
@@ -100,6 +104,8 @@ def plan_kernels(layers, device=None, root=None) -> KernelPlan:
     if not largest:
         return KernelPlan()
     wisdom, threads = Wisdom(root), worker_count()
+    if not addmm_rounds_once(wisdom, threads):
+        return KernelPlan()
     keys = {cls: entry_key("bfloat16", cls, threads) for cls in largest}
     chosen = {cls: wisdom.recall(key) for cls, key in keys.items()}
     if any(entry is None for entry in chosen.values()):
@@ -107,6 +113,22 @@ def plan_kernels(layers, device=None, root=None) -> KernelPlan:
             for cls, entry in chosen.items():
                 chosen[cls] = entry or record(keys[cls], lambda cls=cls: measure_kernels(*largest[cls]))
     return KernelPlan(tuple(sorted((cls, entry["kernel"]) for cls, entry in chosen.items())))
+
+
+def addmm_rounds_once(wisdom: Wisdom, threads: int) -> bool:
+    """Whether torch's bf16 addmm rounds once on this machine, as the merge must (see
+    :func:`lora_cache.merge_math.one_pass_applies`), remembered in ``wisdom``'s facts.
+
+    Finding out takes a bf16 addmm, and a process's first one costs milliseconds (the
+    math library sets itself up): a start served wholly from the cache would pay that for
+    nothing, so the answer is kept beside the timings, under the same machine description.
+    """
+    key = entry_key("bfloat16", ROUNDS_ONCE, threads)
+    known = wisdom.recall(key, FACTS)
+    if known is None:
+        with wisdom.recording(FACTS) as record:
+            known = record(key, lambda: {"rounds_once": _bf16_addmm_rounds_once()})
+    return known.get("rounds_once") is True
 
 
 def plan_for_targets(targets, device=None, root=None) -> KernelPlan:

@@ -7,7 +7,9 @@ is measured once and remembered under that whole description: in
 ``<root>/kernel_wisdom.json`` beside the cache, and in this process. The cache key
 names the kernel, so the choice must stick: once a class is recorded, every later
 merge on that machine reads it instead of timing again, and two processes that time
-at once agree through a lock (the first to record wins).
+at once agree through a lock (the first to record wins). Beside the timings
+(:data:`ENTRIES`) the file keeps facts about the machine's kernels (:data:`FACTS`, such
+as whether torch's bf16 addmm rounds once), which cost a start milliseconds to learn.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ import torch
 
 from hostmem.vault.durable import durable_write
 
-__all__ = ["WISDOM_FILE", "Wisdom", "machine"]
+__all__ = ["ENTRIES", "FACTS", "WISDOM_FILE", "Wisdom", "machine"]
 
 WISDOM_FILE = "kernel_wisdom.json"
 _VERSION = 1
+ENTRIES = "entries"  # the file's section of kernel timings and choices
+FACTS = "facts"  # the file's section of facts learned about the kernels
 # The CPU flags that decide which matrix kernels torch can use for bf16 and fp32.
 _FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "asimd", "bf16", "sve")
-_MEMORY: dict[str, dict] = {}  # this process's wisdom, whatever the root
+_MEMORY: dict[tuple[str, str], dict] = {}  # (section, key) -> entry: this process's wisdom, whatever the root
 _MEMORY_LOCK = threading.Lock()
 
 
@@ -63,23 +67,24 @@ class Wisdom:
         self.path = None if root is None else os.path.join(os.path.expanduser(os.fspath(root)), WISDOM_FILE)
         self.writable = False
 
-    def recall(self, key: str) -> dict | None:
+    def recall(self, key: str, section: str = ENTRIES) -> dict | None:
         """The entry remembered for ``key``: the file's (with a root), else this process's."""
         if self.path is not None:
-            return self._read().get(key)
+            return self._read(section).get(key)
         with _MEMORY_LOCK:
-            return _MEMORY.get(key)
+            return _MEMORY.get((section, key))
 
     @contextlib.contextmanager
-    def recording(self):
+    def recording(self, section: str = ENTRIES):
         """Hold the lock while timing and recording, so concurrent processes agree.
 
-        Yields ``record(key, measure) -> entry``: the entry that stands for ``key`` (the
-        file's, else this process's, else what ``measure()`` returns, which is then kept
-        in both), so a choice once made is the one every later merge uses.
+        Yields ``record(key, measure) -> entry``: the entry that stands for ``key`` in
+        ``section`` (the file's, else this process's, else what ``measure()`` returns,
+        which is then kept in both), so a choice once made is the one every later merge uses.
         """
         with self._locked():
-            known = self._read() if self.path is not None else {}
+            sections = self._sections() if self.path is not None else {}
+            known = sections.get(section, {})
             added: dict[str, dict] = {}
 
             def record(key: str, measure) -> dict:
@@ -87,16 +92,16 @@ class Wisdom:
                     standing = known[key]
                 else:
                     with _MEMORY_LOCK:
-                        standing = _MEMORY.get(key)
+                        standing = _MEMORY.get((section, key))
                     standing = standing or measure()
                     added[key] = standing
                 with _MEMORY_LOCK:
-                    _MEMORY[key] = standing
+                    _MEMORY[(section, key)] = standing
                 return standing
 
             yield record
             if added and self.path is not None and self.writable:
-                self._write({**known, **added})
+                self._write({**sections, section: {**known, **added}})
 
     @contextlib.contextmanager
     def _locked(self):
@@ -119,7 +124,13 @@ class Wisdom:
         finally:
             os.close(fd)  # releases the lock
 
-    def _read(self) -> dict:
+    def _read(self, section: str = ENTRIES) -> dict:
+        """One section of the file: ``{key: entry}`` (empty where the file has none)."""
+        return self._sections().get(section, {})
+
+    def _sections(self) -> dict:
+        """The file's sections (:data:`ENTRIES`, :data:`FACTS`), each ``{key: entry}``; a
+        file of another version, or unreadable, holds none."""
         try:
             with open(self.path) as handle:
                 data = json.load(handle)
@@ -129,11 +140,11 @@ class Wisdom:
             warnings.warn(f"{self.path}: unreadable kernel wisdom ({error}); timing the kernels again. "
                           "Delete the file to stop this warning.")
             return {}
-        if not isinstance(data, dict) or data.get("version") != _VERSION or not isinstance(data.get("entries"), dict):
+        if not isinstance(data, dict) or data.get("version") != _VERSION or not isinstance(data.get(ENTRIES), dict):
             return {}
-        return data["entries"]
+        return {name: data[name] for name in (ENTRIES, FACTS) if isinstance(data.get(name), dict)}
 
-    def _write(self, entries: dict) -> None:
+    def _write(self, sections: dict) -> None:
         """Replace the file atomically: a reader sees the old wisdom or the new, never a torn one."""
-        text = json.dumps({"version": _VERSION, "entries": entries}, indent=1, sort_keys=True)
+        text = json.dumps({"version": _VERSION, ENTRIES: {}, **sections}, indent=1, sort_keys=True)
         durable_write(self.path, text.encode())

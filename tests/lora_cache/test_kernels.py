@@ -182,3 +182,47 @@ def test_a_root_that_cannot_be_written_is_read_and_its_new_choices_stay_in_the_p
         assert sorted(os.listdir(tmp_path / "image")) == [WISDOM_FILE]
     finally:
         os.chmod(tmp_path / "image", 0o700)
+
+
+_PLAN_AND_COUNT = r"""
+import sys, torch
+from lora_cache.kernels import plan_kernels
+from lora_cache.merge_math import Delta, _bf16_addmm_rounds_once
+layer = ((1024, 768), torch.bfloat16, [Delta("a", torch.zeros(1024, 8, dtype=torch.bfloat16),
+                                             torch.zeros(8, 768, dtype=torch.bfloat16))])
+print(plan_kernels([layer], "cpu", sys.argv[1]).describe(), _bf16_addmm_rounds_once.cache_info().currsize)
+"""
+
+
+def test_how_bf16_addmm_rounds_is_learned_once_and_read_back_by_later_starts(tmp_path):
+    """A process's first bf16 addmm costs milliseconds: the first plan on a machine asks it
+    and the wisdom keeps the answer, so a later start plans without any bf16 addmm."""
+    from lora_cache.kernels.plan import ROUNDS_ONCE
+    from lora_cache.kernels.wisdom import FACTS
+    from lora_cache.merge_math import _bf16_addmm_rounds_once
+
+    first = run_python(_PLAN_AND_COUNT, str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    plan, asked = first.stdout.split()
+    assert asked == "1"
+    facts = json.loads((tmp_path / WISDOM_FILE).read_text())[FACTS]
+    assert facts == {entry_key("bfloat16", ROUNDS_ONCE, worker_count()): {"rounds_once": _bf16_addmm_rounds_once()}}
+    later = run_python(_PLAN_AND_COUNT, str(tmp_path))
+    assert later.returncode == 0, later.stderr
+    assert later.stdout.split() == [plan, "0"]
+
+
+def test_where_bf16_addmm_does_not_round_once_every_layer_is_summed_in_fp32(tmp_path):
+    """The fact as a machine whose addmm rounds the product first would have recorded it:
+    no class has a choice, whatever the timings say, and the key names no kernel."""
+    from lora_cache.kernels.plan import ROUNDS_ONCE
+    from lora_cache.kernels.wisdom import FACTS
+
+    cls = _plant(tmp_path, BF16_ADDMM)
+    saved = json.loads((tmp_path / WISDOM_FILE).read_text())
+    saved[FACTS] = {entry_key("bfloat16", ROUNDS_ONCE, worker_count()): {"rounds_once": False}}
+    (tmp_path / WISDOM_FILE).write_text(json.dumps(saved))
+    delta = Delta("x", torch.zeros(ROWS, RANK, dtype=torch.bfloat16), torch.zeros(RANK, COLS, dtype=torch.bfloat16))
+    plan = plan_kernels([((ROWS, COLS), torch.bfloat16, [delta])], CPU, tmp_path)
+    assert cls is not None and plan.choices == () and plan.describe() == ""
+    assert plan.kernel_for((ROWS, COLS), torch.bfloat16, [delta], CPU) == FP32_ROWS
