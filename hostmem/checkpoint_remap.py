@@ -15,6 +15,11 @@ tensor of that name and shape: a non-persistent buffer), ``device`` (not in host
 memory) and ``layout`` (a non-contiguous view or a tensor subclass, which a plain view
 of the file cannot stand in for).
 
+``cast`` and ``changed`` weights have no bytes on disk to point at. With ``spill=True``
+they are written once to the cache instead and mapped back read-only
+(:mod:`hostmem.remap_spill`), so they too become page cache; the report counts them as
+spilled, with the bytes written and the bytes found already cached.
+
 After a remap the weights are views of a mapped file, so ``lora_cache.merge`` finds the
 checkpoint by itself (no ``base_files``) and keeps no anonymous original for unmerge.
 The comparison is exact (bytes, not values: ``-0.0`` differs from ``0.0``), so a
@@ -55,6 +60,13 @@ class RemapReport:
     remapped_bytes: int = 0
     remapped: int = 0
     already_mapped_bytes: int = 0
+    spilled_bytes: int = 0  # cast or changed weights now mapped from the spill cache
+    spilled: int = 0
+    spill_written_bytes: int = 0  # layer-file bytes this call wrote (0 when the cache had them all)
+    spill_reused_bytes: int = 0  # layer-file bytes found in the cache, verified
+    spill_key: str = ""
+    spill_root: str = ""
+    spill_problem: str | None = None  # why some weights could not be spilled
     left_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
     left_names: dict[str, list[str]] = field(default_factory=lambda: {r: [] for r in REASONS})
     files: list[str] = field(default_factory=list)
@@ -74,6 +86,13 @@ class RemapReport:
             "remapped_bytes": self.remapped_bytes,
             "remapped": self.remapped,
             "already_mapped_bytes": self.already_mapped_bytes,
+            "spilled_bytes": self.spilled_bytes,
+            "spilled": self.spilled,
+            "spill_written_bytes": self.spill_written_bytes,
+            "spill_reused_bytes": self.spill_reused_bytes,
+            "spill_key": self.spill_key,
+            "spill_root": self.spill_root,
+            "spill_problem": self.spill_problem,
             "left_bytes": dict(self.left_bytes),
             "left_names": {k: list(v) for k, v in self.left_names.items()},
             "files": list(self.files),
@@ -86,8 +105,18 @@ class RemapReport:
         return (
             f"remap: {format_size(self.remapped_bytes)} remapped ({self.remapped} tensors) from "
             f"{len(self.files)} file(s), {format_size(self.already_mapped_bytes)} already mapped read-only; "
+            f"{self._spill_text()}"
             f"left {format_size(self.total_left_bytes)}{': ' + left if left else ''}; {self.seconds:.2f} s"
         )
+
+
+    def _spill_text(self) -> str:
+        if not (self.spilled or self.spill_problem):
+            return ""
+        text = (f"{format_size(self.spilled_bytes)} spilled ({self.spilled} tensors; "
+                f"{format_size(self.spill_written_bytes)} written, {format_size(self.spill_reused_bytes)} "
+                f"reused from the cache in {self.spill_root})")
+        return text + (f", not all: {self.spill_problem}" if self.spill_problem else "") + "; "
 
 
 @dataclass(frozen=True)
@@ -171,24 +200,24 @@ def _is_plain(tensor: torch.Tensor) -> bool:
     return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.is_contiguous()
 
 
-def _remap_slot(slot: TensorSlot, index: CheckpointIndex, areas: MappedAreas, report: RemapReport, label: str):
-    """Point one tensor at its checkpoint bytes, or record why it stays."""
+def _remap_slot(slot: TensorSlot, index: CheckpointIndex, areas: MappedAreas, report: RemapReport) -> str | None:
+    """Point one tensor at its checkpoint bytes; return why it stays (a reason), or None."""
     tensor = slot.tensor
     if tensor.device.type != "cpu":
-        return report.leave("device", label, slot.nbytes)
+        return "device"
     if slot.nbytes == 0:
         return None
     if areas.read_only_file(tensor) is not None:
         report.already_mapped_bytes += slot.nbytes
         return None
     if not _is_plain(tensor):
-        return report.leave("layout", label, slot.nbytes)
+        return "layout"
     candidates = index.candidates(slot.name, tuple(tensor.shape))
     same_dtype = [c for c in candidates if c.dtype == tensor.dtype]
     if not candidates:
-        return report.leave("missing", label, slot.nbytes)
+        return "missing"
     if not same_dtype:
-        return report.leave("cast", label, slot.nbytes)
+        return "cast"
     detached = tensor.detach()
     for source in same_dtype:
         view = index.view(source)
@@ -197,7 +226,7 @@ def _remap_slot(slot: TensorSlot, index: CheckpointIndex, areas: MappedAreas, re
             report.remapped += 1
             report.remapped_bytes += slot.nbytes
             return None
-    return report.leave("changed", label, slot.nbytes)
+    return "changed"
 
 
 def _return_freed_memory() -> None:
@@ -216,23 +245,50 @@ def component_files(model, files) -> dict[str, list[str]]:
 
 
 @torch.no_grad()
-def remap(model, files=None) -> RemapReport:
+def remap(model, files=None, *, spill: bool = False, cache_root=None, max_size=None) -> RemapReport:
     """Point every weight of ``model`` that equals its checkpoint tensor at a read-only mapping of it.
 
     ``model`` is a module, a dict of named modules or a pipeline (its module
     components); ``files`` is a shard, a folder or a list of them, for every component
     (default: each component's own checkpoint, found from its config; see
     :func:`hostmem.checkpoint_files.checkpoint_files`). Returns a :class:`RemapReport`:
-    bytes remapped, bytes left per reason (with a few names each), files and time.
+    bytes remapped, spilled, and left per reason (with a few names each), files and time.
 
-    >>> report = hostmem.remap(pipe.transformer)   # doctest: +SKIP
-    >>> print(report)                              # doctest: +SKIP
+    With ``spill=True`` the weights left as ``cast`` or ``changed`` are written once to
+    the cache (one verified layer file each, keyed by the checkpoint's content and their
+    own bytes: see :mod:`hostmem.remap_spill`) and mapped back read-only; a later start
+    with the same bytes finds them and writes nothing. ``cache_root`` is one root or an
+    ordered list, as for ``lora_cache.merge`` (default ``$HOSTMEM_CACHE_ROOT``, else
+    ``~/.cache/hostmem``); ``max_size`` caps the cache as there.
+
+    >>> report = hostmem.remap(pipe.transformer, spill=True)   # doctest: +SKIP
+    >>> print(report)                                          # doctest: +SKIP
     """
     start = time.monotonic()
     report = RemapReport()
+    pending = _remap_all(model, files, report, spill)
+    if pending:
+        from .remap_spill import spill as spill_pending
+
+        for item in spill_pending(pending, report, cache_root, max_size):
+            report.leave(item.reason, item.label, item.slot.nbytes)
+    _return_freed_memory()
+    if report.remapped or report.spilled:
+        from .writers import guard_foreign_writers
+
+        guard_foreign_writers()
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def _remap_all(model, files, report: RemapReport, spill: bool) -> list:
+    """Remap every tensor of every component; return those a spill is to take (with ``spill``)."""
+    from .remap_spill import SPILLED_REASONS, Pending
+
     shards_of = component_files(model, files)
     indexes: dict[tuple[str, ...], CheckpointIndex] = {}
     areas = MappedAreas()
+    pending = []
     with _one_thread():
         for component, slot in iter_module_slots(model):
             shards = tuple(shards_of[component])
@@ -240,11 +296,9 @@ def remap(model, files=None) -> RemapReport:
                 indexes[shards] = CheckpointIndex(list(shards))
                 report.files += [s for s in shards if s not in report.files]
             label = f"{component}.{slot.name}" if component else slot.name
-            _remap_slot(slot, indexes[shards], areas, report, label)
-    _return_freed_memory()
-    if report.remapped:
-        from .writers import guard_foreign_writers
-
-        guard_foreign_writers()
-    report.seconds = time.monotonic() - start
-    return report
+            reason = _remap_slot(slot, indexes[shards], areas, report)
+            if reason in SPILLED_REASONS and spill:
+                pending.append(Pending(label, slot, reason, shards))
+            elif reason is not None:
+                report.leave(reason, label, slot.nbytes)
+    return pending

@@ -6,6 +6,12 @@ shape and dtype. That is an upper bound (a tensor changed after load is found ou
 only by :func:`hostmem.remap` itself), and the note says so. Remap needs no disk; its
 one-time cost is reading the checkpoint once to compare, at page-cache speed.
 
+Tensors the checkpoint holds in another dtype (cast at load) cannot be remapped, only
+spilled (``hostmem.remap(spill=True)``: written once to the cache and mapped back). A
+provider made with ``spill=True`` offers them too, with the disk their layer files take
+and the time to hash and write them, as the LoRA cache offers its merged layers;
+without it, the note says how much a spill would add.
+
 The planner's interface is met by attribute names (``provider``, ``component``,
 ``anonymous_bytes``, ``disk_bytes``, ``one_time_s``, ``note``): imports point down,
 so nothing here imports ``planners``.
@@ -14,17 +20,21 @@ so nothing here imports ``planners``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .checkpoint_remap import CheckpointIndex, component_files
 from .residency import RangeClassifier
 from .slots import MappedAreas, iter_module_slots
 from .units import format_rate, format_size
 
-__all__ = ["RemapOffer", "RemapProvider", "remappable_anonymous_bytes", "DEFAULT_COMPARE_RATE"]
+__all__ = ["RemapOffer", "RemapProvider", "RemapSizes", "remap_sizes", "remappable_anonymous_bytes",
+           "DEFAULT_COMPARE_RATE", "DEFAULT_SPILL_RATE"]
 
 # Reading a checkpoint from page cache and comparing it with the heap copy; the
 # benchmark (bench/bench_diffusers.py) measures the real figure on a machine.
 DEFAULT_COMPARE_RATE = 1024 * 1024 * 1024
+# Hashing the cast weights and writing them to the cache the first time (the disk bounds it).
+DEFAULT_SPILL_RATE = 512 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -39,52 +49,102 @@ class RemapOffer:
     note: str
 
 
-def remappable_anonymous_bytes(module, files=None) -> int:
-    """Anonymous bytes of ``module``'s tensors that a checkpoint tensor (name, shape, dtype) could replace."""
-    shards = component_files(module, files)[""]
-    index, areas = CheckpointIndex(shards), MappedAreas()
-    ranges = []
-    for _, slot in iter_module_slots(module):
-        tensor = slot.tensor
-        if tensor.device.type != "cpu" or slot.nbytes == 0 or areas.read_only_file(tensor) is not None:
-            continue
-        if any(c.dtype == tensor.dtype for c in index.candidates(slot.name, tuple(tensor.shape))):
-            start = tensor.untyped_storage().data_ptr()
-            ranges.append((start, start + tensor.untyped_storage().nbytes()))
+class RemapSizes(NamedTuple):
+    """Anonymous bytes remap could replace, and those only a spill could (with their disk)."""
+
+    remappable: int
+    castable: int  # anonymous, held by the checkpoint in another dtype
+    castable_disk: int  # the layer files a spill of them writes
+
+
+def _anonymous(ranges: list[tuple[int, int]]) -> int:
     if not ranges:
         return 0
     with RangeClassifier() as classifier:
         return sum(r.anonymous for r in classifier.classify_many(ranges))
 
 
+def remap_sizes(module, files=None) -> RemapSizes:
+    """Size remap and its spill for ``module`` from its checkpoint's headers and residency."""
+    from .vault.layer_file import layer_file_bytes
+
+    shards = component_files(module, files)[""]
+    index, areas = CheckpointIndex(shards), MappedAreas()
+    same, cast, disk = [], [], 0
+    for _, slot in iter_module_slots(module):
+        tensor = slot.tensor
+        if tensor.device.type != "cpu" or slot.nbytes == 0 or areas.read_only_file(tensor) is not None:
+            continue
+        candidates = index.candidates(slot.name, tuple(tensor.shape))
+        if not candidates:
+            continue
+        start = tensor.untyped_storage().data_ptr()
+        if any(c.dtype == tensor.dtype for c in candidates):
+            same.append((start, start + tensor.untyped_storage().nbytes()))
+        else:
+            cast.append((start, start + tensor.untyped_storage().nbytes()))
+            disk += layer_file_bytes(tuple(tensor.shape), tensor.dtype)
+    castable = _anonymous(cast)
+    return RemapSizes(_anonymous(same), castable, disk if castable else 0)
+
+
+def remappable_anonymous_bytes(module, files=None) -> int:
+    """Anonymous bytes of ``module``'s tensors that a checkpoint tensor (name, shape, dtype) could replace."""
+    return remap_sizes(module, files).remappable
+
+
 class RemapProvider:
-    """Offers the checkpoint remap of one loaded component to the planner."""
+    """Offers the checkpoint remap of one loaded component to the planner (with its spill
+    when ``spill``: then the cast bytes too, for the disk their layer files take)."""
 
     name = "remap"
 
-    def __init__(self, component: str, anonymous_bytes: int, *, compare_rate: float = DEFAULT_COMPARE_RATE):
-        if anonymous_bytes < 0:
-            raise ValueError(f"remappable bytes of {component!r} must not be negative, got {anonymous_bytes}")
+    def __init__(self, component: str, anonymous_bytes: int, *, compare_rate: float = DEFAULT_COMPARE_RATE,
+                 spill: bool = False, spill_bytes: int = 0, spill_disk_bytes: int = 0,
+                 spill_rate: float = DEFAULT_SPILL_RATE):
+        sizes = (("remappable", anonymous_bytes), ("spillable", spill_bytes), ("spill disk", spill_disk_bytes))
+        for what, value in sizes:
+            if value < 0:
+                raise ValueError(f"{what} bytes of {component!r} must not be negative, got {value}")
         self.component = component
         self.anonymous_bytes = int(anonymous_bytes)
         self.compare_rate = compare_rate
+        self.spill, self.spill_bytes, self.spill_disk_bytes = spill, int(spill_bytes), int(spill_disk_bytes)
+        self.spill_rate = spill_rate
 
     @classmethod
-    def from_model(cls, component: str, module, files=None, **kwargs) -> "RemapProvider":
+    def from_model(cls, component: str, module, files=None, *, spill: bool = False, **kwargs) -> "RemapProvider":
         """Size the offer from ``module`` and its checkpoint (found from its config unless ``files``)."""
-        return cls(component, remappable_anonymous_bytes(module, files), **kwargs)
+        sizes = remap_sizes(module, files)
+        return cls(component, sizes.remappable, spill=spill, spill_bytes=sizes.castable,
+                   spill_disk_bytes=sizes.castable_disk, **kwargs)
 
     def offer(self) -> RemapOffer | None:
-        """The offer, or None when nothing anonymous equals a checkpoint tensor."""
-        if self.anonymous_bytes == 0:
+        """The offer, or None when nothing anonymous equals a checkpoint tensor (nor would be spilled)."""
+        spilled = self.spill_bytes if self.spill else 0
+        if self.anonymous_bytes + spilled == 0:
             return None
-        seconds = self.anonymous_bytes / self.compare_rate
+        compare = self.anonymous_bytes / self.compare_rate
         note = (
             f"checkpoint remap of {self.component}: up to {format_size(self.anonymous_bytes)} of anonymous weights "
             f"still match the checkpoint by name, shape and dtype and can be mapped back read-only "
-            f"(hostmem.remap; no disk, about {seconds:.0f} s at {format_rate(self.compare_rate)} to compare)"
+            f"(hostmem.remap; no disk, about {compare:.0f} s at {format_rate(self.compare_rate)} to compare)"
         )
-        return RemapOffer(self.name, self.component, self.anonymous_bytes, 0, seconds, note)
+        write = self.spill_disk_bytes / self.spill_rate if spilled else 0.0
+        disk = self.spill_disk_bytes if spilled else 0
+        return RemapOffer(self.name, self.component, self.anonymous_bytes + spilled, disk, compare + write,
+                          note + self._spill_note())
+
+    def _spill_note(self) -> str:
+        if not self.spill_bytes:
+            return ""
+        what = (f"{format_size(self.spill_bytes)} more are held by the checkpoint in another dtype (cast at load): "
+                f"a spill writes them once to the cache ({format_size(self.spill_disk_bytes)} of disk)")
+        if self.spill:
+            seconds = self.spill_disk_bytes / self.spill_rate
+            return (f"; {what} and maps them back read-only (hostmem.remap(spill=True); about {seconds:.0f} s "
+                    f"at {format_rate(self.spill_rate)} the first time, nothing once cached)")
+        return f"; {what}: hostmem.remap(spill=True) would map them back too"
 
     def __repr__(self) -> str:
         return f"RemapProvider({self.component!r}, {format_size(self.anonymous_bytes)})"

@@ -111,12 +111,14 @@ def apply_offer(sizes: ComponentSizes, offer: OfferRecord) -> ComponentSizes:
     return sizes.with_units(units)._replace(extra=extra)
 
 
-def remap_providers(components, files=None) -> list:
+def remap_providers(components, files=None, *, spill: bool = False) -> list:
     """Checkpoint remap offered for each loaded component (``{config name: nn.Module}``).
 
     Pass them to ``plan_loaded(config, components, providers=...)`` beside the LoRA
     cache's. A component whose checkpoint its config does not name (and no ``files``)
-    is skipped: remap has nothing to compare it with.
+    is skipped: remap has nothing to compare it with. ``spill``: the offers also count
+    the weights cast at load, which ``hostmem.remap(spill=True)`` writes once to the
+    cache and maps back (their disk and first-start time in the offer).
     """
     from hostmem.checkpoint_files import CheckpointNotFound
     from hostmem.remap_offer import RemapProvider
@@ -124,7 +126,7 @@ def remap_providers(components, files=None) -> list:
     providers = []
     for name, module in components.items():
         try:
-            providers.append(RemapProvider.from_model(name, module, files))
+            providers.append(RemapProvider.from_model(name, module, files, spill=spill))
         except CheckpointNotFound:
             continue
     return providers

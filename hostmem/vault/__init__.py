@@ -1,4 +1,7 @@
-"""The vault: LoRA-merged layers stored once on disk and served as read-only mappings.
+"""The vault: layers stored once on disk and served as read-only mappings.
+
+Its providers: the LoRA cache's merged layers, and checkpoint remap's spill (weights
+cast or changed at load, :mod:`hostmem.remap_spill`). Both key a combination by content.
 
 A pure store. ``Vault(root).open(key, expected_layers)`` returns a
 :class:`VaultSession` whose ``get(name, shape, dtype)`` answers a view into a
@@ -63,6 +66,7 @@ Modules, each with one job:
 - ``manifest``: the seal over a combination's layer files;
 - ``adoption``: what an opening session may trust of a folder;
 - ``combinations``: the combinations on disk, their sizes, locks and eviction;
+- ``roots``: several roots in order, which one serves or builds a combination;
 - ``leases``: served weights keep their combination in use;
 - ``admin``: ``hostmem cache ls | verify | prune | rm``;
 - ``safety``, ``durable``, ``locks``: the filesystem underneath (private folders,
@@ -84,6 +88,8 @@ _EXPORTS = {
     "base_identity": "identity",
     "adapter_identity": "identity",
     "default_cache_root": "combinations",
+    "cache_roots": "roots",
+    "open_in_roots": "roots",
     "DEFAULT_HEADROOM": "store",
     "layer_file_bytes": "layer_file",
 }

@@ -37,7 +37,7 @@ DEFAULT_HEADROOM = 256 * 1024 * 1024
 MEMO_NAME = "content_hashes.json"
 
 
-def _lock_key(cache: str, key: str) -> tuple[KeyLock, float]:
+def _lock_key(cache: str, key: str, label: str) -> tuple[KeyLock, float]:
     """Take the key's exclusive lock, saying so when another process holds it."""
     lock = KeyLock(lock_path(cache, key))
     if os.path.lexists(lock.path):
@@ -45,13 +45,13 @@ def _lock_key(cache: str, key: str) -> tuple[KeyLock, float]:
     if lock.acquire(blocking=False):
         return lock, 0.0
     say(
-        f"LoRA merge cache {key[:12]} is in use by another process (most likely building it); waiting "
+        f"{label} {key[:12]} is in use by another process (most likely building it); waiting "
         f"for it to finish (lock {lock.path}), then using what it built"
     )
     started = time.monotonic()
     lock.acquire()
     waited = time.monotonic() - started
-    say(f"LoRA merge cache {key[:12]}: waited {waited:.1f} s; adopting it")
+    say(f"{label} {key[:12]}: waited {waited:.1f} s; adopting it")
     return lock, waited
 
 
@@ -61,10 +61,13 @@ class Vault:
     A root this process cannot write (a read-only filesystem, an image layer) is
     ``read_only``: it is never written, not even a lock file, and :meth:`open` serves
     from it only what is there and verified. A writable root is swept of the
-    temporary files of writers that are no longer running.
+    temporary files of writers that are no longer running. ``label`` names what it
+    stores in the messages it prints (which cache waited, dropped or rebuilt what).
     """
 
-    def __init__(self, root: str | os.PathLike, max_size: int | str | None = None, headroom: int | str = DEFAULT_HEADROOM):
+    def __init__(self, root: str | os.PathLike, max_size: int | str | None = None,
+                 headroom: int | str = DEFAULT_HEADROOM, label: str = "LoRA merge cache"):
+        self.label = label
         self.read_only = root_is_read_only(root)
         self.root = prepare_root(root, create=not self.read_only)
         self.cache = os.path.join(self.root, CACHE_DIR) if self.read_only else cache_dir(self.root)
@@ -111,12 +114,12 @@ class Vault:
         claim_in_process(hex_key)
         lock = None
         try:
-            lock, waited = _lock_key(self.cache, hex_key)
+            lock, waited = _lock_key(self.cache, hex_key, self.label)
             lease = use_lease(use_path(self.cache, hex_key))  # under the key's lock, before any view
             folder = os.path.join(self.cache, hex_key)
             make_private_dir(folder)
             adopted = adopt(folder, expected_layers)
-            _tell(hex_key, adopted)
+            _tell(self.label, hex_key, adopted)
             needed = still_needed(adopted.entries, expected_layers)
             evicted = evict_lru(self.cache, hex_key, needed, self.max_size, self.headroom)
             inputs = key.inputs if isinstance(key, CacheKey) else {}
@@ -133,20 +136,20 @@ class Vault:
         if os.path.isdir(folder) and not os.path.islink(folder):
             check_folder_safe(folder)
             adopted = adopt(folder, expected_layers, writable=False)
-            _tell(hex_key, adopted, read_only=True)
+            _tell(self.label, hex_key, adopted, read_only=True)
         else:
             adopted = Adopted({}, None)
         inputs = key.inputs if isinstance(key, CacheKey) else {}
         return VaultSession(self, hex_key, folder, (None, None), inputs, adopted, expected_layers, 0.0, [])
 
 
-def _tell(key: str, adopted: Adopted, read_only: bool = False) -> None:
+def _tell(label: str, key: str, adopted: Adopted, read_only: bool = False) -> None:
     """Say what adoption found wrong: which file, and why, and what happens now."""
     then = "not serving it (a read-only root)" if read_only else "rebuilding it"
     if adopted.dropped:
-        say(f"LoRA merge cache {key[:12]}: dropped the whole combination ({adopted.dropped}); {then}")
+        say(f"{label} {key[:12]}: dropped the whole combination ({adopted.dropped}); {then}")
     for shown, (name, why) in enumerate(sorted(adopted.failed.items())):
         if shown == 5:
-            say(f"LoRA merge cache {key[:12]}: ... and {len(adopted.failed) - 5} more layer(s) like these")
+            say(f"{label} {key[:12]}: ... and {len(adopted.failed) - 5} more layer(s) like these")
             break
-        say(f"LoRA merge cache {key[:12]}: layer {name!r} failed its check ({why}); {then}")
+        say(f"{label} {key[:12]}: layer {name!r} failed its check ({why}); {then}")
