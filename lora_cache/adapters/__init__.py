@@ -16,8 +16,12 @@ Every format names the same few parts of a module's change with its own suffixes
 A path may be the file or the folder peft (``adapter_model.safetensors``) or diffusers
 (``pytorch_lora_weights.safetensors``) wrote. Alpha precedence, and what happens when two
 places disagree, is in :mod:`lora_cache.adapters.alpha`. For a diffusers model the keys
-are converted by diffusers itself (:mod:`lora_cache.adapters.diffusers_format`); which
-model module a key names is decided in :mod:`lora_cache.keys`.
+are converted by diffusers itself (:mod:`lora_cache.adapters.diffusers_format`), each
+conversion recorded by the file's content so that a start whose layers are all cached
+does not convert again (:mod:`lora_cache.adapters.conversion_memo`); a kohya Flux file
+whose sizes diffusers' converter cannot take is read by this package's parser
+(:mod:`lora_cache.adapters.kohya_flux`). Which model module a key names is decided in
+:mod:`lora_cache.keys`.
 """
 
 from __future__ import annotations

@@ -4,14 +4,20 @@ diffusers turns every layout its loaders accept (kohya sd-scripts with the BFL/F
 names, ComfyUI and lightx2v, xlabs, its own) into its own keys with the pipeline class's
 ``lora_state_dict``; re-implementing those converters here would drift from them. So for
 a diffusers model the file is read and checked here (every key, the alphas of the
-header; its values when they are first consumed, as for any file), handed to that classmethod as a dict, and what comes back is grouped
-like any other file. kohya's converter folds each module's alpha into its matrices
-(scale 1 afterwards); an ``ss_network_alpha`` is written into the modules without a
-``.alpha`` first, so the precedence of :mod:`lora_cache.adapters.alpha` holds on this path
-too. The converters get copies of the tensors (some scale them in place, which a
-read-only mapping refuses with a SIGSEGV): as much anonymous memory as the adapter, as
-diffusers' own loader takes, for the length of the merge. diffusers is an optional
-extra: nothing here imports it unless a model is a diffusers model.
+header; its values when they are first consumed, as for any file), handed to that
+classmethod as a dict, and what comes back is grouped like any other file. kohya's
+converter folds each module's alpha into its matrices (scale 1 afterwards); an
+``ss_network_alpha`` is written into the modules without a ``.alpha`` first, so the
+precedence of :mod:`lora_cache.adapters.alpha` holds on this path too. The converters
+get copies of the tensors (some scale them in place, which a read-only mapping refuses
+with a SIGSEGV): as much anonymous memory as the adapter, as diffusers' own loader
+takes. So each conversion is recorded by the file's content
+(:mod:`lora_cache.adapters.conversion_memo`), and a start that finds the record plans
+from it without converting: a start whose every layer is cached reads and copies no
+value of the adapter. Where diffusers' kohya Flux converter cannot take the model's
+sizes (it hard-codes Flux-dev's), the file is read by this package's own parser
+(:mod:`lora_cache.adapters.kohya_flux`). diffusers is an optional extra: nothing here
+imports it unless a model is a diffusers model.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import torch
 
 from .alpha import network_alpha
 from .checks import FiniteCheck
+from .conversion_memo import ConversionMemo, NoValues, record_of, skeleton_of
+from .kohya_flux import read_kohya_flux, uncovered_stems
 from .read import AdapterFile, build_adapter_file, group_parts, open_adapter
 from .spec import AdapterError
 
@@ -80,6 +88,14 @@ def _with_network_alpha(path: str, tensors: dict, metadata: dict) -> dict:
     return filled
 
 
+class ConversionRefused(AdapterError):
+    """diffusers' converter could not convert a file; ``reason`` is its own word."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 def _convert(loader, path: str, tensors: dict) -> tuple[dict, dict]:
     """diffusers' conversion: ``(state dict in diffusers' keys, network alphas)``."""
     wants_alphas = "return_alphas" in inspect.signature(loader.lora_state_dict).parameters
@@ -88,34 +104,96 @@ def _convert(loader, path: str, tensors: dict) -> tuple[dict, dict]:
         out = loader.lora_state_dict(dict(tensors), **kwargs)
     except Exception as exc:  # diffusers' converters also fail by assert (sizes they hard-code)
         reason = str(exc) or type(exc).__name__
-        raise AdapterError(
+        raise ConversionRefused(
             f"{path}: diffusers' {loader.__name__}.lora_state_dict cannot convert it ({reason}); "
-            "pass convert='native' with key rules to read it without diffusers"
+            "pass convert='native' with key rules to read it without diffusers", reason
         ) from None
     state, alphas = (out if isinstance(out, tuple) else (out, None))[:2]
     return state, dict(alphas or {})
 
 
-def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None) -> AdapterFile:
-    """Read ``path`` through ``loader.lora_state_dict``; keep the keys of ``components``."""
-    import diffusers
-
-    path, mapped, tensors = open_adapter(path)
-    metadata = mapped.metadata()
-    group_parts(path, tensors)  # the file's own keys and shapes, checked before any conversion
-    values_check = FiniteCheck(path, tensors)  # the file's own values, under the file's own keys
-    # diffusers' converters scale some matrices in place (Wan's: ``*=``): they get writable
-    # copies, never views of the read-only mapping (a write there is a SIGSEGV).
-    writable = {k: v.clone() for k, v in _with_network_alpha(path, tensors, metadata).items()}
-    state, alphas = _convert(loader, path, writable)
-    state.update({k: v if torch.is_tensor(v) else torch.tensor(float(v)) for k, v in alphas.items()})
-    keep = components or (_component_name(loader),)
+def _kept(path: str, state: dict, keep: tuple[str, ...]) -> dict:
+    """The converted keys of the components ``keep`` names."""
     kept = {k: v for k, v in state.items() if k.split(".", 1)[0] in keep}
     if not kept:
         raise AdapterError(
             f"{path}: after diffusers' conversion no key belongs to {', '.join(keep)} "
             f"(they start with {sorted({k.split('.', 1)[0] for k in state})}); is it an adapter for another model?"
         )
-    converted_metadata = {k: v for k, v in metadata.items() if k != "ss_network_alpha"}  # folded above
+    return kept
+
+
+def _converted_metadata(metadata: dict) -> dict:
+    return {k: v for k, v in metadata.items() if k != "ss_network_alpha"}  # folded by the converter
+
+
+def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str, ...],
+               converter: str) -> tuple[AdapterFile, dict]:
+    """Convert with diffusers (or, where its kohya Flux converter refuses the sizes, read with
+    this package's parser): ``(the adapter, its conversion record)``."""
+    group_parts(path, tensors)  # the file's own keys and shapes, checked before any conversion
+    values_check = FiniteCheck(path, tensors)  # the file's own values, under the file's own keys
+    # diffusers' converters scale some matrices in place (Wan's: ``*=``): they get writable
+    # copies, never views of the read-only mapping (a write there is a SIGSEGV).
+    writable = {k: v.clone() for k, v in _with_network_alpha(path, tensors, metadata).items()}
+    try:
+        state, alphas = _convert(loader, path, writable)
+    except ConversionRefused as refused:
+        del writable
+        adapter = _kohya_fallback(path, loader, tensors, metadata, refused)
+        return adapter, record_of("kohya-flux", adapter.converter)
+    state.update({k: v if torch.is_tensor(v) else torch.tensor(float(v)) for k, v in alphas.items()})
+    kept = _kept(path, state, keep)
+    adapter = build_adapter_file(path, kept, _converted_metadata(metadata), converter=converter,
+                                 values_check=values_check)
+    return adapter, record_of("diffusers", converter, kept)
+
+
+def _kohya_fallback(path: str, loader, tensors: dict, metadata: dict, refused: ConversionRefused) -> AdapterFile:
+    """A kohya BFL Flux file diffusers' converter refused, read by this package's parser; else
+    the refusal, naming what neither reads."""
+    flux = any(base.__name__ == "FluxLoraLoaderMixin" for base in loader.__mro__)  # the mixin, or FluxPipeline
+    uncovered = uncovered_stems(tensors) if flux else None
+    if uncovered is None:
+        raise refused
+    why = f"diffusers' {loader.__name__}.lora_state_dict cannot convert it ({refused.reason})"
+    if uncovered:
+        raise AdapterError(
+            f"{path}: {why}, and lora_cache's kohya Flux parser does not know {len(uncovered)} of its module(s) "
+            f"({', '.join(uncovered[:5])}{', ...' if len(uncovered) > 5 else ''}); pass convert='native' with "
+            "key rules to read it without diffusers"
+        ) from None
+    return read_kohya_flux(path, tensors, metadata, why)
+
+
+def _from_record(path: str, tensors: dict, metadata: dict, record: dict) -> AdapterFile:
+    """The adapter as its conversion record describes it: diffusers' keys with tensors on the
+    meta device (values are needed only where a layer is computed: :class:`NoValues`), or
+    the file read by this package's kohya Flux parser (views of the file, as any read)."""
+    if record["kind"] == "kohya-flux":
+        return read_kohya_flux(path, tensors, metadata, "diffusers' converter could not convert it when first read")
+    return build_adapter_file(path, skeleton_of(record), _converted_metadata(metadata), converter=record["converter"],
+                              values_check=NoValues(path))
+
+
+def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
+                        memo: ConversionMemo | None = None) -> AdapterFile:
+    """Read ``path`` through ``loader.lora_state_dict``; keep the keys of ``components``.
+
+    With ``memo``, a conversion of the same content by the same converter recorded there
+    is planned from without converting; a new conversion is recorded there.
+    """
+    import diffusers
+
+    path, mapped, tensors = open_adapter(path)
+    metadata = mapped.metadata()
+    keep = tuple(components or (_component_name(loader),))
     converter = f"diffusers {diffusers.__version__} {loader.__name__}.lora_state_dict"
-    return build_adapter_file(path, kept, converted_metadata, converter=converter, values_check=values_check)
+    name = memo.key(path, converter, keep) if memo is not None else None
+    record = memo.load(name) if memo is not None else None
+    if record is not None:
+        return _from_record(path, tensors, metadata, record)
+    adapter, record = _converted(path, loader, tensors, metadata, keep, converter)
+    if memo is not None:
+        memo.store(name, record)
+    return adapter

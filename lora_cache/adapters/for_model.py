@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from .conversion_memo import ConversionMemo
 from .diffusers_format import diffusers_loader, is_diffusers_model, read_with_diffusers
 from .read import AdapterFile, read_adapter, resolve_file
 from .spec import Adapter, AdapterError
@@ -28,25 +29,33 @@ def _diffusers_parts(model) -> tuple[object, tuple[str, ...]] | None:
     return None
 
 
-def read_adapters(model, specs: list[Adapter], loader=None, components: tuple[str, ...] = ()) -> list[AdapterFile]:
+def read_adapters(model, specs: list[Adapter], loader=None, components: tuple[str, ...] = (),
+                  memo_roots: list[str] | None = None) -> list[AdapterFile]:
     """Read every adapter for ``model``: through diffusers' converter where ``loader`` (a
     pipeline class or loader mixin) is given or ``model`` is a diffusers model and the
     spec allows it, else with this package's reader. A peft folder (adapter_config.json
     beside the file) is always read here: diffusers' loaders do not take it. The values
     are checked when they are first consumed, not here (a start that hits every layer in
     the cache never reads them).
+
+    ``memo_roots`` (the cache roots of the merge) keep diffusers' conversions by content:
+    an adapter converted before is then planned from its record, with no value read or
+    copied, and its first use of values raises
+    :class:`~lora_cache.adapters.conversion_memo.ValuesNeeded` (convert and plan again).
     """
     loader = loader or getattr(model, "lora_loader", None)  # lora_cache.load_lora's pipeline class
     if loader is not None and not components and isinstance(model, dict):
         components = tuple(model)
     found = (loader, components) if loader is not None else _diffusers_parts(model)
-    files = []
+    files, memo = [], None
     for spec in specs:
         path = resolve_file(spec.path)
         peft_folder = os.path.exists(os.path.join(os.path.dirname(path), "adapter_config.json"))
         use = spec.convert == "diffusers" or (spec.convert == "auto" and found is not None and not peft_folder)
         if use and found is None:
             raise AdapterError(f"{spec.path}: convert='diffusers' but the model is not one diffusers loads LoRA into")
-        files.append(read_with_diffusers(path, found[0], found[1] or None) if use
+        if use and memo is None and memo_roots:
+            memo = ConversionMemo(memo_roots)
+        files.append(read_with_diffusers(path, found[0], found[1] or None, memo) if use
                      else read_adapter(path, check_values=False))
     return files

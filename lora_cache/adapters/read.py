@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -66,7 +67,9 @@ class AdapterFile:
     the file states alphas (see :mod:`lora_cache.adapters.alpha`); ``converter`` names
     the converter that produced ``modules`` when it was not this package's reader;
     ``values_check`` refuses NaN and infinite values in the file, run before the values
-    are first consumed (see :mod:`lora_cache.adapters.checks`).
+    are first consumed (see :mod:`lora_cache.adapters.checks`); ``rules`` are key rules
+    the reader adds after the user's (a format's module names, see
+    :mod:`lora_cache.adapters.kohya_flux`), named in the key by ``converter``.
     """
 
     path: str
@@ -75,7 +78,8 @@ class AdapterFile:
     config: PeftConfig | None = None
     sources: AlphaSources | None = None
     converter: str | None = None
-    values_check: FiniteCheck | None = None
+    values_check: Callable[[], None] | None = None  # a FiniteCheck, or NoValues for a record's skeleton
+    rules: tuple = ()
 
     def __post_init__(self):
         if self.sources is None:
@@ -168,11 +172,12 @@ def group_parts(path: str, tensors: dict[str, torch.Tensor]) -> dict[str, Module
 
 
 def build_adapter_file(path: str, tensors: dict[str, torch.Tensor], header_metadata: dict,
-                       converter: str | None = None, values_check: FiniteCheck | None = None) -> AdapterFile:
+                       converter: str | None = None, values_check=None, rules: tuple = ()) -> AdapterFile:
     """An :class:`AdapterFile` from a file's tensors and header metadata (read or converted).
 
     Its values are not checked here: ``values_check`` (default: a check of ``tensors``)
-    runs when they are first consumed, or when the reader asks for it at once.
+    runs when they are first consumed, or when the reader asks for it at once. ``rules``:
+    key rules of the reader's own, tried after the user's (see :class:`AdapterFile`).
     """
     if not tensors:
         raise AdapterError(f"{path}: the file holds no tensors; is it an adapter at all?")
@@ -183,7 +188,7 @@ def build_adapter_file(path: str, tensors: dict[str, torch.Tensor], header_metad
     metadata = diffusers_metadata(path, header_metadata)
     sources = AlphaSources(path, config, metadata, network_alpha(path, header_metadata))
     return AdapterFile(path, _detect_format(list(tensors), header_metadata), modules, config, sources, converter,
-                       values_check)
+                       values_check, tuple(rules))
 
 
 def open_adapter(path: str | os.PathLike):

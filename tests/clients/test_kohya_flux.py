@@ -101,14 +101,23 @@ def test_the_converter_is_part_of_the_cache_key(flux, tmp_path):
     assert stats[0].built == stats[1].built > 0 and stats[0].cache_key != stats[1].cache_key
 
 
-def test_a_file_diffusers_cannot_convert_names_the_file_and_the_way_out(flux, tmp_path):
+def test_a_file_neither_converter_reads_names_the_file_and_the_way_out(flux, tmp_path):
+    """diffusers refuses linear1 at a tiny width; its parser fallback does not know the final
+    layer's adaLN (diffusers swaps its halves): the error names the file, both, and the way out."""
     gen = torch.Generator().manual_seed(1)
-    path = tmp_path / "odd.safetensors"
+    odd = tmp_path / "odd.safetensors"
     save_file({"lora_unet_single_blocks_0_linear1.lora_down.weight": torch.randn(RANK, DIM, generator=gen),
-               "lora_unet_single_blocks_0_linear1.lora_up.weight": torch.randn(7 * DIM, RANK, generator=gen)}, path)
-    refused = r"odd.safetensors: diffusers' FluxLoraLoaderMixin.lora_state_dict cannot convert it .* convert='native'"
+               "lora_unet_single_blocks_0_linear1.lora_up.weight": torch.randn(7 * DIM, RANK, generator=gen),
+               "lora_unet_final_layer_adaLN_modulation_1.lora_down.weight": torch.randn(RANK, DIM, generator=gen),
+               "lora_unet_final_layer_adaLN_modulation_1.lora_up.weight": torch.randn(2 * DIM, RANK, generator=gen)},
+              odd)
+    refused = (r"odd.safetensors: diffusers' FluxLoraLoaderMixin.lora_state_dict cannot convert it .*, and "
+               r"lora_cache's kohya Flux parser does not know 1 of its module\(s\) "
+               r"\(lora_unet_final_layer_adaLN_modulation_1\); pass convert='native' with key rules")
     with pytest.raises(lora_cache.AdapterError, match=refused):
-        _merged(flux, os.fspath(path), tmp_path / "cache")
+        _merged(flux, os.fspath(odd), tmp_path / "cache")
+    path = tmp_path / "linear1.safetensors"
+    save_file({k: v for k, v in load_readonly(odd).items() if "linear1" in k}, path)
     linear1 = (r"^lora_unet_single_blocks_(\d+)_linear1$", [rf"single_transformer_blocks.\1.{m}" for m in
                                                             ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")])
     merged = _merged(flux, Adapter(path, convert="native", rules=[linear1]), tmp_path / "cache")
