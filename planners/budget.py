@@ -2,7 +2,8 @@
 
 The host budget is what pins may be paid from::
 
-    budget = limit - reserve - committed non-reclaimable        (floored at 0)
+    budget = limit - reserve - committed non-reclaimable
+                   - held back for pending adapter builds       (floored at 0)
              capped by max_pinned (less what is already pinned)
 
 Committed is what the kernel cannot drop without swap: anonymous weights (a copy,
@@ -10,6 +11,13 @@ an in-place merge), their unmerge snapshots, shmem, pins already made, and, in a
 live process, anonymous memory beyond the reserve that no weight explains. The
 reserve covers the process's own memory (Python, CUDA context, activations), so
 only the part of the unexplained memory above it is charged.
+
+Held back for pending adapter builds is what a merged combination being built in the
+background (``lora_cache.set_adapters`` serving it at run time meanwhile) may still
+allocate: one layer's output buffer and its fp32 sum
+(``lora_cache.adapter_switch.build_reserve_bytes``). It is not committed yet, so it
+is a term of its own: pins planned now must leave it free, or the build's next layer
+lands on a host the pins have already filled.
 
 The limit is configured (a host convention: a large machine can stand in for a
 32 GiB one) or ``auto``: the tighter of MemTotal and the memory cgroup's limit,
@@ -80,6 +88,7 @@ class HostBudget(NamedTuple):
     committed_shmem: int = 0
     committed_pinned: int = 0
     process_excess: int = 0
+    build_reserve: int = 0  # held back for pending adapter builds (not committed yet)
 
     @property
     def committed(self) -> int:
@@ -88,7 +97,7 @@ class HostBudget(NamedTuple):
     @property
     def room(self) -> int:
         """Memory left for new pins and page cache together (floored at 0)."""
-        return max(0, self.limit - self.reserve - self.committed)
+        return max(0, self.limit - self.reserve - self.committed - self.build_reserve)
 
     @property
     def pin_cap(self) -> int:
@@ -101,9 +110,13 @@ class HostBudget(NamedTuple):
 
 
 def host_budget(
-    limit: int, reserve: int, max_pinned: int, committed: Residency, process_excess: int = 0
+    limit: int, reserve: int, max_pinned: int, committed: Residency, process_excess: int = 0,
+    build_reserve: int = 0,
 ) -> HostBudget:
-    """The budget of a host whose non-reclaimable memory is ``committed``."""
+    """The budget of a host whose non-reclaimable memory is ``committed``, holding
+    ``build_reserve`` back for pending adapter builds."""
+    if build_reserve < 0:
+        raise ValueError(f"host_budget: build_reserve {build_reserve} must not be negative")
     return HostBudget(
         limit=limit,
         reserve=reserve,
@@ -112,4 +125,5 @@ def host_budget(
         committed_shmem=committed.shmem,
         committed_pinned=committed.pinned,
         process_excess=max(0, process_excess),
+        build_reserve=build_reserve,
     )

@@ -83,9 +83,10 @@ def _move_groups(config: DeploymentConfig, components, device: DevicePlan) -> li
     return groups
 
 
-def _core(config, components, host: HostLimit, process_excess: int):
+def _core(config, components, host: HostLimit, process_excess: int, build_reserve: int = 0):
     budget = host_budget(
-        host.bytes, config.host.reserve, config.host.max_pinned(host.bytes), _committed(components), process_excess
+        host.bytes, config.host.reserve, config.host.max_pinned(host.bytes), _committed(components), process_excess,
+        build_reserve,
     )
     streamed = config.streamed
     device = plan_device(
@@ -113,6 +114,7 @@ def plan_deployment(
     mode: str = "what-if",
     merge: str = "none",
     process_excess: int = 0,
+    build_reserve: int = 0,
     providers=(),
     notes: tuple[str, ...] = (),
     merge_reason: str = "",
@@ -122,7 +124,8 @@ def plan_deployment(
     """Plan ``config`` over ``components`` on a host limited to ``host``.
 
     ``process_excess`` is anonymous memory of the serving process beyond the
-    reserve that no weight explains (live plans); ``providers`` are asked for
+    reserve that no weight explains (live plans); ``build_reserve`` is held back for
+    pending adapter builds (:mod:`planners.budget`); ``providers`` are asked for
     offers, and each offer is planned next to the plan without it; ``notes`` are
     warnings found outside (a cache root on tmpfs) to report with the plan's own.
     ``alternatives`` are ``(label, merge, components)``: the same deployment with
@@ -131,16 +134,16 @@ def plan_deployment(
     """
     _check_components(config, components)
     components = dict(components)
-    budget, device, pins = _core(config, components, host, process_excess)
+    budget, device, pins = _core(config, components, host, process_excess, build_reserve)
     outcomes = []
     for record in collect_offers(providers, set(components)):
         changed = {**components, record.component: apply_offer(components[record.component], record)}
-        b, _, p = _core(config, changed, host, process_excess)
+        b, _, p = _core(config, changed, host, process_excess, build_reserve)
         outcomes.append(OfferOutcome(record, b.bytes, p.pinned_bytes, p.transfer_s_per_request))
     others = []
     for label, other_merge, other in alternatives:
         _check_components(config, other)
-        b, _, p = _core(config, dict(other), host, process_excess)
+        b, _, p = _core(config, dict(other), host, process_excess, build_reserve)
         layers = {name: tuple(plan.pinned_layers) for name, plan in p.plans.items()}
         others.append(AlternativePlan(label, other_merge, b.bytes, b.committed, p.pinned_bytes, layers,
                                       p.transfer_s_per_request, max(0, b.committed - b.limit)))

@@ -5,6 +5,7 @@ host, so together they pin N times what the host can give. The host budget is
 computed once per host instead::
 
     host budget = limit - local ranks x reserve - the ranks' committed memory
+                  - what the ranks hold back for pending adapter builds
                   (floored at 0), capped by max_pinned less what they already pinned
 
 The reserve is per rank (each has its own Python, CUDA context and activations);
@@ -46,6 +47,7 @@ class RankNeed:
     need: int  # bytes it could pin: streamed layers and fully offloaded components
     committed: Residency  # its non-reclaimable memory (anonymous, shmem, pinned)
     process_excess: int = 0
+    build_reserve: int = 0  # held back for its pending adapter builds
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,8 @@ def host_budget_of(config: DeploymentConfig, limit: int, ranks: Sequence[RankNee
     committed = sum((r.committed for r in ranks), Residency())
     excess = sum(r.process_excess for r in ranks)
     reserve = min(limit, config.host.reserve * len(ranks))
-    return host_budget(limit, reserve, config.host.max_pinned(limit), committed, excess).bytes
+    builds = sum(r.build_reserve for r in ranks)
+    return host_budget(limit, reserve, config.host.max_pinned(limit), committed, excess, builds).bytes
 
 
 def local_world(environ: Mapping[str, str] = os.environ) -> tuple[int, int] | None:
@@ -147,4 +150,4 @@ def rank_need(plan) -> RankNeed:
     b = plan.budget
     full = sum(s.weights_bytes for s in plan.components.values() if s.offload == "full")
     committed = Residency(anonymous=b.committed_anonymous, shmem=b.committed_shmem, pinned=b.committed_pinned)
-    return RankNeed(plan.device.streamed_bytes + full, committed, b.process_excess)
+    return RankNeed(plan.device.streamed_bytes + full, committed, b.process_excess, b.build_reserve)

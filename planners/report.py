@@ -6,7 +6,7 @@ added but never renamed::
     {"deployment": str, "mode": "what-if" | "live", "merge": "none" | "in-place" | "cached",
      "host": {"limit_bytes", "source", "mem_total_bytes", "cgroup_limit_bytes"},
      "budget": {"bytes", "reserve_bytes", "committed_bytes", "limit_bytes", "room_bytes",
-                "max_pinned_bytes", "pin_cap_bytes",
+                "max_pinned_bytes", "pin_cap_bytes", "build_reserve_bytes",
                 "committed": {"anonymous_bytes", "shmem_bytes", "pinned_bytes", "process_excess_bytes"}},
      "components": {NAME: {"anonymous", "file_backed", "pinned", "total", "shmem", "swapped",
                            "not_resident", "non_reclaimable", "weights_bytes", "extra_anonymous",
@@ -40,6 +40,9 @@ cache"), so the budget the cache gives back reads off one report. ``lora_merge``
 what ``lora_cache.merge`` did (a live plan given ``merge_stats``), null otherwise.
 ``host_share`` is this rank's part of a host budget split across the ranks of one
 host (:mod:`planners.host_share`), null for the only rank on its host.
+``build_reserve_bytes`` is held back from the room for adapter combinations being built
+in the background (:mod:`planners.budget`), 0 when none is; the text shows its line
+only then.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def _budget(plan: DeploymentPlan) -> dict:
         "room_bytes": b.room,
         "max_pinned_bytes": b.max_pinned,
         "pin_cap_bytes": b.pin_cap,
+        "build_reserve_bytes": b.build_reserve,
         "committed": {
             "anonymous_bytes": b.committed_anonymous,
             "shmem_bytes": b.committed_shmem,
@@ -214,11 +218,28 @@ def _host_lines(plan: DeploymentPlan) -> list[str]:
             ("- committed shmem", format_size(b.committed_shmem), ""),
             ("- committed pinned", format_size(b.committed_pinned), ""),
             ("- process beyond reserve", format_size(b.process_excess), ""),
+            *_build_reserve_rows(b),
             ("= room (pins + page cache)", format_size(b.room), ""),
             ("max pinned", format_size(b.max_pinned), ""),
             ("budget for pins", format_size(b.bytes), "(room, capped by max pinned)"),
         ], indent="  "),
+        *_build_reserve_lines(b),
     ]
+
+
+def _build_reserve_rows(budget) -> list[tuple[str, str, str]]:
+    """The budget row of pending adapter builds, present only while one is pending."""
+    if not budget.build_reserve:
+        return []
+    return [("- pending adapter builds", format_size(budget.build_reserve), "(see below)")]
+
+
+def _build_reserve_lines(budget) -> list[str]:
+    """Why the pending adapter builds are held back, present only while one is pending."""
+    if not budget.build_reserve:
+        return []
+    return [f"  held back {format_size(budget.build_reserve)} for pending adapter builds: a combination served at "
+            "run time is being merged in the background, and its next layer's output and fp32 sum must find room"]
 
 
 def _host_share_lines(share) -> list[str]:

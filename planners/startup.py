@@ -17,7 +17,9 @@ under the host limit, logs the report once (logger ``hostmem``, one record) and
 returns the plan. Several ranks on one host share one host budget, split by need
 (:mod:`planners.host_share`). Pinning is a separate, explicit step. ``merge_stats`` (what
 ``lora_cache.merge`` returned) puts the merge in the report: layers hit, built and
-fallen back, bytes, seconds and rate.
+fallen back, bytes, seconds and rate. A component switched by ``lora_cache.set_adapters``
+to a combination still being built in the background holds the build's working set
+back from the budget (:func:`pending_build_reserve`), and the report says so.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import os
 from typing import Mapping
 
 import hostmem
+from lora_cache.adapter_switch import build_reserve_bytes
 
 from .budget import read_host_limit
 from .config import DeploymentConfig, load_config
@@ -37,7 +40,7 @@ from .report import report_text
 from .sizes import ComponentSizes, from_ledger
 from .whatif import default_merge, merge_reason
 
-__all__ = ["plan_loaded", "live_components", "merge_stats_dict"]
+__all__ = ["plan_loaded", "live_components", "merge_stats_dict", "pending_build_reserve"]
 
 _MERGE_STATS_KEYS = ("layers", "hit", "built", "fallen_back", "in_place", "bytes", "bytes_written", "seconds")
 
@@ -66,6 +69,16 @@ def live_components(config: DeploymentConfig, ledger: hostmem.Ledger) -> dict[st
                 component, cfg.offload, cfg.layer_pattern, cfg.lora_target_patterns, cfg.lora_target_bytes
             )
     return out
+
+
+def pending_build_reserve(components: Mapping) -> int:
+    """Bytes to hold back for the adapter builds pending on ``components`` (0: none pending).
+
+    The largest of the components' reserves, not their sum: a process builds one
+    combination at a time (one build thread), so only one build's next layer is ever
+    being allocated, and a model switched as a dict shares one build across components.
+    """
+    return max((build_reserve_bytes(module) for module in components.values()), default=0)
 
 
 def merge_stats_dict(stats) -> dict:
@@ -123,6 +136,7 @@ def plan_loaded(
     host = read_host_limit(config)
     merge, reason, notes = default_merge(config), merge_reason(config), []
     stats = None if merge_stats is None else merge_stats_dict(merge_stats)
+    build_reserve = pending_build_reserve(components)
     if stats is not None:
         merge, reason, notes = _merge_done(stats)
 
@@ -134,6 +148,7 @@ def plan_loaded(
             mode="live",
             merge=merge,
             process_excess=max(0, ledger.unattributed_anonymous - cfg.host.reserve),
+            build_reserve=build_reserve,
             providers=providers,
             notes=tuple(cache_root_warnings(cfg) + notes),
             merge_reason=reason,
