@@ -12,17 +12,28 @@ runs one process per GPU. Side by side in one run:
   one set of files);
 - first start: the wall time of the shared build (every rank calls ``lora_cache.merge``
   into an empty cache at once; the slowest rank counts) against one rank building alone
-  into an empty cache (goal <= 0.6 on 2 cores). The arithmetic of a build scales with the
-  cores the ranks can use between them, and the writes with what the disk takes at once:
-  one rank alone already sums each layer on every core, so on 2 cores the ranks only
-  share the same two cores (and add a few gathers and one short adoption each): the
-  shared build is no faster there than one rank alone. It gains where the ranks bring
-  their own compute: with a core (or a GPU, ``device=``) per rank the sums run side by
-  side, up to the rank count, until the disk's write rate is the bound. The non-
-  reclaimable figures include each rank's own heap (torch, Python: about 150 MiB here),
-  which the cache does not remove, so the memory ratio falls toward 0 as the model grows
-  (from the figures at 256 MiB per rank, about 600 MiB of heaps for four ranks, it
-  should meet its goal from about 512 MiB per rank).
+  into an empty cache (goal <= 0.6 on 2 cores). Each rank of the shared build sums its
+  share on cores / ranks threads, at least 1 (``lora_cache.shared_build.rank_threads``),
+  torch's own operations included: before, every rank started a worker per core and ran
+  the adapter's finiteness check on torch's full OpenMP pool, so four ranks put four
+  times the threads on the cores and the check alone stalled for seconds at OpenMP's
+  barriers. How the ratio scales with cores: the build is the same bytes summed,
+  checksummed and written whether one rank does it or four, so where one rank alone
+  already keeps every core busy (2 cores: it sums on both) the shared build cannot beat
+  it: on an idle 2-core host the ratio stays near 1 plus the per-rank overheads (one
+  share session, four gathers, every rank adopting and mapping every layer in turn under
+  the key's lock). On a host busy with other work it swings either way: one rank alone
+  runs torch's operations on the full OpenMP pool, which stalls whenever another process
+  holds a core, while the ranks run one thread each. It falls for good once the ranks
+  bring compute one rank alone leaves idle: a rank alone sums on at most 8 workers
+  (``MAX_WORKERS``), so on C cores the sum's part of the ratio is about
+  min(C, 8) / min(C, 8 R) (1 up to 8 cores, 0.25 with 4 ranks on 32 cores), and with a
+  GPU per rank (``device=``) about 1 / R, until the disk's write rate is the bound.
+  The non-reclaimable figures include each
+  rank's own heap (torch, Python: about 150 MiB here), which the cache does not remove,
+  so the memory ratio falls toward 0 as the model grows (from the figures at 256 MiB per
+  rank, about 600 MiB of heaps for four ranks, it should meet its goal from about 512 MiB
+  per rank).
 
 The page cache of the checkpoint is warm for every scenario (read once first).
 
@@ -162,7 +173,11 @@ def main() -> None:
 def _report(size: int, in_place: dict, cached: dict, alone: float) -> None:
     memory = cached["memory"]["non_reclaimable"] / max(1, in_place["memory"]["non_reclaimable"])
     speed = cached["seconds"] / max(alone, 1e-9)
-    cores = len(os.sched_getaffinity(0))
+    from lora_cache.kernels.workers import worker_count
+    from lora_cache.shared_build import rank_threads
+
+    cores, threads = len(os.sched_getaffinity(0)), rank_threads(RANKS)
+    busy_shared, busy_alone = min(cores, RANKS * threads), min(cores, worker_count())
     lines = [
         f"{RANKS} ranks, {format_size(size)} merged per rank, {cores} cores",
         f"host non-reclaimable, in place: {format_size(in_place['memory']['non_reclaimable'])}; cache: "
@@ -171,9 +186,13 @@ def _report(size: int, in_place: dict, cached: dict, alone: float) -> None:
         f"{format_size(cached['memory']['summed_file_backed'])}); ratio {memory:.3f} (goal < 0.25)",
         f"first start, shared build of {RANKS} ranks: {cached['seconds']:.2f} s; one rank alone: {alone:.2f} s; "
         f"ratio {speed:.2f} (goal <= 0.6 on 2 cores)",
+        f"summing threads: {RANKS} ranks x {threads} in the shared build, {worker_count()} for the rank alone; "
+        f"cores they keep busy: {busy_shared} against {busy_alone}, so the sum's part of the ratio is about "
+        f"{busy_alone / busy_shared:.2f} here (see the module's note for other core counts)",
     ]
     report("shared_build", lines, {
-        "ranks": RANKS, "size_bytes": size, "cores": cores,
+        "ranks": RANKS, "size_bytes": size, "cores": cores, "threads_per_rank": threads,
+        "threads_alone": worker_count(),
         "in_place_non_reclaimable_bytes": in_place["memory"]["non_reclaimable"],
         "cache_non_reclaimable_bytes": cached["memory"]["non_reclaimable"],
         "memory_ratio": memory, "shared_build_seconds": cached["seconds"], "alone_seconds": alone,

@@ -16,7 +16,12 @@ vault, without being asked) splits the work instead:
    ``merge`` then maps every layer read-only, as it always does;
 3. on a miss, the host's missing layers are split into disjoint shares balanced by
    bytes, and each rank builds its share in parallel through a share session of the
-   vault (:mod:`hostmem.vault.shares`), without installing anything;
+   vault (:mod:`hostmem.vault.shares`), without installing anything. Each rank sums
+   with its share of the host's cores (:func:`rank_threads`: cores / local ranks, at
+   least 1), for its block workers and torch's own operations alike: a rank alone sums
+   on every core, so four ranks each doing so would put four times the threads on the
+   cores, and torch's OpenMP operations (the adapter's finiteness check) stall at every
+   barrier when their threads are descheduled;
 4. the ranks meet again; the lowest rank records every share's layers as verified
    (each writer checksummed them as it wrote them), the ranks meet once more, and
    ``merge`` opens the vault as usual: each rank adopts the layer files without reading
@@ -32,16 +37,19 @@ never build twice: the second waits on the key's lock and adopts.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
 import time
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from hostmem.units import format_size
 
+from .kernels.workers import cpu_count, workers_at_most
 from .layer_loop import CacheBuildError, MergeStats, merge_layers
 from .layers import AddressSpace, LayerTarget
 from hostmem.vault import Vault, VaultError
@@ -51,7 +59,8 @@ from hostmem.vault.manifest import ManifestError, read_manifest
 from hostmem.vault.session import say
 from hostmem.vault.shares import open_share, vouch_for
 
-__all__ = ["DEFAULT_TIMEOUT", "ShareOutcome", "build_shares", "check_rank_timeout", "split_by_bytes", "probe"]
+__all__ = ["DEFAULT_TIMEOUT", "ShareOutcome", "build_shares", "check_rank_timeout", "split_by_bytes", "probe",
+           "rank_threads"]
 
 DEFAULT_TIMEOUT = 600.0
 
@@ -90,7 +99,7 @@ def check_rank_timeout(value) -> float:
     return seconds
 
 
-def _process_group():
+def distributed_group():
     """``torch.distributed`` when a process group of two ranks or more is initialised, else None."""
     import torch.distributed as dist
 
@@ -134,6 +143,25 @@ def split_by_bytes(targets: list[LayerTarget], count: int) -> list[list[LayerTar
     return [sorted(share, key=lambda t: order[id(t)]) for share in shares]
 
 
+def rank_threads(local_ranks: int, cores: int | None = None) -> int:
+    """The threads each of ``local_ranks`` ranks building at once sums with: its share of
+    the host's ``cores`` (default: the CPUs this process may run on), at least 1."""
+    return max(1, (cpu_count() if cores is None else cores) // max(1, local_ranks))
+
+
+@contextlib.contextmanager
+def share_of_cores(threads: int):
+    """Within: this rank's block workers and torch's own threads at most ``threads``;
+    torch's thread count is restored after, also on an error."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(min(before, threads))
+    try:
+        with workers_at_most(threads):
+            yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _detached(target: LayerTarget) -> LayerTarget:
     """``target`` over a stand-in module holding the same base parameter (no copy): a share
     build installs the merged view there and drops it, and the model is left untouched
@@ -144,20 +172,22 @@ def _detached(target: LayerTarget) -> LayerTarget:
 
 
 def _build_share(vault: Vault, key, mine: list[LayerTarget], index: int, count: int, device, kernels,
-                 progress) -> ShareOutcome:
-    """Build this rank's share; a share the vault cannot store says why and builds nothing more."""
+                 progress, threads: int) -> ShareOutcome:
+    """Build this rank's share on ``threads`` threads; a share the vault cannot store says
+    why and builds nothing more."""
     outcome = ShareOutcome(index, count)
     if not mine:
         return outcome
     total = sum(t.nbytes for t in mine)
     say(f"LoRA merge cache {key.hex[:12]}: building share {index + 1} of {count} "
-        f"({len(mine)} layers, {format_size(total)})")
+        f"({len(mine)} layers, {format_size(total)}, {threads} summing thread{'s' if threads > 1 else ''})")
     expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in mine}
     try:
         with open_share(vault, key, expected, index, count) as session:
             try:
-                stats = merge_layers([_detached(t) for t in mine], session, device=device, progress=progress,
-                                     fallback=False, kernels=kernels)
+                with share_of_cores(threads):
+                    stats = merge_layers([_detached(t) for t in mine], session, device=device, progress=progress,
+                                         fallback=False, kernels=kernels)
             finally:
                 outcome.written = session.written()
     except (CacheBuildError, VaultError, OSError) as exc:
@@ -217,7 +247,7 @@ def build_shares(targets: list[LayerTarget], files, specs, roots: list[str], max
     or nothing to build anywhere; else what this rank built (see the module's docstring).
     ``timeout``: the seconds a rank waits for the others at each gather.
     """
-    dist = _process_group()
+    dist = distributed_group()
     if dist is None or not roots or not targets:
         return None
     from hostmem.host_ledger import gather_on_host  # here: a start without a process group never needs it
@@ -236,7 +266,7 @@ def build_shares(targets: list[LayerTarget], files, specs, roots: list[str], max
     writable = next((v for v in vaults if not v.read_only), None)
     mine = split_by_bytes([t for t in targets if t.name in todo], count)[index]
     started = time.monotonic()
-    outcome = _build_share(writable, key, mine, index, count, device, kernels, progress)
+    outcome = _build_share(writable, key, mine, index, count, device, kernels, progress, rank_threads(count))
     finished = gather_on_host({"built": outcome.built, "written": outcome.written}, timeout=timeout,
                               what=f"finish the shared build of LoRA merge cache {key.hex[:12]}")
     if build_here and index == 0:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["BlockWorkers", "block_workers", "cpu_count"]
+__all__ = ["BlockWorkers", "block_workers", "cpu_count", "workers_at_most"]
 
 MAX_WORKERS = 8  # the sum then outruns any disk
+_AT_MOST: contextvars.ContextVar[int | None] = contextvars.ContextVar("lora_cache_workers_at_most", default=None)
 
 
 def cpu_count() -> int:
@@ -36,6 +38,22 @@ def worker_count() -> int:
 
 
 @contextlib.contextmanager
+def workers_at_most(threads: int):
+    """Within (this thread's context), :func:`block_workers` start at most ``threads`` workers.
+
+    For a process that shares the host's cores with others building at the same time
+    (the local ranks of a shared build, :mod:`lora_cache.shared_build`): each starting a
+    worker per core would put ranks x cores summing threads on the cores. The kernel
+    choice is not affected (:func:`worker_count` still names the machine's count).
+    """
+    token = _AT_MOST.set(max(1, int(threads)))
+    try:
+        yield
+    finally:
+        _AT_MOST.reset(token)
+
+
+@contextlib.contextmanager
 def block_workers(device: torch.device):
     """Threads that sum a layer's row blocks on the CPU, while the vault writes the last one.
 
@@ -55,7 +73,7 @@ def block_workers(device: torch.device):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with BlockWorkers(worker_count()) as workers:
+        with BlockWorkers(min(worker_count(), _AT_MOST.get() or MAX_WORKERS)) as workers:
             yield workers
     finally:
         torch.set_num_threads(threads)

@@ -9,6 +9,7 @@ import datetime
 import json
 import math
 import os
+import re
 import socket
 import time
 import traceback
@@ -18,8 +19,9 @@ import torch
 import torch.multiprocessing as mp
 
 import lora_cache
+from lora_cache.kernels.workers import block_workers, cpu_count, worker_count
 from lora_cache.layers import LayerTarget, checkpoint_module
-from lora_cache.shared_build import split_by_bytes
+from lora_cache.shared_build import share_of_cores, rank_threads, split_by_bytes
 from tests.conftest import write_safetensors
 from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter
 
@@ -121,11 +123,41 @@ def test_two_ranks_build_once_between_them_hit_after_and_fail_on_a_missing_rank(
     assert LATE_TIMEOUT <= late["seconds"] < LATE_TIMEOUT + 20, late
 
 
-def test_four_ranks_split_the_layers_into_disjoint_shares_that_add_up_to_one_build(inputs, tmp_path):
+def test_four_ranks_split_the_layers_into_disjoint_shares_that_add_up_to_one_build(inputs, tmp_path, capfd):
+    """The layers built across four ranks add up to one build, each rank summing on its share
+    of the host's cores (their stderr says how many)."""
     results = _spawn(inputs, tmp_path, 4, ["build"])
     built = [r["build"]["built"] for r in results]
     assert sum(built) == len(SHAPES) and all(b > 0 for b in built), built
     assert all(r["build"]["equal"] for r in results), results
+    threads = rank_threads(4)
+    err = capfd.readouterr().err  # four processes' lines: one may run into another's
+    said = re.findall(r"building share .*?, (\d+) summing thread", err)
+    assert said == [str(threads)] * 4, err
+
+
+def test_the_ranks_of_a_host_split_its_cores_at_least_one_thread_each():
+    assert [rank_threads(n, cores=2) for n in (1, 2, 4, 8)] == [2, 1, 1, 1]
+    assert [rank_threads(n, cores=64) for n in (1, 3, 4, 8)] == [64, 21, 16, 8]
+    assert rank_threads(4) == max(1, cpu_count() // 4)
+
+
+def test_a_share_of_the_cores_bounds_the_block_workers_and_torch_and_is_given_back():
+    cpu, before = torch.device("cpu"), torch.get_num_threads()
+    with block_workers(cpu) as workers:
+        full = workers.threads
+    assert full == worker_count()
+    if full < 2 or before < 2:
+        pytest.skip("one core: a share of it is all of it")
+    with pytest.raises(RuntimeError, match="a share failed"):
+        with share_of_cores(1):
+            assert torch.get_num_threads() == 1  # the adapter's finiteness check runs on one thread too
+            with block_workers(cpu) as workers:
+                assert workers.threads == 1
+            raise RuntimeError("a share failed")
+    assert torch.get_num_threads() == before
+    with block_workers(cpu) as workers:
+        assert workers.threads == full
 
 
 def test_shares_are_disjoint_cover_every_layer_and_balance_bytes():
