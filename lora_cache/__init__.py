@@ -36,6 +36,8 @@ _EXPORTS = {
     "set_adapters": "adapter_switch",
     "swap_ready": "adapter_switch",
     "set_pipeline_adapters": "diffusers_switch",
+    "Shard": "tp_shards",
+    "ShardSpecError": "tp_shards",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -124,9 +124,11 @@ class ModuleIndex:
     component names that prefix them, so an adapter key can name a module without it.
     """
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], components: tuple[str, ...] = ()):
+    def __init__(self, shapes: dict[str, tuple[int, ...]], components: tuple[str, ...] = (),
+                 notes: dict[str, str] | None = None):
         self.shapes = dict(shapes)
         self.components = tuple(components)
+        self.notes = dict(notes or {})  # said after a parameter's shape in errors (a shard's whole shape)
         self.modules = {name.rpartition(".")[0] for name in self.shapes}
         self._underscored: dict[str, list[str]] = {}
         for module in sorted(self.modules):
@@ -244,7 +246,7 @@ def resolve_adapter(adapter: AdapterFile, spec: Adapter, index: ModuleIndex) -> 
     skipped when ``spec.strict`` is false. Two keys that land on one module (on rows that
     overlap) are an error.
     """
-    rules = [KeyRule.parse(r) for r in spec.rules]
+    rules = [KeyRule.parse(r) for r in (*spec.rules, *adapter.rules)]  # the user's first, then the reader's
     placements: list[Placement] = []
     unmatched: list[str] = []
     for stem, change in adapter.modules.items():
@@ -273,7 +275,8 @@ def _check_shape(adapter: AdapterFile, key: str, param: str, delta: Delta, index
     if tuple(delta.shape) != tuple(expected):
         raise KeyResolutionError(
             f"{adapter.path}: {key!r} gives a change of shape {tuple(delta.shape)} but the model's "
-            f"{param!r} has shape {tuple(expected)}; is the adapter made for another model (or size)?"
+            f"{param!r} has shape {tuple(expected)}{index.notes.get(param, '')}; is the adapter made for another "
+            "model (or size)?"
         )
 
 

@@ -50,6 +50,7 @@ class MergeStats:
     cache_root: str | None = None
     cache_off: str | None = None  # why the cache was not used at all (turned off), in words
     adapters: list[str] = field(default_factory=list)
+    shard_keys: dict[str, str] = field(default_factory=dict)  # tensor-parallel shards merged apart: sharding -> key
 
     @property
     def rate(self) -> float:
@@ -85,13 +86,15 @@ class _LayerLoop:
     Cache hits are taken first; the misses are then built through one output buffer
     that a writer thread streams to the vault as it fills (see
     :mod:`hostmem.vault.handoff`): the block workers sum layer i's row blocks into it in
-    order, the writer puts each finished stretch on disk while the rest is summed, and
-    layer i+1's blocks reuse each stretch once layer i has written it. Before a layer is
+    order, the writer puts each finished piece on disk while the rest is summed (several
+    pieces at once, see :mod:`hostmem.vault.piece_writer`), and layer i+1's blocks reuse
+    each piece once layer i has written it and every piece before it. Before a layer is
     summed, the kernel is asked to read the next one's base in (a cold page cache then
     overlaps with the sum too). The anonymous memory stays one layer wide (the output
     buffer, plus one fp32 block per worker for layers the chosen kernel sums in fp32).
-    Vault calls never run concurrently: gets all happen before the first put, and puts
-    run one at a time, in order.
+    Gets all happen before the first put; puts run in order, each split in two (its
+    data, then its seal: see ``VaultSession.put_data``), one layer's seal running beside
+    the next one's data.
 
     In place, each layer is summed straight into its own weight where that is writable
     (the private mapping safetensors hands torch, a heap tensor), else into a new tensor:
@@ -117,6 +120,8 @@ class _LayerLoop:
         self.bar.set_postfix(hit=self.stats.hit, built=self.stats.built, fallback=self.stats.fallen_back, refresh=False)
 
     def kernel(self, target: LayerTarget) -> str:
+        if target.kernel is not None:  # a shard: its whole layer's kernel
+            return target.kernel
         base = target.current
         return self.kernels.kernel_for(tuple(base.shape), base.dtype, target.deltas, self.work.device)
 
@@ -187,15 +192,17 @@ class _LayerLoop:
     def build(self, targets: list[LayerTarget]) -> None:
         """Compute and put every target, the writer streaming each layer as it is summed.
 
-        At most two layers are in flight: the one being summed and the one before it,
-        whose put may still be writing its last stretch, sealing or mapping.
+        At most three layers are in flight: the one being summed, the one before it, whose
+        bytes the writer is putting on disk, and the one before that, being sealed (its
+        fsync, under load several milliseconds, would otherwise hold up the write of the
+        next layer, and with it the sum of the one after).
         """
         if not targets:
             return
         self.reserve(targets, output=True)
         pending: list[_Write] = []
-        # Leaving the executor waits for the work in flight, also when an error ends the loop.
-        with ThreadPoolExecutor(1, "lora-cache-write") as writer:
+        # Leaving the executors waits for the work in flight, also when an error ends the loop.
+        with ThreadPoolExecutor(1, "lora-cache-seal") as sealer, ThreadPoolExecutor(1, "lora-cache-write") as writer:
             for i, target in enumerate(targets):
                 if not self.session.writable:  # a put failed: the rest merges in place
                     while pending:
@@ -204,22 +211,25 @@ class _LayerLoop:
                     continue
                 if i + 1 < len(targets):
                     _read_ahead(targets[i + 1].current)
-                pending.append(self.stream(target, writer, pending[-1].handoff if pending else None))
-                if len(pending) > 1:
+                pending.append(self.stream(target, (writer, sealer), pending[-1].handoff if pending else None))
+                if len(pending) > 2:
                     self.settle(pending)
             while pending:
                 self.settle(pending)
 
-    def stream(self, target: LayerTarget, writer, previous: Handoff | None) -> _Write:
-        """Sum ``target`` into the output buffer while ``writer`` puts it, stretch by stretch.
+    def stream(self, target: LayerTarget, threads, previous: Handoff | None) -> _Write:
+        """Sum ``target`` into the output buffer while the writer of ``threads`` (writer,
+        sealer) writes it, piece by piece; the sealer then seals it.
 
         Each row block waits until the previous layer's put has written the bytes it
         overwrites. Returns once the sum is done; the put may still be running.
         """
+        writer, sealer = threads
         base = target.current
         out = self.out.take(tuple(base.shape), base.dtype)
         handoff = Handoff(target.nbytes)
-        written = writer.submit(self.session.put, target.name, out, None, handoff)
+        data = writer.submit(self.session.put_data, target.name, out, None, handoff)
+        written = sealer.submit(_seal_when_written, self.session, data)
         try:
             compute_merged(target, out, self.work, self.workers, kernel=self.kernel(target),
                            claim=None if previous is None else previous.wait_released, publish=handoff.publish)
@@ -257,6 +267,11 @@ class _LayerLoop:
         if self.session is not None:
             self.stats.bytes_written = int(self.session.stats.get("bytes_written", 0))
         return self.stats
+
+
+def _seal_when_written(session, data: Future):
+    """The sealer's part of a put: wait for its data, then seal it (see ``VaultSession.seal_put``)."""
+    return session.seal_put(data.result())
 
 
 def merge_layers(

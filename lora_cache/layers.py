@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from hostmem.slots import MappedAreas
 from hostmem.safetensors_map import open_readonly
 
 from .merge_math import FP32_ROWS, Delta, Scratch, merged_weight
+
+if TYPE_CHECKING:
+    from .tp_shards.spec import Shard
 
 __all__ = [
     "AddressSpace",
@@ -76,6 +79,8 @@ class LayerTarget:
     module: nn.Module
     attr: str
     deltas: list[Delta] = field(default_factory=list)
+    shard: "Shard | None" = None  # the part of the whole weight the parameter holds (lora_cache.tp_shards)
+    kernel: str | None = None  # fixed by the caller: a shard is summed by its whole layer's kernel
 
     @property
     def current(self) -> nn.Parameter:
@@ -138,6 +143,11 @@ def compute_merged(target: LayerTarget, out: torch.Tensor, scratch: Scratch, wor
     layer (see :mod:`lora_cache.kernels`); ``claim`` and ``publish`` let a caller stream
     ``out`` while it is computed (see :func:`lora_cache.merge_math.merged_weight`).
     """
+    if target.shard is not None:  # the deltas are the whole weight's: sum as the whole layer is
+        from .tp_shards.shard_math import shard_merged
+
+        return shard_merged(target.current.detach(), target.deltas, target.shard, out, scratch, workers, claim,
+                            publish, kernel)
     return merged_weight(target.current.detach(), target.deltas, out, scratch, workers, claim, publish, kernel)
 
 

@@ -11,6 +11,7 @@ the anonymous high-water mark stays one layer wide.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import asdict
 from typing import NamedTuple
@@ -20,14 +21,17 @@ import torch
 from hostmem.safetensors_header import read_header
 
 from .adapters import Adapter, AdapterFile, as_adapter, read_adapters
+from .adapters.conversion_memo import ValuesNeeded
 from .kernels import KernelPlan, plan_for_targets
 from .keys import ModuleIndex, plan_deltas
 from .layer_loop import CacheBuildError, MergeStats, merge_layers
 from .layers import AddressSpace, LayerTarget, components_of, is_merged, named_parameters, unmerge
 from .merge_math import compute_device
-from .shared_build import DEFAULT_TIMEOUT, build_shares, check_rank_timeout
+from .shared_build import DEFAULT_TIMEOUT, build_shares, check_rank_timeout, distributed_group
 from .switch import DISABLE_ENV, cache_disabled_by_env
-from hostmem.vault import CacheKey, Vault, cache_key, default_cache_root
+from .tp_shards import check_shards, full_shapes, shape_notes, split_shards
+from hostmem.vault import CacheKey, Vault, cache_key
+from hostmem.vault.roots import cache_roots, open_in_roots
 from hostmem.vault.safety import root_is_read_only
 
 __all__ = [
@@ -60,15 +64,22 @@ def merge_policy(device: torch.device | str | None = None, kernels: KernelPlan |
     return f"{MERGE_POLICY}@{device.type}" + (f"+{chosen}" if chosen else "")
 
 
-def plan_targets(model, adapters) -> tuple[list[LayerTarget], list[AdapterFile]]:
-    """Read the adapters and resolve their keys against ``model``: the layers to merge."""
+def plan_targets(model, adapters, shards=None, memo_roots=None) -> tuple[list[LayerTarget], list[AdapterFile]]:
+    """Read the adapters and resolve their keys against ``model``: the layers to merge.
+
+    ``shards`` (:func:`merge`'s): parameters the model holds a part of are resolved
+    against their whole shapes, and their targets carry the part (``target.shard``).
+    ``memo_roots``: the cache roots whose conversion records spare a converted adapter's
+    conversion (:func:`lora_cache.adapters.read_adapters`)."""
     adapters = [as_adapter(a) for a in adapters]
     params = named_parameters(model)
     shapes = {name: tuple(module._parameters[attr].shape) for name, (module, attr) in params.items()}
+    held = check_shards(shards, shapes) if shards is not None else {}
     components = tuple(c for c in components_of(model) if c)
-    files = read_adapters(model, adapters)  # diffusers models: through diffusers' converter
-    planned = plan_deltas(list(zip(files, adapters)), ModuleIndex(shapes, components))
-    targets = [LayerTarget(name, *params[name], deltas) for name, deltas in planned.items()]
+    files = read_adapters(model, adapters, memo_roots=memo_roots)  # diffusers models: through diffusers' converter
+    index = ModuleIndex(full_shapes(shapes, held), components, shape_notes(shapes, held))
+    planned = plan_deltas(list(zip(files, adapters)), index)
+    targets = [LayerTarget(name, *params[name], deltas, shard=held.get(name)) for name, deltas in planned.items()]
     for target in targets:
         if not target.current.is_floating_point():
             raise ValueError(
@@ -156,30 +167,19 @@ def _key_extras(adapter: AdapterFile, spec: Adapter) -> dict:
 
 
 def combination_key(
-    vault, files: list[AdapterFile], specs: list[Adapter], shards: list[str], dtypes, device=None, kernels=None
+    vault, files: list[AdapterFile], specs: list[Adapter], shards: list[str], dtypes, device=None, kernels=None,
+    sharding: str = "",
 ) -> CacheKey:
     """The vault key of merging ``files`` (as ``specs`` ask) into the checkpoint ``shards``
     (the ones holding the targets: :func:`base_shards`), summed on ``device``
-    (default: the compute device) by ``kernels`` (see :func:`merge_policy`)."""
+    (default: the compute device) by ``kernels`` (see :func:`merge_policy`). ``sharding``
+    names the tensor-parallel part the layers are (:meth:`lora_cache.tp_shards.Shard.describe`)."""
     identities = [
         {**vault.adapter_identity(f.path, s.strength, s.alpha), **_key_extras(f, s)} for f, s in zip(files, specs)
     ]
     target_dtype = ",".join(sorted({str(d).removeprefix("torch.") for d in dtypes}))
-    return cache_key(vault.base_identity(shards), identities, target_dtype, merge_policy(device, kernels))
-
-
-def cache_roots(cache_root) -> list[str]:
-    """The ordered cache roots ``merge`` was given: one path, a list of them, or None for
-    the default root (``$HOSTMEM_CACHE_ROOT``, else ``~/.cache/hostmem``)."""
-    if cache_root is None:
-        listed = [default_cache_root()]
-    elif isinstance(cache_root, (str, os.PathLike)):
-        listed = [cache_root]
-    else:
-        listed = list(cache_root)
-    if not listed:
-        raise ValueError("cache_root: an empty list of cache roots; give at least one, or enabled=False to merge in place")
-    return [os.path.abspath(os.path.expanduser(os.fspath(r))) for r in listed]
+    policy = merge_policy(device, kernels) + (f"+{sharding}" if sharding else "")
+    return cache_key(vault.base_identity(shards), identities, target_dtype, policy)
 
 
 def why_in_place(enabled: bool) -> str | None:
@@ -196,31 +196,6 @@ def _writable_root(roots: list[str] | None) -> str | None:
     return next((r for r in roots or [] if not root_is_read_only(r)), None)
 
 
-def _pick_vault(vaults: list[Vault], key: CacheKey, expected: dict):
-    """``(vault, session)``: the first read-only root holding the combination complete and
-    verified, else the first writable root, else (none writable) the first read-only one,
-    whose session serves what it has and answers every put with why it cannot."""
-    fallback = None
-    for vault in vaults:
-        if not vault.read_only:
-            break
-        session = vault.open(key, expected)
-        if session.complete:
-            if fallback is not None:
-                fallback[1].close()
-            return vault, session
-        if fallback is None and session.layers:
-            fallback = (vault, session)
-        else:
-            session.close()
-    writable = next((v for v in vaults if not v.read_only), None)
-    if writable is not None:
-        if fallback is not None:
-            fallback[1].close()
-        return writable, writable.open(key, expected)
-    return fallback or (vaults[0], vaults[0].open(key, expected))
-
-
 class OpenCombination(NamedTuple):
     """A combination's vault session, opened by :func:`open_combination`.
 
@@ -233,7 +208,7 @@ class OpenCombination(NamedTuple):
 
 
 def open_combination(planned, specs, cache_root=None, *, max_size=None, base_files=None, device=None,
-                     kernels: KernelPlan | None = None) -> OpenCombination:
+                     kernels: KernelPlan | None = None, sharding: str = "") -> OpenCombination:
     """Open the vault session of merging ``specs`` as :func:`merge` would, without merging.
 
     ``planned`` is what :func:`plan_targets` returned for ``specs``; only the host (CPU)
@@ -241,7 +216,8 @@ def open_combination(planned, specs, cache_root=None, *, max_size=None, base_fil
     are :func:`merge`'s; ``kernels`` the plan the key is made with (default: the one
     :func:`merge` would choose). For a caller that drives the layers itself
     (:mod:`lora_cache.adapter_switch`): ``session.complete`` says whether every layer is
-    held, and :func:`merge_layers` takes the session.
+    held, and :func:`merge_layers` takes the session. ``sharding``: the targets are
+    tensor-parallel parts merged apart (see :func:`combination_key`).
     """
     targets, files = planned
     host = [t for t in targets if t.current.device.type == "cpu"]
@@ -251,9 +227,9 @@ def open_combination(planned, specs, cache_root=None, *, max_size=None, base_fil
     shards = base_shards(host, base_files, AddressSpace())
     vaults = [Vault(root, max_size) for root in roots]
     keyer = next((v for v in vaults if not v.read_only), vaults[0])  # its memo spares the next start a rehash
-    key = combination_key(keyer, files, specs, shards, {t.current.dtype for t in host}, device, kernels)
+    key = combination_key(keyer, files, specs, shards, {t.current.dtype for t in host}, device, kernels, sharding)
     expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in host}
-    vault, session = _pick_vault(vaults, key, expected)
+    vault, session = open_in_roots(vaults, key, expected)
     return OpenCombination(key.hex, vault.root, session)
 
 
@@ -270,6 +246,7 @@ def merge(
     fallback: bool = True,
     unmergeable: bool = False,
     rank_timeout: float = DEFAULT_TIMEOUT,
+    shards: dict | None = None,
 ) -> MergeStats:
     """Merge ``adapters`` into ``model`` and return what it took.
 
@@ -294,7 +271,12 @@ def merge(
     can restore it (a cached merge never needs one). ``rank_timeout``: with a
     torch.distributed process group, the seconds a rank waits for the host's other ranks
     at each step of a shared build before it fails, naming the missing rank (see
-    :mod:`lora_cache.shared_build`).
+    :mod:`lora_cache.shared_build`). ``shards``: for a tensor-parallel rank, the parts of
+    weights it holds, ``{parameter name: (dim, index, count)}`` (part ``index`` of
+    ``count`` along dim 0, rows, or dim 1, columns); the adapters stay the whole model's,
+    and each part gets exactly its part of a single-process merge: rows as a view of the
+    whole merged layer's file, columns from a file of their own whose key names the
+    sharding (see :mod:`lora_cache.tp_shards`; ``stats.shard_keys`` lists those keys).
 
     >>> stats = lora_cache.merge(dit, [("turbo.safetensors", 1.0)], cache_root="~/.cache/hostmem")  # doctest: +SKIP
     >>> lora_cache.unmerge(dit)                                                                       # doctest: +SKIP
@@ -303,12 +285,18 @@ def merge(
         raise ValueError("the model is already merged; call lora_cache.unmerge(model) before merging again")
     specs = [as_adapter(a) for a in adapters]
     rank_timeout = check_rank_timeout(rank_timeout)
-    targets, files = plan_targets(model, specs)
     off = why_in_place(enabled)
     roots = None if off else cache_roots(cache_root)
+    # planned from conversion records where a start may be all hits (one process, whole layers)
+    memo_roots = roots if shards is None and distributed_group() is None else None
+    targets, files = plan_targets(model, specs, shards, memo_roots)
+    split = split_shards(targets, roots is not None, base_files) if shards is not None else None
+    if split is not None:  # tensor-parallel parts: whole layers for rows, the columns merged apart after
+        targets = split.targets
     key, root, cache_targets = None, None, [t for t in targets if t.current.device.type == "cpu"]
     session_cm = contextlib.nullcontext()
-    kernels = plan_for_targets(targets, device, _writable_root(roots))  # timed once per machine
+    kernels = (split.choose_kernels(device, _writable_root(roots)) if split is not None  # timed once per machine
+               else plan_for_targets(targets, device, _writable_root(roots)))
     shares = None
     if roots and cache_targets:  # with a process group, the ranks of a host first build the misses together
         shares = build_shares(cache_targets, files, specs, roots, max_size, base_files, device, kernels, progress,
@@ -318,8 +306,8 @@ def merge(
     session = None
     try:
         with session_cm as session:
-            stats = merge_layers(targets, session, device=device, progress=progress, fallback=fallback,
-                                 kernels=kernels, unmergeable=unmergeable)
+            stats = _merge_planned(model, specs, targets, session, device=device, progress=progress,
+                                   fallback=fallback, kernels=kernels, unmergeable=unmergeable)
     except BaseException as exc:
         unmerge(model, strict=False)  # a failed merge leaves the model as it found it, where it kept the base
         if isinstance(exc, KeyboardInterrupt) and session is not None:
@@ -331,4 +319,30 @@ def merge(
     stats.adapters = [f.path for f in files]
     if shares is not None:
         shares.account(stats)
+    if split is not None:
+        split.finish(model, stats, functools.partial(
+            _merge_apart, files=files, specs=specs, roots=roots, open_options=dict(
+                max_size=max_size, base_files=base_files, device=device, kernels=kernels),
+            loop_options=dict(device=device, progress=progress, fallback=fallback, kernels=kernels,
+                              unmergeable=unmergeable)))
+    return stats
+
+
+def _merge_planned(model, specs, targets, session, **options) -> MergeStats:
+    """:func:`merge_layers`; when ``targets`` were planned from conversion records (no
+    values) and a layer must be computed, it stops before any weight changes: the adapters
+    are then converted and the merge planned again, with the same key and kernels."""
+    try:
+        return merge_layers(targets, session, **options)
+    except ValuesNeeded:
+        return merge_layers(plan_targets(model, specs)[0], session, **options)
+
+
+def _merge_apart(targets, sharding: str, *, files, specs, roots, open_options, loop_options) -> MergeStats:
+    """Merge tensor-parallel parts that are not a view of a whole layer through a
+    combination of their own, whose key names the ``sharding``."""
+    key, root, session_cm = open_combination((targets, files), specs, roots, sharding=sharding, **open_options)
+    with session_cm as session:
+        stats = merge_layers(targets, session, **loop_options)
+    stats.cache_key, stats.cache_root = key, root
     return stats

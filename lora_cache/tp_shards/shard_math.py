@@ -1,0 +1,95 @@
+"""A shard's merged weight, equal byte for byte to that part of the whole layer's merge.
+
+The rounding to the weight's dtype is elementwise, but the fp32 sum before it is not
+always: a matrix kernel may order a rank's products differently for another width or
+height (the tail tiles), so ``B[rows] @ A`` or ``B @ A[:, cols]`` of a shard alone
+differed from the whole layer's product in the last bit of many elements here (fp32,
+3072 x 3072, rank 64). So a shard is summed exactly as the whole layer is: in the whole
+layer's row blocks (:func:`lora_cache.merge_math.row_blocks` of its full shape), each
+block at full width, the same matrix products on the same shapes, by the same kernel,
+with the shard's base set into its place (the columns outside it hold zeros: each
+element's sum depends on its own base element only). Only the shard's part of each
+block is cast and kept, so the memory stays one full-width block per worker; a column
+shard costs the whole layer's arithmetic, the price of bytes that match.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..merge_math import BF16_ADDMM, FP32_ROWS, Delta, Scratch, _Accumulators, one_pass_applies, row_blocks
+from .spec import Shard
+
+__all__ = ["shard_merged"]
+
+
+def _factors(delta: Delta, device: torch.device, fp32: bool) -> tuple:
+    """``(up, down, scale, diff, diff_scale)`` as the whole layer's kernel takes them."""
+    if delta.up is None:
+        up = down = None
+    else:
+        delta.check()
+        up, down = (t.to(device=device, dtype=torch.float32) if fp32 else t for t in (delta.up, delta.down))
+        up, down = up.flatten(1), down.flatten(1)
+    diff = None if delta.diff is None else delta.diff.to(device)
+    return up, down, delta.scale, diff, delta.diff_scale
+
+
+def _sum(block: torch.Tensor, terms: list[tuple], rows: slice) -> None:
+    """block += every term's ``rows``, in order (block: one full-width row block)."""
+    for up, down, scale, diff, diff_scale in terms:
+        if up is not None:
+            block.view(block.shape[0], -1).addmm_(up[rows], down, alpha=scale)
+        if diff is not None:
+            block.add_(diff[rows], alpha=diff_scale)
+
+
+def shard_merged(base: torch.Tensor, deltas: list[Delta], shard: Shard, out: torch.Tensor, scratch: Scratch,
+                 workers=None, claim: Callable[[int], None] | None = None,
+                 publish: Callable[[int], None] | None = None, kernel: str = FP32_ROWS) -> torch.Tensor:
+    """Write ``shard``'s part of the whole layer's merge into ``out`` and return ``out``.
+
+    ``base`` is the part the rank holds, ``deltas`` the whole layer's (made for the full
+    shape), ``kernel`` the one the whole layer is summed by. ``claim`` and ``publish``
+    stream ``out`` as :func:`lora_cache.merge_math.merged_weight` does; ``out`` may be
+    ``base`` (each block reads its rows of ``base`` before it writes them).
+    """
+    full = tuple(deltas[0].shape)
+    if shard.full_shape(tuple(base.shape)) != full or out.shape != base.shape or out.dtype != base.dtype:
+        raise ValueError(f"a shard {tuple(shard)} of {full}: base is {tuple(base.shape)}, out {tuple(out.shape)}")
+    device = scratch.device
+    own = shard.bounds(full)
+    rows = own if shard.dim == 0 else slice(0, full[0])
+    blocks = row_blocks(full, device)
+    work = [b for b in blocks if b.start < rows.stop and rows.start < b.stop]
+    one_pass = kernel == BF16_ADDMM and one_pass_applies(base.dtype, len(full), deltas, device)
+    terms = [_factors(d, device, not one_pass) for d in deltas]
+    accumulators = _Accumulators(scratch, full, blocks, workers)  # every block: the whole layer's slots
+    row_bytes = out.element_size() * out[0].numel() if out.dim() else out.element_size()
+    claim = claim or (lambda end: None)
+
+    def one_block(i: int) -> int:
+        block_rows = work[i]
+        lo, hi = max(block_rows.start, rows.start), min(block_rows.stop, rows.stop)
+        slot, acc = accumulators.take(block_rows, full)
+        try:  # the one-pass kernel adds in the weight's dtype: its block is the slot's first bytes
+            block = acc.view(-1).view(base.dtype)[: acc.numel()].view(acc.shape) if one_pass else acc
+            block.zero_()
+            mine = block[lo - block_rows.start : hi - block_rows.start]
+            if shard.dim == 1:
+                mine = mine.narrow(1, own.start, own.stop - own.start)
+            mine.copy_(base[lo - rows.start : hi - rows.start])
+            _sum(block, terms, block_rows)
+            claim((hi - rows.start) * row_bytes)
+            out[lo - rows.start : hi - rows.start].copy_(mine)
+        finally:
+            accumulators.give_back(slot)
+        return (hi - rows.start) * row_bytes
+
+    run = map if workers is None else workers.map
+    for end in run(one_block, range(len(work))):
+        if publish is not None:
+            publish(end)
+    return out
