@@ -102,7 +102,13 @@ def _rank_main(rank: int, world: int, port: int, paths: dict, folder: str, scena
 
 
 def _spawn(inputs, folder, world: int, scenarios: list[str]) -> list[dict]:
-    mp.spawn(_rank_main, args=(world, _free_port(), inputs, str(folder), scenarios), nprocs=world, join=True)
+    return spawn_ranks(_rank_main, world, inputs, folder, scenarios)
+
+
+def spawn_ranks(main, world: int, inputs, folder, *extra) -> list[dict]:
+    """Run ``main(rank, world, port, inputs, folder, *extra)`` on ``world`` gloo ranks and
+    return what each wrote to ``folder/rank<N>.json``, failing on a rank that crashed."""
+    mp.spawn(main, args=(world, _free_port(), inputs, str(folder), *extra), nprocs=world, join=True)
     results = []
     for rank in range(world):
         with open(folder / f"rank{rank}.json") as handle:

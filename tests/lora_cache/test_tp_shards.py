@@ -13,7 +13,6 @@ import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import lora_cache
 from hostmem.safetensors_map import open_readonly
@@ -25,7 +24,7 @@ from lora_cache.tp_shards import Shard, ShardSpecError
 from lora_cache.tp_shards.shard_math import shard_merged
 from tests.conftest import write_safetensors
 from tests.lora_cache.test_adapters import lora_change, write_adapter
-from tests.lora_cache.test_shared_build import _free_port
+from tests.lora_cache.test_shared_build import spawn_ranks
 
 DIM, HIDDEN, DEPTH, DEGREE = 96, 128, 2, 2
 COLUMN = [f"blocks.{i}.proj_in" for i in range(DEPTH)]  # out features split: rows of weight and bias
@@ -273,13 +272,7 @@ def _rank_main(rank: int, world: int, port: int, paths: dict, folder: str) -> No
 
 
 def test_two_ranks_share_the_whole_layers_build_keep_their_own_columns_and_hit_after(inputs, tmp_path):
-    mp.spawn(_rank_main, args=(DEGREE, _free_port(), inputs, str(tmp_path)), nprocs=DEGREE, join=True)
-    results = []
-    for rank in range(DEGREE):
-        with open(tmp_path / f"rank{rank}.json") as handle:
-            found = json.load(handle)
-        assert "crash" not in found, f"rank {rank}: {found['crash']}"
-        results.append(found)
+    results = spawn_ranks(_rank_main, DEGREE, inputs, tmp_path)
     whole_layers = 2 * len(COLUMN) + len(ROW)  # column weights and biases, row-parallel biases
     first = [r["first"] for r in results]
     assert all(f["differ"] == [] for f in first), [f["differ"] for f in first]
