@@ -17,7 +17,9 @@ from typing import Iterator, Mapping
 import torch
 from torch import nn
 
-from .procfs import Vma, read_maps
+from .procfs import Vma
+from .procfs.files import proc_path, read_text
+from .procfs.maps import parse_maps_line
 
 __all__ = ["TensorSlot", "tensor_slots", "model_components", "iter_module_slots", "MappedAreas"]
 
@@ -88,14 +90,23 @@ class MappedAreas:
     """
 
     def __init__(self):
-        self.areas: list[Vma] = read_maps()
-        self._starts = [a.start for a in self.areas]
+        # Only each line's range is parsed up front; an area becomes a Vma when asked for
+        # (a process with a model mapped layer by layer has hundreds of areas, and a
+        # merge asks for a few dozen of them).
+        self._lines = [line for line in read_text(proc_path(None, "maps")).splitlines() if line]
+        ranges = [line[: line.index(" ")].split("-") for line in self._lines]
+        self._starts = [int(start, 16) for start, _ in ranges]
+        self._ends = [int(end, 16) for _, end in ranges]
+        self._parsed: dict[int, Vma] = {}
 
     def area_at(self, address: int) -> Vma | None:
         i = bisect.bisect_right(self._starts, address) - 1
-        if i >= 0 and self.areas[i].start <= address < self.areas[i].end:
-            return self.areas[i]
-        return None
+        if i < 0 or not self._starts[i] <= address < self._ends[i]:
+            return None
+        area = self._parsed.get(i)
+        if area is None:
+            area = self._parsed[i] = parse_maps_line(self._lines[i])
+        return area
 
     def area_of(self, tensor: torch.Tensor) -> Vma | None:
         if tensor.device.type != "cpu" or tensor.untyped_storage().nbytes() == 0:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from .files import proc_path, read_text
 
-__all__ = ["Vma", "read_maps", "read_smaps"]
+__all__ = ["Vma", "parse_maps_line", "read_maps", "read_smaps"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,11 @@ def _parse_vma_header(line: str) -> dict:
     }
 
 
+def parse_maps_line(line: str) -> Vma:
+    """One line of /proc/PID/maps as a :class:`Vma` (ranges, permissions, path)."""
+    return Vma(**_parse_vma_header(line))
+
+
 def read_maps(pid: int | None = None) -> list[Vma]:
     """Return every VMA of the process from /proc/PID/maps: ranges, permissions, paths.
 
@@ -81,7 +86,7 @@ def read_maps(pid: int | None = None) -> list[Vma]:
     without counters or VmFlags.
     """
     path = proc_path(pid, "maps")
-    return [Vma(**_parse_vma_header(line)) for line in read_text(path).splitlines() if line]
+    return [parse_maps_line(line) for line in read_text(path).splitlines() if line]
 
 
 def read_smaps(pid: int | None = None) -> list[Vma]:

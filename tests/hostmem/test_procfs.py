@@ -119,3 +119,32 @@ def test_a_garbled_cgroup_file_names_itself(tmp_path):
     _write(tmp_path, {"memory.max": "lots\n", "memory.current": "1\n", "memory.stat": ""})
     with pytest.raises(ProcReadError, match=r"memory.max: expected a number or 'max'"):
         read_cgroup_v2_dir(str(tmp_path))
+
+
+
+def test_mapped_areas_place_an_address_as_a_full_read_of_maps_does(tmp_path):
+    """MappedAreas parses an area only when asked; what it answers equals read_maps'."""
+    import mmap
+    import warnings
+
+    from hostmem.procfs.maps import read_maps
+    from hostmem.slots import MappedAreas
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\1" * (3 * mmap.PAGESIZE))
+    with open(path, "rb") as handle:
+        mapping = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # not writable: on purpose
+            mapped = torch.frombuffer(mapping, dtype=torch.uint8)
+        heap = torch.ones(1 << 20, dtype=torch.uint8)
+        areas, full = MappedAreas(), read_maps()
+        for address in (mapped.data_ptr() + mmap.PAGESIZE, heap.data_ptr()):
+            assert areas.area_at(address) == next(a for a in full if a.start <= address < a.end)
+        assert areas.area_at(mapped.data_ptr()).path == str(path)
+        assert areas.read_only_file(mapped) == str(path) and areas.read_only_file(heap) is None
+        assert areas.area_at(0) is None
+        del mapped
+    finally:
+        mapping.close()
