@@ -121,8 +121,11 @@ def _merge_measured(shards, adapter, root, private) -> dict:
     from hostmem.peak import track_peak_anon
 
     model = _load(shards, private)
+    # without a root, the in-place path (the cache is on by default: it would build or hit
+    # in the default root instead)
     with track_peak_anon() as peak:
-        stats = lora_cache.merge(model, [adapter], cache_root=root, base_files=shards, progress=False)
+        stats = lora_cache.merge(model, [adapter], cache_root=root, base_files=shards, progress=False,
+                                 enabled=root is not None)
     return {"growth": peak.growth_bytes, "peak": peak.peak_bytes, "stats": stats.to_dict()}
 
 
@@ -375,6 +378,7 @@ def main() -> None:
             tmp.cleanup()
         return
     in_place = scenario("in_place", shards=shards, adapter=adapter, private=True)
+    assert in_place["stats"]["in_place"] == LAYERS and not in_place["stats"]["hit"], in_place["stats"]
     runs, requests = build_rounds(shards, adapter, root, merged)
     starts = start_rounds(shards, adapter, root)
     first = first_starts(scenario, shards, adapter, args.workdir)
