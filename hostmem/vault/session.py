@@ -157,9 +157,9 @@ class VaultSession:
 
     def _drop(self, reason: str) -> None:
         if self.vault.read_only:
-            say(f"LoRA merge cache {self.key[:12]}: not serving the combination ({reason}; a read-only root)")
+            say(f"{self.vault.label} {self.key[:12]}: not serving the combination ({reason}; a read-only root)")
         else:
-            say(f"LoRA merge cache {self.key[:12]}: dropped the whole combination ({reason}); rebuilding it")
+            say(f"{self.vault.label} {self.key[:12]}: dropped the whole combination ({reason}); rebuilding it")
             drop_folder(self.folder)
         self._entries.clear()
         self._was_complete = False
@@ -245,7 +245,7 @@ class VaultSession:
 
     def _failed(self, name: str, exc: Exception) -> None:
         with self._state:
-            self._refuse(f"could not write layer {name!r} to the LoRA merge cache in {self.folder}: {exc}")
+            self._refuse(f"could not write layer {name!r} to the {self.vault.label} in {self.folder}: {exc}")
             self.stats["layers_failed"] += 1
 
     def _record_write(self, entry: LayerEntry, seconds: float) -> None:
@@ -283,7 +283,7 @@ class VaultSession:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise VaultError(f"LoRA merge cache {self.key[:12]}: session already closed")
+            raise VaultError(f"{self.vault.label} {self.key[:12]}: session already closed")
 
     def close(self) -> None:
         """Seal: write the manifest last, then release the lock. Never raises over a full disk.
