@@ -35,6 +35,7 @@ import torch
 from .safetensors_map import tensor_bytes
 from .slots import TensorSlot
 from .units import format_size
+from .vault.content_hash import new_hasher
 
 __all__ = ["SPILL_FORMAT", "SPILLED_REASONS", "Pending", "spill", "spill_digest"]
 
@@ -55,8 +56,6 @@ class Pending(NamedTuple):
 def _tensor_digest(label: str, tensor: torch.Tensor) -> tuple[str, str]:
     """The digest of one weight's name, dtype, shape and bytes (the bytes hashed without a
     copy), with the vault's content hash (BLAKE3 where installed)."""
-    from .vault.content_hash import new_hasher
-
     digest = new_hasher()
     digest.update(f"{label}\0{str(tensor.dtype)}\0{list(tensor.shape)}\0".encode())
     digest.update(tensor_bytes(tensor.detach()))
@@ -64,16 +63,14 @@ def _tensor_digest(label: str, tensor: torch.Tensor) -> tuple[str, str]:
 
 
 def spill_digest(pending: list[Pending]) -> str:
-    """One digest over every pending weight's digest, in name order (the weights hashed on
-    all cores: both hashes release the GIL)."""
+    """One digest over every pending weight's digest, in name order, as
+    ``"<algorithm>:<hex>"`` (the weights hashed on all cores: both hashes release the GIL)."""
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="hostmem-spill-digest") as pool:
         digests = sorted(pool.map(lambda p: _tensor_digest(p.label, p.slot.tensor), pending))
-    from .vault.content_hash import new_hasher
-
     combined = new_hasher()
     for label, digest in digests:
         combined.update(f"{label}\0{digest}\n".encode())
-    return combined.hexdigest()
+    return f"{combined.name}:{combined.hexdigest()}"
 
 
 def _spill_key(vault, pending: list[Pending]):
@@ -82,9 +79,7 @@ def _spill_key(vault, pending: list[Pending]):
 
     shards = sorted({s for p in pending for s in p.shards})
     dtypes = ",".join(sorted({str(p.slot.tensor.dtype).removeprefix("torch.") for p in pending}))
-    from .vault.content_hash import hash_name
-
-    policy = f"{SPILL_FORMAT} {hash_name()}:{spill_digest(pending)}"
+    policy = f"{SPILL_FORMAT} {spill_digest(pending)}"
     return cache_key(vault.base_identity(shards), [], dtypes, policy)
 
 

@@ -33,11 +33,14 @@ import torch
 from .buffers import Scratch, compute_device, host_buffer
 
 __all__ = [
+    "Accumulators",
     "BF16_ADDMM",
     "FP32_ROWS",
     "Delta",
     "Scratch",
+    "Term",
     "UnsupportedAdapterError",
+    "add_terms",
     "compute_device",
     "host_buffer",
     "lora_scale",
@@ -148,13 +151,14 @@ class Delta:
 _BLOCK_BYTES = 4 * 1024 * 1024
 
 
-def _as_matrix(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return tensor.to(device=device, dtype=torch.float32).flatten(1)
+def _as_matrix(tensor: torch.Tensor, device: torch.device, fp32: bool = True) -> torch.Tensor:
+    return tensor.to(device=device, dtype=torch.float32 if fp32 else tensor.dtype).flatten(1)
 
 
 @dataclass(frozen=True)
-class _Term:
-    """One delta, made ready for the fp32 sum on the compute device (converted once per layer)."""
+class Term:
+    """One delta, made ready for the sum on the compute device (converted once per layer):
+    its factors in fp32, or in their own dtype for the one-pass kernel (``fp32=False``)."""
 
     up: torch.Tensor | None  # fp32 (rows, rank)
     down: torch.Tensor | None  # fp32 (rank, cols)
@@ -163,12 +167,12 @@ class _Term:
     diff_scale: float
 
     @classmethod
-    def of(cls, delta: Delta, device: torch.device) -> "_Term":
+    def of(cls, delta: Delta, device: torch.device, fp32: bool = True) -> "Term":
         if delta.up is None:
             up = down = None
         else:
             delta.check()
-            up, down = _as_matrix(delta.up, device), _as_matrix(delta.down, device)
+            up, down = _as_matrix(delta.up, device, fp32), _as_matrix(delta.down, device, fp32)
         diff = None if delta.diff is None else delta.diff.to(device)
         return cls(up, down, delta.scale, diff, delta.diff_scale)
 
@@ -258,14 +262,19 @@ def _add_block_in_output(out: torch.Tensor, base: torch.Tensor, up: torch.Tensor
     block.view(block.shape[0], -1).addmm_(up[rows], down, alpha=scale)
 
 
-def _sum_block(acc: torch.Tensor, base: torch.Tensor, terms: list[_Term], rows: slice) -> None:
+def _sum_block(acc: torch.Tensor, base: torch.Tensor, terms: list[Term], rows: slice) -> None:
     """acc = base[rows] + every term's rows, in fp32, in the order given (acc: one block)."""
     acc.copy_(base[rows] if base.device == acc.device else base[rows].to(acc.device))
+    add_terms(acc, terms, rows)
+
+
+def add_terms(block: torch.Tensor, terms: list[Term], rows: slice) -> None:
+    """block += every term's ``rows``, in the order given (block: one row block)."""
     for term in terms:
         if term.up is not None:
-            acc.view(acc.shape[0], -1).addmm_(term.up[rows], term.down, alpha=term.scale)
+            block.view(block.shape[0], -1).addmm_(term.up[rows], term.down, alpha=term.scale)
         if term.diff is not None:
-            acc.add_(term.diff[rows], alpha=term.diff_scale)
+            block.add_(term.diff[rows], alpha=term.diff_scale)
 
 
 def _block_ends(shape: tuple[int, ...], itemsize: int, blocks: list[slice]) -> list[int]:
@@ -289,7 +298,7 @@ def scratch_bytes(shape: tuple[int, ...], device: torch.device, workers: Executo
     return min(len(blocks), _concurrency(workers)) * largest * 4
 
 
-class _Accumulators:
+class Accumulators:
     """One fp32 block accumulator per block in flight, views of the scratch buffer.
 
     A block takes a free one and gives it back when cast, so a layer's fp32 temporary is
@@ -375,11 +384,11 @@ def _fp32_blocks(base, deltas, out, scratch, workers, blocks, ends, claim) -> Ca
     """The :data:`FP32_ROWS` work of block ``i``: sum it in an fp32 accumulator (before its
     bytes of ``out`` are claimed, so the sum overlaps the wait), then cast it into ``out``."""
     device = scratch.device
-    terms = [_Term.of(delta, device) for delta in deltas]
+    terms = [Term.of(delta, device) for delta in deltas]
     if base.dim() == 0:  # a scalar parameter: one block of one row
         base, out = base.view(1), out.view(1)
         terms = [replace(t, diff=None if t.diff is None else t.diff.view(1)) for t in terms]
-    accumulators = _Accumulators(scratch, tuple(base.shape), blocks, workers)
+    accumulators = Accumulators(scratch, tuple(base.shape), blocks, workers)
 
     def one_block(i: int) -> int:
         slot, acc = accumulators.take(blocks[i], tuple(base.shape))

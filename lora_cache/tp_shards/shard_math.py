@@ -19,31 +19,11 @@ from typing import Callable
 
 import torch
 
-from ..merge_math import BF16_ADDMM, FP32_ROWS, Delta, Scratch, _Accumulators, one_pass_applies, row_blocks
+from ..merge_math import (BF16_ADDMM, FP32_ROWS, Accumulators, Delta, Scratch, Term, add_terms, one_pass_applies,
+                          row_blocks)
 from .spec import Shard
 
 __all__ = ["shard_merged"]
-
-
-def _factors(delta: Delta, device: torch.device, fp32: bool) -> tuple:
-    """``(up, down, scale, diff, diff_scale)`` as the whole layer's kernel takes them."""
-    if delta.up is None:
-        up = down = None
-    else:
-        delta.check()
-        up, down = (t.to(device=device, dtype=torch.float32) if fp32 else t for t in (delta.up, delta.down))
-        up, down = up.flatten(1), down.flatten(1)
-    diff = None if delta.diff is None else delta.diff.to(device)
-    return up, down, delta.scale, diff, delta.diff_scale
-
-
-def _sum(block: torch.Tensor, terms: list[tuple], rows: slice) -> None:
-    """block += every term's ``rows``, in order (block: one full-width row block)."""
-    for up, down, scale, diff, diff_scale in terms:
-        if up is not None:
-            block.view(block.shape[0], -1).addmm_(up[rows], down, alpha=scale)
-        if diff is not None:
-            block.add_(diff[rows], alpha=diff_scale)
 
 
 def shard_merged(base: torch.Tensor, deltas: list[Delta], shard: Shard, out: torch.Tensor, scratch: Scratch,
@@ -65,8 +45,8 @@ def shard_merged(base: torch.Tensor, deltas: list[Delta], shard: Shard, out: tor
     blocks = row_blocks(full, device)
     work = [b for b in blocks if b.start < rows.stop and rows.start < b.stop]
     one_pass = kernel == BF16_ADDMM and one_pass_applies(base.dtype, len(full), deltas, device)
-    terms = [_factors(d, device, not one_pass) for d in deltas]
-    accumulators = _Accumulators(scratch, full, blocks, workers)  # every block: the whole layer's slots
+    terms = [Term.of(d, device, fp32=not one_pass) for d in deltas]
+    accumulators = Accumulators(scratch, full, blocks, workers)  # every block: the whole layer's slots
     row_bytes = out.element_size() * out[0].numel() if out.dim() else out.element_size()
     claim = claim or (lambda end: None)
 
@@ -81,7 +61,7 @@ def shard_merged(base: torch.Tensor, deltas: list[Delta], shard: Shard, out: tor
             if shard.dim == 1:
                 mine = mine.narrow(1, own.start, own.stop - own.start)
             mine.copy_(base[lo - rows.start : hi - rows.start])
-            _sum(block, terms, block_rows)
+            add_terms(block, terms, block_rows)
             claim((hi - rows.start) * row_bytes)
             out[lo - rows.start : hi - rows.start].copy_(mine)
         finally:
