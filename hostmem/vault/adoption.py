@@ -12,38 +12,51 @@ asks for, drop the whole combination: it belongs to something else.
 
 A sealed, complete manifest whose every layer the verification memo vouches for (the
 file is the very one written or verified, unchanged since: same inode, size, mtime and
-ctime, same checksum) is taken as it is, without reading the layer headers: the start
-that maps the layers reads each header then, once, and checks it against the manifest.
+ctime, same checksum) is taken as it is, without reading the layer headers. Every
+layer served carries the stamp it was verified at: ``get`` maps a file that still has
+it at the data offset the manifest records, without reading its header either; a file
+changed since (or a manifest of an older release, without offsets) has its header
+read and checked against the manifest as it is mapped.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 
 from hostmem.safetensors_header import SafetensorsError
 
 from .durable import discard, fsync_dir, remove_tree
 from .layer_file import LayerEntry, is_layer_file_name, layer_problem, read_layer_file
 from .manifest import Manifest, ManifestError, read_manifest
+from .provisional import PROVISIONAL_WHY, is_provisional, is_resumable
 from .safety import make_private_dir
 from .verification import VerifiedMemo, check_layers, read_damage
 
 __all__ = ["Adopted", "adopt", "drop_folder", "shape_dtype_problem"]
 
 
-@dataclass
 class Adopted:
-    """What a folder held that can be served, and why it was dropped, if it was."""
+    """What a folder held that can be served, and why it was dropped, if it was.
 
-    entries: dict[str, LayerEntry]
-    manifest: Manifest | None
-    dropped: str | None = None
-    resumed: int = 0  # layer files found without a manifest entry (an interrupted build)
-    failed: dict[str, str] = field(default_factory=dict)  # tensor name -> why its file is not served
-    memo: VerifiedMemo | None = None
-    damaged: bool = False  # `hostmem cache verify` had recorded damage here
-    vouched: bool = False  # sealed, complete, every layer vouched for by the memo: taken as sealed
+    A plain class, not a dataclass: every start with the cache imports this module, and
+    a dataclass compiles its methods at import (about 1 ms on a small core).
+    """
+
+    def __init__(self, entries: dict[str, LayerEntry], manifest: Manifest | None, dropped: str | None = None,
+                 resumed: int = 0, failed: dict[str, str] | None = None, memo: VerifiedMemo | None = None,
+                 damaged: bool = False, vouched: bool = False):
+        self.entries = entries  # tensor name -> entry, each with the stamp it was verified at
+        self.manifest = manifest
+        self.dropped = dropped
+        self.resumed = resumed  # layer files found without a manifest entry (an interrupted build)
+        self.failed = failed if failed is not None else {}  # tensor name -> why its file is not served
+        self.memo = memo
+        self.damaged = damaged  # `hostmem cache verify` had recorded damage here
+        self.vouched = vouched  # sealed, complete, every layer vouched for by the memo: taken as sealed
+
+    def __repr__(self) -> str:
+        return (f"Adopted({len(self.entries)} layers, dropped={self.dropped!r}, resumed={self.resumed}, "
+                f"failed={sorted(self.failed)}, vouched={self.vouched})")
 
 
 def shape_dtype_problem(entry: LayerEntry, shape, dtype: torch.dtype) -> str | None:
@@ -112,8 +125,10 @@ def adopt(folder: str, expected: dict | None, writable: bool = True) -> Adopted:
     """Read what ``folder`` holds that can be served, verified; drop what cannot.
 
     A read-only folder (``writable=False``) is only read: what fails is left there,
-    and not served.
+    and not served. A provisional folder is never served (:mod:`.provisional`).
     """
+    if is_provisional(folder) and not (writable and is_resumable(folder)):
+        return _dropped(folder, PROVISIONAL_WHY, writable)
     try:
         manifest = read_manifest(folder)
     except ManifestError as exc:
@@ -122,7 +137,7 @@ def adopt(folder: str, expected: dict | None, writable: bool = True) -> Adopted:
     memo = VerifiedMemo(folder, trust=not damaged)
     vouched = _vouched(manifest, memo)
     if vouched:
-        entries, failed = dict(manifest.layers), {}  # no header read: mapping reads each one, once
+        entries, failed = dict(manifest.layers), {}  # no header read: mapped at their recorded offsets
     else:
         entries, failed = _recorded(folder, manifest) if manifest else ({}, {})
     if writable:
@@ -133,11 +148,12 @@ def adopt(folder: str, expected: dict | None, writable: bool = True) -> Adopted:
     problem = _expected_problem(entries, expected)
     if problem:
         return _dropped(folder, problem, writable)
-    bad = check_layers(folder, entries, memo)
+    bad = check_layers(folder, extra if vouched else entries, memo)  # the vouched ones were checked just now
     for name in bad:
         if writable:
             discard(os.path.join(folder, entries[name].file))
         del entries[name]
+    entries = {name: memo.stamped(entry) for name, entry in entries.items()}  # as verified: mapped by that stamp
     return Adopted(entries, manifest, resumed=len(extra), failed={**failed, **bad}, memo=memo, damaged=damaged,
                    vouched=vouched and not extra and not bad)
 

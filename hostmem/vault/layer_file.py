@@ -28,16 +28,14 @@ import json
 import os
 import stat
 import struct
-from dataclasses import asdict, dataclass
+from collections import namedtuple
 from math import prod
 
-from hostmem.safetensors_header import SafetensorsError, read_header
+from hostmem.safetensors_header import DTYPE_SIZES, SafetensorsError, read_header
 
-from ..crc32 import crc32
+from .content_hash import read_chunks, stamp_of
 from .handoff import Handoff
-from .content_hash import read_chunks
 from .durable import discard, open_tmp, seal, write_all, write_uncached
-from .piece_writer import write_pieces
 from .safety import VaultError, check_not_symlink
 
 __all__ = [
@@ -53,6 +51,7 @@ __all__ = [
     "read_layer_file",
     "layer_problem",
     "data_crc32",
+    "known_layout",
 ]
 
 LAYER_FORMAT = "hostmem-lora-merge-cache-layer/2"
@@ -61,17 +60,24 @@ _CHUNK = 4 * 1024 * 1024
 _SUFFIX = ".safetensors"
 
 
-@dataclass(frozen=True)
-class LayerEntry:
-    """What the manifest records of one layer file."""
+_STAMP_FIELDS = 5  # (device, inode, size, mtime_ns, ctime_ns): content_hash.stamp_of
 
-    name: str
-    file: str
-    size: int
-    header_sha256: str
-    crc32: str  # 8 hex digits, of the tensor bytes (the data section)
-    dtype: str
-    shape: tuple[int, ...]
+
+# Named tuples, not dataclasses: every start with the cache imports this module, and a
+# dataclass compiles its methods at import (about 1 ms each on a small core).
+class LayerEntry(namedtuple("LayerEntry", "name file size header_sha256 crc32 dtype shape data_offset stamp",
+                            defaults=(None, None))):
+    """What the manifest records of one layer file.
+
+    ``crc32`` is 8 hex digits, of the tensor bytes (the data section). ``data_offset``
+    (where those bytes start) and ``stamp`` (the file's (device, inode, size, mtime_ns,
+    ctime_ns) when its bytes last matched ``crc32``: written by this cache, or verified)
+    let a start map a file that still has that stamp at that offset without reading its
+    header. Either is None where it is not known (a manifest of an older release, a file
+    not verified yet).
+    """
+
+    __slots__ = ()
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -79,12 +85,23 @@ class LayerEntry:
 
         return DTYPES[self.dtype]
 
+    @property
+    def data_bytes(self) -> int:
+        return prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+    def with_stamp(self, stamp) -> "LayerEntry":
+        return self._replace(stamp=None if stamp is None else tuple(stamp))
+
     def to_dict(self) -> dict:
-        return dict(asdict(self), shape=list(self.shape))
+        """The manifest's record (``data_offset`` and ``stamp`` only where known)."""
+        data = dict(self._asdict(), shape=list(self.shape), stamp=self.stamp and list(self.stamp))
+        return {k: v for k, v in data.items() if v is not None}
 
     @classmethod
     def from_dict(cls, data: dict) -> "LayerEntry":
-        return cls(
+        """The entry a manifest records; ``KeyError``/``TypeError``/``ValueError`` when it is
+        not one (an offset or stamp that does not fit the recorded size is not one either)."""
+        entry = cls(
             name=str(data["name"]),
             file=str(data["file"]),
             size=int(data["size"]),
@@ -92,7 +109,17 @@ class LayerEntry:
             crc32=str(data["crc32"]),
             dtype=str(data["dtype"]),
             shape=tuple(int(d) for d in data["shape"]),
+            data_offset=None if data.get("data_offset") is None else int(data["data_offset"]),
+            stamp=None if data.get("stamp") is None else tuple(int(v) for v in data["stamp"]),
         )
+        if entry.dtype not in DTYPE_SIZES:
+            raise ValueError(f"layer {entry.name!r}: dtype {entry.dtype!r}")
+        if entry.data_offset is not None and not 8 <= entry.data_offset == entry.size - entry.data_bytes:
+            raise ValueError(f"layer {entry.name!r}: data offset {entry.data_offset} does not fit its "
+                             f"{entry.size} bytes of {list(entry.shape)} {entry.dtype}")
+        if entry.stamp is not None and (len(entry.stamp) != _STAMP_FIELDS or entry.stamp[2] != entry.size):
+            raise ValueError(f"layer {entry.name!r}: stamp {list(entry.stamp)} is not one of a {entry.size}-byte file")
+        return entry
 
 
 def layer_file_name(name: str) -> str:
@@ -125,10 +152,13 @@ class _Crc32:
     """A running CRC-32, fed in order (see :func:`hostmem.crc32.crc32`)."""
 
     def __init__(self):
+        from ..crc32 import crc32  # here: a start served from the cache takes no checksum
+
+        self._crc32 = crc32
         self.value = 0
 
     def update(self, data) -> None:
-        self.value = crc32(data, self.value)
+        self.value = self._crc32(data, self.value)
 
 
 def _hex(crc32: int) -> str:
@@ -147,14 +177,22 @@ def _all_ready(nbytes: int) -> Handoff:
     return handoff
 
 
-def _write_streamed(fd: int, path: str, tensor: torch.Tensor, offset: int, handoff: Handoff) -> int:
+def _write_streamed(fd: int, path: str, tensor: torch.Tensor, offset: int, handoff: Handoff, writer=None) -> int:
     """Write ``tensor``'s bytes at ``offset`` as ``handoff`` says they are final, handing each
     piece back once it and every piece before it are written; return their CRC-32
-    (see :mod:`hostmem.vault.piece_writer`)."""
+    (see :mod:`hostmem.vault.piece_writer`). With a ``writer`` (a session's
+    :class:`~hostmem.vault.piece_writer.PieceWriter`), return once the last piece is on
+    its way: ``writer.started`` holds them."""
     from hostmem.safetensors_map import tensor_bytes
 
+    from .piece_writer import write_pieces  # here: a start served from the cache writes nothing
+
     digest = _Crc32()
-    write_pieces(fd, path, memoryview(tensor_bytes(tensor)).cast("B"), offset, tensor.data_ptr(), handoff, digest)
+    args = (fd, path, memoryview(tensor_bytes(tensor)).cast("B"), offset, tensor.data_ptr(), handoff, digest)
+    if writer is None:
+        write_pieces(*args)
+    else:
+        writer.started = writer.start(*args)
     return digest.value
 
 
@@ -175,16 +213,12 @@ def _cpu_contiguous(merged: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
-@dataclass(frozen=True)
-class UnsealedLayer:
+class UnsealedLayer(namedtuple("UnsealedLayer", "fd tmp final entry")):
     """A layer file whose data and header are written, under its temporary name, its
-    descriptor open: what :func:`seal_layer` makes durable and names (or :func:`discard_layer`
-    removes). Never served: only a sealed file has its final name."""
+    descriptor open (``fd``): what :func:`seal_layer` makes durable and names ``final``
+    (or :func:`discard_layer` removes). Never served: only a sealed file has its final name."""
 
-    fd: int
-    tmp: str
-    final: str
-    entry: LayerEntry
+    __slots__ = ()
 
 
 def write_layer(folder: str, name: str, merged: torch.Tensor, crc32: int | None = None,
@@ -195,7 +229,7 @@ def write_layer(folder: str, name: str, merged: torch.Tensor, crc32: int | None 
 
 
 def write_layer_data(folder: str, name: str, merged: torch.Tensor, crc32: int | None = None,
-                     handoff: Handoff | None = None) -> UnsealedLayer:
+                     handoff: Handoff | None = None, writer=None) -> UnsealedLayer:
     """Write ``merged``'s layer file of ``name`` in ``folder`` under a temporary name, unsealed.
 
     The data goes in first (its whole pages with O_DIRECT when ``merged`` starts on a
@@ -204,7 +238,9 @@ def write_layer_data(folder: str, name: str, merged: torch.Tensor, crc32: int | 
     (:func:`hostmem.crc32.crc32_of`), is given; then the header with the checksum over
     a same-length placeholder. With a ``handoff`` (see :mod:`hostmem.vault.handoff`),
     ``merged`` is a contiguous CPU buffer still being computed: its bytes are written as
-    they are published. On any error the temporary file is removed and the error is raised.
+    they are published; with a ``writer`` too, its pieces may still be on their way when
+    this returns (see :func:`_write_streamed`). On any error the temporary file is
+    removed and the error is raised.
     """
     from hostmem.safetensors_map import DTYPE_NAMES, tensor_bytes
 
@@ -224,7 +260,8 @@ def write_layer_data(folder: str, name: str, merged: torch.Tensor, crc32: int | 
         if handoff is None and crc32 is not None:
             write_uncached(fd, tmp, data, len(header), tensor.data_ptr())
         else:  # checksummed as written: a ready tensor is all published at once
-            crc32 = _write_streamed(fd, tmp, tensor, len(header), handoff or _all_ready(len(data)))
+            crc32 = _write_streamed(fd, tmp, tensor, len(header), handoff or _all_ready(len(data)),
+                                    writer if handoff is not None else None)
         header = _header_bytes(name, dtype, shape, len(data), _hex(crc32))
         write_all(fd, header, 0)
     except BaseException:
@@ -233,7 +270,8 @@ def write_layer_data(folder: str, name: str, merged: torch.Tensor, crc32: int | 
         raise
     final = os.path.join(folder, layer_file_name(name))
     entry = LayerEntry(name=name, file=os.path.basename(final), size=len(header) + len(data),
-                       header_sha256=hashlib.sha256(header).hexdigest(), crc32=_hex(crc32), dtype=dtype, shape=shape)
+                       header_sha256=hashlib.sha256(header).hexdigest(), crc32=_hex(crc32), dtype=dtype, shape=shape,
+                       data_offset=len(header))
     return UnsealedLayer(fd, tmp, final, entry)
 
 
@@ -279,7 +317,18 @@ def read_layer_file(path: str) -> LayerEntry:
         crc32=header.metadata["crc32"],
         dtype=info.dtype,
         shape=tuple(info.shape),
+        data_offset=header.data_offset + info.begin,
     )
+
+
+def known_layout(fd: int, entry: LayerEntry) -> int | None:
+    """Where ``entry``'s data starts in the file open as ``fd``, without reading its header:
+    the recorded offset, while the file still has the stamp it had when its bytes last
+    matched their checksum; None when it has not (or either is not recorded), and the
+    caller reads the header as for any file."""
+    if entry.data_offset is None or entry.stamp is None or entry.data_offset + entry.data_bytes != entry.stamp[2]:
+        return None
+    return entry.data_offset if tuple(stamp_of(os.fstat(fd))) == entry.stamp else None
 
 
 def layer_problem(folder: str, entry: LayerEntry) -> str | None:

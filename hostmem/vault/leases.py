@@ -34,6 +34,7 @@ import torch
 from hostmem.safetensors_map import SafetensorsError, SafetensorsHeader, advise_huge_pages, read_header
 from hostmem.writers import guard_foreign_writers
 
+from .layer_file import LayerEntry, known_layout
 from .locks import KeyLock
 from .safety import check_not_symlink
 
@@ -94,20 +95,29 @@ def _header_of_open_file(fd: int, path: str) -> SafetensorsHeader:
     return dataclasses.replace(header, path=path)
 
 
-def map_layer(path: str, name: str, lease: UseLease) -> tuple[torch.Tensor, SafetensorsHeader]:
+def map_layer(path: str, name: str, lease: UseLease,
+              entry: LayerEntry | None = None) -> tuple[torch.Tensor, SafetensorsHeader | None]:
     """Map tensor ``name`` of layer file ``path`` read-only; the view holds ``lease``.
 
     Returns the view and the header it was read with (the caller checks it against
-    what it recorded). A write into the view faults instead of copying the page.
+    what it recorded), or None for the header where ``entry`` (the layer's record) says
+    where the data starts and the open file still has the stamp it had when its bytes
+    last matched their checksum (:func:`~hostmem.vault.layer_file.known_layout`): then no
+    header is read. A write into the view faults instead of copying the page.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        header = _header_of_open_file(fd, path)
-        if name not in header.tensors:
-            raise SafetensorsError(f"{path}: no tensor named {name!r}")
-        info = header.tensors[name]
-        if info.nbytes == 0:
-            return torch.empty(info.shape, dtype=info.torch_dtype), header
+        offset = None if entry is None else known_layout(fd, entry)
+        if offset is None:
+            header = _header_of_open_file(fd, path)
+            if name not in header.tensors:
+                raise SafetensorsError(f"{path}: no tensor named {name!r}")
+            info = header.tensors[name]
+            offset, nbytes, dtype, shape = header.data_offset + info.begin, info.nbytes, info.torch_dtype, info.shape
+        else:
+            header, nbytes, dtype, shape = None, entry.data_bytes, entry.torch_dtype, entry.shape
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype), header
         mapping = _LeasedMapping(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         advise_huge_pages(mapping)
         guard_foreign_writers()  # a read-only weight is handed out: writers get an error, not a bare SIGSEGV
@@ -116,5 +126,5 @@ def map_layer(path: str, name: str, lease: UseLease) -> tuple[torch.Tensor, Safe
     mapping.lease = lease
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # not writable: that is the point
-        flat = torch.frombuffer(mapping, dtype=torch.uint8, count=info.nbytes, offset=header.data_offset + info.begin)
-    return flat.view(info.torch_dtype).reshape(info.shape), header
+        flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
+    return flat.view(dtype).reshape(shape), header

@@ -15,8 +15,16 @@ and the record people read (``hostmem cache ls``). Its format::
       "total_bytes": 123456,            # sum of the layer files' sizes
       "layers": [{"name": "blocks.0.attn.qkv.weight", "file": "<32 hex>.safetensors",
                   "size": 8192, "header_sha256": "...", "crc32": "<8 hex, of the tensor bytes>",
-                  "dtype": "BF16", "shape": [64, 32]}, ...]
+                  "dtype": "BF16", "shape": [64, 32],
+                  "data_offset": 4096,  # where the tensor bytes start
+                  "stamp": [dev, ino, size, mtime_ns, ctime_ns]}, ...],  # the file's when they matched crc32
+      "layers_sha256": "..."            # of the layers' records (see _layers_digest)
     }
+
+``data_offset`` and ``stamp`` let a start map a layer file that still has that stamp
+without reading its header (:mod:`.adoption`). A manifest without them (written by an
+older release; both are optional within format 2) is served by reading each layer's
+header as it is mapped, as that release did.
 
 A session that only served a sealed combination does not rewrite it; it sets the
 manifest file's mtime instead (:func:`touch_use_time`, no fsync: an LRU hint), and the
@@ -28,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
 
 from .durable import durable_write
 from .safety import check_not_symlink
@@ -46,20 +53,33 @@ class ManifestError(ValueError):
     """A manifest that cannot be trusted; its combination is dropped or reported."""
 
 
-@dataclass
 class Manifest:
-    key: str
-    inputs: dict = field(default_factory=dict)
-    created: float = field(default_factory=time.time)
-    last_used: float = field(default_factory=time.time)
-    complete: bool = False
-    layers: dict[str, LayerEntry] = field(default_factory=dict)
+    """A combination's seal, as :func:`read_manifest` reads it and :func:`write_manifest` writes it.
+
+    A plain class, not a dataclass: every start with the cache imports this module, and
+    a dataclass compiles its methods at import (about 1 ms on a small core).
+    """
+
+    def __init__(self, key: str, inputs: dict | None = None, created: float | None = None,
+                 last_used: float | None = None, complete: bool = False,
+                 layers: dict[str, LayerEntry] | None = None):
+        now = time.time()
+        self.key = key
+        self.inputs = inputs if inputs is not None else {}
+        self.created = now if created is None else created
+        self.last_used = now if last_used is None else last_used
+        self.complete = complete
+        self.layers = layers if layers is not None else {}
+
+    def __repr__(self) -> str:
+        return f"Manifest({self.key[:12]}, {len(self.layers)} layers, complete={self.complete})"
 
     @property
     def total_bytes(self) -> int:
         return sum(e.size for e in self.layers.values())
 
     def to_dict(self) -> dict:
+        layers = [self.layers[n].to_dict() for n in sorted(self.layers)]
         return {
             "format": MANIFEST_FORMAT,
             "format_version": MANIFEST_VERSION,
@@ -69,7 +89,8 @@ class Manifest:
             "last_used": self.last_used,
             "complete": self.complete,
             "total_bytes": self.total_bytes,
-            "layers": [self.layers[n].to_dict() for n in sorted(self.layers)],
+            "layers": layers,
+            "layers_sha256": _layers_digest(layers),
         }
 
     @classmethod
@@ -80,6 +101,8 @@ class Manifest:
             raise ManifestError(f"{source}: manifest format {data.get('format_version')!r}, expected {MANIFEST_VERSION}")
         try:
             layers = [LayerEntry.from_dict(e) for e in data["layers"]]
+            if data.get("layers_sha256") != _layers_digest(data["layers"]):
+                layers = [e._replace(data_offset=None, stamp=None) for e in layers]  # see _layers_digest
             return cls(
                 key=str(data["key"]),
                 inputs=dict(data.get("inputs") or {}),
@@ -90,6 +113,16 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"{source}: damaged manifest ({exc!r})") from None
+
+
+def _layers_digest(layers: list) -> str:
+    """sha256 of the layers' records as written. A manifest whose records no longer match it
+    (edited by hand, written by an older release) keeps them, but not their offsets and
+    stamps: without those, each layer file is vouched for by the verification memo and has
+    its header read and checked against its record as it is mapped, as before."""
+    import hashlib  # here: `hostmem cache` reads manifests and starts light
+
+    return hashlib.sha256(json.dumps(layers, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def read_manifest(folder: str) -> Manifest | None:

@@ -9,7 +9,9 @@ file's (device, inode, size, mtime_ns, ctime_ns), with the checksum it matched. 
 this build wrote, or one verified once and unchanged since, is not read again; a new
 or changed one (copied in, unpacked from an image, written to) is verified first.
 
-The memo lives in this process and, where the combination's folder is writable, in
+The memo lives in this process, in each layer's record in the sealed manifest (the
+stamp the file had when its bytes last matched: a start that finds every file with its
+recorded stamp reads nothing else) and, where the combination's folder is writable, in
 ``<key>/verified.json``. ``hostmem cache verify`` reads every byte whatever the memo
 says, and records what it finds damaged in ``<key>/damage.json``: while that file is
 there no start trusts the memo for that combination, so the damaged layers are found
@@ -39,13 +41,22 @@ def _ident(stamp: list[int]) -> str:
 
 
 class VerifiedMemo:
-    """What is known verified in one combination folder (this process's, and on disk)."""
+    """What is known verified in one combination folder: the layer's own record (the
+    stamp its manifest entry carries), this process's memo, and ``verified.json``, read
+    only when the first two do not vouch for a file."""
 
     def __init__(self, folder: str, trust: bool = True):
         self.folder = folder
-        self._disk: dict[str, tuple[list[int], str]] = _load(os.path.join(folder, VERIFIED_NAME)) if trust else {}
         self._trust = trust
+        self._disk_memo: dict[str, tuple[list[int], str]] | None = None if trust else {}
+        self._seen: dict[str, list[int]] = {}  # file -> its stamp, as vouched for or recorded in this session
         self.reread = 0  # files read to verify them in this session
+
+    @property
+    def _disk(self) -> dict[str, tuple[list[int], str]]:
+        if self._disk_memo is None:
+            self._disk_memo = _load(os.path.join(self.folder, VERIFIED_NAME))
+        return self._disk_memo
 
     def holds(self, entry: LayerEntry) -> bool:
         """True when ``entry``'s file is unchanged since it was written or verified."""
@@ -55,26 +66,45 @@ class VerifiedMemo:
             stamp = stamp_of(os.lstat(os.path.join(self.folder, entry.file)))
         except OSError:
             return False
+        if not self._known(entry, stamp):
+            return False
+        self._seen[entry.file] = stamp
+        return True
+
+    def _known(self, entry: LayerEntry, stamp: list[int]) -> bool:
+        """``stamp`` is one at which ``entry``'s bytes matched its checksum."""
+        if entry.stamp is not None and list(entry.stamp) == stamp:
+            return True  # the manifest's own record: written by the session that wrote or verified it
         with _PROCESS_LOCK:
             known = _PROCESS.get(_ident(stamp))
         if known is None:
             known = self._disk.get(entry.file)
         return known is not None and list(known[0]) == stamp and known[1] == entry.crc32
 
-    def record(self, entry: LayerEntry) -> None:
-        """``entry``'s file now matches its checksum (just written, or just read)."""
+    def record(self, entry: LayerEntry) -> LayerEntry:
+        """``entry``'s file now matches its checksum (just written, or just read); return the
+        entry with its stamp (where the file cannot be stat'ed, as it was)."""
         try:
             stamp = stamp_of(os.lstat(os.path.join(self.folder, entry.file)))
         except OSError:
-            return
+            return entry
         with _PROCESS_LOCK:
             _PROCESS[_ident(stamp)] = (stamp, entry.crc32)
         self._disk[entry.file] = (stamp, entry.crc32)
+        self._seen[entry.file] = stamp
+        return entry.with_stamp(stamp)
+
+    def stamped(self, entry: LayerEntry) -> LayerEntry:
+        """``entry`` with the stamp this session vouched for or recorded (no file is read)."""
+        stamp = self._seen.get(entry.file)
+        return entry if stamp is None or entry.stamp == tuple(stamp) else entry.with_stamp(stamp)
 
     def save(self, entries: dict[str, LayerEntry]) -> None:
         """Keep the memo of ``entries`` on disk (a hint: where it cannot be written, it is not)."""
-        files = {e.file for e in entries.values()}
-        data = {f: {"stamp": s, "crc32": c} for f, (s, c) in self._disk.items() if f in files}
+        files = {e.file: e for e in entries.values()}
+        known = {f: (s, c) for f, (s, c) in self._disk.items() if f in files}
+        known.update((f, (s, files[f].crc32)) for f, s in self._seen.items() if f in files)
+        data = {f: {"stamp": s, "crc32": c} for f, (s, c) in known.items()}
         try:
             durable_write(os.path.join(self.folder, VERIFIED_NAME), json.dumps(data).encode())
         except OSError:
