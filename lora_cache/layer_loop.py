@@ -87,11 +87,19 @@ class _LayerLoop:
     that a writer thread streams to the vault as it fills (see
     :mod:`hostmem.vault.handoff`): the block workers sum layer i's row blocks into it in
     order, the writer puts each finished piece on disk while the rest is summed (several
-    pieces at once, see :mod:`hostmem.vault.piece_writer`), and layer i+1's blocks reuse
-    each piece once layer i has written it and every piece before it. Before a layer is
+    pieces at once, see :mod:`hostmem.vault.piece_writer`, the last ones of layer i
+    still on their way while layer i+1's first go out), and layer i+1's blocks reuse
+    each piece once it is written, and every piece before it. Before a layer is
     summed, the kernel is asked to read the next one's base in (a cold page cache then
     overlaps with the sum too). The anonymous memory stays one layer wide (the output
     buffer, plus one fp32 block per worker for layers the chosen kernel sums in fp32).
+
+    (A ring of huge pages moved with ``mremap`` from written pieces to the next blocks,
+    so that the sum could run a few pieces past the disk, was measured and left out:
+    each move waits for the process's page-table lock, which the faults on the base's
+    mapping hold, and the summing threads spent as long claiming pages as they had
+    waited for the writer.)
+
     Gets all happen before the first put; puts run in order, each split in two (its
     data, then its seal: see ``VaultSession.put_data``), one layer's seal running beside
     the next one's data.
@@ -211,18 +219,19 @@ class _LayerLoop:
                     continue
                 if i + 1 < len(targets):
                     _read_ahead(targets[i + 1].current)
-                pending.append(self.stream(target, (writer, sealer), pending[-1].handoff if pending else None))
+                pending.append(self.stream(target, (writer, sealer), [w.handoff for w in pending]))
                 if len(pending) > 2:
                     self.settle(pending)
             while pending:
                 self.settle(pending)
 
-    def stream(self, target: LayerTarget, threads, previous: Handoff | None) -> _Write:
+    def stream(self, target: LayerTarget, threads, earlier: list[Handoff]) -> _Write:
         """Sum ``target`` into the output buffer while the writer of ``threads`` (writer,
         sealer) writes it, piece by piece; the sealer then seals it.
 
-        Each row block waits until the previous layer's put has written the bytes it
-        overwrites. Returns once the sum is done; the put may still be running.
+        Each row block waits until the bytes it overwrites are written: the same bytes
+        of the ``earlier`` layers not yet sealed (the last pieces of either may still be
+        on their way). Returns once the sum is done; the put may still be running.
         """
         writer, sealer = threads
         base = target.current
@@ -232,7 +241,7 @@ class _LayerLoop:
         written = sealer.submit(_seal_when_written, self.session, data)
         try:
             compute_merged(target, out, self.work, self.workers, kernel=self.kernel(target),
-                           claim=None if previous is None else previous.wait_released, publish=handoff.publish)
+                           claim=functools.partial(_claim_after, earlier), publish=handoff.publish)
         except BaseException:
             handoff.cancel()  # the put gives up and removes its temporary file
             raise
@@ -267,6 +276,13 @@ class _LayerLoop:
         if self.session is not None:
             self.stats.bytes_written = int(self.session.stats.get("bytes_written", 0))
         return self.stats
+
+
+def _claim_after(earlier: list[Handoff], end: int) -> None:
+    """Wait until every layer in ``earlier`` has written its bytes below ``end`` (a block of
+    the one reused buffer may overwrite them then)."""
+    for handoff in earlier:
+        handoff.wait_released(end)
 
 
 def _seal_when_written(session, data: Future):

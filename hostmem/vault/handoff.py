@@ -37,27 +37,34 @@ class Handoff:
         self._ready = 0
         self._released = 0
         self._cancelled = False
-        self._changed = threading.Condition()
+        # Two conditions over one lock, so that each side wakes only the other, and only
+        # when it can go on: a publish per row block would otherwise wake the writer (and
+        # any waiting summing thread) every time, on cores the sum needs.
+        lock = threading.Lock()
+        self._ready_changed = threading.Condition(lock)
+        self._released_changed = threading.Condition(lock)
+        self._wanted = 0  # what the waiting consumer waits for
 
     # ----------------------------------------------------------------- producer
 
     def publish(self, end: int) -> None:
         """Bytes ``[0, end)`` are final (a smaller ``end`` than before changes nothing)."""
-        with self._changed:
+        with self._ready_changed:
             if end > self._ready:
                 self._ready = min(int(end), self.nbytes)
-                self._changed.notify_all()
+                if self._ready >= self._wanted:
+                    self._ready_changed.notify_all()
 
     def cancel(self) -> None:
         """The rest will never be published: a waiting consumer raises :class:`HandoffCancelled`."""
-        with self._changed:
+        with self._ready_changed:
             self._cancelled = True
-            self._changed.notify_all()
+            self._ready_changed.notify_all()
 
     def wait_released(self, end: int) -> None:
         """Block until the consumer is done with bytes ``[0, end)`` (they may be overwritten)."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._released >= min(end, self.nbytes))
+        with self._released_changed:
+            self._released_changed.wait_for(lambda: self._released >= min(end, self.nbytes))
 
     # ----------------------------------------------------------------- consumer
 
@@ -65,16 +72,17 @@ class Handoff:
         """Block until at least ``at_least`` bytes past ``start`` are final (or all of them
         are); return how many bytes from the buffer's start are final."""
         goal = min(start + at_least, self.nbytes)
-        with self._changed:
-            self._changed.wait_for(lambda: self._ready >= goal or self._cancelled)
+        with self._ready_changed:
+            self._wanted = goal
+            self._ready_changed.wait_for(lambda: self._ready >= goal or self._cancelled)
             if self._ready < goal:
                 raise HandoffCancelled(f"the merge stopped after {self._ready} of {self.nbytes} bytes")
             return self._ready
 
     def release(self, end: int | None = None) -> None:
         """The consumer is done with bytes ``[0, end)``; with no ``end``, with all of them."""
-        with self._changed:
+        with self._released_changed:
             end = self.nbytes if end is None else min(int(end), self.nbytes)
             if end > self._released:
                 self._released = end
-                self._changed.notify_all()
+                self._released_changed.notify_all()

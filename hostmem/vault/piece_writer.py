@@ -13,10 +13,18 @@ them on their way at once, so the disk's queue stays as deep as with one large w
 while the bytes go back to the merge a piece at a time, as soon as every piece before
 them is written too. The CRC-32 is taken in order, here, while the pieces issued
 before are on their way.
+
+A session's puts share one :class:`PieceWriter`: its :data:`IN_FLIGHT` pieces may
+belong to two layers, so the disk's queue does not drain at the end of each layer (the
+put of layer i returns once its last piece is on its way and its header written; the
+seal waits for the pieces, :meth:`Pieces.end`, before its fsync). Draining at the end
+of each of 48 layers of 21 MiB, a 2-core virtual machine's disk was busy about 60% of
+the time, its queue about 2.5 requests deep on average (11 for one large write).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from .durable import write_uncached
 from .handoff import Handoff
 
-__all__ = ["IN_FLIGHT", "LARGEST_PIECE", "PIECE_BYTES", "write_pieces"]
+__all__ = ["IN_FLIGHT", "LARGEST_PIECE", "PIECE_BYTES", "PieceWriter", "Pieces", "write_pieces"]
 
 PIECE_BYTES = 4 * 1024 * 1024  # the smallest piece: one request of a virtio disk (max_sectors_kb 4096)
 LARGEST_PIECE = 16 * 1024 * 1024  # where more is ready: fewer wakeups of the writing threads
@@ -59,18 +67,61 @@ class _Released:
             self.handoff.release(end)
 
 
-def write_pieces(fd: int, path: str, data: memoryview, offset: int, address: int, handoff: Handoff,
-                 digest) -> None:
-    """Write ``data`` (at ``address`` in memory) at ``offset`` of ``path`` (open as ``fd``) as
-    ``handoff`` publishes it, :data:`IN_FLIGHT` pieces at a time, feeding ``digest`` in order.
+class Pieces:
+    """One layer's pieces on their way: each handed back in order as it is written."""
 
-    Returns once every piece is written; on any error, once the pieces already on their
-    way have ended (nothing writes the file after this returns or raises).
-    """
-    released = _Released(handoff)
-    in_flight: deque[Future] = deque()
-    done = 0
-    with ThreadPoolExecutor(IN_FLIGHT, "hostmem-vault-write") as pool:
+    def __init__(self, handoff: Handoff):
+        self._released = _Released(handoff)
+        self._futures: list[Future] = []
+
+    def add(self, future: Future, start: int, end: int) -> None:
+        self._released.issued(start, end)
+        future.add_done_callback(lambda f: self._released.done(start, f))
+        self._futures.append(future)
+
+    def wait(self) -> None:
+        """Block until every piece has ended; raise the first piece's error."""
+        error = None
+        for future in self._futures:
+            try:
+                future.result()
+            except BaseException as exc:  # a cancelled piece too: the layer is not whole
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def end(self) -> None:
+        """:meth:`wait`, then hand the whole buffer back however the pieces ended (nothing
+        writes from it any more: the merge may reuse it)."""
+        try:
+            self.wait()
+        finally:
+            self._released.handoff.release()
+
+    def abandon(self) -> None:
+        """Cancel the pieces not yet started and wait for the others; errors are the caller's to report."""
+        for future in self._futures:
+            future.cancel()
+        with contextlib.suppress(BaseException):
+            self.wait()
+
+
+class PieceWriter:
+    """Threads that write pieces, :data:`IN_FLIGHT` at once whatever layer they belong to."""
+
+    def __init__(self, name: str = "hostmem-vault-write"):
+        self._pool = ThreadPoolExecutor(IN_FLIGHT, name)
+        self._slots = threading.Semaphore(IN_FLIGHT)
+        self.started: Pieces | None = None  # the last layer's, for its put to take (see layer_file)
+
+    def start(self, fd: int, path: str, data: memoryview, offset: int, address: int, handoff: Handoff,
+              digest) -> Pieces:
+        """Issue ``data`` (at ``address`` in memory) at ``offset`` of ``path`` (open as ``fd``)
+        in pieces as ``handoff`` publishes it, feeding ``digest`` in order; return once the
+        last piece is on its way (``digest`` is then whole). On an error, the pieces issued
+        have ended before it is raised."""
+        pieces = Pieces(handoff)
+        done = 0
         try:
             while done < len(data):
                 ready = handoff.wait_ready(done, PIECE_BYTES)
@@ -78,16 +129,32 @@ def write_pieces(fd: int, path: str, data: memoryview, offset: int, address: int
                 if end < len(data):
                     end -= end % _ALIGN
                 digest.update(data[done:end])  # while the pieces before it are on their way
-                released.issued(done, end)
-                future = pool.submit(write_uncached, fd, path, data[done:end], offset + done, address + done)
-                future.add_done_callback(lambda f, start=done: released.done(start, f))
-                in_flight.append(future)
+                self._slots.acquire()
+                future = self._pool.submit(write_uncached, fd, path, data[done:end], offset + done, address + done)
+                future.add_done_callback(lambda _: self._slots.release())
+                pieces.add(future, done, end)
                 done = end
-                while len(in_flight) >= IN_FLIGHT or (in_flight and in_flight[0].done()):
-                    in_flight.popleft().result()
-            while in_flight:
-                in_flight.popleft().result()
         except BaseException:
-            for future in in_flight:
-                future.cancel()
+            pieces.abandon()
             raise
+        return pieces
+
+    def close(self) -> None:
+        """End the threads once the pieces on their way are written."""
+        self._pool.shutdown(wait=True)
+
+
+def write_pieces(fd: int, path: str, data: memoryview, offset: int, address: int, handoff: Handoff,
+                 digest) -> None:
+    """Write ``data`` (at ``address`` in memory) at ``offset`` of ``path`` (open as ``fd``) as
+    ``handoff`` publishes it, :data:`IN_FLIGHT` pieces at a time, feeding ``digest`` in order,
+    on threads of its own.
+
+    Returns once every piece is written; on any error, once the pieces already on their
+    way have ended (nothing writes the file after this returns or raises).
+    """
+    writer = PieceWriter()
+    try:
+        writer.start(fd, path, data, offset, address, handoff, digest).wait()
+    finally:
+        writer.close()

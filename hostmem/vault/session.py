@@ -19,6 +19,7 @@ from .adoption import drop_folder, shape_dtype_problem
 from .durable import remove_tree
 from .layer_file import LayerEntry, UnsealedLayer, discard_layer, layer_file_bytes, seal_layer, write_layer_data
 from .leases import lease_alive, map_layer
+from .piece_writer import PieceWriter
 from .locks import KeyLock
 from .manifest import Manifest, touch_use_time, write_manifest
 from .safety import VaultError, check_not_symlink
@@ -94,10 +95,13 @@ class VaultSession:
         self._sealed = dict(manifest.layers) if adopted.vouched else None  # what the seal would write again
         self._expected = expected
         self._closed = False
+        self.after_seal = None  # called with the session after its seal, its lock still held (a re-key)
         self._map_problem = ""
         self._state = threading.Lock()  # a put's data and the seal of the put before it may run at once
         self._write_seconds: dict[str, float] = {}  # put_data's time, until its seal_put records it
         self._seal_failed = False  # a failed seal fails the seals after it (a failed put_data, the puts after it)
+        self._writer: PieceWriter | None = None  # the streamed puts' pieces, on their way across layers
+        self._pieces: dict = {}  # a streamed put's pieces still on their way, until its seal waits for them
         self.last_error: str | None = None
         self.stats = _new_stats(waited, evicted)
         self.stats["layers_resumed"] = adopted.resumed
@@ -146,10 +150,12 @@ class VaultSession:
         path = os.path.join(self.folder, entry.file)
         try:
             check_not_symlink(path)
-            view, header = map_layer(path, entry.name, self._lease)
+            view, header = map_layer(path, entry.name, self._lease, entry)
         except (SafetensorsError, OSError) as exc:
             self._map_problem = str(exc)
             return None
+        if header is None:
+            return view  # unchanged since it was verified: mapped at its recorded offset, no header read
         if header.file_size != entry.size or header.header_sha256 != entry.header_sha256:
             self._map_problem = f"{path}: size or header changed since it was sealed"
             return None
@@ -193,11 +199,19 @@ class VaultSession:
                  handoff: Handoff | None = None) -> UnsealedLayer | None:
         """The first half of :meth:`put`: the layer's file written under a temporary name,
         its room reserved; None where :meth:`put` answers None. Calls of this run one at a
-        time, in order; each may run beside the :meth:`seal_put` of the one before."""
+        time, in order; each may run beside the :meth:`seal_put` of the one before.
+
+        A streamed put (with a ``handoff``) returns once its last piece is on its way,
+        so the disk's queue stays full into the next put; its :meth:`seal_put` waits for
+        the pieces before the fsync, and only then is every byte handed back."""
+        layer = None
         try:
-            return self._put_data(name, merged, crc32, handoff)
+            layer = self._put_data(name, merged, crc32, handoff)
+            return layer
         finally:
-            if handoff is not None:
+            if layer is None and name in self._pieces:  # failed with pieces on their way: they end first
+                self._pieces.pop(name).abandon()
+            if handoff is not None and name not in self._pieces:
                 handoff.release()
 
     def _put_data(self, name, merged, crc32, handoff) -> UnsealedLayer | None:
@@ -213,11 +227,17 @@ class VaultSession:
                 return None
             self._room -= size  # reserved now: the put after this one checks what is left
         started = time.perf_counter()
+        if handoff is not None and self._writer is None:
+            self._writer = PieceWriter()
+        writer = self._writer if handoff is not None else None
         try:
-            layer = write_layer_data(self.folder, name, merged, crc32, handoff)
+            layer = write_layer_data(self.folder, name, merged, crc32, handoff, writer)
         except (OSError, VaultError, SafetensorsError) as exc:
             self._failed(name, exc)
             return None
+        finally:
+            if writer is not None and writer.started is not None:
+                self._pieces[name], writer.started = writer.started, None
         self._write_seconds[name] = time.perf_counter() - started
         return layer
 
@@ -227,6 +247,12 @@ class VaultSession:
         if layer is None:
             return None
         name = layer.entry.name
+        problem = self._end_pieces(name)
+        if problem is not None and not self._seal_failed:
+            discard_layer(layer)
+            self._seal_failed = True
+            self._failed(name, problem)
+            return None
         if self._seal_failed:  # the seal before this one failed: later puts answer None
             discard_layer(layer)
             with self._state:
@@ -243,6 +269,17 @@ class VaultSession:
         self._record_write(entry, self._write_seconds.pop(name, 0.0) + time.perf_counter() - started)
         return view
 
+    def _end_pieces(self, name: str) -> Exception | None:
+        """Wait until the pieces of ``name``'s put are written (none: its data was written
+        in the put); their error, if one failed."""
+        pieces = self._pieces.pop(name, None)
+        try:
+            if pieces is not None:
+                pieces.end()
+        except Exception as exc:  # an OSError of the write, or a piece cancelled
+            return exc
+        return None
+
     def _failed(self, name: str, exc: Exception) -> None:
         with self._state:
             self._refuse(f"could not write layer {name!r} to the {self.vault.label} in {self.folder}: {exc}")
@@ -250,8 +287,8 @@ class VaultSession:
 
     def _record_write(self, entry: LayerEntry, seconds: float) -> None:
         with self._state:
-            self._entries[entry.name] = entry
-            self._memo.record(entry)  # written and checksummed here: no later start re-reads it
+            # written and checksummed here: no later start re-reads it (the entry keeps the stamp it was written at)
+            self._entries[entry.name] = self._memo.record(entry)
             self._room -= entry.size - layer_file_bytes(entry.shape, entry.torch_dtype)  # beyond what was reserved
             self.stats["layers_written"] += 1
             self.stats["bytes_written"] += entry.size
@@ -294,10 +331,14 @@ class VaultSession:
         if self._closed:
             return
         self._closed = True
+        if self._writer is not None:
+            self._writer.close()  # after the pieces on their way (all sealed, normally)
         if self._lock is None:  # a read-only root: nothing was locked, nothing is written
             return
         try:
             self._seal()
+            if self.after_seal is not None:
+                self.after_seal(self)
         finally:
             try:
                 self._let_go_of_use()
