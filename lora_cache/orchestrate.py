@@ -31,6 +31,7 @@ from .shared_build import DEFAULT_TIMEOUT, build_shares, check_rank_timeout, dis
 from .switch import DISABLE_ENV, cache_disabled_by_env
 from .tp_shards import check_shards, full_shapes, shape_notes, split_shards
 from hostmem.vault import CacheKey, Vault, cache_key
+from hostmem.vault.fold import FoldedSession, plan_fold
 from hostmem.vault.roots import cache_roots, open_in_roots
 from hostmem.vault.safety import root_is_read_only
 
@@ -166,6 +167,16 @@ def _key_extras(adapter: AdapterFile, spec: Adapter) -> dict:
     return {"rules": rules, "rslora": spec.rslora, "peft_config": config, **adapter.key_extras}
 
 
+def _inputs_but_base(vault, files, specs, dtypes, device, kernels, sharding: str) -> tuple[list[dict], str, str]:
+    """``(adapter identities, target dtype, merge policy)``: the key's inputs besides the base."""
+    identities = [
+        {**vault.adapter_identity(f.path, s.strength, s.alpha), **_key_extras(f, s)} for f, s in zip(files, specs)
+    ]
+    target_dtype = ",".join(sorted({str(d).removeprefix("torch.") for d in dtypes}))
+    policy = merge_policy(device, kernels) + (f"+{sharding}" if sharding else "")
+    return identities, target_dtype, policy
+
+
 def combination_key(
     vault, files: list[AdapterFile], specs: list[Adapter], shards: list[str], dtypes, device=None, kernels=None,
     sharding: str = "",
@@ -174,12 +185,25 @@ def combination_key(
     (the ones holding the targets: :func:`base_shards`), summed on ``device``
     (default: the compute device) by ``kernels`` (see :func:`merge_policy`). ``sharding``
     names the tensor-parallel part the layers are (:meth:`lora_cache.tp_shards.Shard.describe`)."""
-    identities = [
-        {**vault.adapter_identity(f.path, s.strength, s.alpha), **_key_extras(f, s)} for f, s in zip(files, specs)
-    ]
-    target_dtype = ",".join(sorted({str(d).removeprefix("torch.") for d in dtypes}))
-    policy = merge_policy(device, kernels) + (f"+{sharding}" if sharding else "")
-    return cache_key(vault.base_identity(shards), identities, target_dtype, policy)
+    rest = _inputs_but_base(vault, files, specs, dtypes, device, kernels, sharding)
+    return cache_key(vault.base_identity(shards), *rest)
+
+
+def _base_positions(targets: list[LayerTarget], shards: list[str], space: AddressSpace) -> dict[str, int | None]:
+    """Where each target's base starts in ``shards`` laid end to end (None where it is not
+    a view of one of them): the order a folded build reads them in (:mod:`hostmem.vault.fold`)."""
+    starts, at = {}, 0
+    for path in shards:
+        starts[path] = at
+        at += os.path.getsize(path)
+    positions = {}
+    for target in targets:
+        area = space.area_of(target.current)
+        path = _mapped_file(target, space)
+        real = os.path.realpath(path) if path is not None else None
+        positions[target.name] = (None if real not in starts else
+                                  starts[real] + area.offset + target.current.data_ptr() - area.start)
+    return positions
 
 
 def why_in_place(enabled: bool) -> str | None:
@@ -200,11 +224,14 @@ class OpenCombination(NamedTuple):
     """A combination's vault session, opened by :func:`open_combination`.
 
     ``session`` is a context manager: leaving it seals what was built and releases the
-    combination (its mapped layers stay in use while any of them lives)."""
+    combination (its mapped layers stay in use while any of them lives). A start on a
+    base not hashed yet builds under a provisional key while the base is hashed
+    (:mod:`hostmem.vault.fold`): its ``key`` and ``root`` are final once the session is
+    closed, as ``session.key`` and ``session.vault.root``."""
 
     key: str  # the combination's key, hex
     root: str  # the cache root whose vault serves it
-    session: object  # hostmem.vault.VaultSession
+    session: object  # hostmem.vault.VaultSession, or hostmem.vault.fold.FoldedSession
 
 
 def open_combination(planned, specs, cache_root=None, *, max_size=None, base_files=None, device=None,
@@ -224,11 +251,17 @@ def open_combination(planned, specs, cache_root=None, *, max_size=None, base_fil
     roots = cache_roots(cache_root)
     if kernels is None:
         kernels = plan_for_targets(targets, device, _writable_root(roots))
-    shards = base_shards(host, base_files, AddressSpace())
+    space = AddressSpace()
+    shards = base_shards(host, base_files, space)
     vaults = [Vault(root, max_size) for root in roots]
     keyer = next((v for v in vaults if not v.read_only), vaults[0])  # its memo spares the next start a rehash
-    key = combination_key(keyer, files, specs, shards, {t.current.dtype for t in host}, device, kernels, sharding)
+    rest = _inputs_but_base(keyer, files, specs, {t.current.dtype for t in host}, device, kernels, sharding)
     expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in host}
+    fold = plan_fold(vaults, shards, *rest)  # a new base: hashed beside the build, when no root can hold it
+    if fold is not None:
+        session = fold.open(expected, _base_positions(host, fold.paths, space))
+        return OpenCombination(session.key, session.vault.root, session)
+    key = cache_key(keyer.base_identity(shards), *rest)
     vault, session = open_in_roots(vaults, key, expected)
     return OpenCombination(key.hex, vault.root, session)
 
@@ -303,6 +336,8 @@ def merge(
                               rank_timeout)
         key, root, session_cm = open_combination((targets, files), specs, roots, max_size=max_size,
                                                  base_files=base_files, device=device, kernels=kernels)
+        if isinstance(session_cm, FoldedSession):  # the one place the build's read order changes
+            targets = session_cm.in_file_order(targets)
     session = None
     try:
         with session_cm as session:
@@ -313,6 +348,8 @@ def merge(
         if isinstance(exc, KeyboardInterrupt) and session is not None:
             exc.sealed_layers = len(session.layers)  # sealed by the session's close: the next start resumes
         raise
+    if session is not None:  # a folded build's key and root are known once it is sealed
+        key, root = session.key, session.vault.root
     stats.cache_key = key
     stats.cache_root = root
     stats.cache_off = off
@@ -344,5 +381,5 @@ def _merge_apart(targets, sharding: str, *, files, specs, roots, open_options, l
     key, root, session_cm = open_combination((targets, files), specs, roots, sharding=sharding, **open_options)
     with session_cm as session:
         stats = merge_layers(targets, session, **loop_options)
-    stats.cache_key, stats.cache_root = key, root
+    stats.cache_key, stats.cache_root = session.key, session.vault.root
     return stats

@@ -19,6 +19,7 @@ from .durable import TMP_PREFIX
 from .layer_file import data_crc32, is_layer_file_name, layer_problem, read_layer_file
 from .locks import KeyLock
 from .manifest import MANIFEST_NAME, ManifestError, read_manifest
+from .provisional import MARKER_NAME, PROVISIONAL_WHY
 from .safety import VaultError, prepare_root, root_is_read_only
 from .verification import DAMAGE_NAME, VERIFIED_NAME, record_damage
 from .combinations import (
@@ -83,7 +84,7 @@ def _verify_files(folder: str, report: VerifyReport) -> None:
     else:
         entries = {e.file: e for e in manifest.layers.values()}
     for name in sorted(os.listdir(folder)):
-        if name in (MANIFEST_NAME, VERIFIED_NAME, DAMAGE_NAME):
+        if name in (MANIFEST_NAME, VERIFIED_NAME, DAMAGE_NAME, MARKER_NAME):
             continue
         path = os.path.join(folder, name)
         if os.path.islink(path):
@@ -163,6 +164,8 @@ def _prune_reason(combo: Combination, everything: bool) -> str | None:
         return None
     if everything:
         return "all"
+    if combo.provisional:
+        return PROVISIONAL_WHY
     if combo.problem:
         return f"damaged: {combo.problem}"
     if not combo.sealed:

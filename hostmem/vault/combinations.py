@@ -21,6 +21,7 @@ from .durable import TMP_PREFIX, free_bytes, remove_if_abandoned, remove_tree
 from .locks import KeyLock, lock_is_held
 from .safety import VaultError, make_private_dir
 from .manifest import ManifestError, last_used, read_manifest
+from .provisional import is_provisional, is_resumable
 from .verification import read_damage
 
 __all__ = [
@@ -86,11 +87,14 @@ class Combination:
     in_use: bool = False
     inputs: dict = field(default_factory=dict)
     problem: str | None = None
+    provisional: bool = False  # built while its base was hashed, not re-keyed (see provisional)
 
     @property
     def state(self) -> str:
         if self.in_use:
             return "in use"
+        if self.provisional:
+            return "provisional"
         if self.problem:
             return "damaged"
         return "complete" if self.sealed and self.complete else "partial"
@@ -126,7 +130,7 @@ def _folder_bytes(path: str) -> tuple[int, int, float]:
 def scan_combination(cache: str, key: str) -> Combination:
     """Describe one combination folder; never raises over a damaged one (says so)."""
     path = os.path.join(cache, key)
-    combo = Combination(key=key, path=path, in_use=is_in_use(cache, key))
+    combo = Combination(key=key, path=path, in_use=is_in_use(cache, key), provisional=is_provisional(path))
     try:
         combo.bytes, combo.files, combo.last_used = _folder_bytes(path)
         manifest = read_manifest(path)
@@ -250,7 +254,9 @@ def sweep_dead_temporaries(cache: str) -> int:
     drops when the writer dies; the pid in the name decides nothing. A combination
     folder whose key lock is held is not even looked into: its session is writing
     there. Other folders (a provider's records, such as ``conversions/``) are swept the
-    same way. Returns how many files went.
+    same way, and a provisional combination whose key lock nobody holds goes whole (its
+    builder died before it was re-keyed), unless it was left resumable
+    (:mod:`.provisional`). Returns how many files went.
     """
     removed = _sweep_folder(cache)
     for name in os.listdir(cache):
@@ -259,4 +265,6 @@ def sweep_dead_temporaries(cache: str) -> int:
             continue
         if not is_key(name) or not lock_is_held(lock_path(cache, name), shared_too=False):
             removed += _sweep_folder(folder)
+            if is_key(name) and is_provisional(folder) and not is_resumable(folder):  # its builder died
+                remove_if_unused(cache, name)
     return removed

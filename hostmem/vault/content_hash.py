@@ -72,7 +72,7 @@ def _hand_over(consume, view: memoryview, got: int) -> None:
         chunk.release()
 
 
-def _read_behind(fd: int, start: int, end: int, views: list[memoryview], consume) -> None:
+def _read_behind(fd: int, start: int, end: int, views: list[memoryview], consume, gate=None) -> None:
     """``consume`` each filled view in order while a second thread fills the next ones.
 
     The reader takes a free view, fills it, hands it over, and takes the next; the
@@ -89,6 +89,8 @@ def _read_behind(fd: int, start: int, end: int, views: list[memoryview], consume
         offset = start
         try:
             while offset < end and (view := free.get()) is not None:
+                if gate is not None:
+                    gate(min(offset + len(view), end))
                 got = _fill(fd, view, offset, end)
                 filled.put((view, got))
                 offset += got
@@ -110,7 +112,8 @@ def _read_behind(fd: int, start: int, end: int, views: list[memoryview], consume
 
 
 def read_chunks(
-    fd: int, start: int, end: int, consume: Callable[[memoryview], None], buffers: int = 1, chunk: int = _READ
+    fd: int, start: int, end: int, consume: Callable[[memoryview], None], buffers: int = 1, chunk: int = _READ,
+    gate: Callable[[int], None] | None = None,
 ) -> None:
     """Feed bytes ``start..end`` of ``fd`` to ``consume`` in chunks of up to ``chunk`` bytes,
     read into one anonymous mapping that goes back to the kernel at the end.
@@ -120,6 +123,10 @@ def read_chunks(
     ``bytes`` per chunk: freed multi-MiB blocks stay in a thread's malloc arena as
     anonymous memory the process keeps; not a mapping of the file either: a file
     truncated meanwhile would kill the process with SIGBUS.
+
+    ``gate(upto)``, where given, is called before each read with the offset the read
+    will reach, and may block (a hash folded into a build paces itself to the build's
+    reads: :mod:`hostmem.vault.fold`) or raise (to stop the read).
     """
     size = min(chunk, max(end - start, 1))
     with mmap.mmap(-1, size * buffers) as memory:
@@ -127,8 +134,10 @@ def read_chunks(
         views = [whole[i * size : (i + 1) * size] for i in range(buffers)]
         try:
             if buffers > 1:
-                _read_behind(fd, start, end, views, consume)
+                _read_behind(fd, start, end, views, consume, gate)
             while buffers == 1 and start < end:
+                if gate is not None:
+                    gate(min(start + len(views[0]), end))
                 got = _fill(fd, views[0], start, end)
                 _hand_over(consume, views[0], got)
                 start += got
@@ -161,7 +170,7 @@ def new_hasher():
     return blake3.blake3()
 
 
-def file_digest(path: str) -> str:
+def file_digest(path: str, gate: Callable[[int], None] | None = None) -> str:
     """The content digest of the whole file at ``path``: ``"<algorithm>:<hex>"``.
 
     Read by :func:`read_chunks`: a reader thread fills four 1 MiB buffers while this
@@ -183,6 +192,8 @@ def file_digest(path: str) -> str:
     - BLAKE3 on every core (``max_threads=AUTO``): slower here, its threads compete
       with the reader and the rest of the machine; one core hashes 3.7-4.1 GiB/s from
       memory, above the disk.
+
+    ``gate``: see :func:`read_chunks`.
     """
     hasher = new_hasher()
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -191,7 +202,7 @@ def file_digest(path: str) -> str:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         except (OSError, AttributeError):  # not Linux, or a filesystem that takes no advice
             pass
-        read_chunks(fd, 0, os.fstat(fd).st_size, hasher.update, buffers=_HASH_BUFFERS, chunk=_HASH_READ)
+        read_chunks(fd, 0, os.fstat(fd).st_size, hasher.update, buffers=_HASH_BUFFERS, chunk=_HASH_READ, gate=gate)
     finally:
         os.close(fd)
     return f"{hasher.name}:{hasher.hexdigest()}"
@@ -220,25 +231,39 @@ class ContentHashMemo:
 
     def digest(self, path: str, memo_file: str | None = None) -> str:
         """The content digest of ``path``, from the memo when its stamp still matches."""
+        stamp, known = self.known(path, memo_file)
+        if known is not None:
+            return known
+        digest = file_digest(path)
+        self.record(path, stamp, digest, memo_file)
+        return digest
+
+    def known(self, path: str, memo_file: str | None = None) -> tuple[list[int], str | None]:
+        """``(stamp, digest)``: the file's stamp now, and its memoised digest while that
+        stamp still matches (else None: the file must be hashed)."""
         stamp = stamp_of(os.stat(path))
         key = _memo_key(stamp)
         with self._lock:
             known = self._digests.get(key)
             if (known is None or list(known[0]) != stamp) and memo_file is not None:
                 known = load_memo_file(memo_file).get(key)
-            if known is not None and list(known[0]) == stamp:
-                self.hits += 1
-                self._digests[key] = (stamp, known[1])
-                return known[1]
-        digest = file_digest(path)
+            if known is None or list(known[0]) != stamp:
+                return stamp, None
+            self.hits += 1
+            self._digests[key] = (stamp, known[1])
+            return stamp, known[1]
+
+    def record(self, path: str, stamp: list[int], digest: str, memo_file: str | None = None) -> None:
+        """Remember ``digest`` of ``path``, hashed from the file as ``stamp`` describes it;
+        refuse it when the file changed meanwhile (its digest would describe neither)."""
         if stamp_of(os.stat(path)) != stamp:
             raise ValueError(f"{path}: changed while it was being hashed; start again once it is written")
+        key = _memo_key(stamp)
         with self._lock:
             self.computed += 1
             self._digests[key] = (stamp, digest)
         if memo_file is not None:
             _store_in_memo_file(memo_file, key, stamp, digest)
-        return digest
 
     def clear(self) -> None:
         with self._lock:

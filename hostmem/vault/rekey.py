@@ -1,0 +1,105 @@
+"""Re-keying a provisional combination once its base's digests are known.
+
+Runs while the provisional session still holds its key's lock, after its seal (see
+:mod:`hostmem.vault.fold`), and takes the real key's lock too, so neither folder can
+change meanwhile. Then, in this order, each step durable before the next:
+
+1. the real combination is complete in some root already (another start built it
+   meanwhile): the provisional folder goes, and that one is the combination;
+2. else the manifest is rewritten with the real key and inputs (the layer files and
+   their checksums stay as written), the folder is renamed to the real key (replacing
+   a partial combination nobody serves), the served weights' use lease carries over to
+   the real key, and the marker goes last.
+
+A crash before the marker goes leaves a marked folder, under either key, that is never
+served and that the dead-writer sweep removes (:mod:`hostmem.vault.provisional`); a
+crash after it leaves the complete combination under its real key.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .combinations import lock_path, use_path
+from .durable import discard, fsync_dir, remove_tree
+from .identity import CacheKey
+from .leases import use_lease
+from .locks import KeyLock, lock_is_held
+from .manifest import ManifestError, read_manifest, write_manifest
+from .provisional import is_provisional, unmark_provisional
+from .safety import VaultError
+from .session import claim_in_process, say, unclaim_in_process
+
+__all__ = ["rekey", "complete_in"]
+
+
+def complete_in(vaults: list, key: str):
+    """The first of ``vaults`` holding ``key``'s combination sealed complete (and not
+    provisional), or None. Its layers are verified when a start opens it."""
+    for vault in vaults:
+        folder = os.path.join(vault.cache, key)
+        if not os.path.isdir(folder) or os.path.islink(folder) or is_provisional(folder):
+            continue
+        try:
+            manifest = read_manifest(folder)
+        except (ManifestError, VaultError, OSError):
+            continue
+        if manifest is not None and manifest.complete and manifest.key == key:
+            return vault
+    return None
+
+
+def _take(lock: KeyLock, label: str, key: str) -> None:
+    """Take the real key's lock, saying so when another process holds it."""
+    if lock.acquire(blocking=False):
+        return
+    say(f"{label} {key[:12]} is in use by another process; waiting for it before naming this build by it")
+    started = time.monotonic()
+    lock.acquire()
+    say(f"{label} {key[:12]}: waited {time.monotonic() - started:.1f} s")
+
+
+def _carry_lease(cache: str, provisional: str, real: str) -> None:
+    """The weights served from the provisional folder hold its use lease; from now on they
+    hold the real key's as well (the provisional lease keeps it alive), so eviction
+    leaves the re-keyed combination alone while they live. Both locks are held: nobody
+    can be taking or removing either lease file."""
+    old = use_path(cache, provisional)
+    lease = use_lease(old)
+    lease.successor = use_lease(use_path(cache, real))
+    discard(old)  # still locked by the lease's descriptor; nobody can find it any more
+
+
+def rekey(vault, provisional: str, real: CacheKey, vaults: list):
+    """Name the sealed provisional combination ``provisional`` of ``vault`` by ``real``
+    (see the module's docstring); the vault the combination is served from now."""
+    cache = vault.cache
+    folder = os.path.join(cache, provisional)
+    manifest = read_manifest(folder) if os.path.isdir(folder) else None
+    if manifest is None:  # nothing was built: the session left nothing behind
+        remove_tree(folder)
+        return vault
+    claim_in_process(real.hex)
+    lock = KeyLock(lock_path(cache, real.hex))
+    try:
+        _take(lock, vault.label, real.hex)
+        holder = complete_in(vaults, real.hex)
+        target = os.path.join(cache, real.hex)
+        if holder is None and os.path.lexists(target) and lock_is_held(use_path(cache, real.hex), shared_too=True):
+            holder = vault  # a partial one some process serves: it stays, the next start completes it
+        if holder is not None:
+            remove_tree(folder)  # the weights served from it live on in its unlinked files
+            discard(use_path(cache, provisional))  # and hold its unlinked lease file
+            return holder
+        remove_tree(target)
+        manifest.key, manifest.inputs = real.hex, real.inputs
+        write_manifest(folder, manifest)
+        _carry_lease(cache, provisional, real.hex)
+        os.rename(folder, target)
+        fsync_dir(cache)
+        unmark_provisional(target)
+        return vault
+    finally:
+        lock.release(remove=True)
+        unclaim_in_process(real.hex)
