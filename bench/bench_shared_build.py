@@ -18,17 +18,30 @@ runs one process per GPU. Side by side in one run:
   the adapter's finiteness check on torch's full OpenMP pool, so four ranks put four
   times the threads on the cores and the check alone stalled for seconds at OpenMP's
   barriers. How the ratio scales with cores: the build is the same bytes summed,
-  checksummed and written whether one rank does it or four, so where one rank alone
-  already keeps every core busy (2 cores: it sums on both) the shared build cannot beat
-  it: on an idle 2-core host the ratio stays near 1 plus the per-rank overheads (one
-  share session, four gathers, every rank adopting and mapping every layer in turn under
-  the key's lock). On a host busy with other work it swings either way: one rank alone
-  runs torch's operations on the full OpenMP pool, which stalls whenever another process
-  holds a core, while the ranks run one thread each. It falls for good once the ranks
-  bring compute one rank alone leaves idle: a rank alone sums on at most 8 workers
-  (``MAX_WORKERS``), so on C cores the sum's part of the ratio is about
-  min(C, 8) / min(C, 8 R) (1 up to 8 cores, 0.25 with 4 ranks on 32 cores), and with a
-  GPU per rank (``device=``) about 1 / R, until the disk's write rate is the bound.
+  checksummed and written whether one rank does it or four, so by core count alone,
+  where one rank already keeps every core busy (2 cores: it sums on both), the sum
+  cannot get faster by sharing. Measured, its part is below 1 even on 2 cores (0.4 to
+  0.6 here): a rank alone leaves the cores idle while each layer's write and seal wait
+  on the disk, which four ranks overlap, and a rank alone folds the base's content hash
+  into its build (``hostmem.vault.fold``), where the shared build's ranks hash the
+  inputs together before the shares start (every rank needs the key to split the
+  work; each hashes a disjoint set of files), so that hash counts as the shared
+  build's overhead. The bench measures the split: the sum is the
+  slowest rank's own build (its ``MergeStats.seconds``: summing, checksumming and
+  writing its share, and mapping), the overhead the rest of its wall time (hashing the
+  inputs for the key, planning the kernels, the ranks' meetings, waiting for the slowest
+  share, sealing), each over one rank alone's wall time; the rank alone's own split is
+  shown beside it. The ranks map the sealed combination at once, under the key's lock
+  held shared (they took it exclusively, one after the other, before). On a host busy
+  with other work the ratio swings either way: one rank alone runs torch's operations
+  on the full OpenMP pool, which stalls whenever another process holds a core, while
+  the ranks run one thread each. The sum's part falls for good once the ranks bring
+  compute one rank alone leaves idle: a rank alone sums on at most 8 workers
+  (``MAX_WORKERS``), so on C cores it is about min(C, 8) / min(C, 8 R) of the disk-free
+  sum (1 up to 8 cores, 0.25 with 4 ranks on 32 cores), and with a GPU per rank
+  (``device=``) about 1 / R, until the disk's write rate is the bound; the overhead's
+  part is about the key's hash over a rank alone's time, and shrinks as the hash gets
+  faster per core.
   The non-reclaimable figures include each
   rank's own heap (torch, Python: about 150 MiB here), which the cache does not remove,
   so the memory ratio falls toward 0 as the model grows (from the figures at 256 MiB per
@@ -97,12 +110,12 @@ def _rank(rank: int, world: int, port: int, shards: list[str], adapter: str, fol
                              progress=False)
     seconds = time.perf_counter() - started
     times: list = [None] * world
-    dist.all_gather_object(times, seconds)
+    dist.all_gather_object(times, (seconds, stats.seconds))
     memory = _host_non_reclaimable(dist, world)
     if rank == 0:
         with open(os.path.join(folder, f"{kind}.json"), "w") as handle:
-            json.dump({"seconds": max(times), "memory": memory, "built": stats.built, "hit": stats.hit,
-                       "layers": stats.layers}, handle)
+            json.dump({"seconds": max(t for t, _ in times), "build_seconds": max(b for _, b in times),
+                       "memory": memory, "built": stats.built, "hit": stats.hit, "layers": stats.layers}, handle)
     dist.destroy_process_group()
 
 
@@ -114,7 +127,7 @@ def _ready(model, adapter: str) -> None:
     plan_targets(model, [adapter])
 
 
-def _alone(shards: list[str], adapter: str, folder: str) -> float:
+def _alone(shards: list[str], adapter: str, folder: str) -> dict:
     """One rank building the same combination alone into an empty cache (its own process)."""
     ctx = mp.get_context("spawn")
     process = ctx.Process(target=_alone_child, args=(shards, adapter, folder))
@@ -123,7 +136,7 @@ def _alone(shards: list[str], adapter: str, folder: str) -> float:
     if process.exitcode != 0:
         raise SystemExit(f"the single-rank build failed (exit {process.exitcode})")
     with open(os.path.join(folder, "alone.json")) as handle:
-        return json.load(handle)["seconds"]
+        return json.load(handle)
 
 
 def _alone_child(shards: list[str], adapter: str, folder: str) -> None:
@@ -133,9 +146,10 @@ def _alone_child(shards: list[str], adapter: str, folder: str) -> None:
     model = _load(shards, private=False)
     _ready(model, adapter)
     started = time.perf_counter()
-    lora_cache.merge(model, [adapter], cache_root=os.path.join(folder, "cache"), base_files=shards, progress=False)
+    stats = lora_cache.merge(model, [adapter], cache_root=os.path.join(folder, "cache"), base_files=shards,
+                             progress=False)
     with open(os.path.join(folder, "alone.json"), "w") as handle:
-        json.dump({"seconds": time.perf_counter() - started}, handle)
+        json.dump({"seconds": time.perf_counter() - started, "build_seconds": stats.seconds}, handle)
 
 
 def _ranks(kind: str, shards: list[str], adapter: str, folder: str) -> dict:
@@ -170,9 +184,19 @@ def main() -> None:
     _report(args.size_bytes, in_place, cached, alone)
 
 
-def _report(size: int, in_place: dict, cached: dict, alone: float) -> None:
+def _split(cached: dict, alone: dict) -> dict:
+    """The first-start ratio as the sum's part plus the overhead's, each over the rank alone's
+    wall time, and the rank alone's own split (see the module's docstring)."""
+    wall = max(alone["seconds"], 1e-9)
+    return {"ratio": cached["seconds"] / wall, "sum_part": cached["build_seconds"] / wall,
+            "overhead_part": (cached["seconds"] - cached["build_seconds"]) / wall,
+            "alone_sum_part": alone["build_seconds"] / wall,
+            "alone_overhead_part": (alone["seconds"] - alone["build_seconds"]) / wall}
+
+
+def _report(size: int, in_place: dict, cached: dict, alone: dict) -> None:
     memory = cached["memory"]["non_reclaimable"] / max(1, in_place["memory"]["non_reclaimable"])
-    speed = cached["seconds"] / max(alone, 1e-9)
+    split = _split(cached, alone)
     from lora_cache.kernels.workers import worker_count
     from lora_cache.shared_build import rank_threads
 
@@ -184,10 +208,15 @@ def _report(size: int, in_place: dict, cached: dict, alone: float) -> None:
         f"{format_size(cached['memory']['non_reclaimable'])} (file-backed, a shared page once: "
         f"{format_size(cached['memory']['file_backed'])}; each rank alone, summed: "
         f"{format_size(cached['memory']['summed_file_backed'])}); ratio {memory:.3f} (goal < 0.25)",
-        f"first start, shared build of {RANKS} ranks: {cached['seconds']:.2f} s; one rank alone: {alone:.2f} s; "
-        f"ratio {speed:.2f} (goal <= 0.6 on 2 cores)",
+        f"first start, shared build of {RANKS} ranks: {cached['seconds']:.2f} s; one rank alone: "
+        f"{alone['seconds']:.2f} s; ratio {split['ratio']:.2f} (goal <= 0.6 on 2 cores)",
+        f"  of which the sum (the slowest rank's build of its share: {cached['build_seconds']:.2f} s, against "
+        f"{alone['build_seconds']:.2f} s alone): {split['sum_part']:.2f}; the overhead (key, kernel plan, "
+        f"meetings, waiting for the slowest share, seal, mapping: {cached['seconds'] - cached['build_seconds']:.2f} "
+        f"s, against {alone['seconds'] - alone['build_seconds']:.2f} s alone): {split['overhead_part']:.2f} "
+        f"(alone: {split['alone_sum_part']:.2f} + {split['alone_overhead_part']:.2f})",
         f"summing threads: {RANKS} ranks x {threads} in the shared build, {worker_count()} for the rank alone; "
-        f"cores they keep busy: {busy_shared} against {busy_alone}, so the sum's part of the ratio is about "
+        f"cores they keep busy: {busy_shared} against {busy_alone}, so by core count the sum's part would be about "
         f"{busy_alone / busy_shared:.2f} here (see the module's note for other core counts)",
     ]
     report("shared_build", lines, {
@@ -195,9 +224,11 @@ def _report(size: int, in_place: dict, cached: dict, alone: float) -> None:
         "threads_alone": worker_count(),
         "in_place_non_reclaimable_bytes": in_place["memory"]["non_reclaimable"],
         "cache_non_reclaimable_bytes": cached["memory"]["non_reclaimable"],
-        "memory_ratio": memory, "shared_build_seconds": cached["seconds"], "alone_seconds": alone,
-        "first_start_ratio": speed, "built_by_rank0": cached["built"], "layers": cached["layers"],
-        "precision": cached["memory"]["precision"],
+        "memory_ratio": memory, "shared_build_seconds": cached["seconds"], "alone_seconds": alone["seconds"],
+        "shared_build_sum_seconds": cached["build_seconds"], "alone_sum_seconds": alone["build_seconds"],
+        "first_start_ratio": split["ratio"], "first_start_sum_part": split["sum_part"],
+        "first_start_overhead_part": split["overhead_part"], "built_by_rank0": cached["built"],
+        "layers": cached["layers"], "precision": cached["memory"]["precision"],
     })
 
 

@@ -13,6 +13,12 @@
   off and the built layers go in, while no forward is running
   (:mod:`lora_cache.forward_gate`).
 
+A tensor-parallel rank passes ``shards=`` as to :func:`lora_cache.merge`: each switch is
+then a merge of the rank's parts (a combination held whole is re-pointed at its mapped
+files, a missing one is built before the call returns, by the host's ranks together when
+a process group is initialised, so every rank switches at once). The run-time path is
+not taken there: its terms would be the whole layer's, not the rank's part.
+
 Strengths are part of a combination, so a strength change is a switch like any other.
 The vault evicts least-recently-used combinations and never one a live model maps; this
 module relies on that and keeps no list of its own.
@@ -152,9 +158,10 @@ def _state_of(model, options: dict | None = None) -> _State:
     return state
 
 
-def _identity(specs: list[Adapter], cache_root: str) -> tuple:
+def _identity(specs: list[Adapter], cache_root: str, shards: dict | None = None) -> tuple:
     """What tells two combinations apart in this process (the vault key does across them)."""
-    return (cache_root,) + tuple(
+    parts = None if shards is None else repr(shards)  # checked by plan_targets, after this
+    return (cache_root, parts) + tuple(
         (os.path.realpath(s.path), float(s.strength), s.alpha, repr(s.rules), s.strict, s.rslora) for s in specs
     )
 
@@ -271,6 +278,7 @@ def set_adapters(
     base_files: list[str] | None = None,
     device: torch.device | str | None = None,
     background: bool = True,
+    shards: dict | None = None,
 ) -> SwitchResult:
     """Switch ``model`` to ``adapters`` (``[]``: the base) and return what it took.
 
@@ -280,18 +288,20 @@ def set_adapters(
     time at once and built in the background (``background=False``: built now), then
     swapped in at the next safe point (see :func:`swap_ready`). Waits for forward calls
     in flight on other threads; raises when called from inside one. ``max_size``,
-    ``base_files`` and ``device`` are :func:`lora_cache.merge`'s.
+    ``base_files``, ``device`` and ``shards`` (a tensor-parallel rank's parts, see the
+    module's docstring) are :func:`lora_cache.merge`'s.
     """
     started = time.perf_counter()
     cache_root = os.path.expanduser(os.fspath(cache_root))
-    options = {"cache_root": cache_root, "max_size": max_size, "base_files": base_files, "device": device}
+    options = {"cache_root": cache_root, "max_size": max_size, "base_files": base_files, "device": device,
+               "shards": shards}
     state = _state_of(model, options)
     specs = [as_adapter(a) for a in adapters]
-    identity = _identity(specs, cache_root)
+    identity = _identity(specs, cache_root, shards)
     with state.gate.exclusive():
         if identity == state.identity and (specs or not is_merged(model)):
             return SwitchResult("unchanged", seconds=time.perf_counter() - started)
-        planned = plan_targets(model, specs) if specs else None  # bad input fails here, losing nothing
+        planned = plan_targets(model, specs, shards) if specs else None  # bad input fails here, losing nothing
         _to_base(state)
         result = _switch(state, model, specs, planned, identity, background) if specs else SwitchResult("base")
         state.identity = identity
@@ -302,6 +312,8 @@ def set_adapters(
 def _switch(state: _State, model, specs, planned, identity, background: bool) -> SwitchResult:
     """From the base to ``specs``: cached, else at run time and in the background, else now."""
     targets, files = planned
+    if state.options["shards"] is not None:
+        return _merge_parts(state, model, specs)
     kernels = plan_for_targets(targets, state.options["device"], cache_roots(state.options["cache_root"])[0])
     if _install_cached(state, identity, targets, files, specs, kernels):
         return SwitchResult("cached", layers=len(targets))
@@ -316,6 +328,15 @@ def _switch(state: _State, model, specs, planned, identity, background: bool) ->
     state.pending = pending
     _schedule(state, pending)
     return SwitchResult("runtime", layers=len(targets), runtime_bytes=runtime_bytes(targets), copied_bytes=copied)
+
+
+def _merge_parts(state: _State, model, specs) -> SwitchResult:
+    """A tensor-parallel rank's switch: :func:`lora_cache.merge` of its parts, ``cached``
+    when every layer was a hit, else ``built``."""
+    opts = state.options
+    stats = merge(model, specs, cache_root=opts["cache_root"], max_size=opts["max_size"], base_files=opts["base_files"],
+                  device=opts["device"], progress=False, fallback=False, unmergeable=True, shards=opts["shards"])
+    return SwitchResult("cached" if stats.hit == stats.layers else "built", layers=stats.layers)
 
 
 def swap_ready(model, wait: bool = False, timeout: float | None = None) -> bool:

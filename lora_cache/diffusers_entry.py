@@ -78,7 +78,11 @@ def load_lora(pipe_or_model, lora, strength: float = 1.0, cache_root: str | os.P
     ``(path, strength)`` tuple, a :class:`lora_cache.Adapter`, or a list of them (merged in
     order, each with its strength). ``cache_root`` and ``merge_options`` mean what they mean
     to :func:`lora_cache.merge` (the default root, ``enabled=False`` to merge in place as
-    ``fuse_lora`` does, ``base_files``, ``max_size``, ``device``, ``progress``, ...). Undo
+    ``fuse_lora`` does, ``base_files``, ``max_size``, ``device``, ``progress``, ...). A
+    tensor-parallel rank passes ``shards={parameter name: (dim, index, count)}`` for the
+    parts it holds (see :mod:`lora_cache.tp_shards`); for a pipeline, a name starts with
+    its component (``"transformer.transformer_blocks.0.attn.to_q.weight"``), as it does
+    in :func:`lora_cache.merge` of a dict of models. Undo
     with ``lora_cache.unmerge(pipe.transformer)`` (or the component), never with
     ``unfuse_lora``.
     """

@@ -42,7 +42,8 @@ def set_pipeline_adapters(pipe_or_model, adapter_names, adapter_weights=None, *,
 
     ``files`` maps each name to what ``load_lora_weights`` would take (a file, or a folder
     with ``weight_name``); ``[]`` switches to the base. ``options`` go to
-    :func:`lora_cache.set_adapters` (``max_size``, ``background``, ...).
+    :func:`lora_cache.set_adapters` (``max_size``, ``background``, ``shards`` for a
+    tensor-parallel rank, named as :func:`lora_cache.load_lora` names them, ...).
     """
     names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
     missing = [n for n in names if n not in files]

@@ -7,8 +7,11 @@ process group initialised, :func:`build_shares` (run by ``merge`` before it open
 vault, without being asked) splits the work instead:
 
 1. the ranks meet (:func:`hostmem.gather_on_host`, ranks of one host found by
-   hostname); the host's lowest rank computes the key first, hashing the inputs once,
-   and the others then compute it from the digests it memoised;
+   hostname) and hash the key's input files not memoised yet (the base's shards, the
+   adapters) together, each a disjoint set of files balanced by bytes
+   (:func:`_hash_inputs`; a file's hash runs on one core, so one rank hashing them all
+   in turn left the other cores and ranks idle), meet again to hand each other the
+   digests, and every rank computes the key from them without reading a file again;
 2. the lowest rank probes the vault cheaply (the manifest and the folder listing, no
    checksum read) for whether the combination is complete and which layers are
    missing, and one all-gather over the world makes every rank agree on it, and on the
@@ -23,9 +26,12 @@ vault, without being asked) splits the work instead:
    cores, and torch's OpenMP operations (the adapter's finiteness check) stall at every
    barrier when their threads are descheduled;
 4. the ranks meet again; the lowest rank records every share's layers as verified
-   (each writer checksummed them as it wrote them), the ranks meet once more, and
-   ``merge`` opens the vault as usual: each rank adopts the layer files without reading
-   them again, the first seals the manifest, and every rank maps every layer read-only.
+   (each writer checksummed them as it wrote them) and seals the manifest (a plain
+   session that adopts the files without reading them again), the ranks meet once more,
+   and ``merge`` opens the vault as usual: the combination is now sealed and verified,
+   so every rank opens it with the key's lock held shared (:mod:`hostmem.vault.readers`)
+   and maps every layer read-only at the same time as the others, where each took the
+   lock exclusively in turn before.
 
 A rank that dies or never arrives fails the others at the next gather, within
 ``rank_timeout`` seconds (a keyword of ``merge``, default 600), with a message naming it; what
@@ -54,6 +60,7 @@ from .layer_loop import CacheBuildError, MergeStats, merge_layers
 from .layers import AddressSpace, LayerTarget
 from hostmem.vault import Vault, VaultError
 from hostmem.vault.adoption import shape_dtype_problem
+from hostmem.vault.content_hash import CONTENT_HASH_MEMO, file_digest
 from hostmem.vault.layer_file import layer_file_name
 from hostmem.vault.manifest import ManifestError, read_manifest
 from hostmem.vault.session import say
@@ -211,12 +218,55 @@ def _same_key(host: list[tuple[int, dict]], key: str) -> None:
         )
 
 
+def _keyer(vaults: list[Vault]) -> Vault:
+    """The vault whose memo of input digests the key is computed with (as ``merge``'s)."""
+    return next((v for v in vaults if not v.read_only), vaults[0])
+
+
 def _key_of(vaults: list[Vault], targets, files, specs, base_files, device, kernels):
     from .orchestrate import base_shards, combination_key  # orchestrate imports this module
 
     shards = base_shards(targets, base_files, AddressSpace())
-    keyer = next((v for v in vaults if not v.read_only), vaults[0])
-    return combination_key(keyer, files, specs, shards, {t.current.dtype for t in targets}, device, kernels)
+    return combination_key(_keyer(vaults), files, specs, shards, {t.current.dtype for t in targets}, device, kernels)
+
+
+def _input_files(targets, files, base_files) -> list[str]:
+    """The files whose content digests the key is made of: the base's shards holding the
+    targets, and the adapters."""
+    from .orchestrate import base_shards  # orchestrate imports this module
+
+    paths = base_shards(targets, base_files, AddressSpace()) + [f.path for f in files]
+    return sorted({os.path.realpath(os.fspath(p)) for p in paths})
+
+
+def _split_files(paths: list[str], count: int) -> list[list[str]]:
+    """``paths`` in ``count`` disjoint sets of about equal bytes (largest first, each to the
+    lightest set); the same on every rank that lists the same paths."""
+    sets: list[list[str]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for path in sorted(paths, key=lambda p: (-os.path.getsize(p), p)):
+        lightest = min(range(count), key=lambda i: (loads[i], i))
+        sets[lightest].append(path)
+        loads[lightest] += os.path.getsize(path)
+    return sets
+
+
+def _hash_inputs(paths: list[str], index: int, count: int, memo_file: str | None, timeout: float) -> None:
+    """Hash the files of ``paths`` not memoised yet across the host's ``count`` ranks (this
+    rank: set ``index``), then hand the digests round (a collective) and memoise them all
+    in this process, the lowest rank also on disk. A file two ranks disagree about (one
+    memoised it already) is hashed at most twice, and one left out is hashed when the key
+    is computed: the key never depends on the split."""
+    missing = [p for p in paths if CONTENT_HASH_MEMO.known(p, memo_file)[1] is None]
+    mine = []
+    for path in _split_files(missing, count)[index]:
+        stamp, _ = CONTENT_HASH_MEMO.known(path, memo_file)
+        mine.append((path, stamp, file_digest(path)))
+    from hostmem.host_ledger import gather_on_host
+
+    for _, hashed in gather_on_host(mine, timeout=timeout, what="hand the input digests to the host's ranks"):
+        for path, stamp, digest in hashed:  # refused (an error) where the file changed since it was hashed
+            CONTENT_HASH_MEMO.record(path, list(stamp), digest, memo_file if index == 0 else None)
 
 
 def _agree(dist, vaults: list[Vault], key, expected: dict, leader: bool):
@@ -255,10 +305,8 @@ def build_shares(targets: list[LayerTarget], files, specs, roots: list[str], max
     ranks = [rank for rank, _ in gather_on_host(None, timeout=timeout, what="start a shared LoRA merge build")]
     index, count = ranks.index(dist.get_rank()), len(ranks)
     vaults = [Vault(root, max_size) for root in roots]
-    key = _key_of(vaults, targets, files, specs, base_files, device, kernels) if index == 0 else None
-    gather_on_host(None, timeout=timeout, what="wait for the host's first rank to hash the inputs")
-    if key is None:  # the first rank memoised the digests: no rehash
-        key = _key_of(vaults, targets, files, specs, base_files, device, kernels)
+    _hash_inputs(_input_files(targets, files, base_files), index, count, _keyer(vaults).memo_file, timeout)
+    key = _key_of(vaults, targets, files, specs, base_files, device, kernels)  # from the digests: no rehash
     expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in targets}
     anywhere, build_here, todo = _agree(dist, vaults, key, expected, index == 0)
     if not anywhere:
@@ -271,6 +319,8 @@ def build_shares(targets: list[LayerTarget], files, specs, roots: list[str], max
                               what=f"finish the shared build of LoRA merge cache {key.hex[:12]}")
     if build_here and index == 0:
         trusted = vouch_for(writable, key.hex, [w for _, p in finished for w in p["written"]])
+        with writable.open(key, expected):  # adopts the shares' files as vouched for, seals the manifest
+            pass
         say(f"LoRA merge cache {key.hex[:12]}: {count} ranks built {sum(p['built'] for _, p in finished)} "
             f"layers in {time.monotonic() - started:.1f} s ({trusted} sealed and checksummed as written)")
     gather_on_host(None, timeout=timeout, what=f"seal the shared build of LoRA merge cache {key.hex[:12]}")

@@ -28,6 +28,7 @@ from .identity import CacheKey, adapter_identity, base_identity
 from .leases import use_lease
 from .locks import KeyLock
 from .safety import VaultError, check_folder_safe, check_not_symlink, make_private_dir, prepare_root, root_is_read_only
+from .readers import open_sealed
 from .session import VaultSession, claim_in_process, say, still_needed, unclaim_in_process
 from .space import SpaceCheck
 
@@ -111,6 +112,10 @@ class Vault:
             raise VaultError(f"{hex_key!r} is not a cache key (64 lowercase hex digits from cache_key())")
         if self.read_only:
             return self._open_read_only(key, hex_key, expected_layers)
+        inputs = key.inputs if isinstance(key, CacheKey) else {}
+        sealed = open_sealed(self, hex_key, inputs, expected_layers)  # maps beside other readers, no waiting
+        if sealed is not None:
+            return sealed
         claim_in_process(hex_key)
         lock = None
         try:

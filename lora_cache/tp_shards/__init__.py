@@ -33,6 +33,7 @@ Either way its bytes equal that part of a single-process merge, byte for byte
 """
 
 from .plan import ShardPlan, split_shards
-from .spec import Shard, ShardSpecError, check_shards, full_shapes, shape_notes
+from .spec import Shard, ShardSpecError, check_shards, full_shapes, parse_shard_args, shape_notes
 
-__all__ = ["Shard", "ShardPlan", "ShardSpecError", "check_shards", "full_shapes", "shape_notes", "split_shards"]
+__all__ = ["Shard", "ShardPlan", "ShardSpecError", "check_shards", "full_shapes", "parse_shard_args", "shape_notes",
+           "split_shards"]

@@ -14,7 +14,7 @@ import numbers
 from collections.abc import Mapping
 from typing import NamedTuple
 
-__all__ = ["Shard", "ShardSpecError", "check_shards", "full_shapes", "shape_notes"]
+__all__ = ["Shard", "ShardSpecError", "check_shards", "full_shapes", "parse_shard_args", "shape_notes"]
 
 _HOW = ("shards={'<parameter name>': (dim, index, count)}: dim 0 for a slice of rows (column-parallel), "
         "dim 1 for a slice of columns (row-parallel), index = this rank's part, count = the parallel degree")
@@ -40,6 +40,11 @@ class Shard(NamedTuple):
         """The part's range along :attr:`dim` of the whole weight."""
         size = full[self.dim] // self.count
         return slice(self.index * size, (self.index + 1) * size)
+
+    def part(self, whole):
+        """This part of the ``whole`` tensor, as a view of it (what the rank holds)."""
+        own = self.bounds(tuple(whole.shape))
+        return whole.narrow(self.dim, own.start, own.stop - own.start)
 
     def contiguous(self, full: tuple[int, ...]) -> bool:
         """Whether the part is one run of bytes of the whole row-major weight (then it is a
@@ -112,6 +117,26 @@ def check_shards(shards, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Sha
         if shard.count > 1:
             checked[name] = shard
     return checked
+
+
+def parse_shard_args(args: list[str], option: str = "--shard") -> dict[str, tuple[int, int, int]]:
+    """Command-line parts, each ``NAME=DIM:INDEX:COUNT``, as a ``shards=`` spec (checked
+    against the model later, by :func:`check_shards`). A malformed one, or a name given
+    twice, is a :class:`ShardSpecError` that quotes the argument and shows the form."""
+    form = f"expected {option} NAME=DIM:INDEX:COUNT, e.g. {option} blocks.0.attn.to_q.weight=0:1:4 (rows, part 1 of 4)"
+    spec: dict[str, tuple[int, int, int]] = {}
+    for arg in args:
+        name, sep, fields = arg.partition("=")
+        parts = fields.split(":")
+        if not sep or not name or len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+            raise ShardSpecError(f"{option} {arg!r}: {form}")
+        if name in spec:
+            raise ShardSpecError(f"{option} {arg!r}: {name!r} is given twice; give each parameter's part once")
+        try:
+            spec[name] = tuple(_as_shard(name, tuple(int(p) for p in parts)))
+        except ShardSpecError as exc:  # an index outside the count
+            raise ShardSpecError(f"{option} {arg!r}: {exc}") from None
+    return spec
 
 
 def full_shapes(shapes: Mapping[str, tuple[int, ...]], held: Mapping[str, Shard]) -> dict[str, tuple[int, ...]]:

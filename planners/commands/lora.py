@@ -6,6 +6,12 @@ config is mapped read-only into a tree of parameters named like its tensors, and
 adapters are merged into it through the cache. A layer the cache cannot store is an
 error here (a build that merged in place would have built nothing).
 
+For a tensor-parallel server, ``--shard NAME=DIM:INDEX:COUNT`` (repeated, one per
+weight a rank holds a part of, as ``lora_cache.merge``'s ``shards=``) builds what that
+rank maps: the command holds those parameters as their parts of the mapped checkpoint,
+as the rank does, so the rows come from the whole layers' files and the columns from a
+combination of their own. Run it once per rank's index to build every part.
+
 SIGINT or SIGTERM stops the build between writes: the layers sealed so far stay, the
 manifest records them, and the command exits 130 saying how many there are; the next
 start (or this command again) resumes from there.
@@ -37,6 +43,11 @@ def register(subparsers) -> None:
     merge.add_argument("config", help="deployment config (YAML)")
     merge.add_argument("--json", action="store_true", help="print the build's figures as JSON (sizes in bytes)")
     merge.add_argument("--no-progress", action="store_true", help="no progress bar")
+    merge.add_argument(
+        "--shard", action="append", default=[], metavar="NAME=DIM:INDEX:COUNT",
+        help="a tensor-parallel rank holds part INDEX of COUNT of parameter NAME along DIM (0: rows, "
+        "column-parallel; 1: columns, row-parallel); repeat per parameter; builds that rank's parts",
+    )
     merge.set_defaults(run=run_merge)
 
 
@@ -60,6 +71,32 @@ def _adapters(lora):
 
     return [Adapter(a.path, a.strength, alpha=a.alpha, rules=a.rules, strict=a.strict, rslora=a.rslora)
             for a in lora.adapters]
+
+
+def _model(paths: list[str], shard_args: list[str]):
+    """The checkpoint as a tree of read-only mapped parameters; with ``--shard``, each named
+    parameter as the part a tensor-parallel rank holds (a view of the mapped whole), and
+    the ``shards=`` spec that says so (None without). A bad ``--shard`` names itself."""
+    from hostmem.safetensors_map import open_readonly
+    from lora_cache.layers import checkpoint_module, module_tree
+    from lora_cache.tp_shards import ShardSpecError, check_shards, parse_shard_args
+
+    if not shard_args:
+        return checkpoint_module(paths), None
+    spec = parse_shard_args(shard_args)
+    tensors = {name: m.get_tensor(name) for m in map(open_readonly, paths) for name in m.keys()}
+    try:
+        held = check_shards(spec, {name: tuple(t.shape) for name, t in tensors.items()})
+    except ShardSpecError as exc:
+        raise ShardSpecError(f"--shard: {exc}") from None
+    for name, shard in held.items():
+        if tensors[name].shape[shard.dim] % shard.count:
+            raise ShardSpecError(
+                f"--shard {name}={':'.join(map(str, spec[name]))}: {name!r} has {tensors[name].shape[shard.dim]} "
+                f"along dim {shard.dim} in the checkpoint, which does not split into {shard.count} equal parts"
+            )
+        tensors[name] = shard.part(tensors[name])
+    return module_tree(tensors.items()), spec
 
 
 def _check_enabled(config) -> None:
@@ -104,7 +141,6 @@ def _interrupted_line(exc: KeyboardInterrupt) -> str:
 
 def run_merge(args) -> int:
     from lora_cache import CacheBuildError, merge
-    from lora_cache.layers import checkpoint_module
     from hostmem.vault.combinations import CACHE_DIR
     from planners.checkpoint import checkpoint_files
     from planners.config import load_config
@@ -112,17 +148,18 @@ def run_merge(args) -> int:
     config = load_config(args.config)
     _check_enabled(config)
     component = _merge_component(config)
-    shards = checkpoint_files(component.path)
+    model, parts = _model(checkpoint_files(component.path), args.shard)
     roots = list(config.lora.cache.roots) or None  # None: the default root
     try:
         with _stoppable():
             stats = merge(  # keyed as a server's start is: on the mapped shards that hold the targets
-                checkpoint_module(shards),
+                model,
                 _adapters(config.lora),
                 cache_root=roots,
                 max_size=config.lora.cache.max_size,
                 progress=False if (args.no_progress or args.json) else None,
                 fallback=False,
+                shards=parts,
             )
     except CacheBuildError as exc:
         print(f"hostmem: error: {exc}", file=sys.stderr)
@@ -137,4 +174,6 @@ def run_merge(args) -> int:
         print(f"{config.deployment}: {component.name} <- {', '.join(stats.adapters)}")
         print(stats)
         print(f"cache: {os.path.join(stats.cache_root, CACHE_DIR, stats.cache_key)}")
+        for sharding, key in stats.shard_keys.items():
+            print(f"cache of {sharding}: {os.path.join(stats.cache_root, CACHE_DIR, key)}")
     return 0

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 import lora_cache
 from lora_cache.kernels.workers import block_workers, cpu_count, worker_count
 from lora_cache.layers import LayerTarget, checkpoint_module
-from lora_cache.shared_build import share_of_cores, rank_threads, split_by_bytes
+from lora_cache.shared_build import _split_files, share_of_cores, rank_threads, split_by_bytes
 from tests.conftest import write_safetensors
 from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter
 
@@ -131,7 +131,8 @@ def test_two_ranks_build_once_between_them_hit_after_and_fail_on_a_missing_rank(
 
 def test_four_ranks_split_the_layers_into_disjoint_shares_that_add_up_to_one_build(inputs, tmp_path, capfd):
     """The layers built across four ranks add up to one build, each rank summing on its share
-    of the host's cores (their stderr says how many)."""
+    of the host's cores (their stderr says how many); then they map the sealed combination
+    together, under its lock held shared: none waits for another to adopt it."""
     results = _spawn(inputs, tmp_path, 4, ["build"])
     built = [r["build"]["built"] for r in results]
     assert sum(built) == len(SHAPES) and all(b > 0 for b in built), built
@@ -140,6 +141,7 @@ def test_four_ranks_split_the_layers_into_disjoint_shares_that_add_up_to_one_bui
     err = capfd.readouterr().err  # four processes' lines: one may run into another's
     said = re.findall(r"building share .*?, (\d+) summing thread", err)
     assert said == [str(threads)] * 4, err
+    assert "adopting it" not in err and "waiting for it" not in err, err
 
 
 def test_the_ranks_of_a_host_split_its_cores_at_least_one_thread_each():
@@ -176,6 +178,18 @@ def test_shares_are_disjoint_cover_every_layer_and_balance_bytes():
     assert sorted(names) == sorted(t.name for t in targets) and len(set(names)) == len(names)
     loads = [sum(t.nbytes for t in share) for share in shares]
     assert max(loads) - min(loads) <= max(t.nbytes for t in targets), loads
+
+
+def test_the_key_inputs_are_hashed_in_disjoint_sets_balanced_by_bytes(tmp_path):
+    sizes = [700, 300, 300, 200, 100, 100]
+    paths = []
+    for i, size in enumerate(sizes):
+        (tmp_path / f"f{i}").write_bytes(b"x" * size)
+        paths.append(str(tmp_path / f"f{i}"))
+    sets = _split_files(paths, 3)
+    assert sorted(p for s in sets for p in s) == sorted(paths)  # each file hashed by one rank
+    assert [sum(os.path.getsize(p) for p in s) for s in sets] == [700, 500, 500]
+    assert _split_files(list(reversed(paths)), 3) == sets  # the same split whatever order a rank lists them in
 
 
 @pytest.mark.parametrize("value", ["soon", 0, -5, math.inf, math.nan, True, None])

@@ -1,0 +1,128 @@
+"""Readers: a sealed, verified combination is served under its key's lock held SHARED.
+
+A plain session holds the key's lock exclusively because it may adopt, drop, rebuild
+and seal. A start that finds the combination sealed complete, every layer of it vouched
+for by the verification memo (the very file written or verified, unchanged since), and
+nothing else in the folder, has none of that to do: it only maps the files. Such starts
+(the ranks of a host right after their shared build, servers starting together on a
+cache built ahead of time) take the lock shared and map together, instead of one after
+the other:
+
+- the shared lock keeps out every writer: a plain session, eviction, ``prune`` and
+  ``rm`` all take the key's lock exclusively, so nothing is dropped, rebuilt or removed
+  while a reader maps;
+- a reader never writes: every ``put`` answers None, a layer whose header no longer
+  matches the manifest when ``get`` maps it is not served (and nothing is removed: the
+  next plain session finds the change, verifies and rebuilds), and closing only records
+  the use (the manifest's mtime, as a plain session that served a sealed combination
+  does);
+- anything else (no manifest, incomplete, a layer not vouched for, recorded damage, an
+  unrecorded layer file, another shape or dtype, or a writer holding the lock) and
+  :func:`open_sealed` lets go and answers None: the caller opens the plain way, which
+  waits for the writer, verifies, drops and rebuilds.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .adoption import Adopted, shape_dtype_problem
+from .combinations import lock_path, use_path
+from .layer_file import is_layer_file_name
+from .leases import use_lease
+from .locks import KeyLock
+from .manifest import ManifestError, read_manifest, touch_use_time
+from .provisional import is_provisional
+from .safety import check_not_symlink
+from .session import VaultSession, claim_in_process, say, unclaim_in_process
+from .verification import VerifiedMemo, read_damage
+
+__all__ = ["SealedSession", "open_sealed"]
+
+
+class SealedSession(VaultSession):
+    """A session over a sealed, verified combination, its lock held shared: gets only."""
+
+    def _drop(self, reason: str) -> None:
+        """A layer changed since it was sealed (found as ``get`` maps it): not served, and
+        nothing removed under a shared lock; the merge builds it elsewhere or in place,
+        and the next plain session finds the change, verifies and rebuilds."""
+        say(f"{self.vault.label} {self.key[:12]}: not serving the combination ({reason}); the next start "
+            "rebuilds what changed")
+        self._entries.clear()
+        self._was_complete = False
+        self.stats["dropped"] = reason
+        self.writable = False
+        self.last_error = f"{self.vault.label} {self.key[:12]} changed while it was served ({reason})"
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._lease = None  # the views served keep it; the next plain session tidies the use file
+        try:
+            if not self.stats["dropped"]:
+                touch_use_time(self.folder)  # for the LRU order, as a plain session serving it unchanged does
+        finally:
+            try:
+                self._lock.release_and_remove_if_alone()  # other readers may still hold it
+            finally:
+                unclaim_in_process(self.key)
+
+
+def _vouched(folder: str, expected: dict) -> Adopted | None:
+    """What a plain session would adopt without reading a layer, when that is everything:
+    a sealed, complete manifest holding the ``expected`` layers (shapes and dtypes), each
+    vouched for by the memo, no recorded damage, no other layer file, not provisional.
+    Else None; nothing is read beyond the manifest, the memo and the folder's listing (a
+    layer to verify is the plain session's to read, and to record)."""
+    if is_provisional(folder) or read_damage(folder) is not None:
+        return None
+    try:
+        manifest = read_manifest(folder)
+    except ManifestError:
+        return None
+    if manifest is None or not manifest.complete:
+        return None
+    layers, memo = manifest.layers, VerifiedMemo(folder)
+    if any(n not in layers or shape_dtype_problem(layers[n], s, d) for n, (s, d) in expected.items()):
+        return None
+    files = {e.file for e in layers.values()}
+    if any(is_layer_file_name(f) and f not in files for f in os.listdir(folder)):
+        return None
+    if not all(memo.holds(e) for e in layers.values()):
+        return None
+    return Adopted(dict(layers), manifest, memo=memo, vouched=True)
+
+
+def open_sealed(vault, hex_key: str, inputs: dict, expected: dict | None) -> SealedSession | None:
+    """A :class:`SealedSession` of ``hex_key`` when the combination is sealed complete and
+    verified with exactly the ``expected`` layers' shapes and dtypes, and no writer holds
+    its lock; else None, having changed nothing (see the module's docstring)."""
+    folder = os.path.join(vault.cache, hex_key)
+    if expected is None or vault.read_only or not os.path.isfile(os.path.join(folder, "manifest.json")):
+        return None
+    claim_in_process(hex_key)
+    lock = KeyLock(lock_path(vault.cache, hex_key))
+    served = None
+    try:
+        if os.path.lexists(lock.path):
+            check_not_symlink(lock.path)
+        if not lock.acquire(exclusive=False, blocking=False):
+            return None  # a writer at work: the plain open waits for it
+        adopted = _vouched(folder, expected)
+        if adopted is None:
+            return None
+        lease = use_lease(use_path(vault.cache, hex_key))  # under the key's lock, before any view
+        session = SealedSession(vault, hex_key, folder, (lock, lease), inputs, adopted, expected, 0.0, [])
+        if not session.complete:
+            return None
+        session.writable = False
+        session.last_error = f"{vault.label} {hex_key[:12]} is open only to map it (sealed and verified)"
+        served = session
+        return served
+    finally:
+        if served is None:  # not served (or an error): let go, having changed nothing
+            if lock.held:
+                lock.release_and_remove_if_alone()
+            unclaim_in_process(hex_key)

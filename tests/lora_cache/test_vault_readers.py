@@ -1,0 +1,92 @@
+"""Readers: a sealed, verified combination opens with its key's lock held shared, so several
+processes map it at once; a writer still waits for them, and a combination with anything
+to verify or repair opens the plain, exclusive way. Other processes are real interpreters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from hostmem.vault import Vault
+from hostmem.vault.combinations import lock_path
+from hostmem.vault.locks import lock_is_held
+from hostmem.vault.readers import SealedSession
+from tests.conftest import run_python
+from tests.lora_cache.test_vault import build, expected_of, folder_of, key_for, layers
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_OPEN = """
+import json, sys
+import torch
+from hostmem.vault import Vault
+from tests.lora_cache.test_vault import expected_of, key_for, layers
+
+tensors = layers(count=4)
+expected = {n: (s, d) for n, (s, d) in expected_of(tensors).items()}
+if sys.argv[2] == "other-dtype":
+    expected = {n: (s, torch.float32) for n, (s, _) in expected.items()}
+with Vault(sys.argv[1]).open(key_for("readers"), expected) as session:
+    views = {n: session.get(n, s, d) for n, (s, d) in expected.items()}
+    print(json.dumps({"kind": type(session).__name__, "verified": session.stats["layers_verified"],
+                      "equal": all(v is not None and torch.equal(v, tensors[n]) for n, v in views.items())}))
+"""
+
+
+def _built(tmp_path):
+    vault, key, tensors = Vault(tmp_path / "root"), key_for("readers"), layers(count=4)
+    build(vault, key, tensors)
+    return vault, key, tensors
+
+
+def _other_process(root, how: str = "same", timeout: float = 60) -> dict:
+    done = run_python(_OPEN, str(root), how, timeout=timeout, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_another_process_maps_a_sealed_combination_while_this_one_holds_it(tmp_path):
+    vault, key, tensors = _built(tmp_path)
+    with vault.open(key, expected_of(tensors)) as session:
+        assert isinstance(session, SealedSession) and not session.writable
+        assert lock_is_held(lock_path(vault.cache, key.hex), shared_too=True)  # writers are kept out
+        assert not lock_is_held(lock_path(vault.cache, key.hex), shared_too=False)  # readers are not
+        other = _other_process(tmp_path / "root", timeout=30)  # before: waited for this session, forever
+        assert other == {"kind": "SealedSession", "verified": 0, "equal": True}
+        assert all(torch.equal(session.get(n, t.shape, t.dtype), t) for n, t in tensors.items())
+        assert session.put("blocks.9.attn.qkv.weight", tensors["blocks.0.attn.qkv.weight"]) is None
+    assert os.path.exists(os.path.join(folder_of(vault, key), "manifest.json"))
+
+
+def test_a_writer_waits_for_the_readers_and_goes_on_once_they_close(tmp_path):
+    vault, key, tensors = _built(tmp_path)
+    session = vault.open(key, expected_of(tensors))
+    code = textwrap.dedent(_OPEN)
+    writer = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "root"), "other-dtype"], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        waiting = writer.stderr.readline()  # another dtype: it drops the combination, so it must wait
+        assert "is in use by another process" in waiting, waiting
+        assert writer.poll() is None
+    finally:
+        session.close()
+    out, err = writer.communicate(timeout=60)
+    assert writer.returncode == 0, err
+    assert '"kind": "VaultSession"' in out
+
+
+def test_a_layer_changed_since_its_seal_opens_exclusively_is_verified_and_then_read_shared(tmp_path):
+    vault, key, tensors = _built(tmp_path)
+    folder = folder_of(vault, key)
+    first = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))[0]
+    with open(os.path.join(folder, first), "r+b") as handle:  # the same bytes, written: its stamp changes
+        byte = handle.read(1)
+        handle.seek(0)
+        handle.write(byte)
+    assert _other_process(tmp_path / "root") == {"kind": "VaultSession", "verified": 1, "equal": True}
+    assert _other_process(tmp_path / "root") == {"kind": "SealedSession", "verified": 0, "equal": True}
