@@ -38,7 +38,10 @@ BENCHES = (
      "bf16 addmm in one pass, or the fp32 sum in row blocks then one cast) is chosen by timing both on "
      "this machine once and remembered under the cache root; the key names it. The build streams each "
      "layer to disk while it is summed, through one output buffer on 2 MiB pages that the next layer "
-     "reuses stretch by stretch once written; the summing threads run at the process's own priority. "
+     "reuses stretch by stretch once written, one writer per build keeping pieces of consecutive layers "
+     "in flight; the summing threads run at the process's own priority. Each build round starts from "
+     "a cache emptied of combinations with the base's digests remembered (any build after the first on "
+     "a base); the first start begins from an empty root, so it also hashes the base, beside the build. "
      "'write path' is the vault storing ready layers (checksum, O_DIRECT, fsync): the cache's own "
      "cost. A virtual disk's rate swings from one minute to the next, hence the interleaved rounds."),
     ("bench_identity.py", "Content identity: hashing the inputs, hit starts, a cache baked read-only",

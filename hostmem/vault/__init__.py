@@ -15,6 +15,7 @@ Layout::
     <root>/lora_merge_cache/<key>/<32 hex>.safetensors   one layer each (see layer_file)
     <root>/lora_merge_cache/<key>/verified.json          memo of layer files checked (see verification)
     <root>/lora_merge_cache/<key>/damage.json            what `hostmem cache verify` found damaged
+    <root>/lora_merge_cache/<key>/provisional.json       a build not re-keyed yet: never served (see fold)
     <root>/lora_merge_cache/<key>.lock                   the key's flock (sessions)
     <root>/lora_merge_cache/<key>.use                    held shared while served weights live
     <root>/lora_merge_cache/content_hashes.json         memo of input content digests
@@ -29,6 +30,9 @@ Contract, in the order it happens:
 - ``open`` takes the key's exclusive flock. A second process opening the same key
   meanwhile prints that it waits, waits, then adopts what the first built. The
   kernel releases the lock of a process that dies, so a crash never wedges a key.
+  A combination sealed complete whose every layer is memoised as verified (below) is
+  only mapped, so ``open`` takes its flock SHARED instead, and any number of such
+  readers map it at once; every writer still excludes them (see ``readers``).
 - Adoption checks each recorded layer's size and header; layer files a killed build
   sealed but never recorded are adopted on their own header, so a build resumes
   where it died. Every layer's content must then match its CRC-32 unless it is
@@ -37,7 +41,8 @@ Contract, in the order it happens:
   manifest that cannot be read, or layers of another shape or dtype than asked, drop
   the WHOLE combination. The cache never serves a torn, stale or damaged file. A
   sealed, complete manifest whose every layer is so memoised is taken without reading
-  the headers: ``get`` reads each one as it maps the file and checks it then.
+  the headers, and ``get`` maps each file at the data offset the manifest records while
+  the file keeps the stamp it was verified at (else it reads the header and checks it).
 - Least-recently-used combinations are evicted while the cache would exceed
   ``max_size`` or the disk would keep less than ``headroom`` free; a combination in
   use is never evicted: open in a session somewhere, or serving weights somewhere
@@ -58,10 +63,13 @@ Modules, each with one job:
 
 - ``store``: :class:`Vault`, a cache root, where combinations are opened;
 - ``session``: :class:`VaultSession`, one open combination: get, put, seal;
+- ``readers``: a sealed, verified combination opened only to map it, lock held shared;
 - ``space``: room for a build (:class:`SpaceCheck`);
 - ``verification``: a layer is served only once its checksum matched;
 - ``content_hash``: whole-file digests of the inputs, memoised;
 - ``identity``: the key of a combination and the content hashes it is made of;
+- ``fold``: a base not hashed yet is hashed beside its build, under a provisional key;
+- ``provisional``: the marker of such a build, never served; ``rekey``: its real key;
 - ``layer_file``: one merged layer as one self-describing safetensors file;
 - ``manifest``: the seal over a combination's layer files;
 - ``adoption``: what an opening session may trust of a folder;
