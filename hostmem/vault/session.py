@@ -5,6 +5,7 @@ The store's contract is in the package docstring (:mod:`hostmem.vault`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -23,7 +24,6 @@ from .piece_writer import PieceWriter
 from .locks import KeyLock
 from .manifest import Manifest, touch_use_time, write_manifest
 from .safety import VaultError, check_not_symlink
-from .space import SpaceCheck
 from .verification import VerifiedMemo, record_damage
 
 __all__ = ["VaultSession", "still_needed", "say", "claim_in_process", "unclaim_in_process"]
@@ -220,7 +220,7 @@ class VaultSession:
         with self._state:
             if self.writable and size > self._room:
                 needed = max(size, still_needed(self._entries, self._expected))
-                self.space = SpaceCheck(needed, self._room, *_space_tail(self.space))
+                self.space = dataclasses.replace(self.space, needed=needed, available=self._room)
                 self._refuse(self.space.message)
             if not self.writable:
                 self.stats["layers_failed"] += 1
@@ -393,6 +393,3 @@ class VaultSession:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _space_tail(space: SpaceCheck) -> tuple:
-    return space.free_disk, space.headroom, space.max_size, space.folder

@@ -98,12 +98,14 @@ class Vault:
     def space(self, key: str, needed: int) -> SpaceCheck:
         """How much of ``needed`` fits now, by free disk and by ``max_size``."""
         if self.read_only:
-            return SpaceCheck(needed, 0, 0, self.headroom, self.max_size, os.path.join(self.cache, key), read_only=True)
+            return SpaceCheck(needed, 0, 0, self.headroom, self.max_size, os.path.join(self.cache, key), read_only=True,
+                              label=self.label)
         free = free_bytes(self.cache)
         available = free - self.headroom
         if self.max_size is not None:
             available = min(available, self.max_size - cache_bytes(self.cache))
-        return SpaceCheck(needed, available, free, self.headroom, self.max_size, os.path.join(self.cache, key))
+        return SpaceCheck(needed, available, free, self.headroom, self.max_size, os.path.join(self.cache, key),
+                          label=self.label)
 
     def open(self, key: CacheKey | str, expected_layers: dict | None = None) -> "VaultSession":
         """Lock, adopt, make room, and return a session (see the package's contract)."""
