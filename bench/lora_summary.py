@@ -121,7 +121,7 @@ def summarize(merged, in_place, runs, starts, requests, first, layers: int, rank
         f"  with one busy process per core: {busy_s:.2f} s  -> ratio {ratios['first_start_busy_over_idle']:.2f} "
         "of the idle first start (goal <= 2.0)",
         *build_lines,
-        f"start (launch to ready, best of {len(starts["hit"])}): cache hit {hit_s:.2f} s, base without LoRA {base_s:.2f} s"
+        f"start (launch to ready, best of {len(starts['hit'])}): cache hit {hit_s:.2f} s, base without LoRA {base_s:.2f} s"
         f"  -> ratio {ratios['hit_start_over_base_start']:.2f} (goal <= 1.05)",
         f"  of which after imports: cache hit {hit_in:.2f} s, base {base_in:.2f} s"
         f"  -> ratio {ratios['hit_over_base_after_imports']:.2f}",
