@@ -47,6 +47,8 @@ __all__ = ["hash_name", "new_hasher", "file_digest", "read_chunks", "stamp_of", 
 _READ = 8 * 1024 * 1024
 _HASH_READ = 1024 * 1024  # per buffer of the hash's reader (see file_digest)
 _HASH_BUFFERS = 4
+_HASH_AHEAD = 32 * 1024 * 1024  # asked of the kernel ahead of the reader (see file_digest)
+_ADVICE_STEP = 8 * 1024 * 1024
 _MEMO_ENTRIES = 4096  # the on-disk memo keeps the most recent ones
 
 
@@ -72,7 +74,19 @@ def _hand_over(consume, view: memoryview, got: int) -> None:
         chunk.release()
 
 
-def _read_behind(fd: int, start: int, end: int, views: list[memoryview], consume, gate=None) -> None:
+def _advise_ahead(fd: int, advised: int, upto: int) -> int:
+    """Ask the kernel to read ``advised..upto`` of ``fd`` in (its read-ahead, in requests as
+    large as the disk takes, while the reader copies what is in already); the new mark."""
+    while advised < upto:
+        try:
+            os.posix_fadvise(fd, advised, _ADVICE_STEP, os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):  # a filesystem that takes no advice: the reads still work
+            return upto
+        advised += _ADVICE_STEP
+    return advised
+
+
+def _read_behind(fd: int, start: int, end: int, views: list[memoryview], consume, gate=None, ahead: int = 0) -> None:
     """``consume`` each filled view in order while a second thread fills the next ones.
 
     The reader takes a free view, fills it, hands it over, and takes the next; the
@@ -86,11 +100,13 @@ def _read_behind(fd: int, start: int, end: int, views: list[memoryview], consume
         free.put(view)
 
     def reader() -> None:
-        offset = start
+        offset = advised = start
         try:
             while offset < end and (view := free.get()) is not None:
                 if gate is not None:
                     gate(min(offset + len(view), end))
+                if ahead:
+                    advised = _advise_ahead(fd, advised, min(end, offset + ahead))
                 got = _fill(fd, view, offset, end)
                 filled.put((view, got))
                 offset += got
@@ -113,7 +129,7 @@ def _read_behind(fd: int, start: int, end: int, views: list[memoryview], consume
 
 def read_chunks(
     fd: int, start: int, end: int, consume: Callable[[memoryview], None], buffers: int = 1, chunk: int = _READ,
-    gate: Callable[[int], None] | None = None,
+    gate: Callable[[int], None] | None = None, ahead: int = 0,
 ) -> None:
     """Feed bytes ``start..end`` of ``fd`` to ``consume`` in chunks of up to ``chunk`` bytes,
     read into one anonymous mapping that goes back to the kernel at the end.
@@ -126,7 +142,8 @@ def read_chunks(
 
     ``gate(upto)``, where given, is called before each read with the offset the read
     will reach, and may block (a hash folded into a build paces itself to the build's
-    reads: :mod:`hostmem.vault.fold`) or raise (to stop the read).
+    reads: :mod:`hostmem.vault.fold`) or raise (to stop the read). ``ahead`` (with
+    ``buffers`` > 1): bytes the kernel is asked to read in ahead of the reader.
     """
     size = min(chunk, max(end - start, 1))
     with mmap.mmap(-1, size * buffers) as memory:
@@ -134,7 +151,7 @@ def read_chunks(
         views = [whole[i * size : (i + 1) * size] for i in range(buffers)]
         try:
             if buffers > 1:
-                _read_behind(fd, start, end, views, consume, gate)
+                _read_behind(fd, start, end, views, consume, gate, ahead)
             while buffers == 1 and start < end:
                 if gate is not None:
                     gate(min(start + len(views[0]), end))
@@ -174,7 +191,13 @@ def file_digest(path: str, gate: Callable[[int], None] | None = None) -> str:
     """The content digest of the whole file at ``path``: ``"<algorithm>:<hex>"``.
 
     Read by :func:`read_chunks`: a reader thread fills four 1 MiB buffers while this
-    thread hashes, the file advised sequential (the kernel doubles its read-ahead).
+    thread hashes, the file advised sequential (the kernel doubles its read-ahead), and
+    the kernel asked to read :data:`_HASH_AHEAD` ahead of the reader (``WILLNEED``, in
+    8 MiB steps): left to 1 MiB reads, the disk gets requests no larger than those, one
+    at a time, and a virtio disk reading 2 GiB/s in 4 MiB requests gives the reader 1.5.
+    Measured in eight interleaved rounds on 2 GiB from a cold page cache, hash rate / raw
+    read of the same round, median: 0.88 without the advice, 1.29 with 32 MiB ahead,
+    1.31 with 64 MiB (32 MiB kept: as fast, half the page cache ahead of the hash).
     Chosen by measurement on the 2-core development machine from a cold page cache
     (512 MiB-1 GiB, each hash against a raw read just before it, eight runs of 3-8
     rounds; with other work on the cores that virtual disk swung between 0.2 and 1.9
@@ -202,7 +225,8 @@ def file_digest(path: str, gate: Callable[[int], None] | None = None) -> str:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         except (OSError, AttributeError):  # not Linux, or a filesystem that takes no advice
             pass
-        read_chunks(fd, 0, os.fstat(fd).st_size, hasher.update, buffers=_HASH_BUFFERS, chunk=_HASH_READ, gate=gate)
+        read_chunks(fd, 0, os.fstat(fd).st_size, hasher.update, buffers=_HASH_BUFFERS, chunk=_HASH_READ, gate=gate,
+                    ahead=_HASH_AHEAD)  # folded into a build, it then runs at most that much past its gate
     finally:
         os.close(fd)
     return f"{hasher.name}:{hasher.hexdigest()}"
