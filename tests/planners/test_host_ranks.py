@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -81,8 +82,8 @@ def _rank_main(rank: int, port: int, folder: str) -> None:
         if rank < 2:
             out[2] = _gather(module, config, rank, pair)
         out[WORLD] = _gather(module, config, rank)
-        if rank == WORLD - 1:
-            return  # never arrives at the next call
+        if rank == WORLD - 1:  # never arrives at the next call
+            _stay_away(folder, out)
         try:
             hostmem.gather_host_ledger(hostmem.account({"dit": module}), timeout=2)
         except hostmem.HostGatherError as exc:
@@ -90,6 +91,19 @@ def _rank_main(rank: int, port: int, folder: str) -> None:
     finally:
         with open(os.path.join(folder, f"rank{rank}.json"), "w") as handle:
             json.dump(out, handle)
+
+
+def _stay_away(folder: str, out: dict) -> None:
+    """The missing rank: report, then stay out of the call until the others have given up
+    on it, and leave without tearing down gloo (leaving while they still waited on it, its
+    connection threads could abort the process at exit)."""
+    with open(os.path.join(folder, f"rank{WORLD - 1}.json"), "w") as handle:
+        json.dump(out, handle)
+    others = [os.path.join(folder, f"rank{r}.json") for r in range(WORLD - 1)]
+    deadline = time.monotonic() + 120
+    while not all(os.path.exists(p) for p in others) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os._exit(0)
 
 
 def _check(view: dict, rank: int, world: int, first_shares: list[int]) -> None:
