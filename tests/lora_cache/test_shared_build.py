@@ -97,8 +97,20 @@ def _rank_main(rank: int, world: int, port: int, paths: dict, folder: str, scena
         results["crash"] = traceback.format_exc()
     with open(os.path.join(folder, f"rank{rank}.json"), "w") as handle:
         json.dump(results, handle)
+    if "late" in scenarios and rank != 0:
+        _stay_away(folder)
     if dist.is_initialized() and "late" not in scenarios:
         dist.destroy_process_group()
+
+
+def _stay_away(folder: str) -> None:
+    """The rank that never arrives: stay out until rank 0 has given up on it, and leave
+    without tearing gloo down (leaving while rank 0 still waited on it, its connection
+    threads could abort the process at exit)."""
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(folder, "rank0.json")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os._exit(0)
 
 
 def _spawn(inputs, folder, world: int, scenarios: list[str]) -> list[dict]:
