@@ -37,6 +37,17 @@ def fresh_start(base: str, adapter: str, roots):
     return start(base, adapter, roots)
 
 
+def open_folded(world, root: str):
+    """``(model, planned targets, session)``: a fresh start's folded session, opened, nothing built."""
+    CONTENT_HASH_MEMO.clear()
+    model = checkpoint_module([world.base])
+    spec = [lora_cache.Adapter(world.adapter)]
+    planned = plan_targets(model, spec)
+    session = open_combination(planned, spec, root).session
+    assert isinstance(session, FoldedSession)
+    return model, planned, session
+
+
 def markers(root: str) -> list[str]:
     return [os.path.join(d, n) for d, _, names in os.walk(root) for n in names if n == MARKER_NAME]
 
@@ -192,12 +203,7 @@ def test_an_interrupted_folded_build_keeps_its_layers_for_the_next_start_to_resu
     world = make_world(tmp_path)
     expected, root = reference(world.base, world.adapter), world.path("root")
     monkeypatch.setattr(fold, "FOLD_WINDOW", None if hashed else 0)  # 0: the hasher never passes the build
-    CONTENT_HASH_MEMO.clear()
-    model = checkpoint_module([world.base])
-    spec = [lora_cache.Adapter(world.adapter)]
-    planned = plan_targets(model, spec)
-    session = open_combination(planned, spec, root).session
-    assert isinstance(session, FoldedSession)
+    model, planned, session = open_folded(world, root)
     with pytest.raises(KeyboardInterrupt), session:
         merge_layers(session.in_file_order(planned[0])[:2], session, progress=False, fallback=False)
         while hashed and CONTENT_HASH_MEMO.known(world.base)[1] is None:
@@ -228,12 +234,7 @@ def test_a_base_that_changes_while_it_is_hashed_fails_the_start_and_leaves_nothi
     world = make_world(tmp_path)
     expected, root = reference(world.base, world.adapter), world.path("root")
     monkeypatch.setattr(fold, "FOLD_WINDOW", 0)  # the hasher never passes the build: it cannot finish first
-    CONTENT_HASH_MEMO.clear()
-    model = checkpoint_module([world.base])
-    spec = [lora_cache.Adapter(world.adapter)]
-    planned = plan_targets(model, spec)
-    session = open_combination(planned, spec, root).session
-    assert isinstance(session, FoldedSession)
+    model, planned, session = open_folded(world, root)
     stat = os.stat(world.base)
     os.utime(world.base, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # rewritten, as far as stamps go
     with pytest.raises(ValueError, match="changed while it was being hashed"), session:

@@ -20,17 +20,10 @@ from hostmem.vault.piece_writer import PIECE_BYTES, PieceWriter
 from lora_cache.layer_loop import _claim_after
 from lora_cache.merge_math import host_buffer
 from tests.conftest import write_safetensors
+from tests.lora_cache.test_piece_writer import _Crc
 from tests.lora_cache.test_adapters import lora_change, write_adapter
 
 MiB = 1024 * 1024
-
-
-class _Crc:
-    def __init__(self):
-        self.value = 0
-
-    def update(self, data) -> None:
-        self.value = zlib.crc32(data, self.value)
 
 
 def _random_buffer(nbytes: int, seed: int) -> torch.Tensor:

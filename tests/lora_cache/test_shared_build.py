@@ -95,11 +95,19 @@ def _rank_main(rank: int, world: int, port: int, paths: dict, folder: str, scena
                 results["late"] = _late(paths, os.path.join(folder, "late-cache"), rank)
     except Exception:  # noqa: BLE001 - reported to the test, which fails with it
         results["crash"] = traceback.format_exc()
-    with open(os.path.join(folder, f"rank{rank}.json"), "w") as handle:
-        json.dump(results, handle)
+    report_rank(folder, rank, results, leave="late" not in scenarios)
     if "late" in scenarios and rank != 0:
         _stay_away(folder)
-    if dist.is_initialized() and "late" not in scenarios:
+
+
+def report_rank(folder: str, rank: int, results: dict, leave: bool = True) -> None:
+    """Write what this rank saw to ``folder/rank<N>.json`` (what :func:`spawn_ranks` reads);
+    ``leave``: then leave the process group, where there is one."""
+    import torch.distributed as dist
+
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as handle:
+        json.dump(results, handle)
+    if leave and dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -17,7 +17,7 @@ import pytest
 import lora_cache
 from lora_cache.tp_shards import ShardSpecError, parse_shard_args
 from planners.cli import main
-from tests.lora_cache.test_shared_build import spawn_ranks
+from tests.lora_cache.test_shared_build import report_rank, spawn_ranks
 from tests.lora_cache.test_tp_shards import DEGREE, compare, inputs, rank_model, spec  # noqa: F401 (a fixture)
 
 
@@ -91,10 +91,7 @@ def _switch_ranks(rank: int, world: int, port: int, paths: dict, folder: str) ->
         dist.barrier()
     except Exception:  # noqa: BLE001 - reported to the test, which fails with it
         results["crash"] = traceback.format_exc()
-    with open(os.path.join(folder, f"rank{rank}.json"), "w") as handle:
-        json.dump(results, handle)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    report_rank(folder, rank, results)
 
 
 def test_set_adapters_switches_two_gloo_ranks_to_their_parts_to_the_base_and_back_from_the_cache(inputs, tmp_path):

@@ -7,7 +7,6 @@ explicitly), then two ranks over gloo (spawned processes) sharing one host's bui
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import traceback
 
@@ -24,7 +23,7 @@ from lora_cache.tp_shards import Shard, ShardSpecError
 from lora_cache.tp_shards.shard_math import shard_merged
 from tests.conftest import write_safetensors
 from tests.lora_cache.test_adapters import lora_change, write_adapter
-from tests.lora_cache.test_shared_build import spawn_ranks
+from tests.lora_cache.test_shared_build import report_rank, spawn_ranks
 
 DIM, HIDDEN, DEPTH, DEGREE = 96, 128, 2, 2
 COLUMN = [f"blocks.{i}.proj_in" for i in range(DEPTH)]  # out features split: rows of weight and bias
@@ -265,10 +264,7 @@ def _rank_main(rank: int, world: int, port: int, paths: dict, folder: str) -> No
         dist.barrier()
     except Exception:  # noqa: BLE001 - reported to the test, which fails with it
         results["crash"] = traceback.format_exc()
-    with open(os.path.join(folder, f"rank{rank}.json"), "w") as handle:
-        json.dump(results, handle)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    report_rank(folder, rank, results)
 
 
 def test_two_ranks_share_the_whole_layers_build_keep_their_own_columns_and_hit_after(inputs, tmp_path):
