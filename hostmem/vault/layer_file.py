@@ -213,10 +213,11 @@ def _cpu_contiguous(merged: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
-class UnsealedLayer(namedtuple("UnsealedLayer", "fd tmp final entry")):
-    """A layer file whose data and header are written, under its temporary name, its
-    descriptor open (``fd``): what :func:`seal_layer` makes durable and names ``final``
-    (or :func:`discard_layer` removes). Never served: only a sealed file has its final name."""
+class UnsealedLayer(namedtuple("UnsealedLayer", "fd tmp final entry header")):
+    """A layer file whose data is written (or on its way), under its temporary name, its
+    descriptor open (``fd``): what :func:`seal_layer` completes with ``header``, makes
+    durable and names ``final`` (or :func:`discard_layer` removes). Never served: only
+    a sealed file has its final name."""
 
     __slots__ = ()
 
@@ -235,8 +236,11 @@ def write_layer_data(folder: str, name: str, merged: torch.Tensor, crc32: int | 
     The data goes in first (its whole pages with O_DIRECT when ``merged`` starts on a
     page and the filesystem allows: see :func:`~hostmem.vault.durable.write_uncached`),
     checksummed as it is written unless ``crc32``, the CRC-32 of its bytes
-    (:func:`hostmem.crc32.crc32_of`), is given; then the header with the checksum over
-    a same-length placeholder. With a ``handoff`` (see :mod:`hostmem.vault.handoff`),
+    (:func:`hostmem.crc32.crc32_of`), is given. The header, with the checksum, is left
+    for :func:`seal_layer` to write over the room kept for it: a buffered write to a
+    file with direct writes on their way waits for them all (ext4 takes the file's
+    lock and drains its direct I/O), which here would hold up the next layer's first
+    pieces until this one's last is on disk. With a ``handoff`` (see :mod:`hostmem.vault.handoff`),
     ``merged`` is a contiguous CPU buffer still being computed: its bytes are written as
     they are published; with a ``writer`` too, its pieces may still be on their way when
     this returns (see :func:`_write_streamed`). On any error the temporary file is
@@ -263,7 +267,6 @@ def write_layer_data(folder: str, name: str, merged: torch.Tensor, crc32: int | 
             crc32 = _write_streamed(fd, tmp, tensor, len(header), handoff or _all_ready(len(data)),
                                     writer if handoff is not None else None)
         header = _header_bytes(name, dtype, shape, len(data), _hex(crc32))
-        write_all(fd, header, 0)
     except BaseException:
         discard(tmp)  # before the close: the writer's lock covers the temporary name while it exists
         os.close(fd)
@@ -272,12 +275,18 @@ def write_layer_data(folder: str, name: str, merged: torch.Tensor, crc32: int | 
     entry = LayerEntry(name=name, file=os.path.basename(final), size=len(header) + len(data),
                        header_sha256=hashlib.sha256(header).hexdigest(), crc32=_hex(crc32), dtype=dtype, shape=shape,
                        data_offset=len(header))
-    return UnsealedLayer(fd, tmp, final, entry)
+    return UnsealedLayer(fd, tmp, final, entry, header)
 
 
 def seal_layer(layer: UnsealedLayer) -> LayerEntry:
-    """fsync the file written by :func:`write_layer_data` and rename it to its final name;
-    return its entry. On any error the temporary file is removed and the error is raised."""
+    """Write the header of the file :func:`write_layer_data` wrote (its data all on disk by
+    now), fsync it and rename it to its final name; return its entry. On any error the
+    temporary file is removed and the error is raised."""
+    try:
+        write_all(layer.fd, layer.header, 0)
+    except BaseException:
+        discard_layer(layer)
+        raise
     seal(layer.fd, layer.tmp, layer.final, sync_dir=False)  # the manifest's seal fsyncs the folder once
     return layer.entry
 

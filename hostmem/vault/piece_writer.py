@@ -11,8 +11,10 @@ the sum for 15% of its own). Here each piece is one request as the disk takes it
 a writer starved of CPU by other load wakes less often per byte), :data:`IN_FLIGHT` of
 them on their way at once, so the disk's queue stays as deep as with one large write,
 while the bytes go back to the merge a piece at a time, as soon as every piece before
-them is written too. The CRC-32 is taken in order, here, while the pieces issued
-before are on their way.
+them is written too. The CRC-32 is taken in order, here, of each piece just after it
+is issued (taken before, the disk waited for it at every refill of its queue: a virtio
+disk answers the requests it holds in one batch, so its queue empties at once), and a
+piece goes back to the merge once it is both written and checksummed.
 
 A session's puts share one :class:`PieceWriter`: its :data:`IN_FLIGHT` pieces may
 belong to two layers, so the disk's queue does not drain at the end of each layer (the
@@ -41,13 +43,16 @@ _ALIGN = 4096  # every piece but a layer's last ends on a page, so each goes wit
 
 
 class _Released:
-    """Hands ``[0, end)`` back to the handoff once every piece below ``end`` is written,
-    whatever order the pieces finish in (each piece's done callback calls :meth:`done`)."""
+    """Hands ``[0, end)`` back to the handoff once every piece below ``end`` is written and
+    checksummed, whatever order the pieces finish in (each piece's done callback calls
+    :meth:`done`; the checksum, taken in order, calls :meth:`summed`)."""
 
     def __init__(self, handoff: Handoff):
         self.handoff = handoff
         self._finished: set[int] = set()
         self._order: deque[tuple[int, int]] = deque()  # (start, end) of the pieces issued, in order
+        self._written = 0  # every byte below is on disk
+        self._summed = 0  # every byte below is in the checksum
         self._lock = threading.Lock()
 
     def issued(self, start: int, end: int) -> None:
@@ -59,11 +64,20 @@ class _Released:
             return  # never handed back: the writer raises, and the put releases everything
         with self._lock:
             self._finished.add(start)
-            end = None
             while self._order and self._order[0][0] in self._finished:
-                first, end = self._order.popleft()
+                first, self._written = self._order.popleft()
                 self._finished.discard(first)
-        if end is not None:
+        self._hand_back()
+
+    def summed(self, end: int) -> None:
+        with self._lock:
+            self._summed = end
+        self._hand_back()
+
+    def _hand_back(self) -> None:
+        with self._lock:
+            end = min(self._written, self._summed)
+        if end:
             self.handoff.release(end)
 
 
@@ -78,6 +92,10 @@ class Pieces:
         self._released.issued(start, end)
         future.add_done_callback(lambda f: self._released.done(start, f))
         self._futures.append(future)
+
+    def summed(self, end: int) -> None:
+        """Every byte below ``end`` is in the checksum (none of it may change before)."""
+        self._released.summed(end)
 
     def wait(self) -> None:
         """Block until every piece has ended; raise the first piece's error."""
@@ -128,11 +146,12 @@ class PieceWriter:
                 end = min(ready, done + LARGEST_PIECE)
                 if end < len(data):
                     end -= end % _ALIGN
-                digest.update(data[done:end])  # while the pieces before it are on their way
                 self._slots.acquire()
                 future = self._pool.submit(write_uncached, fd, path, data[done:end], offset + done, address + done)
                 future.add_done_callback(lambda _: self._slots.release())
                 pieces.add(future, done, end)
+                digest.update(data[done:end])  # while it is on its way: the disk's queue refills first
+                pieces.summed(end)
                 done = end
         except BaseException:
             pieces.abandon()

@@ -20,11 +20,19 @@ the other:
   unrecorded layer file, another shape or dtype, or a writer holding the lock) and
   :func:`open_sealed` lets go and answers None: the caller opens the plain way, which
   waits for the writer, verifies, drops and rebuilds.
+
+A reader leaving removes the lock file when it is the last one, under the lock taken
+exclusively for that instant; a reader arriving just then is refused the shared lock,
+so a refusal is asked again for a moment (:data:`DEPARTING_READER_S`) before it is
+taken for a writer at work. Without that, four ranks mapping together after their
+shared build, the first to finish could send another to the plain open, where it
+waited and adopted (seen on a loaded 2-core machine).
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 from .adoption import Adopted, shape_dtype_problem
 from .combinations import lock_path, use_path
@@ -37,7 +45,9 @@ from .safety import check_not_symlink
 from .session import VaultSession, claim_in_process, say, unclaim_in_process
 from .verification import VerifiedMemo, read_damage
 
-__all__ = ["SealedSession", "open_sealed"]
+__all__ = ["DEPARTING_READER_S", "SealedSession", "open_sealed"]
+
+DEPARTING_READER_S = 0.25  # how long a refused reader asks again: a leaving reader holds the lock for an unlink
 
 
 class SealedSession(VaultSession):
@@ -108,7 +118,7 @@ def open_sealed(vault, hex_key: str, inputs: dict, expected: dict | None) -> Sea
     try:
         if os.path.lexists(lock.path):
             check_not_symlink(lock.path)
-        if not lock.acquire(exclusive=False, blocking=False):
+        if not _take_shared(lock):
             return None  # a writer at work: the plain open waits for it
         adopted = _vouched(folder, expected)
         if adopted is None:
@@ -126,3 +136,17 @@ def open_sealed(vault, hex_key: str, inputs: dict, expected: dict | None) -> Sea
             if lock.held:
                 lock.release_and_remove_if_alone()
             unclaim_in_process(hex_key)
+
+
+def _take_shared(lock: KeyLock) -> bool:
+    """Take ``lock`` shared without waiting on a writer: a refusal is asked again for up to
+    :data:`DEPARTING_READER_S` (a reader leaving holds the lock exclusively for an
+    instant), then answered False."""
+    deadline = time.monotonic() + DEPARTING_READER_S
+    pause = 0.001
+    while not lock.acquire(exclusive=False, blocking=False):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, 0.02)
+    return True

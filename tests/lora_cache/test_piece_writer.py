@@ -60,10 +60,29 @@ def test_pieces_that_finish_out_of_order_are_handed_back_in_order():
     for i, future in enumerate(futures):
         released.issued(10 * i, 10 * (i + 1))
         future.add_done_callback(lambda f, start=10 * i: released.done(start, f))
+    released.summed(30)
     futures[1].set_result(None)
     futures[2].set_result(None)
     assert handoff._released == 0  # the first piece is still on its way: nothing may be overwritten
     futures[0].set_result(None)
+    assert handoff._released == 30
+
+
+def test_a_written_piece_goes_back_only_once_it_is_checksummed():
+    """The checksum of a piece is taken after it is issued: the merge may not overwrite
+    bytes the checksum has yet to read, even when the disk has them already."""
+    handoff = Handoff(30)
+    released = _Released(handoff)
+    futures = [Future() for _ in range(3)]
+    for i, future in enumerate(futures):
+        released.issued(10 * i, 10 * (i + 1))
+        future.add_done_callback(lambda f, start=10 * i: released.done(start, f))
+    for future in futures:
+        future.set_result(None)
+    assert handoff._released == 0
+    released.summed(10)
+    assert handoff._released == 10
+    released.summed(30)
     assert handoff._released == 30
     failed = Handoff(20)
     released = _Released(failed)

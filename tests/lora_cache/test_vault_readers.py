@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import torch
 
@@ -90,3 +91,44 @@ def test_a_layer_changed_since_its_seal_opens_exclusively_is_verified_and_then_r
         handle.write(byte)
     assert _other_process(tmp_path / "root") == {"kind": "VaultSession", "verified": 1, "equal": True}
     assert _other_process(tmp_path / "root") == {"kind": "SealedSession", "verified": 0, "equal": True}
+
+
+_HOLD = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def _held_exclusively(path: str, seconds: float) -> subprocess.Popen:
+    """Another process holding the lock file ``path`` exclusively for ``seconds``, then exiting."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, path, str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_reader_arriving_as_another_leaves_still_maps_shared(tmp_path):
+    """A reader leaving removes the lock file under the lock held exclusively for an instant:
+    one arriving then asks again for a moment instead of opening the plain way (where it
+    waited and adopted), and one that finds a writer holding on lets go and answers None."""
+    from hostmem.vault.readers import DEPARTING_READER_S, open_sealed
+
+    vault, key, tensors = _built(tmp_path)
+    path = lock_path(vault.cache, key.hex)
+    holder = _held_exclusively(path, DEPARTING_READER_S / 10)
+    try:
+        session = open_sealed(vault, key.hex, {}, expected_of(tensors))
+        assert isinstance(session, SealedSession)
+        session.close()
+    finally:
+        holder.wait(timeout=30)
+    writer = _held_exclusively(path, 30)
+    try:
+        started = time.monotonic()
+        assert open_sealed(vault, key.hex, {}, expected_of(tensors)) is None
+        assert DEPARTING_READER_S <= time.monotonic() - started < 10
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
