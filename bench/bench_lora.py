@@ -159,30 +159,48 @@ def _raw_write(folder: str, nbytes: int, direct: bool, chunk: int = 64 << 20) ->
     cache writes; else through the page cache (what ``dd conv=fsync`` measures). Whatever
     the cache does to go faster, the baseline does too.
     """
-    from hostmem.safetensors_map import advise_huge_pages
-
-    buffer = mmap.mmap(-1, chunk, flags=mmap.MAP_PRIVATE)
-    advise_huge_pages(buffer)
-    buffer.write(os.urandom(chunk))
-    view = memoryview(buffer)
+    view = random_buffer(chunk)
     path = os.path.join(folder, "raw-write.bin")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
     if direct:
         nbytes = -(-nbytes // 4096) * 4096  # O_DIRECT writes whole pages
     started = time.perf_counter()
+    try:
+        written = write_file(path, nbytes, view, direct)
+    finally:
+        seconds = time.perf_counter() - started
+        os.unlink(path)
+    return {"seconds": seconds, "bytes": written}
+
+
+def random_buffer(nbytes: int) -> memoryview:
+    """``nbytes`` of random data on huge pages (so each O_DIRECT request is as large as the
+    disk takes), touched before any clock starts."""
+    from hostmem.safetensors_map import advise_huge_pages
+
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    advise_huge_pages(buffer)
+    buffer.write(os.urandom(nbytes))
+    return memoryview(buffer)
+
+
+def write_file(path: str, nbytes: int, view: memoryview, direct: bool, ready=None) -> int:
+    """Write ``nbytes`` to a new ``path`` from ``view`` over and over, then fsync; with
+    ``direct``, O_DIRECT into blocks allocated up front. ``ready`` (a barrier) is waited
+    on once the file is open and allocated. Returns the bytes written."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if direct:
             os.posix_fallocate(fd, 0, nbytes)
+        if ready is not None:
+            ready.wait()
         written = 0
         while written < nbytes:
-            written += os.pwrite(fd, view[: min(chunk, nbytes - written)], written)
+            written += os.pwrite(fd, view[: min(len(view), nbytes - written)], written)
         os.fsync(fd)
     finally:
         os.close(fd)
-        seconds = time.perf_counter() - started
-        os.unlink(path)
-    return {"seconds": seconds, "bytes": written}
+    return written
 
 
 def _write_path(shards: list[str], root: str) -> dict:
@@ -194,17 +212,19 @@ def _write_path(shards: list[str], root: str) -> dict:
 
     named = [item for path in shards for item in load_readonly(path).items()]
     out = Scratch("cpu")
-    seconds = written = 0
+    seconds = cpu = written = 0
     session = Vault(root).open("0" * 64)  # a key of its own, removed before the next run
     for name, tensor in named:
         ready = out.take(tuple(tensor.shape), tensor.dtype).copy_(tensor)  # not timed: the build's cast
-        started = time.perf_counter()
+        started, used = time.perf_counter(), time.process_time()
         session.put(name, ready)
         seconds += time.perf_counter() - started
+        cpu += time.process_time() - used
         written += tensor.numel() * tensor.element_size()
-    started = time.perf_counter()
+    started, used = time.perf_counter(), time.process_time()
     session.close()  # the manifest and the folder's fsync
-    return {"seconds": seconds + time.perf_counter() - started, "bytes": written}
+    return {"seconds": seconds + time.perf_counter() - started, "bytes": written,
+            "cpu_seconds": cpu + time.process_time() - used}
 
 
 def _arithmetic(shards: list[str], adapter: str, root: str) -> dict:
@@ -221,13 +241,14 @@ def _arithmetic(shards: list[str], adapter: str, root: str) -> dict:
     work, out = Scratch("cpu"), Scratch("cpu")
     work.reserve(2 * largest)  # more than the fp32 blocks need
     out.reserve(largest)
-    started = time.perf_counter()
+    started, used = time.perf_counter(), time.process_time()
     with block_workers(work.device) as workers:
         for target in targets:
             base = target.current
             kernel = plan.kernel_for(tuple(base.shape), base.dtype, target.deltas, "cpu")
             compute_merged(target, out.take(tuple(base.shape), base.dtype), work, workers, kernel=kernel)
     return {"seconds": time.perf_counter() - started, "bytes": sum(t.nbytes for t in targets),
+            "cpu_seconds": time.process_time() - used,
             "kernels": plan.describe() or "fp32-rows (no choice)", "wisdom": _wisdom(root)}
 
 

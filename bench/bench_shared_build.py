@@ -17,38 +17,38 @@ runs one process per GPU. Side by side in one run:
   torch's own operations included: before, every rank started a worker per core and ran
   the adapter's finiteness check on torch's full OpenMP pool, so four ranks put four
   times the threads on the cores and the check alone stalled for seconds at OpenMP's
-  barriers. How the ratio scales with cores: the build is the same bytes summed,
-  checksummed and written whether one rank does it or four, so by core count alone,
-  where one rank already keeps every core busy (2 cores: it sums on both), the sum
-  cannot get faster by sharing. Measured, its part is below 1 even on 2 cores (0.4 to
-  0.6 here): a rank alone leaves the cores idle while each layer's write and seal wait
-  on the disk, which four ranks overlap, and a rank alone folds the base's content hash
-  into its build (``hostmem.vault.fold``), where the shared build's ranks hash the
-  inputs together before the shares start (every rank needs the key to split the
-  work; each hashes a disjoint set of files), so that hash counts as the shared
-  build's overhead. The bench measures the split: the sum is the
+  barriers. How the ratio scales with cores: the build is the same bytes hashed, summed,
+  checksummed and written whether one rank does it or four, so the bench measures both
+  bounds beside it: the disk's (the same bytes written raw, by one writer and by four at
+  once) and the CPU's (the rank alone's CPU time, every thread's, over the cores). No
+  shared build goes below the larger of the two, however it splits the work; on 2 cores
+  the rank alone already keeps both cores busy most of its time (its CPU time over 2 is
+  about 0.8 of its wall time here), so the goal of 0.6 is out of reach there, and the
+  ranks' own costs (four processes, four output buffers faulted in, their meetings)
+  put the shared build above the rank alone. The bench splits the ratio: the sum is the
   slowest rank's own build (its ``MergeStats.seconds``: summing, checksumming and
   writing its share, and mapping), the overhead the rest of its wall time (hashing the
-  inputs for the key, planning the kernels, the ranks' meetings, waiting for the slowest
-  share, sealing), each over one rank alone's wall time; the rank alone's own split is
-  shown beside it. The ranks map the sealed combination at once, under the key's lock
-  held shared (they took it exclusively, one after the other, before). On a host busy
-  with other work the ratio swings either way: one rank alone runs torch's operations
-  on the full OpenMP pool, which stalls whenever another process holds a core, while
-  the ranks run one thread each. The sum's part falls for good once the ranks bring
-  compute one rank alone leaves idle: a rank alone sums on at most 8 workers
-  (``MAX_WORKERS``), so on C cores it is about min(C, 8) / min(C, 8 R) of the disk-free
-  sum (1 up to 8 cores, 0.25 with 4 ranks on 32 cores), and with a GPU per rank
-  (``device=``) about 1 / R, until the disk's write rate is the bound; the overhead's
-  part is about the key's hash over a rank alone's time, and shrinks as the hash gets
-  faster per core.
+  inputs for the key, the ranks' meetings, waiting for the slowest share, sealing),
+  each over one rank alone's wall time; the rank alone's own split is shown beside it.
+  A rank alone folds the base's content hash into its build (``hostmem.vault.fold``);
+  the ranks of a shared build hash the inputs together before the shares start, each a
+  disjoint set of files, and fold the base's hash into their shares only where hashing
+  first would leave cores idle (``lora_cache.shared_fold.fold_pays``: here four shards
+  and four ranks fill both cores, and folding measured slower). The ranks map the sealed
+  combination at once, under the key's lock held shared. The sum's part falls once the
+  ranks bring compute one rank alone leaves idle: a rank alone sums on at most 8
+  workers (``MAX_WORKERS``), so on C cores it is about min(C, 8) / min(C, 8 R) of the
+  disk-free sum (1 up to 8 cores, 0.25 with 4 ranks on 32 cores), and with a GPU per
+  rank (``device=``) about 1 / R, until the disk's write rate is the bound.
   The non-reclaimable figures include each
   rank's own heap (torch, Python: about 150 MiB here), which the cache does not remove,
   so the memory ratio falls toward 0 as the model grows (from the figures at 256 MiB per
   rank, about 600 MiB of heaps for four ranks, it should meet its goal from about 512 MiB
   per rank).
 
-The page cache of the checkpoint is warm for every scenario (read once first).
+The page cache of the checkpoint is warm for every scenario (read once first), and the
+kernels are timed into each cache root before the clock starts (once per machine, not
+per start: a server's root keeps the timings).
 
     .venv/bin/python bench/bench_shared_build.py                 # 4 ranks, 1 GiB
     .venv/bin/python bench/bench_shared_build.py --quick         # 64 MiB smoke run
@@ -103,7 +103,7 @@ def _rank(rank: int, world: int, port: int, shards: list[str], adapter: str, fol
                             timeout=datetime.timedelta(seconds=1800))
     model = _load(shards, private=kind == "in_place")
     root = os.path.join(folder, "cache") if kind == "cache" else None
-    _ready(model, adapter)
+    _ready(model, adapter, root)
     dist.barrier()  # every rank starts its merge at once
     started = time.perf_counter()
     stats = lora_cache.merge(model, [adapter], cache_root=root, enabled=root is not None, base_files=shards,
@@ -119,12 +119,17 @@ def _rank(rank: int, world: int, port: int, shards: list[str], adapter: str, fol
     dist.destroy_process_group()
 
 
-def _ready(model, adapter: str) -> None:
+def _ready(model, adapter: str, root: str | None) -> None:
     """Read the adapter and resolve its keys once, untimed: the imports this pulls in (and
-    four ranks pulling them in at once on two cores) are not the build, alone or shared."""
+    four ranks pulling them in at once on two cores) are not the build, alone or shared.
+    With a cache ``root``, the kernels are timed into it too (kept there: once per
+    machine, not per start, as bench_lora's first starts have them)."""
+    from lora_cache.kernels import plan_for_targets
     from lora_cache.orchestrate import plan_targets
 
-    plan_targets(model, [adapter])
+    targets, _ = plan_targets(model, [adapter])
+    if root is not None:
+        plan_for_targets(targets, "cpu", root)
 
 
 def _alone(shards: list[str], adapter: str, folder: str) -> dict:
@@ -144,12 +149,13 @@ def _alone_child(shards: list[str], adapter: str, folder: str) -> None:
     from bench_lora import _load
 
     model = _load(shards, private=False)
-    _ready(model, adapter)
-    started = time.perf_counter()
-    stats = lora_cache.merge(model, [adapter], cache_root=os.path.join(folder, "cache"), base_files=shards,
-                             progress=False)
+    root = os.path.join(folder, "cache")
+    _ready(model, adapter, root)
+    started, used = time.perf_counter(), time.process_time()
+    stats = lora_cache.merge(model, [adapter], cache_root=root, base_files=shards, progress=False)
     with open(os.path.join(folder, "alone.json"), "w") as handle:
-        json.dump({"seconds": time.perf_counter() - started, "build_seconds": stats.seconds}, handle)
+        json.dump({"seconds": time.perf_counter() - started, "build_seconds": stats.seconds,
+                   "cpu_seconds": time.process_time() - used}, handle)  # every thread's CPU time
 
 
 def _ranks(kind: str, shards: list[str], adapter: str, folder: str) -> dict:
@@ -157,6 +163,33 @@ def _ranks(kind: str, shards: list[str], adapter: str, folder: str) -> dict:
     mp.spawn(_rank, args=(RANKS, _free_port(), shards, adapter, folder, kind), nprocs=RANKS, join=True)
     with open(os.path.join(folder, f"{kind}.json")) as handle:
         return json.load(handle)
+
+
+def _raw_writes(folder: str, nbytes: int, writers: int) -> float:
+    """Seconds for ``writers`` threads to write ``nbytes`` together (a share each, to a file
+    each, O_DIRECT from huge pages, then fsync, as the cache writes): the disk's bound for
+    a build of ``nbytes`` by that many ranks, whatever they compute."""
+    import threading
+
+    from bench_lora import random_buffer, write_file
+
+    share = -(-nbytes // writers // 4096) * 4096
+    view, start = random_buffer(64 << 20), threading.Barrier(writers + 1)
+
+    def write(i: int) -> None:
+        write_file(os.path.join(folder, f"raw-{i}.bin"), share, view, True, ready=start)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(writers)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    began = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - began
+    for i in range(writers):
+        os.unlink(os.path.join(folder, f"raw-{i}.bin"))
+    return seconds
 
 
 def _warm(paths: list[str]) -> None:
@@ -175,13 +208,18 @@ def main() -> None:
         shards, adapter = write_model(args.workdir, args.size_bytes)
         _warm([*shards, adapter])
         in_place = _ranks("in_place", shards, adapter, os.path.join(args.workdir, "in-place"))
+        disk = {"one": [], "all": []}
+        disk["one"].append(_raw_writes(args.workdir, args.size_bytes, 1))
         alone = _alone(shards, adapter, os.path.join(args.workdir, "alone"))
         shutil.rmtree(os.path.join(args.workdir, "alone"))  # its disk space back before the shared build
+        disk["all"].append(_raw_writes(args.workdir, args.size_bytes, RANKS))
         cached = _ranks("cache", shards, adapter, os.path.join(args.workdir, "shared"))
+        disk["all"].append(_raw_writes(args.workdir, args.size_bytes, RANKS))
+        disk["one"].append(_raw_writes(args.workdir, args.size_bytes, 1))
     finally:
         if tmp is not None:
             tmp.cleanup()
-    _report(args.size_bytes, in_place, cached, alone)
+    _report(args.size_bytes, in_place, cached, alone, {k: min(v) for k, v in disk.items()})
 
 
 def _split(cached: dict, alone: dict) -> dict:
@@ -194,7 +232,7 @@ def _split(cached: dict, alone: dict) -> dict:
             "alone_overhead_part": (alone["seconds"] - alone["build_seconds"]) / wall}
 
 
-def _report(size: int, in_place: dict, cached: dict, alone: dict) -> None:
+def _report(size: int, in_place: dict, cached: dict, alone: dict, disk: dict) -> None:
     memory = cached["memory"]["non_reclaimable"] / max(1, in_place["memory"]["non_reclaimable"])
     split = _split(cached, alone)
     from lora_cache.kernels.workers import worker_count
@@ -215,6 +253,15 @@ def _report(size: int, in_place: dict, cached: dict, alone: dict) -> None:
         f"meetings, waiting for the slowest share, seal, mapping: {cached['seconds'] - cached['build_seconds']:.2f} "
         f"s, against {alone['seconds'] - alone['build_seconds']:.2f} s alone): {split['overhead_part']:.2f} "
         f"(alone: {split['alone_sum_part']:.2f} + {split['alone_overhead_part']:.2f})",
+        f"  the disk's bound: it writes {format_size(size)} in {disk['one']:.2f} s from one writer, "
+        f"{disk['all']:.2f} s from {RANKS} at once (O_DIRECT, best of two each, beside the builds), so no "
+        f"shared build of these bytes takes under {disk['all'] / max(alone['seconds'], 1e-9):.2f} of the rank "
+        f"alone's time, whatever it computes; the rank alone took {alone['seconds'] / max(disk['one'], 1e-9):.2f}"
+        f"x its own bound",
+        f"  the CPU's bound: the rank alone's start took {alone['cpu_seconds']:.2f} core-seconds (hashing the "
+        f"base, summing, checksumming, writing); the same work on {cores} cores takes at least "
+        f"{alone['cpu_seconds'] / cores:.2f} s, {alone['cpu_seconds'] / cores / max(alone['seconds'], 1e-9):.2f} of "
+        f"the rank alone's time, however it is shared",
         f"summing threads: {RANKS} ranks x {threads} in the shared build, {worker_count()} for the rank alone; "
         f"cores they keep busy: {busy_shared} against {busy_alone}, so by core count the sum's part would be about "
         f"{busy_alone / busy_shared:.2f} here (see the module's note for other core counts)",
@@ -229,6 +276,9 @@ def _report(size: int, in_place: dict, cached: dict, alone: dict) -> None:
         "first_start_ratio": split["ratio"], "first_start_sum_part": split["sum_part"],
         "first_start_overhead_part": split["overhead_part"], "built_by_rank0": cached["built"],
         "layers": cached["layers"], "precision": cached["memory"]["precision"],
+        "raw_write_one_writer_seconds": disk["one"], "raw_write_all_ranks_seconds": disk["all"],
+        "disk_bound_ratio": disk["all"] / max(alone["seconds"], 1e-9), "alone_cpu_seconds": alone["cpu_seconds"],
+        "cpu_bound_ratio": alone["cpu_seconds"] / cores / max(alone["seconds"], 1e-9),
     })
 
 

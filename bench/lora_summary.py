@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 
 from common import format_size, report
@@ -24,6 +25,16 @@ def _bound(best: dict, raw_rate: float, by_round: list[float], by_round_sum: lis
     return {"build_bound": "disk", "build_over_bound": statistics.median(by_round), "build_goal": 0.8}
 
 
+def _cpu_bound(runs: dict) -> list[float]:
+    """Per round, the rate the CPU alone allows a build: the CPU time the arithmetic and the
+    write path took (every thread of each, process time) shared over the machine's cores.
+    Summing and writing run on the same cores, so where this is near the raw write's rate,
+    neither bound is reached: each takes the cores the other would use."""
+    cores = os.cpu_count() or 1
+    return [a["bytes"] / ((a["cpu_seconds"] + w["cpu_seconds"]) / cores)
+            for a, w in zip(runs["arithmetic"], runs["write_path"])]
+
+
 def build_verdict(runs: dict, requests: dict, rounds: int) -> tuple[dict, list[str], dict]:
     """The build rounds judged: ``(ratios, lines, figures)`` (figures: the JSON's, bytes)."""
     rates = {kind: [_rate(run) for run in found] for kind, found in runs.items()}
@@ -36,6 +47,10 @@ def build_verdict(runs: dict, requests: dict, rounds: int) -> tuple[dict, list[s
     by_round = [b / max(d, f) for b, d, f in zip(rates["build"], rates["direct"], rates["buffered"])]
     by_round_sum = [b / a for b, a in zip(rates["build"], rates["arithmetic"])]
     bound = _bound(best, raw_rate, by_round, by_round_sum)
+    cpu_rates = _cpu_bound(runs)
+    tighter = [min(c, max(d, f)) for c, d, f in zip(cpu_rates, rates["direct"], rates["buffered"])]
+    by_round_tighter = [b / t for b, t in zip(rates["build"], tighter)]
+    cpu_per_gib = [(1 << 30) / c * (os.cpu_count() or 1) for c in cpu_rates]
     ratios = {
         "build_over_bound": bound["build_over_bound"],
         "build_over_raw_write": statistics.median(by_round),
@@ -45,6 +60,7 @@ def build_verdict(runs: dict, requests: dict, rounds: int) -> tuple[dict, list[s
         "write_path_over_raw_write": best["write_path"] / raw_rate,
         "arithmetic_over_raw_write": best["arithmetic"] / raw_rate,
         "build_over_buffered_write": build_rate / best["buffered"],
+        "build_over_tighter_of_disk_and_cpu": statistics.median(by_round_tighter),
     }
     arithmetic = runs["arithmetic"][-1]
     timings = "; ".join(f"{cls}: " + ", ".join(f"{k} {v:.2f} s/GiB" for k, v in entry["seconds_per_gib"].items())
@@ -66,6 +82,11 @@ def build_verdict(runs: dict, requests: dict, rounds: int) -> tuple[dict, list[s
         f"{ratios['write_path_over_raw_write']:.2f}; its arithmetic alone (no disk) -> ratio "
         f"{ratios['arithmetic_over_raw_write']:.2f}",
         f"  build / buffered write + fsync {ratios['build_over_buffered_write']:.2f}",
+        f"  the CPU's bound: summing and writing took {statistics.median(cpu_per_gib):.2f} core-seconds per GiB, "
+        f"so {os.cpu_count()} cores allow {format_size(statistics.median(cpu_rates))}/s (median by round, "
+        f"against the raw write's {format_size(statistics.median(rates['direct']))}/s); build / the tighter of "
+        f"the two, round by round: {', '.join(f'{r:.2f}' for r in by_round_tighter)}  -> median "
+        f"{ratios['build_over_tighter_of_disk_and_cpu']:.2f}",
         *(f"  every {kind} run: {_rates(found)}" for kind, found in rates.items()),
         *(["  the disk's average write request: " + ", ".join(
             f"{kind} {format_size(size)}" for kind, size in request_bytes.items())] if request_bytes else []),
@@ -74,7 +95,8 @@ def build_verdict(runs: dict, requests: dict, rounds: int) -> tuple[dict, list[s
         "build_bound": bound["build_bound"], "kernels": arithmetic["kernels"], "kernel_wisdom": arithmetic["wisdom"],
         "build_bytes_per_s": build_rate, "raw_write_bytes_per_s": raw_rate, "runs_bytes_per_s": rates,
         "build_over_raw_write_by_round": by_round, "build_over_arithmetic_by_round": by_round_sum,
-        "average_write_request_bytes": request_bytes,
+        "average_write_request_bytes": request_bytes, "cpu_bound_bytes_per_s": cpu_rates,
+        "cpu_seconds_per_gib": cpu_per_gib,
         "build_seconds": min(b["stats"]["seconds"] for b in runs["build"]),
     }
     return ratios, lines, figures

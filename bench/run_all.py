@@ -34,7 +34,9 @@ BENCHES = (
      "write (into blocks allocated up front, from a buffer on huge pages) of the same bytes (the "
      "build), run in five rounds in a rotating order, the build judged against the same round's raw "
      "write; the arithmetic alone, with the kernel the build chose (where it is slower than the disk "
-     "the sum bounds the build, and the build is judged against it). Each layer's kernel (torch's "
+     "the sum bounds the build, and the build is judged against it); and the CPU's bound, the CPU "
+     "time of the arithmetic and of the write path over the cores (summing and writing share the "
+     "cores: where the two bounds are near, the build reaches neither). Each layer's kernel (torch's "
      "bf16 addmm in one pass, or the fp32 sum in row blocks then one cast) is chosen by timing both on "
      "this machine once and remembered under the cache root; the key names it. The build streams each "
      "layer to disk while it is summed, through one output buffer on 2 MiB pages that the next layer "
@@ -54,8 +56,9 @@ BENCHES = (
      "start holds one layer's merge buffers by design."),
     ("bench_switch.py", "Switching adapters: cached, at run time, against peft and diffusers", ""),
     ("bench_shared_build.py", "Several ranks on one host: one merged copy, a build they share",
-     "On 2 cores one rank alone already sums on both cores, so the ranks of a shared build share the "
-     "same cores: its gain grows with a core or a GPU per rank, until the disk bounds the build."),
+     "On 2 cores one rank alone already keeps both cores busy most of its time (the CPU's bound line), "
+     "so the ranks of a shared build share the same cores and pay for four processes: its gain grows "
+     "with a core or a GPU per rank, until the disk bounds the build (the disk's bound line)."),
     ("bench_vault_hit.py", "A cache hit in the vault: open, map every layer, close", ""),
     ("bench_cli.py", "Light commands: start-up against `python -c pass`", ""),
 )

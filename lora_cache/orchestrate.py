@@ -31,7 +31,7 @@ from .shared_build import DEFAULT_TIMEOUT, build_shares, check_rank_timeout, dis
 from .switch import DISABLE_ENV, cache_disabled_by_env
 from .tp_shards import check_shards, full_shapes, shape_notes, split_shards
 from hostmem.vault import CacheKey, Vault, cache_key
-from hostmem.vault.fold import FoldedSession, plan_fold
+from hostmem.vault.fold import FoldedSession, plan_fold, wait_for_a_folded_build
 from hostmem.vault.roots import cache_roots, open_in_roots
 from hostmem.vault.safety import root_is_read_only
 
@@ -258,10 +258,11 @@ def open_combination(planned, specs, cache_root=None, *, max_size=None, base_fil
     rest = _inputs_but_base(keyer, files, specs, {t.current.dtype for t in host}, device, kernels, sharding)
     expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in host}
     fold = plan_fold(vaults, shards, *rest)  # a new base: hashed beside the build, when no root can hold it
-    if fold is not None:
-        session = fold.open(expected, _base_positions(host, fold.paths, space))
+    session = fold.open(expected, _base_positions(host, fold.paths, space)) if fold is not None else None
+    if session is not None:
         return OpenCombination(session.key, session.vault.root, session)
-    key = cache_key(keyer.base_identity(shards), *rest)
+    wait_for_a_folded_build(vaults, shards, rest)  # one building it still: it names it by the real key soon
+    key = cache_key(keyer.base_identity(shards), *rest)  # from the memo where another start hashed it meanwhile
     vault, session = open_in_roots(vaults, key, expected)
     return OpenCombination(key.hex, vault.root, session)
 

@@ -230,6 +230,27 @@ def _key_of(vaults: list[Vault], targets, files, specs, base_files, device, kern
     return combination_key(_keyer(vaults), files, specs, shards, {t.current.dtype for t in targets}, device, kernels)
 
 
+def _key_or_fold(vaults, targets, files, specs, base_files, device, kernels, index: int, count: int,
+                 timeout: float):
+    """``(key, None)`` with every input hashed first, together; or ``(provisional key,
+    SharedFold)`` where the ranks hash the base beside their shares
+    (:mod:`lora_cache.shared_fold`). A collective."""
+    from .orchestrate import _inputs_but_base, base_shards  # orchestrate imports this module
+    from .shared_fold import fold_pays, plan_shared_fold
+
+    memo_file = _keyer(vaults).memo_file
+    shards = base_shards(targets, base_files, AddressSpace())
+    if fold_pays(len(shards), count, os.cpu_count() or 1):  # the same on every rank of the host
+        _hash_inputs(sorted({os.path.realpath(os.fspath(f.path)) for f in files}), index, count, memo_file, timeout)
+        rest = _inputs_but_base(_keyer(vaults), files, specs, {t.current.dtype for t in targets}, device, kernels,
+                                "")
+        fold = plan_shared_fold(vaults, shards, rest, index, count, _split_files, timeout)
+        if fold is not None:
+            return fold.key, fold
+    _hash_inputs(_input_files(targets, files, base_files), index, count, memo_file, timeout)
+    return _key_of(vaults, targets, files, specs, base_files, device, kernels), None  # from the digests
+
+
 def _input_files(targets, files, base_files) -> list[str]:
     """The files whose content digests the key is made of: the base's shards holding the
     targets, and the adapters."""
@@ -305,23 +326,30 @@ def build_shares(targets: list[LayerTarget], files, specs, roots: list[str], max
     ranks = [rank for rank, _ in gather_on_host(None, timeout=timeout, what="start a shared LoRA merge build")]
     index, count = ranks.index(dist.get_rank()), len(ranks)
     vaults = [Vault(root, max_size) for root in roots]
-    _hash_inputs(_input_files(targets, files, base_files), index, count, _keyer(vaults).memo_file, timeout)
-    key = _key_of(vaults, targets, files, specs, base_files, device, kernels)  # from the digests: no rehash
+    key, fold = _key_or_fold(vaults, targets, files, specs, base_files, device, kernels, index, count, timeout)
     expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in targets}
+    if fold is not None and index == 0:
+        fold.mark()  # before any rank can write a share there (the others wait in the meeting below)
     anywhere, build_here, todo = _agree(dist, vaults, key, expected, index == 0)
     if not anywhere:
         return None
     writable = next((v for v in vaults if not v.read_only), None)
     mine = split_by_bytes([t for t in targets if t.name in todo], count)[index]
     started = time.monotonic()
+    if fold is not None:
+        fold.start()  # this rank's shards of the base, hashed beside its share
     outcome = _build_share(writable, key, mine, index, count, device, kernels, progress, rank_threads(count))
-    finished = gather_on_host({"built": outcome.built, "written": outcome.written}, timeout=timeout,
+    finished = gather_on_host({"built": outcome.built, "written": outcome.written,
+                               "hashed": fold.hashed() if fold is not None else None}, timeout=timeout,
                               what=f"finish the shared build of LoRA merge cache {key.hex[:12]}")
+    real = fold.real_key([p["hashed"] for _, p in finished]) if fold is not None else None
     if build_here and index == 0:
         trusted = vouch_for(writable, key.hex, [w for _, p in finished for w in p["written"]])
-        with writable.open(key, expected):  # adopts the shares' files as vouched for, seals the manifest
-            pass
-        say(f"LoRA merge cache {key.hex[:12]}: {count} ranks built {sum(p['built'] for _, p in finished)} "
-            f"layers in {time.monotonic() - started:.1f} s ({trusted} sealed and checksummed as written)")
+        with writable.open(key, expected) as session:  # adopts the shares' files as vouched for, seals
+            if real is not None:
+                session.after_seal = fold.rekey_after_seal(real)  # then names it by its real key
+        say(f"LoRA merge cache {(real or key).hex[:12]}: {count} ranks built {sum(p['built'] for _, p in finished)} "
+            f"layers in {time.monotonic() - started:.1f} s ({trusted} sealed and checksummed as written"
+            f"{', the base hashed beside them' if real is not None else ''})")
     gather_on_host(None, timeout=timeout, what=f"seal the shared build of LoRA merge cache {key.hex[:12]}")
     return outcome

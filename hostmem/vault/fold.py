@@ -31,11 +31,14 @@ from .content_hash import CONTENT_HASH_MEMO, file_digest
 from .durable import remove_tree
 from .identity import (CacheKey, base_identity_of, cache_key, key_inputs, provisional_key, same_but_base_digests,
                        shard_identity)
+from .combinations import lock_path
+from .locks import KeyLock, lock_is_held
 from .manifest import read_manifest
 from .provisional import mark_provisional
 from .rekey import rekey
+from .session import say
 
-__all__ = ["FOLD_WINDOW", "Fold", "FoldedSession", "plan_fold"]
+__all__ = ["FOLD_WINDOW", "Fold", "FoldedSession", "plan_fold", "wait_for_a_folded_build"]
 
 FOLD_WINDOW = 256 * 1024 * 1024  # how far the hasher reads ahead of the build (None: no limit)
 _DEFAULT = object()
@@ -124,7 +127,9 @@ class Fold:
         return [path for path, _, _ in self.shards]
 
     def open(self, expected: dict, positions: dict[str, int | None], window=_DEFAULT):
-        """The provisional session, its hasher started; ``positions``: where each layer's
+        """The provisional session, its hasher started (None where another start built and
+        re-keyed this combination while this one waited: :meth:`hashed_meanwhile`; the
+        key is then known); ``positions``: where each layer's
         base starts in the shards laid end to end, in :attr:`shards`' order (None where
         unknown: then the hasher is not held back); ``window``: how far the hasher may
         read ahead of the layer being built (default :data:`FOLD_WINDOW`; 0: only what
@@ -132,6 +137,9 @@ class Fold:
         window = FOLD_WINDOW if window is _DEFAULT else window
         key = provisional_key(self.inputs, [stamp for _, stamp, _ in self.shards])
         session = self.writable.open(key, expected)  # a dead builder's leftover is dropped here
+        if session.stats["lock_wait_seconds"] > 0 and not session.layers and self.hashed_meanwhile():
+            session.close()  # nothing in it: its folder goes
+            return None
         try:
             mark_provisional(session.folder, key.hex, [path for path, _, _ in self.shards])
         except BaseException:
@@ -147,6 +155,17 @@ class Fold:
         hasher.start()
         return FoldedSession(session, self, hasher, cursor, positions)
 
+    def hashed_meanwhile(self) -> bool:
+        """Every shard's digest is memoised now, with the stamp it had when this start
+        planned to fold: another start on the same base built under the same provisional
+        key while this one waited for its lock, and has re-keyed it since. This start then
+        opens the real key (a hit) instead of building it a second time."""
+        for path, stamp, _ in self.shards:
+            now, digest = CONTENT_HASH_MEMO.known(path, self.writable.memo_file)
+            if digest is None or now != list(stamp):
+                return False
+        return True
+
     def real_key(self, digests: list[str]) -> CacheKey:
         shards = [shard_identity(path, stamp, d) for (path, stamp, _), d in zip(self.shards, digests)]
         return cache_key(base_identity_of(shards), *self.rest)
@@ -159,18 +178,46 @@ def plan_fold(vaults: list, shard_paths: list[str], adapters: list[dict], target
     writable = next((v for v in vaults if not v.read_only), None)
     if writable is None or not shard_paths:
         return None
-    shards = []
-    for path in shard_paths:
-        resolved = os.path.realpath(os.fspath(path))
-        shards.append((resolved, *CONTENT_HASH_MEMO.known(resolved, writable.memo_file)))
+    shards, inputs = _shards_and_inputs(writable, shard_paths, (adapters, target_dtype, merge_policy))
     if all(known is not None for _, _, known in shards):
         return None
-    listed = [{"path": p, "size": stamp[2], "mtime_ns": stamp[3]} for p, stamp, _ in shards]
-    inputs = key_inputs({"shards": listed}, adapters, target_dtype, merge_policy)
     for vault in vaults:
         if any(c.complete and same_but_base_digests(c.inputs, inputs) for c in vault.combinations()):
             return None
     return Fold(writable, vaults, shards, inputs, (adapters, target_dtype, merge_policy))
+
+
+def _shards_and_inputs(writable, shard_paths: list[str], rest: tuple) -> tuple[list, dict]:
+    """``([(path, stamp, memoised digest or None)], the key's inputs but the base's digests)``."""
+    shards = []
+    for path in shard_paths:
+        resolved = os.path.realpath(os.fspath(path))
+        shards.append((resolved, *CONTENT_HASH_MEMO.known(resolved, writable.memo_file)))
+    listed = [{"path": p, "size": stamp[2], "mtime_ns": stamp[3]} for p, stamp, _ in shards]
+    return shards, key_inputs({"shards": listed}, *rest)
+
+
+def wait_for_a_folded_build(vaults: list, shard_paths: list[str], rest: tuple) -> None:
+    """Wait while another start builds this combination under its provisional key.
+
+    That start folded the hash of this base and finished it (its digests are memoised,
+    which is how this start knows them), but it names its build by the real key only
+    once every layer is sealed: opening the real key meanwhile would build every layer a
+    second time beside it. So where the provisional key's lock is held, this start waits
+    for it; the combination is then under its real key, and this start maps it."""
+    writable = next((v for v in vaults if not v.read_only), None)
+    if writable is None or not shard_paths:
+        return
+    shards, inputs = _shards_and_inputs(writable, shard_paths, rest)
+    key = provisional_key(inputs, [stamp for _, stamp, _ in shards])
+    path = lock_path(writable.cache, key.hex)
+    if not os.path.exists(path) or not lock_is_held(path, shared_too=False):
+        return
+    say(f"{writable.label} {key.hex[:12]}: another start is building this combination while it hashes the "
+        "base; waiting for it, then using what it built")
+    lock = KeyLock(path)
+    lock.acquire(exclusive=False)  # granted once the builder has re-keyed and let go
+    lock.release_and_remove_if_alone()
 
 
 class FoldedSession:

@@ -247,3 +247,66 @@ def test_a_base_that_changes_while_it_is_hashed_fails_the_start_and_leaves_nothi
     served, stats = fresh_start(world.base, world.adapter, root)
     assert_same(served, expected)
     assert stats.built == LAYERS
+
+
+_MERGE_IN_CHILD = """
+import json, sys
+import lora_cache
+from lora_cache.layers import checkpoint_module
+model = checkpoint_module([sys.argv[1]])
+stats = lora_cache.merge(model, [sys.argv[2]], cache_root=sys.argv[3], progress=False)
+print(json.dumps({"built": stats.built, "hit": stats.hit, "key": stats.cache_key}))
+"""
+
+
+def test_a_start_waiting_on_a_folded_build_of_its_base_maps_what_it_built_instead_of_building_again(
+        tmp_path, monkeypatch):
+    """Two starts on a new base at once fold under the same provisional key: the second waits
+    for the first's lock, and once the first has re-keyed, it finds the base's digests in
+    the memo and opens the real key (a hit) instead of building every layer a second time."""
+    world = make_world(tmp_path)
+    expected, root = reference(world.base, world.adapter), world.path("root")
+    monkeypatch.setattr(fold, "FOLD_WINDOW", 0)  # the hash keeps behind the build: not done before it is
+    model, planned, session = open_folded(world, root)
+    _another_start_maps_the_build(world, root, model, planned, session, expected, "is in use by another process")
+
+
+def test_a_start_that_finds_the_base_hashed_waits_for_the_folded_build_still_under_way(tmp_path, monkeypatch):
+    """The first start's hash is done (the memo has the digest) but its build is not: a start
+    then knows the real key, which is not built yet; it waits for the provisional build
+    instead of building every layer beside it, and maps what that one re-keyed."""
+    world = make_world(tmp_path)
+    expected, root = reference(world.base, world.adapter), world.path("root")
+    monkeypatch.setattr(fold, "FOLD_WINDOW", None)  # the hash runs ahead, free
+    model, planned, session = open_folded(world, root)
+    memo_file = os.path.join(root, "lora_merge_cache", "content_hashes.json")
+    deadline = time.monotonic() + 60
+    while CONTENT_HASH_MEMO.known(world.base, memo_file)[1] is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _another_start_maps_the_build(world, root, model, planned, session, expected,
+                                  "another start is building this combination")
+
+
+def _another_start_maps_the_build(world, root, model, planned, session, expected, waits_with: str) -> None:
+    """Start a merge in a child process, see it wait (its first line says ``waits_with``),
+    build every layer in ``session`` meanwhile, and check the child built nothing: it
+    mapped the re-keyed combination, the only one left."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    other = subprocess.Popen([sys.executable, "-c", _MERGE_IN_CHILD, world.base, world.adapter, root], cwd=repo,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        waiting = other.stderr.readline()
+        assert waits_with in waiting, waiting + other.stderr.read()
+        with session:
+            merge_layers(session.in_file_order(planned[0]), session, progress=False, fallback=False)
+        out, err = other.communicate(timeout=120)
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()
+    assert other.returncode == 0, err
+    found = json.loads(out.strip().splitlines()[-1])
+    assert (found["built"], found["hit"], found["key"]) == (0, LAYERS, session.key), found
+    assert_same(dict(model.named_parameters()), expected)
+    assert [c.key for c in list_combinations(os.path.join(root, "lora_merge_cache"))] == [session.key]
+    assert not markers(root) and not leftovers(root)
