@@ -134,12 +134,17 @@ def save_file(
     path: str | os.PathLike,
     metadata: dict[str, str] | None = None,
     fsync: bool = False,
+    writeback: bool = False,
 ) -> int:
     """Write ``tensors`` to ``path`` in the safetensors format and return the bytes written.
 
     Streams each tensor's bytes straight from its memory (one CPU-contiguous tensor at
     a time), so writing a large layer needs no second copy; ``fsync=True`` makes the
-    file durable before returning. The header is padded so the data starts 8-aligned.
+    file durable before returning. ``writeback=True`` starts the disk on each chunk as
+    it is written (for gigabytes written in a row: left to the kernel's thresholds, the
+    writer fills the dirty limit, then waits on the disk in bursts; the demo's 5 GiB on
+    a virtual disk, five runs each, interleaved: 12-42 s, median 19 s, so; 14-17 s this
+    way). The header is padded so the data starts 8-aligned.
     """
     path = os.fspath(path)
     prepared = {}
@@ -163,8 +168,18 @@ def save_file(
     with open(path, "wb") as handle:
         handle.write(struct.pack("<Q", len(raw)))
         handle.write(raw)
-        for name in sorted(prepared):
-            handle.write(tensor_bytes(prepared[name]))
+        if writeback:
+            from hostmem.vault.durable import write_all  # only a long write pays its import
+
+            handle.flush()
+            at = 8 + len(raw)
+            for name in sorted(prepared):
+                data = tensor_bytes(prepared[name])
+                write_all(handle.fileno(), data, at, writeback=True)
+                at += len(data)
+        else:
+            for name in sorted(prepared):
+                handle.write(tensor_bytes(prepared[name]))
         handle.flush()
         if fsync:
             os.fsync(handle.fileno())
