@@ -66,18 +66,11 @@ class SealedSession(VaultSession):
         self.last_error = f"{self.vault.label} {self.key[:12]} changed while it was served ({reason})"
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._lease = None  # the views served keep it; the next plain session tidies the use file
-        try:
-            if not self.stats["dropped"]:
-                touch_use_time(self.folder)  # for the LRU order, as a plain session serving it unchanged does
-        finally:
-            try:
-                self._lock.release_and_remove_if_alone()  # other readers may still hold it
-            finally:
-                unclaim_in_process(self.key)
+        self._close_shared(self._record_use)
+
+    def _record_use(self) -> None:
+        if not self.stats["dropped"]:
+            touch_use_time(self.folder)  # for the LRU order, as a plain session serving it unchanged does
 
 
 def _vouched(folder: str, expected: dict) -> Adopted | None:

@@ -346,6 +346,22 @@ class VaultSession:
                 self._lock.release(remove=True)  # waiters see the file gone and take a fresh one
                 unclaim_in_process(self.key)
 
+    def _close_shared(self, tidy) -> None:
+        """Close a session that holds its key's lock shared (a reader, a share): ``tidy()``
+        first, then the lock, its file removed only where nobody else holds it. The views
+        served keep the use lease; the next plain session tidies the use file."""
+        if self._closed:
+            return
+        self._closed = True
+        self._lease = None
+        try:
+            tidy()
+        finally:
+            try:
+                self._lock.release_and_remove_if_alone()
+            finally:
+                unclaim_in_process(self.key)
+
     def _let_go_of_use(self) -> None:
         """Drop the session's hold on the use lock; remove its file when no view holds it."""
         path, self._lease = self._lease.path, None

@@ -62,18 +62,11 @@ class ShareSession(VaultSession):
         return done
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._lease = None  # the views served keep it; the next plain session tidies the use file
-        try:
-            if self._share_lock is not None:
-                self._share_lock.release(remove=True)
-        finally:
-            try:
-                self._lock.release_and_remove_if_alone()  # other shares may still hold it
-            finally:
-                unclaim_in_process(self.key)
+        self._close_shared(self._release_share_lock)
+
+    def _release_share_lock(self) -> None:
+        if self._share_lock is not None:
+            self._share_lock.release(remove=True)
 
 
 def _sealed_of_share(folder: str, expected: dict) -> dict[str, LayerEntry]:

@@ -53,13 +53,19 @@ def _in_thread(call, *args) -> tuple[threading.Thread, list]:
     return thread, outcome
 
 
-def test_pieces_that_finish_out_of_order_are_handed_back_in_order():
+def _three_pieces() -> tuple[Handoff, _Released, list[Future]]:
+    """A 30-byte handoff and its three 10-byte pieces, issued in order, none finished."""
     handoff = Handoff(30)
     released = _Released(handoff)
     futures = [Future() for _ in range(3)]
     for i, future in enumerate(futures):
         released.issued(10 * i, 10 * (i + 1))
         future.add_done_callback(lambda f, start=10 * i: released.done(start, f))
+    return handoff, released, futures
+
+
+def test_pieces_that_finish_out_of_order_are_handed_back_in_order():
+    handoff, released, futures = _three_pieces()
     released.summed(30)
     futures[1].set_result(None)
     futures[2].set_result(None)
@@ -71,12 +77,7 @@ def test_pieces_that_finish_out_of_order_are_handed_back_in_order():
 def test_a_written_piece_goes_back_only_once_it_is_checksummed():
     """The checksum of a piece is taken after it is issued: the merge may not overwrite
     bytes the checksum has yet to read, even when the disk has them already."""
-    handoff = Handoff(30)
-    released = _Released(handoff)
-    futures = [Future() for _ in range(3)]
-    for i, future in enumerate(futures):
-        released.issued(10 * i, 10 * (i + 1))
-        future.add_done_callback(lambda f, start=10 * i: released.done(start, f))
+    handoff, released, futures = _three_pieces()
     for future in futures:
         future.set_result(None)
     assert handoff._released == 0
