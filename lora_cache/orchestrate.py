@@ -27,7 +27,7 @@ from .keys import ModuleIndex, plan_deltas
 from .layer_loop import CacheBuildError, MergeStats, merge_layers
 from .layers import AddressSpace, LayerTarget, components_of, is_merged, named_parameters, unmerge
 from .merge_math import compute_device
-from .shared_build import DEFAULT_TIMEOUT, build_shares, check_rank_timeout, distributed_group
+from .process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
 from .switch import DISABLE_ENV, cache_disabled_by_env
 from .tp_shards import check_shards, full_shapes, shape_notes, split_shards
 from hostmem.vault import CacheKey, Vault, cache_key
@@ -322,7 +322,8 @@ def merge(
     off = why_in_place(enabled)
     roots = None if off else cache_roots(cache_root)
     # planned from conversion records where a start may be all hits (one process, whole layers)
-    memo_roots = roots if shards is None and distributed_group() is None else None
+    group = distributed_group()
+    memo_roots = roots if shards is None and group is None else None
     targets, files = plan_targets(model, specs, shards, memo_roots)
     split = split_shards(targets, roots is not None, base_files) if shards is not None else None
     if split is not None:  # tensor-parallel parts: whole layers for rows, the columns merged apart after
@@ -332,9 +333,12 @@ def merge(
     kernels = (split.choose_kernels(device, _writable_root(roots)) if split is not None  # timed once per machine
                else plan_for_targets(targets, device, _writable_root(roots)))
     shares = None
-    if roots and cache_targets:  # with a process group, the ranks of a host first build the misses together
-        shares = build_shares(cache_targets, files, specs, roots, max_size, base_files, device, kernels, progress,
-                              rank_timeout)
+    if roots and cache_targets:
+        if group is not None:  # the ranks of a host first build the misses together
+            from .shared_build import build_shares
+
+            shares = build_shares(cache_targets, files, specs, roots, max_size, base_files, device, kernels,
+                                  progress, rank_timeout)
         key, root, session_cm = open_combination((targets, files), specs, roots, max_size=max_size,
                                                  base_files=base_files, device=device, kernels=kernels)
         if isinstance(session_cm, FoldedSession):  # the one place the build's read order changes

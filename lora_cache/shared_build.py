@@ -44,7 +44,6 @@ never build twice: the second waits on the key's lock and adopts.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import socket
 import time
@@ -58,6 +57,7 @@ from hostmem.units import format_size
 from .kernels.workers import cpu_count, workers_at_most
 from .layer_loop import CacheBuildError, MergeStats, merge_layers
 from .layers import AddressSpace, LayerTarget
+from .process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
 from hostmem.vault import Vault, VaultError
 from hostmem.vault.adoption import shape_dtype_problem
 from hostmem.vault.content_hash import CONTENT_HASH_MEMO, file_digest
@@ -68,9 +68,6 @@ from hostmem.vault.shares import open_share, vouch_for
 
 __all__ = ["DEFAULT_TIMEOUT", "ShareOutcome", "build_shares", "check_rank_timeout", "split_by_bytes", "probe",
            "rank_threads"]
-
-DEFAULT_TIMEOUT = 600.0
-
 
 @dataclass
 class ShareOutcome:
@@ -92,27 +89,6 @@ class ShareOutcome:
         stats.built += moved
         stats.bytes_written += self.bytes_written
         stats.seconds += self.seconds
-
-
-def check_rank_timeout(value) -> float:
-    """``merge``'s ``rank_timeout``, the seconds a rank waits for the others at a gather, as
-    a float; a ValueError saying what to pass when it is not a finite number above 0."""
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = math.nan
-    if isinstance(value, bool) or not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"rank_timeout={value!r}: expected a number of seconds above 0 (for example 600)")
-    return seconds
-
-
-def distributed_group():
-    """``torch.distributed`` when a process group of two ranks or more is initialised, else None."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
-        return None
-    return dist
 
 
 def probe(vaults: list[Vault], key: str, expected: dict) -> tuple[bool, list[str]]:

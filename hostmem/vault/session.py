@@ -331,8 +331,7 @@ class VaultSession:
         if self._closed:
             return
         self._closed = True
-        if self._writer is not None:
-            self._writer.close()  # after the pieces on their way (all sealed, normally)
+        self._stop_writer()
         if self._lock is None:  # a read-only root: nothing was locked, nothing is written
             return
         try:
@@ -355,12 +354,19 @@ class VaultSession:
         self._closed = True
         self._lease = None
         try:
+            self._stop_writer()
             tidy()
         finally:
             try:
                 self._lock.release_and_remove_if_alone()
             finally:
                 unclaim_in_process(self.key)
+
+    def _stop_writer(self) -> None:
+        """End the piece writer's threads once the pieces on their way are written (all
+        sealed, normally)."""
+        if self._writer is not None:
+            self._writer.close()
 
     def _let_go_of_use(self) -> None:
         """Drop the session's hold on the use lock; remove its file when no view holds it."""

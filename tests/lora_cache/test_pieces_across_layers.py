@@ -8,6 +8,7 @@ import os
 import threading
 import zlib
 
+import pytest
 import torch
 from torch import nn
 
@@ -17,6 +18,7 @@ from hostmem.vault import Vault, cache_key
 from hostmem.vault.durable import TMP_PREFIX
 from hostmem.vault.handoff import Handoff
 from hostmem.vault.piece_writer import PIECE_BYTES, PieceWriter
+from hostmem.vault.shares import open_share
 from lora_cache.layer_loop import _claim_after
 from lora_cache.merge_math import host_buffer
 from tests.conftest import write_safetensors
@@ -64,11 +66,14 @@ def test_two_layers_pieces_share_one_writer_and_each_is_handed_back_whole_when_i
         assert digest.value == zlib.crc32(stored)
 
 
-def test_a_streamed_put_hands_its_buffer_back_whole_once_sealed_and_serves_its_bytes(tmp_path):
+@pytest.mark.parametrize("share", [False, True], ids=["plain session", "share of a shared build"])
+def test_a_streamed_put_hands_its_buffer_back_whole_once_sealed_and_serves_its_bytes(tmp_path, share):
     key = cache_key({"shards": [{"path": "/models/across.safetensors", "digest": "across"}]}, [], "bfloat16", "pieces")
     first = _random_buffer(6 * MiB, seed=3).view(torch.bfloat16).view(1536, 2048)
     second = _random_buffer(2 * MiB, seed=4).view(torch.bfloat16).view(512, 2048)
-    with Vault(tmp_path / "root").open(key) as session:
+    vault = Vault(tmp_path / "root")
+    expected = {"a": (tuple(first.shape), first.dtype), "b": (tuple(second.shape), second.dtype)}
+    with open_share(vault, key, expected, 0, 1) if share else vault.open(key) as session:
         handoffs = [_published(first.nbytes), _published(second.nbytes)]
         written = [session.put_data("a", first, None, handoffs[0]), session.put_data("b", second, None, handoffs[1])]
         views = [session.seal_put(layer) for layer in written]
@@ -76,6 +81,7 @@ def test_a_streamed_put_hands_its_buffer_back_whole_once_sealed_and_serves_its_b
         for view, buffer in zip(views, (first, second)):  # bytes: random bits hold NaNs
             assert torch.equal(view.view(torch.uint8), buffer.view(torch.uint8))
         assert not [f for f in os.listdir(session.folder) if f.startswith(TMP_PREFIX)]
+    assert not [t for t in threading.enumerate() if t.name.startswith("hostmem-vault-write")]  # closed with it
 
 
 def test_a_block_of_the_reused_buffer_waits_for_every_layer_still_writing_those_bytes():
