@@ -59,14 +59,29 @@ class KeyResolutionError(ValueError):
 
 
 _ROWS = re.compile(r"^(?P<name>.*)\[(?P<start>\d+):(?P<stop>\d+)\]$")
+_PART = re.compile(r"^(?P<name>.*)\[(?P<index>\d+)/(?P<count>\d+)\]$")
 
 
 @dataclass(frozen=True)
 class Target:
-    """Where (part of) an adapter key lands: a module, and optionally rows of its weight."""
+    """Where (part of) an adapter key lands: a module, and optionally rows of its weight,
+    named outright or as one of ``count`` equal parts of its rows (resolved against the
+    weight's height, so a rule holds at any width)."""
 
     module: str
     rows: slice | None = None  # rows of the module's weight (and bias) the change covers
+    part: tuple[int, int] | None = None  # (index, count): rows index/count .. (index+1)/count of the height
+
+
+def _target(name: str, index: "ModuleIndex") -> Target | None:
+    """The target a rule's replacement names: a module, with ``[start:stop]`` or ``[k/n]``
+    rows (None when no module has that name)."""
+    rows, part = _ROWS.match(name), _PART.match(name)
+    found = _find_with_prefixes((rows or part)["name"] if rows or part else name, index)
+    if found is None:
+        return None
+    return Target(found, slice(int(rows["start"]), int(rows["stop"])) if rows else None,
+                  (int(part["index"]), int(part["count"])) if part else None)
 
 
 @dataclass(frozen=True)
@@ -74,9 +89,13 @@ class KeyRule:
     """A user's rule: a key stem matching ``pattern`` names ``pattern.sub(replace, stem)``.
 
     ``replace`` is one module name, which may end in ``[start:stop]`` to name rows of a
-    fused weight (a LoRA on ``to_q`` landing on rows 0:3072 of a fused ``qkv``), or a list
-    of module names: a LoRA on a fused projection whose up matrix's rows are split over
-    them in order, each taking as many rows as its weight has.
+    fused weight (a LoRA on ``to_q`` landing on rows 0:3072 of a fused ``qkv``) or in
+    ``[k/n]`` to name part k (from 0) of n equal parts of its rows, or a list of such
+    names: a LoRA on a fused projection whose up matrix's rows are split over them in
+    order, each taking as many rows as its weight (or its rows, or its part) has. A list
+    may name parts of one module out of order: ``[norm_out.linear[1/2],
+    norm_out.linear[0/2]]`` swaps the halves of an up matrix (BFL's shift and scale
+    against diffusers' scale and shift).
     """
 
     pattern: re.Pattern
@@ -105,15 +124,9 @@ class KeyRule:
 
     def apply(self, stem: str, index: "ModuleIndex") -> list[Target] | None:
         """The targets of ``stem`` under this rule (None when a named module is missing)."""
-        if isinstance(self.replace, str):
-            name = self.pattern.sub(self.replace, stem)
-            rows = _ROWS.match(name)
-            found = _find_with_prefixes(rows["name"] if rows else name, index)
-            if found is None:
-                return None
-            return [Target(found, slice(int(rows["start"]), int(rows["stop"])) if rows else None)]
-        found = [_find_with_prefixes(self.pattern.sub(r, stem), index) for r in self.replace]
-        return None if None in found else [Target(module) for module in found]
+        names = (self.replace,) if isinstance(self.replace, str) else self.replace
+        found = [_target(self.pattern.sub(r, stem), index) for r in names]
+        return None if None in found else found
 
 
 class ModuleIndex:
@@ -197,12 +210,30 @@ def _change_rows(change: ModuleChange) -> int | None:
     return None if part is None or part.dim() == 0 else int(part.shape[0])
 
 
+def _rows_of(adapter: AdapterFile, key: str, target: Target, index: ModuleIndex) -> slice | None:
+    """The rows of its weight ``target`` names: outright, as a part, or None for them all."""
+    if target.part is None:
+        return target.rows
+    part, count = target.part
+    height = index.shapes.get(f"{target.module}.weight", (0,))[0]
+    if not part < count or height % count:
+        raise KeyResolutionError(
+            f"{adapter.path}: {key!r} is placed on part [{part}/{count}] of {target.module!r}, whose weight has "
+            f"{height} rows; a part [k/n] is one of n equal parts of the rows, k from 0 to n - 1"
+        )
+    size = height // count
+    return slice(part * size, (part + 1) * size)
+
+
 def _split(adapter: AdapterFile, change: ModuleChange, targets: list[Target], index: ModuleIndex) -> list[Placement]:
-    """A change on a fused projection, split by rows over separate modules in order."""
-    if len(targets) == 1:
-        return [Placement(targets[0].module, change, rows=targets[0].rows)]
-    sizes = [index.shapes.get(f"{t.module}.weight", (0,))[0] for t in targets]
+    """A change on a fused projection, split by rows over separate modules (or rows of
+    them) in order."""
     key = next(iter(change.keys.values()))
+    spans = [_rows_of(adapter, key, t, index) for t in targets]
+    if len(targets) == 1:
+        return [Placement(targets[0].module, change, rows=spans[0])]
+    sizes = [index.shapes.get(f"{t.module}.weight", (0,))[0] if rows is None else rows.stop - rows.start
+             for t, rows in zip(targets, spans)]
     if sum(sizes) != _change_rows(change):
         raise KeyResolutionError(
             f"{adapter.path}: {key!r} has {_change_rows(change)} rows, but the modules it is split over "
@@ -210,7 +241,7 @@ def _split(adapter: AdapterFile, change: ModuleChange, targets: list[Target], in
             "does the rule list the right modules?"
         )
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [Placement(t.module, change, slice(a, a + n)) for t, a, n in zip(targets, starts, sizes)]
+    return [Placement(t.module, change, slice(a, a + n), rows) for t, rows, a, n in zip(targets, spans, starts, sizes)]
 
 
 def _overlap(a: slice | None, b: slice | None) -> bool:

@@ -17,9 +17,11 @@ One difference is on purpose: diffusers' converter drops the ``.alpha`` of the
 ``final_layer_*`` modules (merging them at scale 1); here they count as every other
 module's alpha does, as kohya trained them.
 
-``final_layer_adaLN_modulation_1`` is not among the rules: diffusers swaps its scale and
-shift halves, which a row split in order does not express. A file with it stays with
-diffusers' converter (and its error).
+``final_layer_adaLN_modulation_1`` lands on ``norm_out.linear`` with the halves of its up
+matrix swapped, as diffusers' converter swaps them: BFL's final modulation gives shift
+then scale, diffusers' ``AdaLayerNormContinuous`` scale then shift. The rule names the two
+halves of the weight's rows in the up matrix's order (``norm_out.linear[1/2]``, then
+``[0/2]``), so it holds at any width.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from .read import AdapterFile, _split_key, build_adapter_file
 
 __all__ = ["CONVERTER", "RULES", "read_kohya_flux", "uncovered_stems"]
 
-CONVERTER = "lora_cache kohya-flux-bfl v1"  # in the cache key: change when the rules would change a merge
+# In the cache key: change when the rules would change a merge (a rule for a module that
+# no rule named before changes none: a file with it was refused).
+CONVERTER = "lora_cache kohya-flux-bfl v1"
 _LOG = logging.getLogger("lora_cache")
 
 _DOUBLE = {
@@ -62,6 +66,7 @@ _OUTSIDE_BLOCKS = {
     "guidance_in_in_layer": "time_text_embed.guidance_embedder.linear_1",
     "guidance_in_out_layer": "time_text_embed.guidance_embedder.linear_2",
     "final_layer_linear": "proj_out",
+    "final_layer_adaLN_modulation_1": ("norm_out.linear[1/2]", "norm_out.linear[0/2]"),  # shift, scale -> swapped
 }
 
 

@@ -37,7 +37,8 @@ def _bfl_sizes(dim: int, mlp: int, extra: bool) -> dict[str, tuple[int, int]]:
     if extra:  # Flux-dev's embedders and final linear (64 channels in and out, T5 4096, CLIP 768)
         sizes |= {"img_in": (dim, 64), "txt_in": (dim, 4096), "time_in_in_layer": (dim, 256),
                   "time_in_out_layer": (dim, dim), "vector_in_in_layer": (dim, 768),
-                  "vector_in_out_layer": (dim, dim), "final_layer_linear": (64, dim)}
+                  "vector_in_out_layer": (dim, dim), "final_layer_linear": (64, dim),
+                  "final_layer_adaLN_modulation_1": (2 * dim, dim)}
     return sizes
 
 
@@ -84,10 +85,8 @@ def _parser_products(path, shapes: dict, probes: dict) -> dict[str, torch.Tensor
     path, mapped, tensors = open_adapter(path)
     adapter = read_kohya_flux(path, tensors, mapped.metadata(), "compared with diffusers' converter")
     planned = plan_deltas([(adapter, Adapter(path))], ModuleIndex(shapes))
-    out = {}
-    for param, (delta,) in planned.items():
-        out[param] = delta.scale * (delta.up.double() @ (delta.down.double() @ probes[param]))
-    return out
+    return {param: sum(d.scale * (d.up.double() @ (d.down.double() @ probes[param])) for d in deltas)
+            for param, deltas in planned.items()}  # norm_out.linear: its two halves, each padded to the height
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "block-sparse-linear1"])
@@ -102,7 +101,7 @@ def test_the_parser_equals_diffusers_conversion_at_flux_dev_widths(tmp_path, spa
               for name, shape in shapes.items() if len(shape) == 2}
     (theirs, ranks), ours = _diffusers_products(path, probes), _parser_products(path, shapes, probes)
     assert ranks["single_transformer_blocks.0.proj_mlp.weight"] == (1 if sparse else RANK)  # diffusers' two paths
-    assert ours.keys() == theirs.keys() and len(ours) == 27  # 7 + 7 double, 6 single, 7 outside blocks
+    assert ours.keys() == theirs.keys() and len(ours) == 28  # 7 + 7 double, 6 single, 8 outside blocks
     for name, reference in theirs.items():
         torch.testing.assert_close(ours[name], reference, rtol=1e-6, atol=1e-6 * float(reference.abs().max()), msg=name)
 
@@ -114,7 +113,8 @@ def flux(tmp_path_factory):
 
 def test_a_tiny_flux_falls_back_by_itself_and_says_so_once(flux, tmp_path, caplog):
     dim = tm.FLUX["num_attention_heads"] * tm.FLUX["attention_head_dim"]
-    path = _kohya(tmp_path / "tiny.safetensors", _bfl_sizes(dim, 4 * dim, extra=False))
+    sizes = _bfl_sizes(dim, 4 * dim, extra=False) | {"final_layer_adaLN_modulation_1": (2 * dim, dim)}
+    path = _kohya(tmp_path / "tiny.safetensors", sizes)
     model = tm.load_model("flux", flux)
     with caplog.at_level(logging.INFO, logger="lora_cache"):
         stats = lora_cache.load_lora(model, path, cache_root=tmp_path / "cache", progress=False)
@@ -122,10 +122,10 @@ def test_a_tiny_flux_falls_back_by_itself_and_says_so_once(flux, tmp_path, caplo
     assert len(said) == 1 and said[0].levelno == logging.INFO
     assert "tiny.safetensors: diffusers' FluxLoraLoaderMixin.lora_state_dict cannot convert it" in said[0].message
     assert "lora_cache's own parser" in said[0].message
-    assert stats.built == stats.layers == 20
+    assert stats.built == stats.layers == 21
     _assert_reference_math(tm.weights(model), tm.weights(tm.load_model("flux", flux)), path, dim)
     again = lora_cache.load_lora(tm.load_model("flux", flux), path, cache_root=tmp_path / "cache", progress=False)
-    assert again.hit == again.layers == 20 and again.cache_key == stats.cache_key
+    assert again.hit == again.layers == 21 and again.cache_key == stats.cache_key
     pipe = tm.pipeline("flux", tm.load_model("flux", flux))  # converted for FluxPipeline: the same fallback
     lora_cache.load_lora(pipe, path, cache_root=tmp_path / "pipe-cache", progress=False)
     merged, through_pipe = tm.weights(model), tm.weights(pipe.transformer)
@@ -133,7 +133,8 @@ def test_a_tiny_flux_falls_back_by_itself_and_says_so_once(flux, tmp_path, caplo
 
 
 def _assert_reference_math(merged: dict, base: dict, path: str, dim: int) -> None:
-    """Each target = base + alpha / rank * up[its rows] @ down, in float64 (fp32 weights)."""
+    """Each target = base + alpha / rank * up[its rows] @ down, in float64 (fp32 weights);
+    the final modulation's up with its halves swapped (BFL's shift, scale: diffusers' scale, shift)."""
     tensors = load_readonly(path)
     double, single = "transformer_blocks.0.", "single_transformer_blocks.0."
     splits = {"double_blocks_0_img_attn_qkv": [f"{double}attn.to_q", f"{double}attn.to_k", f"{double}attn.to_v"],
@@ -152,3 +153,7 @@ def _assert_reference_math(merged: dict, base: dict, path: str, dim: int) -> Non
             torch.testing.assert_close(merged[f"{module}.weight"].double(), expected, rtol=1e-6, atol=1e-6, msg=module)
             start += rows
         assert start == up.shape[0]
+    up, down = (tensors[f"lora_unet_final_layer_adaLN_modulation_1.lora_{m}.weight"].double() for m in ("up", "down"))
+    shift, scale = up.chunk(2)
+    expected = base["norm_out.linear.weight"].double() + torch.cat([scale, shift]) @ down  # no alpha: alpha = rank
+    torch.testing.assert_close(merged["norm_out.linear.weight"].double(), expected, rtol=1e-6, atol=1e-6)

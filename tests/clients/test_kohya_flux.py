@@ -102,18 +102,18 @@ def test_the_converter_is_part_of_the_cache_key(flux, tmp_path):
 
 
 def test_a_file_neither_converter_reads_names_the_file_and_the_way_out(flux, tmp_path):
-    """diffusers refuses linear1 at a tiny width; its parser fallback does not know the final
-    layer's adaLN (diffusers swaps its halves): the error names the file, both, and the way out."""
+    """diffusers refuses linear1 at a tiny width; its parser fallback does not know Chroma's
+    distilled guidance layer: the error names the file, both, and the way out."""
     gen = torch.Generator().manual_seed(1)
     odd = tmp_path / "odd.safetensors"
     save_file({"lora_unet_single_blocks_0_linear1.lora_down.weight": torch.randn(RANK, DIM, generator=gen),
                "lora_unet_single_blocks_0_linear1.lora_up.weight": torch.randn(7 * DIM, RANK, generator=gen),
-               "lora_unet_final_layer_adaLN_modulation_1.lora_down.weight": torch.randn(RANK, DIM, generator=gen),
-               "lora_unet_final_layer_adaLN_modulation_1.lora_up.weight": torch.randn(2 * DIM, RANK, generator=gen)},
+               "lora_unet_distilled_guidance_layer_in_proj.lora_down.weight": torch.randn(RANK, 64, generator=gen),
+               "lora_unet_distilled_guidance_layer_in_proj.lora_up.weight": torch.randn(DIM, RANK, generator=gen)},
               odd)
     refused = (r"odd.safetensors: diffusers' FluxLoraLoaderMixin.lora_state_dict cannot convert it .*, and "
                r"lora_cache's kohya Flux parser does not know 1 of its module\(s\) "
-               r"\(lora_unet_final_layer_adaLN_modulation_1\); pass convert='native' with key rules")
+               r"\(lora_unet_distilled_guidance_layer_in_proj\); pass convert='native' with key rules")
     with pytest.raises(lora_cache.AdapterError, match=refused):
         _merged(flux, os.fspath(odd), tmp_path / "cache")
     path = tmp_path / "linear1.safetensors"

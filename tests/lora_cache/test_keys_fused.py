@@ -104,3 +104,33 @@ def test_fused_rules_that_do_not_fit_say_why(tmp_path):
     short = r"has 64 rows but is placed on rows 0:32 of 'blocks.0.attn.qkv.weight'"
     with pytest.raises(KeyResolutionError, match=short):
         plan_targets(fused, [Adapter(sep, rules=misplaced)])
+
+
+def test_a_rule_naming_parts_out_of_order_lands_each_block_of_rows_on_its_part(tmp_path):
+    """A fused LoRA trained as (v, q, k) onto a model's qkv: the list names thirds of the
+    weight in the up matrix's order, at whatever width the model has."""
+    model = mapped_model(tmp_path, module=FusedDiT(dim=32))
+    base, base_bias = (p.detach().clone() for p in (model.blocks[1].attn.qkv.weight, model.blocks[1].attn.qkv.bias))
+    change = lora_change(96, 32, 4, 3, alpha=2)
+    change["diff_b"] = torch.randn(96)
+    path = write_adapter(tmp_path / "vqk.safetensors", "comfyui", {"blocks.1.attn.vqk": change})
+    rule = (r"^diffusion_model\.blocks\.(\d+)\.attn\.vqk$",
+            [r"blocks.\1.attn.qkv[2/3]", r"blocks.\1.attn.qkv[0/3]", r"blocks.\1.attn.qkv[1/3]"])
+    stats = lora_cache.merge(model, [Adapter(path, rules=[rule])], cache_root=tmp_path / "cache", progress=False)
+    assert stats.layers == 2 and stats.built == 2  # the weight and its bias
+    v, q, k = change["up"].split(32)  # the up matrix's blocks, in the order it was trained
+    expected = reference_merge(base, [(2 / 4, {"up": torch.cat([q, k, v]), "down": change["down"]})])
+    torch.testing.assert_close(model.blocks[1].attn.qkv.weight.double(), expected, rtol=1e-6, atol=1e-6)
+    bv, bq, bk = change["diff_b"].split(32)
+    expected_bias = base_bias.double() + torch.cat([bq, bk, bv]).double()
+    torch.testing.assert_close(model.blocks[1].attn.qkv.bias.double(), expected_bias, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("part", ["[3/3]", "[0/5]"], ids=["past the last part", "parts that do not divide the rows"])
+def test_a_part_that_does_not_exist_says_what_a_part_is(tmp_path, part):
+    model = mapped_model(tmp_path, module=FusedDiT(dim=32))
+    path = write_adapter(tmp_path / "q.safetensors", "kohya", {"blocks.0.attn.to_q": lora_change(32, 32, 4, 1)})
+    rule = (r"^lora_unet_blocks_(\d+)_attn_to_q$", rf"blocks.\1.attn.qkv{part}")
+    with pytest.raises(KeyResolutionError, match=rf"is placed on part \{part[:-1]}\] of 'blocks.0.attn.qkv', whose "
+                                                 r"weight has 96 rows; a part \[k/n\] is one of n equal parts"):
+        plan_targets(model, [Adapter(path, rules=[rule])])
