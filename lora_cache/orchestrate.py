@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import warnings
 from dataclasses import asdict
 from typing import NamedTuple
 
@@ -23,6 +24,7 @@ from hostmem.safetensors_header import read_header
 from .adapters import Adapter, AdapterFile, as_adapter, read_adapters
 from .adapters.conversion_memo import ValuesNeeded
 from .kernels import KernelPlan, plan_for_targets
+from .kernels.precision import fp32_matmul_precision
 from .keys import ModuleIndex, plan_deltas
 from .layer_loop import CacheBuildError, MergeStats, merge_layers
 from .layers import AddressSpace, LayerTarget, components_of, is_merged, named_parameters, unmerge
@@ -54,15 +56,32 @@ MERGE_POLICY = "fp32-sum-in-row-blocks-in-adapter-order-cast-once-v3"  # change 
 
 def merge_policy(device: torch.device | str | None = None, kernels: KernelPlan | None = None) -> str:
     """The merge policy as the key records it: :data:`MERGE_POLICY` on the compute device's
-    type, and the kernel chosen for each shape class that has a choice.
+    type, the kernel chosen for each shape class that has a choice, and how torch runs
+    fp32 matmuls on that device where this process lets it narrow them (TF32, bf16).
 
-    The same fp32 sum can round differently on a GPU (its addmm) and on the CPU, and the
-    CPU's kernels differ in the last bit of a few elements, so a cache built one way is
-    never served to starts that would merge another (see :mod:`lora_cache.kernels`).
+    The same fp32 sum can round differently on a GPU (its addmm) and on the CPU, the
+    CPU's kernels differ in the last bit of a few elements, and a narrowed fp32 matmul
+    rounds an fp32 adapter's factors, so a cache built one way is never served to starts
+    that would merge another (see :mod:`lora_cache.kernels`).
     """
     device = torch.device(device) if device is not None else compute_device()
     chosen = kernels.describe() if kernels is not None else ""
-    return f"{MERGE_POLICY}@{device.type}" + (f"+{chosen}" if chosen else "")
+    narrowed = fp32_matmul_precision(device.type)
+    return (f"{MERGE_POLICY}@{device.type}" + (f"+{chosen}" if chosen else "")
+            + ("" if narrowed == "ieee" else f"+fp32-matmul={narrowed}"))
+
+
+def _warn_if_narrowed(device) -> None:
+    """Say so where this process lets torch narrow the merge's fp32 matmuls: the merged
+    weights then differ from a build with torch's defaults, and are cached apart."""
+    kind = (torch.device(device) if device is not None else compute_device()).type
+    narrowed = fp32_matmul_precision(kind)
+    if narrowed != "ieee":
+        warnings.warn(
+            f"torch runs fp32 matmuls as {narrowed} on {kind} in this process (torch.set_float32_matmul_precision, "
+            "allow_tf32 or fp32_precision), the merge's sums included: these merged weights are cached apart from "
+            "builds with torch's defaults, and a cache built ahead of time with them (hostmem lora merge, an image) "
+            "is not used; set it after lora_cache.merge to merge in IEEE fp32 and share those builds", stacklevel=3)
 
 
 def plan_targets(model, adapters, shards=None, memo_roots=None) -> tuple[list[LayerTarget], list[AdapterFile]]:
@@ -321,6 +340,8 @@ def merge(
     rank_timeout = check_rank_timeout(rank_timeout)
     off = why_in_place(enabled)
     roots = None if off else cache_roots(cache_root)
+    if roots is not None:
+        _warn_if_narrowed(device)
     # planned from conversion records where a start may be all hits (one process, whole layers)
     group = distributed_group()
     memo_roots = roots if shards is None and group is None else None

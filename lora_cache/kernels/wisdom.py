@@ -27,6 +27,8 @@ import torch
 
 from hostmem.vault.durable import durable_write
 
+from .precision import instruction_caps
+
 __all__ = ["ENTRIES", "FACTS", "WISDOM_FILE", "Wisdom", "machine"]
 
 WISDOM_FILE = "kernel_wisdom.json"
@@ -55,9 +57,12 @@ def machine() -> dict:
 
 
 def entry_key(dtype: str, shape_class: str, threads: int) -> str:
-    """The description a timing is remembered under (one JSON string)."""
-    m = machine()
-    return json.dumps([m["cpu"], m["flags"], m["torch"], dtype, shape_class, threads], separators=(",", ":"))
+    """The description a timing is remembered under (one JSON string): the machine's, the
+    layer's, and the instruction caps set in the environment where there are any
+    (:func:`~lora_cache.kernels.precision.instruction_caps`)."""
+    m, caps = machine(), instruction_caps()
+    return json.dumps([m["cpu"], m["flags"], m["torch"], dtype, shape_class, threads, *([caps] if caps else [])],
+                      separators=(",", ":"))
 
 
 class Wisdom:
