@@ -101,8 +101,12 @@ def machine_summary(folder: str | None = None) -> dict:
     """What every figure was measured on: CPU model and the flags that decide the merge's
     kernels (avx512_bf16, amx), cores, torch's version, and the disk under ``folder``."""
     from lora_cache.kernels import machine
+    from lora_cache.kernels.precision import instruction_caps
 
     found = dict(machine())
+    caps = instruction_caps()
+    if caps:  # torch's kernels held to fewer instructions than the CPU has
+        found["instruction_caps"] = caps
     if folder is not None:
         found["disk"] = disk_of(folder)
     return found
@@ -113,6 +117,8 @@ def machine_line(found: dict) -> str:
     flags = set(found["flags"])
     marks = ", ".join(f"{flag} {'yes' if flag in flags else 'no'}" for flag in ("avx512_bf16", "amx_bf16"))
     line = f"{found['cpu']} ({marks}), {found['cpus']} cores, torch {found['torch']}"
+    if found.get("instruction_caps"):
+        line += " held to " + ", ".join(f"{k}={v}" for k, v in found["instruction_caps"].items())
     if "disk" in found:
         disk = found["disk"]
         line += f", disk {disk['device']} ({disk['model'] or 'model unknown'}, {disk['filesystem']})"
