@@ -33,10 +33,10 @@ BENCHES = (
      "hands it over (first start and in-place path); the faster of a buffered and an O_DIRECT "
      "write (into blocks allocated up front, from a buffer on huge pages) of the same bytes (the "
      "build), run in five rounds in a rotating order, the build judged against the same round's raw "
-     "write; the arithmetic alone, with the kernel the build chose (where it is slower than the disk "
-     "the sum bounds the build, and the build is judged against it); and the CPU's bound, the CPU "
+     "write; the arithmetic alone, with the kernel the build chose; and the CPU's bound, the CPU "
      "time of the arithmetic and of the write path over the cores (summing and writing share the "
-     "cores: where the two bounds are near, the build reaches neither). Each layer's kernel (torch's "
+     "cores). The build is judged against the tightest of the three (the verdict line names it). "
+     "Each layer's kernel (torch's "
      "bf16 addmm in one pass, or the fp32 sum in row blocks then one cast) is chosen by timing both on "
      "this machine once and remembered under the cache root; the key names it. The build streams each "
      "layer to disk while it is summed, through one output buffer on 2 MiB pages that the next layer "
@@ -46,6 +46,12 @@ BENCHES = (
      "a base); the first start begins from an empty root, so it also hashes the base, beside the build. "
      "'write path' is the vault storing ready layers (checksum, O_DIRECT, fsync): the cache's own "
      "cost. A virtual disk's rate swings from one minute to the next, hence the interleaved rounds."),
+    ("bench_lora.py", "LoRA merge cache on torch held to AVX2 (as on a CPU without AVX512-BF16 or AMX)",
+     "The same benchmark at 1 GiB with torch's own kernels and oneDNN's held to AVX2 by their "
+     "environment variables, on this machine: torch's bf16 addmm then takes tens of times longer "
+     "than the fp32 sum, as on a CPU that has AVX2 alone, and the kernel timing picks the fp32 sum "
+     "(the timings are kept apart under these caps). The disk, memory and cores are this machine's.",
+     ["--size", "1GiB"], {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}),
     ("bench_identity.py", "Content identity: hashing the inputs, hit starts, a cache baked read-only",
      "The identity hash and the raw read both start from a cold page cache. The baked start maps a "
      "copy of the base (new inode and times, so its digest is computed once) and a cache in a "
@@ -64,10 +70,15 @@ BENCHES = (
 )
 
 
-def run_one(script: str, quick: bool) -> tuple[list[str], dict | None, int]:
+def command_line(script: str, args: list[str], env: dict[str, str]) -> str:
+    """How to run one benchmark by hand, as its section of BENCHMARKS.md names it."""
+    return " ".join([*(f"{k}={v}" for k, v in env.items()), f"bench/{script}", *args])
+
+
+def run_one(script: str, quick: bool, args: list[str], env: dict[str, str]) -> tuple[list[str], dict | None, int]:
     """Run one benchmark; return its readable lines, its JSON summary and its exit code."""
-    command = [sys.executable, os.path.join(HERE, script)] + (["--quick"] if quick else [])
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    command = [sys.executable, os.path.join(HERE, script)] + (["--quick"] if quick else args)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **env)
     proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
     lines, summary = [], None
     for line in proc.stdout.splitlines():
@@ -91,8 +102,8 @@ def machine() -> str:
     return f"{machine_line(found)}, {platform.machine()}, {mem:.0f} GiB, Python {platform.python_version()}"
 
 
-def _section(script: str, title: str, note: str, lines: list[str], summary: dict | None) -> list[str]:
-    out = [f"## {title}", "", f"`bench/{script}`", "", "```"] + lines + ["```", ""]
+def _section(command: str, title: str, note: str, lines: list[str], summary: dict | None) -> list[str]:
+    out = [f"## {title}", "", f"`{command}`", "", "```"] + lines + ["```", ""]
     out += [note, ""] if note else []
     if summary:
         out += ["<details><summary>JSON</summary>", "", "```json", json.dumps(summary), "```", "", "</details>", ""]
@@ -104,8 +115,8 @@ def replace_sections(path: str, results: list[tuple[str, str, str, list[str], di
     each under its own ``## title``, the rest of the file as it was; a section not there is added."""
     with open(path) as handle:
         text = handle.read()
-    for script, title, note, lines, summary in results:
-        body = "\n".join(_section(script, title, note, lines, summary))
+    for command, title, note, lines, summary in results:
+        body = "\n".join(_section(command, title, note, lines, summary))
         start = text.find(f"## {title}\n")
         if start < 0:
             text = text.rstrip("\n") + "\n\n" + body
@@ -141,18 +152,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run at MiB sizes")
     parser.add_argument("--write", action="store_true", help="replace BENCHMARKS.md with this run's figures")
-    parser.add_argument("--only", default=None, help="run only the benchmarks whose file name contains this "
-                        "(with --write: replace only their sections of BENCHMARKS.md)")
+    parser.add_argument("--only", default=None, help="run only the benchmarks whose file name or title contains "
+                        "this (with --write: replace only their sections of BENCHMARKS.md)")
     args = parser.parse_args()
     results, failed = [], 0
-    for script, title, note in BENCHES:
-        if args.only and args.only not in script:
+    for script, title, note, *how in BENCHES:
+        if args.only and args.only not in script and args.only not in title:
             continue
-        print(f"running {script} ...", flush=True)
-        lines, summary, code = run_one(script, args.quick)
+        options, env = how or ([], {})
+        command = command_line(script, options, env)
+        print(f"running {command} ...", flush=True)
+        lines, summary, code = run_one(script, args.quick, options, env)
         print("\n".join(lines), flush=True)
         failed += code != 0
-        results.append((script, title, note, lines, summary))
+        results.append((command, title, note, lines, summary))
     if args.write and args.only:
         replace_sections(os.path.join(REPO, "BENCHMARKS.md"), results)
         print("BENCHMARKS.md: the sections of this run replaced")
