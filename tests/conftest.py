@@ -26,12 +26,25 @@ def pytest_configure(config):
     default does not write into the user's home. Nothing of the run is left behind.
     """
     global _RUN_TEMP
+    _interruptible()
     if _RUN_TEMP is not None or config.option.basetemp:
         return
     _RUN_TEMP = tempfile.mkdtemp(prefix="hostmem-tests-")
     os.environ["TMPDIR"] = _RUN_TEMP
     tempfile.tempdir = _RUN_TEMP
     os.environ.setdefault("HOSTMEM_CACHE_ROOT", os.path.join(_RUN_TEMP, "cache-root"))
+
+
+def _interruptible() -> None:
+    """SIGINT delivered as at a terminal, however the run was started: a shell starts a
+    background job (``make test &``, ``nohup``) with SIGINT ignored, which every process a
+    test starts would inherit, and the tests of Ctrl-C (the guard, the demo) would then
+    send it to processes that never see it. A handler (unlike an ignored signal) is reset
+    to the default at exec, so children get SIGINT as from a terminal."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_unconfigure(config):
