@@ -135,6 +135,7 @@ def save_file(
     metadata: dict[str, str] | None = None,
     fsync: bool = False,
     writeback: bool = False,
+    direct: bool = False,
 ) -> int:
     """Write ``tensors`` to ``path`` in the safetensors format and return the bytes written.
 
@@ -144,7 +145,11 @@ def save_file(
     it is written (for gigabytes written in a row: left to the kernel's thresholds, the
     writer fills the dirty limit, then waits on the disk in bursts; the demo's 5 GiB on
     a virtual disk, five runs each, interleaved: 12-42 s, median 19 s, so; 14-17 s this
-    way). The header is padded so the data starts 8-aligned.
+    way). ``direct=True`` writes around the page cache instead, with O_DIRECT where the
+    filesystem allows (whole pages, through one page-aligned staging buffer; the rest
+    as usual): the file is then not cached, so read it back if it is wanted there (the
+    demo measures which way is faster on the machine: ``planners.demo.write_way``).
+    The header is padded so the data starts 8-aligned.
     """
     path = os.fspath(path)
     prepared = {}
@@ -165,6 +170,15 @@ def save_file(
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)
+    if direct:
+        from hostmem.vault.durable import write_uncached_pieces  # only a direct write pays its import
+
+        with open(path, "wb") as handle:
+            write_uncached_pieces(handle.fileno(), path, [struct.pack("<Q", len(raw)), raw]
+                          + [tensor_bytes(prepared[name]) for name in sorted(prepared)])
+            if fsync:
+                os.fsync(handle.fileno())
+        return 8 + len(raw) + offset
     with open(path, "wb") as handle:
         handle.write(struct.pack("<Q", len(raw)))
         handle.write(raw)
@@ -184,3 +198,4 @@ def save_file(
         if fsync:
             os.fsync(handle.fileno())
     return 8 + len(raw) + offset
+

@@ -20,6 +20,7 @@ import torch
 from hostmem.safetensors_map import read_header, save_file
 
 from .progress import SizeBar
+from .write_way import measure, read_back
 
 __all__ = ["SyntheticSet", "dit_dims", "write_synthetic_set", "LORA_TARGETS"]
 
@@ -101,7 +102,19 @@ def _dit_block(i: int, d: int, normals: Normals) -> dict[str, torch.Tensor]:
     return out
 
 
-def _write_dit(folder: str, d: int, blocks: int, normals: Normals, bar: SizeBar) -> str:
+MEASURE_FROM = 1 << 30  # a smaller set is absorbed by the page cache either way: written buffered
+
+
+def _save(tensors: dict[str, torch.Tensor], path: str, way: str) -> None:
+    """Write a large file ``way`` (:mod:`.write_way`): it ends up on disk and in the page cache."""
+    if way == "direct":
+        save_file(tensors, path, direct=True)
+        read_back(path)
+    else:
+        save_file(tensors, path, writeback=True)
+
+
+def _write_dit(folder: str, d: int, blocks: int, normals: Normals, bar: SizeBar, way: str) -> str:
     """One shard per 8 blocks, with an index file, as published DiTs ship."""
     os.makedirs(folder, exist_ok=True)
     per_shard = 8
@@ -113,13 +126,12 @@ def _write_dit(folder: str, d: int, blocks: int, normals: Normals, bar: SizeBar)
         if shard == 0:
             tensors["patch_embedding.weight"] = normals(d, 64, 1 / 8)
             tensors["head.head.weight"] = normals(64, d, 1 / 8)
-        save_file(tensors, os.path.join(folder, f"diffusion_pytorch_model-{shard + 1:05d}-of-{shards:05d}.safetensors"),
-                  writeback=True)
+        _save(tensors, os.path.join(folder, f"diffusion_pytorch_model-{shard + 1:05d}-of-{shards:05d}.safetensors"), way)
         bar.update(sum(t.nbytes for t in tensors.values()))
     return folder
 
 
-def _write_text_encoder(path: str, d: int, total_bytes: int, normals: Normals) -> int:
+def _write_text_encoder(path: str, d: int, total_bytes: int, normals: Normals, way: str) -> int:
     """A T5-style encoder: q/k/v/o and a gated feed-forward per block, bf16."""
     per_block = 4 * d * d + 3 * d * (2 * d)
     blocks = max(1, round(total_bytes / (per_block * 2)))
@@ -131,7 +143,7 @@ def _write_text_encoder(path: str, d: int, total_bytes: int, normals: Normals) -
         tensors[f"{p}1.DenseReluDense.wi_0.weight"] = normals(2 * d, d, 1 / 32)
         tensors[f"{p}1.DenseReluDense.wi_1.weight"] = normals(2 * d, d, 1 / 32)
         tensors[f"{p}1.DenseReluDense.wo.weight"] = normals(d, 2 * d, 1 / 32)
-    save_file(tensors, path, writeback=True)
+    _save(tensors, path, way)
     return sum(t.nbytes for t in tensors.values())
 
 
@@ -150,15 +162,22 @@ def _write_adapter(path: str, d: int, blocks: int, rank: int, gen: torch.Generat
 
 def write_synthetic_set(folder: str, dit_bytes: int, rank: int = 32, progress: bool = True,
                         seed: int = 0) -> SyntheticSet:
-    """Write the DiT folder, the text encoder and the adapter under ``folder``."""
+    """Write the DiT folder, the text encoder and the adapter under ``folder``.
+
+    From :data:`MEASURE_FROM` bytes the two ways of writing are timed here first
+    (:func:`.write_way.measure`, a few seconds) and the faster one writes the set; the
+    bar names it."""
     gen = torch.Generator().manual_seed(seed)
     hidden, blocks = dit_dims(dit_bytes)
     te_target = int(dit_bytes * TEXT_ENCODER_SHARE)
-    with SizeBar("writing the DiT and text encoder", dit_bytes + te_target, enabled=progress) as bar:
+    way = "buffered"
+    if dit_bytes + te_target >= MEASURE_FROM:
+        way = measure(folder).faster
+    with SizeBar(f"writing the DiT and text encoder ({way})", dit_bytes + te_target, enabled=progress) as bar:
         normals = Normals(gen)
-        dit_path = _write_dit(os.path.join(folder, "transformer"), hidden, blocks, normals, bar)
+        dit_path = _write_dit(os.path.join(folder, "transformer"), hidden, blocks, normals, bar, way)
         te_path = os.path.join(folder, "text_encoder.safetensors")
-        te_bytes = _write_text_encoder(te_path, hidden, te_target, normals)
+        te_bytes = _write_text_encoder(te_path, hidden, te_target, normals, way)
         bar.update(te_bytes)
     adapter_path = os.path.join(folder, "turbo_lora_rank%d.safetensors" % rank)
     _write_adapter(adapter_path, hidden, blocks, rank, gen)
