@@ -36,6 +36,9 @@ _SCAN_ARG = struct.Struct("=12Q")
 _PAGEMAP_SCAN = (3 << 30) | (_SCAN_ARG.size << 16) | (ord("f") << 8) | 16
 SCAN_PRESENT = 1 << 3
 SCAN_SWAPPED = 1 << 4
+# Per top byte of an entry (bits 63..56): 1 where the page is present and not a file
+# page (bit 63 set, 61 clear), or swapped (bit 62).
+_PRIVATE_COPY = bytes(int((byte & 0xA0) == 0x80 or bool(byte & 0x40)) for byte in range(256))
 _SCAN_REGIONS = 512  # runs returned per ioctl; the walk resumes where a full batch stopped
 
 
@@ -107,6 +110,11 @@ class PagemapReader:
                 break
             lo = walk_end
         return runs
+
+    def private_copies(self, start: int, end: int) -> int:
+        """Pages of ``[start, end)`` that are the process's own copies: present without
+        the file bit, or swapped. In a private file mapping, the pages copied on write."""
+        return self.read_bytes(start, end)[7::_ENTRY].translate(_PRIVATE_COPY).count(1)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -152,8 +152,8 @@ class _LayerLoop:
         self.record(target, "hit")
 
     def in_place(self, target: LayerTarget, outcome: str = "in_place") -> None:
-        merge_in_place(target, self.work, self.workers, self.kernel(target), self.space.is_writable(target.current),
-                       keep_copy=self.unmergeable)
+        merge_in_place(target, self.work, self.workers, self.kernel(target),
+                       self.space.sums_where_it_lies(target.current), keep_copy=self.unmergeable)
         self.record(target, outcome)
 
     def settle(self, pending: list[_Write]) -> None:

@@ -22,7 +22,8 @@ returns ``None`` when it has nothing to offer.
 The planner plans with and without each offer (:func:`apply_offer`): the offered
 bytes come off the component's anonymous weights first (they become file-backed:
 mapped back read-only) and then off the anonymous memory it holds besides its
-weights (an unmerge snapshot, which the mapped base makes unnecessary).
+weights (the unmerge snapshot of weights loaded copied, which the mapped base makes
+unnecessary).
 """
 
 from __future__ import annotations

@@ -4,8 +4,11 @@ Residency follows from declared behaviour, not from measurement:
 
 - ``load: mapped`` (read-only views into the checkpoint): every byte is file-backed;
 - ``load: copied`` (weights read or cast into process memory): every byte is anonymous;
-- an ``in-place`` LoRA merge writes the merged target weights (anonymous) and keeps
-  an unmerge snapshot of the originals (anonymous too, held outside the weights);
+- an ``in-place`` LoRA merge turns the merged target weights anonymous; over weights
+  loaded ``copied`` (the process's own memory, summed where they lie) it also keeps an
+  unmerge snapshot of the originals (anonymous too, held outside the weights), where
+  over ``mapped`` ones each merged weight is a new tensor and the mapped base, never
+  written, is its own snapshot;
 - a ``cached`` merge maps the merged weights back read-only from the cache file, so
   the targets stay file-backed and no snapshot is needed (the base stays mapped).
 """
@@ -53,10 +56,10 @@ def merge_reason(config: DeploymentConfig) -> str:
         return "no component declares lora_targets, so the adapters change nothing the plan can see"
     if not lora.cache.enabled:
         return (f"lora.cache.enabled is false ({config.origin.where('lora.cache.enabled')}): merged layers "
-                "are anonymous memory plus an unmerge snapshot; set it to true to merge through the cache")
+                "are anonymous memory; set it to true to merge through the cache")
     if cache_disabled_by_env():
         return (f"{DISABLE_ENV}=1 turns the LoRA merge cache off, so a server merges in place "
-                "(merged layers anonymous, plus an unmerge snapshot) although lora.cache is enabled "
+                "(merged layers anonymous) although lora.cache is enabled "
                 f"({config.origin.where('lora.cache')}); unset it to merge through the cache")
     root = lora.cache.root or "~/.cache/hostmem"
     return (f"lora.cache is enabled ({config.origin.where('lora.cache')}): merged layers are written once "
@@ -87,7 +90,8 @@ def predict(sizes: ComponentSizes, load: str, merge: str = "none") -> ComponentS
     if merge not in MERGE_MODES:
         raise ValueError(f"merge {merge!r}: choose one of {', '.join(MERGE_MODES)}")
     units = [_predicted(u, load, merge) for u in sizes.units]
-    extra = Residency(anonymous=sizes.lora_target_bytes) if merge == "in-place" else Residency()
+    snapshot = merge == "in-place" and load == "copied"  # see the module docstring
+    extra = Residency(anonymous=sizes.lora_target_bytes) if snapshot else Residency()
     return sizes.with_units(units)._replace(extra=extra)
 
 

@@ -5,8 +5,9 @@
 peak tracker sees exactly a start's anonymous memory:
 
 - ``base``: the DiT and text encoder mapped read-only, no LoRA;
-- ``in_place``: the DiT loaded the old way (safetensors' private writable mapping) and
-  the adapter merged into it in place, with its unmerge snapshot;
+- ``in_place``: the DiT loaded as servers load it (safetensors' private writable
+  mapping) and the adapter merged in place, the cache off, able to unmerge: the merged
+  layers are anonymous memory (the untouched base is the unmerge copy);
 - ``cached_miss`` / ``cached_hit``: mapped read-only, merged through the cache (the
   first start builds it, the second finds it).
 """
@@ -66,8 +67,8 @@ def run(config_path: str, name: str) -> dict:
     stats = None
     if name != "base":
         adapters = [(a.path, a.strength) for a in config.lora.adapters]
-        # The old way merges in place and keeps the unmerge snapshot (what the planner's
-        # --what-if in-place predicts); the cache is asked off, not merely left unnamed.
+        # In place, able to unmerge (what the planner's --what-if in-place predicts); the
+        # cache is asked off, not merely left unnamed.
         in_place = name == "in_place"
         stats = lora_cache.merge(dit, adapters, cache_root=None if in_place else config.lora.cache.root,
                                  enabled=not in_place, unmergeable=in_place, base_files=dit_files, progress=False)

@@ -20,7 +20,7 @@ from lora_cache.merge_math import (
     scratch_bytes,
     sums_in_output,
 )
-from tests.conftest import transparent_huge_pages, vma_holding
+from tests.conftest import transparent_huge_pages, vma_holding, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, mapped_model, reference_merge, write_adapter
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -327,3 +327,44 @@ def test_the_merge_buffer_is_a_mapping_of_its_own_on_huge_pages_and_goes_back_wh
     del view
     scratch.release()
     assert vma_holding(address) is None  # unmapped, not kept by an allocator
+
+
+def test_an_in_place_merge_never_copies_an_untouched_private_mapping_and_sums_a_copied_one_where_it_lies(tmp_path):
+    """safetensors' own loader maps the file private and writable: summing into it would copy
+    every page on write, so an untouched layer gets a new tensor (the same bytes, the file's
+    pages left as they were, the base its own snapshot), while a layer whose pages the process
+    already copied is summed where it lies. Both give the bytes a heap model's merge gives."""
+    from safetensors import safe_open
+
+    from hostmem.pagemap import PagemapReader
+    from lora_cache.layers import module_tree
+
+    torch.manual_seed(0)
+    layers = {f"blocks.{i}.proj.weight": torch.randn(256, 512).to(torch.bfloat16) for i in range(2)}
+    base = write_safetensors(tmp_path / "base.safetensors", layers)
+    changes = {f"blocks.{i}.proj": lora_change(256, 512, 8, i, alpha=4) for i in range(2)}
+    adapter = write_adapter(tmp_path / "a.safetensors", "comfyui", changes)
+    with safe_open(base, framework="pt") as handle:
+        model = module_tree([(name, handle.get_tensor(name)) for name in handle.keys()])
+    heap = module_tree([(name, p.detach().clone()) for name, p in model.named_parameters()])
+    untouched, copied = model.get_parameter('blocks.0.proj.weight'), model.get_parameter('blocks.1.proj.weight')
+    with torch.no_grad():
+        copied.mul_(1)  # writes every page of layer 1: the process's own copies now, the same values
+    pages = PagemapReader()
+    extent = {name: (p.data_ptr(), p.data_ptr() + p.nbytes) for name, p in (("0", untouched), ("1", copied))}
+    shared = pages.private_copies(*extent["0"])
+    assert shared <= 1 and pages.private_copies(*extent["1"]) == -(-copied.nbytes // 4096) + 1  # a page each side
+
+    lora_cache.merge(model, [adapter], enabled=False, progress=False)
+    lora_cache.merge(heap, [adapter], enabled=False, progress=False)
+    assert model.get_parameter('blocks.0.proj.weight').data_ptr() != extent["0"][0]  # a new tensor
+    assert pages.private_copies(*extent["0"]) == shared  # the file's pages were never written (one it shares
+    # with layer 1, at the boundary, is layer 1's copy)
+    assert model.get_parameter('blocks.1.proj.weight').data_ptr() == extent["1"][0]  # summed where it lies
+    for i in range(2):
+        assert torch.equal(model.get_parameter(f'blocks.{i}.proj.weight'), heap.get_parameter(f'blocks.{i}.proj.weight')), i
+    _assert_within_dtype_tolerance(model.get_parameter('blocks.0.proj.weight'),
+                                   reference_merge(layers["blocks.0.proj.weight"], [(0.5, changes["blocks.0.proj"])]))
+    assert lora_cache.unmerge(model, strict=False) == 1  # the untouched base is its own snapshot
+    assert model.get_parameter('blocks.0.proj.weight') is untouched and torch.equal(untouched, layers["blocks.0.proj.weight"])
+    pages.close()

@@ -115,9 +115,9 @@ def test_cached_merge_stays_one_layer_wide_and_leaves_merged_weights_file_backed
 
 
 def test_in_place_merge_of_the_same_model_costs_the_merged_bytes_and_one_layer_at_most(file_backed_model):
-    """Loaded as servers load it (safetensors' private mapping): each layer is summed where it
-    lies, so the copied-on-write pages are the cost, as with peft's merge (no unmerge copy
-    unless asked for), plus less than one layer of fp32 blocks."""
+    """Loaded as servers load it (safetensors' private mapping): each layer's merged weight is a
+    new tensor (the file's pages are never copied on write), so the merged bytes are the
+    cost, as with peft's merge, plus less than one layer of fp32 blocks."""
     model = file_backed_model
     in_place = _measure(model, "", loader="private")
     assert in_place["stats"]["in_place"] == LAYERS

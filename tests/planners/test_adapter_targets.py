@@ -2,8 +2,8 @@
 
 The config names the DiT by path and lists the adapter, but declares no lora_targets.
 The plan (a subprocess, as a person runs it) reads the targets from the adapter and
-checkpoint headers; a real in-place merge with its unmerge snapshot then grows the
-process by what the plan committed, within 5%.
+checkpoint headers; a real in-place merge (unmergeable: the mapped base is its own
+snapshot) then grows the process by what the plan committed, within 5%.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_what_if_in_place_predicts_the_measured_growth_within_5_percent(root):
     report = json.loads(out.stdout)
     assert not any("nothing is merged" in w for w in report["warnings"])
     predicted = report["budget"]["committed_bytes"]
-    assert predicted == 2 * 24 * 1280 * 1024 * 2  # merged targets + the unmerge snapshot
+    assert predicted == 24 * 1280 * 1024 * 2  # the merged targets: no copy of the mapped base
     module = safetensors_module(root / "ckpt" / "dit")
     for p in module.parameters():
         torch.sum(p)  # every page read: page cache, nothing anonymous yet

@@ -58,9 +58,9 @@ def test_the_second_cached_start_merges_nothing_and_stays_small(demo):
     assert s["cached_miss"]["merged_layers_computed"] > 0
     assert s["cached_hit"]["merged_layers_computed"] == 0
     assert s["cached_hit"]["peak_anon_bytes"] <= s["in_place"]["peak_anon_bytes"] / 3
-    # The in-place start holds the merged layers and their snapshot: twice the targets.
+    # The in-place start holds the merged layers (its mapped base, untouched, is the unmerge copy).
     in_place_growth = s["in_place"]["peak_anon_bytes"] - s["base"]["peak_anon_bytes"]
-    assert in_place_growth >= 1.8 * data["lora_target_bytes"]
+    assert 0.95 * data["lora_target_bytes"] <= in_place_growth <= 1.25 * data["lora_target_bytes"]
     # The merged weights are page cache, and the cached start reads them back.
     assert s["cached_hit"]["file_backed_bytes"] >= s["in_place"]["file_backed_bytes"] + data["lora_target_bytes"] // 2
 

@@ -56,7 +56,7 @@ def test_the_seed_case_in_place_leaves_no_budget_and_the_cache_gives_it_back(cap
     report = json.loads(out)
     assert report["budget"]["bytes"] == 0
     assert all(p["pinned_bytes"] == 0 and p["pinned_layers"] == [] for p in report["pin_plans"].values())
-    assert report["components"]["dit"]["anonymous"] == 2 * 38 * 10**9  # merged layers + snapshot
+    assert report["components"]["dit"]["anonymous"] == 38 * 10**9  # merged layers (the mapped base: its own snapshot)
     assert any("killed while it loads" in w for w in report["warnings"])
     (offer,) = report["offers"]
     assert offer["provider"] == "lora_cache" and offer["budget_bytes"] == 24 * 1024**3
@@ -73,7 +73,7 @@ def test_the_text_report_is_aligned_and_human(capsys):
     assert not re.search(r"\d{5,} ?B\b", out)  # no raw byte counts for people
     # The in-place plan beside it is killed while loading: no transfer time that looks better.
     compared = out.split("compared (")[1].split("\n\n")[0]
-    assert re.search(r"without the LoRA merge cache\s+in-place\s+70\.8 GiB\s+0 B\s+0 B\s+0\s+killed while loading",
+    assert re.search(r"without the LoRA merge cache\s+in-place\s+35\.4 GiB\s+0 B\s+0 B\s+0\s+killed while loading",
                      compared)
     assert "use a cached" not in out and "--what-if cached" not in out.split("warnings:")[1]
 
@@ -95,17 +95,17 @@ def test_the_default_cached_plan_shows_the_budget_without_the_cache(capsys):
     assert "lora.cache is enabled" in report["merge_reason"]
     (without,) = report["alternatives"]
     assert without["label"] == "without the LoRA merge cache" and without["merge"] == "in-place"
-    assert without["committed_bytes"] == 2 * 38 * 10**9  # merged layers + unmerge snapshot
+    assert without["committed_bytes"] == 38 * 10**9  # the merged layers
     assert without["budget_bytes"] == 0 and without["pinned_bytes"] == 0
     assert all(layers == [] for layers in without["pinned_layers"].values())
-    assert without["over_limit_bytes"] == 2 * 38 * 10**9 - 32 * 1024**3
+    assert without["over_limit_bytes"] == 38 * 10**9 - 32 * 1024**3
     in_place = json.loads(_plan(capsys, SEED, "--json", "--what-if", "in-place")[1])
     assert without["budget_bytes"] == in_place["budget"]["bytes"]
     assert without["transfer_s_per_request"] == in_place["transfer_s_per_request"]
     code, text, _ = _plan(capsys, SEED)
     assert "without the LoRA merge cache: budget 0 B, pins 0 B (this plan: budget 24.0 GiB, pins 23.8 GiB)" in text
     rows = text.split("compared (")[1].split("\n\n")[0].splitlines()[1:4]
-    assert rows[1].split()[:3] == ["this", "plan", "cached"] and rows[2].split()[5:8] == ["in-place", "70.8", "GiB"]
+    assert rows[1].split()[:3] == ["this", "plan", "cached"] and rows[2].split()[5:8] == ["in-place", "35.4", "GiB"]
     assert len({len(r) for r in rows}) == 1, rows  # aligned
 
 
@@ -115,7 +115,7 @@ def test_hostmem_disable_lora_merge_cache_plans_the_in_place_merge(capsys, monke
     assert code == 0
     report = json.loads(out)
     assert report["merge"] == "in-place" and report["budget"]["bytes"] == 0
-    assert report["components"]["dit"]["anonymous"] == 2 * 38 * 10**9
+    assert report["components"]["dit"]["anonymous"] == 38 * 10**9
     assert "HOSTMEM_DISABLE_LORA_MERGE_CACHE=1 turns the LoRA merge cache off" in report["merge_reason"]
     assert report["offers"] == [] and report["alternatives"] == []  # a cache that is off offers nothing
     code, text, _ = _plan(capsys, SEED)

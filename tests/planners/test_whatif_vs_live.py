@@ -130,7 +130,7 @@ def test_an_in_place_merge_turns_exactly_the_predicted_bytes_anonymous(deploymen
     config, root = deployment
     predicted = what_if_components(config, "in-place")[0]["dit"]
     assert predicted.lora_target_bytes == 24 * 5 * MiB // 2
-    assert predicted.extra.anonymous == predicted.lora_target_bytes  # the unmerge snapshot
+    assert predicted.extra.anonymous == 0  # the mapped base, never written, is its own unmerge snapshot
     module = safetensors_module(root / "ckpt" / "dit")
     for p in module.parameters():
         torch.sum(p)  # read every page: all of it is page cache now
@@ -138,22 +138,41 @@ def test_an_in_place_merge_turns_exactly_the_predicted_bytes_anonymous(deploymen
     assert loaded.residency.anonymous == 0 and loaded.residency.file_backed == loaded.weights_bytes
     anon_before = _settled_anonymous()
     stats = lora_cache.merge(module, [root / "turbo.safetensors"], progress=False, enabled=False,
-                             unmergeable=True)  # the cache off: in place, keeping the unmerge snapshot
+                             unmergeable=True)  # the cache off: in place, and unmerge must work
     grown = read_status().rss_anon - anon_before
     assert (stats.layers, stats.in_place, stats.cache_key) == (24, 24, None)
     measured = from_ledger(hostmem.account({"dit": module}).components["dit"], "layerwise", "blocks.{i}.")
     by_name = {u.name: u for u in predicted.units}
-    for unit in measured.units:  # the merged weights: written pages of the private mapping
+    for unit in measured.units:  # the merged weights: new tensors beside the private mapping
         expected = by_name[unit.name].residency.anonymous
         assert abs(unit.residency.anonymous - expected) <= 0.01 * unit.nbytes, unit.name
     merged_weights = sum(u.residency.anonymous for u in predicted.units)
     assert merged_weights == predicted.lora_target_bytes
     assert abs(sum(u.residency.anonymous for u in measured.units) - merged_weights) <= 0.01 * merged_weights
-    # What the process grew by: the merged weights and the snapshot the prediction adds besides.
+    # What the process grew by: the merged weights, and nothing besides (no copy of the base).
     expected_growth = predicted.residency.anonymous
     assert expected_growth == merged_weights + predicted.extra.anonymous
     assert expected_growth - 0.01 * expected_growth <= grown <= expected_growth + MERGE_SCRATCH_SLACK, (
         grown, expected_growth)
+    assert lora_cache.unmerge(module) == 24
+
+
+def test_an_in_place_merge_over_copied_weights_grows_by_the_predicted_unmerge_snapshot(deployment):
+    """Weights loaded copied are the process's own: summed where they lie, so the merge adds
+    only the copy unmerge needs, which the plan predicts besides the weights."""
+    config, root = deployment
+    predicted = predict(what_if_components(config, "none")[0]["dit"], "copied", "in-place")
+    assert predicted.extra.anonymous == predicted.lora_target_bytes == 24 * 5 * MiB // 2
+    assert predicted.residency.anonymous == predicted.weights_bytes + predicted.extra.anonymous
+    mapped = safetensors_module(root / "ckpt" / "dit")
+    module = module_tree([(name, p.detach().clone()) for name, p in mapped.named_parameters()])  # load: copied
+    del mapped
+    before = _settled_anonymous()
+    stats = lora_cache.merge(module, [root / "turbo.safetensors"], progress=False, enabled=False, unmergeable=True)
+    grown = read_status().rss_anon - before
+    assert stats.in_place == 24
+    expected = predicted.extra.anonymous
+    assert expected - 0.01 * expected <= grown <= expected + MERGE_SCRATCH_SLACK, (grown, expected)
     assert lora_cache.unmerge(module) == 24
 
 
