@@ -87,3 +87,25 @@ def test_ranges_classify_the_same_with_the_scan_off(holey_mapping):
         assert with_scan == read.classify_many(ranges)
     assert with_scan[3].file_backed == PAGE_SIZE and with_scan[4].not_resident == PAGE_SIZE
     assert with_scan[1].file_backed + with_scan[1].not_resident == end - start
+
+
+def test_private_copies_counts_the_pages_a_private_file_mapping_copied_on_write(tmp_path):
+    path = tmp_path / "private.bin"
+    original = os.urandom(64 * PAGE_SIZE)
+    path.write_bytes(original)
+    with open(path, "r+b") as handle:
+        mapping = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE)
+    anchor = ctypes.c_char.from_buffer(mapping)
+    start = ctypes.addressof(anchor)
+    try:
+        assert bytes(mapping[i * PAGE_SIZE] for i in range(64)) == original[::PAGE_SIZE]  # every page read
+        with PagemapReader() as pages:
+            assert pages.private_copies(start, start + 64 * PAGE_SIZE) == 0
+            for i in (3, 4, 40):
+                mapping[i * PAGE_SIZE] = mapping[i * PAGE_SIZE] ^ 1  # written: a copy of that page
+            assert pages.private_copies(start, start + 64 * PAGE_SIZE) == 3
+            assert pages.private_copies(start + 5 * PAGE_SIZE, start + 40 * PAGE_SIZE) == 0
+    finally:
+        del anchor
+        mapping.close()
+    assert path.read_bytes() == original  # the copies were the process's own, never the file's
