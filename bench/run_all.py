@@ -45,7 +45,9 @@ BENCHES = (
      "a cache emptied of combinations with the base's digests remembered (any build after the first on "
      "a base); the first start begins from an empty root, so it also hashes the base, beside the build. "
      "'write path' is the vault storing ready layers (checksum, O_DIRECT, fsync): the cache's own "
-     "cost. A virtual disk's rate swings from one minute to the next, hence the interleaved rounds."),
+     "cost. A virtual disk's rate swings from one minute to the next, hence the interleaved rounds. "
+     "In place, each merged weight is a new tensor beside safetensors' private mapping, which is "
+     "never written (peft sums into it, copying its pages on write one 4 KiB fault at a time)."),
     ("bench_lora.py", "LoRA merge cache on torch held to AVX2 (as on a CPU without AVX512-BF16 or AMX)",
      "The same benchmark at 1 GiB with torch's own kernels and oneDNN's held to AVX2 by their "
      "environment variables, on this machine: torch's bf16 addmm then takes tens of times longer "

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 from torch import nn
 
-from hostmem.pagemap import PagemapReader
 from hostmem.procfs import PAGE_SIZE, Vma
 from hostmem.slots import MappedAreas
 from hostmem.safetensors_map import open_readonly
@@ -122,7 +121,7 @@ class AddressSpace:
 
     def __init__(self):
         self._mapped: MappedAreas | None = None
-        self._pagemap: PagemapReader | None = None
+        self._pagemap = None  # a hostmem.pagemap.PagemapReader, on first use
 
     def area_of(self, tensor: torch.Tensor) -> Vma | None:
         if self._mapped is None:
@@ -153,6 +152,8 @@ class AddressSpace:
         if area is None or area.is_shared or not area.inode:
             return True
         if self._pagemap is None:
+            from hostmem.pagemap import PagemapReader  # a merge served from the cache never asks
+
             self._pagemap = PagemapReader()
         start, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
         return 2 * self._pagemap.private_copies(start, start + nbytes) * PAGE_SIZE >= nbytes
