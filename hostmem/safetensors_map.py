@@ -174,8 +174,8 @@ def save_file(
         from hostmem.vault.durable import write_uncached_pieces  # only a direct write pays its import
 
         with open(path, "wb") as handle:
-            write_uncached_pieces(handle.fileno(), path, [struct.pack("<Q", len(raw)), raw]
-                          + [tensor_bytes(prepared[name]) for name in sorted(prepared)])
+            pieces = [struct.pack("<Q", len(raw)), raw, *(tensor_bytes(prepared[name]) for name in sorted(prepared))]
+            write_uncached_pieces(handle.fileno(), path, pieces)
             if fsync:
                 os.fsync(handle.fileno())
         return 8 + len(raw) + offset
@@ -198,4 +198,3 @@ def save_file(
         if fsync:
             os.fsync(handle.fileno())
     return 8 + len(raw) + offset
-

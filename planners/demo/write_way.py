@@ -41,10 +41,6 @@ class WayChoice:
     def faster(self) -> str:
         return min(WAYS, key=lambda way: self.seconds_per_gib[way])
 
-    def describe(self) -> str:
-        rates = ", ".join(f"{way} {self.seconds_per_gib[way]:.2f} s/GiB" for way in WAYS)
-        return f"writing {self.faster} (measured here: {rates})"
-
 
 def read_back(path: str, readers: int = _READERS) -> None:
     """Read all of ``path`` into the page cache, ``readers`` stretches at once."""

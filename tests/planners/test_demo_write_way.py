@@ -94,6 +94,5 @@ def test_measuring_times_both_ways_picks_the_faster_and_leaves_nothing(tmp_path)
     assert set(choice.seconds_per_gib) == set(WAYS) and all(v > 0 for v in choice.seconds_per_gib.values())
     assert choice.seconds_per_gib[choice.faster] == min(choice.seconds_per_gib.values())
     assert os.listdir(tmp_path) == []  # the trial files are gone
-    assert choice.faster in choice.describe() and "s/GiB" in choice.describe()
     assert WayChoice({"buffered": 5.0, "direct": 1.0}).faster == "direct"
     assert WayChoice({"buffered": 0.5, "direct": 1.1}).faster == "buffered"
