@@ -12,9 +12,20 @@ from hostmem.safetensors_map import advise_huge_pages
 __all__ = ["Scratch", "compute_device", "host_buffer"]
 
 
-def compute_device() -> torch.device:
-    """The device merges run on: the GPU when there is one, else the CPU."""
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+def compute_device(weight: torch.Tensor | None = None) -> torch.device:
+    """Where a merge sums ``weight`` unless told otherwise: where it lies. A host weight
+    (every weight the cache holds) on the CPU, a GPU-resident one on its GPU.
+
+    A GPU host sums host weights on the CPU too. Sent to the GPU, every layer crosses the
+    bus twice, the write and its checksum stay on the CPU anyway, and the first merge
+    starts CUDA in a process that may not have yet, about 140 MiB of anonymous host
+    memory of CUDA's own: on a 16-core host with an H200, a 1 GiB build took 1.30 s and
+    11 core-seconds through the GPU against 0.94 s and 3.7 core-seconds on the CPU.
+    ``merge(device="cuda")`` still sends them there.
+    """
+    if weight is not None and weight.device.type != "cpu":
+        return weight.device
+    return torch.device("cpu")
 
 
 _PAGE = 4096

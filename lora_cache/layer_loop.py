@@ -115,7 +115,9 @@ class _LayerLoop:
         self.session, self.fallback, self.kernels, self.unmergeable = session, fallback, kernels, unmergeable
         self.stats = MergeStats(layers=len(targets))
         self.space = AddressSpace()
-        self.work, self.out = Scratch(device), Scratch("cpu")
+        self.device = device  # None: each weight where it lies (see compute_device)
+        self.work, self.out = Scratch(device or compute_device()), Scratch("cpu")
+        self.on_devices: dict[torch.device, Scratch] = {}  # GPU-resident weights, merged in place
         self.workers = None
         self.bar = tqdm(total=sum(t.nbytes for t in targets), unit="B", unit_scale=True, unit_divisor=1024,
                         desc="lora merge", disable=None if progress is None else not progress, leave=False)
@@ -128,11 +130,19 @@ class _LayerLoop:
         self.bar.update(target.nbytes)
         self.bar.set_postfix(hit=self.stats.hit, built=self.stats.built, fallback=self.stats.fallen_back, refresh=False)
 
+    def work_for(self, target: LayerTarget) -> Scratch:
+        """The scratch ``target`` is summed in: on the merge's device, or, where none was
+        named, on the device its weight lies on."""
+        device = self.device or compute_device(target.current)
+        if device == self.work.device:
+            return self.work
+        return self.on_devices.setdefault(device, Scratch(device))
+
     def kernel(self, target: LayerTarget) -> str:
         if target.kernel is not None:  # a shard: its whole layer's kernel
             return target.kernel
         base = target.current
-        return self.kernels.kernel_for(tuple(base.shape), base.dtype, target.deltas, self.work.device)
+        return self.kernels.kernel_for(tuple(base.shape), base.dtype, target.deltas, self.work_for(target).device)
 
     def look_up(self, targets: list[LayerTarget]) -> tuple[list[tuple[LayerTarget, torch.Tensor]], list[LayerTarget]]:
         """``(hits with the vault's copies, misses)``; nothing is installed yet."""
@@ -152,7 +162,8 @@ class _LayerLoop:
         self.record(target, "hit")
 
     def in_place(self, target: LayerTarget, outcome: str = "in_place") -> None:
-        merge_in_place(target, self.work, self.workers, self.kernel(target),
+        work = self.work_for(target)
+        merge_in_place(target, work, self.workers if work is self.work else None, self.kernel(target),
                        self.space.sums_where_it_lies(target.current), keep_copy=self.unmergeable)
         self.record(target, outcome)
 
@@ -190,7 +201,7 @@ class _LayerLoop:
         """
         if output:
             self.out.reserve(max((t.nbytes for t in targets), default=0))
-        in_scratch = [t for t in targets if not self._sums_in_output(t)]
+        in_scratch = [t for t in targets if self.work_for(t) is self.work and not self._sums_in_output(t)]
         self.work.reserve(max((scratch_bytes(tuple(t.current.shape), self.work.device, self.workers)
                                for t in in_scratch), default=0))
 
@@ -270,8 +281,8 @@ class _LayerLoop:
         finally:
             self.workers = None
             self.bar.close()
-            self.work.release()
-            self.out.release()
+            for scratch in (self.work, self.out, *self.on_devices.values()):
+                scratch.release()
             _return_freed_memory()
         self.stats.seconds = time.monotonic() - start
         if self.session is not None:
@@ -331,7 +342,7 @@ def merge_layers(
     :func:`lora_cache.kernels.plan_kernels`); ``unmergeable`` keeps, for a layer merged in
     place over a writable base, the copy :func:`lora_cache.unmerge` needs.
     """
-    device = torch.device(device) if device is not None else compute_device()
+    device = torch.device(device) if device is not None else None
     if kernels is None:
         kernels = plan_for_targets(targets, device)
     return _LayerLoop(targets, session, device, progress, fallback, kernels, unmergeable).run(targets)

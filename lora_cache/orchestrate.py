@@ -315,7 +315,9 @@ def merge(
     in place with one warning that says why. ``base_files`` names the checkpoint
     shards when the weights are not mapped from them (every shard will do: the key
     covers the ones holding the merged weights, see :func:`base_shards`). ``device`` is
-    where the sum runs (default: the GPU when there is one); it is part of the key.
+    where the sum runs (default: where each weight lies, so the CPU for every weight the
+    cache holds, on a GPU host too; see :func:`lora_cache.buffers.compute_device`); it is
+    part of the key.
     ``fallback=False`` raises instead of merging in place when the cache cannot store a
     layer (for ahead-of-time builds). The merged weights are views of the cache's files;
     while any of them lives, the combination counts as in use and is never evicted.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -126,8 +127,13 @@ def test_mlock_refused_by_rlimit_memlock_says_how_to_raise_it():
         pytest.skip("this process cannot mlock 64 MiB even with its capabilities")
     assert "LOCKED" in child.stdout, child.stderr
     setpriv = ["setpriv", "--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock"]
+    # The limit a host sets may let 64 MiB through (some give root an unlimited one):
+    # the child gets 8 MiB, lowered as any process may lower its own.
+    _, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    soft = 8 << 20 if hard == resource.RLIM_INFINITY else min(8 << 20, hard)
     capless = subprocess.run([*setpriv, sys.executable, "-c", textwrap.dedent(code)],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=60,
+                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_MEMLOCK, (soft, hard)))
     if capless.returncode != 0 and "setpriv" in capless.stderr:
         pytest.skip(f"setpriv cannot drop CAP_IPC_LOCK here: {capless.stderr.strip()}")
     assert f"ERRNO {errno.ENOMEM}" in capless.stdout, capless.stdout + capless.stderr

@@ -66,6 +66,18 @@ def switch(k):
     record.update(after=mode, weights_equal=same_weights(k), output_equal=torch.equal(out, ref_out[k]))
     records.append(record)
 
+# the fp32 accumulator a build sums in where the machine's timing chose FP32_ROWS (one
+# block per worker); bf16 addmm sums straight into the layer's output buffer
+from types import SimpleNamespace
+from lora_cache.kernels import plan_for_targets
+from lora_cache.kernels.workers import worker_count
+from lora_cache.merge_math import BF16_ADDMM, scratch_bytes
+from lora_cache.orchestrate import plan_targets
+targets = plan_targets(model, [a])[0]
+kernel = plan_for_targets(targets, "cpu", os.path.join(folder, "root")).kernel_for(
+    (dim, dim), bf16, targets[0].deltas, torch.device("cpu"))
+scratch = 0 if kernel == BF16_ADDMM else scratch_bytes((dim, dim), torch.device("cpu"),
+                                                       SimpleNamespace(threads=worker_count()))
 records = []
 with track_peak_anon() as peak:
     for k in ["a", "b", "a_half", "base"]:  # first visits: run time, built in the background
@@ -74,14 +86,16 @@ with track_peak_anon() as peak:
         for k in ["a", "b", "a_half", "base", "b", "a"]:
             switch(k)
 print(json.dumps({"growth": peak.growth_bytes, "cached_growth": cached_peak.growth_bytes, "records": records,
-                  "adapter_bytes": os.path.getsize(a) + os.path.getsize(b)}))
+                  "adapter_bytes": os.path.getsize(a) + os.path.getsize(b), "kernel": kernel,
+                  "scratch": scratch}))
 """
 
 
 def test_ten_switches_among_three_combinations_and_the_base(tmp_path):
-    """Peak anonymous growth across the ten stays within one layer plus the adapter tensors:
-    cached switches re-point, run-time ones add views of the adapter files, and each
-    background build works through one layer's buffer. After every switch the output
+    """Peak anonymous growth across the ten stays within one layer plus the adapter tensors
+    (and, where the machine's timing chose the fp32 kernel, its accumulators): cached
+    switches re-point, run-time ones add views of the adapter files, and each background
+    build works through one layer's buffer. After every switch the output
     equals a fresh in-place merge of the combination (at run time within bf16's
     tolerance; once merged, weights and output bit for bit)."""
     dim, depth = 2048, 6
@@ -100,9 +114,11 @@ def test_ten_switches_among_three_combinations_and_the_base(tmp_path):
             assert record["runtime_close"] and record["runtime_differs"], record
     layer = dim * dim * 2
     assert report["cached_growth"] <= layer // 8, f"cached switches grew {report['cached_growth'] / MiB:.1f} MiB"
-    assert report["growth"] <= layer + report["adapter_bytes"], (
-        f"peak anonymous growth {report['growth'] / MiB:.1f} MiB over one layer ({layer / MiB:.1f} MiB) "
-        f"plus the adapters ({report['adapter_bytes'] / MiB:.2f} MiB)"
+    assert report["scratch"] <= layer, report["scratch"]  # at most a layer's worth of fp32 blocks
+    assert report["growth"] <= layer + report["scratch"] + report["adapter_bytes"], (
+        f"peak anonymous growth {report['growth'] / MiB:.1f} MiB over one layer ({layer / MiB:.1f} MiB), "
+        f"the {report['kernel']} kernel's accumulators ({report['scratch'] / MiB:.1f} MiB) "
+        f"and the adapters ({report['adapter_bytes'] / MiB:.2f} MiB)"
     )
 
 

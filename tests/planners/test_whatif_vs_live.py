@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import gc
 import logging
 
@@ -23,7 +24,7 @@ from planners.sizes import from_declared, from_ledger
 from planners.startup import plan_loaded
 from planners.whatif import predict, what_if_components
 
-from tests.conftest import write_safetensors
+from tests.conftest import run_python, write_safetensors
 
 from .conftest import MiB, mapped_module, write_checkpoint
 
@@ -113,10 +114,57 @@ def test_the_what_if_plan_from_headers_matches_the_live_plan_within_1_percent(de
     assert len(after["pin_plans"]["dit"]["pinned_layers"]) == 20  # 100 MiB of 5 MiB layers
 
 
-# Tolerance of the process's growth: the merge's own buffers (one fp32 layer and one output
-# layer, 7.5 MiB here) are freed when it ends, but the C allocator may keep some of them, so it
-# may grow by that much beyond the prediction; below it, by no more than 1%.
-MERGE_SCRATCH_SLACK = 8 * MiB
+# Tolerance of the process's growth (measured in a fresh process, see in_place_growth): the
+# merge's own buffers (one fp32 layer and one output layer, 7.5 MiB here) are freed when it
+# ends, but the math library keeps state of its own in the arenas of the summing threads
+# (seen: 0.3 MiB in most runs, 8-11 MiB in one of eight, on AVX-512 without BF16, where the
+# fp32 kernel is chosen), which no later trim gives back; below the prediction, by what the
+# allocator may hand the merge of heap pages the process already held. Either way far from
+# a copy of the base (60 MiB here).
+MERGE_SCRATCH_SLACK = 16 * MiB
+HEAP_REUSE_SLACK = 4 * MiB
+
+
+def grew_as_predicted(grown: int, expected: int) -> bool:
+    """``grown`` is ``expected`` within the allocator's slack (see above)."""
+    return expected - HEAP_REUSE_SLACK <= grown <= expected + MERGE_SCRATCH_SLACK
+
+
+_IN_PLACE_GROWTH = r"""
+import ctypes, gc, json, sys, warnings
+warnings.filterwarnings("ignore")
+import lora_cache
+from hostmem.procfs import read_status
+from lora_cache.kernels import plan_for_targets
+from lora_cache.layers import module_tree
+from lora_cache.orchestrate import plan_targets
+from tests.planners.test_whatif_vs_live import safetensors_module
+
+folder, adapter, load = sys.argv[1:4]
+module = safetensors_module(folder)
+if load == "copied":
+    module = module_tree([(name, p.detach().clone()) for name, p in module.named_parameters()])
+for p in module.parameters():
+    p.sum()  # every page read (page cache where mapped)
+# the kernels timed first, as once per machine: the timing leaves the math library's own
+# buffers behind (4-14 MiB on AVX-512 without BF16), which no plan of weights counts
+plan_for_targets(plan_targets(module, [adapter])[0], "cpu")
+gc.collect()
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+before = read_status().rss_anon
+stats = lora_cache.merge(module, [adapter], progress=False, enabled=False, unmergeable=True)
+print(json.dumps({"grown": read_status().rss_anon - before, "in_place": stats.in_place}))
+"""
+
+
+def in_place_growth(folder, adapter, load: str = "mapped") -> dict:
+    """What a fresh process grows by merging ``adapter`` in place into the checkpoint in
+    ``folder``, loaded by safetensors (``load``: mapped, or copied into the heap), unmerge
+    kept possible. A fresh process: a pytest process that has run other merges holds heap,
+    thread stacks and arenas that the next merge may reuse or release (seen: +-9 MiB)."""
+    child = run_python(_IN_PLACE_GROWTH, str(folder), str(adapter), load, timeout=120)
+    assert child.returncode == 0, child.stderr[-3000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
 
 
 def _settled_anonymous() -> int:
@@ -136,10 +184,8 @@ def test_an_in_place_merge_turns_exactly_the_predicted_bytes_anonymous(deploymen
         torch.sum(p)  # read every page: all of it is page cache now
     loaded = from_ledger(hostmem.account({"dit": module}).components["dit"], "layerwise", "blocks.{i}.")
     assert loaded.residency.anonymous == 0 and loaded.residency.file_backed == loaded.weights_bytes
-    anon_before = _settled_anonymous()
     stats = lora_cache.merge(module, [root / "turbo.safetensors"], progress=False, enabled=False,
                              unmergeable=True)  # the cache off: in place, and unmerge must work
-    grown = read_status().rss_anon - anon_before
     assert (stats.layers, stats.in_place, stats.cache_key) == (24, 24, None)
     measured = from_ledger(hostmem.account({"dit": module}).components["dit"], "layerwise", "blocks.{i}.")
     by_name = {u.name: u for u in predicted.units}
@@ -152,9 +198,9 @@ def test_an_in_place_merge_turns_exactly_the_predicted_bytes_anonymous(deploymen
     # What the process grew by: the merged weights, and nothing besides (no copy of the base).
     expected_growth = predicted.residency.anonymous
     assert expected_growth == merged_weights + predicted.extra.anonymous
-    assert expected_growth - 0.01 * expected_growth <= grown <= expected_growth + MERGE_SCRATCH_SLACK, (
-        grown, expected_growth)
     assert lora_cache.unmerge(module) == 24
+    child = in_place_growth(root / "ckpt" / "dit", root / "turbo.safetensors")
+    assert child["in_place"] == 24 and grew_as_predicted(child["grown"], expected_growth), (child, expected_growth)
 
 
 def test_an_in_place_merge_over_copied_weights_grows_by_the_predicted_unmerge_snapshot(deployment):
@@ -164,16 +210,9 @@ def test_an_in_place_merge_over_copied_weights_grows_by_the_predicted_unmerge_sn
     predicted = predict(what_if_components(config, "none")[0]["dit"], "copied", "in-place")
     assert predicted.extra.anonymous == predicted.lora_target_bytes == 24 * 5 * MiB // 2
     assert predicted.residency.anonymous == predicted.weights_bytes + predicted.extra.anonymous
-    mapped = safetensors_module(root / "ckpt" / "dit")
-    module = module_tree([(name, p.detach().clone()) for name, p in mapped.named_parameters()])  # load: copied
-    del mapped
-    before = _settled_anonymous()
-    stats = lora_cache.merge(module, [root / "turbo.safetensors"], progress=False, enabled=False, unmergeable=True)
-    grown = read_status().rss_anon - before
-    assert stats.in_place == 24
+    child = in_place_growth(root / "ckpt" / "dit", root / "turbo.safetensors", load="copied")
     expected = predicted.extra.anonymous
-    assert expected - 0.01 * expected <= grown <= expected + MERGE_SCRATCH_SLACK, (grown, expected)
-    assert lora_cache.unmerge(module) == 24
+    assert child["in_place"] == 24 and grew_as_predicted(child["grown"], expected), (child, expected)
 
 
 def test_the_live_report_shows_what_the_merge_did(deployment, tmp_path, caplog):
