@@ -115,10 +115,14 @@ def test_ten_switches_among_three_combinations_and_the_base(tmp_path):
     layer = dim * dim * 2
     assert report["cached_growth"] <= layer // 8, f"cached switches grew {report['cached_growth'] / MiB:.1f} MiB"
     assert report["scratch"] <= layer, report["scratch"]  # at most a layer's worth of fp32 blocks
-    assert report["growth"] <= layer + report["scratch"] + report["adapter_bytes"], (
+    # each background build starts its own workers: their stacks and the math library's
+    # per-thread buffers, which no warm-up keeps (1.9 MiB seen with AMX); a second layer
+    # in memory would be 8 MiB more
+    threads = 4 * MiB
+    assert report["growth"] <= layer + report["scratch"] + report["adapter_bytes"] + threads, (
         f"peak anonymous growth {report['growth'] / MiB:.1f} MiB over one layer ({layer / MiB:.1f} MiB), "
         f"the {report['kernel']} kernel's accumulators ({report['scratch'] / MiB:.1f} MiB) "
-        f"and the adapters ({report['adapter_bytes'] / MiB:.2f} MiB)"
+        f"the adapters ({report['adapter_bytes'] / MiB:.2f} MiB) and the workers' own (4 MiB)"
     )
 
 

@@ -45,10 +45,11 @@ if loader == "readonly":   # hostmem's read-only mapping
 else:                      # safetensors' own loader: a private, writable mapping of the file
     with safe_open(base, framework="pt") as handle:
         model = module_tree([(name, handle.get_tensor(name)) for name in handle.keys()])
-if root is not None:  # the kernels timed into the root first, as once per machine: the timing's
-    from lora_cache.kernels import plan_for_targets  # bf16 addmm leaves the math library's
-    from lora_cache.orchestrate import plan_targets  # own buffers (14 MiB on AVX-512 without BF16)
-    plan_for_targets(plan_targets(model, [adapter])[0], "cpu", root)
+# the kernels timed first (into the root, or this process's memory), as once per machine: the
+# timing's bf16 addmm leaves the math library's own buffers (14 MiB on AVX-512 without BF16)
+from lora_cache.kernels import plan_for_targets
+from lora_cache.orchestrate import plan_targets
+plan_for_targets(plan_targets(model, [adapter])[0], "cpu", root)
 before = read_status().rss_anon
 with track_peak_anon() as peak:
     stats = lora_cache.merge(model, [adapter], cache_root=root, enabled=root is not None, progress=False)
