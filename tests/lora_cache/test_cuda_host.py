@@ -16,15 +16,10 @@ import torch
 import lora_cache
 from lora_cache.orchestrate import MERGE_POLICY
 from tests.conftest import run_python
-from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter
+from tests.lora_cache.test_adapters import mapped_model
+from tests.lora_cache.test_orchestrate import _setup
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def _setup(tmp_path):
-    model = mapped_model(tmp_path, dtype=torch.bfloat16)
-    changes = {f"blocks.{i}.attn.to_{w}": lora_change(64, 64, 4, i) for i in range(2) for w in "qkv"}
-    return model, write_adapter(tmp_path / "a.safetensors", "kohya", changes)
 
 
 def _policy(tmp_path, stats) -> str:

@@ -3,8 +3,6 @@ way chosen by measuring both on the machine."""
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 
 import pytest
@@ -13,6 +11,7 @@ import torch
 from hostmem.safetensors_map import load_readonly, save_file
 from hostmem.vault import durable
 from planners.demo.write_way import WAYS, WayChoice, measure, read_back
+from tests.lora_cache.test_vault_fs import _cached_pages
 
 MiB = 1024 * 1024
 
@@ -33,29 +32,6 @@ def _folders(tmp_path) -> list[str]:
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         folders.append("/dev/shm")
     return folders
-
-
-def _cached_pages(path: str) -> tuple[int, int]:
-    """(pages of ``path`` in the page cache, pages of it), by mincore(2) over a fresh mapping."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    size = os.path.getsize(path)
-    pages = -(-size // mmap.PAGESIZE)
-    vec = (ctypes.c_ubyte * pages)()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
-        try:
-            assert libc.mincore(address, size, vec) == 0, os.strerror(ctypes.get_errno())
-        finally:
-            libc.munmap(address, size)
-    finally:
-        os.close(fd)
-    return sum(v & 1 for v in vec), pages
 
 
 @pytest.mark.parametrize("stage_mib", [64, 1], ids=["one-stage", "many-stages"])
@@ -82,11 +58,10 @@ def test_a_direct_save_read_back_is_in_the_page_cache(tmp_path):
     fd = os.open(path, os.O_RDONLY)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # whatever the write left cached goes
     os.close(fd)
-    cached, pages = _cached_pages(path)
-    if cached == pages:
+    if all(_cached_pages(path)):
         pytest.skip("this filesystem keeps the file cached after DONTNEED (tmpfs): nothing to read back")
     read_back(path)
-    assert _cached_pages(path) == (pages, pages)
+    assert all(_cached_pages(path))
 
 
 def test_measuring_times_both_ways_picks_the_faster_and_leaves_nothing(tmp_path):

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
-import gc
 import logging
 
 import pytest
@@ -13,7 +11,6 @@ from safetensors import safe_open
 
 import hostmem
 import lora_cache
-from hostmem.procfs import read_status
 from lora_cache.layers import module_tree
 from planners.budget import read_host_limit
 from planners.checkpoint import checkpoint_files
@@ -165,13 +162,6 @@ def in_place_growth(folder, adapter, load: str = "mapped") -> dict:
     child = run_python(_IN_PLACE_GROWTH, str(folder), str(adapter), load, timeout=120)
     assert child.returncode == 0, child.stderr[-3000:]
     return json.loads(child.stdout.strip().splitlines()[-1])
-
-
-def _settled_anonymous() -> int:
-    """RssAnon once freed heap is handed back, so the merge's own trim releases nothing older."""
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    return read_status().rss_anon
 
 
 def test_an_in_place_merge_turns_exactly_the_predicted_bytes_anonymous(deployment):
