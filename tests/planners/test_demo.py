@@ -48,7 +48,9 @@ def test_in_place_collapses_the_budget_and_the_cache_restores_it(demo):
     s = _by_name(data)
     assert s["in_place"]["budget_bytes"] == 0
     assert all(v == 0 for v in s["in_place"]["pinned_bytes"].values())
-    assert s["cached_hit"]["budget_bytes"] >= data["host_limit_bytes"] // 2
+    # Half of the limit the demo scaled from the DiT: the runtime's share (which differs
+    # with torch's build, about 140 MiB more with a CUDA one) is reserved apart.
+    assert s["cached_hit"]["budget_bytes"] >= data["scaled_limit_bytes"] // 2
     assert s["cached_hit"]["pinned_bytes"]["dit"] > 0
 
 
@@ -57,9 +59,11 @@ def test_the_second_cached_start_merges_nothing_and_stays_small(demo):
     s = _by_name(data)
     assert s["cached_miss"]["merged_layers_computed"] > 0
     assert s["cached_hit"]["merged_layers_computed"] == 0
-    assert s["cached_hit"]["peak_anon_bytes"] <= s["in_place"]["peak_anon_bytes"] / 3
-    # The in-place start holds the merged layers (its mapped base, untouched, is the unmerge copy).
+    # Growth over the start without LoRA, so the runtime (larger with a CUDA build of
+    # torch) counts in neither: the cached start adds under a third of what in place adds.
     in_place_growth = s["in_place"]["peak_anon_bytes"] - s["base"]["peak_anon_bytes"]
+    assert s["cached_hit"]["peak_anon_bytes"] - s["base"]["peak_anon_bytes"] <= in_place_growth / 3
+    # The in-place start holds the merged layers (its mapped base, untouched, is the unmerge copy).
     assert 0.95 * data["lora_target_bytes"] <= in_place_growth <= 1.25 * data["lora_target_bytes"]
     # The merged weights are page cache, and the cached start reads them back.
     assert s["cached_hit"]["file_backed_bytes"] >= s["in_place"]["file_backed_bytes"] + data["lora_target_bytes"] // 2
