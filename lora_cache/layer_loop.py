@@ -28,7 +28,7 @@ from .kernels import KernelPlan, block_workers, plan_for_targets
 from .layers import AddressSpace, LayerTarget, Snapshot, compute_merged, install, merge_in_place
 from .merge_math import Scratch, compute_device, scratch_bytes, sums_in_output
 
-__all__ = ["CacheBuildError", "MergeStats", "merge_layers"]
+__all__ = ["CacheBuildError", "MergeStats", "cyclic_gc_paused", "merge_layers"]
 
 
 class CacheBuildError(RuntimeError):
@@ -273,7 +273,7 @@ class _LayerLoop:
             check_before_use(d for t in in_place + misses for d in t.deltas)
             for target, view in hits:
                 self.take_hit(target, view)
-            with block_workers(self.work.device) as self.workers, _cyclic_gc_paused():
+            with block_workers(self.work.device) as self.workers, cyclic_gc_paused():
                 self.reserve(in_place, output=False)
                 for target in in_place:
                     self.in_place(target)
@@ -291,16 +291,20 @@ class _LayerLoop:
 
 
 @contextlib.contextmanager
-def _cyclic_gc_paused():
-    """Hold off Python's cyclic garbage collector while the layers are summed and written.
+def cyclic_gc_paused():
+    """Hold off Python's cyclic garbage collector while a merge runs (:func:`lora_cache.merge`
+    and the layer loop; usable as a decorator).
 
     A full collection walks every object of the process holding the interpreter lock:
     77 ms with torch and this package imported (170,000 objects), longer in a server
     with its pipeline's libraries. Run in the middle of a build, it stops the writer
     between two pieces and the summing threads between two blocks at once, and the
-    disk's queue runs dry. The loop makes little cyclic garbage (reference counting
-    frees its buffers); the collector runs again as usual once it is done, and is left
-    as it was found where the caller had turned it off.
+    disk's queue runs dry; run before it, in a rank of a shared build, it holds up the
+    host's other ranks at the next meeting (four ranks on 2 cores each ran one of
+    70-160 ms while hashing their inputs, where the merge's first imports and reads had
+    pushed the collector over its threshold). A merge makes little cyclic garbage
+    (reference counting frees its buffers); the collector runs again as usual once it
+    is done, and is left as it was found where the caller had turned it off.
     """
     enabled = gc.isenabled()
     if enabled:

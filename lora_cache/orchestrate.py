@@ -26,7 +26,7 @@ from .adapters.conversion_memo import ValuesNeeded
 from .kernels import KernelPlan, plan_for_targets
 from .kernels.precision import fp32_matmul_precision
 from .keys import ModuleIndex, plan_deltas
-from .layer_loop import CacheBuildError, MergeStats, merge_layers
+from .layer_loop import CacheBuildError, MergeStats, cyclic_gc_paused, merge_layers
 from .layers import AddressSpace, LayerTarget, components_of, is_merged, named_parameters, unmerge
 from .merge_math import compute_device
 from .process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
@@ -286,6 +286,7 @@ def open_combination(planned, specs, cache_root=None, *, max_size=None, base_fil
     return OpenCombination(key.hex, vault.root, session)
 
 
+@cyclic_gc_paused()
 def merge(
     model,
     adapters,

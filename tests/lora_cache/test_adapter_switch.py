@@ -114,7 +114,7 @@ def test_ten_switches_among_three_combinations_and_the_base(tmp_path):
             assert record["runtime_close"] and record["runtime_differs"], record
     layer = dim * dim * 2
     assert report["cached_growth"] <= layer // 8, f"cached switches grew {report['cached_growth'] / MiB:.1f} MiB"
-    assert report["scratch"] <= layer, report["scratch"]  # at most a layer's worth of fp32 blocks
+    assert report["scratch"] <= 2 * layer, report["scratch"]  # at most a layer's worth of fp32 blocks (8 workers: all)
     # each background build starts its own workers: their stacks and the math library's
     # per-thread buffers, which no warm-up keeps (1.9 MiB seen with AMX); a second layer
     # in memory would be 8 MiB more
