@@ -52,6 +52,7 @@ per start: a server's root keeps the timings).
 
     .venv/bin/python bench/bench_shared_build.py                 # 4 ranks, 1 GiB
     .venv/bin/python bench/bench_shared_build.py --quick         # 64 MiB smoke run
+    .venv/bin/python bench/bench_shared_build.py --profile       # where each rank spends the merge
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ import torch.multiprocessing as mp
 from common import bench_args, format_size, report, workdir  # noqa: E402 (sets sys.path)
 
 RANKS = 4
+PROFILE_HELP = ("only the rank alone and the shared build, each thread's Python stack sampled every millisecond: "
+                "print where the rank alone and each rank spent the merge (the sampling slows them: no figures)")
 
 
 def _free_port() -> int:
@@ -92,7 +95,17 @@ def _host_non_reclaimable(dist, world: int) -> dict | None:
     return found
 
 
-def _rank(rank: int, world: int, port: int, shards: list[str], adapter: str, folder: str, kind: str) -> None:
+def _profiled(profile: bool):
+    """A :class:`StackSampler` with ``--profile``, else nothing."""
+    import contextlib
+
+    from stack_sampler import StackSampler
+
+    return StackSampler() if profile else contextlib.nullcontext()
+
+
+def _rank(rank: int, world: int, port: int, shards: list[str], adapter: str, folder: str, kind: str,
+          profile: bool = False) -> None:
     """One rank: load, merge (in place or through the cache), measure, report to ``folder``."""
     import torch.distributed as dist
 
@@ -106,16 +119,19 @@ def _rank(rank: int, world: int, port: int, shards: list[str], adapter: str, fol
     _ready(model, adapter, root)
     dist.barrier()  # every rank starts its merge at once
     started = time.perf_counter()
-    stats = lora_cache.merge(model, [adapter], cache_root=root, enabled=root is not None, base_files=shards,
-                             progress=False)
+    with _profiled(profile) as sampler:
+        stats = lora_cache.merge(model, [adapter], cache_root=root, enabled=root is not None, base_files=shards,
+                                 progress=False)
     seconds = time.perf_counter() - started
     times: list = [None] * world
-    dist.all_gather_object(times, (seconds, stats.seconds))
+    dist.all_gather_object(times, (seconds, stats.seconds, sampler and sampler.report(
+        f"rank {rank} of the shared build ({seconds:.2f} s)")))
     memory = _host_non_reclaimable(dist, world)
     if rank == 0:
         with open(os.path.join(folder, f"{kind}.json"), "w") as handle:
-            json.dump({"seconds": max(t for t, _ in times), "build_seconds": max(b for _, b in times),
-                       "memory": memory, "built": stats.built, "hit": stats.hit, "layers": stats.layers}, handle)
+            json.dump({"seconds": max(t[0] for t in times), "build_seconds": max(t[1] for t in times),
+                       "memory": memory, "built": stats.built, "hit": stats.hit, "layers": stats.layers,
+                       "profiles": [t[2] for t in times]}, handle)
     dist.destroy_process_group()
 
 
@@ -132,10 +148,10 @@ def _ready(model, adapter: str, root: str | None) -> None:
         plan_for_targets(targets, "cpu", root)
 
 
-def _alone(shards: list[str], adapter: str, folder: str) -> dict:
+def _alone(shards: list[str], adapter: str, folder: str, profile: bool = False) -> dict:
     """One rank building the same combination alone into an empty cache (its own process)."""
     ctx = mp.get_context("spawn")
-    process = ctx.Process(target=_alone_child, args=(shards, adapter, folder))
+    process = ctx.Process(target=_alone_child, args=(shards, adapter, folder, profile))
     process.start()
     process.join()
     if process.exitcode != 0:
@@ -144,7 +160,7 @@ def _alone(shards: list[str], adapter: str, folder: str) -> dict:
         return json.load(handle)
 
 
-def _alone_child(shards: list[str], adapter: str, folder: str) -> None:
+def _alone_child(shards: list[str], adapter: str, folder: str, profile: bool) -> None:
     import lora_cache
     from bench_lora import _load
 
@@ -152,15 +168,18 @@ def _alone_child(shards: list[str], adapter: str, folder: str) -> None:
     root = os.path.join(folder, "cache")
     _ready(model, adapter, root)
     started, used = time.perf_counter(), time.process_time()
-    stats = lora_cache.merge(model, [adapter], cache_root=root, base_files=shards, progress=False)
+    with _profiled(profile) as sampler:
+        stats = lora_cache.merge(model, [adapter], cache_root=root, base_files=shards, progress=False)
+    seconds = time.perf_counter() - started
     with open(os.path.join(folder, "alone.json"), "w") as handle:
-        json.dump({"seconds": time.perf_counter() - started, "build_seconds": stats.seconds,
-                   "cpu_seconds": time.process_time() - used}, handle)  # every thread's CPU time
+        json.dump({"seconds": seconds, "build_seconds": stats.seconds,
+                   "cpu_seconds": time.process_time() - used,  # every thread's CPU time
+                   "profiles": [sampler and sampler.report(f"the rank alone ({seconds:.2f} s)")]}, handle)
 
 
-def _ranks(kind: str, shards: list[str], adapter: str, folder: str) -> dict:
+def _ranks(kind: str, shards: list[str], adapter: str, folder: str, profile: bool = False) -> dict:
     os.makedirs(folder, exist_ok=True)
-    mp.spawn(_rank, args=(RANKS, _free_port(), shards, adapter, folder, kind), nprocs=RANKS, join=True)
+    mp.spawn(_rank, args=(RANKS, _free_port(), shards, adapter, folder, kind, profile), nprocs=RANKS, join=True)
     with open(os.path.join(folder, f"{kind}.json")) as handle:
         return json.load(handle)
 
@@ -202,11 +221,17 @@ def _warm(paths: list[str]) -> None:
 def main() -> None:
     from bench_lora import write_model
 
-    args = bench_args(__doc__.splitlines()[0], "1GiB", "64MiB")
+    args = bench_args(__doc__.splitlines()[0], "1GiB", "64MiB", {"--profile": PROFILE_HELP})
     tmp = workdir(args)
     try:
         shards, adapter = write_model(args.workdir, args.size_bytes)
         _warm([*shards, adapter])
+        if args.profile:
+            alone = _alone(shards, adapter, os.path.join(args.workdir, "alone"), profile=True)
+            shutil.rmtree(os.path.join(args.workdir, "alone"))
+            cached = _ranks("cache", shards, adapter, os.path.join(args.workdir, "shared"), profile=True)
+            print("\n\n".join(alone["profiles"] + cached["profiles"]))
+            return
         in_place = _ranks("in_place", shards, adapter, os.path.join(args.workdir, "in-place"))
         disk = {"one": [], "all": []}
         disk["one"].append(_raw_writes(args.workdir, args.size_bytes, 1))
