@@ -86,7 +86,7 @@ def write_model(folder: str, size: int) -> tuple[list[str], str]:
         names = range(shard * per_shard, min(LAYERS, (shard + 1) * per_shard))
         tensors = {f"blocks.{i}.proj.weight": torch.randn(rows, COLS, generator=gen).to(torch.bfloat16) for i in names}
         shards.append(os.path.join(folder, f"dit-{shard + 1:05d}-of-{SHARDS:05d}.safetensors"))
-        save_file(tensors, shards[-1])
+        save_file(tensors, shards[-1], writeback=True, fsync=True)  # on disk before any clock: no writeback later
         del tensors
     adapter = {}
     for i in range(LAYERS):
@@ -95,7 +95,7 @@ def write_model(folder: str, size: int) -> tuple[list[str], str]:
         adapter[f"{stem}.lora_up.weight"] = (torch.randn(rows, RANK, generator=gen) * 0.01).to(torch.bfloat16)
         adapter[f"{stem}.alpha"] = torch.tensor(float(RANK))
     adapter_path = os.path.join(folder, "turbo-r64.safetensors")
-    save_file(adapter, adapter_path)
+    save_file(adapter, adapter_path, fsync=True)
     return shards, adapter_path
 
 

@@ -58,7 +58,7 @@ def write_layered_checkpoint(folder: str, total_bytes: int, tensors: int, shards
         if not chunk:
             break
         path = os.path.join(folder, f"model-{shard:05d}-of-{shards:05d}.safetensors")
-        save_file(chunk, path)
+        save_file(chunk, path, writeback=True, fsync=True)  # on disk before any clock: no writeback later
         paths.append(path)
     return paths
 
