@@ -7,7 +7,8 @@ keeps its word: what it finds damaged is recorded in the combination
 (``damage.json``), so that ``ls`` shows it damaged, ``prune`` removes it, and no start
 trusts that combination's memo until every layer has been checked again and the bad
 ones rebuilt. ``prune`` removes damaged and partial combinations and the temporary
-files of writers that died, anywhere under the root.
+files of writers that died, anywhere under the root; :func:`prune_records` then the
+providers' records that no combination left needs (:mod:`.records`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .layer_file import data_crc32, is_layer_file_name, layer_problem, read_laye
 from .locks import KeyLock
 from .manifest import MANIFEST_NAME, ManifestError, read_manifest
 from .provisional import MARKER_NAME, PROVISIONAL_WHY
+from .records import StaleRecord, stale_records
 from .safety import VaultError, prepare_root, root_is_read_only
 from .verification import DAMAGE_NAME, VERIFIED_NAME, record_damage
 from .combinations import (
@@ -35,7 +37,8 @@ from .combinations import (
     use_path,
 )
 
-__all__ = ["existing_cache_dir", "VerifyReport", "verify_combination", "verify_all", "prune", "remove"]
+__all__ = ["existing_cache_dir", "VerifyReport", "verify_combination", "verify_all", "prune", "prune_records",
+           "remove"]
 
 
 def existing_cache_dir(root: str) -> str | None:
@@ -193,6 +196,23 @@ def prune(cache: str, max_size: int | None = None, everything: bool = False, dry
         return chosen
     removed = [(c, r) for c, r in chosen if remove_if_unused(cache, c.key)]
     _clear_strays(cache)
+    return removed
+
+
+def prune_records(cache: str, gone: set[str] = frozenset(), dry_run: bool = False) -> list[StaleRecord]:
+    """Remove the providers' records that no combination under ``cache`` needs, the
+    combinations keyed in ``gone`` counted as removed (what :func:`prune` removed, or with
+    ``dry_run`` would remove). Returns what was (or would be) removed, with the reason."""
+    stale = stale_records(cache, [c for c in list_combinations(cache) if c.key not in gone])
+    if dry_run:
+        return stale
+    removed = []
+    for record in stale:
+        try:
+            os.unlink(record.path)
+        except FileNotFoundError:  # another prune was first
+            continue
+        removed.append(record)
     return removed
 
 

@@ -8,7 +8,8 @@ layers to merge, the key and the kernels depend only on the names, shapes and dt
 conversion produced and on its alphas. So each conversion is recorded under
 ``<root>/lora_merge_cache/conversions/<key>.json``, keyed by the file's content digest (the
 one the cache key uses, memoised across starts), the converter (diffusers' version and
-loader class) and the components kept. A later start reads the record and plans with
+loader class) and the components kept. A record names that digest, so ``hostmem cache
+prune`` removes it once no combination left uses the file (:mod:`hostmem.vault.records`). A later start reads the record and plans with
 tensors on the meta device: no value of the adapter is read or copied. When a layer must
 then be computed (a miss, a layer merged in place), the first use of the values raises
 :class:`ValuesNeeded` before any weight changes, and the merge converts the file for
@@ -29,13 +30,14 @@ import os
 import torch
 
 from hostmem.vault.durable import durable_write, read_small
+from hostmem.vault.records import CONVERSIONS
 from hostmem.vault.safety import VaultError, check_folder_safe, make_private_dir
 
 __all__ = ["ConversionMemo", "ValuesNeeded", "NoValues", "record_of", "skeleton_of"]
 
 RECORD_FORMAT = "lora-cache-adapter-conversion"
 RECORD_VERSION = 1
-FOLDER = "conversions"
+FOLDER = CONVERSIONS  # a folder hostmem cache prune looks after (hostmem.vault.records)
 
 
 class ValuesNeeded(Exception):
@@ -118,6 +120,7 @@ class ConversionMemo:
 
         self.vaults = [Vault(root) for root in roots]
         self.writable = next((v for v in self.vaults if not v.read_only), None)
+        self._digests: dict[str, str] = {}  # record name -> the digest of the file it describes
 
     def key(self, path: str, converter: str, components: tuple[str, ...]) -> str:
         """The record's name: the file's content digest (memoised under the root the cache
@@ -125,7 +128,9 @@ class ConversionMemo:
         keyer = self.writable or self.vaults[0]
         digest = keyer.adapter_identity(path, 1.0, None)["digest"]
         inputs = {"version": RECORD_VERSION, "digest": digest, "converter": converter, "components": list(components)}
-        return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+        name = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+        self._digests[name] = digest
+        return name
 
     def load(self, key: str) -> dict | None:
         """The record named ``key`` from the first root that holds a readable one, else None."""
@@ -146,8 +151,9 @@ class ConversionMemo:
         if self.writable is None:
             return
         folder = os.path.join(self.writable.cache, FOLDER)
+        named = {**record, "digest": self._digests[key]} if key in self._digests else record
         try:
             make_private_dir(folder)
-            durable_write(os.path.join(folder, f"{key}.json"), json.dumps(record).encode())
+            durable_write(os.path.join(folder, f"{key}.json"), json.dumps(named).encode())
         except (OSError, VaultError):
             pass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -40,7 +41,8 @@ def register(subparsers) -> None:
     prune = sub.add_parser(
         "prune",
         parents=[common],
-        help="remove damaged and partial combinations and dead writers' temporary files (and LRU ones beyond --max-size)",
+        help="remove damaged and partial combinations, dead writers' temporary files and records no combination "
+             "left needs (and LRU combinations beyond --max-size)",
     )
     prune.add_argument("--max-size", metavar="SIZE", default=None, type=size_option, help="then evict least recently used down to SIZE, e.g. 200GiB")
     prune.add_argument("--all", action="store_true", help="remove every combination not in use")
@@ -182,15 +184,25 @@ def run_verify(args) -> int:
 
 
 def run_prune(args) -> int:
-    from hostmem.vault.admin import prune
+    from hostmem.vault.admin import prune, prune_records
+    from hostmem.vault.records import check_record_folders
 
     root, cache = _cache(args)
     max_size = None if args.max_size is None else parse_size(args.max_size)
+    if cache:
+        check_record_folders(cache)  # an unsafe one stops the prune before anything is removed
     removed = prune(cache, max_size, everything=args.all, dry_run=args.dry_run) if cache else []
+    records = prune_records(cache, {c.key for c, _ in removed}, dry_run=args.dry_run) if cache else []
     verb = "would remove" if args.dry_run else "removed"
     for combo, reason in removed:
         print(f"{verb} {combo.key[:12]}  {format_size(combo.bytes):>10}  ({reason})")
+    for record in records:
+        name = os.path.relpath(record.path, cache)
+        print(f"{verb} {name}  {format_size(record.bytes):>10}  ({record.reason})")
     print(f"{verb} {len(removed)} combination(s), {format_size(sum(c.bytes for c, _ in removed))}")
+    if records:
+        print(f"{verb} {len(records)} record(s) no combination left needs, "
+              f"{format_size(sum(r.bytes for r in records))}")
     return 0
 
 

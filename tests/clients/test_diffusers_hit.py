@@ -144,7 +144,13 @@ def test_a_damaged_record_is_no_record(wide, tmp_path):
     assert stats.hit == stats.layers > 0
     ours, theirs = tm.weights(second), tm.weights(first)
     assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
-    assert json.loads(record.read_text())["kind"] == "diffusers"  # written again whole
+    rewritten = json.loads(record.read_text())
+    assert rewritten["kind"] == "diffusers"  # written again whole
+    # naming the digest the combination names for the file: hostmem cache prune keeps it
+    from hostmem.vault.records import input_digests
+
+    (manifest,) = (cache / "lora_merge_cache").glob("*/manifest.json")
+    assert rewritten["digest"] in input_digests(json.loads(manifest.read_text())["inputs"])
 
 
 def test_a_layer_lost_from_the_cache_is_rebuilt_from_a_conversion_made_then(wide, tmp_path):

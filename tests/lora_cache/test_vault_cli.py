@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from tests.conftest import write_safetensors
 def build(root, tag: str, tmp_path, count=2):
     seed = float(sum(tag.encode()))  # a different tag is different content, hence another key
     shard = write_safetensors(tmp_path / f"{tag}-dit.safetensors", {"w": torch.full((2,), seed)})
-    lora = write_safetensors(tmp_path / f"{tag}-turbo.safetensors", {"a": torch.ones(2)})
+    lora = write_safetensors(tmp_path / f"{tag}-turbo.safetensors", {"a": torch.full((2,), seed)})
     from hostmem.vault import base_identity
 
     key = cache_key(base_identity([shard]), [adapter_identity(lora, 0.8, None)], "bfloat16", "fp32-sum")
@@ -125,6 +126,66 @@ def test_prune_removes_interrupted_builds_and_then_lru_beyond_max_size(tmp_path,
     code, out, _ = cli(capsys, "cache", "prune", "--root", root, "--max-size", "1KiB")
     assert f"removed {old.short}" in out and "least recently used" in out
     assert not [n for n in os.listdir(os.path.join(root, "lora_merge_cache")) if len(n) == 64]
+
+
+def test_prune_removes_the_records_no_combination_left_needs(tmp_path, capsys):
+    """Conversion records serve only starts whose combination is cached: once the last
+    combination naming an adapter's digest goes, so does its record (and a record that
+    names no digest); a record of a combination still there, or one just written (its
+    combination may be being built), stays and still serves."""
+    from hostmem.vault.records import FRESH_SECONDS
+    from lora_cache.adapters.conversion_memo import ConversionMemo, record_of
+
+    root = str(tmp_path / "root")
+    cache = os.path.join(root, "lora_merge_cache")
+    build(root, "kept", tmp_path)
+    gone = build(root, "gone", tmp_path)
+    memo = ConversionMemo([root])
+    names = {}
+    for tag in ("kept", "gone", "fresh"):
+        lora = tmp_path / f"{tag}-turbo.safetensors"
+        if not lora.exists():
+            write_safetensors(lora, {"a": torch.zeros(3)})
+        names[tag] = memo.key(str(lora), "diffusers x.y FluxPipeline.lora_state_dict", ("transformer",))
+        memo.store(names[tag], record_of("kohya-flux", "diffusers x.y FluxPipeline.lora_state_dict"))
+    records = os.path.join(cache, "conversions")
+    with open(os.path.join(records, "older.json"), "w") as handle:  # as an older version wrote them: no digest
+        json.dump(record_of("kohya-flux", "diffusers 0.30"), handle)
+    aged = time.time() - FRESH_SECONDS - 60
+    for name in ("kept", "gone"):
+        os.utime(os.path.join(records, f"{names[name]}.json"), (aged, aged))
+    os.utime(os.path.join(records, "older.json"), (aged, aged))
+    os.unlink(os.path.join(cache, gone.hex, "manifest.json"))  # an interrupted build: prune removes it
+
+    code, out, _ = cli(capsys, "cache", "prune", "--root", root, "--dry-run")
+    assert code == 0 and f"would remove {gone.short}" in out
+    assert f"would remove conversions/{names['gone']}.json" in out and "no combination left uses its input" in out
+    assert "would remove conversions/older.json" in out and "names no input" in out
+    assert names["kept"] not in out and names["fresh"] not in out and "would remove 2 record(s)" in out
+    assert len(os.listdir(records)) == 4
+    code, out, _ = cli(capsys, "cache", "prune", "--root", root)
+    assert code == 0 and "removed 2 record(s) no combination left needs" in out
+    assert sorted(os.listdir(records)) == sorted(f"{names[t]}.json" for t in ("kept", "fresh"))
+    assert ConversionMemo([root]).load(names["kept"]) is not None  # what stays still serves
+
+
+def test_prune_never_follows_a_records_folder_that_is_a_link(tmp_path, capsys):
+    """A ``conversions`` link planted in the cache would point prune at someone else's files:
+    it refuses, naming the folder, and removes nothing there."""
+    root = str(tmp_path / "root")
+    key = build(root, "one", tmp_path)
+    os.unlink(os.path.join(root, "lora_merge_cache", key.hex, "manifest.json"))  # what prune would remove
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    victim = elsewhere / "settings.json"
+    victim.write_text("{}")
+    aged = time.time() - 7200
+    os.utime(victim, (aged, aged))
+    link = os.path.join(root, "lora_merge_cache", "conversions")
+    os.symlink(elsewhere, link)
+    code, _, err = cli(capsys, "cache", "prune", "--root", root)
+    assert code != 0 and link in err and "is a symlink" in err and "Traceback" not in err
+    assert victim.exists() and os.path.isdir(os.path.join(root, "lora_merge_cache", key.hex))  # nothing removed
 
 
 HOLDER = textwrap.dedent(
