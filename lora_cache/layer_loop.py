@@ -11,6 +11,7 @@ import ctypes
 import functools
 import gc
 import mmap
+import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -305,8 +306,13 @@ def cyclic_gc_paused():
     pushed the collector over its threshold). A merge makes little cyclic garbage
     (reference counting frees its buffers); the collector runs again as usual once it
     is done, and is left as it was found where the caller had turned it off.
+
+    Only a merge on the main thread holds it off: the collector is the whole process's,
+    and a merge on another thread (a switch's background build, :mod:`.adapter_switch`,
+    minutes long for a large DiT) runs while the server keeps serving, whose cyclic
+    garbage would pile up that long.
     """
-    enabled = gc.isenabled()
+    enabled = gc.isenabled() and threading.current_thread() is threading.main_thread()
     if enabled:
         gc.disable()
     try:

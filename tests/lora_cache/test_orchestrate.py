@@ -236,6 +236,40 @@ def test_no_cyclic_collection_runs_inside_a_merge_and_the_collector_is_left_as_f
     assert after > 0 and left_off is False
 
 
+def test_a_merge_off_the_main_thread_leaves_the_collector_running(tmp_path):
+    """A switch's background build merges on a thread of its own while the server serves:
+    the collector is the whole process's, so it keeps running there."""
+    import gc
+    import threading
+
+    model, adapter = _setup(tmp_path)
+    merge = lora_cache.merge
+    body = getattr(merge, "__wrapped__", merge).__code__
+    inside: list[bool] = []
+
+    def count(phase, info):
+        if phase == "start":
+            frame = sys._getframe()
+            while frame is not None and frame.f_code is not body:
+                frame = frame.f_back
+            inside.append(frame is not None)
+
+    results = []
+    thread = threading.Thread(target=lambda: results.append(
+        merge(model, [adapter], cache_root=tmp_path / "cache", progress=False)))
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(count)
+    gc.set_threshold(1, 1, 1)
+    try:
+        thread.start()
+        thread.join()
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.callbacks.remove(count)
+    assert results and results[0].built == 6 and gc.isenabled()
+    assert sum(inside) > 0, "no collection ran inside a merge on another thread"
+
+
 def test_the_address_space_reads_maps_not_smaps(tmp_path):
     """Paths and permissions are all a merge asks; smaps would walk every resident page for counts."""
     model, _ = _setup(tmp_path)
