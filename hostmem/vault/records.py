@@ -27,7 +27,7 @@ from .durable import TMP_PREFIX
 from .safety import check_folder_safe
 
 __all__ = ["CONVERSIONS", "RECORD_FOLDERS", "FRESH_SECONDS", "StaleRecord", "check_record_folders", "input_digests",
-           "stale_records"]
+           "records_under", "stale_records"]
 
 CONVERSIONS = "conversions"  # lora_cache.adapters.conversion_memo's
 RECORD_FOLDERS = (CONVERSIONS,)  # folders of records under the cache folder
@@ -90,27 +90,30 @@ def check_record_folders(cache: str) -> list[str]:
     return folders
 
 
+def records_under(cache: str) -> list[tuple[str, os.stat_result]]:
+    """Every record file under ``cache`` (its path and stat), by folder and name; a records
+    folder that is a link, or not private and ours, raises
+    :class:`~hostmem.vault.safety.VaultError` naming it."""
+    found = []
+    for folder in check_record_folders(cache):
+        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+            if entry.name.startswith(TMP_PREFIX) or not entry.name.endswith(".json"):
+                continue  # writers' temporaries are the sweep's (it knows the live ones), not ours
+            if entry.is_file(follow_symlinks=False):
+                found.append((entry.path, entry.stat(follow_symlinks=False)))
+    return found
+
+
 def stale_records(cache: str, combos: list[Combination], now: float | None = None) -> list[StaleRecord]:
     """The records under ``cache`` that none of ``combos`` (the combinations that stay)
-    names the input of, older than :data:`FRESH_SECONDS`. Reads, removes nothing; a
-    records folder that is a link, or not private and ours, raises
-    :class:`~hostmem.vault.safety.VaultError` naming it."""
+    names the input of, older than :data:`FRESH_SECONDS`. Reads, removes nothing; raises
+    as :func:`records_under`."""
     live: set[str] = set()
     for combo in combos:
         live |= input_digests(combo.inputs)
     now = time.time() if now is None else now
     stale = []
-    for folder in check_record_folders(cache):
-        entries = sorted(os.scandir(folder), key=lambda e: e.name)
-        for entry in entries:
-            if entry.name.startswith(TMP_PREFIX) or not entry.name.endswith(".json"):
-                continue  # writers' temporaries are the sweep's (it knows the live ones), not ours
-            if not entry.is_file(follow_symlinks=False):
-                continue
-            stat = entry.stat(follow_symlinks=False)
-            if now - stat.st_mtime < FRESH_SECONDS:
-                continue
-            reason = _why_stale(entry.path, stat.st_size, live)
-            if reason is not None:
-                stale.append(StaleRecord(entry.path, stat.st_size, reason))
+    for path, stat in records_under(cache):
+        if now - stat.st_mtime >= FRESH_SECONDS and (reason := _why_stale(path, stat.st_size, live)) is not None:
+            stale.append(StaleRecord(path, stat.st_size, reason))
     return stale

@@ -128,18 +128,51 @@ def _differences(combos) -> dict[str, str]:
     return found
 
 
+def _records(cache: str | None, combos) -> dict:
+    """The providers' records under ``cache``: how many, their bytes, and those no
+    combination needs (what ``prune`` would remove); a problem with their folder, in words."""
+    from hostmem.vault import VaultError
+    from hostmem.vault.records import records_under, stale_records
+
+    if cache is None:
+        return {"count": 0, "bytes": 0, "stale": 0, "stale_bytes": 0}
+    try:
+        found, stale = records_under(cache), stale_records(cache, combos)
+    except (OSError, VaultError) as exc:
+        return {"count": 0, "bytes": 0, "stale": 0, "stale_bytes": 0, "problem": str(exc)}
+    return {"count": len(found), "bytes": sum(st.st_size for _, st in found), "stale": len(stale),
+            "stale_bytes": sum(r.bytes for r in stale)}
+
+
+def _records_line(records: dict) -> str | None:
+    if "problem" in records:
+        return f"records: {records['problem']}"
+    if not records["count"]:
+        return None
+    line = f"records: {records['count']} conversion record(s), {format_size(records['bytes'])}"
+    if records["stale"]:
+        line += (f"; {records['stale']} of them ({format_size(records['stale_bytes'])}) no combination needs: "
+                 "`hostmem cache prune` removes them")
+    return line
+
+
 def run_ls(args) -> int:
     from hostmem.vault.combinations import list_combinations
 
     root, cache = _cache(args)
     combos = list_combinations(cache) if cache else []
     total = sum(c.bytes for c in combos)
+    records = _records(cache, combos)
     if args.json:
-        json.dump({"root": root, "cache": cache, "total_bytes": total, "combinations": [c.to_dict() for c in combos]}, sys.stdout)
+        json.dump({"root": root, "cache": cache, "total_bytes": total, "combinations": [c.to_dict() for c in combos],
+                   "records": records}, sys.stdout)
         sys.stdout.write("\n")
         return 0
+    records_line = _records_line(records)
     if not combos:
         print(f"no cached LoRA merges under {root}")
+        if records_line:
+            print(records_line)
         return 0
     print(f"{cache}: {len(combos)} combination(s), {format_size(total)}")
     print(f"{'KEY':<12}  {'STATE':<11}  {'SIZE':>10}  {'LAYERS':>6}  {'LAST USED':<16}  INPUTS")
@@ -153,6 +186,8 @@ def run_ls(args) -> int:
             print(f"{'':<12}  differs: {differences[c.key]}")
         if c.problem:
             print(f"{'':<12}  {c.problem}")
+    if records_line:
+        print(records_line)
     return 0
 
 

@@ -157,6 +157,12 @@ def test_prune_removes_the_records_no_combination_left_needs(tmp_path, capsys):
     os.utime(os.path.join(records, "older.json"), (aged, aged))
     os.unlink(os.path.join(cache, gone.hex, "manifest.json"))  # an interrupted build: prune removes it
 
+    code, out, _ = cli(capsys, "cache", "ls", "--root", root)  # ls says what prune would take
+    assert code == 0 and "records: 4 conversion record(s)" in out and "2 of them" in out  # gone names no inputs now
+    code, out, _ = cli(capsys, "cache", "ls", "--root", root, "--json")
+    listed = json.loads(out)["records"]
+    assert (listed["count"], listed["stale"]) == (4, 2) and listed["bytes"] > listed["stale_bytes"] > 0
+
     code, out, _ = cli(capsys, "cache", "prune", "--root", root, "--dry-run")
     assert code == 0 and f"would remove {gone.short}" in out
     assert f"would remove conversions/{names['gone']}.json" in out and "no combination left uses its input" in out
@@ -167,6 +173,8 @@ def test_prune_removes_the_records_no_combination_left_needs(tmp_path, capsys):
     assert code == 0 and "removed 2 record(s) no combination left needs" in out
     assert sorted(os.listdir(records)) == sorted(f"{names[t]}.json" for t in ("kept", "fresh"))
     assert ConversionMemo([root]).load(names["kept"]) is not None  # what stays still serves
+    code, out, _ = cli(capsys, "cache", "ls", "--root", root)
+    assert "records: 2 conversion record(s)" in out and "no combination needs" not in out
 
 
 def test_prune_never_follows_a_records_folder_that_is_a_link(tmp_path, capsys):
@@ -183,6 +191,8 @@ def test_prune_never_follows_a_records_folder_that_is_a_link(tmp_path, capsys):
     os.utime(victim, (aged, aged))
     link = os.path.join(root, "lora_merge_cache", "conversions")
     os.symlink(elsewhere, link)
+    code, out, _ = cli(capsys, "cache", "ls", "--root", root)  # ls lists the rest and names the problem
+    assert code == 0 and key.short in out and f"records: {link}: is a symlink" in out
     code, _, err = cli(capsys, "cache", "prune", "--root", root)
     assert code != 0 and link in err and "is a symlink" in err and "Traceback" not in err
     assert victim.exists() and os.path.isdir(os.path.join(root, "lora_merge_cache", key.hex))  # nothing removed
