@@ -65,8 +65,6 @@ def _cache(args) -> tuple[str, str | None]:
 
 def _check_given_root(root: str) -> None:
     """A ``--root`` that is not a folder is a typo, not an empty cache: say so (exit 2)."""
-    import os
-
     path = os.path.expanduser(root)
     if os.path.isdir(path):
         return
