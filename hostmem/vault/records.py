@@ -104,16 +104,17 @@ def records_under(cache: str) -> list[tuple[str, os.stat_result]]:
     return found
 
 
-def stale_records(cache: str, combos: list[Combination], now: float | None = None) -> list[StaleRecord]:
-    """The records under ``cache`` that none of ``combos`` (the combinations that stay)
-    names the input of, older than :data:`FRESH_SECONDS`. Reads, removes nothing; raises
-    as :func:`records_under`."""
+def stale_records(cache: str, combos: list[Combination], now: float | None = None,
+                  found: list[tuple[str, os.stat_result]] | None = None) -> list[StaleRecord]:
+    """The records under ``cache`` (or of ``found``, what :func:`records_under` gave) that
+    none of ``combos`` (the combinations that stay) names the input of, older than
+    :data:`FRESH_SECONDS`. Reads, removes nothing; raises as :func:`records_under`."""
     live: set[str] = set()
     for combo in combos:
         live |= input_digests(combo.inputs)
     now = time.time() if now is None else now
     stale = []
-    for path, stat in records_under(cache):
+    for path, stat in records_under(cache) if found is None else found:
         if now - stat.st_mtime >= FRESH_SECONDS and (reason := _why_stale(path, stat.st_size, live)) is not None:
             stale.append(StaleRecord(path, stat.st_size, reason))
     return stale

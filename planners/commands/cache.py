@@ -132,14 +132,16 @@ def _records(cache: str | None, combos) -> dict:
     from hostmem.vault import VaultError
     from hostmem.vault.records import records_under, stale_records
 
-    if cache is None:
-        return {"count": 0, "bytes": 0, "stale": 0, "stale_bytes": 0}
+    found, stale, problem = [], [], None
     try:
-        found, stale = records_under(cache), stale_records(cache, combos)
+        if cache is not None:
+            found = records_under(cache)
+            stale = stale_records(cache, combos, found=found)  # the same scan
     except (OSError, VaultError) as exc:
-        return {"count": 0, "bytes": 0, "stale": 0, "stale_bytes": 0, "problem": str(exc)}
-    return {"count": len(found), "bytes": sum(st.st_size for _, st in found), "stale": len(stale),
-            "stale_bytes": sum(r.bytes for r in stale)}
+        problem = str(exc)
+    records = {"count": len(found), "bytes": sum(st.st_size for _, st in found), "stale": len(stale),
+               "stale_bytes": sum(r.bytes for r in stale)}
+    return records if problem is None else {**records, "problem": problem}
 
 
 def _records_line(records: dict) -> str | None:

@@ -5,6 +5,7 @@ What a merge costs in memory is in ``test_merge_memory``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -197,16 +198,14 @@ def test_a_build_gives_back_torchs_thread_count_also_when_it_fails(tmp_path):
         torch.set_num_threads(before)
 
 
-def test_no_cyclic_collection_runs_inside_a_merge_and_the_collector_is_left_as_found(tmp_path):
-    """A full collection holds the interpreter lock for tens of milliseconds (and, in a rank of
-    a shared build, holds up the others at the next meeting): none runs inside a merge, even
-    with the collector told to run at every allocation, and it runs again once the merge is done."""
+@contextlib.contextmanager
+def _collections_inside(merge):
+    """Yield a list that gets, per cyclic collection while inside, whether it ran inside
+    ``merge``'s body (on any thread), with the collector told to run at every allocation."""
     import gc
 
-    model, adapter = _setup(tmp_path)
-    merge = lora_cache.merge  # imported here: importing it is not the merge
     body = getattr(merge, "__wrapped__", merge).__code__
-    seen: list[bool] = []  # per collection: whether it ran inside the merge's body
+    seen: list[bool] = []
 
     def count(phase, info):
         if phase == "start":
@@ -219,19 +218,33 @@ def test_no_cyclic_collection_runs_inside_a_merge_and_the_collector_is_left_as_f
     gc.callbacks.append(count)
     gc.set_threshold(1, 1, 1)
     try:
-        stats = merge(model, [adapter], cache_root=tmp_path / "cache", progress=False)
-        during, before_after = sum(seen), len(seen)
-        junk = [[i] for i in range(1000)]  # allocations after the merge: the collector is back
-        after = len(seen) - before_after
-        del junk
-        lora_cache.unmerge(model)
-        gc.disable()
-        merge(model, [adapter], cache_root=tmp_path / "cache", progress=False)
-        left_off = gc.isenabled()
+        yield seen
     finally:
-        gc.enable()
         gc.set_threshold(*thresholds)
         gc.callbacks.remove(count)
+
+
+def test_no_cyclic_collection_runs_inside_a_merge_and_the_collector_is_left_as_found(tmp_path):
+    """A full collection holds the interpreter lock for tens of milliseconds (and, in a rank of
+    a shared build, holds up the others at the next meeting): none runs inside a merge, even
+    with the collector told to run at every allocation, and it runs again once the merge is done."""
+    import gc
+
+    model, adapter = _setup(tmp_path)
+    merge = lora_cache.merge  # imported here: importing it is not the merge
+    try:
+        with _collections_inside(merge) as seen:
+            stats = merge(model, [adapter], cache_root=tmp_path / "cache", progress=False)
+            during, before_after = sum(seen), len(seen)
+            junk = [[i] for i in range(1000)]  # allocations after the merge: the collector is back
+            after = len(seen) - before_after
+            del junk
+            lora_cache.unmerge(model)
+            gc.disable()
+            merge(model, [adapter], cache_root=tmp_path / "cache", progress=False)
+            left_off = gc.isenabled()
+    finally:
+        gc.enable()
     assert stats.built == 6 and during == 0, f"{during} collections ran inside the merge"
     assert after > 0 and left_off is False
 
@@ -244,28 +257,12 @@ def test_a_merge_off_the_main_thread_leaves_the_collector_running(tmp_path):
 
     model, adapter = _setup(tmp_path)
     merge = lora_cache.merge
-    body = getattr(merge, "__wrapped__", merge).__code__
-    inside: list[bool] = []
-
-    def count(phase, info):
-        if phase == "start":
-            frame = sys._getframe()
-            while frame is not None and frame.f_code is not body:
-                frame = frame.f_back
-            inside.append(frame is not None)
-
     results = []
     thread = threading.Thread(target=lambda: results.append(
         merge(model, [adapter], cache_root=tmp_path / "cache", progress=False)))
-    thresholds = gc.get_threshold()
-    gc.callbacks.append(count)
-    gc.set_threshold(1, 1, 1)
-    try:
+    with _collections_inside(merge) as inside:
         thread.start()
         thread.join()
-    finally:
-        gc.set_threshold(*thresholds)
-        gc.callbacks.remove(count)
     assert results and results[0].built == 6 and gc.isenabled()
     assert sum(inside) > 0, "no collection ran inside a merge on another thread"
 
