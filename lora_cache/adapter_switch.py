@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .adapters import Adapter, AdapterFile, as_adapter
+from .adapters import Adapter, AdapterFile, as_adapters
 from .forward_gate import ForwardGate
 from .kernels import plan_for_targets
 from .layers import LayerTarget, components_of, is_merged, unmerge
@@ -296,7 +296,7 @@ def set_adapters(
     options = {"cache_root": cache_root, "max_size": max_size, "base_files": base_files, "device": device,
                "shards": shards}
     state = _state_of(model, options)
-    specs = [as_adapter(a) for a in adapters]
+    specs = as_adapters(adapters)
     identity = _identity(specs, cache_root, shards)
     with state.gate.exclusive():
         if identity == state.identity and (specs or not is_merged(model)):

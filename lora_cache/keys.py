@@ -182,8 +182,26 @@ def _find_with_prefixes(name: str, index: ModuleIndex) -> str | None:
         found = index.find(name)
     if found is None and "." not in name:
         prefix = next((p for p in _KOHYA_PREFIXES if name.startswith(p)), "")
-        found = index.find_kohya(name[len(prefix) :])
+        name = name[len(prefix) :]
+        found = index.find_kohya(name)
+        if found is None:
+            found = next(filter(None, map(index.find_kohya, _text_model_levels(name, "_"))), None)
+    elif found is None:
+        found = next(filter(None, map(index.find, _text_model_levels(name, "."))), None)
     return found
+
+
+def _text_model_levels(name: str, sep: str) -> list[str]:
+    """``name`` with CLIP's ``text_model`` level taken out, or put in, at its start or after
+    a component's name. transformers 5 flattened ``CLIPTextModel`` (``encoder.layers.0``
+    where it was ``text_model.encoder.layers.0``), and most text-encoder LoRAs were written
+    before; diffusers' loader drops the level from such keys the same way."""
+    level = f"text_model{sep}"
+    head, _, rest = name.partition(".")
+    spellings = [name.removeprefix(level)] if name.startswith(level) else [level + name]
+    if sep == "." and rest:
+        spellings.append(f"{head}.{rest.removeprefix(level)}" if rest.startswith(level) else f"{head}.{level}{rest}")
+    return [s for s in spellings if s != name]
 
 
 def resolve_stem(stem: str, rules: list[KeyRule], index: ModuleIndex) -> list[Target] | None:

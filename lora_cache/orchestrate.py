@@ -21,7 +21,7 @@ import torch
 
 from hostmem.safetensors_header import read_header
 
-from .adapters import Adapter, AdapterFile, as_adapter, read_adapters
+from .adapters import Adapter, AdapterFile, as_adapters, read_adapters
 from .adapters.conversion_memo import ValuesNeeded
 from .kernels import KernelPlan, plan_for_targets
 from .kernels.precision import fp32_matmul_precision
@@ -91,7 +91,7 @@ def plan_targets(model, adapters, shards=None, memo_roots=None) -> tuple[list[La
     against their whole shapes, and their targets carry the part (``target.shard``).
     ``memo_roots``: the cache roots whose conversion records spare a converted adapter's
     conversion (:func:`lora_cache.adapters.read_adapters`)."""
-    adapters = [as_adapter(a) for a in adapters]
+    adapters = as_adapters(adapters)
     params = named_parameters(model)
     shapes = {name: tuple(module._parameters[attr].shape) for name, (module, attr) in params.items()}
     held = check_shards(shards, shapes) if shards is not None else {}
@@ -305,7 +305,8 @@ def merge(
     """Merge ``adapters`` into ``model`` and return what it took.
 
     ``model`` is an ``nn.Module`` or a dict of named modules; ``adapters`` a list of
-    paths, ``(path, strength)`` tuples, config dicts or :class:`lora_cache.Adapter`.
+    paths, ``(path, strength)`` tuples, config dicts or :class:`lora_cache.Adapter` (or
+    one of them alone).
     Unless ``enabled=False`` or ``HOSTMEM_DISABLE_LORA_MERGE_CACHE=1`` turns the cache
     off (the stats then say so), every merged weight is written once under the cache
     root and installed as a read-only mapped view, so it stays file-backed and the next
@@ -339,7 +340,7 @@ def merge(
     """
     if is_merged(model):
         raise ValueError("the model is already merged; call lora_cache.unmerge(model) before merging again")
-    specs = [as_adapter(a) for a in adapters]
+    specs = as_adapters(adapters)
     rank_timeout = check_rank_timeout(rank_timeout)
     off = why_in_place(enabled)
     roots = None if off else cache_roots(cache_root)

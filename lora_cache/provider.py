@@ -63,7 +63,7 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
     With ``cache_root`` (an existing cache folder) it also says whether this exact
     combination is already built there, without taking its lock.
     """
-    from .adapters import as_adapter, read_adapter  # torch: only when files are read
+    from .adapters import as_adapters, read_adapter  # torch: only when files are read
     from .keys import ModuleIndex, plan_deltas
     from .kernels import plan_kernels
     from .orchestrate import combination_key
@@ -74,7 +74,7 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
         tensors = read_header(path).tensors
         infos.update(tensors)
         holder.update(dict.fromkeys(tensors, path))
-    specs = [as_adapter(a) for a in adapters]
+    specs = as_adapters(adapters)
     files = [read_adapter(s.path) for s in specs]
     planned = plan_deltas(list(zip(files, specs)), ModuleIndex({n: i.shape for n, i in infos.items()}))
     chosen = [infos[name] for name in planned]

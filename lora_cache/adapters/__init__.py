@@ -30,7 +30,7 @@ from .alpha import AlphaSources, PeftConfig
 from .checks import forget_checked
 from .for_model import read_adapters
 from .read import AdapterFile, ModuleChange, read_adapter
-from .spec import Adapter, AdapterError, as_adapter
+from .spec import Adapter, AdapterError, as_adapter, as_adapters
 
 __all__ = [
     "Adapter",
@@ -40,6 +40,7 @@ __all__ = [
     "ModuleChange",
     "PeftConfig",
     "as_adapter",
+    "as_adapters",
     "forget_checked",
     "read_adapter",
     "read_adapters",

@@ -30,6 +30,7 @@ import torch
 from .alpha import network_alpha
 from .checks import FiniteCheck
 from .conversion_memo import ConversionMemo, NoValues, record_of, skeleton_of
+from .diffusers_keys import peft_keys
 from .kohya_flux import read_kohya_flux, uncovered_stems
 from .read import AdapterFile, build_adapter_file, group_parts, open_adapter
 from .spec import AdapterError
@@ -142,8 +143,7 @@ def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str
         del writable
         adapter = _kohya_fallback(path, loader, tensors, metadata, refused)
         return adapter, record_of("kohya-flux", adapter.converter)
-    state.update({k: v if torch.is_tensor(v) else torch.tensor(float(v)) for k, v in alphas.items()})
-    kept = _kept(path, state, keep)
+    kept = _kept(path, peft_keys(path, state, alphas), keep)
     adapter = build_adapter_file(path, kept, _converted_metadata(metadata), converter=converter,
                                  values_check=values_check)
     return adapter, record_of("diffusers", converter, kept)

@@ -10,7 +10,7 @@ import math
 import os
 from dataclasses import dataclass
 
-__all__ = ["Adapter", "AdapterError", "as_adapter"]
+__all__ = ["Adapter", "AdapterError", "as_adapter", "as_adapters"]
 
 _SPEC_KEYS = {"path", "strength", "alpha", "rules", "strict", "rslora", "convert"}
 _CONVERTERS = ("auto", "native", "diffusers")
@@ -61,6 +61,24 @@ class Adapter:
             object.__setattr__(self, "alpha", _finite(path, "alpha", self.alpha))
         if self.convert not in _CONVERTERS:
             raise AdapterError(f"adapter {path}: convert {self.convert!r}; expected one of {', '.join(_CONVERTERS)}")
+
+
+def as_adapters(adapters) -> list[Adapter]:
+    """Accept a list of what :func:`as_adapter` takes, or one of them alone: a bare path
+    (``merge(model, "style.safetensors")``) is one adapter, never a string of them."""
+    one = isinstance(adapters, (str, os.PathLike, Adapter, dict)) or (
+        isinstance(adapters, tuple) and len(adapters) == 2 and isinstance(adapters[0], (str, os.PathLike))
+        and isinstance(adapters[1], (int, float)) and not isinstance(adapters[1], bool))
+    if one:
+        return [as_adapter(adapters)]
+    try:
+        items = list(adapters)
+    except TypeError:
+        raise AdapterError(
+            f"adapters {adapters!r}: give a path, a (path, strength) tuple, a dict, lora_cache.Adapter, "
+            "or a list of them"
+        ) from None
+    return [as_adapter(a) for a in items]
 
 
 def as_adapter(spec) -> Adapter:

@@ -225,6 +225,56 @@ def test_components_dict_resolves_inside_the_component(tmp_path):
     assert targets[0].module is dit.blocks[0].attn.to_q
 
 
+def _clip_like(flattened: bool) -> nn.Module:
+    """A text encoder named as CLIP's: ``encoder.layers.N.self_attn.q_proj``, under
+    ``text_model.`` unless ``flattened`` (transformers 5 dropped that level)."""
+    encoder = nn.Module()
+    encoder.layers = nn.ModuleList(nn.Module() for _ in range(2))
+    for layer in encoder.layers:
+        layer.self_attn = nn.Module()
+        layer.self_attn.q_proj = nn.Linear(16, 16)
+    root = nn.Module()
+    if flattened:
+        root.encoder = encoder
+    else:
+        root.text_model = nn.Module()
+        root.text_model.encoder = encoder
+    return root
+
+
+@pytest.mark.parametrize("flattened", [True, False])
+def test_text_encoder_keys_resolve_with_or_without_clips_text_model_level(tmp_path, flattened):
+    """A LoRA written against one CLIP layout lands on the other: kohya's ``lora_te_text_model_...``
+    and peft's ``text_encoder.text_model....`` on a flattened model, and keys without the level
+    on a model that has it, in a pipeline's dict of components and on the model alone."""
+    encoder = mapped_model(tmp_path, module=_clip_like(flattened))
+    level = "text_model." if flattened else ""  # the other layout's spelling
+    q_proj = f"{'' if flattened else 'text_model.'}encoder.layers.1.self_attn.q_proj.weight"
+    kohya = write_adapter(tmp_path / "k.safetensors", "kohya", {f"{level}encoder.layers.1.self_attn.q_proj":
+                                                                   lora_change(16, 16, 2, 1, alpha=1)}, prefix="lora_te_")
+    peft = write_adapter(tmp_path / "p.safetensors", "comfyui", {f"{level}encoder.layers.1.self_attn.q_proj":
+                                                                    lora_change(16, 16, 2, 1)}, prefix="text_encoder.")
+    assert _scales(encoder, [kohya]) == {q_proj: pytest.approx(0.5)}
+    targets, _ = plan_targets({"text_encoder": encoder, "unet": nn.Linear(4, 4)}, [peft])
+    assert [t.name for t in targets] == [f"text_encoder.{q_proj}"]
+    assert targets[0].module is encoder.get_submodule(q_proj.removesuffix(".weight"))
+
+
+def test_one_adapter_may_be_given_alone_not_in_a_list(tmp_path):
+    """``merge(model, "style.safetensors")``: one adapter, as load_lora takes it; before, the
+    string was read a character at a time, each a missing adapter file."""
+    model = mapped_model(tmp_path)
+    path = write_adapter(tmp_path / "k.safetensors", "kohya", {"proj_out": lora_change(4, 64, 2, 3)})
+    for alone in (path, (path, 0.5), Adapter(path, 0.5), {"path": path, "strength": 0.5}):
+        (target,), _ = plan_targets(model, alone)
+        assert target.name == "proj_out.weight"
+    missing = os.fspath(tmp_path / "missing.safetensors")
+    with pytest.raises(AdapterError, match=re.escape(missing)):
+        plan_targets(model, missing)
+    with pytest.raises(AdapterError, match=r"adapters 7: give a path, .* or a list of them"):
+        plan_targets(model, 7)
+
+
 # ----------------------------------------------------------------- rules and errors
 
 
