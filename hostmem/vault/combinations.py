@@ -139,7 +139,7 @@ def scan_combination(cache: str, key: str) -> Combination:
         return combo
     damage = read_damage(path)
     if damage:
-        combo.problem = f"`hostmem cache verify` found it damaged: {'; '.join(damage[:3])}"
+        combo.problem = f"found damaged: {'; '.join(damage[:3])}; the next start verifies it and rebuilds what failed"
     if manifest is not None:
         combo.sealed = True
         combo.layers = len(manifest.layers)

@@ -11,11 +11,13 @@ the other:
 - the shared lock keeps out every writer: a plain session, eviction, ``prune`` and
   ``rm`` all take the key's lock exclusively, so nothing is dropped, rebuilt or removed
   while a reader maps;
-- a reader never writes: every ``put`` answers None, a layer whose header no longer
-  matches the manifest when ``get`` maps it is not served (and nothing is removed: the
-  next plain session finds the change, verifies and rebuilds), and closing only records
-  the use (the manifest's mtime, as a plain session that served a sealed combination
-  does);
+- a reader never writes a layer or the manifest: every ``put`` answers None, a layer
+  whose header no longer matches the manifest when ``get`` maps it is not served and
+  nothing is removed, only the problem recorded as ``cache verify`` records damage (so
+  the next start takes the plain way, which verifies every layer, rebuilds what changed
+  and clears the record; without it, every start would vouch for the same manifest and
+  stop at the same layer), and closing only records the use (the manifest's mtime, as a
+  plain session that served a sealed combination does);
 - anything else (no manifest, incomplete, a layer not vouched for, recorded damage, an
   unrecorded layer file, another shape or dtype, or a writer holding the lock) and
   :func:`open_sealed` lets go and answers None: the caller opens the plain way, which
@@ -43,7 +45,7 @@ from .manifest import ManifestError, read_manifest, touch_use_time
 from .provisional import is_provisional
 from .safety import check_not_symlink
 from .session import VaultSession, claim_in_process, say, unclaim_in_process
-from .verification import VerifiedMemo, read_damage
+from .verification import VerifiedMemo, read_damage, record_damage
 
 __all__ = ["DEPARTING_READER_S", "SealedSession", "open_sealed"]
 
@@ -55,10 +57,16 @@ class SealedSession(VaultSession):
 
     def _drop(self, reason: str) -> None:
         """A layer changed since it was sealed (found as ``get`` maps it): not served, and
-        nothing removed under a shared lock; the merge builds it elsewhere or in place,
-        and the next plain session finds the change, verifies and rebuilds."""
-        say(f"{self.vault.label} {self.key[:12]}: not serving the combination ({reason}); the next start "
-            "rebuilds what changed")
+        nothing removed under a shared lock; the merge builds it elsewhere or in place.
+        The problem is recorded as damage, so the next start opens the plain way, which
+        verifies every layer and rebuilds what changed."""
+        try:
+            record_damage(self.folder, [reason])
+            then = "the next start verifies it and rebuilds what changed"
+        except OSError as exc:
+            then = (f"its damage could not be recorded ({exc}); run `hostmem cache verify` on this root, "
+                    "then the next start rebuilds what changed")
+        say(f"{self.vault.label} {self.key[:12]}: not serving the combination ({reason}); {then}")
         self._entries.clear()
         self._was_complete = False
         self.stats["dropped"] = reason
