@@ -100,6 +100,25 @@ def transparent_huge_pages() -> str:
 
 
 @pytest.fixture
+def read_only_copy(tmp_path):
+    """``read_only_copy(src)``: ``src`` bind-mounted read-only (skips where mounting is not allowed)."""
+    mounts = []
+
+    def mount(src: str) -> str:
+        point = str(tmp_path / f"ro-{len(mounts)}")
+        os.mkdir(point)
+        done = subprocess.run(["mount", "--bind", "-o", "ro", src, point], capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot bind-mount read-only here: {done.stderr.strip()}")
+        mounts.append(point)
+        return point
+
+    yield mount
+    for point in mounts:
+        subprocess.run(["umount", point], capture_output=True)
+
+
+@pytest.fixture
 def st_file(tmp_path):
     """A factory: ``st_file(name, tensors)`` writes a safetensors file under tmp_path."""
 

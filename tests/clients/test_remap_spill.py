@@ -19,7 +19,6 @@ import hostmem
 from hostmem.slots import MappedAreas
 from hostmem.vault.layer_file import layer_file_name
 from tests.conftest import run_python
-from tests.faults.test_roots import read_only_copy  # noqa: F401  (a fixture)
 from tests.faults.world import flip_byte
 
 diffusers = pytest.importorskip("diffusers", reason="the spill client tests load real diffusers models")

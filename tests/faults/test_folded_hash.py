@@ -26,7 +26,6 @@ from hostmem.vault.manifest import read_manifest
 from hostmem.vault.provisional import MARKER_NAME
 from lora_cache.layers import checkpoint_module
 from lora_cache.orchestrate import merge_layers, open_combination, plan_targets
-from tests.faults.test_roots import read_only_copy  # noqa: F401  (a fixture)
 from tests.faults.world import (LAYERS, assert_same, build_in_child, combination_folder, flip_byte_keeping_times,
                                 leftovers, make_world, reference, start)
 

@@ -26,25 +26,6 @@ from tests.faults.world import (
 )
 
 
-@pytest.fixture
-def read_only_copy(tmp_path):
-    """``read_only_copy(src)``: ``src`` bind-mounted read-only (skips where mounting is not allowed)."""
-    mounts = []
-
-    def mount(src: str) -> str:
-        point = str(tmp_path / f"ro-{len(mounts)}")
-        os.mkdir(point)
-        done = subprocess.run(["mount", "--bind", "-o", "ro", src, point], capture_output=True, text=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot bind-mount read-only here: {done.stderr.strip()}")
-        mounts.append(point)
-        return point
-
-    yield mount
-    for point in mounts:
-        subprocess.run(["umount", point], capture_output=True)
-
-
 def test_a_cache_baked_into_a_read_only_root_serves_a_copied_base(tmp_path, read_only_copy, capfd):
     world = make_world(tmp_path)
     expected = reference(world.base, world.adapter)
