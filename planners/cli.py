@@ -129,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"hostmem: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a command that writes says what it kept itself; here, before it began or a query
+        command = getattr(args, "command", None)
+        print(f"hostmem{' ' + command if command else ''}: interrupted", file=sys.stderr)
         return 130
 
 
