@@ -41,6 +41,7 @@ from .forward_gate import ForwardGate
 from .kernels import plan_for_targets
 from .layers import LayerTarget, components_of, is_merged, unmerge
 from .orchestrate import CacheBuildError, cache_roots, merge, merge_layers, open_combination, plan_targets
+from .process_group import DEFAULT_TIMEOUT, check_rank_timeout
 from .runtime_lora import apply_runtime, remove_runtime, runtime_bytes, unsupported_reason
 
 __all__ = ["SwitchResult", "set_adapters", "swap_ready", "serving", "build_reserve_bytes"]
@@ -279,6 +280,7 @@ def set_adapters(
     device: torch.device | str | None = None,
     background: bool = True,
     shards: dict | None = None,
+    rank_timeout: float = DEFAULT_TIMEOUT,
 ) -> SwitchResult:
     """Switch ``model`` to ``adapters`` (``[]``: the base) and return what it took.
 
@@ -288,13 +290,14 @@ def set_adapters(
     time at once and built in the background (``background=False``: built now), then
     swapped in at the next safe point (see :func:`swap_ready`). Waits for forward calls
     in flight on other threads; raises when called from inside one. ``max_size``,
-    ``base_files``, ``device`` and ``shards`` (a tensor-parallel rank's parts, see the
-    module's docstring) are :func:`lora_cache.merge`'s.
+    ``base_files``, ``device``, ``shards`` (a tensor-parallel rank's parts, see the
+    module's docstring) and ``rank_timeout`` (how long a rank waits for the host's others
+    in a build they share) are :func:`lora_cache.merge`'s.
     """
     started = time.perf_counter()
     cache_root = os.path.expanduser(os.fspath(cache_root))
     options = {"cache_root": cache_root, "max_size": max_size, "base_files": base_files, "device": device,
-               "shards": shards}
+               "shards": shards, "rank_timeout": check_rank_timeout(rank_timeout)}
     state = _state_of(model, options)
     specs = as_adapters(adapters)
     identity = _identity(specs, cache_root, shards)
@@ -319,9 +322,7 @@ def _switch(state: _State, model, specs, planned, identity, background: bool) ->
         return SwitchResult("cached", layers=len(targets))
     unsupported = next((r for r in map(unsupported_reason, targets) if r is not None), None)
     if unsupported is not None or not background:
-        opts = state.options
-        merge(model, specs, cache_root=opts["cache_root"], max_size=opts["max_size"],
-              base_files=opts["base_files"], device=opts["device"], progress=False, fallback=False, unmergeable=True)
+        _merge_now(model, specs, state.options)
         return SwitchResult("built", layers=len(targets))
     copied = apply_runtime(targets)
     pending = _Pending(identity, specs, files, targets, _stand_ins(targets), kernels)
@@ -333,10 +334,16 @@ def _switch(state: _State, model, specs, planned, identity, background: bool) ->
 def _merge_parts(state: _State, model, specs) -> SwitchResult:
     """A tensor-parallel rank's switch: :func:`lora_cache.merge` of its parts, ``cached``
     when every layer was a hit, else ``built``."""
-    opts = state.options
-    stats = merge(model, specs, cache_root=opts["cache_root"], max_size=opts["max_size"], base_files=opts["base_files"],
-                  device=opts["device"], progress=False, fallback=False, unmergeable=True, shards=opts["shards"])
+    stats = _merge_now(model, specs, state.options)
     return SwitchResult("cached" if stats.hit == stats.layers else "built", layers=stats.layers)
+
+
+def _merge_now(model, specs, opts: dict):
+    """:func:`lora_cache.merge` with the switch's options, undoable, raising where the cache
+    cannot store a layer (a switch never leaves a layer merged in place)."""
+    return merge(model, specs, cache_root=opts["cache_root"], max_size=opts["max_size"], base_files=opts["base_files"],
+                 device=opts["device"], progress=False, fallback=False, unmergeable=True, shards=opts["shards"],
+                 rank_timeout=opts["rank_timeout"])
 
 
 def swap_ready(model, wait: bool = False, timeout: float | None = None) -> bool:

@@ -116,11 +116,17 @@ class Combination:
 
 
 def _folder_bytes(path: str) -> tuple[int, int, float]:
-    """Apparent bytes and count of the regular files in a folder, and its mtime."""
+    """Apparent bytes and count of the regular files in a folder, and its mtime. Read
+    without the key's lock, while other processes may be writing there: a file gone
+    between the listing and its stat (a layer's temporary file renamed as it is sealed)
+    is not counted."""
     total = count = 0
     with os.scandir(path) as entries:
         for entry in entries:
-            st = entry.stat(follow_symlinks=False)
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
             if stat.S_ISREG(st.st_mode):
                 total += st.st_size
                 count += 1
@@ -235,7 +241,10 @@ def cache_bytes(cache: str, exclude: str | None = None) -> int:
     for name in os.listdir(cache):
         full = os.path.join(cache, name)
         if is_key(name) and name != exclude and os.path.isdir(full) and not os.path.islink(full):
-            total += _folder_bytes(full)[0]
+            try:
+                total += _folder_bytes(full)[0]
+            except FileNotFoundError:  # removed since the listing (evicted, dropped, pruned)
+                continue
     return total
 
 

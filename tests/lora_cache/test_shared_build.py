@@ -27,6 +27,7 @@ from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adap
 
 SHAPES = [(96, 64), (64, 64), (128, 32), (32, 96), (64, 128), (80, 64), (48, 48), (64, 16), (16, 64)]
 LATE_TIMEOUT = 3.0
+RANK_TIMEOUT = 60.0  # a rank that crashed fails the others in a minute, not the default 600 s
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +88,10 @@ def _rank_main(rank: int, world: int, port: int, paths: dict, folder: str, scena
         model = None
         for scenario in scenarios:
             if scenario == "build":
-                model, results["build"] = _merge(paths, os.path.join(folder, "cache"))
+                model, results["build"] = _merge(paths, os.path.join(folder, "cache"), rank_timeout=RANK_TIMEOUT)
             elif scenario == "hit":
                 lora_cache.unmerge(model)
-                model, results["hit"] = _merge(paths, os.path.join(folder, "cache"))
+                model, results["hit"] = _merge(paths, os.path.join(folder, "cache"), rank_timeout=RANK_TIMEOUT)
             elif scenario == "late":
                 results["late"] = _late(paths, os.path.join(folder, "late-cache"), rank)
     except Exception:  # noqa: BLE001 - reported to the test, which fails with it

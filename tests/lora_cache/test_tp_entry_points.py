@@ -17,7 +17,7 @@ import pytest
 import lora_cache
 from lora_cache.tp_shards import ShardSpecError, parse_shard_args
 from planners.cli import main
-from tests.lora_cache.test_shared_build import report_rank, spawn_ranks
+from tests.lora_cache.test_shared_build import RANK_TIMEOUT, report_rank, spawn_ranks
 from tests.lora_cache.test_tp_shards import DEGREE, compare, inputs, rank_model, spec  # noqa: F401 (a fixture)
 
 
@@ -85,7 +85,7 @@ def _switch_ranks(rank: int, world: int, port: int, paths: dict, folder: str) ->
                                 timeout=datetime.timedelta(seconds=60))
         model, root = rank_model(paths["base"], rank), os.path.join(folder, "cache")
         for step, adapters in (("first", [paths["adapter"]]), ("base", []), ("back", [paths["adapter"]])):
-            switched = lora_cache.set_adapters(model, adapters, root, shards=spec(rank))
+            switched = lora_cache.set_adapters(model, adapters, root, shards=spec(rank), rank_timeout=RANK_TIMEOUT)
             results[step] = {"mode": switched.mode, "layers": switched.layers,
                              "differ": compare(model, paths["reference"], rank)}
         dist.barrier()

@@ -23,7 +23,7 @@ from lora_cache.tp_shards import Shard, ShardSpecError
 from lora_cache.tp_shards.shard_math import shard_merged
 from tests.conftest import write_safetensors
 from tests.lora_cache.test_adapters import lora_change, write_adapter
-from tests.lora_cache.test_shared_build import report_rank, spawn_ranks
+from tests.lora_cache.test_shared_build import RANK_TIMEOUT, report_rank, spawn_ranks
 
 DIM, HIDDEN, DEPTH, DEGREE = 96, 128, 2, 2
 COLUMN = [f"blocks.{i}.proj_in" for i in range(DEPTH)]  # out features split: rows of weight and bias
@@ -252,13 +252,14 @@ def _rank_main(rank: int, world: int, port: int, paths: dict, folder: str) -> No
         root = os.path.join(folder, "cache")
         for start in ("first", "second"):
             model = rank_model(paths["base"], rank)
-            stats = lora_cache.merge(model, [paths["adapter"]], cache_root=root, progress=False, shards=spec(rank))
+            stats = lora_cache.merge(model, [paths["adapter"]], cache_root=root, progress=False, shards=spec(rank),
+                                     rank_timeout=RANK_TIMEOUT)
             results[start] = {"stats": stats.to_dict(), "differ": compare(model, paths["reference"], rank),
                               "where": layouts(model)}
             del model
         try:
             lora_cache.merge(rank_model(paths["base"], rank), [paths["adapter"]], cache_root=root, progress=False,
-                             shards=spec(world - 1 - rank))
+                             shards=spec(world - 1 - rank), rank_timeout=RANK_TIMEOUT)
         except ShardSpecError as exc:
             results["wrong"] = str(exc)
         dist.barrier()

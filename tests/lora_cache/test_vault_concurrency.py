@@ -168,3 +168,46 @@ def test_a_build_killed_mid_write_resumes_from_its_sealed_layers(tmp_path):
     with Vault(root).open(KEY, expected) as session:
         assert session.complete and session.stats["layers_resumed"] == 0
     assert file_digests(folder).keys() == sealed.keys()
+
+
+# Builds combination after combination until the stop file exists; prints how many.
+_SEALER = textwrap.dedent(
+    """
+    import os, sys
+    from hostmem.vault import Vault
+    from tests.lora_cache.test_vault import build, key_for, layers
+
+    root, stop = sys.argv[1], sys.argv[2]
+    tensors, built = layers(count=6), 0
+    print("ready", flush=True)
+    while not os.path.exists(stop):
+        build(Vault(root), key_for(f"busy-{built}"), tensors)
+        built += 1
+    print(built, flush=True)
+    """
+)
+
+
+def test_sizing_the_cache_while_another_process_seals_layers_never_fails(tmp_path):
+    """A start sizes the cache (for eviction) and ``cache ls`` lists it without any key's
+    lock, while another process writes each layer to a temporary file and renames it as
+    it seals: a file gone between the listing and its stat is not counted, never an error
+    (before, the start that met one failed with FileNotFoundError)."""
+    from hostmem.vault.combinations import cache_bytes, list_combinations
+
+    vault = Vault(tmp_path / "root")
+    stop = tmp_path / "stop"
+    sealer = subprocess.Popen([sys.executable, "-c", _SEALER, str(tmp_path / "root"), str(stop)],
+                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert sealer.stdout.readline().strip() == "ready"
+        deadline, sizes = time.monotonic() + 2.0, set()
+        while time.monotonic() < deadline:
+            sizes.add(cache_bytes(vault.cache))
+            assert all(c.problem is None for c in list_combinations(vault.cache))
+    finally:
+        stop.touch()
+        out, err = sealer.communicate(timeout=60)
+    assert sealer.returncode == 0, err
+    assert int(out.strip()) >= 2 and len(sizes) >= 3, (out, sizes)  # it sized a cache that kept changing
