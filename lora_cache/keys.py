@@ -45,6 +45,7 @@ _DOTTED_PREFIXES = (
     "model.",
 )
 _KOHYA_PREFIXES = ("lora_unet_", "lora_transformer_", "lora_te1_", "lora_te2_", "lora_te_", "lycoris_")
+_KOHYA_TEXT_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_", "")  # a text encoder's keys, or unprefixed
 _SHOWN = 20
 _HOW_TO_FIX = (
     "Add a key rule that maps them to module names (config: lora.adapters[N].rules: "
@@ -184,24 +185,38 @@ def _find_with_prefixes(name: str, index: ModuleIndex) -> str | None:
         prefix = next((p for p in _KOHYA_PREFIXES if name.startswith(p)), "")
         name = name[len(prefix) :]
         found = index.find_kohya(name)
-        if found is None:
-            found = next(filter(None, map(index.find_kohya, _text_model_levels(name, "_"))), None)
+        if found is None and prefix in _KOHYA_TEXT_PREFIXES:
+            found = _only_match(index.find_kohya, _text_model_levels(name, "_", ()))
     elif found is None:
-        found = next(filter(None, map(index.find, _text_model_levels(name, "."))), None)
+        found = _only_match(index.find, _text_model_levels(name, ".", index.components))
     return found
 
 
-def _text_model_levels(name: str, sep: str) -> list[str]:
-    """``name`` with CLIP's ``text_model`` level taken out, or put in, at its start or after
-    a component's name. transformers 5 flattened ``CLIPTextModel`` (``encoder.layers.0``
+
+def _text_model_levels(name: str, sep: str, components: tuple[str, ...]) -> list[str]:
+    """``name`` with CLIP's ``text_model`` level taken out, or put in, at its start or right
+    after a component's name. transformers 5 flattened ``CLIPTextModel`` (``encoder.layers.0``
     where it was ``text_model.encoder.layers.0``), and most text-encoder LoRAs were written
     before; diffusers' loader drops the level from such keys the same way."""
     level = f"text_model{sep}"
     head, _, rest = name.partition(".")
     spellings = [name.removeprefix(level)] if name.startswith(level) else [level + name]
-    if sep == "." and rest:
+    if head in components and rest:
         spellings.append(f"{head}.{rest.removeprefix(level)}" if rest.startswith(level) else f"{head}.{level}{rest}")
     return [s for s in spellings if s != name]
+
+
+def _only_match(find, spellings: list[str]) -> str | None:
+    """The module one of the other spellings names, where exactly one does; an ambiguous
+    one names none (the key stays unmatched, as it was without this)."""
+    found = set()
+    for spelling in spellings:
+        try:
+            found.add(find(spelling))
+        except KeyResolutionError:
+            return None
+    found.discard(None)
+    return found.pop() if len(found) == 1 else None
 
 
 def resolve_stem(stem: str, rules: list[KeyRule], index: ModuleIndex) -> list[Target] | None:

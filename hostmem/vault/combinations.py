@@ -22,7 +22,7 @@ from .locks import KeyLock, lock_is_held
 from .safety import VaultError, make_private_dir
 from .manifest import ManifestError, last_used, read_manifest
 from .provisional import is_provisional, is_resumable
-from .verification import read_damage
+from .verification import DAMAGE_NAME, read_damage
 
 __all__ = [
     "CACHE_DIR",
@@ -145,7 +145,7 @@ def scan_combination(cache: str, key: str) -> Combination:
         return combo
     damage = read_damage(path)
     if damage:
-        combo.problem = f"found damaged: {'; '.join(damage[:3])}; the next start verifies it and rebuilds what failed"
+        combo.problem = f"{'; '.join(damage[:3])} (recorded in {DAMAGE_NAME})"
     if manifest is not None:
         combo.sealed = True
         combo.layers = len(manifest.layers)
@@ -153,7 +153,10 @@ def scan_combination(cache: str, key: str) -> Combination:
         combo.complete = manifest.complete
         combo.inputs = manifest.inputs
     else:
-        combo.layers = sum(1 for n in os.listdir(path) if n.endswith(".safetensors") and not n.startswith(TMP_PREFIX))
+        try:
+            combo.layers = sum(1 for n in os.listdir(path) if n.endswith(".safetensors") and not n.startswith(TMP_PREFIX))
+        except OSError as exc:
+            combo.problem = str(exc)
     return combo
 
 
@@ -163,7 +166,9 @@ def list_combinations(cache: str) -> list[Combination]:
     for name in sorted(os.listdir(cache)):
         full = os.path.join(cache, name)
         if is_key(name) and (os.path.isdir(full) or os.path.islink(full)):
-            combos.append(scan_combination(cache, name))
+            combo = scan_combination(cache, name)
+            if combo.problem is None or os.path.lexists(full):  # not one removed since the listing
+                combos.append(combo)
     combos.sort(key=lambda c: c.last_used)
     return combos
 

@@ -59,13 +59,19 @@ class SealedSession(VaultSession):
         """A layer changed since it was sealed (found as ``get`` maps it): not served, and
         nothing removed under a shared lock; the merge builds it elsewhere or in place.
         The problem is recorded as damage, so the next start opens the plain way, which
-        verifies every layer and rebuilds what changed."""
-        try:
-            record_damage(self.folder, [reason])
-            then = "the next start verifies it and rebuilds what changed"
-        except OSError as exc:
-            then = (f"its damage could not be recorded ({exc}); run `hostmem cache verify` on this root, "
-                    "then the next start rebuilds what changed")
+        verifies every layer and rebuilds what changed. A map that failed for the
+        process's own sake (out of file descriptors or address space) records nothing: a
+        record would send the next start to read every layer again, and ``prune`` would
+        remove a good combination."""
+        if self._map_passing:
+            then = "nothing is wrong with its files: the next start maps it again"
+        else:
+            try:
+                record_damage(self.folder, [reason])
+                then = "the next start verifies it and rebuilds what changed"
+            except OSError as exc:
+                then = (f"its damage could not be recorded ({exc}); run `hostmem cache verify` on this root, "
+                        "then the next start rebuilds what changed")
         say(f"{self.vault.label} {self.key[:12]}: not serving the combination ({reason}); {then}")
         self._entries.clear()
         self._was_complete = False

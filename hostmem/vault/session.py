@@ -6,6 +6,7 @@ The store's contract is in the package docstring (:mod:`hostmem.vault`).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import sys
 import threading
@@ -31,6 +32,10 @@ __all__ = ["VaultSession", "still_needed", "say", "claim_in_process", "unclaim_i
 
 _OPEN_KEYS: set[str] = set()  # keys open in this process: a second flock of ours would deadlock
 _OPEN_KEYS_LOCK = threading.Lock()
+# Errors of mapping a layer that are the file's own (gone, a link, unreadable, a bad block);
+# any other (EMFILE, ENOMEM, ...) is the process's, and passes.
+_FILE_ERRNOS = frozenset({errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.EIO, errno.EACCES,
+                          errno.EPERM})
 
 
 def claim_in_process(key: str) -> None:
@@ -109,6 +114,7 @@ class VaultSession:
         self.stats["layers_verified"] = adopted.memo.reread if adopted.memo else 0
         self.stats["layers_failed_check"] = sorted(adopted.failed)
         self._memo = adopted.memo or VerifiedMemo(folder)
+        self._map_passing = False  # the last map failed for the process's sake, not the file's
         self._damaged = adopted.damaged
         self._measure_space()
 
@@ -148,11 +154,15 @@ class VaultSession:
     def _map(self, entry: LayerEntry) -> torch.Tensor | None:
         """Map a layer file read-only, if it still is what the manifest recorded."""
         path = os.path.join(self.folder, entry.file)
+        self._map_passing = False
         try:
             check_not_symlink(path)
             view, header = map_layer(path, entry.name, self._lease, entry)
         except (SafetensorsError, OSError) as exc:
             self._map_problem = str(exc)
+            # the file itself (gone, a header that lies, a link) or the process (out of
+            # descriptors or address space: nothing wrong with the file)
+            self._map_passing = isinstance(exc, OSError) and exc.errno not in _FILE_ERRNOS
             return None
         if header is None:
             return view  # unchanged since it was verified: mapped at its recorded offset, no header read

@@ -13,8 +13,9 @@ The memo lives in this process, in each layer's record in the sealed manifest (t
 stamp the file had when its bytes last matched: a start that finds every file with its
 recorded stamp reads nothing else) and, where the combination's folder is writable, in
 ``<key>/verified.json``. ``hostmem cache verify`` reads every byte whatever the memo
-says, and records what it finds damaged in ``<key>/damage.json``: while that file is
-there no start trusts the memo for that combination, so the damaged layers are found
+says, and records what it finds damaged in ``<key>/damage.json`` (as does a reader that
+finds a sealed layer's file not what its manifest says, :mod:`.readers`): while that file
+is there no start trusts the memo for that combination, so the damaged layers are found
 again, removed and rebuilt; the session that has rebuilt them removes the record.
 """
 
@@ -162,7 +163,8 @@ def check_layers(folder: str, entries: dict[str, LayerEntry], memo: VerifiedMemo
 
 
 def read_damage(folder: str) -> list[str] | None:
-    """The problems ``hostmem cache verify`` recorded for this folder, or None."""
+    """The problems recorded for this folder (by `hostmem cache verify`, or a reader that
+    could not map a layer), or None."""
     try:
         data = json.loads(read_small(os.path.join(folder, DAMAGE_NAME)))
         return [str(p) for p in data.get("problems", [])] or ["recorded as damaged"]

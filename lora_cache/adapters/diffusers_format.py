@@ -143,7 +143,8 @@ def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str
         del writable
         adapter = _kohya_fallback(path, loader, tensors, metadata, refused)
         return adapter, record_of("kohya-flux", adapter.converter)
-    kept = _kept(path, peft_keys(path, state, alphas), keep)
+    kept = _kept(path, state, keep)  # the merge's components only: another's keys are not its concern
+    kept = peft_keys(path, kept, {k: v for k, v in alphas.items() if k.split(".", 1)[0] in keep})
     adapter = build_adapter_file(path, kept, _converted_metadata(metadata), converter=converter,
                                  values_check=values_check)
     return adapter, record_of("diffusers", converter, kept)

@@ -40,9 +40,17 @@ def _renaming(path: str, component: str, names: list[str]) -> dict[str, str]:
         else:
             moved = convert.convert_unet_state_dict_to_peft(same)
     except ValueError as exc:
-        raise AdapterError(f"{path}: diffusers cannot rename the {component} keys to peft's ({exc})") from None
+        raise AdapterError(f"{path}: diffusers cannot rename the {component} keys to peft's ({exc}); diffusers' "
+                           "own loader refuses this file too") from None
     if len(moved) != len(same):
         raise AdapterError(f"{path}: diffusers' renaming of the {component} keys gives two keys one name")
+    left = sorted(old for new, old in moved.items() if any(mark in new for mark in _OLDER))
+    if left:
+        raise AdapterError(
+            f"{path}: diffusers leaves {len(left)} {component} key(s) in its older spelling ({component}.{left[0]}"
+            f"{', ...' if len(left) > 1 else ''}), which its own loader cannot load either; pass convert='native' "
+            "with key rules to read the file without diffusers"
+        )
     return {old: new for new, old in moved.items()}
 
 
@@ -70,19 +78,29 @@ def _alpha_key(stem: str, renamed: dict[str, str], under: dict[str, list[str]]) 
 
 
 def peft_keys(path: str, state: dict, alphas: dict) -> dict:
-    """``state`` (keys ``<component>.<name>``, from ``lora_state_dict``) in peft's keys, with
-    ``alphas`` (numbers or tensors, as it returns them) beside it as ``<module>.alpha``."""
+    """``state`` (keys ``<component>.<name>``, from ``lora_state_dict``, the merge's components
+    only) in peft's keys, with ``alphas`` (numbers or tensors, as it returns them) beside it
+    as ``<module>.alpha``; the alphas of a component left as it is keep their keys."""
     by_component: dict[str, list[str]] = {}
     for key in state:
         component, _, name = key.partition(".")
         by_component.setdefault(component, []).append(name)
-    renamed: dict[str, str] = {}  # old full key -> new full key
+    renamed: dict[str, str] = {}  # old full key -> new full key, in the components renamed
     for component, names in by_component.items():
-        for old, new in _renaming(path, component, names).items():
-            renamed[f"{component}.{old}"] = f"{component}.{new}"
-    out = {renamed[key]: value for key, value in state.items()}
+        moved = _renaming(path, component, names)
+        renamed.update({f"{component}.{old}": f"{component}.{new}" for old, new in moved.items() if old != new})
+    out = {renamed.get(key, key): value for key, value in state.items()}
     under = _down_keys_under(renamed)
     for key, value in alphas.items():
-        out[_alpha_key(key.removesuffix(".alpha"), renamed, under)] = (
-            value if torch.is_tensor(value) else torch.tensor(float(value)))
+        stem = key.removesuffix(".alpha")
+        name = _alpha_key(stem, renamed, under) if stem.partition(".")[0] in _components_of(renamed) else key
+        value = value if torch.is_tensor(value) else torch.tensor(float(value))
+        if name in out and not torch.equal(out[name].float(), value.float()):
+            raise AdapterError(f"{path}: two alphas for {name.removesuffix('.alpha')} ({key} and another, "
+                               f"{float(out[name])} against {float(value)}); remove one")
+        out[name] = value
     return out
+
+
+def _components_of(renamed: dict[str, str]) -> set[str]:
+    return {key.partition(".")[0] for key in renamed}

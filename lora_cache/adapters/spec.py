@@ -66,9 +66,9 @@ class Adapter:
 def as_adapters(adapters) -> list[Adapter]:
     """Accept a list of what :func:`as_adapter` takes, or one of them alone: a bare path
     (``merge(model, "style.safetensors")``) is one adapter, never a string of them."""
-    one = isinstance(adapters, (str, os.PathLike, Adapter, dict)) or (
+    one = isinstance(adapters, (str, os.PathLike, Adapter, dict)) or (  # or (path, strength): not two adapters
         isinstance(adapters, tuple) and len(adapters) == 2 and isinstance(adapters[0], (str, os.PathLike))
-        and isinstance(adapters[1], (int, float)) and not isinstance(adapters[1], bool))
+        and not isinstance(adapters[1], (str, os.PathLike, Adapter, dict, tuple, list)))
     if one:
         return [as_adapter(adapters)]
     try:

@@ -165,3 +165,39 @@ def test_a_text_encoder_lora_with_the_text_model_level_merges_as_diffusers_fuses
     stats = lora_cache.load_lora(pipe, adapter, cache_root=tmp_path / "cache", base_files=_base_files(sd), progress=False)
     changed = _changed_as_in(_weights(pipe), reference, sd)
     assert stats.built == stats.layers == len(changed) == 4
+
+
+def test_only_the_merged_components_keys_are_renamed_and_what_diffusers_refuses_is_named(sd, kohya, tmp_path):
+    """The file's text-encoder part holds only q_proj, which diffusers' renaming cannot place
+    (its own pipeline loader refuses the file for it). Merged into the UNet alone, the
+    text encoder's keys are not this merge's concern; into the pipeline, the error names it."""
+    from diffusers import UNet2DConditionModel
+    from safetensors.torch import load_file
+
+    tensors = {k: v for k, v in load_file(kohya).items()
+               if not k.startswith("lora_te_") or k.startswith("lora_te_text_model_encoder_layers_0_self_attn_q_proj")}
+    partial = os.fspath(tmp_path / "partial.safetensors")
+    save_file(tensors, partial)
+    with pytest.raises(ValueError):
+        _diffusers_fused(sd, partial)  # diffusers' own loader
+    unet = UNet2DConditionModel.from_pretrained(sd / "unet")
+    stats = lora_cache.merge(unet, partial, enabled=False, progress=False)
+    assert stats.layers == sum(1 for k in tensors if k.startswith("lora_unet_") and k.endswith(".lora_down.weight"))
+    with pytest.raises(lora_cache.AdapterError, match=r"partial.safetensors: diffusers cannot rename the "
+                                                       r"text_encoder keys to peft's \(.*\); diffusers' own loader"):
+        lora_cache.load_lora(_pipeline(sd), partial, enabled=False, progress=False)
+
+
+def test_a_component_in_peft_keys_keeps_its_keys_and_alphas_exactly():
+    """What converted before this renaming existed converts to the same keys (so the same
+    conversion records and cache keys); a module's two alphas that differ are an error."""
+    from lora_cache.adapters.diffusers_keys import peft_keys
+
+    down, up = torch.zeros(2, 8), torch.zeros(8, 2)
+    state = {"transformer.a.to_q.lora_A.weight": down, "transformer.a.to_q.lora_B.weight": up}
+    alphas = {"transformer.a.alpha": 3.0, "transformer.a.to_q.alpha": 2.0}
+    out = peft_keys("x.safetensors", state, alphas)
+    assert set(out) == {*state, *alphas} and float(out["transformer.a.alpha"]) == 3.0
+    old = {"unet.a.to_q.lora.down.weight": down, "unet.a.to_q.lora.up.weight": up}
+    with pytest.raises(lora_cache.AdapterError, match=r"two alphas for unet.a.to_q \(.*2.0 against 3.0\)"):
+        peft_keys("x.safetensors", old, {"unet.a.to_q.alpha": 2.0, "unet.a.to_q.lora.down.weight.alpha": 3.0})

@@ -258,6 +258,10 @@ def test_text_encoder_keys_resolve_with_or_without_clips_text_model_level(tmp_pa
     targets, _ = plan_targets({"text_encoder": encoder, "unet": nn.Linear(4, 4)}, [peft])
     assert [t.name for t in targets] == [f"text_encoder.{q_proj}"]
     assert targets[0].module is encoder.get_submodule(q_proj.removesuffix(".weight"))
+    unet_key = write_adapter(tmp_path / "u.safetensors", "kohya", {f"{level}encoder.layers.1.self_attn.q_proj":
+                                                                    lora_change(16, 16, 2, 1)}, prefix="lora_unet_")
+    with pytest.raises(KeyResolutionError, match="match no module"):  # a UNet's key never lands in a text encoder
+        plan_targets(encoder, [unet_key])
 
 
 def test_one_adapter_may_be_given_alone_not_in_a_list(tmp_path):
@@ -268,6 +272,12 @@ def test_one_adapter_may_be_given_alone_not_in_a_list(tmp_path):
     for alone in (path, (path, 0.5), Adapter(path, 0.5), {"path": path, "strength": 0.5}):
         (target,), _ = plan_targets(model, alone)
         assert target.name == "proj_out.weight"
+    import numpy as np
+
+    (target,), _ = plan_targets(model, (tmp_path / "k.safetensors", np.float32(0.5)))  # a Path, a numpy strength
+    assert target.deltas[0].scale == pytest.approx(0.5)
+    other = write_adapter(tmp_path / "o.safetensors", "kohya", {"blocks.0.attn.to_q": lora_change(64, 64, 2, 4)})
+    assert len(plan_targets(model, (path, other))[0]) == 2  # a tuple of two paths: two adapters
     missing = os.fspath(tmp_path / "missing.safetensors")
     with pytest.raises(AdapterError, match=re.escape(missing)):
         plan_targets(model, missing)

@@ -170,3 +170,41 @@ def test_a_manifest_edited_by_hand_is_not_served_and_the_next_start_rebuilds_wha
         assert all(torch.equal(session.get(n, s, d), tensors[n]) for n, (s, d) in expected.items())
     assert read_damage(folder) is None
     assert _other_process(tmp_path / "root") == {"kind": "SealedSession", "verified": 0, "equal": True}
+
+
+_OUT_OF_DESCRIPTORS = """
+import json, os, resource, sys
+from hostmem.vault import Vault
+from tests.lora_cache.test_vault import expected_of, key_for, layers
+
+expected = expected_of(layers(count=4))
+with Vault(sys.argv[1]).open(key_for("readers"), expected) as session:
+    kind = type(session).__name__
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+    held = []
+    try:
+        while True:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    served = [session.get(n, s, d) is not None for n, (s, d) in expected.items()]
+    for fd in held:
+        os.close(fd)
+print(json.dumps({"kind": kind, "served": served}))
+"""
+
+
+def test_a_reader_out_of_file_descriptors_serves_nothing_and_records_no_damage(tmp_path):
+    """EMFILE is the process's trouble, not the file's: recorded as damage, it would send the
+    next start to read every layer again, and ``prune`` would remove a good combination."""
+    from hostmem.vault.verification import read_damage
+
+    vault, key, _ = _built(tmp_path)
+    done = run_python(_OUT_OF_DESCRIPTORS, str(tmp_path / "root"), cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found == {"kind": "SealedSession", "served": [False] * 4}, found
+    assert "Too many open files" in done.stderr and "nothing is wrong with its files" in done.stderr, done.stderr
+    assert read_damage(folder_of(vault, key)) is None
+    assert _other_process(tmp_path / "root") == {"kind": "SealedSession", "verified": 0, "equal": True}

@@ -20,6 +20,12 @@ def _config(write_config, roots: list[str]):
     return load_config(write_config(text), environ={})
 
 
+def _cache_line(config) -> int:
+    """The line of ``cache:`` in the config file written."""
+    with open(config.origin.path) as handle:
+        return next(n for n, line in enumerate(handle, 1) if line.lstrip().startswith("cache:"))
+
+
 def _problem_roots(tmp_path) -> dict[str, str]:
     """Roots a merge cannot use, each with what its warning says."""
     (tmp_path / "a-file").write_text("not a folder")
@@ -38,8 +44,9 @@ def test_each_root_the_vault_refuses_is_a_warning_naming_it_and_its_line(write_c
     for root, says in _problem_roots(tmp_path).items():
         with pytest.raises(VaultError):
             prepare_root(root)  # what a merge at this root meets
-        (warning,) = cache_root_warnings(_config(write_config, [root]))
-        assert warning.startswith(f"lora.cache.root {root} (") and ":25)" in warning, warning
+        config = _config(write_config, [root])
+        (warning,) = cache_root_warnings(config)
+        assert warning.startswith(f"lora.cache.root {root} (") and f":{_cache_line(config)})" in warning, warning
         assert says in warning and "every merge there fails" in warning, warning
 
 
