@@ -27,10 +27,29 @@ from .units import format_size
 __all__ = ["MappingResidency", "ProcessResidency", "inspect_process", "require_process"]
 
 
+_PF_KTHREAD = 0x00200000  # /proc/PID/stat flags: a kernel thread
+
+
 def require_process(pid: int) -> None:
-    """Raise :class:`ProcReadError` ("no such process") unless ``pid`` names a live process."""
-    if pid <= 0 or not os.path.isdir(f"/proc/{int(pid)}"):
-        raise ProcReadError(f"pid {pid}: no such process (it may have exited; list processes with `ps`)")
+    """Raise :class:`ProcReadError` unless ``pid`` names a live user process: "no such
+    process", or what it is instead (a zombie, a kernel thread), neither of which has
+    memory to measure."""
+    gone = ProcReadError(f"pid {pid}: no such process (it may have exited; list processes with `ps`)")
+    if pid <= 0:
+        raise gone
+    try:
+        with open(f"/proc/{int(pid)}/stat") as handle:
+            text = handle.read()
+    except (FileNotFoundError, ProcessLookupError):
+        raise gone from None
+    except OSError:
+        return  # unreadable here: the files read next say why
+    fields = text[text.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
+    if fields[0] in ("Z", "X"):
+        raise ProcReadError(f"pid {pid}: has exited, and its parent has not reaped it yet (a zombie): "
+                            "it holds no memory to measure")
+    if int(fields[6]) & _PF_KTHREAD:
+        raise ProcReadError(f"pid {pid}: a kernel thread: it has no user memory to measure")
 
 
 @dataclass(frozen=True)
@@ -111,7 +130,13 @@ def inspect_process(pid: int | None = None) -> ProcessResidency:
     """
     if pid is not None:
         require_process(pid)
-    with AreaSnapshot(pid) as areas:  # whole areas only: no torch, a byte count per area
-        mappings = [MappingResidency(v.path, v.start, v.end, v.perms, areas.classify_whole_area(v)) for v in areas.vmas]
-        precision = areas.precision
+    try:
+        with AreaSnapshot(pid) as areas:  # whole areas only: no torch, a byte count per area
+            mappings = [MappingResidency(v.path, v.start, v.end, v.perms, areas.classify_whole_area(v))
+                        for v in areas.vmas]
+            precision = areas.precision
+    except ProcReadError:
+        if pid is not None:
+            require_process(pid)  # it exited while it was read: say that, not which file failed
+        raise
     return ProcessResidency(pid=os.getpid() if pid is None else pid, mappings=mappings, precision=precision)

@@ -24,7 +24,7 @@ _EXPORTS = {
     "merge": "orchestrate",
     "MergeStats": "orchestrate",
     "CacheBuildError": "orchestrate",
-    "unmerge": "layers",
+    "unmerge": "adapter_switch",
     "is_merged": "layers",
     "UnmergeError": "layers",
     "Adapter": "adapters",

@@ -31,20 +31,23 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .adapters import Adapter, AdapterFile, as_adapters
-from .forward_gate import ForwardGate
+from .adapters import Adapter, as_adapters
+from .adapters.checks import check_before_use
+from .adapters.conversion_memo import ValuesNeeded
 from .kernels import plan_for_targets
-from .layers import LayerTarget, components_of, is_merged, unmerge
+from .layers import LayerTarget, components_of, is_merged
+from .layers import unmerge as unmerge_layers
 from .orchestrate import CacheBuildError, cache_roots, merge, merge_layers, open_combination, plan_targets
 from .process_group import DEFAULT_TIMEOUT, check_rank_timeout
 from .runtime_lora import apply_runtime, remove_runtime, runtime_bytes, unsupported_reason
+from .switch_state import Pending, SwitchState
 
-__all__ = ["SwitchResult", "set_adapters", "swap_ready", "serving", "build_reserve_bytes"]
+__all__ = ["SwitchResult", "set_adapters", "swap_ready", "serving", "build_reserve_bytes", "unmerge"]
 
 
 @dataclass
@@ -63,47 +66,10 @@ class SwitchResult:
         return f"adapter switch: {self.mode}, {self.layers} layers in {self.seconds * 1000:.1f} ms"
 
 
-@dataclass(eq=False)
-class _Pending:
-    """A combination served at run time while its merged layers are built."""
-
-    identity: tuple
-    specs: list[Adapter]
-    files: list[AdapterFile]
-    targets: list[LayerTarget]  # the live model's parameters
-    stand_ins: list[LayerTarget]  # the same base tensors in modules of their own, for the build
-    kernels: object  # the kernel plan the key is made with (lora_cache.kernels)
-    future: Future | None = None
-    swap_error: BaseException | None = None
-
-    @property
-    def error(self) -> BaseException | None:
-        """Why the build or the swap failed (None while it runs, or when it succeeded)."""
-        if self.swap_error is not None:
-            return self.swap_error
-        done = self.future is not None and self.future.done()
-        return self.future.exception() if done else None
-
-    @property
-    def built(self) -> bool:
-        return self.future is not None and self.future.done() and self.error is None
-
-
-@dataclass(eq=False)
-class _State:
-    """One model's switching state, shared by the hooks on its root modules."""
-
-    components: dict
-    options: dict
-    gate: ForwardGate = field(default_factory=ForwardGate)
-    identity: tuple = ()
-    pending: _Pending | None = None
-
-
 class _Enter:
     """Forward pre-hook on a root module: swap if a build is ready, then enter the gate."""
 
-    def __init__(self, state: _State):
+    def __init__(self, state: SwitchState):
         self.state = state
 
     def __call__(self, module, args):
@@ -114,7 +80,7 @@ class _Enter:
 
 
 class _Leave:
-    def __init__(self, state: _State):
+    def __init__(self, state: SwitchState):
         self.state = state
 
     def __call__(self, module, args, output):
@@ -141,18 +107,26 @@ def _combination_lock(identity: tuple) -> threading.Lock:
         return _COMBINATION_LOCKS.setdefault(identity, threading.Lock())
 
 
-def _state_of(model, options: dict | None = None) -> _State:
-    """The model's state, hooking its root modules the first time."""
-    roots = components_of(model)
-    for root in roots.values():
+def _existing_state(model) -> SwitchState | None:
+    """The switch state of ``model``, or None when :func:`set_adapters` never switched it."""
+    for root in components_of(model).values():
         for hook in root._forward_pre_hooks.values():
             if isinstance(hook, _Enter):
-                if options is not None:
-                    hook.state.options = options
                 return hook.state
+    return None
+
+
+def _state_of(model, options: dict | None = None) -> SwitchState:
+    """The model's state, hooking its root modules the first time."""
+    roots = components_of(model)
+    state = _existing_state(model)
+    if state is not None:
+        if options is not None:
+            state.options = options
+        return state
     if options is None:
         raise ValueError("lora_cache.set_adapters has not been called on this model")
-    state = _State(dict(roots), options)
+    state = SwitchState(dict(roots), options)
     for root in roots.values():
         root.register_forward_pre_hook(_Enter(state))
         root.register_forward_hook(_Leave(state), always_call=True)
@@ -196,7 +170,7 @@ def _merge_through(targets, session, opts, kernels) -> None:
                  unmergeable=True)
 
 
-def _install_cached(state: _State, identity, targets, files, specs, kernels) -> bool:
+def _install_cached(state: SwitchState, identity, targets, files, specs, kernels) -> bool:
     """Re-point ``targets`` at the vault's layers when it holds the whole combination."""
     lock = _combination_lock(identity)
     if not lock.acquire(blocking=False):
@@ -208,14 +182,14 @@ def _install_cached(state: _State, identity, targets, files, specs, kernels) -> 
             try:
                 _merge_through(targets, session, state.options, kernels)
             except BaseException:
-                unmerge(state.components, strict=False)
+                unmerge_layers(state.components, strict=False)
                 raise
         return True
     finally:
         lock.release()
 
 
-def _build(state: _State, pending: _Pending) -> None:
+def _build(state: SwitchState, pending: Pending) -> None:
     """Build ``pending`` into the vault (the build thread). Never touches the live model."""
     with _combination_lock(pending.identity):
         if state.pending is not pending:
@@ -232,20 +206,37 @@ def _after_build(future: Future) -> None:
                       "it stays applied at run time", stacklevel=1)
 
 
-def _schedule(state: _State, pending: _Pending) -> None:
+def _schedule(state: SwitchState, pending: Pending) -> None:
     pending.future = _builder().submit(_build, state, pending)
     pending.future.add_done_callback(_after_build)
 
 
-def _to_base(state: _State) -> None:
-    """Take every adapter off: run-time terms unhooked, merged weights pointed back at the base."""
-    remove_runtime(state.components)
-    unmerge(state.components)  # every merge here keeps what it needs to restore the base
+def _to_base(state: SwitchState, strict: bool = True) -> int:
+    """Take every adapter off: run-time terms unhooked, merged weights pointed back at the
+    base, a pending build's swap dropped; how many layers went back."""
+    unhooked = remove_runtime(state.components)
+    restored = unmerge_layers(state.components, strict)  # every merge here keeps what restores the base
     state.pending = None
     state.identity = ()
+    return unhooked + restored
 
 
-def _swap(state: _State, pending: _Pending, blocking: bool) -> bool:
+def unmerge(model, strict: bool = True) -> int:
+    """``lora_cache.unmerge``: back to the base, bit for bit; how many layers went back.
+
+    :func:`lora_cache.layers.unmerge` for a model merged by :func:`lora_cache.merge`. On a
+    model :func:`set_adapters` switches, the run-time terms of a combination still being
+    built come off too, and its swap is dropped (before, they stayed, and the swap later
+    installed the adapter again), at a safe point as a switch is.
+    """
+    state = _existing_state(model)
+    if state is None:
+        return unmerge_layers(model, strict)
+    with state.gate.exclusive():
+        return _to_base(state, strict)
+
+
+def _swap(state: SwitchState, pending: Pending, blocking: bool) -> bool:
     """Replace the run-time terms of ``pending`` by its built layers, at a safe point."""
     with state.gate.exclusive(blocking) as held:
         if not held or state.pending is not pending or not pending.built:
@@ -302,9 +293,12 @@ def set_adapters(
     specs = as_adapters(adapters)
     identity = _identity(specs, cache_root, shards)
     with state.gate.exclusive():
-        if identity == state.identity and (specs or not is_merged(model)):
+        serving = is_merged(model) or state.pending is not None  # not taken off by lora_cache.unmerge since
+        if identity == state.identity and (serving if specs else not is_merged(model)):
             return SwitchResult("unchanged", seconds=time.perf_counter() - started)
         planned = plan_targets(model, specs, shards) if specs else None  # bad input fails here, losing nothing
+        if planned is not None:
+            _check_values_first(planned[0])
         _to_base(state)
         result = _switch(state, model, specs, planned, identity, background) if specs else SwitchResult("base")
         state.identity = identity
@@ -312,7 +306,18 @@ def set_adapters(
     return result
 
 
-def _switch(state: _State, model, specs, planned, identity, background: bool) -> SwitchResult:
+def _check_values_first(targets: list[LayerTarget]) -> None:
+    """The adapters' values checked (NaN, inf) while the model still serves what it served:
+    a refused adapter leaves it there, not at the base. Once per file in a process; a cached
+    switch reads an adapter this once. A file planned from its conversion record has no
+    values here: it is checked where a layer consumes them, as in a start."""
+    try:
+        check_before_use(d for t in targets for d in t.deltas)
+    except ValuesNeeded:
+        pass
+
+
+def _switch(state: SwitchState, model, specs, planned, identity, background: bool) -> SwitchResult:
     """From the base to ``specs``: cached, else at run time and in the background, else now."""
     targets, files = planned
     if state.options["shards"] is not None:
@@ -325,13 +330,13 @@ def _switch(state: _State, model, specs, planned, identity, background: bool) ->
         _merge_now(model, specs, state.options)
         return SwitchResult("built", layers=len(targets))
     copied = apply_runtime(targets)
-    pending = _Pending(identity, specs, files, targets, _stand_ins(targets), kernels)
+    pending = Pending(identity, specs, files, targets, _stand_ins(targets), kernels)
     state.pending = pending
     _schedule(state, pending)
     return SwitchResult("runtime", layers=len(targets), runtime_bytes=runtime_bytes(targets), copied_bytes=copied)
 
 
-def _merge_parts(state: _State, model, specs) -> SwitchResult:
+def _merge_parts(state: SwitchState, model, specs) -> SwitchResult:
     """A tensor-parallel rank's switch: :func:`lora_cache.merge` of its parts, ``cached``
     when every layer was a hit, else ``built``."""
     stats = _merge_now(model, specs, state.options)

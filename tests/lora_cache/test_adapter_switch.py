@@ -14,7 +14,7 @@ from lora_cache import adapter_switch
 from lora_cache.forward_gate import NotASafePoint
 from lora_cache.orchestrate import plan_targets
 from lora_cache.runtime_lora import apply_runtime
-from tests.conftest import run_python
+from tests.conftest import run_python, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter
 from tests.lora_cache.test_runtime_lora import fresh_merge, stack_adapter, stack_model
 
@@ -286,6 +286,57 @@ def test_bad_input_says_what_and_loses_nothing(tmp_path):
     with pytest.raises(lora_cache.AdapterError, match="missing.safetensors"):
         lora_cache.set_adapters(model, [str(tmp_path / "missing.safetensors")], cache_root=root)
     assert adapter_switch.serving(model) == "merged"  # still the combination it had
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_an_adapter_refused_for_its_values_leaves_the_combination_served(tmp_path, background):
+    """A NaN in the adapter switched to: the error names it, and the model still serves what
+    it served (before, it was left at the base: the values were checked after the switch
+    had taken the old combination off)."""
+    from safetensors.torch import load_file
+
+    model, root = stack_model(tmp_path, 32, 2), str(tmp_path / "root")
+    good = stack_adapter(tmp_path / "a.safetensors", 32, 2, 1)
+    lora_cache.set_adapters(model, [good], cache_root=root, background=False)
+    served = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tensors = {k: v.clone() for k, v in load_file(stack_adapter(tmp_path / "other.safetensors", 32, 2, 2)).items()}
+    tensors["diffusion_model.layers.1.lora_up.weight"][0, 0] = float("nan")
+    bad = write_safetensors(tmp_path / "nan.safetensors", tensors)
+    with pytest.raises(lora_cache.AdapterError, match=r"nan.safetensors: .*1 NaN or infinite value"):
+        lora_cache.set_adapters(model, [bad], cache_root=root, background=background)
+    assert adapter_switch.serving(model) == "merged"
+    assert all(torch.equal(p, served[n]) for n, p in model.named_parameters())
+
+
+def test_a_combination_taken_off_by_unmerge_is_switched_to_again(tmp_path):
+    """``lora_cache.unmerge`` took the adapter off behind the switch's back: asking for it
+    again installs it (before: 'unchanged', and the model stayed at the base)."""
+    model, root = stack_model(tmp_path, 32, 2), str(tmp_path / "root")
+    adapter = stack_adapter(tmp_path / "a.safetensors", 32, 2, 1)
+    lora_cache.set_adapters(model, [adapter], cache_root=root, background=False)
+    assert lora_cache.unmerge(model) == 2
+    again = lora_cache.set_adapters(model, [adapter], cache_root=root)
+    assert again.mode == "cached"
+    reference = fresh_merge(tmp_path / "ref", [adapter], 32, 2, torch.float32)
+    assert all(torch.equal(p, dict(reference.named_parameters())[n]) for n, p in model.named_parameters())
+    assert lora_cache.set_adapters(model, [adapter], cache_root=root).mode == "unchanged"
+
+
+def test_unmerge_takes_off_a_combination_served_at_run_time_and_its_pending_swap(tmp_path):
+    """Before, unmerge returned 0 with the run-time terms still hooked, and the swap later
+    installed the adapter again."""
+    model, root = stack_model(tmp_path, 32, 2), str(tmp_path / "root")
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model(x)
+    switched = lora_cache.set_adapters(model, [stack_adapter(tmp_path / "a.safetensors", 32, 2, 1)], cache_root=root)
+    assert switched.mode == "runtime"
+    assert lora_cache.unmerge(model) == 2
+    assert lora_cache.swap_ready(model, wait=True) and adapter_switch.serving(model) == "base"  # nothing to swap
+    with torch.no_grad():
+        assert torch.equal(model(x), plain)
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters())
 
 
 # ----------------------------------------------------------------- the diffusers entry point

@@ -57,6 +57,42 @@ def test_a_pid_that_names_no_process():
     assert out.stderr == f"hostmem: error: pid {gone.pid}: no such process (it may have exited; list processes with `ps`)\n"
 
 
+def test_a_zombie_and_a_kernel_thread_are_named_as_what_they_are():
+    """Neither has user memory; before, the error named whichever /proc file failed first
+    ('/proc/N/mountinfo: Invalid argument', '/proc/2/pagemap: No such process')."""
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    try:
+        while _stat_fields(child)[0] != "Z":
+            time.sleep(0.01)
+        out = hostmem("inspect", "--pid", str(child))
+        assert out.returncode == 2
+        assert out.stderr == (f"hostmem: error: pid {child}: has exited, and its parent has not reaped it yet "
+                              "(a zombie): it holds no memory to measure\n")
+    finally:
+        os.waitpid(child, 0)
+    kthreads = [p for p in os.listdir("/proc") if p.isdigit() and _kernel_thread(int(p))]
+    if not kthreads:
+        pytest.skip("no kernel thread visible in /proc here")
+    out = hostmem("inspect", "--pid", kthreads[0])
+    assert out.returncode == 2
+    assert out.stderr == f"hostmem: error: pid {kthreads[0]}: a kernel thread: it has no user memory to measure\n"
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat after the command name: state, ppid, ..., flags (index 6)."""
+    with open(f"/proc/{pid}/stat") as handle:
+        return handle.read().rsplit(")", 1)[1].split()
+
+
+def _kernel_thread(pid: int) -> bool:
+    try:
+        return bool(int(_stat_fields(pid)[6]) & 0x00200000)  # PF_KTHREAD
+    except (OSError, IndexError):
+        return False
+
+
 def test_a_missing_adapter_is_named_by_key_and_line(tmp_path):
     write_checkpoint(tmp_path / "dit", layers=2, layer_bytes=MiB)
     path = config_with(tmp_path, """
