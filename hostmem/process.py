@@ -20,14 +20,12 @@ from dataclasses import dataclass
 
 from .areas import AreaSnapshot
 from .procfs import ProcReadError
+from .procfs.stat import read_stat
 from .residency_classes import Residency
 from .table import format_table
 from .units import format_size
 
 __all__ = ["MappingResidency", "ProcessResidency", "inspect_process", "require_process"]
-
-
-_PF_KTHREAD = 0x00200000  # /proc/PID/stat flags: a kernel thread
 
 
 def require_process(pid: int) -> None:
@@ -38,17 +36,15 @@ def require_process(pid: int) -> None:
     if pid <= 0:
         raise gone
     try:
-        with open(f"/proc/{int(pid)}/stat") as handle:
-            text = handle.read()
+        found = read_stat(pid)
     except (FileNotFoundError, ProcessLookupError):
         raise gone from None
     except OSError:
         return  # unreadable here: the files read next say why
-    fields = text[text.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
-    if fields[0] in ("Z", "X"):
+    if found.exited:
         raise ProcReadError(f"pid {pid}: has exited, and its parent has not reaped it yet (a zombie): "
                             "it holds no memory to measure")
-    if int(fields[6]) & _PF_KTHREAD:
+    if found.kernel_thread:
         raise ProcReadError(f"pid {pid}: a kernel thread: it has no user memory to measure")
 
 

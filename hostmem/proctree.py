@@ -15,18 +15,15 @@ from __future__ import annotations
 import os
 import signal
 
+from .procfs.stat import read_stat
+
 __all__ = ["kill_tree", "signal_tree", "children_of", "descendants_of"]
 
 
 def _parent_of(pid: int) -> int | None:
-    """The parent pid from ``/proc/PID/stat``, or None once the process is gone.
-
-    The command name (field 2) may hold spaces and parentheses, so the fields are
-    read after its last ``)``.
-    """
+    """The parent pid from ``/proc/PID/stat``, or None once the process is gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return int(handle.read().rsplit(b")", 1)[1].split()[1])
+        return read_stat(pid).ppid
     except (OSError, ValueError, IndexError):
         return None
 

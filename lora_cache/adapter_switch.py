@@ -293,8 +293,8 @@ def set_adapters(
     specs = as_adapters(adapters)
     identity = _identity(specs, cache_root, shards)
     with state.gate.exclusive():
-        serving = is_merged(model) or state.pending is not None  # not taken off by lora_cache.unmerge since
-        if identity == state.identity and (serving if specs else not is_merged(model)):
+        held = is_merged(model) or state.pending is not None  # not taken off by lora_cache.unmerge since
+        if identity == state.identity and (held if specs else not is_merged(model)):
             return SwitchResult("unchanged", seconds=time.perf_counter() - started)
         planned = plan_targets(model, specs, shards) if specs else None  # bad input fails here, losing nothing
         if planned is not None:

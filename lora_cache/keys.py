@@ -192,7 +192,6 @@ def _find_with_prefixes(name: str, index: ModuleIndex) -> str | None:
     return found
 
 
-
 def _text_model_levels(name: str, sep: str, components: tuple[str, ...]) -> list[str]:
     """``name`` with CLIP's ``text_model`` level taken out, or put in, at its start or right
     after a component's name. transformers 5 flattened ``CLIPTextModel`` (``encoder.layers.0``

@@ -29,6 +29,7 @@ def cache_root_warnings(config: DeploymentConfig, mounts: list[Mount] | None = N
     lora = config.lora
     if lora is None or not lora.cache.enabled or not (lora.cache.roots or lora.cache.root):
         return []
+    from hostmem.vault.safety import root_is_read_only  # here: a plan without a cache imports no vault
     mounts = read_mounts() if mounts is None else mounts
     roots = lora.cache.roots or (lora.cache.root,)
     key = "lora.cache.roots" if len(roots) > 1 or "lora.cache.roots" in config.origin.lines else "lora.cache.root"
@@ -45,7 +46,7 @@ def cache_root_warnings(config: DeploymentConfig, mounts: list[Mount] | None = N
                 "as unreclaimable as anonymous memory; put the cache on a disk-backed filesystem"
             )
         else:
-            writable = writable or _writable(root)
+            writable = writable or not root_is_read_only(root)
     if not writable and not warnings:
         warnings.append(
             f"{key} {', '.join(roots)} ({config.origin.where(key)}): no root can take a build (read-only or "
@@ -55,22 +56,16 @@ def cache_root_warnings(config: DeploymentConfig, mounts: list[Mount] | None = N
     return warnings
 
 
-def _nearest_existing(path: str) -> str:
-    while not os.path.lexists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
-
-
 def _root_problem(root: str, mounts: list[Mount]) -> str | None:
     """Why a merge at ``root`` would fail, or None."""
     from hostmem.vault import VaultError
-    from hostmem.vault.safety import check_folder_private, check_owned
+    from hostmem.vault.safety import check_folder_private, check_owned, nearest_existing
 
     mount = filesystem_of(root, mounts)
     if mount is not None and mount.fs_type in _PSEUDO_FS:
         return (f"is on the kernel's {mount.fs_type} filesystem (mounted at {mount.mount_point}), which holds no "
                 "cache; every merge there fails. Choose a folder on a disk-backed filesystem")
-    found = _nearest_existing(root)
+    found = nearest_existing(root)
     try:
         st = os.stat(found)
     except OSError as exc:
@@ -85,9 +80,3 @@ def _root_problem(root: str, mounts: list[Mount]) -> str | None:
         except VaultError as exc:
             return f"every merge there fails: {exc}"
     return None
-
-
-def _writable(root: str) -> bool:
-    from hostmem.vault.safety import root_is_read_only
-
-    return not root_is_read_only(root)

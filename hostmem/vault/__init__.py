@@ -14,7 +14,7 @@ Layout::
     <root>/lora_merge_cache/<key>/manifest.json          (see manifest)
     <root>/lora_merge_cache/<key>/<32 hex>.safetensors   one layer each (see layer_file)
     <root>/lora_merge_cache/<key>/verified.json          memo of layer files checked (see verification)
-    <root>/lora_merge_cache/<key>/damage.json            what `cache verify`, or a reader that could not map it, found damaged
+    <root>/lora_merge_cache/<key>/damage.json            what `cache verify` (or a reader) found damaged
     <root>/lora_merge_cache/<key>/provisional.json       a build not re-keyed yet: never served (see fold)
     <root>/lora_merge_cache/<key>.lock                   the key's flock (sessions)
     <root>/lora_merge_cache/<key>.use                    held shared while served weights live

@@ -154,9 +154,11 @@ def scan_combination(cache: str, key: str) -> Combination:
         combo.inputs = manifest.inputs
     else:
         try:
-            combo.layers = sum(1 for n in os.listdir(path) if n.endswith(".safetensors") and not n.startswith(TMP_PREFIX))
+            names = os.listdir(path)
         except OSError as exc:
+            names = []
             combo.problem = str(exc)
+        combo.layers = sum(1 for n in names if n.endswith(".safetensors") and not n.startswith(TMP_PREFIX))
     return combo
 
 

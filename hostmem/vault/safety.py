@@ -21,6 +21,7 @@ from .durable import fsync_dir
 
 __all__ = [
     "VaultError",
+    "nearest_existing",
     "prepare_root",
     "check_not_tmpfs",
     "check_not_symlink",
@@ -39,7 +40,7 @@ class VaultError(ValueError):
     """
 
 
-def _nearest_existing(path: str) -> str:
+def nearest_existing(path: str) -> str:
     """Return ``path`` or its closest existing ancestor (to learn its filesystem)."""
     while not os.path.lexists(path):
         parent = os.path.dirname(path)
@@ -51,7 +52,7 @@ def _nearest_existing(path: str) -> str:
 
 def check_not_tmpfs(path: str) -> None:
     """Refuse a cache folder on tmpfs: its pages cannot be reclaimed without swap."""
-    mount = filesystem_of(_nearest_existing(path))
+    mount = filesystem_of(nearest_existing(path))
     if mount is not None and mount.fs_type in SHMEM_FS_TYPES:
         raise VaultError(
             f"{path}: on {mount.fs_type} (mounted at {mount.mount_point}); pages there are shared "
@@ -91,7 +92,7 @@ def check_not_symlink(path: str, st: os.stat_result | None = None) -> os.stat_re
 
 def _cannot_create(path: str, exc: OSError) -> VaultError:
     """Say why ``path`` cannot be made a cache folder, naming the part of it that is in the way."""
-    blocker = _nearest_existing(os.path.dirname(path))
+    blocker = nearest_existing(os.path.dirname(path))
     if os.path.lexists(blocker) and not os.path.isdir(blocker):
         why = f"{blocker} is a file, not a folder"
     elif exc.errno == errno.ENOENT:  # the folder exists but its filesystem makes no new entries (/proc, /sys)
@@ -141,7 +142,7 @@ def make_private_dir(path: str) -> None:
 def root_is_read_only(root: str | os.PathLike) -> bool:
     """True when nothing can be written under ``root``: its filesystem (or that of its
     nearest existing parent) is mounted read-only, or this user may not write there."""
-    path = _nearest_existing(os.path.abspath(os.path.expanduser(os.fspath(root))))
+    path = nearest_existing(os.path.abspath(os.path.expanduser(os.fspath(root))))
     try:
         if os.statvfs(path).f_flag & os.ST_RDONLY:
             return True

@@ -9,11 +9,11 @@ conversion produced and on its alphas. So each conversion is recorded under
 ``<root>/lora_merge_cache/conversions/<key>.json``, keyed by the file's content digest (the
 one the cache key uses, memoised across starts), the converter (diffusers' version and
 loader class) and the components kept. A record names that digest, so ``hostmem cache
-prune`` removes it once no combination left uses the file (:mod:`hostmem.vault.records`). A later start reads the record and plans with
-tensors on the meta device: no value of the adapter is read or copied. When a layer must
-then be computed (a miss, a layer merged in place), the first use of the values raises
-:class:`ValuesNeeded` before any weight changes, and the merge converts the file for
-real and plans again (:func:`lora_cache.orchestrate.merge`).
+prune`` removes it once no combination left uses the file (:mod:`hostmem.vault.records`).
+A later start reads the record and plans with tensors on the meta device: no value of
+the adapter is read or copied. When a layer must then be computed (a miss, a layer
+merged in place), the first use of the values raises :class:`ValuesNeeded` before any
+weight changes, and the merge converts the file for real and plans again (:func:`lora_cache.orchestrate.merge`).
 
 A record that cannot be read (missing, damaged, another version) is no record: the file
 is converted, and the record written again. Records are written like the cache's other

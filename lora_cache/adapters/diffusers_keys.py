@@ -87,20 +87,17 @@ def peft_keys(path: str, state: dict, alphas: dict) -> dict:
         by_component.setdefault(component, []).append(name)
     renamed: dict[str, str] = {}  # old full key -> new full key, in the components renamed
     for component, names in by_component.items():
-        moved = _renaming(path, component, names)
-        renamed.update({f"{component}.{old}": f"{component}.{new}" for old, new in moved.items() if old != new})
+        pairs = _renaming(path, component, names).items()
+        renamed.update({f"{component}.{old}": f"{component}.{new}" for old, new in pairs if old != new})
     out = {renamed.get(key, key): value for key, value in state.items()}
     under = _down_keys_under(renamed)
+    renamed_components = {key.partition(".")[0] for key in renamed}
     for key, value in alphas.items():
         stem = key.removesuffix(".alpha")
-        name = _alpha_key(stem, renamed, under) if stem.partition(".")[0] in _components_of(renamed) else key
+        name = _alpha_key(stem, renamed, under) if stem.partition(".")[0] in renamed_components else key
         value = value if torch.is_tensor(value) else torch.tensor(float(value))
         if name in out and not torch.equal(out[name].float(), value.float()):
             raise AdapterError(f"{path}: two alphas for {name.removesuffix('.alpha')} ({key} and another, "
                                f"{float(out[name])} against {float(value)}); remove one")
         out[name] = value
     return out
-
-
-def _components_of(renamed: dict[str, str]) -> set[str]:
-    return {key.partition(".")[0] for key in renamed}

@@ -50,8 +50,7 @@ def _pipeline(root):
 
 
 def _base_files(root) -> list[str]:
-    return [os.fspath(p) for p in (root / "unet").glob("*.safetensors")] + [
-        os.fspath(p) for p in (root / "text_encoder").glob("*.safetensors")]
+    return [os.fspath(p) for component in ("unet", "text_encoder") for p in (root / component).glob("*.safetensors")]
 
 
 def _weights(pipe) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+from hostmem.procfs.stat import read_stat
 from tests.conftest import write_safetensors
 from tests.planners.conftest import write_checkpoint
 
@@ -64,7 +65,7 @@ def test_a_zombie_and_a_kernel_thread_are_named_as_what_they_are():
     if child == 0:
         os._exit(0)
     try:
-        while _stat_fields(child)[0] != "Z":
+        while read_stat(child).state != "Z":
             time.sleep(0.01)
         out = hostmem("inspect", "--pid", str(child))
         assert out.returncode == 2
@@ -80,15 +81,9 @@ def test_a_zombie_and_a_kernel_thread_are_named_as_what_they_are():
     assert out.stderr == f"hostmem: error: pid {kthreads[0]}: a kernel thread: it has no user memory to measure\n"
 
 
-def _stat_fields(pid: int) -> list[str]:
-    """/proc/PID/stat after the command name: state, ppid, ..., flags (index 6)."""
-    with open(f"/proc/{pid}/stat") as handle:
-        return handle.read().rsplit(")", 1)[1].split()
-
-
 def _kernel_thread(pid: int) -> bool:
     try:
-        return bool(int(_stat_fields(pid)[6]) & 0x00200000)  # PF_KTHREAD
+        return read_stat(pid).kernel_thread
     except (OSError, IndexError):
         return False
 
