@@ -28,6 +28,7 @@ import ctypes
 import errno
 import os
 import resource
+import weakref
 
 import torch
 
@@ -43,6 +44,8 @@ __all__ = [
     "Pinner",
     "page_span",
     "drop_page_cache",
+    "replaced",
+    "page_bytes",
 ]
 
 _MADV_PAGEOUT = 21
@@ -185,6 +188,38 @@ def _total(spans) -> int:
     return sum(e - s for s, e in spans)
 
 
+def _spans(tensors) -> list[tuple[int, int]]:
+    return _merge(page_span(t) for t in tensors if t.untyped_storage().nbytes())
+
+
+def page_bytes(tensors) -> int:
+    """Bytes of the whole pages under ``tensors``' storages, each page once: what locking
+    them all adds to VmLck."""
+    return _total(_spans(t for t in tensors if t.device.type == "cpu"))
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+_LIVE: "weakref.WeakSet[Pinner]" = weakref.WeakSet()  # the registry replaced() asks
+
+
+def replaced(old: torch.Tensor | None, new: torch.Tensor | None) -> None:
+    """``new`` now stands where ``old`` stood (a merge, a switch, an unmerge, a remap).
+
+    Whatever replaces a model's tensor calls this, while it still holds ``old``, so that
+    a pin follows its weight: every live :class:`Pinner` that pinned ``old``'s storage
+    pins ``new`` in its place (where its policy and budget allow) or releases the key,
+    and no page stays locked for a tensor nothing serves. Costs nothing without pins.
+    """
+    if old is None or old is new or not _LIVE or old.device.type != "cpu":
+        return
+    for pinner in list(_LIVE):
+        pinner.follow(old, new)
+
+
 class Pinner:
     """Pins named groups of CPU tensors in place and knows exactly which pages it locked.
 
@@ -192,12 +227,22 @@ class Pinner:
     key holds yet; ``unpin(key)`` releases the pages it locked and locks again, for
     their owners, pages that other keys still need. Use as a context manager to
     unpin everything on exit.
+
+    It holds the tensors it pinned (their pages must stay mapped while locked) and
+    follows them: when a replacer reports one replaced (:func:`replaced`), the key is
+    moved to the replacement (:meth:`repin`) if ``wants(key)`` and the pages locked
+    stay within ``max_locked``; otherwise the key is released and listed in
+    ``released``. Either way the books, VmLck and a ledger agree afterwards.
     """
 
-    def __init__(self, backend=None):
+    def __init__(self, backend=None, *, max_locked: int | None = None, wants=None):
         self.backend = backend if backend is not None else default_backend()
+        self.max_locked, self.wants = max_locked, wants
+        self.released: list = []  # keys let go because a replacement could not be pinned
         self._wanted: dict = {}
         self._owned: dict = {}
+        self._tensors: dict = {}
+        _LIVE.add(self)
 
     @property
     def locked_bytes(self) -> int:
@@ -206,6 +251,9 @@ class Pinner:
 
     def keys(self) -> list:
         return list(self._owned)
+
+    def tensors(self, key) -> list[torch.Tensor]:
+        return list(self._tensors[key])
 
     def _lock_all(self, spans) -> None:
         done = []
@@ -218,42 +266,88 @@ class Pinner:
                 self.backend.unlock(start, end - start)
             raise
 
-    def _held(self) -> list[tuple[int, int]]:
-        return [s for spans in self._owned.values() for s in spans]
+    def _held(self, but=None) -> list[tuple[int, int]]:
+        return [s for key, spans in self._owned.items() if key != but for s in spans]
 
     def would_lock(self, tensors) -> int:
         """Bytes that pinning ``tensors`` would newly lock (whole pages not held yet)."""
-        wanted = _merge(page_span(t) for t in tensors if t.untyped_storage().nbytes())
-        return _total(_subtract(wanted, self._held()))
+        return _total(_subtract(_spans(tensors), self._held()))
+
+    @staticmethod
+    def _check_cpu(key, tensors) -> None:
+        for t in tensors:
+            if t.device.type != "cpu":
+                raise ValueError(f"{key!r}: a tensor on {t.device} has no host pages to pin")
 
     def pin(self, key, tensors) -> int:
         """Lock the pages under ``tensors``; return the bytes newly locked."""
         if key in self._owned:
             raise ValueError(f"{key!r} is already pinned")
-        for t in tensors:
-            if t.device.type != "cpu":
-                raise ValueError(f"{key!r}: a tensor on {t.device} has no host pages to pin")
-        wanted = _merge(page_span(t) for t in tensors if t.untyped_storage().nbytes())
+        self._check_cpu(key, tensors)
+        wanted = _spans(tensors)
         new = _subtract(wanted, self._held())
         self._lock_all(new)
-        self._wanted[key], self._owned[key] = wanted, new
+        self._wanted[key], self._owned[key], self._tensors[key] = wanted, new, list(tensors)
         return _total(new)
+
+    def _hand_over(self, spans) -> int:
+        """Give ``spans`` (locked, no longer their owner's) to the other keys that want them;
+        unlock the rest. Returns the bytes kept locked."""
+        kept = []
+        for other, wanted in self._wanted.items():
+            orphans = _subtract(_intersect(wanted, spans), self._held() + kept)
+            if orphans:
+                self._owned[other] = _merge(self._owned[other] + orphans)
+                kept += orphans
+        for start, end in _subtract(spans, kept):
+            self.backend.unlock(start, end - start)
+        return _total(kept)
 
     def unpin(self, key) -> int:
         """Release ``key``'s pages that no other key needs; return the bytes released."""
         owned = self._owned.pop(key)
         self._wanted.pop(key)
-        for start, end in owned:
-            self.backend.unlock(start, end - start)
-        kept = 0
-        for other, wanted in self._wanted.items():
-            orphans = _intersect(wanted, owned)
-            orphans = _subtract(orphans, self._held())
-            if orphans:
-                self._lock_all(orphans)
-                self._owned[other] = _merge(self._owned[other] + orphans)
-                kept += _total(orphans)
-        return _total(owned) - kept
+        self._tensors.pop(key)
+        return _total(owned) - self._hand_over(owned)
+
+    def repin(self, key, tensors) -> int:
+        """Move ``key``'s pins to ``tensors``: lock their pages not held yet, then release
+        the pages only ``key`` held and no longer needs. Returns the change in bytes locked."""
+        self._check_cpu(key, tensors)
+        before = self.locked_bytes
+        wanted = _spans(tensors)
+        new = _subtract(wanted, self._held())
+        self._lock_all(new)
+        old = self._owned[key]
+        self._owned[key] = _merge(_intersect(old, wanted) + new)
+        self._wanted[key], self._tensors[key] = wanted, list(tensors)
+        self._hand_over(_subtract(old, wanted))
+        return self.locked_bytes - before
+
+    def follow(self, old: torch.Tensor, new: torch.Tensor | None) -> None:
+        """``new`` replaced ``old``: move every key holding ``old`` to ``new``, or release it."""
+        storage = _storage_key(old)
+        same = (lambda t: t is old) if any(t is old for ts in self._tensors.values() for t in ts) \
+            else (lambda t: _storage_key(t) == storage)  # a wrapper of old's bytes stood for it
+        for key in [k for k, ts in self._tensors.items() if any(same(t) for t in ts)]:
+            tensors = [t for t in self._tensors[key] if not same(t)]
+            tensors += [new] if new is not None and new.device.type == "cpu" else []
+            if self._may_follow(key, tensors):
+                self.repin(key, tensors)
+            else:
+                self.unpin(key)
+                self.released.append(key)
+
+    def _may_follow(self, key, tensors) -> bool:
+        if self.wants is not None and not self.wants(key):
+            return False
+        if self.max_locked is None:
+            return True
+        old = self._owned[key]
+        wanted = _spans(tensors)
+        freed = _subtract(_subtract(old, wanted), [s for k, w in self._wanted.items() if k != key for s in w])
+        after = self.locked_bytes + _total(_subtract(wanted, self._held())) - _total(freed)
+        return after <= self.max_locked
 
     def unpin_all(self) -> int:
         released = 0
