@@ -5,7 +5,7 @@ added but never renamed::
 
     {"deployment": str, "mode": "what-if" | "live", "merge": "none" | "in-place" | "cached",
      "host": {"limit_bytes", "source", "mem_total_bytes", "cgroup_limit_bytes"},
-     "budget": {"bytes", "reserve_bytes", "committed_bytes", "limit_bytes", "room_bytes",
+     "budget": {"bytes", "reserve_bytes", "reserve_source", "committed_bytes", "limit_bytes", "room_bytes",
                 "max_pinned_bytes", "pin_cap_bytes", "build_reserve_bytes",
                 "committed": {"anonymous_bytes", "shmem_bytes", "pinned_bytes", "process_excess_bytes"}},
      "components": {NAME: {"anonymous", "file_backed", "pinned", "total", "shmem", "swapped",
@@ -86,6 +86,7 @@ def _budget(plan: DeploymentPlan) -> dict:
     return {
         "bytes": b.bytes,
         "reserve_bytes": b.reserve,
+        "reserve_source": b.reserve_source,
         "committed_bytes": b.committed,
         "limit_bytes": b.limit,
         "room_bytes": b.room,
@@ -213,7 +214,7 @@ def _host_lines(plan: DeploymentPlan) -> list[str]:
         "budget:",
         *format_table([
             ("limit", format_size(b.limit), ""),
-            ("- reserve", format_size(b.reserve), ""),
+            ("- reserve", format_size(b.reserve), f"({b.reserve_source.split(':')[0]})"),
             ("- committed anonymous", format_size(b.committed_anonymous), ""),
             ("- committed shmem", format_size(b.committed_shmem), ""),
             ("- committed pinned", format_size(b.committed_pinned), ""),
@@ -224,6 +225,7 @@ def _host_lines(plan: DeploymentPlan) -> list[str]:
             ("budget for pins", format_size(b.bytes), "(room, capped by max pinned)"),
         ], indent="  "),
         *_build_reserve_lines(b),
+        *([f"  reserve {b.reserve_source}"] if ":" in b.reserve_source else []),
     ]
 
 
