@@ -242,6 +242,7 @@ class Pinner:
         self._wanted: dict = {}
         self._owned: dict = {}
         self._tensors: dict = {}
+        self._by_storage: dict[tuple[int, int], set] = {}  # storage -> the keys holding a tensor of it
         _LIVE.add(self)
 
     @property
@@ -287,7 +288,8 @@ class Pinner:
         wanted = _spans(tensors)
         new = _subtract(wanted, self._held())
         self._lock_all(new)
-        self._wanted[key], self._owned[key], self._tensors[key] = wanted, new, list(tensors)
+        self._wanted[key], self._owned[key] = wanted, new
+        self._hold(key, tensors)
         return _total(new)
 
     def _hand_over(self, spans) -> int:
@@ -303,11 +305,24 @@ class Pinner:
             self.backend.unlock(start, end - start)
         return _total(kept)
 
+    def _hold(self, key, tensors) -> None:
+        """Keep ``tensors`` (alive, and indexed by storage) as ``key``'s; none: forget the key."""
+        for t in self._tensors.pop(key, []):
+            keys = self._by_storage.get(_storage_key(t))
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._by_storage[_storage_key(t)]
+        if tensors:
+            self._tensors[key] = list(tensors)
+            for t in tensors:
+                self._by_storage.setdefault(_storage_key(t), set()).add(key)
+
     def unpin(self, key) -> int:
         """Release ``key``'s pages that no other key needs; return the bytes released."""
         owned = self._owned.pop(key)
         self._wanted.pop(key)
-        self._tensors.pop(key)
+        self._hold(key, [])
         return _total(owned) - self._hand_over(owned)
 
     def repin(self, key, tensors) -> int:
@@ -320,19 +335,23 @@ class Pinner:
         self._lock_all(new)
         old = self._owned[key]
         self._owned[key] = _merge(_intersect(old, wanted) + new)
-        self._wanted[key], self._tensors[key] = wanted, list(tensors)
+        self._wanted[key] = wanted
+        self._hold(key, tensors)
         self._hand_over(_subtract(old, wanted))
         return self.locked_bytes - before
 
     def follow(self, old: torch.Tensor, new: torch.Tensor | None) -> None:
         """``new`` replaced ``old``: move every key holding ``old`` to ``new``, or release it."""
         storage = _storage_key(old)
-        same = (lambda t: t is old) if any(t is old for ts in self._tensors.values() for t in ts) \
+        holders = list(self._by_storage.get(storage, ()))
+        if not holders:
+            return
+        same = (lambda t: t is old) if any(t is old for k in holders for t in self._tensors[k]) \
             else (lambda t: _storage_key(t) == storage)  # a wrapper of old's bytes stood for it
-        for key in [k for k, ts in self._tensors.items() if any(same(t) for t in ts)]:
+        for key in [k for k in holders if any(same(t) for t in self._tensors[k])]:
             tensors = [t for t in self._tensors[key] if not same(t)]
             tensors += [new] if new is not None and new.device.type == "cpu" else []
-            if self._may_follow(key, tensors):
+            if tensors and self._may_follow(key, tensors):
                 self.repin(key, tensors)
             else:
                 self.unpin(key)
