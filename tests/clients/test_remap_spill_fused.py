@@ -106,3 +106,24 @@ def test_a_lora_merged_through_the_cache_after_the_spill_matches_the_unspilled_m
     assert _anonymous_share(model) <= 0.01
     lora_cache.unmerge(model)
     assert torch.equal(tm.forward(model, "flux"), base)
+
+
+def test_adapters_switch_on_the_spilled_model_as_on_the_unspilled_one(tmp_path):
+    pytest.importorskip("peft", reason="the adapter is written by peft")
+    from lora_cache import set_pipeline_adapters
+
+    folder = tm.save_model("flux", tmp_path / "model")
+    files = {"style": tm.write_adapters("flux", folder, tmp_path)["diffusers_meta"]}
+    options = {"files": files, "weight_name": "pytorch_lora_weights.safetensors", "background": False}
+    reference = fused(folder)
+    set_pipeline_adapters(reference, ["style"], [0.5], cache_root=tmp_path / "plain", **options)
+    expected = tm.forward(reference, "flux")
+
+    model, _, _ = start(folder, str(tmp_path / "cache"))
+    base = tm.forward(model, "flux")
+    set_pipeline_adapters(model, ["style"], [0.5], cache_root=tmp_path / "cache", **options)
+    assert torch.equal(tm.forward(model, "flux"), expected) and not torch.equal(expected, base)
+    assert _anonymous_share(model) <= 0.01
+
+    set_pipeline_adapters(model, [], cache_root=tmp_path / "cache", **options)
+    assert torch.equal(tm.forward(model, "flux"), base)
