@@ -32,7 +32,13 @@ import weakref
 
 import torch
 
-from .procfs import PAGE_SIZE, read_status
+from .page_spans import intersect_spans as _intersect
+from .page_spans import merge_spans as _merge
+from .page_spans import page_span
+from .page_spans import spans_of as _spans
+from .page_spans import subtract_spans as _subtract
+from .page_spans import total_of as _total
+from .procfs import read_status
 from .residency import classify_range
 from .units import format_size
 
@@ -55,14 +61,6 @@ _CUDA_HOST_REGISTER_READ_ONLY = 0x08
 
 class PinError(OSError):
     """A pin or unpin failed; the message says why and what to do."""
-
-
-def page_span(tensor: torch.Tensor) -> tuple[int, int]:
-    """``(start, end)`` of the whole pages under the tensor's storage."""
-    storage = tensor.untyped_storage()
-    start = storage.data_ptr()
-    end = start + storage.nbytes()
-    return start - start % PAGE_SIZE, end + (-end) % PAGE_SIZE
 
 
 def _libc():
@@ -97,6 +95,7 @@ class MlockBackend:
     """Lock pages with ``mlock(2)``; bounded by RLIMIT_MEMLOCK unless CAP_IPC_LOCK is held."""
 
     name = "mlock"
+    splits = True  # any page range may be unlocked, whatever range locked it
 
     def __init__(self):
         self._libc = _libc()
@@ -126,6 +125,7 @@ class CudaHostRegisterBackend:
     """Register pages with ``cudaHostRegister`` in place (portable; read-only when mapped so)."""
 
     name = "cuda"
+    splits = False  # a registration is undone whole, from the address it was made at
 
     def __init__(self):
         if not torch.cuda.is_available():
@@ -150,46 +150,6 @@ class CudaHostRegisterBackend:
 def default_backend():
     """CUDA where a device is present, mlock on a CPU host."""
     return CudaHostRegisterBackend() if torch.cuda.is_available() else MlockBackend()
-
-
-# ---------------------------------------------------------------- interval books
-
-
-def _merge(spans) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for start, end in sorted(spans):
-        if out and start <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], end)
-        else:
-            out.append([start, end])
-    return [(s, e) for s, e in out if e > s]
-
-
-def _subtract(spans, minus) -> list[tuple[int, int]]:
-    out, minus = [], _merge(minus)
-    for start, end in _merge(spans):
-        cursor = start
-        for m_start, m_end in minus:
-            if m_end <= cursor or m_start >= end:
-                continue
-            if m_start > cursor:
-                out.append((cursor, m_start))
-            cursor = max(cursor, m_end)
-        if cursor < end:
-            out.append((cursor, end))
-    return out
-
-
-def _intersect(spans, other) -> list[tuple[int, int]]:
-    return _subtract(spans, _subtract(spans, other))
-
-
-def _total(spans) -> int:
-    return sum(e - s for s, e in spans)
-
-
-def _spans(tensors) -> list[tuple[int, int]]:
-    return _merge(page_span(t) for t in tensors if t.untyped_storage().nbytes())
 
 
 def page_bytes(tensors) -> int:
@@ -299,10 +259,15 @@ class Pinner:
         for other, wanted in self._wanted.items():
             orphans = _subtract(_intersect(wanted, spans), self._held() + kept)
             if orphans:
-                self._owned[other] = _merge(self._owned[other] + orphans)
+                self._owned[other] = sorted(self._owned[other] + orphans)  # as locked: a registration is undone whole
                 kept += orphans
-        for start, end in _subtract(spans, kept):
-            self.backend.unlock(start, end - start)
+        if getattr(self.backend, "splits", True):
+            for start, end in _subtract(spans, kept):
+                self.backend.unlock(start, end - start)
+        else:  # undo each registration whole, then register again what the others keep
+            for start, end in spans:
+                self.backend.unlock(start, end - start)
+            self._lock_all(kept)
         return _total(kept)
 
     def _hold(self, key, tensors) -> None:
@@ -330,6 +295,10 @@ class Pinner:
         the pages only ``key`` held and no longer needs. Returns the change in bytes locked."""
         self._check_cpu(key, tensors)
         before = self.locked_bytes
+        if not getattr(self.backend, "splits", True):  # no partial undo: move the key whole
+            self.unpin(key)
+            self.pin(key, tensors)
+            return self.locked_bytes - before
         wanted = _spans(tensors)
         new = _subtract(wanted, self._held())
         self._lock_all(new)

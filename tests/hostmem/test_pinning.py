@@ -200,3 +200,34 @@ def test_a_replacement_over_the_cap_releases_the_key(mapped):
 
         assert pinner.released == ["a"] and pinner.keys() == [] and pinner.locked_bytes == 0
         assert read_status().vm_lck == vm_before
+
+
+class WholeRegistrations(MlockBackend):
+    """mlock, held to cudaHostRegister's rule: a range is undone whole, from where it was made."""
+
+    splits = False
+
+    def __init__(self):
+        super().__init__()
+        self.made: dict[int, int] = {}
+
+    def lock(self, start: int, length: int) -> None:
+        super().lock(start, length)
+        self.made[start] = length
+
+    def unlock(self, start: int, length: int) -> None:
+        assert self.made.pop(start, None) == length, f"{length} bytes at {start:#x} were never registered as such"
+        super().unlock(start, length)
+
+
+def test_a_backend_that_undoes_registrations_whole_follows_too(mapped):
+    a, b, c = mapped["a"], mapped["b"], mapped["c"]
+    vm_before = read_status().vm_lck
+    backend = WholeRegistrations()
+    with Pinner(backend) as pinner:
+        pinner.pin("a", [a])
+        pinner.pin("b", [b])
+        replaced(a, c)
+        assert pinner.tensors("a") == [c]
+        assert pinner.locked_bytes == page_span(c)[1] - page_span(b)[0] == read_status().vm_lck - vm_before
+    assert read_status().vm_lck == vm_before and backend.made == {}
