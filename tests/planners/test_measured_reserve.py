@@ -114,3 +114,21 @@ def test_a_damaged_or_foreign_record_is_ignored_and_the_floor_stands(deployment)
     os.unlink(path)
     os.symlink(os.path.join(os.path.dirname(path), "elsewhere.json"), path)  # a link is never followed
     assert remembered(again) is None
+
+
+def test_the_override_variable_may_ask_for_a_measured_reserve(deployment):
+    write, _, tmp_path = deployment
+    write("3GiB")
+    config = load_config(tmp_path / "deploy.yaml", environ={"HOSTMEM_HOST_RESERVE": "measured"})
+    assert config.host.reserve == 32 * MiB and config.host.reserve_source.startswith("measured")
+    plain = load_config(tmp_path / "deploy.yaml", environ={"HOSTMEM_HOST_RESERVE": "2GiB"})
+    assert plain.host.reserve == 2 * 1024 * MiB and plain.host.reserve_source == "HOSTMEM_HOST_RESERVE"
+
+
+def test_a_floor_not_below_the_limit_is_refused_where_it_is_written(deployment):
+    from planners.config import ConfigError
+
+    _, _, tmp_path = deployment
+    (tmp_path / "deploy.yaml").write_text(CONFIG.format(reserve="measured").replace("32MiB", "7GiB").lstrip())
+    with pytest.raises(ConfigError, match=r"host.reserve_floor.*not below host.limit"):
+        load_config(tmp_path / "deploy.yaml", environ={})
