@@ -261,13 +261,23 @@ def _component_lines(plan: DeploymentPlan) -> list[str]:
     return ["components (file-backed includes mapped bytes not yet read):", *format_table(rows, indent="  ")]
 
 
+def _warning_lines(plan: DeploymentPlan) -> list[str]:
+    """Warnings; where there are none, still the disk reads per request the notes describe."""
+    if plan.warnings:
+        return ["warnings:", *(f"  - {w}" for w in plan.warnings)]
+    disk = sum(p.disk_bytes_per_request for p in plan.pins.plans.values())
+    if disk:
+        return [f"warnings: none, but each request reads {format_size(disk)} from disk (the notes under the pin plans)"]
+    return ["warnings: none"]
+
+
 def _device_lines(plan: DeploymentPlan) -> list[str]:
     d = plan.device
     if d.component is None:
         return ["device plan: no component streams layer by layer"]
     total = len(d.resident_layers) + len(d.streamed_layers)
     return [
-        f"device plan ({d.component}): VRAM {format_size(d.vram)} - reserve {format_size(d.reserve)} - rest "
+        f"device plan ({d.component}): VRAM {format_size(d.vram)} (the config's device.vram) - reserve {format_size(d.reserve)} - rest "
         f"{format_size(d.rest_bytes)} - prefetch window {format_size(d.window_bytes)}",
         f"  resident {len(d.resident_layers)} of {total} ({format_size(d.resident_bytes)}): "
         f"{compress_names(d.resident_layers)}",
@@ -362,6 +372,6 @@ def report_text(plan: DeploymentPlan) -> str:
         _pin_lines(plan),
         _offer_lines(plan),
         _alternative_lines(plan),
-        ["warnings:", *(f"  - {w}" for w in plan.warnings)] if plan.warnings else ["warnings: none"],
+        _warning_lines(plan),
     ]
     return "\n\n".join("\n".join(s) for s in sections if s)
