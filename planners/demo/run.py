@@ -236,7 +236,7 @@ def _say(settings: DemoSettings, text: str) -> None:
 def run_demo(settings: DemoSettings) -> DemoResult:
     """Write the files, run the four scenarios (and the cgroup pair), return the figures."""
     holder = None
-    workdir = settings.workdir
+    workdir = os.path.abspath(settings.workdir) if settings.workdir else None  # the config names files under it
     if workdir is None:
         holder = tempfile.TemporaryDirectory(prefix="hostmem-demo-", dir=_real_disk_tmp())
         workdir = holder.name
