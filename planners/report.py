@@ -262,13 +262,12 @@ def _component_lines(plan: DeploymentPlan) -> list[str]:
 
 
 def _warning_lines(plan: DeploymentPlan) -> list[str]:
-    """Warnings; where there are none, still the disk reads per request the notes describe."""
+    """Warnings, and the disk reads per request that the notes describe, so 'none' never hides them."""
+    disk = sum(p.disk_bytes_per_request for p in plan.pins.plans.values()) if plan.pins.notes else 0
+    reads = f"each request reads {format_size(disk)} from disk (the notes under the pin plans)"
     if plan.warnings:
-        return ["warnings:", *(f"  - {w}" for w in plan.warnings)]
-    disk = sum(p.disk_bytes_per_request for p in plan.pins.plans.values())
-    if disk:
-        return [f"warnings: none, but each request reads {format_size(disk)} from disk (the notes under the pin plans)"]
-    return ["warnings: none"]
+        return ["warnings:", *(f"  - {w}" for w in plan.warnings), *([f"  and {reads}"] if disk else [])]
+    return [f"warnings: none, but {reads}"] if disk else ["warnings: none"]
 
 
 def _device_lines(plan: DeploymentPlan) -> list[str]:
