@@ -4,6 +4,7 @@ says how each kind of block is checked), and a broken one fails."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -75,3 +76,34 @@ def test_a_skipped_example_is_not_run_and_the_others_are(in_page_folder):
                     "```python\nopen('ran', 'w').close()\n```\n")
     run_page(page)
     assert (in_page_folder / "ran").exists()
+
+
+# Pages other changes add; a link to one may precede it, and must not once it is here.
+ARRIVING = {"adapter-formats.md", "merge-policy.md", "security.md", "startup.md", "executor.md", "spill-and-pins.md"}
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _slug(heading: str) -> str:
+    """The anchor a markdown renderer gives a heading (GitHub's rule)."""
+    text = heading.strip().lower().replace("`", "")
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    return {_slug(line.lstrip("#")) for line in path.read_text().splitlines() if line.startswith("#")}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(REPO)) for p in PAGES])
+def test_every_link_leads_somewhere(page):
+    broken = []
+    for target in _LINK.findall(page.read_text()):
+        if "://" in target:
+            continue
+        file, _, anchor = target.partition("#")
+        path = (page.parent / file).resolve() if file else page
+        if not path.exists():
+            if path.name not in ARRIVING:
+                broken.append(target)
+        elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+            broken.append(target)
+    assert not broken, f"{page.name}: links to nothing: {broken}"
