@@ -336,7 +336,7 @@ def verdict_lines(demo: DemoResult) -> list[str]:
             real = f"a real {format_size(cgroup['limit_bytes'])} memory cgroup"
             at = f"peak anon {format_size(measured['peak_anon_bytes'])}"
             verdict = (f"killed by the kernel (OOM) under {real}, {at}" if measured["killed"]
-                       else f"fits: survived {real}, {at}")
+                       else f"fits: survived {real}, {at}" + ("" if s.budget_bytes else ", nothing left for pins"))
         elif s.peak_anon_bytes > demo.host_limit_bytes:
             verdict = f"killed (predicted): peak anon {peak} is over the limit"
         else:
