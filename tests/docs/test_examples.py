@@ -21,7 +21,7 @@ from tests.docs.examples import run_page  # noqa: E402
 PAGES = [Path(REPO, "README.md"), *sorted(Path(REPO, "docs").glob("*.md"))]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def doc_files(tmp_path_factory):
     """The files the pages name, made once; each page runs in a copy of its own."""
     folder = tmp_path_factory.mktemp("doc-files")
