@@ -263,13 +263,22 @@ def _component_lines(plan: DeploymentPlan) -> list[str]:
     return ["components (file-backed includes mapped bytes not yet read):", *format_table(rows, indent="  ")]
 
 
+def _warning_lines(plan: DeploymentPlan) -> list[str]:
+    """Warnings, and the disk reads per request that the notes describe, so 'none' never hides them."""
+    disk = sum(p.disk_bytes_per_request for p in plan.pins.plans.values()) if plan.pins.notes else 0
+    reads = f"each request reads {format_size(disk)} from disk (the notes under the pin plans)"
+    if plan.warnings:
+        return ["warnings:", *(f"  - {w}" for w in plan.warnings), *([f"  and {reads}"] if disk else [])]
+    return [f"warnings: none, but {reads}"] if disk else ["warnings: none"]
+
+
 def _device_lines(plan: DeploymentPlan) -> list[str]:
     d = plan.device
     if d.component is None:
         return ["device plan: no component streams layer by layer"]
     total = len(d.resident_layers) + len(d.streamed_layers)
     return [
-        f"device plan ({d.component}): VRAM {format_size(d.vram)} - reserve {format_size(d.reserve)} - rest "
+        f"device plan ({d.component}): VRAM {format_size(d.vram)} (the config's device.vram) - reserve {format_size(d.reserve)} - rest "
         f"{format_size(d.rest_bytes)} - prefetch window {format_size(d.window_bytes)}",
         f"  resident {len(d.resident_layers)} of {total} ({format_size(d.resident_bytes)}): "
         f"{compress_names(d.resident_layers)}",
@@ -364,6 +373,6 @@ def report_text(plan: DeploymentPlan) -> str:
         _pin_lines(plan),
         _offer_lines(plan),
         _alternative_lines(plan),
-        ["warnings:", *(f"  - {w}" for w in plan.warnings)] if plan.warnings else ["warnings: none"],
+        _warning_lines(plan),
     ]
     return "\n\n".join("\n".join(s) for s in sections if s)
