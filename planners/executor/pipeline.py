@@ -1,0 +1,105 @@
+"""One component's layers in pass order: what to read ahead, when to wait, what to release.
+
+The worker thread reads (and on a CUDA host copies) the next ``prefetch`` layers that
+need it while the current one computes: released layers every pass, kept layers until
+they were read once, and pinned layers on a CUDA host (a copy, no read). The window
+wraps around the end of a pass, so the next pass's first layers are on their way
+while the last ones compute. Pinned and kept layers are never released.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from .layout import LayerLayout
+from .readahead import FileHandles, read_ahead, release
+from .roles import ComponentRoles
+from .stats import PassStats
+
+__all__ = ["LayerPipeline"]
+
+
+class LayerPipeline:
+    """The read-ahead, copy and release of one component's hooked layers."""
+
+    def __init__(self, roles: ComponentRoles, layouts: dict[str, LayerLayout], prefetch: int,
+                 worker: ThreadPoolExecutor, handles: FileHandles, reader: str, copier=None):
+        self.roles, self.layouts, self.prefetch = roles, layouts, prefetch
+        self.worker, self.handles, self.reader, self.copier = worker, handles, reader, copier
+        self.order = [name for name in roles.order if name in layouts]
+        self.position = {name: i for i, name in enumerate(self.order)}
+        self.released = set(roles.released)
+        self.pinned = set(roles.pinned)
+        self.unread = set(roles.kept) | self.released  # kept ones leave this set once read
+        self.pending: dict[str, Future] = {}
+        self.current: PassStats | None = None
+        self._attached: dict[str, tuple] = {}
+
+    def _needs_work(self, name: str) -> bool:
+        if name in self.unread or name in self.released:
+            return True
+        return self.copier is not None and name in self.pinned
+
+    def _job(self, name: str):
+        layout = self.layouts[name]
+        nbytes = read_ahead(layout.ranges, self.handles, self.reader) if name in self.unread else 0
+        loaded = self.copier.load(layout, name in self.pinned) if self.copier is not None else None
+        return nbytes, loaded
+
+    def _schedule(self, name: str) -> None:
+        if name not in self.pending and self._needs_work(name):
+            self.pending[name] = self.worker.submit(self._job, name)
+
+    def _look_ahead(self, name: str) -> None:
+        """Schedule the next ``prefetch`` layers after ``name`` that need work (wrapping)."""
+        at, n, count = self.position[name], len(self.order), 0
+        for step in range(1, n):
+            if count >= self.prefetch:
+                break
+            upcoming = self.order[(at + step) % n]
+            if self._needs_work(upcoming):
+                self._schedule(upcoming)
+                count += 1
+
+    def before(self, name: str) -> None:
+        """Forward pre-hook of layer ``name``: start the window, wait for this layer's bytes."""
+        if name not in self.position:
+            return
+        self._schedule(name)
+        self._look_ahead(name)
+        future = self.pending.pop(name, None)
+        if future is None:
+            return
+        began = time.perf_counter()
+        nbytes, loaded = future.result()
+        waited = time.perf_counter() - began
+        if name not in self.released:
+            self.unread.discard(name)  # kept: read once, never again
+        if loaded is not None:
+            self._attached[name] = (loaded, self.copier.attach(loaded))
+        if self.current is not None:
+            self.current.wait_s += waited
+            self.current.read_ahead_bytes += nbytes
+            self.current.copied_bytes += loaded.nbytes if loaded is not None else 0
+
+    def after(self, name: str) -> None:
+        """Forward hook of layer ``name``: give the device buffer back, release a streamed layer."""
+        if name in self._attached:
+            loaded, saved = self._attached.pop(name)
+            self.copier.detach(loaded, saved)
+        if name in self.released:
+            freed = release(self.layouts[name].ranges, self.handles)
+            if self.current is not None:
+                self.current.released_bytes += freed
+
+    def drain(self) -> None:
+        """Wait for reads in flight and release what was read ahead for a pass that never came."""
+        for name, future in list(self.pending.items()):
+            try:
+                _, loaded = future.result()
+            except Exception:  # a read that failed has nothing to release; close goes on
+                continue
+            if name in self.released:
+                release(self.layouts[name].ranges, self.handles)
+        self.pending.clear()

@@ -1,0 +1,167 @@
+"""Read a layer's file ranges ahead of use, and release them after.
+
+Two ways to read ahead, both run on a worker thread so that the disk works while the
+previous layer computes:
+
+- ``madvise``: ``madvise(MADV_WILLNEED)`` on the layer's pages (the kernel starts the
+  reads), then one touch per page so that the worker returns only once they are in;
+- ``read``: ``preadv`` of the file range into one reusable buffer (the page cache keeps
+  what was read; the buffer is overwritten by the next chunk).
+
+Which is faster depends on the kernel, the filesystem and the disk, so it is measured
+on the first use for each device (the first released layer, dropped before each try)
+and the choice is cached for the process.
+
+Release: ``MADV_DONTNEED`` unmaps the layer's pages from this process (a read-only
+mapping loses nothing: the page cache still holds the bytes), then
+``POSIX_FADV_DONTNEED`` drops them from the page cache. A private writable mapping
+(what diffusers' loader leaves) may hold a page a write made anonymous, which
+``MADV_DONTNEED`` would silently revert to the file's bytes: such a range is released
+with ``MADV_PAGEOUT`` instead, which reclaims only the file's own pages. Only whole pages
+inside the layer are released, never a neighbour's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+import time
+
+import torch
+
+from hostmem.procfs import PAGE_SIZE
+
+from .layout import FileRange, inner_pages
+
+__all__ = ["FileHandles", "read_ahead", "release", "choose_reader", "READERS", "drop_range"]
+
+READERS = ("madvise", "read")
+_MADV_PAGEOUT = 21
+_CHUNK = 1 << 20  # the reusable buffer: small, so a read adds less anonymous memory than a layer
+_choices: dict[int, str] = {}  # st_dev -> the faster reader there
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+def _madvise(address: int, length: int, advice: int, what: str) -> None:
+    if length and _libc.madvise(address, length, advice) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"madvise({what}) of {length} bytes at {address:#x}: {os.strerror(code)}")
+
+
+class FileHandles:
+    """One read-only descriptor per checkpoint file, and a reusable read buffer."""
+
+    def __init__(self):
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._buffer: bytearray | None = None
+
+    def fd(self, path: str) -> int:
+        with self._lock:
+            if path not in self._fds:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                # no kernel read-ahead on this descriptor: a read brings in the layer and no more
+                # (read_ahead_kb can be 8 MiB: two layers past the one asked for, never released)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                self._fds[path] = fd
+            return self._fds[path]
+
+    def buffer(self) -> memoryview:
+        if self._buffer is None:
+            self._buffer = bytearray(_CHUNK)  # touched once here, reused for every read
+        return memoryview(self._buffer)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            self._buffer = None
+
+
+def _touch(address: int, length: int) -> None:
+    """Read one byte of every page (in C, without the GIL): returns once all are resident."""
+    if length <= 0:
+        return
+    view = (ctypes.c_char * length).from_address(address)
+    flat = torch.frombuffer(view, dtype=torch.uint8)
+    flat[::PAGE_SIZE].sum()
+
+
+def _read_madvise(r: FileRange, handles: FileHandles) -> None:
+    start = r.address - r.address % PAGE_SIZE
+    length = r.address + r.length - start
+    _madvise(start, length, mmap.MADV_WILLNEED, "MADV_WILLNEED")
+    _touch(r.address, r.length)
+
+
+def _read_pread(r: FileRange, handles: FileHandles) -> None:
+    fd, buf = handles.fd(r.path), handles.buffer()
+    at, end = r.offset, r.offset + r.length
+    while at < end:
+        got = os.preadv(fd, [buf[: min(_CHUNK, end - at)]], at)
+        if got <= 0:
+            raise OSError(f"{r.path}: short read at byte {at} (the file shrank under its mapping?)")
+        at += got
+
+
+_READ = {"madvise": _read_madvise, "read": _read_pread}
+
+
+def read_ahead(ranges, handles: FileHandles, how: str) -> int:
+    """Bring ``ranges`` into the page cache with the reader ``how``; return the bytes asked for."""
+    read = _READ[how]
+    for r in ranges:
+        read(r, handles)
+    return sum(r.length for r in ranges)
+
+
+def drop_range(r: FileRange, handles: FileHandles) -> int:
+    """Release the whole pages inside ``r`` from this process and the page cache; return their bytes."""
+    address, length = inner_pages(r)
+    if not length:
+        return 0
+    if r.writable:
+        _madvise(address, length, _MADV_PAGEOUT, "MADV_PAGEOUT")
+        return length
+    _madvise(address, length, mmap.MADV_DONTNEED, "MADV_DONTNEED")
+    offset = r.offset + (address - r.address)
+    os.posix_fadvise(handles.fd(r.path), offset, length, os.POSIX_FADV_DONTNEED)
+    return length
+
+
+def release(ranges, handles: FileHandles) -> int:
+    """Release every range of a layer after use; return the bytes released."""
+    return sum(drop_range(r, handles) for r in ranges)
+
+
+def _timed(how: str, sample: FileRange, handles: FileHandles) -> float:
+    drop_range(sample, handles)
+    began = time.perf_counter()
+    _READ[how](sample, handles)
+    return time.perf_counter() - began
+
+
+def choose_reader(sample: FileRange | None, handles: FileHandles, how: str = "auto") -> str:
+    """The reader to use: ``how`` when it names one, else the faster one measured on ``sample``
+    (twice each, alternating; cached per device for the process)."""
+    if how != "auto":
+        if how not in READERS:
+            raise ValueError(f"read_ahead {how!r}: choose auto, {' or '.join(READERS)}")
+        return how
+    if sample is None:
+        return "read"
+    dev = os.stat(sample.path).st_dev
+    if dev not in _choices:
+        sample = sample._replace(length=min(sample.length, 2 * _CHUNK))
+        times: dict[str, list[float]] = {h: [] for h in READERS}
+        for _ in range(2):
+            for h in READERS:
+                times[h].append(_timed(h, sample, handles))
+        _choices[dev] = min(READERS, key=lambda h: min(times[h]))
+        drop_range(sample, handles)
+    return _choices[dev]
