@@ -29,7 +29,7 @@ def synthetic_config(checkpoint: str, limit: int, reserve: int, max_pinned: int,
 
     text = (
         "deployment: executor-trial\n"
-        f"host: {{limit: {limit}, reserve: {reserve}, max_pinned: {max_pinned}}}\n"
+        f"host: {{limit: {limit}B, reserve: {reserve}B, max_pinned: {max_pinned}B}}\n"
         f"workload: {{steps: {steps}}}\n"
         "components:\n"
         f"  dit: {{path: {json.dumps(checkpoint)}, layers: \"blocks.{{i}}.\", offload: layerwise}}\n"
