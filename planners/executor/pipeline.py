@@ -1,7 +1,8 @@
 """One component's layers in pass order: what to read ahead, when to wait, what to release.
 
-The worker thread reads (and on a CUDA host copies) the next ``prefetch`` layers that
-need it while the current one computes: released layers every pass, kept layers until
+When a layer enters the window an advisor thread starts its reads (``advise``), and the
+worker thread waits for them (and on a CUDA host copies) while the current one computes,
+for the next ``prefetch`` layers that need it: released layers every pass, kept layers until
 they were read once, and pinned layers on a CUDA host (a copy, no read). The window
 wraps around the end of a pass, so the next pass's first layers are on their way
 while the last ones compute. Pinned and kept layers are never released.
@@ -13,7 +14,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .layout import LayerLayout
-from .readahead import FileHandles, read_ahead, release
+from .readahead import FileHandles, advise, complete, release
 from .roles import ComponentRoles
 from .stats import PassStats
 
@@ -24,9 +25,11 @@ class LayerPipeline:
     """The read-ahead, copy and release of one component's hooked layers."""
 
     def __init__(self, roles: ComponentRoles, layouts: dict[str, LayerLayout], prefetch: int,
-                 worker: ThreadPoolExecutor, handles: FileHandles, reader: str, copier=None):
+                 worker: ThreadPoolExecutor, handles: FileHandles, reader: str, copier=None,
+                 advisor: ThreadPoolExecutor | None = None):
         self.roles, self.layouts, self.prefetch = roles, layouts, prefetch
         self.worker, self.handles, self.reader, self.copier = worker, handles, reader, copier
+        self.advisor = advisor  # starts reads (advice may block while the disk's queue is full)
         self.order = [name for name in roles.order if name in layouts]
         self.position = {name: i for i, name in enumerate(self.order)}
         self.released = set(roles.released)
@@ -41,15 +44,20 @@ class LayerPipeline:
             return True
         return self.copier is not None and name in self.pinned
 
-    def _job(self, name: str):
+    def _job(self, name: str, advised: Future | None = None):
+        if advised is not None:
+            advised.result()  # never after the release: a late advice would read the layer back in
         layout = self.layouts[name]
-        nbytes = read_ahead(layout.ranges, self.handles, self.reader) if name in self.unread else 0
+        nbytes = complete(layout.ranges, self.handles, self.reader) if name in self.unread else 0
         loaded = self.copier.load(layout, name in self.pinned) if self.copier is not None else None
         return nbytes, loaded
 
     def _schedule(self, name: str) -> None:
         if name not in self.pending and self._needs_work(name):
-            self.pending[name] = self.worker.submit(self._job, name)
+            advised = None
+            if name in self.unread and self.advisor is not None:  # into the disk's queue now, off this thread
+                advised = self.advisor.submit(advise, self.layouts[name].ranges, self.handles, self.reader)
+            self.pending[name] = self.worker.submit(self._job, name, advised)
 
     def _look_ahead(self, name: str) -> None:
         """Schedule the next ``prefetch`` layers after ``name`` that need work (wrapping)."""

@@ -1,16 +1,18 @@
 """Read a layer's file ranges ahead of use, and release them after.
 
-Two ways to read ahead, both run on a worker thread so that the disk works while the
-previous layer computes:
+Reading ahead has two halves: ``advise`` starts the reads and returns (called when a
+layer enters the read-ahead window, so that every layer of the window is in the disk's
+queue at once), and ``complete`` returns once the bytes are in (run on the worker
+thread, so that the disk works while the previous layer computes). Three readers:
 
-- ``madvise``: ``madvise(MADV_WILLNEED)`` on the layer's pages (the kernel starts the
-  reads), then one touch per page so that the worker returns only once they are in;
-- ``read``: ``preadv`` of the file range into one reusable buffer (the page cache keeps
-  what was read; the buffer is overwritten by the next chunk).
+- ``madvise``: ``madvise(MADV_WILLNEED)`` on the layer's pages, then one touch per page;
+- ``fadvise``: ``posix_fadvise(POSIX_FADV_WILLNEED)`` on the file range, then the touch;
+- ``read``: nothing ahead, then ``preadv`` of the range into one small reusable buffer
+  (the page cache keeps what was read; the buffer is overwritten by the next chunk).
 
-Which is faster depends on the kernel, the filesystem and the disk, so it is measured
-on the first use for each device (the first released layer, dropped before each try)
-and the choice is cached for the process.
+Which is fastest depends on the kernel, the filesystem and the disk, so it is measured
+on the first use for each device (a released layer, dropped before each try) and the
+choice is cached for the process.
 
 Release: ``MADV_DONTNEED`` unmaps the layer's pages from this process (a read-only
 mapping loses nothing: the page cache still holds the bytes), then
@@ -35,9 +37,9 @@ from hostmem.procfs import PAGE_SIZE
 
 from .layout import FileRange, inner_pages
 
-__all__ = ["FileHandles", "read_ahead", "release", "choose_reader", "READERS", "drop_range"]
+__all__ = ["FileHandles", "advise", "complete", "read_ahead", "release", "choose_reader", "READERS", "drop_range"]
 
-READERS = ("madvise", "read")
+READERS = ("madvise", "fadvise", "read")
 _MADV_PAGEOUT = 21
 _CHUNK = 1 << 20  # the reusable buffer: small, so a read adds less anonymous memory than a layer
 _choices: dict[int, str] = {}  # st_dev -> the faster reader there
@@ -92,10 +94,16 @@ def _touch(address: int, length: int) -> None:
     flat[::PAGE_SIZE].sum()
 
 
-def _read_madvise(r: FileRange, handles: FileHandles) -> None:
+def _advise_madvise(r: FileRange, handles: FileHandles) -> None:
     start = r.address - r.address % PAGE_SIZE
-    length = r.address + r.length - start
-    _madvise(start, length, mmap.MADV_WILLNEED, "MADV_WILLNEED")
+    _madvise(start, r.address + r.length - start, mmap.MADV_WILLNEED, "MADV_WILLNEED")
+
+
+def _advise_fadvise(r: FileRange, handles: FileHandles) -> None:
+    os.posix_fadvise(handles.fd(r.path), r.offset, r.length, os.POSIX_FADV_WILLNEED)
+
+
+def _touch_range(r: FileRange, handles: FileHandles) -> None:
     _touch(r.address, r.length)
 
 
@@ -109,15 +117,34 @@ def _read_pread(r: FileRange, handles: FileHandles) -> None:
         at += got
 
 
-_READ = {"madvise": _read_madvise, "read": _read_pread}
+# reader -> (advise: start the reads, complete: return once the bytes are in)
+_READERS = {
+    "madvise": (_advise_madvise, _touch_range),
+    "fadvise": (_advise_fadvise, _touch_range),
+    "read": (None, _read_pread),
+}
+
+
+def advise(ranges, handles: FileHandles, how: str) -> None:
+    """Start reading ``ranges`` (returns before the bytes are in; nothing for ``read``)."""
+    start = _READERS[how][0]
+    if start is not None:
+        for r in ranges:
+            start(r, handles)
+
+
+def complete(ranges, handles: FileHandles, how: str) -> int:
+    """Return once ``ranges`` are in the page cache; the bytes asked for."""
+    finish = _READERS[how][1]
+    for r in ranges:
+        finish(r, handles)
+    return sum(r.length for r in ranges)
 
 
 def read_ahead(ranges, handles: FileHandles, how: str) -> int:
-    """Bring ``ranges`` into the page cache with the reader ``how``; return the bytes asked for."""
-    read = _READ[how]
-    for r in ranges:
-        read(r, handles)
-    return sum(r.length for r in ranges)
+    """Both halves at once: bring ``ranges`` into the page cache; the bytes asked for."""
+    advise(ranges, handles, how)
+    return complete(ranges, handles, how)
 
 
 def drop_range(r: FileRange, handles: FileHandles) -> int:
@@ -142,7 +169,7 @@ def release(ranges, handles: FileHandles) -> int:
 def _timed(how: str, sample: FileRange, handles: FileHandles) -> float:
     drop_range(sample, handles)
     began = time.perf_counter()
-    _READ[how](sample, handles)
+    read_ahead([sample], handles, how)
     return time.perf_counter() - began
 
 
@@ -157,7 +184,7 @@ def choose_reader(sample: FileRange | None, handles: FileHandles, how: str = "au
         return "read"
     dev = os.stat(sample.path).st_dev
     if dev not in _choices:
-        sample = sample._replace(length=min(sample.length, 2 * _CHUNK))
+        sample = sample._replace(length=min(sample.length, 32 << 20))  # a layer, up to 32 MiB
         times: dict[str, list[float]] = {h: [] for h in READERS}
         for _ in range(2):
             for h in READERS:
