@@ -74,8 +74,10 @@ def _layer_bytes(args, config) -> int:
     return size_option("64MiB")
 
 
-def _device(args) -> tuple[str | None, str | None]:
+def _device(args, use_device: bool) -> tuple[str | None, str | None]:
     """The device to time, or None and the reason the device rates are left out."""
+    if not use_device:
+        return None, "the device rates were not measured (asked not to touch the device)"
     import torch
 
     if not torch.cuda.is_available():
@@ -86,7 +88,8 @@ def _device(args) -> tuple[str | None, str | None]:
     return args.device or "cuda:0", None
 
 
-def _measure(args) -> dict:
+def measure(args, use_device: bool = True) -> dict:
+    """What ``hostmem calibrate`` prints, as a dict (rates in bytes per second)."""
     from planners.config import load_config
     from planners.executor.rates import h2d_rates, measure_folder
 
@@ -95,7 +98,7 @@ def _measure(args) -> dict:
     if not folders:
         raise ValueError("nothing to time: the cache root does not exist; give a CONFIG or --path DIR")
     measured = [measure_folder(folder, args.size, existing) for folder, existing in folders]
-    device, note = _device(args)
+    device, note = _device(args, use_device)
     transfer = {"disk_read": min(m.disk_read for m in measured)}
     result = {"folders": [m._asdict() for m in measured], "device": device, "notes": [note] if note else []}
     if device is not None:
@@ -126,7 +129,7 @@ def transfer_block(transfer: dict) -> str:
 
 
 def run(args) -> int:
-    result = _measure(args)
+    result = measure(args)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
