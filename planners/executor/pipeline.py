@@ -2,8 +2,9 @@
 
 When a layer enters the window an advisor thread starts its reads (``advise``), and the
 worker thread waits for them (and on a CUDA host copies) while the current one computes,
-for the next ``prefetch`` layers that need it: released layers every pass, kept layers until
-they were read once, and pinned layers on a CUDA host (a copy, no read). The window
+for the next ``prefetch`` layers that need it: on a CPU host released layers every pass
+and kept layers until they were read once; on a CUDA host every moved layer, every pass
+(pinned ones copied straight from their pages, the others through staging). The window
 wraps around the end of a pass, so the next pass's first layers are on their way
 while the last ones compute. Pinned and kept layers are never released.
 """
@@ -40,9 +41,9 @@ class LayerPipeline:
         self._attached: dict[str, tuple] = {}
 
     def _needs_work(self, name: str) -> bool:
-        if name in self.unread or name in self.released:
-            return True
-        return self.copier is not None and name in self.pinned
+        if self.copier is not None:
+            return True  # every moved layer is copied to the device on every pass
+        return name in self.unread or name in self.released
 
     def _job(self, name: str, advised: Future | None = None):
         if advised is not None:
