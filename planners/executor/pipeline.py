@@ -1,7 +1,9 @@
 """One component's layers in pass order: what to read ahead, when to wait, what to release.
 
-When a layer enters the window an advisor thread starts its reads (``advise``), and the
-worker thread waits for them (and on a CUDA host copies) while the current one computes,
+When a layer enters the window its reads start (``advise``: the whole window is in the
+disk's queue at once), and the worker thread waits for them (``read``: reads them; on a
+CUDA host also copies) while the current one computes (on a CPU host an advised layer
+is waited for at its own pre-hook, without a hand-off),
 for the next ``prefetch`` layers that need it: on a CPU host released layers every pass
 and kept layers until they were read once; on a CUDA host every moved layer, every pass
 (pinned ones copied straight from their pages, the others through staging). The window
@@ -26,17 +28,18 @@ class LayerPipeline:
     """The read-ahead, copy and release of one component's hooked layers."""
 
     def __init__(self, roles: ComponentRoles, layouts: dict[str, LayerLayout], prefetch: int,
-                 worker: ThreadPoolExecutor, handles: FileHandles, reader: str, copier=None,
-                 advisor: ThreadPoolExecutor | None = None):
+                 worker: ThreadPoolExecutor, handles: FileHandles, reader: str, copier=None):
         self.roles, self.layouts, self.prefetch = roles, layouts, prefetch
         self.worker, self.handles, self.reader, self.copier = worker, handles, reader, copier
-        self.advisor = advisor  # starts reads (advice may block while the disk's queue is full)
+        # On a CPU host with an advising reader the wait runs in this thread, at the layer's
+        # pre-hook: no hand-off per layer, which on busy cores costs a time slice each.
+        self.inline = copier is None and reader != "read"
         self.order = [name for name in roles.order if name in layouts]
         self.position = {name: i for i, name in enumerate(self.order)}
         self.released = set(roles.released)
         self.pinned = set(roles.pinned)
         self.unread = set(roles.kept) | self.released  # kept ones leave this set once read
-        self.pending: dict[str, Future] = {}
+        self.pending: dict[str, Future | None] = {}  # None: advised, waited for inline
         self.current: PassStats | None = None
         self._attached: dict[str, tuple] = {}
 
@@ -45,20 +48,18 @@ class LayerPipeline:
             return True  # every moved layer is copied to the device on every pass
         return name in self.unread or name in self.released
 
-    def _job(self, name: str, advised: Future | None = None):
-        if advised is not None:
-            advised.result()  # never after the release: a late advice would read the layer back in
+    def _job(self, name: str):
         layout = self.layouts[name]
         nbytes = complete(layout.ranges, self.handles, self.reader) if name in self.unread else 0
         loaded = self.copier.load(layout, name in self.pinned) if self.copier is not None else None
         return nbytes, loaded
 
     def _schedule(self, name: str) -> None:
-        if name not in self.pending and self._needs_work(name):
-            advised = None
-            if name in self.unread and self.advisor is not None:  # into the disk's queue now, off this thread
-                advised = self.advisor.submit(advise, self.layouts[name].ranges, self.handles, self.reader)
-            self.pending[name] = self.worker.submit(self._job, name, advised)
+        if name in self.pending or not self._needs_work(name):
+            return
+        if name in self.unread:  # into the disk's queue now: every layer of the window at once
+            advise(self.layouts[name].ranges, self.handles, self.reader)
+        self.pending[name] = None if self.inline else self.worker.submit(self._job, name)
 
     def _look_ahead(self, name: str) -> None:
         """Schedule the next ``prefetch`` layers after ``name`` that need work (wrapping)."""
@@ -78,10 +79,14 @@ class LayerPipeline:
         self._schedule(name)
         self._look_ahead(name)
         future = self.pending.pop(name, None)
-        if future is None:
-            return
         began = time.perf_counter()
-        nbytes, loaded = future.result()
+        if self.inline:  # the advice went out with the window; the wait is the touch, here
+            nbytes = complete(self.layouts[name].ranges, self.handles, self.reader) if name in self.unread else 0
+            loaded = None
+        elif future is not None:
+            nbytes, loaded = future.result()
+        else:
+            return
         waited = time.perf_counter() - began
         if name not in self.released:
             self.unread.discard(name)  # kept: read once, never again
@@ -106,7 +111,10 @@ class LayerPipeline:
         """Wait for reads in flight and release what was read ahead for a pass that never came."""
         for name, future in list(self.pending.items()):
             try:
-                _, loaded = future.result()
+                if future is None:  # advised only: wait for the reads, or the release would miss pages in flight
+                    complete(self.layouts[name].ranges, self.handles, self.reader)
+                else:
+                    future.result()
             except Exception:  # a read that failed has nothing to release; close goes on
                 continue
             if name in self.released:

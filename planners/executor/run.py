@@ -61,7 +61,6 @@ class Executor:
         self._placed: list = []  # (table, name, host tensor) put back on exit
         self._handles = FileHandles()
         self._worker: ThreadPoolExecutor | None = None
-        self._advisor: ThreadPoolExecutor | None = None
         self._pass_start: dict[str, tuple[float, int]] = {}
         self._stats: ExecutorStats | None = None
 
@@ -97,14 +96,12 @@ class Executor:
                        if layouts[n][l].ranges), None)
         reader = choose_reader(sample, self._handles, self.read_ahead)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hostmem-readahead")
-        self._advisor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hostmem-advise")
         copier = self._copier(layouts) if cuda else None
         if cuda:
             self._place_on_device(layouts)
         for name, roles in self.roles.items():
             moved = {k: v for k, v in layouts[name].items() if k not in roles.resident}
-            pipe = LayerPipeline(roles, moved, self.prefetch, self._worker, self._handles, reader, copier,
-                                 self._advisor)
+            pipe = LayerPipeline(roles, moved, self.prefetch, self._worker, self._handles, reader, copier)
             self.pipelines[name] = pipe
             self._hook(name, pipe)
         self._stats = ExecutorStats(
@@ -191,10 +188,9 @@ class Executor:
         self._hooks.clear()
         for pipe in self.pipelines.values():
             pipe.drain()
-        for pool in (self._advisor, self._worker):
-            if pool is not None:
-                pool.shutdown(wait=True)
-        self._worker = self._advisor = None
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
         for table, key, tensor in reversed(self._placed):
             table[key] = tensor
         self._placed.clear()
