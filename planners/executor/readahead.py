@@ -8,7 +8,10 @@ thread, so that the disk works while the previous layer computes). Three readers
 - ``madvise``: ``madvise(MADV_WILLNEED)`` on the layer's pages, then one touch per page;
 - ``fadvise``: ``posix_fadvise(POSIX_FADV_WILLNEED)`` on the file range, then the touch;
 - ``read``: nothing ahead, then ``preadv`` of the range into one small reusable buffer
-  (the page cache keeps what was read; the buffer is overwritten by the next chunk).
+  (the page cache keeps what was read; the buffer is overwritten by the next chunk);
+- ``fault``: nothing ahead, then the touch alone, on the worker: the kernel's own fault
+  path reads, in 2 MiB folios where the mapping asked for huge pages (advice reads 4 KiB
+  pages one by one).
 
 Which is fastest depends on the kernel, the filesystem and the disk, so it is measured
 on the first use for each device (a released layer, dropped before each try) and the
@@ -37,9 +40,9 @@ from hostmem.procfs import PAGE_SIZE
 
 from .layout import FileRange, inner_pages
 
-__all__ = ["FileHandles", "advise", "complete", "read_ahead", "release", "choose_reader", "READERS", "drop_range"]
+__all__ = ["FileHandles", "advise", "set_random", "complete", "read_ahead", "release", "choose_reader", "READERS", "drop_range"]
 
-READERS = ("madvise", "fadvise", "read")
+READERS = ("madvise", "fadvise", "read", "fault")
 _MADV_PAGEOUT = 21
 _CHUNK = 1 << 20  # the reusable buffer: small, so a read adds less anonymous memory than a layer
 _choices: dict[int, str] = {}  # st_dev -> the faster reader there
@@ -122,6 +125,7 @@ _READERS = {
     "madvise": (_advise_madvise, _touch_range),
     "fadvise": (_advise_fadvise, _touch_range),
     "read": (None, _read_pread),
+    "fault": (None, _touch_range),
 }
 
 
@@ -147,23 +151,54 @@ def read_ahead(ranges, handles: FileHandles, how: str) -> int:
     return complete(ranges, handles, how)
 
 
-def drop_range(r: FileRange, handles: FileHandles) -> int:
-    """Release the whole pages inside ``r`` from this process and the page cache; return their bytes."""
-    address, length = inner_pages(r)
-    if not length:
-        return 0
+def set_random(ranges, on: bool) -> None:
+    """``MADV_RANDOM`` (``on``) or ``MADV_NORMAL`` on the whole pages inside ``ranges``.
+
+    A released layer is read by the executor alone: the kernel's own read-around on a
+    fault (up to ``read_ahead_kb`` past it, in 2 MiB folios on a huge-page mapping) would
+    read layers the plan has not made room for, and the group would reach its limit.
+    """
+    for r in ranges:
+        address, length = inner_pages(r)
+        _madvise(address, length, mmap.MADV_RANDOM if on else mmap.MADV_NORMAL, "MADV_RANDOM" if on else "MADV_NORMAL")
+
+
+_FOLIO = 2 << 20  # the largest folio a huge-page mapping's faults read
+
+
+def _drop(r: FileRange, handles: FileHandles, address: int, length: int) -> int:
     if r.writable:
         _madvise(address, length, _MADV_PAGEOUT, "MADV_PAGEOUT")
         return length
     _madvise(address, length, mmap.MADV_DONTNEED, "MADV_DONTNEED")
-    offset = r.offset + (address - r.address)
-    os.posix_fadvise(handles.fd(r.path), offset, length, os.POSIX_FADV_DONTNEED)
+    os.posix_fadvise(handles.fd(r.path), r.offset + (address - r.address), length, os.POSIX_FADV_DONTNEED)
     return length
 
 
-def release(ranges, handles: FileHandles) -> int:
-    """Release every range of a layer after use; return the bytes released."""
-    return sum(drop_range(r, handles) for r in ranges)
+def drop_range(r: FileRange, handles: FileHandles, back: bool = False) -> int:
+    """Release the whole pages inside ``r`` from this process and the page cache; return their bytes.
+
+    A 2 MiB folio that straddles the start of ``r`` is only dropped whole, so ``back``
+    extends the release down to the folio's start (into the layer before, already used
+    this pass); where that fails (a pinned neighbour: locked pages refuse MADV_DONTNEED)
+    the pages inside ``r`` alone are released.
+    """
+    address, length = inner_pages(r)
+    if not length:
+        return 0
+    if back and address % _FOLIO:
+        start = address - address % _FOLIO
+        try:
+            _drop(r, handles, start, length + address - start)
+            return length
+        except OSError:
+            pass
+    return _drop(r, handles, address, length)
+
+
+def release(ranges, handles: FileHandles, back: bool = False) -> int:
+    """Release every range of a layer after use; return the bytes released (see :func:`drop_range`)."""
+    return sum(drop_range(r, handles, back) for r in ranges)
 
 
 def _timed(how: str, sample: FileRange, handles: FileHandles) -> float:

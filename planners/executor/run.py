@@ -25,7 +25,7 @@ from hostmem.pinning import Pinner
 from ..deployment import DeploymentPlan
 from .layout import MapIndex, layer_layout
 from .pipeline import LayerPipeline
-from .readahead import FileHandles, choose_reader
+from .readahead import FileHandles, choose_reader, set_random
 from .roles import ComponentRoles, plan_roles
 from .stats import ExecutorStats, PassStats, read_io_bytes
 
@@ -60,6 +60,7 @@ class Executor:
         self._hooks: list = []
         self._placed: list = []  # (table, name, host tensor) put back on exit
         self._handles = FileHandles()
+        self._random: list = []  # ranges advised MADV_RANDOM, set back on exit
         self._worker: ThreadPoolExecutor | None = None
         self._pass_start: dict[str, tuple[float, int]] = {}
         self._stats: ExecutorStats | None = None
@@ -95,6 +96,10 @@ class Executor:
         sample = next((layouts[n][l].ranges[0] for n, r in self.roles.items() for l in r.released
                        if layouts[n][l].ranges), None)
         reader = choose_reader(sample, self._handles, self.read_ahead)
+        for name, roles in self.roles.items():
+            for layer in roles.released:
+                set_random(layouts[name][layer].ranges, True)
+                self._random.append(layouts[name][layer].ranges)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hostmem-readahead")
         copier = self._copier(layouts) if cuda else None
         if cuda:
@@ -191,6 +196,9 @@ class Executor:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+        for ranges in self._random:
+            set_random(ranges, False)
+        self._random.clear()
         for table, key, tensor in reversed(self._placed):
             table[key] = tensor
         self._placed.clear()

@@ -66,11 +66,12 @@ def test_a_model_twice_the_cgroup_runs_inside_it_reading_only_what_does_not_fit(
     predicted, kept = report["predicted_read_bytes"], report["kept_bytes"]
     assert predicted + kept >= model - layer  # kept and released cover the model
     window = 3 * layer  # prefetch 2 and the layer computing
+    folios = 4 * 2 * MiB  # a 2 MiB folio may straddle each end of the window's layers: read whole, kept whole
     for n, one in enumerate(report["passes"]):
         group = one["cgroup"]
         assert group["limit_hits"] == 0, f"pass {n}: the group reached its limit: the kernel had to reclaim"
         assert group["peak"] <= LIMIT
-        assert group["cache"] <= kept + window + 2 * MiB, f"pass {n}: page cache {group['cache']} beyond the plan"
+        assert group["cache"] <= kept + window + folios, f"pass {n}: page cache {group['cache']} beyond the plan"
         assert group["anon"] < layer, f"pass {n}: anonymous growth {group['anon']} is not under one layer"
         assert one["rss_anon"] - report["anon_before"] < layer
     first, *warm = report["passes"]
