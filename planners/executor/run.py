@@ -13,10 +13,9 @@ waited, next to the plan's prediction.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping
-
-import time
 
 import torch
 
@@ -215,8 +214,8 @@ def execute(plan: DeploymentPlan, components: Mapping[str, torch.nn.Module], **o
     """``with execute(plan, {"dit": transformer, ...}) as run: ...``; see :class:`Executor`.
 
     Options: ``prefetch`` (layers read ahead, default 2), ``device`` (``"cuda:0"`` to copy
-    moved layers to a GPU; unset on a CPU host), ``read_ahead`` (``auto``, ``madvise`` or
-    ``read``), ``disk_read`` (bytes/s, to predict each pass's read time), ``pinner`` (a
+    moved layers to a GPU; unset on a CPU host), ``read_ahead`` (``auto``, ``fault``,
+    ``madvise``, ``fadvise`` or ``read``: see :mod:`.readahead`), ``disk_read`` (bytes/s, to predict each pass's read time), ``pinner`` (a
     :class:`hostmem.pinning.Pinner` to pin with).
     """
     return Executor(plan, components, **options)
