@@ -8,10 +8,14 @@ stream waits for a layer's copy before its forward, and a buffer is refilled onl
 the forward that used it has finished. During the forward, the layer's parameters are
 views into its buffer; afterwards they are the host tensors again, so no host copy of a
 mapped weight is ever made.
+
+With ``device`` the CPU the same code runs without streams and events (every copy is
+synchronous): the twin the tests drive on a host without CUDA.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from typing import NamedTuple
 
@@ -38,15 +42,29 @@ class Loaded(NamedTuple):
     nbytes: int
 
 
+class _Twin:
+    """Stream and event stand-ins for the CPU twin: everything is already done."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 class DeviceCopier:
     """Copies layers into ``slots`` device buffers of ``slot_bytes`` on a side stream."""
 
     def __init__(self, device: torch.device, slots: int, slot_bytes: int):
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else _Twin()
         self.buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(slots)]
         self.free = [None] * slots  # an event recorded when the slot's forward finished
-        self.staging = [torch.empty(_STAGE, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self.staging = [torch.empty(_STAGE, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
         self.staged = [None, None]  # an event recorded after the copy out of each staging buffer
         self._next = 0
         self._turn = 0
@@ -58,11 +76,21 @@ class DeviceCopier:
             if self.staged[k] is not None:
                 self.staged[k].synchronize()  # the device has taken what this buffer held
             self.staging[k][:n].copy_(src[at:at + n])
-            with torch.cuda.stream(self.stream):
+            with self._on_side():
                 dst[at:at + n].copy_(self.staging[k][:n], non_blocking=True)
-                event = torch.cuda.Event()
+                event = self._event()
                 event.record(self.stream)
             self.staged[k] = event
+
+    def _on_side(self):
+        """The side stream as the current one (CUDA), or nothing to switch (the twin)."""
+        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+
+    def _event(self):
+        return torch.cuda.Event() if self.cuda else _Twin()
+
+    def _current(self):
+        return torch.cuda.current_stream(self.device) if self.cuda else _Twin()
 
     def load(self, layout: LayerLayout, pinned: bool) -> Loaded:
         """Start copying ``layout`` into the next free buffer; returns at once for pinned layers."""
@@ -77,13 +105,13 @@ class DeviceCopier:
             dst = buffer[at:at + length]
             src = host_bytes(address, length)
             if pinned:
-                with torch.cuda.stream(self.stream):
+                with self._on_side():
                     dst.copy_(src, non_blocking=True)
             else:
                 self._copy_pageable(dst, src)
             placed[(address, length)] = at
             at += length + (-length) % _ALIGN
-        ready = torch.cuda.Event()
+        ready = self._event()
         ready.record(self.stream)
         views = {}
         for module in layout.module.modules():
@@ -99,7 +127,7 @@ class DeviceCopier:
 
     def attach(self, loaded: Loaded) -> dict:
         """Make the layer compute from its device buffer; returns the host tensors to put back."""
-        torch.cuda.current_stream(self.device).wait_event(loaded.ready)
+        self._current().wait_event(loaded.ready)
         saved = {}
         for (module, kind, name), view in loaded.views.items():
             table = module._parameters if kind == "p" else module._buffers
@@ -111,8 +139,8 @@ class DeviceCopier:
         """Put the host tensors back and free the buffer once the forward is done with it."""
         for (module, kind, name), tensor in saved.items():
             (module._parameters if kind == "p" else module._buffers)[name] = tensor
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event = self._event()
+        event.record(self._current())
         self.free[loaded.slot] = event
 
     def close(self) -> None:

@@ -90,7 +90,7 @@ class Executor:
     def _start(self) -> None:
         self.roles = plan_roles(self.plan, self.prefetch)
         layouts = self._layouts(MapIndex())
-        cuda = self.device is not None and self.device.type == "cuda"
+        copies = self.device is not None  # a device, or "cpu": the device path's twin (tests)
         self._pin(layouts)
         sample = next((layouts[n][l].ranges[0] for n, r in self.roles.items() for l in r.released
                        if layouts[n][l].ranges), None)
@@ -100,8 +100,8 @@ class Executor:
                 set_random(layouts[name][layer].ranges, True)
                 self._random.append(layouts[name][layer].ranges)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hostmem-readahead")
-        copier = self._copier(layouts) if cuda else None
-        if cuda:
+        copier = self._copier(layouts) if copies else None
+        if copies:
             self._place_on_device(layouts)
         for name, roles in self.roles.items():
             moved = {k: v for k, v in layouts[name].items() if k not in roles.resident}
@@ -214,8 +214,9 @@ def execute(plan: DeploymentPlan, components: Mapping[str, torch.nn.Module], **o
     """``with execute(plan, {"dit": transformer, ...}) as run: ...``; see :class:`Executor`.
 
     Options: ``prefetch`` (layers read ahead, default 2), ``device`` (``"cuda:0"`` to copy
-    moved layers to a GPU; unset on a CPU host), ``read_ahead`` (``auto``, ``fault``,
-    ``madvise``, ``fadvise`` or ``read``: see :mod:`.readahead`), ``disk_read`` (bytes/s, to predict each pass's read time), ``pinner`` (a
-    :class:`hostmem.pinning.Pinner` to pin with).
+    moved layers to a GPU; unset on a CPU host; ``"cpu"`` runs the device path's twin,
+    copies into a pool of CPU buffers, for tests), ``read_ahead`` (``auto``, ``fault``,
+    ``madvise``, ``fadvise`` or ``read``: see :mod:`.readahead`), ``disk_read`` (bytes/s, to
+    predict each pass's read time), ``pinner`` (a :class:`hostmem.pinning.Pinner`).
     """
     return Executor(plan, components, **options)

@@ -104,6 +104,29 @@ def test_asking_for_a_cuda_device_without_one_is_a_clear_refusal(model):
         execute(_plan(path, dit, room=MiB), {"dit": dit}, device="cuda:0")
 
 
+def test_the_device_paths_cpu_twin_copies_every_moved_layer_and_puts_the_weights_back(model):
+    """The CUDA path (buffer pool, staging, parameter swap) with device="cpu": synchronous copies."""
+    path, dit = model
+    plan = _plan(path, dit, room=8 * MiB, max_pinned=2 * MiB)
+    require_mlock(4 * MiB)
+    x = torch.randn(4, 64)
+    weights = [p for p in dit.parameters()]
+    mapped = dit.blocks[3].proj.weight.data_ptr()
+    with torch.no_grad():
+        reference = dit(x)
+        with execute(plan, {"dit": dit}, device="cpu", prefetch=2) as run:
+            seen = []
+            hook = dit.blocks[3].register_forward_pre_hook(lambda m, a: seen.append(m.proj.weight.data_ptr()))
+            outs = [dit(x) for _ in range(3)]
+            hook.remove()
+            stats = run.stats()
+    assert all(torch.equal(out, reference) for out in outs)
+    assert len(seen) == 3 and mapped not in seen  # computed from a pool buffer, not the mapping
+    assert all(a is b for a, b in zip(dit.parameters(), weights)) and _hooks(dit) == 0
+    moved = sum(stats.roles["dit"][k] for k in ("pinned", "kept", "released"))
+    assert moved == LAYERS and all(p.copied_bytes == LAYERS * MiB for p in stats.passes)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA copies need a CUDA device")
 def test_on_a_cuda_host_streamed_layers_compute_on_the_device(model):
     path, dit = model
