@@ -5,8 +5,8 @@ layer), :mod:`.readahead` (read-ahead and release), :mod:`.device_copy` (the CUD
 copies) and :mod:`.stats` (what is measured).
 """
 
-from .roles import ComponentRoles, plan_roles
+from .roles import ComponentRoles, disk_tier, plan_roles
 from .run import Executor, execute
 from .stats import ExecutorStats, PassStats, read_io_bytes
 
-__all__ = ["ComponentRoles", "Executor", "ExecutorStats", "PassStats", "execute", "plan_roles", "read_io_bytes"]
+__all__ = ["ComponentRoles", "Executor", "disk_tier", "ExecutorStats", "PassStats", "execute", "plan_roles", "read_io_bytes"]

@@ -22,7 +22,7 @@ from typing import NamedTuple
 from ..deployment import DeploymentPlan
 from ..sizes import REST, Layer
 
-__all__ = ["ComponentRoles", "plan_roles"]
+__all__ = ["ComponentRoles", "disk_tier", "plan_roles"]
 
 
 class ComponentRoles(NamedTuple):
@@ -109,7 +109,18 @@ def plan_roles(plan: DeploymentPlan, prefetch: int) -> dict[str, ComponentRoles]
     out = {}
     for name in plan.pins.plans:  # the planner's order: most moves per request first
         out[name], room = _component_roles(plan, name, room, prefetch)
-    for name in plan.components:  # offload "none": computes where it lies, nothing moves
-        if name not in out and name == plan.device.component:
-            out[name] = ComponentRoles(name, 0, (), tuple(plan.device.resident_layers), (), (), (), 0, 0)
+    return out  # offload "none" has no pin plan: it computes where it lies, nothing moves
+
+
+def disk_tier(plan: DeploymentPlan, prefetch: int, disk_read: float) -> dict[str, tuple[int, float]]:
+    """``{component: (bytes read per request, seconds)}`` once warm, under the executor.
+
+    The pin plan's own disk figure is what the kernel's LRU reads (every unpinned layer,
+    every move, once the page cache is too small); this is what the executor reads: the
+    released layers only, at ``disk_read`` bytes per second.
+    """
+    out = {}
+    for name, roles in plan_roles(plan, prefetch).items():
+        nbytes = roles.predicted_read_bytes * roles.moves
+        out[name] = (nbytes, nbytes / disk_read)
     return out

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hostmem.procfs import PAGE_SIZE, read_status
-from planners.executor import execute, plan_roles
+from planners.executor import disk_tier, execute, plan_roles
 from planners.executor.layout import MapIndex
 from planners.executor.readahead import FileHandles, choose_reader, drop_range
 from planners.executor.synthetic import load_synthetic_dit, write_synthetic_dit
@@ -54,6 +54,9 @@ def test_roles_cover_every_layer_once_and_keep_a_spread_set_that_fits(model):
     assert positions[-1] - positions[0] > len(positions)  # spread over the pass, not its first layers
     roomy = plan_roles(_plan(path, dit, room=64 * MiB), prefetch=2)["dit"]
     assert not roomy.released and roomy.predicted_read_bytes == 0
+    (nbytes, seconds), = disk_tier(plan, prefetch=2, disk_read=1e9).values()
+    assert nbytes == 3 * roles.predicted_read_bytes and seconds == nbytes / 1e9  # 3 steps
+    assert nbytes < plan.pins.plans["dit"].disk_bytes_per_request  # the kernel's LRU re-reads every layer
 
 
 def test_pins_hooks_and_release_are_all_undone_on_exit(model):
