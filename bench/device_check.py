@@ -167,7 +167,8 @@ def part_executor(args, work: str, checkpoint: str, transfer: dict) -> dict:
         "model_bytes": model_bytes, "vram_budget": plan.device.vram, "steps": steps,
         "resident_layers": len(plan.device.resident_layers), "pinned_layers": len(pins.pinned_layers),
         "predicted_transfer_s_per_pass": pins.transfer_s_per_request / steps,
-        "identical": all(torch.equal(o, reference) for o in outs), "executor": stats,
+        "identical": all(torch.equal(o, reference) for o in outs),
+        "max_abs_diff": max(float((o.float() - reference.float()).abs().max()) for o in outs), "executor": stats,
     }
 
 
@@ -264,7 +265,7 @@ def _lines(results: dict) -> list[str]:
                 f"- executor: {format_size(found['model_bytes'])} model, device budget "
                 f"{format_size(found['vram_budget'])}, {found['resident_layers']} resident, {found['pinned_layers']} "
                 f"pinned, roles {found['executor']['roles']['dit']}; outputs identical to the model run whole: "
-                f"{found['identical']}; plan's transfer per pass {found['predicted_transfer_s_per_pass']:.3f} s")
+                f"{found['identical']} (largest difference {found['max_abs_diff']:.3g}); plan's transfer per pass {found['predicted_transfer_s_per_pass']:.3f} s")
             for p in passes:
                 out.append(f"  - pass {p['index']}: {p['seconds']:.3f} s, copied {format_size(p['copied_bytes'])}, "
                            f"waited {p['wait_s']:.3f} s, read {format_size(p['read_bytes'])} from disk")
