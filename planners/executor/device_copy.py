@@ -23,7 +23,7 @@ import torch
 
 from .layout import LayerLayout, tensor_span
 
-__all__ = ["DeviceCopier", "Loaded", "host_bytes"]
+__all__ = ["DeviceCopier", "Loaded", "host_bytes", "slot_bytes"]
 
 _ALIGN = 256
 _STAGE = 16 << 20
@@ -32,6 +32,12 @@ _STAGE = 16 << 20
 def host_bytes(address: int, length: int) -> torch.Tensor:
     """A uint8 view of host memory at ``address`` (a mapping's pages), no copy."""
     return torch.frombuffer((ctypes.c_char * length).from_address(address), dtype=torch.uint8)
+
+
+def slot_bytes(layout: LayerLayout) -> int:
+    """The buffer a layer needs: each tensor's bytes, each start aligned as :meth:`DeviceCopier.load` places it."""
+    spans = {tensor_span(t) for t in layout.tensors}
+    return sum(n + (-n) % _ALIGN for _, n in spans)
 
 
 class Loaded(NamedTuple):

@@ -126,11 +126,10 @@ class Executor:
             self._pinner.pin(("executor", name, layer), layouts[name][layer].tensors)
 
     def _copier(self, layouts):
-        from .device_copy import DeviceCopier
+        from .device_copy import DeviceCopier, slot_bytes
 
-        moved = [l.nbytes for n, r in self.roles.items() for k, l in layouts[n].items() if k not in r.resident]
-        slot = max(moved, default=0) + 256 * 64  # room for each tensor's alignment
-        return DeviceCopier(self.device, self.prefetch + 1, slot) if moved else None
+        moved = [slot_bytes(l) for n, r in self.roles.items() for k, l in layouts[n].items() if k not in r.resident]
+        return DeviceCopier(self.device, self.prefetch + 1, max(moved)) if moved else None
 
     def _place_on_device(self, layouts) -> None:
         """Resident layers and each component's tensors outside its layers go to the device."""
