@@ -92,3 +92,19 @@ def test_a_pipeline_gives_the_same_outputs_under_the_executor(folders):
     assert all(p.read_ahead_bytes > 0 and p.released_bytes > 0 for p in dit), dit
     hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for c in modules.values() for m in c.modules())
     assert hooks == 0
+
+
+def test_the_device_paths_twin_swaps_a_pipelines_weights_and_puts_them_back(folders):
+    """The CUDA path's parameter swap on diffusers' and transformers' own blocks (device="cpu")."""
+    torch.set_num_threads(1)
+    pipe, text_encoder = _load(folders)
+    expected = _generate(pipe, text_encoder)
+    plan = _plan(folders, pipe, text_encoder)
+    modules = {"dit": pipe.transformer, "text_encoder": text_encoder}
+    before = {name: [p for p in m.parameters()] for name, m in modules.items()}
+    with execute(plan, modules, device="cpu", prefetch=1) as run:
+        got = _generate(pipe, text_encoder)
+        stats = run.stats()
+    assert torch.equal(got, expected)
+    assert all(p.copied_bytes > 0 for p in stats.passes)
+    assert all(all(a is b for a, b in zip(m.parameters(), before[name])) for name, m in modules.items())
