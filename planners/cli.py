@@ -20,7 +20,7 @@ import os
 import sys
 import warnings
 
-COMMANDS = ("inspect", "plan", "guard", "lora", "cache", "demo")
+COMMANDS = ("inspect", "plan", "guard", "lora", "cache", "demo", "calibrate")
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
