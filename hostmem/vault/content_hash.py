@@ -40,7 +40,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from .durable import durable_write, read_small
+from .durable import durable_write
 
 __all__ = ["hash_name", "new_hasher", "file_digest", "read_chunks", "stamp_of", "ContentHashMemo", "CONTENT_HASH_MEMO"]
 
@@ -299,8 +299,10 @@ CONTENT_HASH_MEMO = ContentHashMemo()
 
 def load_memo_file(memo_file: str) -> dict:
     """Read the on-disk memo; a missing or damaged one is simply empty (it is a hint)."""
+    from .safety import read_trusted  # here: safety needs the procfs readers, a hash does not
+
     try:
-        data = json.loads(read_small(memo_file))
+        data = json.loads(read_trusted(memo_file))  # only a file of ours, in a folder only we write
         if data.get("hash") != hash_name():
             return {}
         return {k: (e["stamp"], e["digest"]) for k, e in data["files"].items()}

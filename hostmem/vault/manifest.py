@@ -38,7 +38,7 @@ import os
 import time
 
 from .durable import durable_write
-from .safety import check_not_symlink
+from .safety import read_trusted
 from .layer_file import LayerEntry
 
 __all__ = ["MANIFEST_NAME", "MANIFEST_FORMAT", "Manifest", "read_manifest", "write_manifest", "ManifestError",
@@ -126,17 +126,24 @@ def _layers_digest(layers: list) -> str:
 
 
 def read_manifest(folder: str) -> Manifest | None:
-    """Return the folder's manifest, None when there is none yet (a build never sealed)."""
+    """Return the folder's manifest, None when there is none yet (a build never sealed).
+
+    Only a regular file of this user's (:func:`~.safety.read_trusted`), and only the
+    manifest of the key the folder is named by: a combination moved or renamed onto
+    another key's name is another combination's weights (a :class:`ManifestError`)."""
     path = os.path.join(folder, MANIFEST_NAME)
     try:
-        check_not_symlink(path)
-        with open(path, "rb") as handle:
-            data = json.loads(handle.read())
+        data = json.loads(read_trusted(path))
     except FileNotFoundError:
         return None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ManifestError(f"{path}: not JSON ({exc})") from None
-    return Manifest.from_dict(data, path)
+    manifest = Manifest.from_dict(data, path)
+    if manifest.key != os.path.basename(os.path.normpath(folder)):
+        raise ManifestError(f"{path}: the manifest of key {manifest.key[:12]} in the folder of key "
+                            f"{os.path.basename(os.path.normpath(folder))[:12]} (moved or renamed); not served, "
+                            "rebuilt by the next start (`hostmem cache prune` removes it)")
+    return manifest
 
 
 def write_manifest(folder: str, manifest: Manifest) -> None:

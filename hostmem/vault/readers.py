@@ -43,7 +43,7 @@ from .leases import use_lease
 from .locks import KeyLock
 from .manifest import ManifestError, read_manifest, touch_use_time
 from .provisional import is_provisional
-from .safety import check_not_symlink
+from .safety import VaultError, check_folder_safe
 from .session import VaultSession, claim_in_process, say, unclaim_in_process
 from .verification import VerifiedMemo, read_damage, record_damage
 
@@ -119,14 +119,16 @@ def open_sealed(vault, hex_key: str, inputs: dict, expected: dict | None) -> Sea
     folder = os.path.join(vault.cache, hex_key)
     if expected is None or vault.read_only or not os.path.isfile(os.path.join(folder, "manifest.json")):
         return None
+    check_folder_safe(folder)  # ours and private, as the plain open checks it: one lstat
     claim_in_process(hex_key)
     lock = KeyLock(lock_path(vault.cache, hex_key))
     served = None
     try:
-        if os.path.lexists(lock.path):
-            check_not_symlink(lock.path)
-        if not _take_shared(lock):
-            return None  # a writer at work: the plain open waits for it
+        try:
+            if not _take_shared(lock):
+                return None  # a writer at work: the plain open waits for it
+        except VaultError:
+            return None  # a lock file the cache may not trust: the plain open says so, and merges in place
         adopted = _vouched(folder, expected)
         if adopted is None:
             return None
