@@ -279,7 +279,11 @@ def sweep_dead_temporaries(cache: str) -> int:
         folder = os.path.join(cache, name)
         if not os.path.isdir(folder) or os.path.islink(folder):
             continue
-        if not is_key(name) or not lock_is_held(lock_path(cache, name), shared_too=False):
+        try:
+            held = is_key(name) and lock_is_held(lock_path(cache, name), shared_too=False)
+        except OSError:  # a lock that is a link or unreadable: not ours to judge; left for a person
+            continue
+        if not held:
             removed += _sweep_folder(folder)
             if is_key(name) and is_provisional(folder) and not is_resumable(folder):  # its builder died
                 remove_if_unused(cache, name)
