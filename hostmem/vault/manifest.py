@@ -42,7 +42,7 @@ from .safety import read_trusted
 from .layer_file import LayerEntry
 
 __all__ = ["MANIFEST_NAME", "MANIFEST_FORMAT", "Manifest", "read_manifest", "write_manifest", "ManifestError",
-           "touch_use_time", "last_used"]
+           "touch_use_time", "last_used", "base_digests", "inputs_problem"]
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "hostmem-lora-merge-cache"
@@ -169,3 +169,23 @@ def last_used(folder: str, manifest: Manifest) -> float:
     except OSError:
         touched = 0.0
     return max(manifest.last_used, touched)
+
+
+def base_digests(inputs: dict) -> list[str] | None:
+    """The content digests of the base's shards the inputs record, sorted; None where they
+    record none (a base described otherwise, a session opened by a bare key)."""
+    base = inputs.get("base") if isinstance(inputs, dict) else None
+    shards = base.get("shards") if isinstance(base, dict) else None
+    if not isinstance(shards, list) or not shards or not all(isinstance(s, dict) and "digest" in s for s in shards):
+        return None
+    return sorted(str(s["digest"]) for s in shards)
+
+
+def inputs_problem(manifest: Manifest, inputs: dict) -> str | None:
+    """Why ``manifest`` is not the combination of ``inputs`` (the base's digests differ), or
+    None: the key names the bytes, and a manifest says which bytes it was built from."""
+    mine, recorded = base_digests(inputs), base_digests(manifest.inputs)
+    if mine is None or recorded is None or mine == recorded:
+        return None
+    return (f"its manifest records a base of digests {', '.join(d[:19] for d in recorded)}, this start's base has "
+            f"{', '.join(d[:19] for d in mine)}")

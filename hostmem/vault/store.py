@@ -154,7 +154,7 @@ class Vault:
             lease = use_lease(use_path(self.cache, hex_key))  # under the key's lock, before any view
             folder = os.path.join(self.cache, hex_key)
             make_private_dir(folder)
-            adopted = adopt(folder, expected_layers)
+            adopted = adopt(folder, expected_layers, inputs=key.inputs if isinstance(key, CacheKey) else None)
             _tell(self.label, hex_key, adopted)
             needed = still_needed(adopted.entries, expected_layers)
             evicted = evict_lru(self.cache, hex_key, needed, self.max_size, self.headroom)
@@ -181,7 +181,8 @@ class Vault:
         folder = os.path.join(self.cache, hex_key)
         if os.path.isdir(folder) and not os.path.islink(folder):
             check_folder_safe(folder)
-            adopted = adopt(folder, expected_layers, writable=False)
+            adopted = adopt(folder, expected_layers, writable=False,
+                            inputs=key.inputs if isinstance(key, CacheKey) else None)
             _tell(self.label, hex_key, adopted, read_only=True)
         else:
             adopted = Adopted({}, None)

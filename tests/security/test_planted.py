@@ -159,3 +159,24 @@ def test_a_root_name_another_user_made_a_link_is_refused(tmp_path):
     with pytest.raises(VaultError, match=rf"hostmem-root: a link made by uid {nobody()[0]}"):
         start(world.base, world.adapter, root)
     assert snapshot(tmp_path, [root]) == around and os.listdir(target) == []
+
+
+def test_a_manifest_keyed_by_hand_for_another_base_is_not_served(tmp_path):
+    """Combination A (one base) moved onto B's key (another base) and its manifest's key
+    edited to match its new folder: the base digests it records are not B's, so nothing
+    of it is served, on the fast path or the plain one."""
+    first, second = make_world(tmp_path / "first"), make_world(tmp_path / "second", seed=2)
+    root = str(tmp_path / "root")
+    key_b = start(second.base, first.adapter, root)[1].cache_key
+    shutil.rmtree(os.path.join(root, "lora_merge_cache", key_b))
+    key_a = start(first.base, first.adapter, root)[1].cache_key
+    cache = os.path.join(root, "lora_merge_cache")
+    os.rename(os.path.join(cache, key_a), os.path.join(cache, key_b))
+    path = os.path.join(cache, key_b, MANIFEST_NAME)
+    manifest = json.load(open(path))
+    manifest["key"] = key_b
+    with open(path, "w") as handle:
+        json.dump(manifest, handle)
+    served, stats = start(second.base, first.adapter, root)
+    assert_same(served, reference(second.base, first.adapter))
+    assert stats.built == len(served) and stats.cache_key == key_b
