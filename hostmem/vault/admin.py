@@ -180,10 +180,37 @@ def _verify_locked(cache: str, key: str, folder: str, report: VerifyReport) -> N
             lock.release_and_remove_if_alone()
 
 
-def verify_all(cache: str, keys: list[str] | None = None) -> list[VerifyReport]:
-    """Verify the named combinations (key prefixes), or all of them."""
+def verify_all(cache: str, keys: list[str] | None = None, deep: bool = False) -> list[VerifyReport]:
+    """Verify the named combinations (key prefixes), or all of them; ``deep`` also reads
+    every input they record again and compares it with their key (:mod:`.deep`)."""
     names = [resolve_key(cache, k) for k in keys] if keys else [c.key for c in list_combinations(cache)]
-    return [verify_combination(cache, k) for k in names]
+    reports, read = [], {}
+    for key in names:
+        report = verify_combination(cache, key)
+        if deep and report.state in ("ok", "bad"):
+            _verify_inputs(cache, key, report, read)
+        reports.append(report)
+    return reports
+
+
+def _verify_inputs(cache: str, key: str, report: VerifyReport, read: dict) -> None:
+    """Re-hash the inputs ``key``'s manifest records (not recorded as damage: the layers
+    are the right merge of what the key names; the memo entry of a changed input goes)."""
+    from .content_hash import MEMO_NAME
+    from .deep import deep_check  # here: a plain verify reads no input
+
+    try:
+        manifest = read_manifest(os.path.join(cache, key))
+    except (ManifestError, VaultError, OSError):
+        return  # already reported as a problem of the combination
+    if manifest is None:
+        return
+    memo = None if root_is_read_only(cache) else os.path.join(cache, MEMO_NAME)
+    problems, notes = deep_check(manifest.inputs, memo, read)
+    report.problems += problems
+    report.notes += notes
+    if problems:
+        report.state = "bad"
 
 
 def _prune_reason(combo: Combination, everything: bool) -> str | None:

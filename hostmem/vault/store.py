@@ -23,6 +23,7 @@ from .combinations import (
     sweep_dead_temporaries,
     use_path,
 )
+from .content_hash import MEMO_NAME
 from .durable import free_bytes
 from .identity import CacheKey, adapter_identity, base_identity
 from .leases import use_lease
@@ -36,7 +37,6 @@ __all__ = ["Vault", "default_cache_root", "DEFAULT_HEADROOM", "MEMO_NAME"]
 
 DEFAULT_HEADROOM = 256 * 1024 * 1024
 DEFAULT_LOCK_WAIT_S = 1800.0  # see lock_wait_s
-MEMO_NAME = "content_hashes.json"
 
 
 def lock_wait_s() -> float:

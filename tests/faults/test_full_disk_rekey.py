@@ -28,7 +28,7 @@ def small_disk(tmp_path):
     os.mkdir(mount)
     with open(image, "wb") as handle:
         handle.truncate(SIZE_MIB * 1024 * 1024)
-    made = subprocess.run(["mkfs.ext4", "-q", "-m", "0", image], capture_output=True, text=True)
+    made = subprocess.run(["mkfs.ext4", "-q", "-m", "0", "-b", "4096", image], capture_output=True, text=True)
     mounted = made.returncode == 0 and subprocess.run(
         ["mount", "-o", "loop", image, mount], capture_output=True, text=True).returncode == 0
     if not mounted:
