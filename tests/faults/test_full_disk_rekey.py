@@ -15,6 +15,7 @@ import subprocess
 import pytest
 
 from hostmem.vault import rekey as rekey_module
+from hostmem.vault import session as session_module
 from tests.faults.test_folded_hash import fresh_start, markers
 from tests.faults.world import LAYERS, assert_same, leftovers, make_world, reference
 
@@ -59,25 +60,29 @@ def fill(folder: str) -> str:
     return path
 
 
-def test_a_full_disk_at_the_rekey_serves_the_merge_with_one_warning_and_the_next_start_builds(
-        tmp_path, monkeypatch, capfd):
+@pytest.mark.parametrize("step", ["the re-key's manifest", "the provisional seal"])
+def test_a_full_disk_at_a_folded_build_serves_the_merge_with_one_warning_and_the_next_start_builds(
+        tmp_path, monkeypatch, capfd, step):
     world = make_world(tmp_path / "world")
     expected = reference(world.base, world.adapter)
+    module, warning = {"the re-key's manifest": (rekey_module, "could not store the build under its key"),
+                       "the provisional seal": (session_module, "so the next start builds it again")}[step]
     with small_disk(tmp_path) as disk:
         root = os.path.join(disk, "root")
-        real_write, filled = rekey_module.write_manifest, []
+        real_write, filled = module.write_manifest, []
 
         def write_on_a_full_disk(folder, manifest):
-            filled.append(fill(disk))
+            if not filled:
+                filled.append(fill(disk))
             return real_write(folder, manifest)
 
-        monkeypatch.setattr(rekey_module, "write_manifest", write_on_a_full_disk)
+        monkeypatch.setattr(module, "write_manifest", write_on_a_full_disk)
         capfd.readouterr()
         served, stats = fresh_start(world.base, world.adapter, root)
         said = capfd.readouterr().err
         assert filled, "the build was not folded: nothing was re-keyed"
         assert_same(served, expected)
-        assert said.count("could not store the build under its key") == 1, said
+        assert said.count(warning) == 1, said
         assert "No space left on device" in said
         assert markers(root) == [] and leftovers(root) == []
         monkeypatch.undo()
