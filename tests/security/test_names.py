@@ -131,12 +131,14 @@ def start_elsewhere(world, root: str, timeout: float = 60) -> tuple[dict, str]:
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
-@pytest.mark.parametrize("where", ["content_hashes.json", "verified.json", "damage.json", "manifest.json", "lock"])
+@pytest.mark.parametrize("where", ["content_hashes.json", "verified.json", "damage.json", "manifest.json", "lock",
+                                   "a layer file"])
 def test_a_fifo_where_the_cache_keeps_a_file_never_hangs_a_start(tmp_path, where):
     world, root, folder = _built(tmp_path)
     cache = os.path.dirname(folder)
-    path = {"content_hashes.json": os.path.join(cache, where), "lock": folder + ".lock"}.get(
-        where, os.path.join(folder, where))
+    first = json.load(open(os.path.join(folder, MANIFEST_NAME)))["layers"][0]["file"]
+    path = {"content_hashes.json": os.path.join(cache, where), "lock": folder + ".lock",
+            "a layer file": os.path.join(folder, first)}.get(where, os.path.join(folder, where))
     if os.path.lexists(path):
         os.unlink(path)
     os.mkfifo(path, 0o600)
