@@ -180,3 +180,35 @@ def test_a_manifest_keyed_by_hand_for_another_base_is_not_served(tmp_path):
     served, stats = start(second.base, first.adapter, root)
     assert_same(served, reference(second.base, first.adapter))
     assert stats.built == len(served) and stats.cache_key == key_b
+
+
+def test_a_combination_another_user_planted_under_the_real_key_is_never_adopted_by_a_rekey(tmp_path):
+    """A new base is hashed beside its build, which is then named by its real key; the
+    real key's folder is already there, complete, planted by another user while the cache
+    folder was sticky. The re-key does not take it for this build's: the start serves the
+    in-place merge (or refuses, naming the folder's owner)."""
+    from hostmem.vault.content_hash import CONTENT_HASH_MEMO
+
+    uid = nobody()[0]
+    world = make_world(tmp_path / "world")
+    expected = reference(world.base, world.adapter)
+    key = start(world.base, world.adapter, str(tmp_path / "scratch"))[1].cache_key
+    evil = _evil_files(world, tmp_path)
+    root = str(tmp_path / "root")
+    cache = os.path.join(root, "lora_merge_cache")
+    os.makedirs(cache)
+    os.chmod(root, 0o711)
+    os.chmod(cache, 0o1777)
+    with reachable_by_others(tmp_path):
+        as_nobody(_move_in, cache, key, evil)
+    os.chmod(cache, 0o700)
+    around = snapshot(tmp_path, [root])
+    for _ in range(2):  # the folded build, then a start served from what its re-key left
+        CONTENT_HASH_MEMO.clear()  # a new process: the first start's build is folded (the base not hashed yet)
+        try:
+            served, _ = start(world.base, world.adapter, root)
+        except VaultError as refused:
+            assert f"owned by uid {uid}" in str(refused)
+        else:
+            assert_same(served, expected)
+    assert snapshot(tmp_path, [root]) == around
