@@ -7,10 +7,9 @@ else (a sticky bit does not help: it stops others removing our entries, not plan
 their own under the names we will look up). The one exception is the parent of a root
 (a shared folder such as ``/tmp``), which is not checked; the root itself, every folder
 and every file the cache reads are. Files are opened without following links, and a
-special file (a FIFO, a device) is refused before it is opened. A root on tmpfs is refused too: its pages are
-shared memory the kernel cannot drop without swap, so mapping merged weights from
-there would save no host memory at all. Nothing in the cache is opened through a
-symlink.
+special file (a FIFO, a device) is refused before it is opened. A root on tmpfs is
+refused too: its pages are shared memory the kernel cannot drop without swap, so
+mapping merged weights from there would save no host memory at all.
 """
 
 from __future__ import annotations
@@ -169,8 +168,8 @@ def check_owned(path: str, st: os.stat_result, what: str = "folder") -> None:
     does): its owner could replace cached weights, even when its mode looks private to us."""
     if st.st_uid not in (os.geteuid(), 0):
         raise VaultError(
-            f"{path}: owned by uid {st.st_uid} (a {what} of the cache), not by this user (uid {os.geteuid()}), who could replace "
-            f"cached weights. `chown {os.geteuid()} {path}` if it is yours, or choose a cache root of your own "
+            f"{path}: owned by uid {st.st_uid} (a {what} of the cache), not by this user (uid {os.geteuid()}), "
+            f"who could replace cached weights. `chown {os.geteuid()} {path}` if it is yours, or choose a cache root of your own "
             "(--root DIR, lora.cache.roots or HOSTMEM_CACHE_ROOT)."
         )
 

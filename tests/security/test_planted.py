@@ -36,7 +36,8 @@ def _evil_files(world, tmp_path) -> dict[str, bytes]:
     start(world.base, another_adapter(tmp_path / "other"), str(tmp_path / "evil"))
     folder = combination_folder(str(tmp_path / "evil"))
     names = sorted(os.listdir(folder), key=lambda n: n == MANIFEST_NAME)
-    return {n: open(os.path.join(folder, n), "rb").read() for n in names if not n.endswith(".json") or n == MANIFEST_NAME}
+    names = [n for n in names if not n.endswith(".json") or n == MANIFEST_NAME]
+    return {n: open(os.path.join(folder, n), "rb").read() for n in names}
 
 
 def _move_in(cache: str, key: str, files: dict[str, bytes]) -> None:
