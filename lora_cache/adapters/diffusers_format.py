@@ -5,10 +5,12 @@ names, ComfyUI and lightx2v, xlabs, its own) into its own keys with the pipeline
 ``lora_state_dict``; re-implementing those converters here would drift from them. So for
 a diffusers model the file is read and checked here (every key, the alphas of the
 header; its values when they are first consumed, as for any file), handed to that
-classmethod as a dict, and what comes back is grouped like any other file. kohya's
-converter folds each module's alpha into its matrices (scale 1 afterwards); an
-``ss_network_alpha`` is written into the modules without a ``.alpha`` first, so the
-precedence of :mod:`lora_cache.adapters.alpha` holds on this path too. The converters
+classmethod as a dict, and what comes back is grouped like any other file. Alphas are
+held to one meaning on this path too (:mod:`lora_cache.adapters.alpha_fold`): the
+converters of kohya, ComfyUI and lightx2v layouts fold each module's ``.alpha`` into its
+matrices (scale 1 afterwards), so before they run every module gets its alpha (a
+header's ``alpha`` or ``ss_network_alpha``, or ``Adapter(alpha=...)`` in place of the
+stored ones), and what was folded is never applied again. The converters
 get copies of the tensors (some scale them in place, which a read-only mapping refuses
 with a SIGSEGV): as much anonymous memory as the adapter, as diffusers' own loader
 takes. So each conversion is recorded by the file's content
@@ -27,7 +29,7 @@ import sys
 
 import torch
 
-from .alpha import network_alpha
+from .alpha_fold import folded_metadata, for_converter, is_folded
 from .checks import FiniteCheck
 from .conversion_memo import ConversionMemo, NoValues, record_of, skeleton_of
 from .diffusers_keys import peft_keys
@@ -53,6 +55,8 @@ _LOADERS = {
     "HiDreamImageTransformer2DModel": "HiDreamImageLoraLoaderMixin",
     "QwenImageTransformer2DModel": "QwenImageLoraLoaderMixin",
     "SkyReelsV2Transformer3DModel": "SkyReelsV2LoraLoaderMixin",
+    "MiniMaxH3Transformer3DModel": "MiniMaxH3LoraLoaderMixin",
+    "ZImageTransformer2DModel": "ZImageLoraLoaderMixin",
 }
 
 
@@ -74,19 +78,6 @@ def diffusers_loader(module):
 
 def _component_name(loader) -> str:
     return getattr(loader, "transformer_name", None) or getattr(loader, "unet_name", None) or "transformer"
-
-
-def _with_network_alpha(path: str, tensors: dict, metadata: dict) -> dict:
-    """kohya modules without ``.alpha`` get ``ss_network_alpha`` before the converter folds alphas."""
-    alpha = network_alpha(path, metadata)
-    if alpha is None:
-        return tensors
-    filled = dict(tensors)
-    for key, down in tensors.items():
-        stem = key.removesuffix(".lora_down.weight")
-        if stem != key and f"{stem}.alpha" not in tensors:
-            filled[f"{stem}.alpha"] = torch.tensor(alpha, dtype=down.dtype)
-    return filled
 
 
 class ConversionRefused(AdapterError):
@@ -124,19 +115,17 @@ def _kept(path: str, state: dict, keep: tuple[str, ...]) -> dict:
     return kept
 
 
-def _converted_metadata(metadata: dict) -> dict:
-    return {k: v for k, v in metadata.items() if k != "ss_network_alpha"}  # folded by the converter
-
-
 def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str, ...],
-               converter: str) -> tuple[AdapterFile, dict]:
+               converter: str, alpha: float | None) -> tuple[AdapterFile, dict]:
     """Convert with diffusers (or, where its kohya Flux converter refuses the sizes, read with
-    this package's parser): ``(the adapter, its conversion record)``."""
-    group_parts(path, tensors)  # the file's own keys and shapes, checked before any conversion
+    this package's parser): ``(the adapter, its conversion record)``. ``alpha``: the
+    override, given to the converter in place of the stored alphas it folds."""
+    modules = group_parts(path, tensors)  # the file's own keys and shapes, checked before any conversion
     values_check = FiniteCheck(path, tensors)  # the file's own values, under the file's own keys
+    fed = for_converter(path, tensors, modules, metadata, alpha)
     # diffusers' converters scale some matrices in place (Wan's: ``*=``): they get writable
     # copies, never views of the read-only mapping (a write there is a SIGSEGV).
-    writable = {k: v.clone() for k, v in _with_network_alpha(path, tensors, metadata).items()}
+    writable = {k: v.clone() for k, v in fed.items()}
     try:
         state, alphas = _convert(loader, path, writable)
     except ConversionRefused as refused:
@@ -145,9 +134,10 @@ def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str
         return adapter, record_of("kohya-flux", adapter.converter)
     kept = _kept(path, state, keep)  # the merge's components only: another's keys are not its concern
     kept = peft_keys(path, kept, {k: v for k, v in alphas.items() if k.split(".", 1)[0] in keep})
-    adapter = build_adapter_file(path, kept, _converted_metadata(metadata), converter=converter,
-                                 values_check=values_check)
-    return adapter, record_of("diffusers", converter, kept)
+    folded = is_folded(fed, kept)
+    adapter = build_adapter_file(path, kept, folded_metadata(metadata, folded), converter=converter,
+                                 values_check=values_check, folded=folded)
+    return adapter, record_of("diffusers", converter, kept, folded)
 
 
 def _kohya_fallback(path: str, loader, tensors: dict, metadata: dict, refused: ConversionRefused) -> AdapterFile:
@@ -173,16 +163,19 @@ def _from_record(path: str, tensors: dict, metadata: dict, record: dict) -> Adap
     the file read by this package's kohya Flux parser (views of the file, as any read)."""
     if record["kind"] == "kohya-flux":
         return read_kohya_flux(path, tensors, metadata, "diffusers' converter could not convert it when first read")
-    return build_adapter_file(path, skeleton_of(record), _converted_metadata(metadata), converter=record["converter"],
-                              values_check=NoValues(path))
+    folded = bool(record.get("folded"))
+    return build_adapter_file(path, skeleton_of(record), folded_metadata(metadata, folded),
+                              converter=record["converter"], values_check=NoValues(path), folded=folded)
 
 
 def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
-                        memo: ConversionMemo | None = None) -> AdapterFile:
+                        memo: ConversionMemo | None = None, alpha: float | None = None) -> AdapterFile:
     """Read ``path`` through ``loader.lora_state_dict``; keep the keys of ``components``.
 
-    With ``memo``, a conversion of the same content by the same converter recorded there
-    is planned from without converting; a new conversion is recorded there.
+    ``alpha`` is ``Adapter(alpha=...)``: where the converter folds alphas it folds this
+    one instead of the file's. With ``memo``, a conversion of the same content by the
+    same converter (and override) recorded there is planned from without converting; a
+    new conversion is recorded there.
     """
     import diffusers
 
@@ -190,11 +183,11 @@ def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
     metadata = mapped.metadata()
     keep = tuple(components or (_component_name(loader),))
     converter = f"diffusers {diffusers.__version__} {loader.__name__}.lora_state_dict"
-    name = memo.key(path, converter, keep) if memo is not None else None
+    name = memo.key(path, converter, keep, alpha) if memo is not None else None
     record = memo.load(name) if memo is not None else None
     if record is not None:
         return _from_record(path, tensors, metadata, record)
-    adapter, record = _converted(path, loader, tensors, metadata, keep, converter)
+    adapter, record = _converted(path, loader, tensors, metadata, keep, converter, alpha)
     if memo is not None:
         memo.store(name, record)
     return adapter

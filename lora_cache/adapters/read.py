@@ -18,11 +18,12 @@ import torch
 from hostmem.safetensors_map import SafetensorsError, open_readonly
 
 from ..merge_math import refuse_unsupported
-from .alpha import AlphaSources, PeftConfig, diffusers_metadata, network_alpha, peft_config_from
+from .alpha import AlphaSources, PeftConfig, diffusers_metadata, header_alpha, network_alpha, peft_config_from
 from .checks import FiniteCheck, check_change
 from .spec import AdapterError
 
-__all__ = ["AdapterFile", "ModuleChange", "build_adapter_file", "open_adapter", "read_adapter", "resolve_file"]
+__all__ = ["AdapterFile", "ModuleChange", "build_adapter_file", "open_adapter", "peft_config_path", "read_adapter",
+           "resolve_file"]
 
 # Suffix -> role, longest first so "lora_down.weight" wins over a bare "weight".
 _ROLES = (
@@ -38,6 +39,8 @@ _ROLES = (
 _KNOWN_PARTS = "lora_A/lora_B.weight, lora_B.bias, lora_down/lora_up.weight, alpha, diff, diff_b"
 # The file a trainer's folder holds: peft's save_pretrained, diffusers' save_lora_weights.
 _FOLDER_FILES = ("adapter_model.safetensors", "pytorch_lora_weights.safetensors")
+# The files peft's save_pretrained writes beside its adapter_config.json: the config is theirs alone.
+PEFT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 @dataclass
@@ -64,7 +67,9 @@ class AdapterFile:
     """An adapter file read into :class:`ModuleChange` records, by key stem.
 
     ``config`` is peft's ``adapter_config.json`` beside the file; ``sources`` every place
-    the file states alphas (see :mod:`lora_cache.adapters.alpha`); ``converter`` names
+    the file states alphas (see :mod:`lora_cache.adapters.alpha`); ``folded``: the
+    converter already folded every module's alpha into its factors (an override given
+    to it included), so no alpha applies afterwards; ``converter`` names
     the converter that produced ``modules`` when it was not this package's reader;
     ``values_check`` refuses NaN and infinite values in the file, run before the values
     are first consumed (see :mod:`lora_cache.adapters.checks`); ``rules`` are key rules
@@ -80,13 +85,20 @@ class AdapterFile:
     converter: str | None = None
     values_check: Callable[[], None] | None = None  # a FiniteCheck, or NoValues for a record's skeleton
     rules: tuple = ()
+    folded: bool = False
 
     def __post_init__(self):
         if self.sources is None:
             self.sources = AlphaSources(self.path, peft=self.config)
 
-    def alpha(self, change: ModuleChange) -> float | None:
-        """The alpha the file gives a module, by the precedence of :mod:`~lora_cache.adapters.alpha`."""
+    def alpha(self, change: ModuleChange, override: float | None = None) -> float | None:
+        """The alpha a module is scaled by: ``override`` (``Adapter(alpha=...)``) where it
+        was not folded into the factors already, else the file's, by the precedence of
+        :mod:`~lora_cache.adapters.alpha`; None is alpha = rank."""
+        if self.folded:
+            return None  # alpha / rank is in the factors: the file's alphas, or the override, once
+        if override is not None:
+            return override
         stored = None if change.stored_alpha is None else (change.keys["alpha"], change.stored_alpha)
         return self.sources.alpha(change.stem, stored)
 
@@ -113,9 +125,19 @@ def _split_key(key: str) -> tuple[str, str] | None:
     return None
 
 
-def _read_peft_config(folder: str) -> PeftConfig | None:
-    path = os.path.join(folder, "adapter_config.json")
-    if not os.path.exists(path):
+def peft_config_path(path: str) -> str | None:
+    """The ``adapter_config.json`` that describes the adapter file ``path``: the one beside
+    it when ``path`` is the file peft wrote with it, else None (an unrelated file in the
+    same folder is not described by it)."""
+    if os.path.basename(path) not in PEFT_FILES:
+        return None
+    config = os.path.join(os.path.dirname(path), "adapter_config.json")
+    return config if os.path.exists(config) else None
+
+
+def _read_peft_config(file: str) -> PeftConfig | None:
+    path = peft_config_path(file)
+    if path is None:
         return None
     try:
         with open(path, encoding="utf-8") as handle:
@@ -172,7 +194,8 @@ def group_parts(path: str, tensors: dict[str, torch.Tensor]) -> dict[str, Module
 
 
 def build_adapter_file(path: str, tensors: dict[str, torch.Tensor], header_metadata: dict,
-                       converter: str | None = None, values_check=None, rules: tuple = ()) -> AdapterFile:
+                       converter: str | None = None, values_check=None, rules: tuple = (),
+                       folded: bool = False) -> AdapterFile:
     """An :class:`AdapterFile` from a file's tensors and header metadata (read or converted).
 
     Its values are not checked here: ``values_check`` (default: a check of ``tensors``)
@@ -184,11 +207,12 @@ def build_adapter_file(path: str, tensors: dict[str, torch.Tensor], header_metad
     modules = group_parts(path, tensors)
     if values_check is None:
         values_check = FiniteCheck(path, tensors, memo=converter is None)
-    config = _read_peft_config(os.path.dirname(path))
+    config = _read_peft_config(path)
     metadata = diffusers_metadata(path, header_metadata)
-    sources = AlphaSources(path, config, metadata, network_alpha(path, header_metadata))
+    sources = AlphaSources(path, config, metadata, network_alpha(path, header_metadata),
+                           header_alpha(path, header_metadata))
     return AdapterFile(path, _detect_format(list(tensors), header_metadata), modules, config, sources, converter,
-                       values_check, tuple(rules))
+                       values_check, tuple(rules), folded)
 
 
 def open_adapter(path: str | os.PathLike):

@@ -1,0 +1,143 @@
+"""The conformance corpus: adapter files in the layouts people ship, each with the reference
+it is held to.
+
+Each :class:`Case` writes its file (by the real writer where one runs here: peft's
+``save_pretrained``, diffusers' ``save_lora_weights``; else by the layout's documented
+key scheme), says where its alpha is read from, and names its reference: ``diffusers``
+(the loader's ``lora_state_dict`` of the file + ``load_lora_adapter`` + ``fuse_lora``),
+``peft`` (``merge_and_unload``), ``diffusers-file`` (diffusers on a second file that
+states the override as its stored alpha: ``Adapter(alpha=...)`` must mean what storing
+that alpha means), ``math`` (``W + strength * delta``, where no library merges the
+layout) or ``refused`` (the message the refusal must carry). ``docs/gen_adapter_formats.py``
+turns the list into the table of docs/adapter-formats.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from hostmem.safetensors_map import save_file
+
+RANK = 8
+
+
+@dataclass(frozen=True)
+class Case:
+    """One adapter file of the corpus and the reference its merge is held to."""
+
+    name: str
+    kind: str  # the tiny model: h3, wan, flux
+    layout: str  # the layout, in the words its users know it by
+    alpha_from: str  # where its alpha is read from
+    write: Callable[[str, str], str]  # (folder, model folder) -> the adapter path
+    reference: str  # diffusers, peft, diffusers-file, math, refused
+    spec: dict = field(default_factory=dict)  # lora_cache.Adapter's options (alpha, strength)
+    reference_write: Callable[[str, str], str] | None = None  # diffusers-file: the file diffusers loads
+    expected: Callable[[dict], dict] | None = None  # math: {param: delta} from the base weights
+    refusal: str = ""  # refused: a regex the message must match
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _h3_ai_toolkit(header: dict) -> Callable[[str, str], str]:
+    """ai-toolkit's MiniMax-H3 file: ``diffusion_model.blocks.N.attn.qkv_proj.lora_A/B``,
+    no ``.alpha`` tensors, the training alpha in the header (lightx2v's H3 Turbo)."""
+    def write(folder: str, _model: str) -> str:
+        gen, tensors = _gen(1), {}
+        for block in range(2):
+            stem = f"diffusion_model.blocks.{block}.attn.qkv_proj"
+            tensors[f"{stem}.lora_A.weight"] = torch.randn(RANK, 16, generator=gen)
+            tensors[f"{stem}.lora_B.weight"] = torch.randn(48, RANK, generator=gen)
+        path = os.path.join(folder, f"h3_{'_'.join(f'{k}{v}' for k, v in header.items())}.safetensors")
+        save_file(tensors, path, metadata=header)
+        return path
+    return write
+
+
+_WAN_DIM = 24
+
+
+def _lightx2v(alpha: float) -> Callable[[str, str], str]:
+    """lightx2v's Wan file (ComfyUI names): ``diffusion_model.blocks.N.self_attn.q.lora_down``,
+    ``.lora_up``, a per-module ``.alpha`` that diffusers' converter folds."""
+    def write(folder: str, _model: str) -> str:
+        gen, tensors = _gen(5), {}
+        for block in range(2):
+            for module in ("self_attn.q", "self_attn.o", "cross_attn.k"):
+                stem = f"diffusion_model.blocks.{block}.{module}"
+                tensors[f"{stem}.lora_down.weight"] = torch.randn(4, _WAN_DIM, generator=gen) / _WAN_DIM**0.5
+                tensors[f"{stem}.lora_up.weight"] = torch.randn(_WAN_DIM, 4, generator=gen)
+                tensors[f"{stem}.alpha"] = torch.tensor(alpha)
+        path = os.path.join(folder, f"lightx2v_alpha{alpha:g}.safetensors")
+        save_file(tensors, path)
+        return path
+    return write
+
+
+def _peft_save(folder: str, model_folder: str, targets: list[str], **config) -> str:
+    """peft's own ``save_pretrained`` of a random LoRA on the tiny Wan."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.conformance.models import load_model
+
+    torch.manual_seed(3)
+    lora = LoraConfig(r=RANK, lora_alpha=16, target_modules=targets, init_lora_weights=False, **config)
+    out = os.path.join(folder, "peft")
+    get_peft_model(load_model("wan", model_folder), lora).save_pretrained(out)
+    return out
+
+
+def _peft_anchored(folder: str, model_folder: str) -> str:
+    return _peft_save(folder, model_folder, ["to_q", "to_k"],
+                      alpha_pattern={r"^blocks\.1\.attn1\.to_k": 32, "attn2.to_q": 4},
+                      rank_pattern={r"^blocks\.0\.attn1\.to_q": 4})
+
+
+def _style_beside_peft(folder: str, model_folder: str) -> str:
+    """A diffusers file saved into a folder that also holds a peft adapter (alpha 16 in
+    its adapter_config.json, which is not this file's)."""
+    from tests.clients import tiny_models as tm
+
+    peft = _peft_save(folder, model_folder, ["to_q"])
+    gen = _gen(9)
+    layers = {f"blocks.{b}.attn1.to_q.{part}": torch.randn(*shape, generator=gen)
+              for b in range(2) for part, shape in (("lora_A.weight", (RANK, _WAN_DIM)),
+                                                    ("lora_B.weight", (_WAN_DIM, RANK)))}
+    tm.classes("wan")[1].save_lora_weights(peft, transformer_lora_layers=layers, weight_name="style.safetensors")
+    return os.path.join(peft, "style.safetensors")
+
+
+CASES: list[Case] = [
+    Case("h3-ai-toolkit-header-alpha", "h3", "ai-toolkit (`diffusion_model.…lora_A/B`)", "header `alpha`",
+         _h3_ai_toolkit({"alpha": "4"}), "diffusers"),
+    Case("h3-ai-toolkit-header-alpha-override", "h3", "ai-toolkit (`diffusion_model.…lora_A/B`)",
+         "`Adapter(alpha=...)` over header `alpha`", _h3_ai_toolkit({"alpha": "4"}), "diffusers-file",
+         spec={"alpha": 2.0}, reference_write=_h3_ai_toolkit({"alpha": "2"})),
+    Case("wan-lightx2v-alpha-override", "wan", "ComfyUI / lightx2v (`diffusion_model.…lora_down/up`, `.alpha`)",
+         "`Adapter(alpha=...)` over `.alpha` (folded by diffusers' converter)", _lightx2v(8.0), "diffusers-file",
+         spec={"alpha": 2.0, "strength": 0.7}, reference_write=_lightx2v(2.0)),
+    Case("wan-peft-anchored-patterns", "wan", "peft `save_pretrained` folder",
+         "`adapter_config.json`: anchored `alpha_pattern`/`rank_pattern`", _peft_anchored, "peft"),
+    Case("wan-diffusers-file-beside-peft", "wan", "diffusers `save_lora_weights` file in a peft folder",
+         "none (alpha = rank): the folder's `adapter_config.json` is not its", _style_beside_peft, "diffusers"),
+]
+
+
+def describe(case: Case) -> dict:
+    """The corpus entry as the docs table shows it."""
+    outcome = "refused" if case.reference == "refused" else "merged"
+    held = {"diffusers": "diffusers load + fuse", "peft": "peft merge_and_unload",
+            "diffusers-file": "diffusers on the file storing that alpha", "math": "W + strength x diff",
+            "refused": "a refusal naming " + case.refusal}[case.reference]
+    return {"layout": case.layout, "model": case.kind, "alpha": case.alpha_from, "outcome": outcome, "held to": held}
+
+
+def dumps() -> str:
+    return json.dumps([describe(c) for c in CASES], indent=1)

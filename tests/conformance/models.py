@@ -1,0 +1,71 @@
+"""Tiny models for the conformance corpus, and the references each file is merged by.
+
+Wan and Flux come from :mod:`tests.clients.tiny_models`; MiniMax-H3 (the family whose
+ai-toolkit files carry their alpha in the safetensors header) is built here. The
+references are the libraries' own paths: diffusers' ``lora_state_dict`` (from the file,
+so its header is read as diffusers reads it) + ``load_lora_adapter`` + ``fuse_lora``,
+peft's ``merge_and_unload``, or the math ``W + delta`` where neither merges the layout.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tests.clients import tiny_models as tm
+
+H3 = {
+    "num_attention_heads": 2, "attention_head_dim": 8, "hidden_size": 16, "num_layers": 2, "num_refiner_layers": 1,
+    "ffn_dim": 32, "in_channels": 4, "audio_in_channels": 4, "text_dim": 16, "freq_dim": 16,
+    "time_embed_hidden_dim": 16, "time_embed_dim": 8, "rope_freq_dim": 4,
+}
+
+
+def model_class(kind: str):
+    if kind == "h3":
+        from diffusers import MiniMaxH3Transformer3DModel
+
+        return MiniMaxH3Transformer3DModel
+    return tm.classes(kind)[0]
+
+
+def loader_class(kind: str):
+    """The loader mixin whose ``lora_state_dict`` diffusers converts this kind's files with."""
+    from diffusers.loaders import MiniMaxH3LoraLoaderMixin
+
+    return MiniMaxH3LoraLoaderMixin if kind == "h3" else tm.classes(kind)[1]
+
+
+def save_model(kind: str, folder) -> str:
+    if kind != "h3":
+        return tm.save_model(kind, folder)
+    torch.manual_seed(0)
+    model_class(kind)(**H3).save_pretrained(folder)
+    return os.fspath(folder)
+
+
+def load_model(kind: str, folder):
+    return model_class(kind).from_pretrained(folder).eval()
+
+
+def diffusers_fused(kind: str, model_folder, path: str, strength: float = 1.0):
+    """diffusers' own path on a model: the file read by the loader's ``lora_state_dict`` (its
+    header included), loaded with ``load_lora_adapter`` and fused."""
+    model = load_model(kind, model_folder)
+    state, metadata = loader_class(kind).lora_state_dict(os.path.dirname(path), weight_name=os.path.basename(path),
+                                                         return_lora_metadata=True)
+    model.load_lora_adapter(state, prefix="transformer", metadata=metadata, adapter_name="a")
+    model.fuse_lora(lora_scale=strength)
+    model.unload_lora()
+    return model
+
+
+def peft_merged(kind: str, model_folder, folder: str):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_model(kind, model_folder), folder).merge_and_unload()
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return tm.weights(model)
