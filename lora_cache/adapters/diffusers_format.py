@@ -33,6 +33,7 @@ from .alpha_fold import folded_metadata, for_converter, is_folded
 from .checks import FiniteCheck
 from .conversion_memo import ConversionMemo, NoValues, record_of, skeleton_of
 from .diffusers_keys import peft_keys
+from .full_diffs import full_diff_stems, place_full_diffs, without_full_diffs
 from .kohya_flux import read_kohya_flux, uncovered_stems
 from .read import AdapterFile, build_adapter_file, group_parts, open_adapter
 from .spec import AdapterError
@@ -76,7 +77,8 @@ def diffusers_loader(module):
     return getattr(lora_pipeline, name, None)
 
 
-def _component_name(loader) -> str:
+def denoiser_name(loader) -> str:
+    """The pipeline component the loader's denoiser is (``transformer``, ``unet``)."""
     return getattr(loader, "transformer_name", None) or getattr(loader, "unet_name", None) or "transformer"
 
 
@@ -116,23 +118,26 @@ def _kept(path: str, state: dict, keep: tuple[str, ...]) -> dict:
 
 
 def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str, ...],
-               converter: str, alpha: float | None) -> tuple[AdapterFile, dict]:
+               converter: str, alpha: float | None, model=None) -> tuple[AdapterFile, dict]:
     """Convert with diffusers (or, where its kohya Flux converter refuses the sizes, read with
     this package's parser): ``(the adapter, its conversion record)``. ``alpha``: the
-    override, given to the converter in place of the stored alphas it folds."""
+    override, given to the converter in place of the stored alphas it folds; ``model``:
+    the denoiser, whose single-file converter names the file's full diffs."""
     modules = group_parts(path, tensors)  # the file's own keys and shapes, checked before any conversion
     values_check = FiniteCheck(path, tensors)  # the file's own values, under the file's own keys
-    fed = for_converter(path, tensors, modules, metadata, alpha)
+    stems = full_diff_stems(modules)  # taken out: diffusers' LoRA converters drop them
+    diffs = place_full_diffs(path, modules, stems, model, denoiser_name(loader))
+    fed = for_converter(path, without_full_diffs(tensors, modules, stems), modules, metadata, alpha)
     # diffusers' converters scale some matrices in place (Wan's: ``*=``): they get writable
     # copies, never views of the read-only mapping (a write there is a SIGSEGV).
     writable = {k: v.clone() for k, v in fed.items()}
     try:
-        state, alphas = _convert(loader, path, writable)
+        state, alphas = _convert(loader, path, writable) if writable else ({}, {})
     except ConversionRefused as refused:
         del writable
         adapter = _kohya_fallback(path, loader, tensors, metadata, refused)
         return adapter, record_of("kohya-flux", adapter.converter)
-    kept = _kept(path, state, keep)  # the merge's components only: another's keys are not its concern
+    kept = _kept(path, {**state, **diffs}, keep)  # the merge's components only: another's keys are not its concern
     kept = peft_keys(path, kept, {k: v for k, v in alphas.items() if k.split(".", 1)[0] in keep})
     folded = is_folded(fed, kept)
     adapter = build_adapter_file(path, kept, folded_metadata(metadata, folded), converter=converter,
@@ -169,25 +174,28 @@ def _from_record(path: str, tensors: dict, metadata: dict, record: dict) -> Adap
 
 
 def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
-                        memo: ConversionMemo | None = None, alpha: float | None = None) -> AdapterFile:
+                        memo: ConversionMemo | None = None, alpha: float | None = None, model=None) -> AdapterFile:
     """Read ``path`` through ``loader.lora_state_dict``; keep the keys of ``components``.
 
     ``alpha`` is ``Adapter(alpha=...)``: where the converter folds alphas it folds this
     one instead of the file's. With ``memo``, a conversion of the same content by the
     same converter (and override) recorded there is planned from without converting; a
-    new conversion is recorded there.
+    new conversion is recorded there. ``model``: the denoiser the file goes into (its
+    class's single-file converter names full diffs, :mod:`lora_cache.adapters.full_diffs`).
     """
     import diffusers
 
     path, mapped, tensors = open_adapter(path)
     metadata = mapped.metadata()
-    keep = tuple(components or (_component_name(loader),))
+    keep = tuple(components or (denoiser_name(loader),))
     converter = f"diffusers {diffusers.__version__} {loader.__name__}.lora_state_dict"
+    if any(key.endswith((".diff", ".diff_b")) for key in tensors):  # the merged bytes changed when these stopped dropping
+        converter += " + full diffs by the single-file converter"
     name = memo.key(path, converter, keep, alpha) if memo is not None else None
     record = memo.load(name) if memo is not None else None
     if record is not None:
         return _from_record(path, tensors, metadata, record)
-    adapter, record = _converted(path, loader, tensors, metadata, keep, converter, alpha)
+    adapter, record = _converted(path, loader, tensors, metadata, keep, converter, alpha, model)
     if memo is not None:
         memo.store(name, record)
     return adapter

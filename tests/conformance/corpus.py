@@ -38,7 +38,7 @@ class Case:
     reference: str  # diffusers, peft, diffusers-file, math, refused
     spec: dict = field(default_factory=dict)  # lora_cache.Adapter's options (alpha, strength)
     reference_write: Callable[[str, str], str] | None = None  # diffusers-file: the file diffusers loads
-    expected: Callable[[dict], dict] | None = None  # math: {param: delta} from the base weights
+    expected: Callable[[str], dict] | None = None  # math: {param: delta at strength 1} from the file
     refusal: str = ""  # refused: a regex the message must match
 
 
@@ -114,6 +114,40 @@ def _style_beside_peft(folder: str, model_folder: str) -> str:
     return os.path.join(peft, "style.safetensors")
 
 
+_COMFY_DIFFS = {  # ComfyUI's full differences on a Wan file -> the diffusers parameter each changes
+    "diffusion_model.blocks.1.self_attn.o.diff": "blocks.1.attn1.to_out.0.weight",
+    "diffusion_model.blocks.1.norm3.diff": "blocks.1.norm2.weight",  # Wan's norm3 is diffusers' norm2
+    "diffusion_model.blocks.1.norm3.diff_b": "blocks.1.norm2.bias",
+    "diffusion_model.blocks.0.ffn.0.diff_b": "blocks.0.ffn.net.0.proj.bias",
+    "diffusion_model.blocks.0.self_attn.q.diff_b": "blocks.0.attn1.to_q.bias",  # beside factors: lora_B.bias
+}
+
+
+def _comfy_wan_diffs(folder: str, _model: str) -> str:
+    """A ComfyUI Wan file with LoRA factors and full diffs (weights, a norm's weight and bias)."""
+    gen = _gen(11)
+    stem = "diffusion_model.blocks.0.self_attn.q"
+    tensors = {f"{stem}.lora_down.weight": torch.randn(4, _WAN_DIM, generator=gen),
+               f"{stem}.lora_up.weight": torch.randn(_WAN_DIM, 4, generator=gen), f"{stem}.alpha": torch.tensor(2.0)}
+    for key in _COMFY_DIFFS:
+        shape = (_WAN_DIM, _WAN_DIM) if key.endswith(".o.diff") else (32 if ".ffn.0." in key else _WAN_DIM,)
+        tensors[key] = torch.randn(*shape, generator=gen)
+    path = os.path.join(folder, "comfy_wan_diffs.safetensors")
+    save_file(tensors, path)
+    return path
+
+
+def _comfy_wan_expected(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    stem = "diffusion_model.blocks.0.self_attn.q"
+    up, down = tensors[f"{stem}.lora_up.weight"].double(), tensors[f"{stem}.lora_down.weight"].double()
+    deltas = {param: tensors[key].double() for key, param in _COMFY_DIFFS.items()}
+    deltas["blocks.0.attn1.to_q.weight"] = 2.0 / 4 * up @ down
+    return deltas
+
+
 CASES: list[Case] = [
     Case("h3-ai-toolkit-header-alpha", "h3", "ai-toolkit (`diffusion_model.…lora_A/B`)", "header `alpha`",
          _h3_ai_toolkit({"alpha": "4"}), "diffusers"),
@@ -127,6 +161,9 @@ CASES: list[Case] = [
          "`adapter_config.json`: anchored `alpha_pattern`/`rank_pattern`", _peft_anchored, "peft"),
     Case("wan-diffusers-file-beside-peft", "wan", "diffusers `save_lora_weights` file in a peft folder",
          "none (alpha = rank): the folder's `adapter_config.json` is not its", _style_beside_peft, "diffusers"),
+    Case("wan-comfyui-full-diffs", "wan", "ComfyUI full diffs (`.diff`, `.diff_b`, norms) beside LoRA factors",
+         "`.alpha` for the factors; a diff has none", _comfy_wan_diffs, "math", spec={"strength": 0.6},
+         expected=_comfy_wan_expected),
 ]
 
 

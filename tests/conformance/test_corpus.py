@@ -33,11 +33,11 @@ def _reference(case: Case, model_folder: str, path: str, folder: str) -> dict[st
     if case.reference in ("diffusers", "diffusers-file"):
         return models.weights(models.diffusers_fused(case.kind, model_folder, path, strength))
     base = models.weights(models.load_model(case.kind, model_folder))
-    return _math(case, base, strength)
+    return _math(case, base, strength, path)
 
 
-def _math(case: Case, base: dict, strength: float) -> dict:
-    deltas = case.expected(base)
+def _math(case: Case, base: dict, strength: float, path: str) -> dict:
+    deltas = case.expected(path)
     return {name: (w.double() + strength * deltas[name].double()).to(w.dtype) if name in deltas else w
             for name, w in base.items()}
 
