@@ -56,12 +56,15 @@ class NoValues:
 
 
 def record_of(kind: str, converter: str, tensors: dict[str, torch.Tensor] | None = None,
-              folded: bool = False) -> dict:
+              folded: bool = False, left: dict[str, list[str]] | None = None,
+              named: dict[str, list[str]] | None = None) -> dict:
     """The record of one conversion: ``kind`` (``"diffusers"``: its tensors by name, shape
     and dtype, alphas with their values; ``"kohya-flux"``: read by this package's parser),
-    the converter that the cache key names, and whether it folded the alphas."""
+    the converter that the cache key names, whether it folded the alphas, and the keys it
+    left unused, by what became of them (``left``: refused under strict; ``named``: only
+    said), said again on every start planned from it."""
     record = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "kind": kind, "converter": converter,
-              "folded": bool(folded)}
+              "folded": bool(folded), "left": dict(left or {}), "named": dict(named or {})}
     if tensors is not None:
         record["tensors"] = {key: _describe(key, t) for key, t in sorted(tensors.items())}
     return record
@@ -94,7 +97,7 @@ def _valid(record) -> bool:
         return False
     if record.get("version") != RECORD_VERSION or not isinstance(record.get("converter"), str):
         return False
-    if not isinstance(record.get("folded"), bool):
+    if not isinstance(record.get("folded"), bool) or not all(_valid_left(record.get(k)) for k in ("left", "named")):
         return False
     if record.get("kind") == "kohya-flux":
         return True
@@ -102,6 +105,13 @@ def _valid(record) -> bool:
     if record.get("kind") != "diffusers" or not isinstance(tensors, dict) or not tensors:
         return False
     return all(_valid_tensor(info) for info in tensors.values())
+
+
+def _valid_left(left) -> bool:
+    """The keys left unused: lists of names by what became of them."""
+    return isinstance(left, dict) and all(
+        isinstance(why, str) and isinstance(keys, list) and all(isinstance(k, str) for k in keys)
+        for why, keys in left.items())
 
 
 def _valid_tensor(info) -> bool:

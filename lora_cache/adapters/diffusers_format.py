@@ -29,6 +29,7 @@ import sys
 
 import torch
 
+from .accounting import dropped_by_converter, left_over
 from .alpha_fold import folded_metadata, for_converter, is_folded
 from .checks import FiniteCheck
 from .conversion_memo import ConversionMemo, NoValues, record_of, skeleton_of
@@ -117,12 +118,35 @@ def _kept(path: str, state: dict, keep: tuple[str, ...]) -> dict:
     return kept
 
 
+def _left(path: str, loader, state: dict, fed: dict, modules: dict, keep: tuple[str, ...],
+          pipeline: bool) -> list[tuple[str, list[str], bool]]:
+    """The keys a conversion leaves unused, ``(what became of them, keys, whether strict
+    refuses them)``: dropped by the converter, or converted for a component the model
+    lacks (see :mod:`lora_cache.adapters.accounting`). A pipeline lacking a component the
+    file changes is refused under ``strict``; a model merged alone (a UNet taken out of
+    its pipeline) is one component by the caller's choice, and the others are named."""
+    left = []
+    dropped = dropped_by_converter(lambda probe: _convert(loader, path, probe)[0], fed, modules)
+    if dropped:
+        left.append((f"are dropped by diffusers' {loader.__name__}.lora_state_dict (it merges nothing of them)",
+                     dropped, True))
+    others = sorted(key for key in state if key.split(".", 1)[0] not in keep)
+    if others:
+        named = ", ".join(sorted({key.split(".", 1)[0] for key in others}))
+        where = "the pipeline lacks" if pipeline else "is not the model merged into"
+        left.append((f"change {named}, which {where} (it has {', '.join(keep)})", others, pipeline))
+    return left
+
+
 def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str, ...],
-               converter: str, alpha: float | None, model=None) -> tuple[AdapterFile, dict]:
+               converter: str, alpha: float | None, model=None, strict: bool = True,
+               pipeline: bool = False) -> tuple[AdapterFile, dict]:
     """Convert with diffusers (or, where its kohya Flux converter refuses the sizes, read with
     this package's parser): ``(the adapter, its conversion record)``. ``alpha``: the
     override, given to the converter in place of the stored alphas it folds; ``model``:
-    the denoiser, whose single-file converter names the file's full diffs."""
+    the denoiser, whose single-file converter names the file's full diffs; ``strict``:
+    keys left unused are an error, else a warning; ``pipeline``: ``keep`` are the
+    components of a pipeline (which then lacks the others), not one model merged alone."""
     modules = group_parts(path, tensors)  # the file's own keys and shapes, checked before any conversion
     values_check = FiniteCheck(path, tensors)  # the file's own values, under the file's own keys
     stems = full_diff_stems(modules)  # taken out: diffusers' LoRA converters drop them
@@ -137,12 +161,16 @@ def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str
         del writable
         adapter = _kohya_fallback(path, loader, tensors, metadata, refused)
         return adapter, record_of("kohya-flux", adapter.converter)
-    kept = _kept(path, {**state, **diffs}, keep)  # the merge's components only: another's keys are not its concern
+    left = _left(path, loader, state, fed, modules, keep, pipeline)
+    for why, keys, refuses in left:
+        left_over(path, keys, why, strict and refuses)
+    kept = _kept(path, {**state, **diffs}, keep)  # the merge's components only: another's keys are named above
     kept = peft_keys(path, kept, {k: v for k, v in alphas.items() if k.split(".", 1)[0] in keep})
     folded = is_folded(fed, kept)
     adapter = build_adapter_file(path, kept, folded_metadata(metadata, folded), converter=converter,
                                  values_check=values_check, folded=folded)
-    return adapter, record_of("diffusers", converter, kept, folded)
+    return adapter, record_of("diffusers", converter, kept, folded, {why: keys for why, keys, refuses in left if refuses},
+                              {why: keys for why, keys, refuses in left if not refuses})
 
 
 def _kohya_fallback(path: str, loader, tensors: dict, metadata: dict, refused: ConversionRefused) -> AdapterFile:
@@ -162,26 +190,31 @@ def _kohya_fallback(path: str, loader, tensors: dict, metadata: dict, refused: C
     return read_kohya_flux(path, tensors, metadata, why)
 
 
-def _from_record(path: str, tensors: dict, metadata: dict, record: dict) -> AdapterFile:
+def _from_record(path: str, tensors: dict, metadata: dict, record: dict, strict: bool) -> AdapterFile:
     """The adapter as its conversion record describes it: diffusers' keys with tensors on the
     meta device (values are needed only where a layer is computed: :class:`NoValues`), or
     the file read by this package's kohya Flux parser (views of the file, as any read)."""
     if record["kind"] == "kohya-flux":
         return read_kohya_flux(path, tensors, metadata, "diffusers' converter could not convert it when first read")
+    for why, keys in record["left"].items():  # said again (or refused) as when it was converted
+        left_over(path, keys, why, strict)
+    for why, keys in record["named"].items():
+        left_over(path, keys, why, False)
     folded = bool(record.get("folded"))
     return build_adapter_file(path, skeleton_of(record), folded_metadata(metadata, folded),
                               converter=record["converter"], values_check=NoValues(path), folded=folded)
 
 
-def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
-                        memo: ConversionMemo | None = None, alpha: float | None = None, model=None) -> AdapterFile:
+def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None, memo: ConversionMemo | None = None,
+                        *, alpha: float | None = None, model=None, strict: bool = True) -> AdapterFile:
     """Read ``path`` through ``loader.lora_state_dict``; keep the keys of ``components``.
 
     ``alpha`` is ``Adapter(alpha=...)``: where the converter folds alphas it folds this
     one instead of the file's. With ``memo``, a conversion of the same content by the
     same converter (and override) recorded there is planned from without converting; a
     new conversion is recorded there. ``model``: the denoiser the file goes into (its
-    class's single-file converter names full diffs, :mod:`lora_cache.adapters.full_diffs`).
+    class's single-file converter names full diffs, :mod:`lora_cache.adapters.full_diffs`);
+    ``strict``: keys the conversion leaves unused are an error, else one warning.
     """
     import diffusers
 
@@ -194,8 +227,9 @@ def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
     name = memo.key(path, converter, keep, alpha) if memo is not None else None
     record = memo.load(name) if memo is not None else None
     if record is not None:
-        return _from_record(path, tensors, metadata, record)
-    adapter, record = _converted(path, loader, tensors, metadata, keep, converter, alpha, model)
+        return _from_record(path, tensors, metadata, record, strict)
+    adapter, record = _converted(path, loader, tensors, metadata, keep, converter, alpha, model, strict,
+                                 pipeline=bool(components))
     if memo is not None:
         memo.store(name, record)
     return adapter

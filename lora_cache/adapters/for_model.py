@@ -61,7 +61,7 @@ def read_adapters(model, specs: list[Adapter], loader=None, components: tuple[st
             raise AdapterError(f"{spec.path}: convert='diffusers' but the model is not one diffusers loads LoRA into")
         if use and memo is None and memo_roots:
             memo = ConversionMemo(memo_roots)
-        files.append(read_with_diffusers(path, found[0], found[1] or None, memo, spec.alpha, _denoiser(model, found[0]))
-                     if use
-                     else read_adapter(path, check_values=False))
+        files.append(read_with_diffusers(path, found[0], found[1] or None, memo, alpha=spec.alpha,
+                                         model=_denoiser(model, found[0]), strict=spec.strict)
+                     if use else read_adapter(path, check_values=False))
     return files
