@@ -221,6 +221,11 @@ class AlphaSources:
 
     def alpha(self, stem: str, stored: tuple[str, float] | None) -> float | None:
         """The module's alpha; ``stored`` is its ``.alpha`` tensor as ``(key, value)``."""
+        return self.resolve(stem, stored)[0]
+
+    def resolve(self, stem: str, stored: tuple[str, float] | None) -> tuple[float | None, str]:
+        """``(the module's alpha, where it was read from)``: the canonical form's record of
+        a scale's origin (None, ``"none: alpha = rank"`` when no place states one)."""
         stated = [] if stored is None else [(f"{stored[0]!r}", stored[1])]
         for name, inner, config in self.configs_for(stem):
             found = config.alpha_for(inner)
@@ -235,8 +240,10 @@ class AlphaSources:
                     "the file contradicts itself: fix one, or give the alpha explicitly (Adapter(alpha=...))"
                 )
         if stated:
-            return stated[0][1]
-        return self.kohya_alpha
+            return stated[0][1], stated[0][0]
+        if self.kohya_alpha is not None:
+            return self.kohya_alpha, "header metadata 'ss_network_alpha'"
+        return None, "none: alpha = rank"
 
     def check_rank(self, stem: str, key: str, rank: int) -> None:
         """A rank that contradicts a config's ``r``/``rank_pattern`` is a broken pairing."""

@@ -95,12 +95,17 @@ class AdapterFile:
         """The alpha a module is scaled by: ``override`` (``Adapter(alpha=...)``) where it
         was not folded into the factors already, else the file's, by the precedence of
         :mod:`~lora_cache.adapters.alpha`; None is alpha = rank."""
-        if self.folded:
-            return None  # alpha / rank is in the factors: the file's alphas, or the override, once
+        return self.alpha_from(change, override)[0]
+
+    def alpha_from(self, change: ModuleChange, override: float | None = None) -> tuple[float | None, str]:
+        """``(alpha, where it was read from)`` for a module (see :meth:`alpha`): what the
+        canonical form records as the origin of a scale."""
+        if self.folded:  # alpha / rank is in the factors: the file's alphas, or the override, once
+            return None, f"folded into the factors by {self.converter}" + (" (the override)" if override else "")
         if override is not None:
-            return override
+            return override, "Adapter(alpha=...)"
         stored = None if change.stored_alpha is None else (change.keys["alpha"], change.stored_alpha)
-        return self.sources.alpha(change.stem, stored)
+        return self.sources.resolve(change.stem, stored)
 
     def rank(self, change: ModuleChange) -> int | None:
         """The module's rank (the down matrix's rows), checked against the configs."""

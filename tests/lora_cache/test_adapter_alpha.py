@@ -199,3 +199,14 @@ def test_a_peft_config_applies_only_to_the_file_peft_wrote_with_it(tmp_path):
     style = write_adapter(os.path.join(folder, "style.safetensors"), "kohya", changes)
     assert _scales(model, [folder]) == {"blocks.0.attn.to_q.weight": pytest.approx(4.0)}
     assert _scales(model, [style]) == {"blocks.0.attn.to_q.weight": pytest.approx(1.0)}
+
+
+def test_each_scale_says_where_its_alpha_was_read_from(tmp_path):
+    """The canonical form records a scale's origin: the place the precedence picked."""
+    path = _ai_toolkit(tmp_path / "h.safetensors", {"alpha": "4"})
+    adapter = read_adapter(path)
+    change = next(iter(adapter.modules.values()))
+    assert adapter.alpha_from(change) == (4.0, "header metadata 'alpha'")
+    assert adapter.alpha_from(change, 2.0) == (2.0, "Adapter(alpha=...)")
+    plain = read_adapter(_ai_toolkit(tmp_path / "p.safetensors", {}))
+    assert plain.alpha_from(next(iter(plain.modules.values()))) == (None, "none: alpha = rank")
