@@ -107,8 +107,19 @@ def _convert(loader, path: str, tensors: dict) -> tuple[dict, dict]:
     return state, dict(alphas or {})
 
 
-def _kept(path: str, state: dict, keep: tuple[str, ...]) -> dict:
-    """The converted keys of the components ``keep`` names."""
+def _unprefixed(state: dict, loader, keep: tuple[str, ...]) -> bool:
+    """Whether no converted key names a component: a file of the model's own keys, as
+    diffusers' ``save_lora_adapter`` writes (``blocks.0.attn1.to_q.lora_A.weight`` and its
+    config unprefixed), which ``load_lora_adapter`` loads into the model it is called on."""
+    components = {*getattr(loader, "_lora_loadable_modules", ()), *keep}
+    return bool(state) and not any(key.split(".", 1)[0] in components for key in state)
+
+
+def _kept(path: str, state: dict, keep: tuple[str, ...], loader=None) -> dict:
+    """The converted keys of the components ``keep`` names (all of them, for a file of the
+    model's own unprefixed keys)."""
+    if loader is not None and _unprefixed(state, loader, keep):
+        return dict(state)
     kept = {k: v for k, v in state.items() if k.split(".", 1)[0] in keep}
     if not kept:
         raise AdapterError(
@@ -130,7 +141,7 @@ def _left(path: str, loader, state: dict, fed: dict, modules: dict, keep: tuple[
     if dropped:
         left.append((f"are dropped by diffusers' {loader.__name__}.lora_state_dict (it merges nothing of them)",
                      dropped, True))
-    others = sorted(key for key in state if key.split(".", 1)[0] not in keep)
+    others = [] if _unprefixed(state, loader, keep) else sorted(key for key in state if key.split(".", 1)[0] not in keep)
     if others:
         named = ", ".join(sorted({key.split(".", 1)[0] for key in others}))
         where = "the pipeline lacks" if pipeline else "is not the model merged into"
@@ -164,7 +175,7 @@ def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str
     left = _left(path, loader, state, fed, modules, keep, pipeline)
     for why, keys, refuses in left:
         left_over(path, keys, why, strict and refuses)
-    kept = _kept(path, {**state, **diffs}, keep)  # the merge's components only: another's keys are named above
+    kept = _kept(path, {**state, **diffs}, keep, loader)  # the merge's components only: another's keys are named above
     kept = peft_keys(path, kept, {k: v for k, v in alphas.items() if k.split(".", 1)[0] in keep})
     folded = is_folded(fed, kept)
     adapter = build_adapter_file(path, kept, folded_metadata(metadata, folded), converter=converter,

@@ -28,15 +28,20 @@ __all__ = ["AdapterFile", "ModuleChange", "build_adapter_file", "open_adapter", 
 # Suffix -> role, longest first so "lora_down.weight" wins over a bare "weight".
 _ROLES = (
     ("lora_A.weight", "down"),
+    ("lora_A.default.weight", "down"),  # peft's adapter-name infix, as DiffSynth-Studio writes it
     ("lora_down.weight", "down"),
+    ("down.weight", "down"),  # XLabs (``proj_lora1.down.weight``), diffusers' older ``lora.down.weight``
     ("lora_B.weight", "up"),
+    ("lora_B.default.weight", "up"),
     ("lora_up.weight", "up"),
+    ("up.weight", "up"),
     ("lora_B.bias", "up_b"),  # peft's lora_bias: diffusers turns ComfyUI's diff_b into it
     ("diff_b", "diff_b"),
     ("alpha", "alpha"),
     ("diff", "diff"),
 )
-_KNOWN_PARTS = "lora_A/lora_B.weight, lora_B.bias, lora_down/lora_up.weight, alpha, diff, diff_b"
+_KNOWN_PARTS = ("lora_A/lora_B(.default).weight, lora_B.bias, lora_down/lora_up.weight, down/up.weight, alpha, diff, "
+                "diff_b")
 # The file a trainer's folder holds: peft's save_pretrained, diffusers' save_lora_weights.
 _FOLDER_FILES = ("adapter_model.safetensors", "pytorch_lora_weights.safetensors")
 # The files peft's save_pretrained writes beside its adapter_config.json: the config is theirs alone.

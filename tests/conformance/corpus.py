@@ -5,6 +5,7 @@ Each :class:`Case` writes its file (by the real writer where one runs here: peft
 ``save_pretrained``, diffusers' ``save_lora_weights``; else by the layout's documented
 key scheme), says where its alpha is read from, and names its reference: ``diffusers``
 (the loader's ``lora_state_dict`` of the file + ``load_lora_adapter`` + ``fuse_lora``),
+``diffusers-model`` (the model's own ``load_lora_adapter`` of the folder + ``fuse_lora``),
 ``peft`` (``merge_and_unload``), ``diffusers-file`` (diffusers on a second file that
 states the override as its stored alpha: ``Adapter(alpha=...)`` must mean what storing
 that alpha means), ``math`` (``W + strength * delta``, where no library merges the
@@ -24,6 +25,7 @@ import torch
 from hostmem.safetensors_map import save_file
 
 RANK = 8
+_H3_DIM = 128  # tests.conformance.models.H3's hidden size
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class Case:
     layout: str  # the layout, in the words its users know it by
     alpha_from: str  # where its alpha is read from
     write: Callable[[str, str], str]  # (folder, model folder) -> the adapter path
-    reference: str  # diffusers, peft, diffusers-file, math, refused
+    reference: str  # diffusers, diffusers-model, peft, diffusers-file, math, refused
     spec: dict = field(default_factory=dict)  # lora_cache.Adapter's options (alpha, strength)
     reference_write: Callable[[str, str], str] | None = None  # diffusers-file: the file diffusers loads
     expected: Callable[[str], dict] | None = None  # math: {param: delta at strength 1} from the file
@@ -53,8 +55,8 @@ def _h3_ai_toolkit(header: dict) -> Callable[[str, str], str]:
         gen, tensors = _gen(1), {}
         for block in range(2):
             stem = f"diffusion_model.blocks.{block}.attn.qkv_proj"
-            tensors[f"{stem}.lora_A.weight"] = torch.randn(RANK, 16, generator=gen)
-            tensors[f"{stem}.lora_B.weight"] = torch.randn(48, RANK, generator=gen)
+            tensors[f"{stem}.lora_A.weight"] = torch.randn(RANK, _H3_DIM, generator=gen) / _H3_DIM**0.5
+            tensors[f"{stem}.lora_B.weight"] = torch.randn(3 * _H3_DIM, RANK, generator=gen)
         path = os.path.join(folder, f"h3_{'_'.join(f'{k}{v}' for k, v in header.items())}.safetensors")
         save_file(tensors, path, metadata=header)
         return path
@@ -148,6 +150,46 @@ def _comfy_wan_expected(path: str) -> dict:
     return deltas
 
 
+def _save_lora_adapter(folder: str, model_folder: str) -> str:
+    """diffusers' own ``model.save_lora_adapter()``: unprefixed keys, the config in the header."""
+    from peft import LoraConfig
+
+    from tests.conformance.models import load_model
+
+    torch.manual_seed(4)
+    model = load_model("wan", model_folder)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_out.0"], init_lora_weights=False))
+    out = os.path.join(folder, "save_lora_adapter")
+    model.save_lora_adapter(out)
+    return out
+
+
+def _xlabs_flux(folder: str, _model: str) -> str:
+    """XLabs' Flux layout: ``double_blocks.0.processor.qkv_lora1.down.weight`` / ``.up.weight``,
+    a fused qkv LoRA that diffusers' converter splits over to_q, to_k, to_v."""
+    gen, dim, tensors = _gen(13), 32, {}
+    for name, rows in (("qkv_lora1", 3 * dim), ("proj_lora1", dim), ("qkv_lora2", 3 * dim), ("proj_lora2", dim)):
+        tensors[f"double_blocks.0.processor.{name}.down.weight"] = torch.randn(4, dim, generator=gen) / dim**0.5
+        tensors[f"double_blocks.0.processor.{name}.up.weight"] = torch.randn(rows, 4, generator=gen)
+    path = os.path.join(folder, "xlabs_flux.safetensors")
+    save_file(tensors, path)
+    return path
+
+
+def _diffsynth_h3(folder: str, _model: str) -> str:
+    """DiffSynth-Studio's MiniMax-H3 layout: peft's ``.default.`` infix over the original
+    checkpoint's names (no prefix), which diffusers' converter reads as head-interleaved qkv."""
+    gen, tensors = _gen(17), {}
+    for block in range(2):
+        for module, rows in (("qkv_proj", 3 * _H3_DIM), ("out_proj", _H3_DIM)):
+            stem = f"blocks.{block}.attn.{module}"
+            tensors[f"{stem}.lora_A.default.weight"] = torch.randn(RANK, _H3_DIM, generator=gen) / _H3_DIM**0.5
+            tensors[f"{stem}.lora_B.default.weight"] = torch.randn(rows, RANK, generator=gen)
+    path = os.path.join(folder, "diffsynth_h3.safetensors")
+    save_file(tensors, path)
+    return path
+
+
 CASES: list[Case] = [
     Case("h3-ai-toolkit-header-alpha", "h3", "ai-toolkit (`diffusion_model.…lora_A/B`)", "header `alpha`",
          _h3_ai_toolkit({"alpha": "4"}), "diffusers"),
@@ -164,6 +206,12 @@ CASES: list[Case] = [
     Case("wan-comfyui-full-diffs", "wan", "ComfyUI full diffs (`.diff`, `.diff_b`, norms) beside LoRA factors",
          "`.alpha` for the factors; a diff has none", _comfy_wan_diffs, "math", spec={"strength": 0.6},
          expected=_comfy_wan_expected),
+    Case("wan-diffusers-save-lora-adapter", "wan", "diffusers `save_lora_adapter()` (unprefixed keys, metadata)",
+         "header `lora_adapter_metadata` (unprefixed)", _save_lora_adapter, "diffusers-model"),
+    Case("flux-xlabs", "flux", "XLabs (`processor.qkv_lora1.down/up.weight`)", "none (alpha = rank)", _xlabs_flux,
+         "diffusers"),
+    Case("h3-diffsynth-default-infix", "h3", "DiffSynth-Studio (`.lora_A.default.weight`)", "none (alpha = rank)",
+         _diffsynth_h3, "diffusers"),
 ]
 
 
@@ -171,6 +219,7 @@ def describe(case: Case) -> dict:
     """The corpus entry as the docs table shows it."""
     outcome = "refused" if case.reference == "refused" else "merged"
     held = {"diffusers": "diffusers load + fuse", "peft": "peft merge_and_unload",
+            "diffusers-model": "diffusers model.load_lora_adapter + fuse",
             "diffusers-file": "diffusers on the file storing that alpha", "math": "W + strength x diff",
             "refused": "a refusal naming " + case.refusal}[case.reference]
     return {"layout": case.layout, "model": case.kind, "alpha": case.alpha_from, "outcome": outcome, "held to": held}

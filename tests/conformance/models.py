@@ -15,8 +15,8 @@ import torch
 
 from tests.clients import tiny_models as tm
 
-H3 = {
-    "num_attention_heads": 2, "attention_head_dim": 8, "hidden_size": 16, "num_layers": 2, "num_refiner_layers": 1,
+H3 = {  # one head of 128: diffusers' DiffSynth conversion de-interleaves qkv at H3's head width
+    "num_attention_heads": 1, "attention_head_dim": 128, "hidden_size": 128, "num_layers": 2, "num_refiner_layers": 1,
     "ffn_dim": 32, "in_channels": 4, "audio_in_channels": 4, "text_dim": 16, "freq_dim": 16,
     "time_embed_hidden_dim": 16, "time_embed_dim": 8, "rope_freq_dim": 4,
 }
@@ -56,6 +56,15 @@ def diffusers_fused(kind: str, model_folder, path: str, strength: float = 1.0):
     state, metadata = loader_class(kind).lora_state_dict(os.path.dirname(path), weight_name=os.path.basename(path),
                                                          return_lora_metadata=True)
     model.load_lora_adapter(state, prefix="transformer", metadata=metadata, adapter_name="a")
+    model.fuse_lora(lora_scale=strength)
+    model.unload_lora()
+    return model
+
+
+def diffusers_adapter_fused(kind: str, model_folder, folder: str, strength: float = 1.0):
+    """diffusers' path for a file of the model's own keys: ``model.load_lora_adapter`` + fuse."""
+    model = load_model(kind, model_folder)
+    model.load_lora_adapter(folder, weight_name="pytorch_lora_weights.safetensors", prefix=None, adapter_name="a")
     model.fuse_lora(lora_scale=strength)
     model.unload_lora()
     return model

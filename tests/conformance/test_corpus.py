@@ -28,6 +28,8 @@ def _reference(case: Case, model_folder: str, path: str, folder: str) -> dict[st
     strength = case.spec.get("strength", 1.0)
     if case.reference == "peft":
         return models.weights(models.peft_merged(case.kind, model_folder, path))
+    if case.reference == "diffusers-model":
+        return models.weights(models.diffusers_adapter_fused(case.kind, model_folder, path, strength))
     if case.reference == "diffusers-file":
         path = case.reference_write(os.path.join(folder, "reference"), model_folder)
     if case.reference in ("diffusers", "diffusers-file"):
