@@ -150,6 +150,31 @@ def _comfy_wan_expected(path: str) -> dict:
     return deltas
 
 
+def _diffusers_with_metadata(folder: str, model_folder: str) -> str:
+    """diffusers' ``save_lora_weights`` with the adapter's config as metadata (alpha 16, r 8)."""
+    from tests.clients import tiny_models as tm
+
+    return os.path.join(tm.write_adapters("wan", model_folder, folder)["diffusers_meta"],
+                        "pytorch_lora_weights.safetensors")
+
+
+def _peft_rslora(folder: str, model_folder: str) -> str:
+    return _peft_save(folder, model_folder, ["to_q", "to_v", "ffn.net.2"], use_rslora=True)
+
+
+def _lycoris_loha(folder: str, _model: str) -> str:
+    """A LyCORIS LoHa file (``hada_w1_a`` ...): its weight is a Hadamard product, not B @ A."""
+    gen, tensors = _gen(19), {}
+    stem = "lycoris_blocks_0_attn1_to_q"
+    for name, shape in (("hada_w1_a", (_WAN_DIM, 4)), ("hada_w1_b", (4, _WAN_DIM)), ("hada_w2_a", (_WAN_DIM, 4)),
+                        ("hada_w2_b", (4, _WAN_DIM))):
+        tensors[f"{stem}.{name}"] = torch.randn(*shape, generator=gen)
+    tensors[f"{stem}.alpha"] = torch.tensor(4.0)
+    path = os.path.join(folder, "loha.safetensors")
+    save_file(tensors, path)
+    return path
+
+
 def _save_lora_adapter(folder: str, model_folder: str) -> str:
     """diffusers' own ``model.save_lora_adapter()``: unprefixed keys, the config in the header."""
     from peft import LoraConfig
@@ -210,6 +235,12 @@ CASES: list[Case] = [
          "header `lora_adapter_metadata` (unprefixed)", _save_lora_adapter, "diffusers-model"),
     Case("flux-xlabs", "flux", "XLabs (`processor.qkv_lora1.down/up.weight`)", "none (alpha = rank)", _xlabs_flux,
          "diffusers"),
+    Case("wan-diffusers-metadata", "wan", "diffusers `save_lora_weights` with adapter metadata",
+         "header `lora_adapter_metadata` (`transformer.lora_alpha`)", _diffusers_with_metadata, "diffusers"),
+    Case("wan-peft-rslora", "wan", "peft `save_pretrained` folder, rsLoRA", "`adapter_config.json` `lora_alpha` "
+         "over sqrt(r)", _peft_rslora, "peft"),
+    Case("wan-lycoris-loha", "wan", "LyCORIS LoHa (`hada_w1_a` ...)", "-", _lycoris_loha, "refused",
+         refusal="LoHa adapter"),
     Case("h3-diffsynth-default-infix", "h3", "DiffSynth-Studio (`.lora_A.default.weight`)", "none (alpha = rank)",
          _diffsynth_h3, "diffusers"),
 ]
