@@ -66,3 +66,17 @@ def test_the_file_merges_as_its_reference_does(case, model_folders, tmp_path):
     hit = lora_cache.load_lora(again, spec, cache_root=tmp_path / "cache", progress=False)
     assert hit.built == 0 and hit.layers == stats.layers
     assert all(torch.equal(w, merged[n]) for n, w in models.weights(again).items())
+
+
+def test_set_adapters_reads_the_anchored_peft_patterns_as_merge_does(model_folders, tmp_path):
+    """set_adapters plans from the same reading: an anchored alpha_pattern counts there too."""
+    case = next(c for c in CASES if c.name == "wan-peft-anchored-patterns")
+    model_folder = model_folders[case.kind]
+    path = case.write(os.fspath(tmp_path), model_folder)
+    ours = models.load_model(case.kind, model_folder)
+    result = lora_cache.set_adapters(ours, [path], cache_root=tmp_path / "cache", background=False)
+    assert result.mode == "built" and result.layers == 8, result
+    reference = models.weights(models.peft_merged(case.kind, model_folder, path))
+    merged = models.weights(ours)
+    for name, ref in reference.items():
+        torch.testing.assert_close(merged[name], ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()), msg=name)
