@@ -19,7 +19,9 @@ probe nowhere was dropped. The probe is as small as the file's widths, not its r
 
 from __future__ import annotations
 
+import logging
 import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -71,10 +73,24 @@ def _is_down(key: str) -> bool:
     return key.endswith(".weight") and any(m in key for m in ("lora_A", "lora_down", "lora.down", "down."))
 
 
+@contextmanager
+def _quiet():
+    """diffusers' log lines about the probe: it said them of the file itself already."""
+    logger = logging.getLogger("diffusers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def dropped_by_converter(convert, fed: dict, modules: dict) -> list[str]:
     """The keys of ``fed`` (what a converter was given) whose modules ``convert`` (a function
-    of a state dict, returning its converted state dict) drops; [] when the probe cannot
-    be converted (it then tells nothing)."""
+    of a state dict, returning its converted state dict) drops; [] when the probe tells
+    nothing (the converter refuses it, or no number comes through: a converter that
+    rounds the factors to a narrow dtype would blur every number, and a file is never
+    refused on a guess)."""
     probe, numbered = {}, {}
     for number, change in enumerate(modules.values(), start=1):
         if "down" not in change.keys or change.keys["down"] not in fed:
@@ -87,9 +103,12 @@ def dropped_by_converter(convert, fed: dict, modules: dict) -> list[str]:
         return []
     probe.update({key: value.clone() for key, value in fed.items() if key.endswith(".alpha")})
     try:
-        converted = convert(probe)
+        with _quiet():
+            converted = convert(probe)
     except Exception:  # noqa: BLE001 - a probe the converter refuses tells nothing; the real file converted
         return []
     seen = set().union(*(_numbers(v) for k, v in converted.items() if torch.is_tensor(v) and _is_down(k)))
+    if not seen & set(numbered):
+        return []
     return sorted(k for n, change in numbered.items() if n not in seen
                   for k in change.keys.values() if k in fed)
