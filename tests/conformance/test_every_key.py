@@ -1,6 +1,7 @@
 """Every key of an adapter file accounted for: a key diffusers' converter drops, or one for a
 component the pipeline lacks, fails the load naming it (``strict=False``: one warning naming
-how many and the first few, and the rest applies)."""
+how many and the first few, and the rest applies); a key the reader once refused though
+diffusers loads it (diffusers' older SD attention-processor layout) is now read."""
 
 from __future__ import annotations
 
@@ -84,3 +85,22 @@ def test_keys_diffusers_converter_drops_are_named(flux_dev_with_t5):
         warnings.simplefilter("always")
         adapter = read_with_diffusers(path, diffusers.FluxPipeline, strict=False)
     assert [str(w.message) for w in caught if "dropped by" in str(w.message)] and adapter.modules
+
+
+def test_the_older_diffusers_sd_layout_merges_as_diffusers_loads_it(sd, tmp_path):  # noqa: F811
+    """``unet.….processor.to_q_lora.down.weight`` (diffusers' attention-processor layout): the
+    reader groups its parts, diffusers renames them to peft's, and the merge is diffusers'."""
+    from tests.clients.test_sd_kohya import _changed_as_in, _diffusers_fused, _pipeline, _weights
+
+    gen, tensors = torch.Generator().manual_seed(21), {}
+    block = "unet.down_blocks.0.attentions.0.transformer_blocks.0"
+    for attn, proj, width in (("attn1", "to_q", 32), ("attn2", "to_k", 32), ("attn1", "to_out", 32)):
+        stem = f"{block}.{attn}.processor.{proj}_lora"
+        tensors[f"{stem}.down.weight"] = torch.randn(4, width, generator=gen) / width**0.5
+        tensors[f"{stem}.up.weight"] = torch.randn(32, 4, generator=gen)
+    path = os.fspath(tmp_path / "older.safetensors")
+    save_file(tensors, path)
+    reference = _weights(_diffusers_fused(sd, path))
+    pipe = _pipeline(sd)
+    stats = lora_cache.load_lora(pipe, path, enabled=False, progress=False)
+    assert stats.layers == len(_changed_as_in(_weights(pipe), reference, sd)) == 3
