@@ -145,7 +145,7 @@ def peft_config_path(path: str) -> str | None:
     return config if os.path.exists(config) else None
 
 
-def _read_peft_config(file: str) -> PeftConfig | None:
+def _read_peft_config(file: str, tensors: dict) -> PeftConfig | None:
     path = peft_config_path(file)
     if path is None:
         return None
@@ -154,7 +154,24 @@ def _read_peft_config(file: str) -> PeftConfig | None:
             raw = json.load(handle)
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise AdapterError(f"{path}: cannot read the adapter config ({exc})") from None
-    return peft_config_from(path, raw)
+    config = peft_config_from(path, raw)
+    _refuse_saved_modules(file, tensors, raw.get("modules_to_save") or [])
+    return config
+
+
+def _refuse_saved_modules(path: str, tensors: dict, saved: list) -> None:
+    """peft's ``modules_to_save`` are stored whole: their trained weights replace the
+    model's, which is no change a merge adds (and no key of a LoRA part)."""
+    names = [str(n) for n in saved]
+    found = sorted(key for key in tensors if key.endswith((".weight", ".bias")) and _split_key(key) is None
+                   and any(key.rpartition(".")[0].endswith(n) for n in names))
+    if found:
+        raise AdapterError(
+            f"{path}: {len(found)} key(s) hold peft modules_to_save ({', '.join(found[:3])}"
+            f"{', ...' if len(found) > 3 else ''}): whole trained modules that replace the model's, which lora_cache "
+            "does not merge (it adds changes to the model's weights). Merge this adapter with peft's "
+            "merge_and_unload, or train it without modules_to_save"
+        )
 
 
 def _detect_format(keys: list[str], metadata: dict) -> str:
@@ -214,10 +231,10 @@ def build_adapter_file(path: str, tensors: dict[str, torch.Tensor], header_metad
     """
     if not tensors:
         raise AdapterError(f"{path}: the file holds no tensors; is it an adapter at all?")
+    config = _read_peft_config(path, tensors)
     modules = group_parts(path, tensors)
     if values_check is None:
         values_check = FiniteCheck(path, tensors, memo=converter is None)
-    config = _read_peft_config(path)
     metadata = diffusers_metadata(path, header_metadata)
     sources = AlphaSources(path, config, metadata, network_alpha(path, header_metadata),
                            header_alpha(path, header_metadata))

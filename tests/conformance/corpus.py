@@ -162,6 +162,14 @@ def _peft_rslora(folder: str, model_folder: str) -> str:
     return _peft_save(folder, model_folder, ["to_q", "to_v", "ffn.net.2"], use_rslora=True)
 
 
+def _peft_lora_bias(folder: str, model_folder: str) -> str:
+    return _peft_save(folder, model_folder, ["to_q", "ffn.net.0.proj"], lora_bias=True)
+
+
+def _peft_modules_to_save(folder: str, model_folder: str) -> str:
+    return _peft_save(folder, model_folder, ["to_q"], modules_to_save=["proj_out"])
+
+
 def _lycoris_loha(folder: str, _model: str) -> str:
     """A LyCORIS LoHa file (``hada_w1_a`` ...): its weight is a Hadamard product, not B @ A."""
     gen, tensors = _gen(19), {}
@@ -239,6 +247,10 @@ CASES: list[Case] = [
          "header `lora_adapter_metadata` (`transformer.lora_alpha`)", _diffusers_with_metadata, "diffusers"),
     Case("wan-peft-rslora", "wan", "peft `save_pretrained` folder, rsLoRA", "`adapter_config.json` `lora_alpha` "
          "over sqrt(r)", _peft_rslora, "peft"),
+    Case("wan-peft-lora-bias", "wan", "peft `save_pretrained` folder, `lora_bias`", "`adapter_config.json` "
+         "`lora_alpha` (the bias scaled as B @ A)", _peft_lora_bias, "peft"),
+    Case("wan-peft-modules-to-save", "wan", "peft `save_pretrained` folder, `modules_to_save`", "-",
+         _peft_modules_to_save, "refused", refusal="modules_to_save"),
     Case("wan-lycoris-loha", "wan", "LyCORIS LoHa (`hada_w1_a` ...)", "-", _lycoris_loha, "refused",
          refusal="LoHa adapter"),
     Case("h3-diffsynth-default-infix", "h3", "DiffSynth-Studio (`.lora_A.default.weight`)", "none (alpha = rank)",
