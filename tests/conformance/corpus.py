@@ -66,7 +66,7 @@ def _h3_ai_toolkit(header: dict) -> Callable[[str, str], str]:
 _WAN_DIM = 24
 
 
-def _lightx2v(alpha: float) -> Callable[[str, str], str]:
+def _lightx2v(alpha: float | None) -> Callable[[str, str], str]:
     """lightx2v's Wan file (ComfyUI names): ``diffusion_model.blocks.N.self_attn.q.lora_down``,
     ``.lora_up``, a per-module ``.alpha`` that diffusers' converter folds."""
     def write(folder: str, _model: str) -> str:
@@ -76,8 +76,9 @@ def _lightx2v(alpha: float) -> Callable[[str, str], str]:
                 stem = f"diffusion_model.blocks.{block}.{module}"
                 tensors[f"{stem}.lora_down.weight"] = torch.randn(4, _WAN_DIM, generator=gen) / _WAN_DIM**0.5
                 tensors[f"{stem}.lora_up.weight"] = torch.randn(_WAN_DIM, 4, generator=gen)
-                tensors[f"{stem}.alpha"] = torch.tensor(alpha)
-        path = os.path.join(folder, f"lightx2v_alpha{alpha:g}.safetensors")
+                if alpha is not None:
+                    tensors[f"{stem}.alpha"] = torch.tensor(alpha)
+        path = os.path.join(folder, f"lightx2v_alpha{alpha if alpha is None else f'{alpha:g}'}.safetensors")
         save_file(tensors, path)
         return path
     return write
@@ -232,6 +233,9 @@ CASES: list[Case] = [
     Case("wan-lightx2v-alpha-override", "wan", "ComfyUI / lightx2v (`diffusion_model.…lora_down/up`, `.alpha`)",
          "`Adapter(alpha=...)` over `.alpha` (folded by diffusers' converter)", _lightx2v(8.0), "diffusers-file",
          spec={"alpha": 2.0, "strength": 0.7}, reference_write=_lightx2v(2.0)),
+    Case("wan-lightx2v-no-alpha-override", "wan", "ComfyUI / lightx2v without `.alpha`",
+         "`Adapter(alpha=...)` (handed to diffusers' converter as every module's `.alpha`)", _lightx2v(None),
+         "diffusers-file", spec={"alpha": 2.0}, reference_write=_lightx2v(2.0)),
     Case("wan-peft-anchored-patterns", "wan", "peft `save_pretrained` folder",
          "`adapter_config.json`: anchored `alpha_pattern`/`rank_pattern`", _peft_anchored, "peft"),
     Case("wan-diffusers-file-beside-peft", "wan", "diffusers `save_lora_weights` file in a peft folder",
