@@ -33,7 +33,7 @@ class Case:
     """One adapter file of the corpus and the reference its merge is held to."""
 
     name: str
-    kind: str  # the tiny model: h3, wan, flux
+    kind: str  # the tiny model: h3, qwen, wan, flux
     layout: str  # the layout, in the words its users know it by
     alpha_from: str  # where its alpha is read from
     write: Callable[[str, str], str]  # (folder, model folder) -> the adapter path
@@ -184,6 +184,19 @@ def _lycoris_loha(folder: str, _model: str) -> str:
     return path
 
 
+def _qwen_older_spelling(folder: str, _model: str) -> str:
+    """A QwenImage file in diffusers' older spelling: ``transformer.….lora.down.weight``."""
+    gen, dim, tensors = _gen(23), 32, {}
+    for module, (rows, cols) in {"attn.to_q": (dim, dim), "attn.add_k_proj": (dim, dim),
+                                 "img_mlp.net.2": (dim, 4 * dim)}.items():
+        stem = f"transformer.transformer_blocks.0.{module}.lora"
+        tensors[f"{stem}.down.weight"] = torch.randn(4, cols, generator=gen) / cols**0.5
+        tensors[f"{stem}.up.weight"] = torch.randn(rows, 4, generator=gen)
+    path = os.path.join(folder, "qwen_older.safetensors")
+    save_file(tensors, path)
+    return path
+
+
 def _save_lora_adapter(folder: str, model_folder: str) -> str:
     """diffusers' own ``model.save_lora_adapter()``: unprefixed keys, the config in the header."""
     from peft import LoraConfig
@@ -257,6 +270,8 @@ CASES: list[Case] = [
          _peft_modules_to_save, "refused", refusal="modules_to_save"),
     Case("wan-lycoris-loha", "wan", "LyCORIS LoHa (`hada_w1_a` ...)", "-", _lycoris_loha, "refused",
          refusal="LoHa adapter"),
+    Case("qwen-older-lora-down-spelling", "qwen", "diffusers' older spelling (`.lora.down.weight`)",
+         "none (alpha = rank)", _qwen_older_spelling, "diffusers"),
     Case("h3-diffsynth-default-infix", "h3", "DiffSynth-Studio (`.lora_A.default.weight`)", "none (alpha = rank)",
          _diffsynth_h3, "diffusers"),
 ]

@@ -21,27 +21,30 @@ H3 = {  # one head of 128: diffusers' DiffSynth conversion de-interleaves qkv at
     "time_embed_hidden_dim": 16, "time_embed_dim": 8, "rope_freq_dim": 4,
 }
 
+QWEN = {"patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 1, "attention_head_dim": 16,
+        "num_attention_heads": 2, "joint_attention_dim": 16, "axes_dims_rope": (4, 6, 6)}
+_OWN = {"h3": ("MiniMaxH3Transformer3DModel", "MiniMaxH3LoraLoaderMixin", H3),  # kinds tiny_models has not
+        "qwen": ("QwenImageTransformer2DModel", "QwenImageLoraLoaderMixin", QWEN)}
+
 
 def model_class(kind: str):
-    if kind == "h3":
-        from diffusers import MiniMaxH3Transformer3DModel
+    import diffusers
 
-        return MiniMaxH3Transformer3DModel
-    return tm.classes(kind)[0]
+    return getattr(diffusers, _OWN[kind][0]) if kind in _OWN else tm.classes(kind)[0]
 
 
 def loader_class(kind: str):
     """The loader mixin whose ``lora_state_dict`` diffusers converts this kind's files with."""
-    from diffusers.loaders import MiniMaxH3LoraLoaderMixin
+    from diffusers import loaders
 
-    return MiniMaxH3LoraLoaderMixin if kind == "h3" else tm.classes(kind)[1]
+    return getattr(loaders, _OWN[kind][1]) if kind in _OWN else tm.classes(kind)[1]
 
 
 def save_model(kind: str, folder) -> str:
-    if kind != "h3":
+    if kind not in _OWN:
         return tm.save_model(kind, folder)
     torch.manual_seed(0)
-    model_class(kind)(**H3).save_pretrained(folder)
+    model_class(kind)(**_OWN[kind][2]).save_pretrained(folder)
     return os.fspath(folder)
 
 
