@@ -24,7 +24,9 @@ imports it unless a model is a diffusers model.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import re
 import sys
 
 import torch
@@ -41,24 +43,12 @@ from .spec import AdapterError
 
 __all__ = ["diffusers_loader", "is_diffusers_model", "read_with_diffusers"]
 
-# Model class -> the pipeline loader mixin whose lora_state_dict converts for it.
+# Model class -> the pipeline loader mixin whose lora_state_dict converts for it, where
+# diffusers' docstrings do not say it alone (see _discovered).
 _LOADERS = {
-    "FluxTransformer2DModel": "FluxLoraLoaderMixin",
-    "Flux2Transformer2DModel": "Flux2LoraLoaderMixin",
-    "WanTransformer3DModel": "WanLoraLoaderMixin",
-    "SD3Transformer2DModel": "SD3LoraLoaderMixin",
-    "UNet2DConditionModel": "StableDiffusionXLLoraLoaderMixin",
-    "HunyuanVideoTransformer3DModel": "HunyuanVideoLoraLoaderMixin",
-    "LTXVideoTransformer3DModel": "LTXVideoLoraLoaderMixin",
-    "CogVideoXTransformer3DModel": "CogVideoXLoraLoaderMixin",
-    "MochiTransformer3DModel": "Mochi1LoraLoaderMixin",
-    "SanaTransformer2DModel": "SanaLoraLoaderMixin",
-    "Lumina2Transformer2DModel": "Lumina2LoraLoaderMixin",
-    "HiDreamImageTransformer2DModel": "HiDreamImageLoraLoaderMixin",
-    "QwenImageTransformer2DModel": "QwenImageLoraLoaderMixin",
-    "SkyReelsV2Transformer3DModel": "SkyReelsV2LoraLoaderMixin",
-    "MiniMaxH3Transformer3DModel": "MiniMaxH3LoraLoaderMixin",
-    "ZImageTransformer2DModel": "ZImageLoraLoaderMixin",
+    "UNet2DConditionModel": "StableDiffusionXLLoraLoaderMixin",  # SD's and SDXL's docstrings both name it
+    "WanTransformer3DModel": "WanLoraLoaderMixin",  # CogView4's docstring names it too
+    "CogView4Transformer2DModel": "CogView4LoraLoaderMixin",
 }
 
 
@@ -68,9 +58,31 @@ def is_diffusers_model(module) -> bool:
     return diffusers is not None and isinstance(module, diffusers.ModelMixin)
 
 
+_INTO = re.compile(r"Load LoRA layers into \[`(\w+)`\]")
+
+
+@functools.cache
+def _discovered() -> dict[str, str]:
+    """Model class -> loader mixin, from diffusers' own mixins: each one's docstring opens
+    with the model it loads into (``Load LoRA layers into [`ZImageTransformer2DModel`]``),
+    so a family diffusers adds is found without a list here. A model two mixins name
+    (a docstring copied from another family's) is left to :data:`_LOADERS`."""
+    from diffusers.loaders import lora_pipeline
+
+    named: dict[str, set[str]] = {}
+    for name, mixin in vars(lora_pipeline).items():
+        if name.endswith("LoraLoaderMixin") and isinstance(mixin, type) and hasattr(mixin, "lora_state_dict"):
+            found = _INTO.search(mixin.__doc__ or "")
+            if found:
+                named.setdefault(found.group(1), set()).add(name)
+    return {model: next(iter(names)) for model, names in named.items() if len(names) == 1}
+
+
 def diffusers_loader(module):
-    """The loader mixin class that converts adapters for ``module``'s class, or None."""
-    name = _LOADERS.get(type(module).__name__)
+    """The loader mixin class that converts adapters for ``module``'s class, or None: the
+    list above where it names the class, else the mixin diffusers' docstrings name for it."""
+    model = type(module).__name__
+    name = _LOADERS.get(model) or _discovered().get(model)
     if name is None:
         return None
     from diffusers.loaders import lora_pipeline
