@@ -56,15 +56,14 @@ class NoValues:
 
 
 def record_of(kind: str, converter: str, tensors: dict[str, torch.Tensor] | None = None,
-              folded: bool = False, left: dict[str, list[str]] | None = None,
-              named: dict[str, list[str]] | None = None) -> dict:
+              folded: bool = False, left: dict[str, list[str]] | None = None) -> dict:
     """The record of one conversion: ``kind`` (``"diffusers"``: its tensors by name, shape
     and dtype, alphas with their values; ``"kohya-flux"``: read by this package's parser),
     the converter that the cache key names, whether it folded the alphas, and the keys it
-    left unused, by what became of them (``left``: refused under strict; ``named``: only
-    said), said again on every start planned from it."""
+    left unused (``dropped`` by it, ``others``: another component's), named again (or
+    refused) on every start planned from it."""
     record = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "kind": kind, "converter": converter,
-              "folded": bool(folded), "left": dict(left or {}), "named": dict(named or {})}
+              "folded": bool(folded), "left": {"dropped": [], "others": [], **(left or {})}}
     if tensors is not None:
         record["tensors"] = {key: _describe(key, t) for key, t in sorted(tensors.items())}
     return record
@@ -97,7 +96,7 @@ def _valid(record) -> bool:
         return False
     if record.get("version") != RECORD_VERSION or not isinstance(record.get("converter"), str):
         return False
-    if not isinstance(record.get("folded"), bool) or not all(_valid_left(record.get(k)) for k in ("left", "named")):
+    if not isinstance(record.get("folded"), bool) or not _valid_left(record.get("left")):
         return False
     if record.get("kind") == "kohya-flux":
         return True
@@ -108,10 +107,9 @@ def _valid(record) -> bool:
 
 
 def _valid_left(left) -> bool:
-    """The keys left unused: lists of names by what became of them."""
-    return isinstance(left, dict) and all(
-        isinstance(why, str) and isinstance(keys, list) and all(isinstance(k, str) for k in keys)
-        for why, keys in left.items())
+    """The keys left unused: a list of names for each of ``dropped`` and ``others``."""
+    return isinstance(left, dict) and set(left) == {"dropped", "others"} and all(
+        isinstance(keys, list) and all(isinstance(k, str) for k in keys) for keys in left.values())
 
 
 def _valid_tensor(info) -> bool:

@@ -141,24 +141,25 @@ def _kept(path: str, state: dict, keep: tuple[str, ...], loader=None) -> dict:
     return kept
 
 
-def _left(path: str, loader, state: dict, fed: dict, modules: dict, keep: tuple[str, ...],
-          pipeline: bool) -> list[tuple[str, list[str], bool]]:
-    """The keys a conversion leaves unused, ``(what became of them, keys, whether strict
-    refuses them)``: dropped by the converter, or converted for a component the model
-    lacks (see :mod:`lora_cache.adapters.accounting`). A pipeline lacking a component the
-    file changes is refused under ``strict``; a model merged alone (a UNet taken out of
-    its pipeline) is one component by the caller's choice, and the others are named."""
-    left = []
+def _left(path: str, loader, state: dict, fed: dict, modules: dict, keep: tuple[str, ...]) -> dict[str, list[str]]:
+    """The keys a conversion leaves unused: ``dropped`` by the converter (the file's keys),
+    ``others``: converted for a component not merged (see :mod:`lora_cache.adapters.accounting`)."""
     dropped = dropped_by_converter(lambda probe: _convert(loader, path, probe)[0], fed, modules)
-    if dropped:
-        left.append((f"are dropped by diffusers' {loader.__name__}.lora_state_dict (it merges nothing of them)",
-                     dropped, True))
     others = [] if _unprefixed(state, loader, keep) else sorted(key for key in state if key.split(".", 1)[0] not in keep)
-    if others:
-        named = ", ".join(sorted({key.split(".", 1)[0] for key in others}))
+    return {"dropped": dropped, "others": others}
+
+
+def _say_left(path: str, loader, left: dict[str, list[str]], keep: tuple[str, ...], pipeline: bool,
+              strict: bool) -> None:
+    """Refuse (under ``strict``) or name the keys a conversion left unused. A pipeline lacking
+    a component the file changes is refused; a model merged alone (a UNet taken out of its
+    pipeline) is one component by the caller's choice, and the others' keys are named."""
+    left_over(path, left["dropped"], f"are dropped by diffusers' {loader.__name__}.lora_state_dict (it merges "
+              "nothing of them)", strict)
+    if left["others"]:
+        named = ", ".join(sorted({key.split(".", 1)[0] for key in left["others"]}))
         where = "the pipeline lacks" if pipeline else "is not the model merged into"
-        left.append((f"change {named}, which {where} (it has {', '.join(keep)})", others, pipeline))
-    return left
+        left_over(path, left["others"], f"change {named}, which {where} (it has {', '.join(keep)})", strict and pipeline)
 
 
 def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str, ...],
@@ -184,16 +185,14 @@ def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str
         del writable
         adapter = _kohya_fallback(path, loader, tensors, metadata, refused)
         return adapter, record_of("kohya-flux", adapter.converter)
-    left = _left(path, loader, state, fed, modules, keep, pipeline)
-    for why, keys, refuses in left:
-        left_over(path, keys, why, strict and refuses)
+    left = _left(path, loader, state, fed, modules, keep)
+    _say_left(path, loader, left, keep, pipeline, strict)
     kept = _kept(path, {**state, **diffs}, keep, loader)  # the merge's components only: another's keys are named above
     kept = peft_keys(path, kept, {k: v for k, v in alphas.items() if k.split(".", 1)[0] in keep})
     folded = is_folded(fed, kept)
     adapter = build_adapter_file(path, kept, folded_metadata(metadata, folded), converter=converter,
                                  values_check=values_check, folded=folded)
-    return adapter, record_of("diffusers", converter, kept, folded, {why: keys for why, keys, refuses in left if refuses},
-                              {why: keys for why, keys, refuses in left if not refuses})
+    return adapter, record_of("diffusers", converter, kept, folded, left)
 
 
 def _kohya_fallback(path: str, loader, tensors: dict, metadata: dict, refused: ConversionRefused) -> AdapterFile:
@@ -213,16 +212,14 @@ def _kohya_fallback(path: str, loader, tensors: dict, metadata: dict, refused: C
     return read_kohya_flux(path, tensors, metadata, why)
 
 
-def _from_record(path: str, tensors: dict, metadata: dict, record: dict, strict: bool) -> AdapterFile:
+def _from_record(path: str, loader, tensors: dict, metadata: dict, record: dict, keep: tuple[str, ...],
+                 pipeline: bool, strict: bool) -> AdapterFile:
     """The adapter as its conversion record describes it: diffusers' keys with tensors on the
     meta device (values are needed only where a layer is computed: :class:`NoValues`), or
     the file read by this package's kohya Flux parser (views of the file, as any read)."""
     if record["kind"] == "kohya-flux":
         return read_kohya_flux(path, tensors, metadata, "diffusers' converter could not convert it when first read")
-    for why, keys in record["left"].items():  # said again (or refused) as when it was converted
-        left_over(path, keys, why, strict)
-    for why, keys in record["named"].items():
-        left_over(path, keys, why, False)
+    _say_left(path, loader, record["left"], keep, pipeline, strict)  # as when it was converted
     folded = bool(record.get("folded"))
     return build_adapter_file(path, skeleton_of(record), folded_metadata(metadata, folded),
                               converter=record["converter"], values_check=NoValues(path), folded=folded)
@@ -250,7 +247,7 @@ def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
     name = memo.key(path, converter, keep, alpha) if memo is not None else None
     record = memo.load(name) if memo is not None else None
     if record is not None:
-        return _from_record(path, tensors, metadata, record, strict)
+        return _from_record(path, loader, tensors, metadata, record, keep, bool(components), strict)
     adapter, record = _converted(path, loader, tensors, metadata, keep, converter, alpha, model, strict,
                                  pipeline=bool(components))
     if memo is not None:

@@ -44,6 +44,24 @@ def test_lora_te_keys_into_a_pipeline_without_a_text_encoder_are_named_not_skipp
     assert stats.layers == sum(1 for k in _keys(path) if k.startswith("lora_unet_") and k.endswith("down.weight"))
 
 
+def test_a_start_planned_from_the_conversion_record_names_the_same_keys(sd, tmp_path):  # noqa: F811
+    """The record of a conversion keeps what was left over: a later start, planned from it
+    without converting, warns or refuses as the first did (a UNet merged alone first, then
+    the pipeline that lacks the text encoder)."""
+    from diffusers import UNet2DConditionModel
+
+    path = _kohya_file(sd, tmp_path / "kohya_sd.safetensors", alpha=2.0)
+    cache = tmp_path / "cache"
+    with pytest.warns(UserWarning, match=r"change text_encoder, which is not the model merged into"):
+        lora_cache.merge(UNet2DConditionModel.from_pretrained(sd / "unet"), path, cache_root=cache, progress=False)
+    with pytest.raises(lora_cache.AdapterError, match=r"change text_encoder, which the pipeline lacks"):
+        lora_cache.load_lora(_without_text_encoder(sd), path, cache_root=cache, progress=False)
+    with pytest.warns(UserWarning, match=r"change text_encoder, which the pipeline lacks"):
+        stats = lora_cache.load_lora(_without_text_encoder(sd), lora_cache.Adapter(path, strict=False),
+                                     cache_root=cache, progress=False)
+    assert stats.layers > 0
+
+
 def _keys(path) -> list[str]:
     from safetensors import safe_open
 
