@@ -210,3 +210,18 @@ def test_each_scale_says_where_its_alpha_was_read_from(tmp_path):
     assert adapter.alpha_from(change, 2.0) == (2.0, "Adapter(alpha=...)")
     plain = read_adapter(_ai_toolkit(tmp_path / "p.safetensors", {}))
     assert plain.alpha_from(next(iter(plain.modules.values()))) == (None, "none: alpha = rank")
+
+
+def test_peft_default_infix_and_xlabs_parts_are_read_as_down_and_up(tmp_path):
+    """``.lora_A.default.weight`` (DiffSynth-Studio's peft dump) and ``.down.weight`` /
+    ``.up.weight`` (XLabs) are the same parts: the same module, the same scale."""
+    model = mapped_model(tmp_path)
+    parts = lora_change(64, 64, 8, 1)
+    for name, (down, up) in {"default": ("lora_A.default.weight", "lora_B.default.weight"),
+                             "xlabs": ("down.weight", "up.weight")}.items():
+        path = tmp_path / f"{name}.safetensors"
+        save_file({f"blocks.0.attn.to_q.{down}": parts["down"], f"blocks.0.attn.to_q.{up}": parts["up"]}, path,
+                  metadata={"lora_alpha": "16"})
+        targets, _ = plan_targets(model, [os.fspath(path)])
+        assert [(t.name, t.deltas[0].scale) for t in targets] == [("blocks.0.attn.to_q.weight", pytest.approx(2.0))]
+        assert torch.equal(targets[0].deltas[0].down, parts["down"])
