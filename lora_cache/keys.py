@@ -368,7 +368,7 @@ def _module_deltas(adapter: AdapterFile, spec: Adapter, place: Placement, index:
     parts = change.parts
     scale = 0.0
     if "up" in parts:
-        alpha = spec.alpha if spec.alpha is not None else adapter.alpha(change)
+        alpha = adapter.alpha(change, spec.alpha)  # the override, unless a converter folded it in already
         rslora = adapter.rslora_for(change) if spec.rslora is None else spec.rslora
         scale = lora_scale(strength, alpha, adapter.rank(change), rslora)
     if "up" in parts or "diff" in parts:

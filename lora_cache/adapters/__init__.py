@@ -11,11 +11,18 @@ Every format names the same few parts of a module's change with its own suffixes
 - kohya / sd-scripts: ``lora_unet_<module_with_underscores>.lora_down.weight``,
   ``.lora_up.weight`` and ``.alpha``, ``ss_network_alpha`` in the header;
 - ComfyUI / lightx2v: ``diffusion_model.<module>.lora_down.weight``, ``.lora_up.weight``,
-  ``.alpha``, and full deltas ``.diff`` (weight) and ``.diff_b`` (bias).
+  ``.alpha``, and full deltas ``.diff`` (weight) and ``.diff_b`` (bias);
+- ai-toolkit: ``diffusion_model.<module>.lora_A/B.weight``, one alpha in the header
+  (``alpha``, ``lora_alpha`` or ``network_alpha``);
+- XLabs ``.down.weight`` / ``.up.weight``, peft's ``.lora_A.default.weight`` infix.
 
 A path may be the file or the folder peft (``adapter_model.safetensors``) or diffusers
-(``pytorch_lora_weights.safetensors``) wrote. Alpha precedence, and what happens when two
-places disagree, is in :mod:`lora_cache.adapters.alpha`. For a diffusers model the keys
+(``pytorch_lora_weights.safetensors``) wrote; an ``adapter_config.json`` belongs to the
+file peft wrote with it only. Alpha precedence, and what happens when two places
+disagree, is in :mod:`lora_cache.adapters.alpha`; where a converter folds alphas into
+the factors, :mod:`lora_cache.adapters.alpha_fold` keeps each applied once. Every key is
+used or named (:mod:`lora_cache.adapters.accounting`), full diffs included
+(:mod:`lora_cache.adapters.full_diffs`). For a diffusers model the keys
 are converted by diffusers itself (:mod:`lora_cache.adapters.diffusers_format`), each
 conversion recorded by the file's content so that a start whose layers are all cached
 does not convert again (:mod:`lora_cache.adapters.conversion_memo`); a kohya Flux file

@@ -1,4 +1,4 @@
-"""Where a module's alpha (and rank) is stored, and which place wins.
+r"""Where a module's alpha (and rank) is stored, and which place wins.
 
 A LoRA's scale is alpha / r; missing the place an alpha is stored in gives a wrong image
 without any error, so every place is read:
@@ -10,14 +10,25 @@ without any error, so every place is read:
 4. diffusers' adapter metadata in the file's header (``lora_adapter_metadata``, written
    by ``save_lora_weights(..., transformer_lora_adapter_metadata=...)`` per component,
    or by ``save_lora_adapter``): ``alpha_pattern`` for the module, else ``lora_alpha``;
-5. kohya's ``ss_network_alpha`` in the header, for modules without a ``.alpha`` tensor;
-6. none: alpha = r (scale 1, the peft and diffusers convention).
+5. a plain header entry ``alpha``, ``lora_alpha`` or ``network_alpha`` (ai-toolkit and
+   lightx2v write ``{"alpha": "4"}``; diffusers' MiniMax-H3 loader reads it): one alpha
+   for every module;
+6. kohya's ``ss_network_alpha`` in the header, for modules without a ``.alpha`` tensor;
+7. none: alpha = r (scale 1, the peft and diffusers convention).
 
-Sources 2-4 each state the alpha the trainer used. Where two of them give a module
+Sources 2-5 each state the alpha the trainer used. Where two of them give a module
 different alphas the file contradicts itself, and which one was meant cannot be told:
 that is an :class:`AdapterError` naming both (an override settles it). ``ss_network_alpha``
 is a record of the training command, and kohya writes a ``.alpha`` per module anyway
-(conv layers get ``conv_alpha``), so it only fills in; it is never compared.
+(conv layers get ``conv_alpha``), so it only fills in; it is never compared with a
+module's ``.alpha``, but the header's entries must agree among themselves.
+
+peft's ``rank_pattern`` and ``alpha_pattern`` are matched as peft matches them
+(``peft.utils.other.get_pattern_key``): ``re.match(r"(.*\.)?(PATTERN)$", name)``, first
+pattern in the config's order, against the module's name in the base model, that is
+without peft's ``base_model.model.`` wrapper, so an anchored ``^blocks\.1\.`` pattern
+holds. An ``adapter_config.json`` describes the file peft wrote beside it
+(``adapter_model.safetensors`` or ``.bin``), never another file in the same folder.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ from dataclasses import dataclass, field
 
 from .spec import AdapterError
 
-__all__ = ["PeftConfig", "AlphaSources", "diffusers_metadata", "peft_config_from"]
+__all__ = ["PeftConfig", "AlphaSources", "diffusers_metadata", "header_alpha", "peft_config_from", "peft_name"]
 
 _AGREE = 1e-3  # an alpha stored in fp16 (0.1 -> 0.09998) agrees with the same alpha in JSON
 
@@ -46,9 +57,11 @@ class PeftConfig:
 
     @staticmethod
     def _lookup(patterns: dict, stem: str):
-        """peft matches a pattern against the end of the module's dotted name."""
+        """The first pattern peft's ``get_pattern_key`` would pick for the module ``stem``
+        names (its name in the base model: peft's wrapper prefix removed)."""
+        name = peft_name(stem)
         for pattern, value in patterns.items():
-            if re.fullmatch(rf"(.*\.)?(?:{pattern})", stem):
+            if re.match(rf"(.*\.)?({pattern})$", name):
                 return pattern, value
         return None
 
@@ -62,6 +75,16 @@ class PeftConfig:
         if found is not None:
             return f"alpha_pattern[{found[0]!r}]", float(found[1])
         return None if self.lora_alpha is None else ("lora_alpha", float(self.lora_alpha))
+
+
+_PEFT_WRAPPER = "base_model.model."
+_HEADER_ALPHAS = ("alpha", "lora_alpha", "network_alpha")  # plain header entries that state one alpha for all
+_KOHYA_ALPHA = "ss_network_alpha"
+
+
+def peft_name(stem: str) -> str:
+    """The module's name as peft matches its patterns: without ``base_model.model.``."""
+    return stem.removeprefix(_PEFT_WRAPPER)
 
 
 def _number(where: str, name: str, value, whole: bool = False):
@@ -123,18 +146,44 @@ def diffusers_metadata(path: str, header_metadata: dict) -> dict[str, PeftConfig
     return {p: peft_config_from(f"{where} ({p or 'unprefixed'})", fields) for p, fields in groups.items()}
 
 
-def network_alpha(path: str, header_metadata: dict) -> float | None:
-    """kohya's ``ss_network_alpha`` (a string in the header), or None."""
-    raw = header_metadata.get("ss_network_alpha")
+def _header_number(path: str, header_metadata: dict, name: str) -> float | None:
+    """A header entry read as a number (the header holds strings), or None when absent."""
+    raw = header_metadata.get(name)
     if raw in (None, "", "None"):
         return None
     try:
         value = float(raw)
-    except ValueError:
-        raise AdapterError(f"{path}: header metadata ss_network_alpha={raw!r} is not a number") from None
+    except (TypeError, ValueError):
+        raise AdapterError(f"{path}: header metadata {name}={raw!r} is not a number") from None
     if not math.isfinite(value):
-        raise AdapterError(f"{path}: header metadata ss_network_alpha={raw!r} is not finite")
+        raise AdapterError(f"{path}: header metadata {name}={raw!r} is not finite")
     return value
+
+
+def _header_entries(path: str, header_metadata: dict) -> list[tuple[str, float]]:
+    """Every alpha the header states, ``(entry, value)``; entries that disagree are an error."""
+    found = [(n, v) for n in (*_HEADER_ALPHAS, _KOHYA_ALPHA)
+             if (v := _header_number(path, header_metadata, n)) is not None]
+    for (first, a), (other, b) in zip(found, found[1:]):
+        if not math.isclose(a, b, rel_tol=_AGREE):
+            raise AdapterError(
+                f"{path}: header metadata {first}={a:g} but {other}={b:g}; the file contradicts itself: fix one, "
+                "or give the alpha explicitly (Adapter(alpha=...))"
+            )
+    return found
+
+
+def header_alpha(path: str, header_metadata: dict) -> tuple[str, float] | None:
+    """The plain header entry (``alpha``, ``lora_alpha``, ``network_alpha``) stating one
+    alpha for every module, as ``(entry, value)``, or None."""
+    found = [(n, v) for n, v in _header_entries(path, header_metadata) if n != _KOHYA_ALPHA]
+    return found[0] if found else None
+
+
+def network_alpha(path: str, header_metadata: dict) -> float | None:
+    """kohya's ``ss_network_alpha`` (a string in the header), or None."""
+    found = dict(_header_entries(path, header_metadata))
+    return found.get(_KOHYA_ALPHA)
 
 
 @dataclass
@@ -145,6 +194,7 @@ class AlphaSources:
     peft: PeftConfig | None = None  # adapter_config.json beside the file
     metadata: dict[str, PeftConfig] = field(default_factory=dict)  # diffusers', by component
     kohya_alpha: float | None = None  # ss_network_alpha
+    header: tuple[str, float] | None = None  # a plain header entry: (name, alpha), see header_alpha
 
     def _metadata_for(self, stem: str) -> tuple[str, str, PeftConfig] | None:
         """The metadata group for a stem, and the stem as that group names it."""
@@ -171,11 +221,18 @@ class AlphaSources:
 
     def alpha(self, stem: str, stored: tuple[str, float] | None) -> float | None:
         """The module's alpha; ``stored`` is its ``.alpha`` tensor as ``(key, value)``."""
+        return self.resolve(stem, stored)[0]
+
+    def resolve(self, stem: str, stored: tuple[str, float] | None) -> tuple[float | None, str]:
+        """``(the module's alpha, where it was read from)``: the canonical form's record of
+        a scale's origin (None, ``"none: alpha = rank"`` when no place states one)."""
         stated = [] if stored is None else [(f"{stored[0]!r}", stored[1])]
         for name, inner, config in self.configs_for(stem):
             found = config.alpha_for(inner)
             if found is not None:
                 stated.append((f"{name} {found[0]}", found[1]))
+        if self.header is not None:
+            stated.append((f"header metadata {self.header[0]!r}", self.header[1]))
         for (first, a), (other, b) in zip(stated, stated[1:]):
             if not math.isclose(a, b, rel_tol=_AGREE):
                 raise AdapterError(
@@ -183,8 +240,10 @@ class AlphaSources:
                     "the file contradicts itself: fix one, or give the alpha explicitly (Adapter(alpha=...))"
                 )
         if stated:
-            return stated[0][1]
-        return self.kohya_alpha
+            return stated[0][1], stated[0][0]
+        if self.kohya_alpha is not None:
+            return self.kohya_alpha, "header metadata 'ss_network_alpha'"
+        return None, "none: alpha = rank"
 
     def check_rank(self, stem: str, key: str, rank: int) -> None:
         """A rank that contradicts a config's ``r``/``rank_pattern`` is a broken pairing."""

@@ -36,7 +36,7 @@ from hostmem.vault.safety import VaultError, check_folder_safe, make_private_dir
 __all__ = ["ConversionMemo", "ValuesNeeded", "NoValues", "record_of", "skeleton_of"]
 
 RECORD_FORMAT = "lora-cache-adapter-conversion"
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: whether the converter folded the alphas, and the override it folded
 FOLDER = CONVERSIONS  # a folder hostmem cache prune looks after (hostmem.vault.records)
 
 
@@ -55,11 +55,15 @@ class NoValues:
         raise ValuesNeeded(f"{self.path}: planned from its conversion record; a layer needs its values")
 
 
-def record_of(kind: str, converter: str, tensors: dict[str, torch.Tensor] | None = None) -> dict:
+def record_of(kind: str, converter: str, tensors: dict[str, torch.Tensor] | None = None,
+              folded: bool = False, left: dict[str, list[str]] | None = None) -> dict:
     """The record of one conversion: ``kind`` (``"diffusers"``: its tensors by name, shape
     and dtype, alphas with their values; ``"kohya-flux"``: read by this package's parser),
-    and the converter that the cache key names."""
-    record = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "kind": kind, "converter": converter}
+    the converter that the cache key names, whether it folded the alphas, and the keys it
+    left unused (``dropped`` by it, ``others``: another component's), named again (or
+    refused) on every start planned from it."""
+    record = {"format": RECORD_FORMAT, "version": RECORD_VERSION, "kind": kind, "converter": converter,
+              "folded": bool(folded), "left": {"dropped": [], "others": [], **(left or {})}}
     if tensors is not None:
         record["tensors"] = {key: _describe(key, t) for key, t in sorted(tensors.items())}
     return record
@@ -92,12 +96,20 @@ def _valid(record) -> bool:
         return False
     if record.get("version") != RECORD_VERSION or not isinstance(record.get("converter"), str):
         return False
+    if not isinstance(record.get("folded"), bool) or not _valid_left(record.get("left")):
+        return False
     if record.get("kind") == "kohya-flux":
         return True
     tensors = record.get("tensors")
     if record.get("kind") != "diffusers" or not isinstance(tensors, dict) or not tensors:
         return False
     return all(_valid_tensor(info) for info in tensors.values())
+
+
+def _valid_left(left) -> bool:
+    """The keys left unused: a list of names for each of ``dropped`` and ``others``."""
+    return isinstance(left, dict) and set(left) == {"dropped", "others"} and all(
+        isinstance(keys, list) and all(isinstance(k, str) for k in keys) for keys in left.values())
 
 
 def _valid_tensor(info) -> bool:
@@ -122,12 +134,14 @@ class ConversionMemo:
         self.writable = next((v for v in self.vaults if not v.read_only), None)
         self._digests: dict[str, str] = {}  # record name -> the digest of the file it describes
 
-    def key(self, path: str, converter: str, components: tuple[str, ...]) -> str:
+    def key(self, path: str, converter: str, components: tuple[str, ...], alpha: float | None = None) -> str:
         """The record's name: the file's content digest (memoised under the root the cache
-        key's digests are), the converter and the components kept."""
+        key's digests are), the converter, the components kept and the alpha override
+        (which the converter may fold in place of the file's)."""
         keyer = self.writable or self.vaults[0]
         digest = keyer.adapter_identity(path, 1.0, None)["digest"]
-        inputs = {"version": RECORD_VERSION, "digest": digest, "converter": converter, "components": list(components)}
+        inputs = {"version": RECORD_VERSION, "digest": digest, "converter": converter, "components": list(components),
+                  "alpha": None if alpha is None else float(alpha)}
         name = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
         self._digests[name] = digest
         return name

@@ -5,10 +5,12 @@ names, ComfyUI and lightx2v, xlabs, its own) into its own keys with the pipeline
 ``lora_state_dict``; re-implementing those converters here would drift from them. So for
 a diffusers model the file is read and checked here (every key, the alphas of the
 header; its values when they are first consumed, as for any file), handed to that
-classmethod as a dict, and what comes back is grouped like any other file. kohya's
-converter folds each module's alpha into its matrices (scale 1 afterwards); an
-``ss_network_alpha`` is written into the modules without a ``.alpha`` first, so the
-precedence of :mod:`lora_cache.adapters.alpha` holds on this path too. The converters
+classmethod as a dict, and what comes back is grouped like any other file. Alphas are
+held to one meaning on this path too (:mod:`lora_cache.adapters.alpha_fold`): the
+converters of kohya, ComfyUI and lightx2v layouts fold each module's ``.alpha`` into its
+matrices (scale 1 afterwards), so before they run every module gets its alpha (a
+header's ``alpha`` or ``ss_network_alpha``, or ``Adapter(alpha=...)`` in place of the
+stored ones), and what was folded is never applied again. The converters
 get copies of the tensors (some scale them in place, which a read-only mapping refuses
 with a SIGSEGV): as much anonymous memory as the adapter, as diffusers' own loader
 takes. So each conversion is recorded by the file's content
@@ -22,37 +24,31 @@ imports it unless a model is a diffusers model.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import re
 import sys
 
 import torch
 
-from .alpha import network_alpha
+from .accounting import dropped_by_converter, left_over
+from .alpha_fold import folded_metadata, for_converter, is_folded
 from .checks import FiniteCheck
 from .conversion_memo import ConversionMemo, NoValues, record_of, skeleton_of
 from .diffusers_keys import peft_keys
+from .full_diffs import full_diff_stems, place_full_diffs, without_full_diffs
 from .kohya_flux import read_kohya_flux, uncovered_stems
 from .read import AdapterFile, build_adapter_file, group_parts, open_adapter
 from .spec import AdapterError
 
 __all__ = ["diffusers_loader", "is_diffusers_model", "read_with_diffusers"]
 
-# Model class -> the pipeline loader mixin whose lora_state_dict converts for it.
+# Model class -> the pipeline loader mixin whose lora_state_dict converts for it, where
+# diffusers' docstrings do not say it alone (see _discovered).
 _LOADERS = {
-    "FluxTransformer2DModel": "FluxLoraLoaderMixin",
-    "Flux2Transformer2DModel": "Flux2LoraLoaderMixin",
-    "WanTransformer3DModel": "WanLoraLoaderMixin",
-    "SD3Transformer2DModel": "SD3LoraLoaderMixin",
-    "UNet2DConditionModel": "StableDiffusionXLLoraLoaderMixin",
-    "HunyuanVideoTransformer3DModel": "HunyuanVideoLoraLoaderMixin",
-    "LTXVideoTransformer3DModel": "LTXVideoLoraLoaderMixin",
-    "CogVideoXTransformer3DModel": "CogVideoXLoraLoaderMixin",
-    "MochiTransformer3DModel": "Mochi1LoraLoaderMixin",
-    "SanaTransformer2DModel": "SanaLoraLoaderMixin",
-    "Lumina2Transformer2DModel": "Lumina2LoraLoaderMixin",
-    "HiDreamImageTransformer2DModel": "HiDreamImageLoraLoaderMixin",
-    "QwenImageTransformer2DModel": "QwenImageLoraLoaderMixin",
-    "SkyReelsV2Transformer3DModel": "SkyReelsV2LoraLoaderMixin",
+    "UNet2DConditionModel": "StableDiffusionXLLoraLoaderMixin",  # SD's and SDXL's docstrings both name it
+    "WanTransformer3DModel": "WanLoraLoaderMixin",  # CogView4's docstring names it too
+    "CogView4Transformer2DModel": "CogView4LoraLoaderMixin",
 }
 
 
@@ -62,9 +58,31 @@ def is_diffusers_model(module) -> bool:
     return diffusers is not None and isinstance(module, diffusers.ModelMixin)
 
 
+_INTO = re.compile(r"Load LoRA layers into \[`(\w+)`\]")
+
+
+@functools.cache
+def _discovered() -> dict[str, str]:
+    """Model class -> loader mixin, from diffusers' own mixins: each one's docstring opens
+    with the model it loads into (``Load LoRA layers into [`ZImageTransformer2DModel`]``),
+    so a family diffusers adds is found without a list here. A model two mixins name
+    (a docstring copied from another family's) is left to :data:`_LOADERS`."""
+    from diffusers.loaders import lora_pipeline
+
+    named: dict[str, set[str]] = {}
+    for name, mixin in vars(lora_pipeline).items():
+        if name.endswith("LoraLoaderMixin") and isinstance(mixin, type) and hasattr(mixin, "lora_state_dict"):
+            found = _INTO.search(mixin.__doc__ or "")
+            if found:
+                named.setdefault(found.group(1), set()).add(name)
+    return {model: next(iter(names)) for model, names in named.items() if len(names) == 1}
+
+
 def diffusers_loader(module):
-    """The loader mixin class that converts adapters for ``module``'s class, or None."""
-    name = _LOADERS.get(type(module).__name__)
+    """The loader mixin class that converts adapters for ``module``'s class, or None: the
+    list above where it names the class, else the mixin diffusers' docstrings name for it."""
+    model = type(module).__name__
+    name = _LOADERS.get(model) or _discovered().get(model)
     if name is None:
         return None
     from diffusers.loaders import lora_pipeline
@@ -72,21 +90,9 @@ def diffusers_loader(module):
     return getattr(lora_pipeline, name, None)
 
 
-def _component_name(loader) -> str:
+def denoiser_name(loader) -> str:
+    """The pipeline component the loader's denoiser is (``transformer``, ``unet``)."""
     return getattr(loader, "transformer_name", None) or getattr(loader, "unet_name", None) or "transformer"
-
-
-def _with_network_alpha(path: str, tensors: dict, metadata: dict) -> dict:
-    """kohya modules without ``.alpha`` get ``ss_network_alpha`` before the converter folds alphas."""
-    alpha = network_alpha(path, metadata)
-    if alpha is None:
-        return tensors
-    filled = dict(tensors)
-    for key, down in tensors.items():
-        stem = key.removesuffix(".lora_down.weight")
-        if stem != key and f"{stem}.alpha" not in tensors:
-            filled[f"{stem}.alpha"] = torch.tensor(alpha, dtype=down.dtype)
-    return filled
 
 
 class ConversionRefused(AdapterError):
@@ -113,8 +119,19 @@ def _convert(loader, path: str, tensors: dict) -> tuple[dict, dict]:
     return state, dict(alphas or {})
 
 
-def _kept(path: str, state: dict, keep: tuple[str, ...]) -> dict:
-    """The converted keys of the components ``keep`` names."""
+def _unprefixed(state: dict, loader, keep: tuple[str, ...]) -> bool:
+    """Whether no converted key names a component: a file of the model's own keys, as
+    diffusers' ``save_lora_adapter`` writes (``blocks.0.attn1.to_q.lora_A.weight`` and its
+    config unprefixed), which ``load_lora_adapter`` loads into the model it is called on."""
+    components = {*getattr(loader, "_lora_loadable_modules", ()), *keep}
+    return bool(state) and not any(key.split(".", 1)[0] in components for key in state)
+
+
+def _kept(path: str, state: dict, keep: tuple[str, ...], loader=None) -> dict:
+    """The converted keys of the components ``keep`` names (all of them, for a file of the
+    model's own unprefixed keys)."""
+    if loader is not None and _unprefixed(state, loader, keep):
+        return dict(state)
     kept = {k: v for k, v in state.items() if k.split(".", 1)[0] in keep}
     if not kept:
         raise AdapterError(
@@ -124,30 +141,58 @@ def _kept(path: str, state: dict, keep: tuple[str, ...]) -> dict:
     return kept
 
 
-def _converted_metadata(metadata: dict) -> dict:
-    return {k: v for k, v in metadata.items() if k != "ss_network_alpha"}  # folded by the converter
+def _left(path: str, loader, state: dict, fed: dict, modules: dict, keep: tuple[str, ...]) -> dict[str, list[str]]:
+    """The keys a conversion leaves unused: ``dropped`` by the converter (the file's keys),
+    ``others``: converted for a component not merged (see :mod:`lora_cache.adapters.accounting`)."""
+    dropped = dropped_by_converter(lambda probe: _convert(loader, path, probe)[0], fed, modules)
+    others = [] if _unprefixed(state, loader, keep) else sorted(key for key in state if key.split(".", 1)[0] not in keep)
+    return {"dropped": dropped, "others": others}
+
+
+def _say_left(path: str, loader, left: dict[str, list[str]], keep: tuple[str, ...], pipeline: bool,
+              strict: bool) -> None:
+    """Refuse (under ``strict``) or name the keys a conversion left unused. A pipeline lacking
+    a component the file changes is refused; a model merged alone (a UNet taken out of its
+    pipeline) is one component by the caller's choice, and the others' keys are named."""
+    left_over(path, left["dropped"], f"are dropped by diffusers' {loader.__name__}.lora_state_dict (it merges "
+              "nothing of them)", strict)
+    if left["others"]:
+        named = ", ".join(sorted({key.split(".", 1)[0] for key in left["others"]}))
+        where = "the pipeline lacks" if pipeline else "is not the model merged into"
+        left_over(path, left["others"], f"change {named}, which {where} (it has {', '.join(keep)})", strict and pipeline)
 
 
 def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str, ...],
-               converter: str) -> tuple[AdapterFile, dict]:
+               converter: str, alpha: float | None, model=None, strict: bool = True,
+               pipeline: bool = False) -> tuple[AdapterFile, dict]:
     """Convert with diffusers (or, where its kohya Flux converter refuses the sizes, read with
-    this package's parser): ``(the adapter, its conversion record)``."""
-    group_parts(path, tensors)  # the file's own keys and shapes, checked before any conversion
+    this package's parser): ``(the adapter, its conversion record)``. ``alpha``: the
+    override, given to the converter in place of the stored alphas it folds; ``model``:
+    the denoiser, whose single-file converter names the file's full diffs; ``strict``:
+    keys left unused are an error, else a warning; ``pipeline``: ``keep`` are the
+    components of a pipeline (which then lacks the others), not one model merged alone."""
+    modules = group_parts(path, tensors)  # the file's own keys and shapes, checked before any conversion
     values_check = FiniteCheck(path, tensors)  # the file's own values, under the file's own keys
+    stems = full_diff_stems(modules)  # taken out: diffusers' LoRA converters drop them
+    diffs = place_full_diffs(path, modules, stems, model, denoiser_name(loader))
+    fed = for_converter(path, without_full_diffs(tensors, modules, stems), modules, metadata, alpha)
     # diffusers' converters scale some matrices in place (Wan's: ``*=``): they get writable
     # copies, never views of the read-only mapping (a write there is a SIGSEGV).
-    writable = {k: v.clone() for k, v in _with_network_alpha(path, tensors, metadata).items()}
+    writable = {k: v.clone() for k, v in fed.items()}
     try:
-        state, alphas = _convert(loader, path, writable)
+        state, alphas = _convert(loader, path, writable) if writable else ({}, {})
     except ConversionRefused as refused:
         del writable
         adapter = _kohya_fallback(path, loader, tensors, metadata, refused)
         return adapter, record_of("kohya-flux", adapter.converter)
-    kept = _kept(path, state, keep)  # the merge's components only: another's keys are not its concern
+    left = _left(path, loader, state, fed, modules, keep)
+    _say_left(path, loader, left, keep, pipeline, strict)
+    kept = _kept(path, {**state, **diffs}, keep, loader)  # the merge's components only: another's keys are named above
     kept = peft_keys(path, kept, {k: v for k, v in alphas.items() if k.split(".", 1)[0] in keep})
-    adapter = build_adapter_file(path, kept, _converted_metadata(metadata), converter=converter,
-                                 values_check=values_check)
-    return adapter, record_of("diffusers", converter, kept)
+    folded = is_folded(fed, kept)
+    adapter = build_adapter_file(path, kept, folded_metadata(metadata, folded), converter=converter,
+                                 values_check=values_check, folded=folded)
+    return adapter, record_of("diffusers", converter, kept, folded, left)
 
 
 def _kohya_fallback(path: str, loader, tensors: dict, metadata: dict, refused: ConversionRefused) -> AdapterFile:
@@ -167,34 +212,44 @@ def _kohya_fallback(path: str, loader, tensors: dict, metadata: dict, refused: C
     return read_kohya_flux(path, tensors, metadata, why)
 
 
-def _from_record(path: str, tensors: dict, metadata: dict, record: dict) -> AdapterFile:
+def _from_record(path: str, loader, tensors: dict, metadata: dict, record: dict, keep: tuple[str, ...],
+                 pipeline: bool, strict: bool) -> AdapterFile:
     """The adapter as its conversion record describes it: diffusers' keys with tensors on the
     meta device (values are needed only where a layer is computed: :class:`NoValues`), or
     the file read by this package's kohya Flux parser (views of the file, as any read)."""
     if record["kind"] == "kohya-flux":
         return read_kohya_flux(path, tensors, metadata, "diffusers' converter could not convert it when first read")
-    return build_adapter_file(path, skeleton_of(record), _converted_metadata(metadata), converter=record["converter"],
-                              values_check=NoValues(path))
+    _say_left(path, loader, record["left"], keep, pipeline, strict)  # as when it was converted
+    folded = bool(record.get("folded"))
+    return build_adapter_file(path, skeleton_of(record), folded_metadata(metadata, folded),
+                              converter=record["converter"], values_check=NoValues(path), folded=folded)
 
 
-def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
-                        memo: ConversionMemo | None = None) -> AdapterFile:
+def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None, memo: ConversionMemo | None = None,
+                        *, alpha: float | None = None, model=None, strict: bool = True) -> AdapterFile:
     """Read ``path`` through ``loader.lora_state_dict``; keep the keys of ``components``.
 
-    With ``memo``, a conversion of the same content by the same converter recorded there
-    is planned from without converting; a new conversion is recorded there.
+    ``alpha`` is ``Adapter(alpha=...)``: where the converter folds alphas it folds this
+    one instead of the file's. With ``memo``, a conversion of the same content by the
+    same converter (and override) recorded there is planned from without converting; a
+    new conversion is recorded there. ``model``: the denoiser the file goes into (its
+    class's single-file converter names full diffs, :mod:`lora_cache.adapters.full_diffs`);
+    ``strict``: keys the conversion leaves unused are an error, else one warning.
     """
     import diffusers
 
     path, mapped, tensors = open_adapter(path)
     metadata = mapped.metadata()
-    keep = tuple(components or (_component_name(loader),))
+    keep = tuple(components or (denoiser_name(loader),))
     converter = f"diffusers {diffusers.__version__} {loader.__name__}.lora_state_dict"
-    name = memo.key(path, converter, keep) if memo is not None else None
+    if any(key.endswith((".diff", ".diff_b")) for key in tensors):  # the merged bytes changed when these stopped dropping
+        converter += " + full diffs by the single-file converter"
+    name = memo.key(path, converter, keep, alpha) if memo is not None else None
     record = memo.load(name) if memo is not None else None
     if record is not None:
-        return _from_record(path, tensors, metadata, record)
-    adapter, record = _converted(path, loader, tensors, metadata, keep, converter)
+        return _from_record(path, loader, tensors, metadata, record, keep, bool(components), strict)
+    adapter, record = _converted(path, loader, tensors, metadata, keep, converter, alpha, model, strict,
+                                 pipeline=bool(components))
     if memo is not None:
         memo.store(name, record)
     return adapter

@@ -7,11 +7,9 @@ reader. The choice is made here, once per merge, so the rest of the merge never 
 
 from __future__ import annotations
 
-import os
-
 from .conversion_memo import ConversionMemo
-from .diffusers_format import diffusers_loader, is_diffusers_model, read_with_diffusers
-from .read import AdapterFile, read_adapter, resolve_file
+from .diffusers_format import denoiser_name, diffusers_loader, is_diffusers_model, read_with_diffusers
+from .read import AdapterFile, peft_config_path, read_adapter, resolve_file
 from .spec import Adapter, AdapterError
 
 __all__ = ["read_adapters"]
@@ -27,6 +25,13 @@ def _diffusers_parts(model) -> tuple[object, tuple[str, ...]] | None:
         loader = diffusers_loader(model)
         return None if loader is None else (loader, ())
     return None
+
+
+def _denoiser(model, loader):
+    """The module the loader's denoiser component names (the model itself when it is one)."""
+    if not isinstance(model, dict):
+        return model
+    return model.get(denoiser_name(loader))
 
 
 def read_adapters(model, specs: list[Adapter], loader=None, components: tuple[str, ...] = (),
@@ -50,12 +55,13 @@ def read_adapters(model, specs: list[Adapter], loader=None, components: tuple[st
     files, memo = [], None
     for spec in specs:
         path = resolve_file(spec.path)
-        peft_folder = os.path.exists(os.path.join(os.path.dirname(path), "adapter_config.json"))
+        peft_folder = peft_config_path(path) is not None
         use = spec.convert == "diffusers" or (spec.convert == "auto" and found is not None and not peft_folder)
         if use and found is None:
             raise AdapterError(f"{spec.path}: convert='diffusers' but the model is not one diffusers loads LoRA into")
         if use and memo is None and memo_roots:
             memo = ConversionMemo(memo_roots)
-        files.append(read_with_diffusers(path, found[0], found[1] or None, memo) if use
-                     else read_adapter(path, check_values=False))
+        files.append(read_with_diffusers(path, found[0], found[1] or None, memo, alpha=spec.alpha,
+                                         model=_denoiser(model, found[0]), strict=spec.strict)
+                     if use else read_adapter(path, check_values=False))
     return files

@@ -18,26 +18,34 @@ import torch
 from hostmem.safetensors_map import SafetensorsError, open_readonly
 
 from ..merge_math import refuse_unsupported
-from .alpha import AlphaSources, PeftConfig, diffusers_metadata, network_alpha, peft_config_from
+from .alpha import AlphaSources, PeftConfig, diffusers_metadata, header_alpha, network_alpha, peft_config_from
 from .checks import FiniteCheck, check_change
 from .spec import AdapterError
 
-__all__ = ["AdapterFile", "ModuleChange", "build_adapter_file", "open_adapter", "read_adapter", "resolve_file"]
+__all__ = ["AdapterFile", "ModuleChange", "build_adapter_file", "open_adapter", "peft_config_path", "read_adapter",
+           "resolve_file"]
 
 # Suffix -> role, longest first so "lora_down.weight" wins over a bare "weight".
 _ROLES = (
     ("lora_A.weight", "down"),
+    ("lora_A.default.weight", "down"),  # peft's adapter-name infix, as DiffSynth-Studio writes it
     ("lora_down.weight", "down"),
+    ("down.weight", "down"),  # XLabs (``proj_lora1.down.weight``), diffusers' older ``lora.down.weight``
     ("lora_B.weight", "up"),
+    ("lora_B.default.weight", "up"),
     ("lora_up.weight", "up"),
+    ("up.weight", "up"),
     ("lora_B.bias", "up_b"),  # peft's lora_bias: diffusers turns ComfyUI's diff_b into it
     ("diff_b", "diff_b"),
     ("alpha", "alpha"),
     ("diff", "diff"),
 )
-_KNOWN_PARTS = "lora_A/lora_B.weight, lora_B.bias, lora_down/lora_up.weight, alpha, diff, diff_b"
+_KNOWN_PARTS = ("lora_A/lora_B(.default).weight, lora_B.bias, lora_down/lora_up.weight, down/up.weight, alpha, diff, "
+                "diff_b")
 # The file a trainer's folder holds: peft's save_pretrained, diffusers' save_lora_weights.
 _FOLDER_FILES = ("adapter_model.safetensors", "pytorch_lora_weights.safetensors")
+# The files peft's save_pretrained writes beside its adapter_config.json: the config is theirs alone.
+PEFT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 
 @dataclass
@@ -64,7 +72,9 @@ class AdapterFile:
     """An adapter file read into :class:`ModuleChange` records, by key stem.
 
     ``config`` is peft's ``adapter_config.json`` beside the file; ``sources`` every place
-    the file states alphas (see :mod:`lora_cache.adapters.alpha`); ``converter`` names
+    the file states alphas (see :mod:`lora_cache.adapters.alpha`); ``folded``: the
+    converter already folded every module's alpha into its factors (an override given
+    to it included), so no alpha applies afterwards; ``converter`` names
     the converter that produced ``modules`` when it was not this package's reader;
     ``values_check`` refuses NaN and infinite values in the file, run before the values
     are first consumed (see :mod:`lora_cache.adapters.checks`); ``rules`` are key rules
@@ -80,15 +90,27 @@ class AdapterFile:
     converter: str | None = None
     values_check: Callable[[], None] | None = None  # a FiniteCheck, or NoValues for a record's skeleton
     rules: tuple = ()
+    folded: bool = False
 
     def __post_init__(self):
         if self.sources is None:
             self.sources = AlphaSources(self.path, peft=self.config)
 
-    def alpha(self, change: ModuleChange) -> float | None:
-        """The alpha the file gives a module, by the precedence of :mod:`~lora_cache.adapters.alpha`."""
+    def alpha(self, change: ModuleChange, override: float | None = None) -> float | None:
+        """The alpha a module is scaled by: ``override`` (``Adapter(alpha=...)``) where it
+        was not folded into the factors already, else the file's, by the precedence of
+        :mod:`~lora_cache.adapters.alpha`; None is alpha = rank."""
+        return self.alpha_from(change, override)[0]
+
+    def alpha_from(self, change: ModuleChange, override: float | None = None) -> tuple[float | None, str]:
+        """``(alpha, where it was read from)`` for a module (see :meth:`alpha`): what the
+        canonical form records as the origin of a scale."""
+        if self.folded:  # alpha / rank is in the factors: the file's alphas, or the override, once
+            return None, f"folded into the factors by {self.converter}" + (" (the override)" if override else "")
+        if override is not None:
+            return override, "Adapter(alpha=...)"
         stored = None if change.stored_alpha is None else (change.keys["alpha"], change.stored_alpha)
-        return self.sources.alpha(change.stem, stored)
+        return self.sources.resolve(change.stem, stored)
 
     def rank(self, change: ModuleChange) -> int | None:
         """The module's rank (the down matrix's rows), checked against the configs."""
@@ -113,16 +135,43 @@ def _split_key(key: str) -> tuple[str, str] | None:
     return None
 
 
-def _read_peft_config(folder: str) -> PeftConfig | None:
-    path = os.path.join(folder, "adapter_config.json")
-    if not os.path.exists(path):
+def peft_config_path(path: str) -> str | None:
+    """The ``adapter_config.json`` that describes the adapter file ``path``: the one beside
+    it when ``path`` is the file peft wrote with it, else None (an unrelated file in the
+    same folder is not described by it)."""
+    if os.path.basename(path) not in PEFT_FILES:
+        return None
+    config = os.path.join(os.path.dirname(path), "adapter_config.json")
+    return config if os.path.exists(config) else None
+
+
+def _read_peft_config(file: str, tensors: dict) -> PeftConfig | None:
+    path = peft_config_path(file)
+    if path is None:
         return None
     try:
         with open(path, encoding="utf-8") as handle:
             raw = json.load(handle)
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise AdapterError(f"{path}: cannot read the adapter config ({exc})") from None
-    return peft_config_from(path, raw)
+    config = peft_config_from(path, raw)
+    _refuse_saved_modules(file, tensors, raw.get("modules_to_save") or [])
+    return config
+
+
+def _refuse_saved_modules(path: str, tensors: dict, saved: list) -> None:
+    """peft's ``modules_to_save`` are stored whole: their trained weights replace the
+    model's, which is no change a merge adds (and no key of a LoRA part)."""
+    names = [str(n) for n in saved]
+    found = sorted(key for key in tensors if key.endswith((".weight", ".bias")) and _split_key(key) is None
+                   and any(key.rpartition(".")[0].endswith(n) for n in names))
+    if found:
+        raise AdapterError(
+            f"{path}: {len(found)} key(s) hold peft modules_to_save ({', '.join(found[:3])}"
+            f"{', ...' if len(found) > 3 else ''}): whole trained modules that replace the model's, which lora_cache "
+            "does not merge (it adds changes to the model's weights). Merge this adapter with peft's "
+            "merge_and_unload, or train it without modules_to_save"
+        )
 
 
 def _detect_format(keys: list[str], metadata: dict) -> str:
@@ -172,7 +221,8 @@ def group_parts(path: str, tensors: dict[str, torch.Tensor]) -> dict[str, Module
 
 
 def build_adapter_file(path: str, tensors: dict[str, torch.Tensor], header_metadata: dict,
-                       converter: str | None = None, values_check=None, rules: tuple = ()) -> AdapterFile:
+                       converter: str | None = None, values_check=None, rules: tuple = (),
+                       folded: bool = False) -> AdapterFile:
     """An :class:`AdapterFile` from a file's tensors and header metadata (read or converted).
 
     Its values are not checked here: ``values_check`` (default: a check of ``tensors``)
@@ -181,14 +231,15 @@ def build_adapter_file(path: str, tensors: dict[str, torch.Tensor], header_metad
     """
     if not tensors:
         raise AdapterError(f"{path}: the file holds no tensors; is it an adapter at all?")
+    config = _read_peft_config(path, tensors)
     modules = group_parts(path, tensors)
     if values_check is None:
         values_check = FiniteCheck(path, tensors, memo=converter is None)
-    config = _read_peft_config(os.path.dirname(path))
     metadata = diffusers_metadata(path, header_metadata)
-    sources = AlphaSources(path, config, metadata, network_alpha(path, header_metadata))
+    sources = AlphaSources(path, config, metadata, network_alpha(path, header_metadata),
+                           header_alpha(path, header_metadata))
     return AdapterFile(path, _detect_format(list(tensors), header_metadata), modules, config, sources, converter,
-                       values_check, tuple(rules))
+                       values_check, tuple(rules), folded)
 
 
 def open_adapter(path: str | os.PathLike):

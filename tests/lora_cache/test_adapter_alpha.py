@@ -130,3 +130,98 @@ def test_asking_for_diffusers_conversion_on_another_model_is_an_error(tmp_path):
     with pytest.raises(AdapterError, match=r"k.safetensors: convert='diffusers' but the model is not one diffusers"):
         plan_targets(model, [Adapter(path, convert="diffusers")])
     assert _scales(model, [Adapter(path, convert="auto")]) == {"blocks.0.attn.to_q.weight": pytest.approx(1.0)}
+
+
+def _ai_toolkit(path, header: dict, alpha=None) -> str:
+    """ai-toolkit's layout: ``diffusion_model.<module>.lora_A/B.weight``, the alpha in the header."""
+    parts = lora_change(64, 64, 8, 1, alpha=alpha)
+    tensors = {"diffusion_model.blocks.0.attn.to_q.lora_A.weight": parts["down"],
+               "diffusion_model.blocks.0.attn.to_q.lora_B.weight": parts["up"]}
+    if alpha is not None:
+        tensors["diffusion_model.blocks.0.attn.to_q.alpha"] = parts["alpha"]
+    save_file(tensors, path, metadata=header)
+    return os.fspath(path)
+
+
+@pytest.mark.parametrize("entry", ["alpha", "lora_alpha", "network_alpha"])
+def test_a_header_alpha_entry_sets_the_scale(tmp_path, entry):
+    """lightx2v's H3 Turbo files: ``{"alpha": "4"}`` at rank 8 is scale 0.5, not 1."""
+    model = mapped_model(tmp_path)
+    path = _ai_toolkit(tmp_path / "h.safetensors", {entry: "4"})
+    assert _scales(model, [path]) == {"blocks.0.attn.to_q.weight": pytest.approx(0.5)}
+    assert _scales(model, [Adapter(path, alpha=16)]) == {"blocks.0.attn.to_q.weight": pytest.approx(2.0)}
+
+
+@pytest.mark.parametrize("header, alpha, message", [
+    ({"alpha": "4"}, 2.0, r"has alpha 2 from 'diffusion_model.blocks.0.attn.to_q.alpha' but 4 from header "
+                          r"metadata 'alpha'"),
+    ({"alpha": "4", "network_alpha": "8"}, None, r"header metadata alpha=4 but network_alpha=8"),
+    ({"lora_alpha": "4", "ss_network_alpha": "2"}, None, r"header metadata lora_alpha=4 but ss_network_alpha=2"),
+    ({"alpha": "four"}, None, r"header metadata alpha='four' is not a number"),
+])
+def test_header_alphas_that_disagree_name_both(tmp_path, header, alpha, message):
+    model = mapped_model(tmp_path)
+    path = _ai_toolkit(tmp_path / "h.safetensors", header, alpha=alpha)
+    with pytest.raises(AdapterError, match=message):
+        plan_targets(model, [path])
+
+
+def test_a_header_alpha_that_agrees_with_the_module_alpha_is_fine(tmp_path):
+    model = mapped_model(tmp_path)
+    path = _ai_toolkit(tmp_path / "h.safetensors", {"alpha": "4", "ss_network_alpha": "4.0"}, alpha=4.0)
+    assert _scales(model, [path]) == {"blocks.0.attn.to_q.weight": pytest.approx(0.5)}
+
+
+def test_anchored_peft_patterns_match_as_peft_matches_them(tmp_path):
+    """peft strips ``base_model.model.`` before matching, so ``^blocks\\.1\\...`` holds."""
+    model = mapped_model(tmp_path)
+    changes = {"blocks.0.attn.to_k": lora_change(64, 64, 8, 1), "blocks.1.attn.to_k": lora_change(64, 64, 4, 2),
+               "blocks.1.attn.to_q": lora_change(64, 64, 8, 3)}
+    config = {"r": 8, "lora_alpha": 8, "alpha_pattern": {r"^blocks\.1\.attn\.to_k": 32, "to_q": 2},
+              "rank_pattern": {r"^blocks\.1\.attn\.to_k": 4}}
+    folder = write_adapter(tmp_path / "peft", "peft", changes, config=config)
+    assert _scales(model, [folder]) == {
+        "blocks.0.attn.to_k.weight": pytest.approx(1.0),  # r, lora_alpha
+        "blocks.1.attn.to_q.weight": pytest.approx(2 / 8),  # a plain pattern matches the name's end
+        "blocks.1.attn.to_k.weight": pytest.approx(32 / 4),  # the anchored patterns
+    }
+    # an anchored pattern names the module from the start of its name, never a later part of it
+    folder = write_adapter(tmp_path / "peft2", "peft", {"blocks.1.attn.to_k": lora_change(64, 64, 8, 2)},
+                           config={"r": 8, "lora_alpha": 8, "alpha_pattern": {r"^attn\.to_k": 32}})
+    assert _scales(model, [folder]) == {"blocks.1.attn.to_k.weight": pytest.approx(1.0)}
+
+
+def test_a_peft_config_applies_only_to_the_file_peft_wrote_with_it(tmp_path):
+    """An unrelated ``style.safetensors`` beside a peft adapter keeps its own alpha (none)."""
+    model = mapped_model(tmp_path)
+    changes = {"blocks.0.attn.to_q": lora_change(64, 64, 8, 1)}
+    folder = write_adapter(tmp_path / "peft", "peft", changes, config={"lora_alpha": 32})
+    style = write_adapter(os.path.join(folder, "style.safetensors"), "kohya", changes)
+    assert _scales(model, [folder]) == {"blocks.0.attn.to_q.weight": pytest.approx(4.0)}
+    assert _scales(model, [style]) == {"blocks.0.attn.to_q.weight": pytest.approx(1.0)}
+
+
+def test_each_scale_says_where_its_alpha_was_read_from(tmp_path):
+    """The canonical form records a scale's origin: the place the precedence picked."""
+    path = _ai_toolkit(tmp_path / "h.safetensors", {"alpha": "4"})
+    adapter = read_adapter(path)
+    change = next(iter(adapter.modules.values()))
+    assert adapter.alpha_from(change) == (4.0, "header metadata 'alpha'")
+    assert adapter.alpha_from(change, 2.0) == (2.0, "Adapter(alpha=...)")
+    plain = read_adapter(_ai_toolkit(tmp_path / "p.safetensors", {}))
+    assert plain.alpha_from(next(iter(plain.modules.values()))) == (None, "none: alpha = rank")
+
+
+def test_peft_default_infix_and_xlabs_parts_are_read_as_down_and_up(tmp_path):
+    """``.lora_A.default.weight`` (DiffSynth-Studio's peft dump) and ``.down.weight`` /
+    ``.up.weight`` (XLabs) are the same parts: the same module, the same scale."""
+    model = mapped_model(tmp_path)
+    parts = lora_change(64, 64, 8, 1)
+    for name, (down, up) in {"default": ("lora_A.default.weight", "lora_B.default.weight"),
+                             "xlabs": ("down.weight", "up.weight")}.items():
+        path = tmp_path / f"{name}.safetensors"
+        save_file({f"blocks.0.attn.to_q.{down}": parts["down"], f"blocks.0.attn.to_q.{up}": parts["up"]}, path,
+                  metadata={"lora_alpha": "16"})
+        targets, _ = plan_targets(model, [os.fspath(path)])
+        assert [(t.name, t.deltas[0].scale) for t in targets] == [("blocks.0.attn.to_q.weight", pytest.approx(2.0))]
+        assert torch.equal(targets[0].deltas[0].down, parts["down"])

@@ -1,0 +1,83 @@
+"""Tiny models for the conformance corpus, and the references each file is merged by.
+
+Wan and Flux come from :mod:`tests.clients.tiny_models`; MiniMax-H3 (the family whose
+ai-toolkit files carry their alpha in the safetensors header) is built here. The
+references are the libraries' own paths: diffusers' ``lora_state_dict`` (from the file,
+so its header is read as diffusers reads it) + ``load_lora_adapter`` + ``fuse_lora``,
+peft's ``merge_and_unload``, or the math ``W + delta`` where neither merges the layout.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tests.clients import tiny_models as tm
+
+H3 = {  # one head of 128: diffusers' DiffSynth conversion de-interleaves qkv at H3's head width
+    "num_attention_heads": 1, "attention_head_dim": 128, "hidden_size": 128, "num_layers": 2, "num_refiner_layers": 1,
+    "ffn_dim": 32, "in_channels": 4, "audio_in_channels": 4, "text_dim": 16, "freq_dim": 16,
+    "time_embed_hidden_dim": 16, "time_embed_dim": 8, "rope_freq_dim": 4,
+}
+
+QWEN = {"patch_size": 2, "in_channels": 16, "out_channels": 4, "num_layers": 1, "attention_head_dim": 16,
+        "num_attention_heads": 2, "joint_attention_dim": 16, "axes_dims_rope": (4, 6, 6)}
+_OWN = {"h3": ("MiniMaxH3Transformer3DModel", "MiniMaxH3LoraLoaderMixin", H3),  # kinds tiny_models has not
+        "qwen": ("QwenImageTransformer2DModel", "QwenImageLoraLoaderMixin", QWEN)}
+
+
+def model_class(kind: str):
+    import diffusers
+
+    return getattr(diffusers, _OWN[kind][0]) if kind in _OWN else tm.classes(kind)[0]
+
+
+def loader_class(kind: str):
+    """The loader mixin whose ``lora_state_dict`` diffusers converts this kind's files with."""
+    from diffusers import loaders
+
+    return getattr(loaders, _OWN[kind][1]) if kind in _OWN else tm.classes(kind)[1]
+
+
+def save_model(kind: str, folder) -> str:
+    if kind not in _OWN:
+        return tm.save_model(kind, folder)
+    torch.manual_seed(0)
+    model_class(kind)(**_OWN[kind][2]).save_pretrained(folder)
+    return os.fspath(folder)
+
+
+def load_model(kind: str, folder):
+    return model_class(kind).from_pretrained(folder).eval()
+
+
+def diffusers_fused(kind: str, model_folder, path: str, strength: float = 1.0):
+    """diffusers' own path on a model: the file read by the loader's ``lora_state_dict`` (its
+    header included), loaded with ``load_lora_adapter`` and fused."""
+    model = load_model(kind, model_folder)
+    state, metadata = loader_class(kind).lora_state_dict(os.path.dirname(path), weight_name=os.path.basename(path),
+                                                         return_lora_metadata=True)
+    model.load_lora_adapter(state, prefix="transformer", metadata=metadata, adapter_name="a")
+    model.fuse_lora(lora_scale=strength)
+    model.unload_lora()
+    return model
+
+
+def diffusers_adapter_fused(kind: str, model_folder, folder: str, strength: float = 1.0):
+    """diffusers' path for a file of the model's own keys: ``model.load_lora_adapter`` + fuse."""
+    model = load_model(kind, model_folder)
+    model.load_lora_adapter(folder, weight_name="pytorch_lora_weights.safetensors", prefix=None, adapter_name="a")
+    model.fuse_lora(lora_scale=strength)
+    model.unload_lora()
+    return model
+
+
+def peft_merged(kind: str, model_folder, folder: str):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_model(kind, model_folder), folder).merge_and_unload()
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return tm.weights(model)
