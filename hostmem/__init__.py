@@ -54,6 +54,8 @@ _EXPORTS = {
     "HostGatherError": "host_ledger",
     "remap": "checkpoint_remap",
     "RemapReport": "checkpoint_remap",
+    "HostmemError": "errors",
+    "InputError": "errors",
     "make_writable": "writers",
     "ReadOnlyWeightsError": "writers",
 }

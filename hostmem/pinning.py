@@ -31,6 +31,7 @@ import resource
 
 import torch
 
+from .errors import HostmemError
 from .procfs import PAGE_SIZE, read_status
 from .residency import classify_range
 from .units import format_size
@@ -50,7 +51,7 @@ _CUDA_HOST_REGISTER_PORTABLE = 0x01
 _CUDA_HOST_REGISTER_READ_ONLY = 0x08
 
 
-class PinError(OSError):
+class PinError(HostmemError, OSError):
     """A pin or unpin failed; the message says why and what to do."""
 
 

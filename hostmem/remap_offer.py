@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from .errors import InputError
 from .checkpoint_remap import CheckpointIndex, component_files
 from .residency import RangeClassifier
 from .slots import MappedAreas, iter_module_slots
@@ -105,7 +106,7 @@ class RemapProvider:
         sizes = (("remappable", anonymous_bytes), ("spillable", spill_bytes), ("spill disk", spill_disk_bytes))
         for what, value in sizes:
             if value < 0:
-                raise ValueError(f"{what} bytes of {component!r} must not be negative, got {value}")
+                raise InputError(f"{what} bytes of {component!r} must not be negative, got {value}")
         self.component = component
         self.anonymous_bytes = int(anonymous_bytes)
         self.compare_rate = compare_rate

@@ -14,6 +14,8 @@ import struct
 from dataclasses import dataclass
 from math import prod
 
+from .errors import HostmemError
+
 __all__ = ["DTYPE_SIZES", "SafetensorsError", "TensorInfo", "SafetensorsHeader", "read_header"]
 
 DTYPE_SIZES: dict[str, int] = {
@@ -23,7 +25,7 @@ DTYPE_SIZES: dict[str, int] = {
 _MAX_HEADER = 100 * 1024 * 1024
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(HostmemError, ValueError):
     """A file is not a valid safetensors file; the message names it and says why."""
 
 

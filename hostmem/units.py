@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from .errors import InputError
+
 __all__ = ["parse_size", "size_option", "MAX_SIZE", "format_size", "parse_rate", "format_rate", "parse_fraction"]
 
 _MULTIPLIERS = {
@@ -43,28 +45,28 @@ def parse_size(text: str | int | float) -> int:
     negative, not finite, or larger than :data:`MAX_SIZE`.
     """
     if isinstance(text, bool) or not isinstance(text, (str, int, float)):
-        raise ValueError(f"not a size: {_quote(text)} ({_EXAMPLES})")
+        raise InputError(f"not a size: {_quote(text)} ({_EXAMPLES})")
     if isinstance(text, int):
         return _checked(text, text)
     if isinstance(text, float):
         if text != text or text in (float("inf"), float("-inf")):
-            raise ValueError(f"not a size: {_quote(text)} (not a finite number; {_EXAMPLES})")
+            raise InputError(f"not a size: {_quote(text)} (not a finite number; {_EXAMPLES})")
         if not text.is_integer():
-            raise ValueError(f"not a size: {_quote(text)} (a fraction of a byte: add a unit, e.g. '{text}GiB')")
+            raise InputError(f"not a size: {_quote(text)} (a fraction of a byte: add a unit, e.g. '{text}GiB')")
         return _checked(text, int(text))
     match = _SIZE_RE.match(text)
     if not match:
-        raise ValueError(f"not a size: {_quote(text)} ({_EXAMPLES})")
+        raise InputError(f"not a size: {_quote(text)} ({_EXAMPLES})")
     number, unit = match.groups()
     multiplier = _MULTIPLIERS.get(unit.lower())
     if multiplier is None:
-        raise ValueError(
+        raise InputError(
             f"not a size: {_quote(text)} (unknown unit {unit!r}; use B, KiB, MiB, GiB, TiB, PiB or kB, MB, GB, TB, PB)"
         )
     if len(number.lstrip("0")) > _DIGITS_MAX:
-        raise ValueError(f"not a size: {_quote(text)} (larger than any host: at most {format_size(MAX_SIZE)})")
+        raise InputError(f"not a size: {_quote(text)} (larger than any host: at most {format_size(MAX_SIZE)})")
     if multiplier == 1 and "." in number and float(number) != int(float(number)):
-        raise ValueError(f"not a size: {_quote(text)} (a fraction of a byte: add a unit, e.g. '{number}GiB')")
+        raise InputError(f"not a size: {_quote(text)} (a fraction of a byte: add a unit, e.g. '{number}GiB')")
     if "." not in number:
         return _checked(text, int(number) * multiplier)
     return _checked(text, int(round(float(number) * multiplier)))
@@ -79,9 +81,9 @@ def _quote(text) -> str:
 def _checked(text, value: int) -> int:
     """``value`` when it is a size a host can have; a ValueError quoting ``text`` if not."""
     if value < 0:
-        raise ValueError(f"not a size: {_quote(text)} (sizes are never negative)")
+        raise InputError(f"not a size: {_quote(text)} (sizes are never negative)")
     if value > MAX_SIZE:
-        raise ValueError(f"not a size: {_quote(text)} (larger than any host: at most {format_size(MAX_SIZE)})")
+        raise InputError(f"not a size: {_quote(text)} (larger than any host: at most {format_size(MAX_SIZE)})")
     return value
 
 
@@ -112,16 +114,16 @@ def parse_rate(text: str | int | float) -> float:
     """Return bytes per second for a rate such as ``"24GB/s"`` or ``"8 GiB/s"``."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         if not 0 < text <= MAX_SIZE:  # NaN fails both comparisons
-            raise ValueError(f"not a rate: {_quote(text)} (a rate must be positive and finite)")
+            raise InputError(f"not a rate: {_quote(text)} (a rate must be positive and finite)")
         return float(text)
     if not isinstance(text, str) or not text.strip().endswith("/s"):
-        raise ValueError(f"not a rate: {text!r} (expected e.g. '24GB/s' or '8GiB/s')")
+        raise InputError(f"not a rate: {text!r} (expected e.g. '24GB/s' or '8GiB/s')")
     try:
         value = parse_size(text.strip()[:-2])
     except ValueError:
-        raise ValueError(f"not a rate: {text!r} (expected e.g. '24GB/s' or '8GiB/s')") from None
+        raise InputError(f"not a rate: {text!r} (expected e.g. '24GB/s' or '8GiB/s')") from None
     if value <= 0:
-        raise ValueError(f"not a rate: {text!r} (a rate must be positive)")
+        raise InputError(f"not a rate: {text!r} (a rate must be positive)")
     return float(value)
 
 
@@ -137,11 +139,11 @@ def parse_fraction(text: str | int | float) -> float:
         try:
             value = float(stripped[:-1]) / 100 if stripped.endswith("%") else float(stripped)
         except ValueError:
-            raise ValueError(f"not a fraction: {text!r} (expected e.g. '75%' or 0.75)") from None
+            raise InputError(f"not a fraction: {text!r} (expected e.g. '75%' or 0.75)") from None
     elif isinstance(text, (int, float)) and not isinstance(text, bool):
         value = float(text)
     else:
-        raise ValueError(f"not a fraction: {text!r} (expected e.g. '75%' or 0.75)")
+        raise InputError(f"not a fraction: {text!r} (expected e.g. '75%' or 0.75)")
     if not 0.0 <= value <= 1.0:
-        raise ValueError(f"not a fraction: {text!r} (must lie between 0% and 100%)")
+        raise InputError(f"not a fraction: {text!r} (must lie between 0% and 100%)")
     return value

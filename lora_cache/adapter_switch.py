@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hostmem.errors import InputError
 from .adapters import Adapter, as_adapters
 from .adapters.checks import check_before_use
 from .adapters.conversion_memo import ValuesNeeded
@@ -125,7 +126,7 @@ def _state_of(model, options: dict | None = None) -> SwitchState:
             state.options = options
         return state
     if options is None:
-        raise ValueError("lora_cache.set_adapters has not been called on this model")
+        raise InputError("lora_cache.set_adapters has not been called on this model")
     state = SwitchState(dict(roots), options)
     for root in roots.values():
         root.register_forward_pre_hook(_Enter(state))

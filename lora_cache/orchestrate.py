@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from hostmem.errors import InputError
 from hostmem.safetensors_header import read_header
 
 from .adapters import Adapter, AdapterFile, as_adapters, read_adapters
@@ -102,7 +103,7 @@ def plan_targets(model, adapters, shards=None, memo_roots=None) -> tuple[list[La
     targets = [LayerTarget(name, *params[name], deltas, shard=held.get(name)) for name, deltas in planned.items()]
     for target in targets:
         if not target.current.is_floating_point():
-            raise ValueError(
+            raise InputError(
                 f"{target.deltas[0].source} changes {target.name!r}, which is {target.current.dtype}: "
                 "lora_cache merges into floating-point weights only (dequantize the base first)"
             )
@@ -169,7 +170,7 @@ def base_shards(targets: list[LayerTarget], base_files: list[str] | None, space:
             files.add(path)
     if unplaced and base_files is None:
         names = [t.name for t in unplaced]
-        raise ValueError(
+        raise InputError(
             f"cannot tell which checkpoint {len(names)} weight(s) come from ({', '.join(names[:3])}"
             f"{', ...' if len(names) > 3 else ''}): they are not views of a mapped file. Pass "
             "base_files=[the .safetensors shards the model was loaded from], or enabled=False to merge in place"
@@ -339,7 +340,7 @@ def merge(
     >>> lora_cache.unmerge(dit)                                                                       # doctest: +SKIP
     """
     if is_merged(model):
-        raise ValueError("the model is already merged; call lora_cache.unmerge(model) before merging again")
+        raise InputError("the model is already merged; call lora_cache.unmerge(model) before merging again")
     specs = as_adapters(adapters)
     rank_timeout = check_rank_timeout(rank_timeout)
     off = why_in_place(enabled)

@@ -16,6 +16,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from hostmem.errors import InputError
 from hostmem.safetensors_header import read_header
 from hostmem.units import format_rate, format_size
 
@@ -119,7 +120,7 @@ class LoraCacheProvider:
         build_rate: float = DEFAULT_BUILD_RATE,
     ):
         if lora_target_bytes < 0:
-            raise ValueError(f"lora target bytes of {component!r} must not be negative, got {lora_target_bytes}")
+            raise InputError(f"lora target bytes of {component!r} must not be negative, got {lora_target_bytes}")
         self.component = component
         self.lora_target_bytes = int(lora_target_bytes)
         self.layers = layers

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from hostmem.errors import InputError
 from hostmem.units import format_size
 
 from .kernels.workers import cpu_count, workers_at_most
@@ -186,7 +187,7 @@ def _same_key(host: list[tuple[int, dict]], key: str) -> None:
     """Every rank of the host computed ``key``; else name the ranks that differ."""
     other = [(rank, p["key"]) for rank, p in host if p["key"] != key]
     if other:
-        raise ValueError(
+        raise InputError(
             "the ranks of this host computed different LoRA merge cache keys ("
             + ", ".join(f"rank {r}: {k[:12]}" for r, k in [(host[0][0], host[0][1]["key"]), *other])
             + "): every rank must merge the same adapters into the same checkpoint with the same "

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Protocol, runtime_checkable
 
+from hostmem.errors import InputError
 from .sizes import ComponentSizes, spread, with_residency
 
 __all__ = ["Offer", "Provider", "OfferRecord", "apply_offer", "collect_offers", "remap_providers"]
@@ -73,7 +74,7 @@ class OfferRecord(NamedTuple):
         if missing:
             raise TypeError(f"{type(offer).__name__} is not an offer: it lacks {', '.join(missing)}")
         if int(offer.anonymous_bytes) < 0 or int(offer.disk_bytes) < 0 or float(offer.one_time_s) < 0:
-            raise ValueError(f"offer of {offer.provider}: bytes and seconds must not be negative")
+            raise InputError(f"offer of {offer.provider}: bytes and seconds must not be negative")
         return cls(str(offer.provider), str(offer.component), int(offer.anonymous_bytes),
                    int(offer.disk_bytes), float(offer.one_time_s), str(offer.note))
 
@@ -89,7 +90,7 @@ def collect_offers(providers, components: set[str]) -> list[OfferRecord]:
             continue
         record = OfferRecord.of(offer)
         if record.component not in components:
-            raise ValueError(
+            raise InputError(
                 f"provider {record.provider} offers for component {record.component!r}, which the config "
                 f"does not name (components: {', '.join(sorted(components))})"
             )
