@@ -67,7 +67,7 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
     from .adapters import as_adapters, read_adapter  # torch: only when files are read
     from .keys import ModuleIndex, plan_deltas
     from .kernels import plan_kernels
-    from .orchestrate import combination_key
+    from .combination import combination_key
     from hostmem.vault import Vault
 
     infos, holder = {}, {}
