@@ -4,8 +4,10 @@ Every size that a person types ("32GiB", "18.4 G", "512MiB", "0", "4096") goes
 through :func:`parse_size`; every size that a person reads goes through
 :func:`format_size`. JSON carries plain integers of bytes and never passes here.
 
-Binary suffixes (KiB, MiB, GiB, TiB, PiB, and the short K, M, G, T, P) are powers of
-1024; decimal suffixes (kB, MB, GB, TB, PB) are powers of 1000, as disks and vendors count.
+Binary suffixes (KiB, MiB, GiB, TiB, PiB, EiB, and the short K, M, G, T, P, E) are powers
+of 1024; decimal suffixes (kB, MB, GB, TB, PB, EB) are powers of 1000, as disks and vendors
+count. What :func:`format_size` prints, :func:`parse_size` reads back, to within half of
+its last digit, the largest size (``8.0 EiB``) included.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ _MULTIPLIERS = {
     "g": 1024**3, "gi": 1024**3, "gib": 1024**3,
     "t": 1024**4, "ti": 1024**4, "tib": 1024**4,
     "p": 1024**5, "pi": 1024**5, "pib": 1024**5,
-    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4, "pb": 1000**5,
+    "e": 1024**6, "ei": 1024**6, "eib": 1024**6,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4, "pb": 1000**5, "eb": 1000**6,
 }
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
@@ -61,15 +64,25 @@ def parse_size(text: str | int | float) -> int:
     multiplier = _MULTIPLIERS.get(unit.lower())
     if multiplier is None:
         raise InputError(
-            f"not a size: {_quote(text)} (unknown unit {unit!r}; use B, KiB, MiB, GiB, TiB, PiB or kB, MB, GB, TB, PB)"
+            f"not a size: {_quote(text)} (unknown unit {unit!r}; "
+            "use B, KiB, MiB, GiB, TiB, PiB, EiB or kB, MB, GB, TB, PB, EB)"
         )
     if len(number.lstrip("0")) > _DIGITS_MAX:
         raise InputError(f"not a size: {_quote(text)} (larger than any host: at most {format_size(MAX_SIZE)})")
     if multiplier == 1 and "." in number and float(number) != int(float(number)):
         raise InputError(f"not a size: {_quote(text)} (a fraction of a byte: add a unit, e.g. '{number}GiB')")
-    if "." not in number:
-        return _checked(text, int(number) * multiplier)
-    return _checked(text, int(round(float(number) * multiplier)))
+    value = int(number) * multiplier if "." not in number else int(round(float(number) * multiplier))
+    return _checked(text, _largest_if_rounded(value, number, multiplier))
+
+
+def _largest_if_rounded(value: int, number: str, multiplier: int) -> int:
+    """:data:`MAX_SIZE` for a figure with a unit that is above it by less than half its
+    last digit: a rounded figure of the largest size (``format_size(MAX_SIZE)`` prints
+    ``8.0 EiB``, one byte more than the largest), which it stands for; else ``value``."""
+    if multiplier == 1 or value <= MAX_SIZE:
+        return value
+    decimals = len(number.partition(".")[2])
+    return MAX_SIZE if (value - MAX_SIZE) * 2 * 10**decimals <= multiplier else value
 
 
 def _quote(text) -> str:
@@ -99,7 +112,7 @@ def size_option(text: str) -> int:
 
 
 def format_size(num_bytes: int | float, precision: int = 1) -> str:
-    """Return ``num_bytes`` as a binary-unit string such as ``"18.4 GiB"``."""
+    """Return ``num_bytes`` as a binary-unit string such as ``"18.4 GiB"`` (:func:`parse_size` reads it back)."""
     value = float(num_bytes)
     sign = "-" if value < 0 else ""
     value = abs(value)
