@@ -16,6 +16,7 @@ import torch
 from hostmem.errors import InputError
 from hostmem.safetensors_header import read_header
 from hostmem.vault import CacheKey, cache_key
+from hostmem.vault.safety import prepare_root, root_is_read_only
 
 from .adapters import Adapter, AdapterFile
 from .kernels import KernelPlan
@@ -23,7 +24,9 @@ from .kernels.precision import fp32_matmul_precision
 from .layers import AddressSpace, LayerTarget
 from .merge_math import compute_device
 
-__all__ = ["MERGE_POLICY", "merge_policy", "mapped_file", "base_shards", "inputs_but_base", "combination_key"]
+__all__ = [
+    "MERGE_POLICY", "merge_policy", "kernel_root", "mapped_file", "base_shards", "inputs_but_base", "combination_key",
+]
 
 MERGE_POLICY = "fp32-sum-in-row-blocks-in-adapter-order-cast-once-v3"  # change when merged bytes would change
 
@@ -142,3 +145,20 @@ def combination_key(
     names the tensor-parallel part the layers are (:meth:`lora_cache.tp_shards.Shard.describe`)."""
     rest = inputs_but_base(vault, files, specs, dtypes, device, kernels, sharding)
     return cache_key(vault.base_identity(shards), *rest)
+
+
+def kernel_root(roots: list[str] | None) -> str | None:
+    """The root whose kernel timings a combination's key is made with: the first writable
+    one (None without roots). Every entry point asks here (``merge``, ``set_adapters``),
+    so they time and choose the same kernels, and the same key.
+
+    Each root up to it is checked first as its vault will check it: a refused root (a
+    link to tmpfs, another user's folder) is refused before the timings and their lock
+    are written in it.
+    """
+    for root in roots or []:
+        read_only = root_is_read_only(root)
+        prepare_root(root, create=not read_only)
+        if not read_only:
+            return root
+    return None

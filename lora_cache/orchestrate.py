@@ -22,7 +22,8 @@ from hostmem.errors import InputError
 
 from .adapters import Adapter, AdapterFile, as_adapters, read_adapters
 from .adapters.conversion_memo import ValuesNeeded
-from .combination import MERGE_POLICY, base_shards, combination_key, inputs_but_base, mapped_file, merge_policy
+from .combination import (MERGE_POLICY, base_shards, combination_key, inputs_but_base, kernel_root, mapped_file,
+                          merge_policy)
 from .kernels import KernelPlan, plan_for_targets
 from .kernels.precision import fp32_matmul_precision
 from .keys import ModuleIndex, plan_deltas
@@ -35,7 +36,6 @@ from .tp_shards import check_shards, full_shapes, shape_notes, split_shards
 from hostmem.vault import Vault, cache_key
 from hostmem.vault.fold import FoldedSession, plan_fold, wait_for_a_folded_build
 from hostmem.vault.roots import cache_roots, open_in_roots
-from hostmem.vault.safety import root_is_read_only
 
 __all__ = [
     "CacheBuildError",
@@ -115,11 +115,6 @@ def why_in_place(enabled: bool) -> str | None:
     return None
 
 
-def _writable_root(roots: list[str] | None) -> str | None:
-    """The first root that can be written (where the kernel timings are kept), or None."""
-    return next((r for r in roots or [] if not root_is_read_only(r)), None)
-
-
 class OpenCombination(NamedTuple):
     """A combination's vault session, opened by :func:`open_combination`.
 
@@ -150,7 +145,7 @@ def open_combination(planned, specs, cache_root=None, *, max_size=None, base_fil
     host = [t for t in targets if t.current.device.type == "cpu"]
     roots = cache_roots(cache_root)
     if kernels is None:
-        kernels = plan_for_targets(targets, device, _writable_root(roots))
+        kernels = plan_for_targets(targets, device, kernel_root(roots))
     space = AddressSpace()
     shards = base_shards(host, base_files, space)
     vaults = [Vault(root, max_size) for root in roots]
@@ -236,8 +231,8 @@ def merge(
         targets = split.targets
     key, root, cache_targets = None, None, [t for t in targets if t.current.device.type == "cpu"]
     session_cm = contextlib.nullcontext()
-    kernels = (split.choose_kernels(device, _writable_root(roots)) if split is not None  # timed once per machine
-               else plan_for_targets(targets, device, _writable_root(roots)))
+    kernels = (split.choose_kernels(device, kernel_root(roots)) if split is not None  # timed once per machine
+               else plan_for_targets(targets, device, kernel_root(roots)))
     shares = None
     if roots and cache_targets:
         if group is not None:  # the ranks of a host first build the misses together
