@@ -92,6 +92,7 @@ class _Leave:
 _BUILDER: ThreadPoolExecutor | None = None
 _BUILDER_LOCK = threading.Lock()
 _COMBINATION_LOCKS: dict[tuple, threading.Lock] = {}
+_EXITING = threading.Event()  # the interpreter is exiting: a build cut short is no failure
 
 
 def _builder() -> ThreadPoolExecutor:
@@ -100,7 +101,18 @@ def _builder() -> ThreadPoolExecutor:
     with _BUILDER_LOCK:
         if _BUILDER is None:
             _BUILDER = ThreadPoolExecutor(1, "lora-switch-build")
+            _when_exiting(_EXITING.set)
         return _BUILDER
+
+
+def _when_exiting(call) -> None:
+    """Run ``call`` as the interpreter begins to exit, before it joins threads and before
+    concurrent.futures refuses new work (which ends a build in flight with "cannot
+    schedule new futures after interpreter shutdown"): threading's own exit hook, run
+    last registered first, where this Python has it."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(call)
 
 
 def _combination_lock(identity: tuple) -> threading.Lock:
@@ -194,8 +206,8 @@ def _install_cached(state: SwitchState, identity, targets, files, specs, kernels
 def _build(state: SwitchState, pending: Pending) -> None:
     """Build ``pending`` into the vault (the build thread). Never touches the live model."""
     with _combination_lock(pending.identity):
-        if state.pending is not pending:
-            return  # switched away before the build began: build it when asked again
+        if state.pending is not pending or _EXITING.is_set():
+            return  # switched away before the build began (build it when asked again), or exiting
         with _open(pending.stand_ins, pending.files, pending.specs, state.options, pending.kernels) as session:
             _merge_through(pending.stand_ins, session, state.options, pending.kernels)
     pending.stand_ins = []  # drops the stand-ins' views; the vault keeps the files
@@ -203,7 +215,7 @@ def _build(state: SwitchState, pending: Pending) -> None:
 
 def _after_build(future: Future) -> None:
     error = future.exception()
-    if error is not None:
+    if error is not None and not _EXITING.is_set():  # an exit is no failure: what was sealed stays, the rest resumes
         warnings.warn(f"lora_cache: building the merged combination failed ({error}); "
                       "it stays applied at run time", stacklevel=1)
 
