@@ -5,18 +5,19 @@ of the same size, so it commits ``2 x lora target bytes`` of memory the kernel c
 reclaim. The cached merge keeps both file-backed. The offer says so, with the disk
 the cache needs and the one-time cost of building it (none when it is already built).
 
-The planner's interface is met by attribute names (``provider``, ``component``,
-``anonymous_bytes``, ``disk_bytes``, ``one_time_s``, ``note``): imports point down,
-so nothing here imports ``planners``.
+The offer has the fields of :class:`hostmem.providers.OfferRecord`, the protocol every
+provider meets, and one more; nothing here imports ``planners``.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections import namedtuple
 from dataclasses import dataclass
 
 from hostmem.errors import InputError
+from hostmem.providers import OFFER_FIELDS
 from hostmem.safetensors_header import read_header
 from hostmem.units import format_rate, format_size
 
@@ -33,17 +34,11 @@ DEFAULT_BUILD_RATE = 300 * 1024 * 1024
 LAYER_FILE_OVERHEAD = 4096
 
 
-@dataclass(frozen=True)
-class LoraCacheOffer:
-    """Anonymous bytes the cache turns into mapped ones, and what that costs."""
+class LoraCacheOffer(namedtuple("LoraCacheOffer", [*OFFER_FIELDS, "transient_bytes"], defaults=(0,))):
+    """Anonymous bytes the cache turns into mapped ones, and what that costs; beside an
+    offer's fields, ``transient_bytes``: the one-layer buffers a cached merge holds while it runs."""
 
-    provider: str
-    component: str
-    anonymous_bytes: int
-    disk_bytes: int
-    one_time_s: float
-    note: str
-    transient_bytes: int = 0  # the one-layer buffers a cached merge holds while it runs
+    __slots__ = ()
 
 
 @dataclass(frozen=True)
