@@ -40,7 +40,7 @@ from hostmem.errors import InputError
 from .adapters import Adapter, as_adapters
 from .adapters.checks import check_before_use
 from .adapters.conversion_memo import ValuesNeeded
-from .combination import kernel_root
+from .combination import kernel_roots
 from .kernels import plan_for_targets
 from .layers import LayerTarget, components_of, is_merged
 from .layers import unmerge as unmerge_layers
@@ -336,7 +336,7 @@ def _switch(state: SwitchState, model, specs, planned, identity, background: boo
     targets, files = planned
     if state.options["shards"] is not None:
         return _merge_parts(state, model, specs)
-    kernels = plan_for_targets(targets, state.options["device"], kernel_root(cache_roots(state.options["cache_root"])))
+    kernels = plan_for_targets(targets, state.options["device"], kernel_roots(cache_roots(state.options["cache_root"])))
     if _install_cached(state, identity, targets, files, specs, kernels):
         return SwitchResult("cached", layers=len(targets))
     unsupported = next((r for r in map(unsupported_reason, targets) if r is not None), None)

@@ -25,7 +25,7 @@ from .layers import AddressSpace, LayerTarget
 from .merge_math import compute_device
 
 __all__ = [
-    "MERGE_POLICY", "merge_policy", "kernel_root", "mapped_file", "base_shards", "inputs_but_base", "combination_key",
+    "MERGE_POLICY", "merge_policy", "kernel_roots", "mapped_file", "base_shards", "inputs_but_base", "combination_key",
 ]
 
 MERGE_POLICY = "fp32-sum-in-row-blocks-in-adapter-order-cast-once-v3"  # change when merged bytes would change
@@ -147,18 +147,23 @@ def combination_key(
     return cache_key(vault.base_identity(shards), *rest)
 
 
-def kernel_root(roots: list[str] | None) -> str | None:
-    """The root whose kernel timings a combination's key is made with: the first writable
-    one (None without roots). Every entry point asks here (``merge``, ``set_adapters``),
-    so they time and choose the same kernels, and the same key.
+def kernel_roots(roots: list[str] | None) -> list[str]:
+    """The roots whose kernel timings a combination's key is made with: the read-only
+    roots listed before the first writable one (their recorded choices win: the keys of
+    what they hold were made with them), then that writable root, which keeps new
+    timings (none without roots; without a writable root, new timings stay in this
+    process). Every entry point asks here (``merge``, ``set_adapters``), so they choose
+    the same kernels, and so the same key.
 
-    Each root up to it is checked first as its vault will check it: a refused root (a
-    link to tmpfs, another user's folder) is refused before the timings and their lock
-    are written in it.
+    Each root is checked first as its vault will check it: a refused root (a link to
+    tmpfs, another user's folder) is refused before the timings and their lock are
+    written in it.
     """
+    chosen = []
     for root in roots or []:
         read_only = root_is_read_only(root)
         prepare_root(root, create=not read_only)
+        chosen.append(root)
         if not read_only:
-            return root
-    return None
+            return chosen
+    return [*chosen, None] if chosen else []

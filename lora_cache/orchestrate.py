@@ -22,7 +22,7 @@ from hostmem.errors import InputError
 
 from .adapters import Adapter, AdapterFile, as_adapters, read_adapters
 from .adapters.conversion_memo import ValuesNeeded
-from .combination import (MERGE_POLICY, base_shards, combination_key, inputs_but_base, kernel_root, mapped_file,
+from .combination import (MERGE_POLICY, base_shards, combination_key, inputs_but_base, kernel_roots, mapped_file,
                           merge_policy)
 from .kernels import KernelPlan, plan_for_targets
 from .kernels.precision import fp32_matmul_precision
@@ -145,7 +145,7 @@ def open_combination(planned, specs, cache_root=None, *, max_size=None, base_fil
     host = [t for t in targets if t.current.device.type == "cpu"]
     roots = cache_roots(cache_root)
     if kernels is None:
-        kernels = plan_for_targets(targets, device, kernel_root(roots))
+        kernels = plan_for_targets(targets, device, kernel_roots(roots))
     space = AddressSpace()
     shards = base_shards(host, base_files, space)
     vaults = [Vault(root, max_size) for root in roots]
@@ -231,8 +231,8 @@ def merge(
         targets = split.targets
     key, root, cache_targets = None, None, [t for t in targets if t.current.device.type == "cpu"]
     session_cm = contextlib.nullcontext()
-    kernels = (split.choose_kernels(device, kernel_root(roots)) if split is not None  # timed once per machine
-               else plan_for_targets(targets, device, kernel_root(roots)))
+    kernels = (split.choose_kernels(device, kernel_roots(roots)) if split is not None  # timed once per machine
+               else plan_for_targets(targets, device, kernel_roots(roots)))
     shares = None
     if roots and cache_targets:
         if group is not None:  # the ranks of a host first build the misses together
