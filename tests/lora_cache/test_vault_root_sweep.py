@@ -9,12 +9,12 @@ free), and leaves alone what is not ours or still held.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 
 from hostmem.vault import Vault
+from tests.faults.test_sweep_liveness import kill_group
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Opens a memo's temporary at the root as durable_write does, half writes it, then waits to be killed.
@@ -30,17 +30,10 @@ sys.stdin.read()
 
 def _writer(root: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-c", WRITER, root], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, cwd=REPO, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True)
     path = proc.stdout.readline().strip()
     assert path, "the writer did not start"
     return proc, path
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    proc.stdin.close()
-    proc.stdout.close()
 
 
 def test_a_start_sweeps_a_killed_memo_writers_temporary_at_the_root(tmp_path):
@@ -51,7 +44,7 @@ def test_a_start_sweeps_a_killed_memo_writers_temporary_at_the_root(tmp_path):
         Vault(root)
         assert os.path.exists(held), "a live writer's temporary was taken"
     finally:
-        _kill(proc)
+        kill_group(proc)
     foreign = root / ".tmp-notes"  # not a name durable_write makes: someone else's
     foreign.write_text("mine")
     deadline = time.monotonic() + 10
