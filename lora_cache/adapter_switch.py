@@ -147,7 +147,7 @@ def _state_of(model, options: dict | None = None) -> SwitchState:
     return state
 
 
-def _identity(specs: list[Adapter], cache_root: str, shards: dict | None = None) -> tuple:
+def _identity(specs: list[Adapter], cache_root: tuple[str, ...], shards: dict | None = None) -> tuple:
     """What tells two combinations apart in this process (the vault key does across them)."""
     parts = None if shards is None else repr(shards)  # checked by plan_targets, after this
     return (cache_root, parts) + tuple(
@@ -278,7 +278,7 @@ def _swap(state: SwitchState, pending: Pending, blocking: bool) -> bool:
 def set_adapters(
     model,
     adapters,
-    cache_root: str | os.PathLike,
+    cache_root: str | os.PathLike | list,
     *,
     max_size: int | str | None = None,
     base_files: list[str] | None = None,
@@ -291,7 +291,8 @@ def set_adapters(
 
     ``adapters`` is what :func:`lora_cache.merge` takes (paths, ``(path, strength)``
     tuples, dicts, :class:`lora_cache.Adapter`). A combination the vault under
-    ``cache_root`` holds whole is installed as mapped views; any other is applied at run
+    ``cache_root`` (one root, or an ordered list of them as :func:`lora_cache.merge`
+    takes) holds whole is installed as mapped views; any other is applied at run
     time at once and built in the background (``background=False``: built now), then
     swapped in at the next safe point (see :func:`swap_ready`). Waits for forward calls
     in flight on other threads; raises when called from inside one. ``max_size``,
@@ -300,7 +301,7 @@ def set_adapters(
     in a build they share) are :func:`lora_cache.merge`'s.
     """
     started = time.perf_counter()
-    cache_root = os.path.expanduser(os.fspath(cache_root))
+    cache_root = tuple(cache_roots(cache_root))  # one root or an ordered list of them, as merge takes
     options = {"cache_root": cache_root, "max_size": max_size, "base_files": base_files, "device": device,
                "shards": shards, "rank_timeout": check_rank_timeout(rank_timeout)}
     state = _state_of(model, options)

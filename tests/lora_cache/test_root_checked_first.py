@@ -93,3 +93,17 @@ def test_merge_and_set_adapters_choose_kernels_from_a_read_only_roots_wisdom(tmp
     baked = read_only_copy(str(image))
     assert _start(tmp_path, "merge", baked) == built
     assert _start(tmp_path, "switch", baked) == "cached"
+
+
+def test_set_adapters_takes_an_ordered_list_of_roots_as_merge_does(tmp_path):
+    from tests.lora_cache.test_runtime_lora import stack_adapter, stack_model
+
+    roots = [str(tmp_path / "first"), str(tmp_path / "second")]
+    adapter = stack_adapter(str(tmp_path / "a.safetensors"), 64, 2, 1, rank=4, dtype=torch.bfloat16)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    first = stack_model(str(tmp_path / "one"), 64, 2, torch.bfloat16)
+    assert lora_cache.set_adapters(first, [adapter], cache_root=roots, background=False).mode == "built"
+    assert any(len(n) == 64 for n in os.listdir(tmp_path / "first" / "lora_merge_cache"))  # built in the first
+    second = stack_model(str(tmp_path / "two"), 64, 2, torch.bfloat16)
+    assert lora_cache.set_adapters(second, [adapter], cache_root=roots, background=False).mode == "cached"
