@@ -144,6 +144,20 @@ def test_arrows_point_only_down():
     assert not upward, "imports that point up (bench > planners > lora_cache > hostmem):\n" + "\n".join(upward)
 
 
+# Inside hostmem: what the store is built on never reaches up into it.
+BELOW_THE_VAULT = ("hostmem.errors", "hostmem.units", "hostmem.dtypes", "hostmem.file_writes", "hostmem.procfs",
+                   "hostmem.safetensors_header", "hostmem.safetensors_map", "hostmem.writers", "hostmem.fault_report")
+
+
+def test_what_the_vault_is_built_on_does_not_import_it():
+    upward = [
+        f"{_where(a, line)}: {a} imports {b}"
+        for a, edges in GRAPH.items() if a.startswith(BELOW_THE_VAULT)
+        for b, line in edges if b == "hostmem.vault" or b.startswith("hostmem.vault.")
+    ]
+    assert not upward, "modules below hostmem.vault that import it (move what they need down):\n" + "\n".join(upward)
+
+
 def test_no_module_over_the_line_limit():
     files = [p for package in (*LAYERS, "tests") for p in (ROOT / package).rglob("*.py")]
     long = sorted(
