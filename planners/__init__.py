@@ -1,0 +1,38 @@
+"""planners: a deployment's config in, its host budget, device and pin plans out.
+
+The face of the package (the names a server imports, each from the module that has
+its job)::
+
+    from planners import load_config, plan_loaded, apply_pin_plan
+    config = load_config("configs/minimax-h3-32g.yaml")
+    plan = plan_loaded(config, components)          # accounts, plans, logs the report once
+    pins = apply_pin_plan(plan, components, config)  # pinned in place, at exact size
+
+Names are imported on first use, so ``import planners`` imports neither torch nor
+the command line's dependencies.
+"""
+
+from __future__ import annotations
+
+from hostmem.lazy import lazy_exports
+
+_EXPORTS = {
+    "load_config": "config",
+    "parse_config": "config",
+    "ConfigError": "config",
+    "DeploymentConfig": "config",
+    "plan_loaded": "startup",
+    "plan_deployment": "deployment",
+    "DeploymentPlan": "deployment",
+    "report_text": "report",
+    "report_dict": "report",
+    "apply_pin_plan": "pin_apply",
+    "PinMismatch": "pin_apply",
+    "collect_offers": "providers",
+    "remap_providers": "providers",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -60,3 +60,4 @@ def test_a_bad_size_on_the_command_line_is_one_line():
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     assert done.stderr.startswith("hostmem") and "twelve" in done.stderr
+

@@ -178,6 +178,19 @@ def test_every_project_error_derives_from_the_root():
     assert not strays, "error classes outside the root (add HostmemError as the first base):\n" + "\n".join(strays)
 
 
+def test_the_planners_face_names_what_a_server_uses_and_imports_no_torch_for_a_config():
+    from tests.conftest import run_python
+
+    done = run_python("""
+import sys, planners
+planners.load_config, planners.ConfigError, planners.report_text
+assert "torch" not in sys.modules, "reading a config through the face imported torch"
+missing = [name for name in planners.__all__ if getattr(planners, name, None) is None]
+assert not missing, missing
+""", cwd=str(ROOT))
+    assert done.returncode == 0, done.stderr
+
+
 def test_the_reader_sees_function_local_imports(tmp_path):
     """The scan itself: a function-local import is an arrow like any other."""
     source = tmp_path / "probe.py"
