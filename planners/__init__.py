@@ -16,21 +16,15 @@ from __future__ import annotations
 
 from hostmem.lazy import lazy_exports
 
-_EXPORTS = {
-    "load_config": "config",
-    "parse_config": "config",
-    "ConfigError": "config",
-    "DeploymentConfig": "config",
-    "plan_loaded": "startup",
-    "plan_deployment": "deployment",
-    "DeploymentPlan": "deployment",
-    "report_text": "report",
-    "report_dict": "report",
-    "apply_pin_plan": "pin_apply",
-    "PinMismatch": "pin_apply",
-    "collect_offers": "providers",
-    "remap_providers": "providers",
+_NAMES_BY_MODULE = {
+    "config": ("load_config", "parse_config", "ConfigError", "DeploymentConfig"),
+    "startup": ("plan_loaded",),
+    "deployment": ("plan_deployment", "DeploymentPlan"),
+    "report": ("report_text", "report_dict"),
+    "pin_apply": ("apply_pin_plan", "PinMismatch"),
+    "providers": ("collect_offers", "remap_providers"),
 }
+_EXPORTS = {name: module for module, names in _NAMES_BY_MODULE.items() for name in names}
 
 __all__ = sorted(_EXPORTS)
 
