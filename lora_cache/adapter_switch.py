@@ -112,7 +112,10 @@ def _when_exiting(call) -> None:
     last registered first, where this Python has it."""
     register = getattr(threading, "_register_atexit", None)
     if register is not None:
-        register(call)
+        try:
+            register(call)
+        except RuntimeError:  # asked while the interpreter already exits
+            call()
 
 
 def _combination_lock(identity: tuple) -> threading.Lock:
