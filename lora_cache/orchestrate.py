@@ -141,9 +141,15 @@ def open_combination(planned, specs, cache_root=None, *, max_size=None, base_fil
     held, and :func:`merge_layers` takes the session. ``sharding``: the targets are
     tensor-parallel parts merged apart (see :func:`combination_key`).
     """
+    return _open_in(planned, specs, cache_roots(cache_root), max_size=max_size, base_files=base_files,
+                    device=device, kernels=kernels, sharding=sharding)
+
+
+def _open_in(planned, specs, roots: list[str], *, max_size, base_files, device, kernels, sharding) -> OpenCombination:
+    """:func:`open_combination` in ``roots`` as :func:`~hostmem.vault.roots.cache_roots` gave
+    them: :func:`merge` resolves its ``cache_root`` once and walks it with that list."""
     targets, files = planned
     host = [t for t in targets if t.current.device.type == "cpu"]
-    roots = cache_roots(cache_root)
     if kernels is None:
         kernels = plan_for_targets(targets, device, kernel_roots(roots))
     space = AddressSpace()
@@ -231,8 +237,9 @@ def merge(
         targets = split.targets
     key, root, cache_targets = None, None, [t for t in targets if t.current.device.type == "cpu"]
     session_cm = contextlib.nullcontext()
-    kernels = (split.choose_kernels(device, kernel_roots(roots)) if split is not None  # timed once per machine
-               else plan_for_targets(targets, device, kernel_roots(roots)))
+    timings = kernel_roots(roots)  # each checked before the timings are written in it
+    kernels = (split.choose_kernels(device, timings) if split is not None  # timed once per machine
+               else plan_for_targets(targets, device, timings))
     shares = None
     if roots and cache_targets:
         if group is not None:  # the ranks of a host first build the misses together
@@ -240,8 +247,8 @@ def merge(
 
             shares = build_shares(cache_targets, files, specs, roots, max_size, base_files, device, kernels,
                                   progress, rank_timeout)
-        key, root, session_cm = open_combination((targets, files), specs, roots, max_size=max_size,
-                                                 base_files=base_files, device=device, kernels=kernels)
+        key, root, session_cm = _open_in((targets, files), specs, roots, max_size=max_size, base_files=base_files,
+                                         device=device, kernels=kernels, sharding="")
         if isinstance(session_cm, FoldedSession):  # the one place the build's read order changes
             targets = session_cm.in_file_order(targets)
     session = None
@@ -284,7 +291,7 @@ def _merge_planned(model, specs, targets, session, **options) -> MergeStats:
 def _merge_apart(targets, sharding: str, *, files, specs, roots, open_options, loop_options) -> MergeStats:
     """Merge tensor-parallel parts that are not a view of a whole layer through a
     combination of their own, whose key names the ``sharding``."""
-    key, root, session_cm = open_combination((targets, files), specs, roots, sharding=sharding, **open_options)
+    key, root, session_cm = _open_in((targets, files), specs, roots, sharding=sharding, **open_options)
     with session_cm as session:
         stats = merge_layers(targets, session, **loop_options)
     stats.cache_key, stats.cache_root = session.key, session.vault.root
