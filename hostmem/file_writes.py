@@ -1,4 +1,5 @@
-"""Writing large buffers to a file: every byte, the disk started early, around the page cache.
+"""Writing large buffers to a file: every byte, the disk started early, around the page cache;
+and the folder fsync that makes a rename durable.
 
 Below the vault and the safetensors writer alike (both write checkpoints and layers of
 gigabytes), so neither reaches into the other; ``hostmem.vault.durable`` re-exports
@@ -12,9 +13,19 @@ import functools
 import mmap
 import os
 
-__all__ = ["DIRECT_ALIGN", "start_writeback", "write_all", "write_uncached", "write_uncached_pieces"]
+__all__ = ["DIRECT_ALIGN", "fsync_dir", "start_writeback", "write_all", "write_uncached", "write_uncached_pieces"]
 
 _CHUNK = 8 * 1024 * 1024
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a folder so that a rename or unlink in it survives a crash."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
 
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
 

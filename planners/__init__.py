@@ -9,7 +9,7 @@ its job)::
     pins = apply_pin_plan(plan, components, config)  # pinned in place, at exact size
 
 Names are imported on first use, so ``import planners`` imports neither torch nor
-the command line's dependencies.
+the command line's dependencies (``planners.execute`` runs a plan: see planners.executor).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ _NAMES_BY_MODULE = {
     "report": ("report_text", "report_dict"),
     "pin_apply": ("apply_pin_plan", "PinMismatch"),
     "providers": ("collect_offers", "remap_providers"),
+    "executor": ("execute",),
 }
 _EXPORTS = {name: module for module, names in _NAMES_BY_MODULE.items() for name in names}
 

@@ -24,7 +24,7 @@ import warnings
 
 from hostmem.errors import HostmemError
 
-COMMANDS = ("inspect", "plan", "guard", "lora", "cache", "demo")
+COMMANDS = ("inspect", "plan", "guard", "lora", "cache", "demo", "calibrate")
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:

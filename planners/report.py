@@ -5,7 +5,7 @@ added but never renamed::
 
     {"deployment": str, "mode": "what-if" | "live", "merge": "none" | "in-place" | "cached",
      "host": {"limit_bytes", "source", "mem_total_bytes", "cgroup_limit_bytes"},
-     "budget": {"bytes", "reserve_bytes", "committed_bytes", "limit_bytes", "room_bytes",
+     "budget": {"bytes", "reserve_bytes", "reserve_source", "committed_bytes", "limit_bytes", "room_bytes",
                 "max_pinned_bytes", "pin_cap_bytes", "build_reserve_bytes",
                 "committed": {"anonymous_bytes", "shmem_bytes", "pinned_bytes", "process_excess_bytes"}},
      "components": {NAME: {"anonymous", "file_backed", "pinned", "total", "shmem", "swapped",
@@ -86,6 +86,7 @@ def _budget(plan: DeploymentPlan) -> dict:
     return {
         "bytes": b.bytes,
         "reserve_bytes": b.reserve,
+        "reserve_source": b.reserve_source,
         "committed_bytes": b.committed,
         "limit_bytes": b.limit,
         "room_bytes": b.room,
@@ -213,7 +214,7 @@ def _host_lines(plan: DeploymentPlan) -> list[str]:
         "budget:",
         *format_table([
             ("limit", format_size(b.limit), ""),
-            ("- reserve", format_size(b.reserve), ""),
+            ("- reserve", format_size(b.reserve), f"({b.reserve_source.split(':')[0]})"),
             ("- committed anonymous", format_size(b.committed_anonymous), ""),
             ("- committed shmem", format_size(b.committed_shmem), ""),
             ("- committed pinned", format_size(b.committed_pinned), ""),
@@ -224,6 +225,7 @@ def _host_lines(plan: DeploymentPlan) -> list[str]:
             ("budget for pins", format_size(b.bytes), "(room, capped by max pinned)"),
         ], indent="  "),
         *_build_reserve_lines(b),
+        *([f"  reserve {b.reserve_source}"] if ":" in b.reserve_source else []),
     ]
 
 
@@ -261,13 +263,22 @@ def _component_lines(plan: DeploymentPlan) -> list[str]:
     return ["components (file-backed includes mapped bytes not yet read):", *format_table(rows, indent="  ")]
 
 
+def _warning_lines(plan: DeploymentPlan) -> list[str]:
+    """Warnings, and the disk reads per request that the notes describe, so 'none' never hides them."""
+    disk = sum(p.disk_bytes_per_request for p in plan.pins.plans.values()) if plan.pins.notes else 0
+    reads = f"each request reads {format_size(disk)} from disk (the notes under the pin plans)"
+    if plan.warnings:
+        return ["warnings:", *(f"  - {w}" for w in plan.warnings), *([f"  and {reads}"] if disk else [])]
+    return [f"warnings: none, but {reads}"] if disk else ["warnings: none"]
+
+
 def _device_lines(plan: DeploymentPlan) -> list[str]:
     d = plan.device
     if d.component is None:
         return ["device plan: no component streams layer by layer"]
     total = len(d.resident_layers) + len(d.streamed_layers)
     return [
-        f"device plan ({d.component}): VRAM {format_size(d.vram)} - reserve {format_size(d.reserve)} - rest "
+        f"device plan ({d.component}): VRAM {format_size(d.vram)} (the config's device.vram) - reserve {format_size(d.reserve)} - rest "
         f"{format_size(d.rest_bytes)} - prefetch window {format_size(d.window_bytes)}",
         f"  resident {len(d.resident_layers)} of {total} ({format_size(d.resident_bytes)}): "
         f"{compress_names(d.resident_layers)}",
@@ -362,6 +373,6 @@ def report_text(plan: DeploymentPlan) -> str:
         _pin_lines(plan),
         _offer_lines(plan),
         _alternative_lines(plan),
-        ["warnings:", *(f"  - {w}" for w in plan.warnings)] if plan.warnings else ["warnings: none"],
+        _warning_lines(plan),
     ]
     return "\n\n".join("\n".join(s) for s in sections if s)

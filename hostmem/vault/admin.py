@@ -14,6 +14,7 @@ providers' records that no combination left needs (:mod:`.records`).
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 
 from .durable import TMP_PREFIX
@@ -22,7 +23,7 @@ from .locks import KeyLock
 from .manifest import MANIFEST_NAME, ManifestError, read_manifest
 from .provisional import MARKER_NAME, PROVISIONAL_WHY
 from .records import StaleRecord, stale_records
-from .safety import VaultError, prepare_root, root_is_read_only
+from .safety import VaultError, check_folder_safe, prepare_root, root_is_read_only
 from .verification import DAMAGE_NAME, VERIFIED_NAME, record_damage
 from .combinations import (
     CACHE_DIR,
@@ -39,6 +40,11 @@ from .combinations import (
 
 __all__ = ["existing_cache_dir", "VerifyReport", "verify_combination", "verify_all", "prune", "prune_records",
            "remove"]
+
+
+def say(message: str) -> None:
+    """One line to stderr, as the vault's sessions say things (without importing torch)."""
+    print(f"hostmem: {message}", file=sys.stderr, flush=True)
 
 
 def existing_cache_dir(root: str) -> str | None:
@@ -132,34 +138,79 @@ def verify_combination(cache: str, key: str) -> VerifyReport:
 
     The lock file is left as it was found (one it had to create goes again). On a
     read-only root nobody can be building, so there is no lock to take, and nothing is
-    recorded: the report is all there is.
+    recorded: the report is all there is. A combination gone since it was listed is
+    reported ``gone``; a folder or lock the cache may not trust (a link, another user's)
+    is reported ``bad`` and nothing is written through it.
     """
     report = VerifyReport(key, "ok")
     folder = os.path.join(cache, key)
-    if root_is_read_only(cache):
-        _verify_files(folder, report)
-    else:
-        lock = KeyLock(lock_path(cache, key))
-        existed = os.path.lexists(lock.path)
-        if not lock.acquire(exclusive=False, blocking=False):
-            return VerifyReport(key, "in use")
-        try:
+    try:
+        check_folder_safe(folder)
+    except FileNotFoundError:
+        return VerifyReport(key, "gone", notes=[f"{folder}: removed since it was listed (evicted or pruned)"])
+    except VaultError as refused:
+        return VerifyReport(key, "bad", problems=[str(refused)])
+    try:
+        if root_is_read_only(cache):
             _verify_files(folder, report)
-            record_damage(folder, report.problems)  # kept, so no start trusts what failed here
-        finally:
-            if existed:
-                lock.release()
-            else:
-                lock.release_and_remove_if_alone()
-    if report.problems:
+        else:
+            _verify_locked(cache, key, folder, report)
+    except FileNotFoundError:
+        return VerifyReport(key, "gone", notes=[f"{folder}: removed while it was being checked"])
+    except VaultError as refused:
+        report.problems.append(str(refused))
+    if report.problems and report.state == "ok":
         report.state = "bad"
     return report
 
 
-def verify_all(cache: str, keys: list[str] | None = None) -> list[VerifyReport]:
-    """Verify the named combinations (key prefixes), or all of them."""
+def _verify_locked(cache: str, key: str, folder: str, report: VerifyReport) -> None:
+    lock = KeyLock(lock_path(cache, key))
+    existed = os.path.lexists(lock.path)
+    if not lock.acquire(exclusive=False, blocking=False):
+        report.state = "in use"
+        return
+    try:
+        _verify_files(folder, report)
+        record_damage(folder, report.problems)  # kept, so no start trusts what failed here
+    finally:
+        if existed:
+            lock.release()
+        else:
+            lock.release_and_remove_if_alone()
+
+
+def verify_all(cache: str, keys: list[str] | None = None, deep: bool = False) -> list[VerifyReport]:
+    """Verify the named combinations (key prefixes), or all of them; ``deep`` also reads
+    every input they record again and compares it with their key (:mod:`.deep`)."""
     names = [resolve_key(cache, k) for k in keys] if keys else [c.key for c in list_combinations(cache)]
-    return [verify_combination(cache, k) for k in names]
+    reports, read = [], {}
+    for key in names:
+        report = verify_combination(cache, key)
+        if deep and report.state in ("ok", "bad"):
+            _verify_inputs(cache, key, report, read)
+        reports.append(report)
+    return reports
+
+
+def _verify_inputs(cache: str, key: str, report: VerifyReport, read: dict) -> None:
+    """Re-hash the inputs ``key``'s manifest records (not recorded as damage: the layers
+    are the right merge of what the key names; the memo entry of a changed input goes)."""
+    from .content_hash import MEMO_NAME
+    from .deep import deep_check  # here: a plain verify reads no input
+
+    try:
+        manifest = read_manifest(os.path.join(cache, key))
+    except (ManifestError, VaultError, OSError):
+        return  # already reported as a problem of the combination
+    if manifest is None:
+        return
+    memo = None if root_is_read_only(cache) else os.path.join(cache, MEMO_NAME)
+    problems, notes = deep_check(manifest.inputs, memo, read)
+    report.problems += problems
+    report.notes += notes
+    if problems:
+        report.state = "bad"
 
 
 def _prune_reason(combo: Combination, everything: bool) -> str | None:
@@ -194,9 +245,19 @@ def prune(cache: str, max_size: int | None = None, everything: bool = False, dry
             total -= combo.bytes
     if dry_run:
         return chosen
-    removed = [(c, r) for c, r in chosen if remove_if_unused(cache, c.key)]
+    removed = [(c, r) for c, r in chosen if _removed(cache, c.key)]
     _clear_strays(cache)
     return removed
+
+
+def _removed(cache: str, key: str) -> bool:
+    """Remove one unused combination; one the cache may not touch (a lock file of another
+    user's, a link) is named and left, and the prune goes on."""
+    try:
+        return remove_if_unused(cache, key)
+    except (VaultError, OSError) as exc:
+        say(f"left {key[:12]} alone: {exc}")
+        return False
 
 
 def prune_records(cache: str, gone: set[str] = frozenset(), dry_run: bool = False) -> list[StaleRecord]:
@@ -232,7 +293,11 @@ def _clear_strays(cache: str) -> None:
 
 def _clear_locks(cache: str, key: str) -> None:
     lock = KeyLock(lock_path(cache, key))
-    if not lock.acquire(blocking=False):
+    try:
+        if not lock.acquire(blocking=False):
+            return
+    except (VaultError, OSError) as exc:  # another user's lock file, or a link: named, left, and on to the next
+        say(f"left the locks of {key[:12]} alone: {exc}")
         return
     try:
         use = KeyLock(use_path(cache, key))

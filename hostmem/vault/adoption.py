@@ -27,7 +27,7 @@ from hostmem.safetensors_header import SafetensorsError
 
 from .durable import discard, fsync_dir, remove_tree
 from .layer_file import LayerEntry, is_layer_file_name, layer_problem, read_layer_file
-from .manifest import Manifest, ManifestError, read_manifest
+from .manifest import Manifest, ManifestError, inputs_problem, read_manifest
 from .provisional import PROVISIONAL_WHY, is_provisional, is_resumable
 from .safety import make_private_dir
 from .verification import VerifiedMemo, check_layers, read_damage
@@ -121,11 +121,12 @@ def _dropped(folder: str, why: str, writable: bool) -> Adopted:
     return Adopted({}, None, dropped=why)
 
 
-def adopt(folder: str, expected: dict | None, writable: bool = True) -> Adopted:
+def adopt(folder: str, expected: dict | None, writable: bool = True, inputs: dict | None = None) -> Adopted:
     """Read what ``folder`` holds that can be served, verified; drop what cannot.
 
     A read-only folder (``writable=False``) is only read: what fails is left there,
-    and not served. A provisional folder is never served (:mod:`.provisional`).
+    and not served. A manifest whose recorded base digests differ from ``inputs``' is
+    another combination's, and dropped. A provisional folder is never served (:mod:`.provisional`).
     """
     if is_provisional(folder) and not (writable and is_resumable(folder)):
         return _dropped(folder, PROVISIONAL_WHY, writable)
@@ -133,6 +134,9 @@ def adopt(folder: str, expected: dict | None, writable: bool = True) -> Adopted:
         manifest = read_manifest(folder)
     except ManifestError as exc:
         return _dropped(folder, str(exc), writable)
+    mismatch = manifest is not None and inputs_problem(manifest, inputs or {})
+    if mismatch:
+        return _dropped(folder, mismatch, writable)
     damaged = read_damage(folder) is not None
     memo = VerifiedMemo(folder, trust=not damaged)
     vouched = _vouched(manifest, memo)

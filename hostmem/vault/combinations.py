@@ -22,7 +22,8 @@ from .durable import TMP_PREFIX, free_bytes, remove_if_abandoned, remove_tree
 from .locks import KeyLock, lock_is_held
 from .safety import VaultError, make_private_dir
 from .manifest import ManifestError, last_used, read_manifest
-from .provisional import is_provisional, is_resumable
+from .content_hash import MEMO_NAME
+from .provisional import is_provisional, is_resumable, never_resumed
 from .verification import DAMAGE_NAME, read_damage
 
 __all__ = [
@@ -287,8 +288,13 @@ def sweep_dead_temporaries(cache: str) -> int:
         folder = os.path.join(cache, name)
         if not os.path.isdir(folder) or os.path.islink(folder):
             continue
-        if not is_key(name) or not lock_is_held(lock_path(cache, name), shared_too=False):
+        try:
+            held = is_key(name) and lock_is_held(lock_path(cache, name), shared_too=False)
+        except OSError:  # a lock that is a link or unreadable: not ours to judge; left for a person
+            continue
+        if not held:
             removed += _sweep_folder(folder)
-            if is_key(name) and is_provisional(folder) and not is_resumable(folder):  # its builder died
+            if is_key(name) and is_provisional(folder) and (  # its builder died
+                    not is_resumable(folder) or never_resumed(folder, os.path.join(cache, MEMO_NAME))):
                 remove_if_unused(cache, name)
     return removed

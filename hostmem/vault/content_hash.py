@@ -41,9 +41,10 @@ import threading
 from collections.abc import Callable
 
 from ..errors import InputError
-from .durable import durable_write, read_small
+from .durable import durable_write
 
-__all__ = ["hash_name", "new_hasher", "file_digest", "read_chunks", "stamp_of", "ContentHashMemo", "CONTENT_HASH_MEMO"]
+__all__ = ["hash_name", "new_hasher", "file_digest", "read_chunks", "stamp_of", "ContentHashMemo", "CONTENT_HASH_MEMO",
+           "forget_in_memo_file", "MEMO_NAME"]
 
 _READ = 8 * 1024 * 1024
 _HASH_READ = 1024 * 1024  # per buffer of the hash's reader (see file_digest)
@@ -51,6 +52,7 @@ _HASH_BUFFERS = 4
 _HASH_AHEAD = 32 * 1024 * 1024  # asked of the kernel ahead of the reader (see file_digest)
 _ADVICE_STEP = 8 * 1024 * 1024
 _MEMO_ENTRIES = 4096  # the on-disk memo keeps the most recent ones
+MEMO_NAME = "content_hashes.json"  # the on-disk memo, in a root's cache folder
 
 
 def _fill(fd: int, view: memoryview, offset: int, end: int) -> int:
@@ -300,8 +302,10 @@ CONTENT_HASH_MEMO = ContentHashMemo()
 
 def load_memo_file(memo_file: str) -> dict:
     """Read the on-disk memo; a missing or damaged one is simply empty (it is a hint)."""
+    from .safety import read_trusted  # here: safety needs the procfs readers, a hash does not
+
     try:
-        data = json.loads(read_small(memo_file))
+        data = json.loads(read_trusted(memo_file))  # only a file of ours, in a folder only we write
         if data.get("hash") != hash_name():
             return {}
         return {k: (e["stamp"], e["digest"]) for k, e in data["files"].items()}
@@ -323,3 +327,17 @@ def _store_in_memo_file(memo_file: str, key: str, stamp: list[int], digest: str)
         durable_write(memo_file, json.dumps(data, indent=1).encode())
     except OSError:
         pass
+
+
+def forget_in_memo_file(memo_file: str, path: str) -> None:
+    """Drop the on-disk memo's digest of the file at ``path`` (its bytes changed under a
+    stamp that did not: ``hostmem cache verify --deep``), so the next start hashes it."""
+    try:
+        key = _memo_key(stamp_of(os.stat(path)))
+    except OSError:
+        return
+    entries = load_memo_file(memo_file)
+    if entries.pop(key, None) is None:
+        return
+    data = {"hash": hash_name(), "files": {k: {"stamp": s, "digest": d} for k, (s, d) in entries.items()}}
+    durable_write(memo_file, json.dumps(data, indent=1).encode())

@@ -21,7 +21,8 @@ import os
 import shutil
 import stat
 
-from ..file_writes import DIRECT_ALIGN, start_writeback, write_all, write_uncached, write_uncached_pieces
+from ..file_writes import DIRECT_ALIGN, fsync_dir, start_writeback, write_all, write_uncached, write_uncached_pieces
+from .safety import read_trusted
 
 __all__ = [
     "TMP_PREFIX",
@@ -43,15 +44,6 @@ __all__ = [
 ]
 
 TMP_PREFIX = ".tmp-"
-
-
-def fsync_dir(path: str) -> None:
-    """fsync a folder so that a rename or unlink in it survives a crash."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def tmp_path_in(folder: str, suffix: str = "") -> str:
@@ -173,10 +165,10 @@ def durable_write(path: str, data: bytes) -> None:
 
 
 def read_small(path: str) -> bytes:
-    """The bytes of a small file of the cache (a memo, a record), never through a symlink."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as handle:
-        return handle.read()
+    """The bytes of a small file of the cache (a memo, a record): a regular file of this
+    user's, writable by nobody else, never read through a link
+    (:func:`~hostmem.vault.safety.read_trusted`)."""
+    return read_trusted(path)
 
 
 def free_bytes(path: str) -> int:

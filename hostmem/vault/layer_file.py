@@ -112,6 +112,9 @@ class LayerEntry(namedtuple("LayerEntry", "name file size header_sha256 crc32 dt
             data_offset=None if data.get("data_offset") is None else int(data["data_offset"]),
             stamp=None if data.get("stamp") is None else tuple(int(v) for v in data["stamp"]),
         )
+        if entry.file != layer_file_name(entry.name):  # a path, or another layer's file: never opened
+            raise ValueError(f"layer {entry.name!r}: file {entry.file!r} is not the name the cache gives it "
+                             f"({layer_file_name(entry.name)})")
         if entry.dtype not in DTYPE_SIZES:
             raise ValueError(f"layer {entry.name!r}: dtype {entry.dtype!r}")
         if entry.data_offset is not None and not 8 <= entry.data_offset == entry.size - entry.data_bytes:

@@ -105,7 +105,7 @@ def map_layer(path: str, name: str, lease: UseLease,
     last matched their checksum (:func:`~hostmem.vault.layer_file.known_layout`): then no
     header is read. A write into the view faults instead of copying the page.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO never hangs it
     try:
         offset = None if entry is None else known_layout(fd, entry)
         if offset is None:

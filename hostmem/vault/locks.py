@@ -7,8 +7,9 @@ import os
 from dataclasses import dataclass
 
 from .durable import discard
+from .safety import open_trusted
 
-__all__ = ["KeyLock", "lock_is_held"]
+__all__ = ["KeyLock", "lock_is_held", "lock_holders", "describe_holders"]
 
 
 @dataclass
@@ -27,7 +28,7 @@ class KeyLock:
         """Take the lock; with ``blocking=False`` return False when someone holds it."""
         mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if blocking else fcntl.LOCK_NB)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = open_trusted(self.path, os.O_RDWR | os.O_CREAT)  # ours, a regular file, no link followed
             try:
                 fcntl.flock(fd, mode)
             except BlockingIOError:
@@ -88,7 +89,7 @@ def lock_is_held(path: str, shared_too: bool) -> bool:
     in the way of other shared holders). The probe's own lock is dropped at once.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO never hangs it
     except FileNotFoundError:
         return False
     try:
@@ -98,3 +99,38 @@ def lock_is_held(path: str, shared_too: bool) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+def lock_holders(path: str) -> list[tuple[int, int | None]]:
+    """``(pid, uid)`` of each process holding a flock on ``path``, as ``/proc/locks`` names
+    them (the uid None where the process is gone or hidden); empty where none is known.
+    For messages only: who holds a key's lock, so that a person can act on it."""
+    try:
+        inode = os.lstat(path).st_ino
+        with open("/proc/locks") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        fields = line.split()
+        if "->" in fields or len(fields) < 6 or fields[1] != "FLOCK":  # "->": a waiter, not a holder
+            continue
+        try:
+            pid, where = int(fields[4]), fields[5]
+        except ValueError:
+            continue
+        if where.rsplit(":", 1)[-1] == str(inode):
+            try:
+                uid = os.stat(f"/proc/{pid}").st_uid
+            except OSError:
+                uid = None
+            found.append((pid, uid))
+    return found
+
+
+def describe_holders(holders: list[tuple[int, int | None]]) -> str:
+    """``"pid 123 (uid 0)"``, joined; ``"a process this one cannot see"`` where none is known."""
+    if not holders:
+        return "a process this one cannot see (another container or host)"
+    return ", ".join(f"pid {pid} (uid {'?' if uid is None else uid})" for pid, uid in holders)

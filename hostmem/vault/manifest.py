@@ -39,11 +39,11 @@ import time
 
 from ..errors import HostmemError
 from .durable import durable_write
-from .safety import check_not_symlink
+from .safety import read_trusted
 from .layer_file import LayerEntry
 
 __all__ = ["MANIFEST_NAME", "MANIFEST_FORMAT", "Manifest", "read_manifest", "write_manifest", "ManifestError",
-           "touch_use_time", "last_used"]
+           "touch_use_time", "last_used", "base_digests", "inputs_problem"]
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "hostmem-lora-merge-cache"
@@ -127,17 +127,24 @@ def _layers_digest(layers: list) -> str:
 
 
 def read_manifest(folder: str) -> Manifest | None:
-    """Return the folder's manifest, None when there is none yet (a build never sealed)."""
+    """Return the folder's manifest, None when there is none yet (a build never sealed).
+
+    Only a regular file of this user's (:func:`~.safety.read_trusted`), and only the
+    manifest of the key the folder is named by: a combination moved or renamed onto
+    another key's name is another combination's weights (a :class:`ManifestError`)."""
     path = os.path.join(folder, MANIFEST_NAME)
     try:
-        check_not_symlink(path)
-        with open(path, "rb") as handle:
-            data = json.loads(handle.read())
+        data = json.loads(read_trusted(path))
     except FileNotFoundError:
         return None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ManifestError(f"{path}: not JSON ({exc})") from None
-    return Manifest.from_dict(data, path)
+    manifest = Manifest.from_dict(data, path)
+    if manifest.key != os.path.basename(os.path.normpath(folder)):
+        raise ManifestError(f"{path}: the manifest of key {manifest.key[:12]} in the folder of key "
+                            f"{os.path.basename(os.path.normpath(folder))[:12]} (moved or renamed); not served, "
+                            "rebuilt by the next start (`hostmem cache prune` removes it)")
+    return manifest
 
 
 def write_manifest(folder: str, manifest: Manifest) -> None:
@@ -163,3 +170,23 @@ def last_used(folder: str, manifest: Manifest) -> float:
     except OSError:
         touched = 0.0
     return max(manifest.last_used, touched)
+
+
+def base_digests(inputs: dict) -> list[str] | None:
+    """The content digests of the base's shards the inputs record, sorted; None where they
+    record none (a base described otherwise, a session opened by a bare key)."""
+    base = inputs.get("base") if isinstance(inputs, dict) else None
+    shards = base.get("shards") if isinstance(base, dict) else None
+    if not isinstance(shards, list) or not shards or not all(isinstance(s, dict) and "digest" in s for s in shards):
+        return None
+    return sorted(str(s["digest"]) for s in shards)
+
+
+def inputs_problem(manifest: Manifest, inputs: dict) -> str | None:
+    """Why ``manifest`` is not the combination of ``inputs`` (the base's digests differ), or
+    None: the key names the bytes, and a manifest says which bytes it was built from."""
+    mine, recorded = base_digests(inputs), base_digests(manifest.inputs)
+    if mine is None or recorded is None or mine == recorded:
+        return None
+    return (f"its manifest records a base of digests {', '.join(d[:19] for d in recorded)}, this start's base has "
+            f"{', '.join(d[:19] for d in mine)}")

@@ -11,7 +11,8 @@ and whatever its manifest says:
   the one resumable case (:func:`is_resumable`: a build that failed or was interrupted,
   taken up by a build with the very same provisional key);
 - the dead-writer sweep removes it once no process holds its key's lock (its builder
-  died: the next start hashes or folds again), unless it is resumable;
+  died: the next start hashes or folds again), unless it is resumable and some start
+  may still resume it (:func:`never_resumed`);
 - ``hostmem cache ls`` shows it as ``provisional`` and ``hostmem cache prune`` removes it
   unless it is in use.
 
@@ -27,16 +28,17 @@ import os
 from .durable import discard, durable_write, fsync_dir
 
 __all__ = ["MARKER_NAME", "is_provisional", "is_resumable", "mark_provisional", "unmark_provisional",
-           "PROVISIONAL_WHY"]
+           "PROVISIONAL_WHY", "never_resumed"]
 
 MARKER_NAME = "provisional.json"
 PROVISIONAL_WHY = "a provisional build (made while its base was being hashed, never re-keyed: its builder stopped)"
 
 
 def _marker(folder: str) -> dict:
+    from .safety import read_trusted  # here: safety builds on the modules this one is beside
+
     try:
-        with open(os.path.join(folder, MARKER_NAME), "rb") as handle:
-            data = json.loads(handle.read())
+        data = json.loads(read_trusted(os.path.join(folder, MARKER_NAME)))
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
@@ -68,3 +70,25 @@ def unmark_provisional(folder: str) -> None:
     """The last step of a re-key: the folder, now under its real key, may be served."""
     discard(os.path.join(folder, MARKER_NAME))
     fsync_dir(folder)
+
+
+def never_resumed(folder: str, memo_file: str) -> bool:
+    """A resumable folder no start will take up again: a start builds under a provisional
+    key only while its base's digests are not known, and the memo knows every shard the
+    marker names at the stamp it has now (or a shard is gone). Its builder died: the
+    dead-writer sweep removes it, as it removes any other provisional folder."""
+    from .content_hash import load_memo_file, stamp_of  # here: only a sweep that found one asks
+
+    paths = _marker(folder).get("base")
+    if not isinstance(paths, list) or not paths:
+        return False
+    known = load_memo_file(memo_file)
+    for path in paths:
+        try:
+            stamp = stamp_of(os.stat(str(path)))
+        except OSError:
+            return True  # a shard gone: no start has that base
+        entry = known.get(f"{stamp[0]}:{stamp[1]}")
+        if entry is None or list(entry[0]) != stamp:
+            return False  # still to be hashed: the next start on it folds, and resumes this
+    return True

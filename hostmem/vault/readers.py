@@ -41,9 +41,9 @@ from .combinations import lock_path, use_path
 from .layer_file import is_layer_file_name
 from .leases import use_lease
 from .locks import KeyLock
-from .manifest import ManifestError, read_manifest, touch_use_time
+from .manifest import ManifestError, inputs_problem, read_manifest, touch_use_time
 from .provisional import is_provisional
-from .safety import check_not_symlink
+from .safety import VaultError, check_folder_safe
 from .session import VaultSession, claim_in_process, say, unclaim_in_process
 from .verification import VerifiedMemo, read_damage, record_damage
 
@@ -87,7 +87,7 @@ class SealedSession(VaultSession):
             touch_use_time(self.folder)  # for the LRU order, as a plain session serving it unchanged does
 
 
-def _vouched(folder: str, expected: dict) -> Adopted | None:
+def _vouched(folder: str, expected: dict, inputs: dict) -> Adopted | None:
     """What a plain session would adopt without reading a layer, when that is everything:
     a sealed, complete manifest holding the ``expected`` layers (shapes and dtypes), each
     vouched for by the memo, no recorded damage, no other layer file, not provisional.
@@ -99,7 +99,7 @@ def _vouched(folder: str, expected: dict) -> Adopted | None:
         manifest = read_manifest(folder)
     except ManifestError:
         return None
-    if manifest is None or not manifest.complete:
+    if manifest is None or not manifest.complete or inputs_problem(manifest, inputs):
         return None
     layers, memo = manifest.layers, VerifiedMemo(folder)
     if any(n not in layers or shape_dtype_problem(layers[n], s, d) for n, (s, d) in expected.items()):
@@ -119,15 +119,17 @@ def open_sealed(vault, hex_key: str, inputs: dict, expected: dict | None) -> Sea
     folder = os.path.join(vault.cache, hex_key)
     if expected is None or vault.read_only or not os.path.isfile(os.path.join(folder, "manifest.json")):
         return None
+    check_folder_safe(folder)  # ours and private, as the plain open checks it: one lstat
     claim_in_process(hex_key)
     lock = KeyLock(lock_path(vault.cache, hex_key))
     served = None
     try:
-        if os.path.lexists(lock.path):
-            check_not_symlink(lock.path)
-        if not _take_shared(lock):
-            return None  # a writer at work: the plain open waits for it
-        adopted = _vouched(folder, expected)
+        try:
+            if not _take_shared(lock):
+                return None  # a writer at work: the plain open waits for it
+        except VaultError:
+            return None  # a lock file the cache may not trust: the plain open says so, and merges in place
+        adopted = _vouched(folder, expected, inputs)
         if adopted is None:
             return None
         lease = use_lease(use_path(vault.cache, hex_key))  # under the key's lock, before any view

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from .combinations import Combination
 from .durable import TMP_PREFIX
-from .safety import check_folder_safe
+from .safety import check_folder_safe, read_trusted
 
 __all__ = ["CONVERSIONS", "RECORD_FOLDERS", "FRESH_SECONDS", "StaleRecord", "check_record_folders", "input_digests",
            "records_under", "stale_records"]
@@ -67,8 +67,7 @@ def _why_stale(path: str, size: int, live: set[str]) -> str | None:
     if size > _LARGEST:
         return "not a record: too large"
     try:
-        with open(path, "rb") as handle:
-            record = json.loads(handle.read())
+        record = json.loads(read_trusted(path, _LARGEST))  # never a FIFO, a link, or another user's file
     except (OSError, ValueError):
         return "unreadable"
     digest = record.get("digest") if isinstance(record, dict) else None

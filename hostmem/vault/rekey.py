@@ -28,7 +28,7 @@ from .leases import use_lease
 from .locks import KeyLock, lock_is_held
 from .manifest import ManifestError, read_manifest, write_manifest
 from .provisional import is_provisional, unmark_provisional
-from .safety import VaultError
+from .safety import VaultError, check_folder_safe
 from .session import claim_in_process, say, unclaim_in_process
 
 __all__ = ["rekey", "complete_in"]
@@ -42,6 +42,7 @@ def complete_in(vaults: list, key: str):
         if not os.path.isdir(folder) or os.path.islink(folder) or is_provisional(folder):
             continue
         try:
+            check_folder_safe(folder)  # another user's folder is never adopted, whatever it holds
             manifest = read_manifest(folder)
         except (ManifestError, VaultError, OSError):
             continue
@@ -71,6 +72,30 @@ def _carry_lease(cache: str, provisional: str, real: str) -> None:
     discard(old)  # still locked by the lease's descriptor; nobody can find it any more
 
 
+def _name_by(cache: str, folder: str, target: str, manifest, provisional: str, real: CacheKey) -> None:
+    """Step 2 of the module's docstring: the manifest, the lease, the name, the marker."""
+    remove_tree(target)
+    manifest.key, manifest.inputs = real.hex, real.inputs
+    write_manifest(folder, manifest)
+    _carry_lease(cache, provisional, real.hex)
+    os.rename(folder, target)
+    fsync_dir(cache)
+    unmark_provisional(target)
+
+
+def _give_up(label: str, cache: str, provisional: str, real: str, exc: OSError) -> None:
+    """The re-key failed part way (a full disk, most often): the weights served were built
+    from the very inputs the real key names and stay mapped from their files, which go
+    with the folder (unlinked, alive while mapped); nothing half-named stays behind, and
+    the next start builds the combination again. Said once."""
+    for key in (provisional, real):
+        if os.path.isdir(os.path.join(cache, key)) and is_provisional(os.path.join(cache, key)):
+            remove_tree(os.path.join(cache, key))
+    discard(use_path(cache, provisional))
+    say(f"{label} {real[:12]}: could not store the build under its key ({exc}); the weights it merged are "
+        "served as they are, and the next start builds it again")
+
+
 def rekey(vault, provisional: str, real: CacheKey, vaults: list):
     """Name the sealed provisional combination ``provisional`` of ``vault`` by ``real``
     (see the module's docstring); the vault the combination is served from now."""
@@ -92,13 +117,10 @@ def rekey(vault, provisional: str, real: CacheKey, vaults: list):
             remove_tree(folder)  # the weights served from it live on in its unlinked files
             discard(use_path(cache, provisional))  # and hold its unlinked lease file
             return holder
-        remove_tree(target)
-        manifest.key, manifest.inputs = real.hex, real.inputs
-        write_manifest(folder, manifest)
-        _carry_lease(cache, provisional, real.hex)
-        os.rename(folder, target)
-        fsync_dir(cache)
-        unmark_provisional(target)
+        try:
+            _name_by(cache, folder, target, manifest, provisional, real)
+        except OSError as exc:  # no room for the manifest, an I/O error: what is served stays right
+            _give_up(vault.label, cache, provisional, real.hex, exc)
         return vault
     finally:
         lock.release(remove=True)

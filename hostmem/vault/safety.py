@@ -2,11 +2,14 @@
 
 A cache folder others can write into, or one another user owns, is a door for
 replacing the model weights we serve; so roots and folders are refused the way sshd's
-StrictModes refuses a home folder: owned by this user (or root), and not writable by
-others unless the sticky bit is set. A root on tmpfs is refused too: its pages are
-shared memory the kernel cannot drop without swap, so mapping merged weights from
-there would save no host memory at all. Nothing in the cache is opened through a
-symlink.
+StrictModes refuses a home folder: owned by this user (or root), and writable by nobody
+else (a sticky bit does not help: it stops others removing our entries, not planting
+their own under the names we will look up). The one exception is the parent of a root
+(a shared folder such as ``/tmp``), which is not checked; the root itself, every folder
+and every file the cache reads are. Files are opened without following links, and a
+special file (a FIFO, a device) is refused before it is opened. A root on tmpfs is
+refused too: its pages are shared memory the kernel cannot drop without swap, so
+mapping merged weights from there would save no host memory at all.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import stat
 from ..errors import HostmemError
 from hostmem.procfs import SHMEM_FS_TYPES, filesystem_of
 
-from .durable import fsync_dir
+from ..file_writes import fsync_dir
 
 __all__ = [
     "VaultError",
@@ -30,6 +33,10 @@ __all__ = [
     "make_private_dir",
     "check_owned",
     "check_folder_safe",
+    "check_root",
+    "check_file_safe",
+    "open_trusted",
+    "read_trusted",
     "root_is_read_only",
 ]
 
@@ -63,21 +70,72 @@ def check_not_tmpfs(path: str) -> None:
         )
 
 
-def check_folder_private(path: str, st: os.stat_result | None = None) -> None:
-    """Refuse a folder that others may write into without the sticky bit.
+def _writable_by_others(path: str, st: os.stat_result, what: str) -> VaultError:
+    """The refusal of a folder or file others can write; its advice gives a safe mode
+    (``chmod +t`` would not: a sticky folder still takes others' new entries)."""
+    who = "every user" if st.st_mode & stat.S_IWOTH else "its group"
+    return VaultError(
+        f"{path}: {what} writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}), so another user could plant "
+        f"or swap cached weights. Run `chmod go-w {path}` (the cache makes its folders 0700 and its files "
+        "0600), or choose another cache root."
+    )
 
-    Anyone who can write there could plant or swap a layer file that we would then
-    serve as model weights.
+
+def check_folder_private(path: str, st: os.stat_result | None = None) -> None:
+    """Refuse a folder that anyone but its owner may write into, sticky or not.
+
+    Anyone who can create entries there could plant a layer file, a manifest or a memo
+    under the name we will look up, or rename a combination onto another's key.
     """
     st = os.lstat(path) if st is None else st
     if stat.S_ISLNK(st.st_mode):
         check_not_symlink(path, st)
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise VaultError(
-            f"{path}: writable by every user (mode {stat.S_IMODE(st.st_mode):04o}) without the "
-            "sticky bit, so another user could replace cached weights. Run `chmod o-w` on it "
-            "(or `chmod +t`), or choose another cache root."
-        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise _writable_by_others(path, st, "a cache folder")
+
+
+def check_file_safe(path: str, st: os.stat_result) -> None:
+    """A file the cache trusts (a manifest, a memo, a record, a lock): a regular file, ours
+    (or root's), and writable by nobody else."""
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a symlink" if stat.S_ISLNK(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
+                else "a folder" if stat.S_ISDIR(st.st_mode) else "a socket or other special file")
+        raise VaultError(f"{path}: is {kind}, where the cache keeps a regular file of its own; the cache never "
+                         "reads through it. Remove it (`rm` it) and start again.")
+    check_owned(path, st, "file")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise _writable_by_others(path, st, "a cache file")
+
+
+def open_trusted(path: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
+    """Open a file of the cache without following a link, a special file refused before it
+    is opened (a FIFO would hang the open, a device would be read without end), and the
+    file opened checked with :func:`check_file_safe`. ``FileNotFoundError`` passes (with
+    ``O_CREAT`` in ``flags`` a missing file is created ``mode``)."""
+    try:
+        check_file_safe(path, os.lstat(path))
+    except FileNotFoundError:
+        if not flags & os.O_CREAT:
+            raise
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    try:
+        check_file_safe(path, os.fstat(fd))  # the very file opened: not one swapped in since the lstat
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_trusted(path: str, limit: int = 64 * 1024 * 1024) -> bytes:
+    """The bytes of a small file of the cache (a manifest, a memo, a record), opened with
+    :func:`open_trusted`; one larger than ``limit`` is refused, not read into memory."""
+    fd = open_trusted(path)
+    with os.fdopen(fd, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size > limit:
+            raise VaultError(f"{path}: {size} bytes, more than a file of the cache ever holds; remove it")
+        return handle.read(limit + 1)
 
 
 def check_not_symlink(path: str, st: os.stat_result | None = None) -> os.stat_result:
@@ -106,13 +164,13 @@ def _cannot_create(path: str, exc: OSError) -> VaultError:
     )
 
 
-def check_owned(path: str, st: os.stat_result) -> None:
-    """Refuse a folder another user owns (root's are accepted, as sshd's StrictModes does):
-    its owner could replace cached weights, even when its mode looks private to us."""
+def check_owned(path: str, st: os.stat_result, what: str = "folder") -> None:
+    """Refuse a folder or file another user owns (root's are accepted, as sshd's StrictModes
+    does): its owner could replace cached weights, even when its mode looks private to us."""
     if st.st_uid not in (os.geteuid(), 0):
         raise VaultError(
-            f"{path}: owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}), who could replace "
-            f"cached weights. `chown {os.geteuid()} {path}` if it is yours, or choose a cache root of your own "
+            f"{path}: owned by uid {st.st_uid} (a {what} of the cache), not by this user (uid {os.geteuid()}), "
+            f"who could replace cached weights. `chown {os.geteuid()} {path}` if it is yours, or choose a cache root of your own "
             "(--root DIR, lora.cache.roots or HOSTMEM_CACHE_ROOT)."
         )
 
@@ -166,20 +224,45 @@ def _create_root(root: str) -> None:
         raise _cannot_create(root, exc) from None
 
 
-def prepare_root(root: str | os.PathLike, create: bool = True) -> str:
-    """Return the absolute root, created 0700 if missing (with ``create``), after the
-    safety checks: a folder (the root itself may be a link to a disk), owned by this
-    user or root, not writable by others without the sticky bit, not on tmpfs."""
-    root = os.path.abspath(os.path.expanduser(os.fspath(root)))
-    check_not_tmpfs(root)
-    if not os.path.isdir(root):
-        if not create:
-            return root  # a read-only root that holds nothing: nothing to check, nothing to serve
-        _create_root(root)
+def _check_root_link(root: str) -> None:
+    """A root may be a link to a disk of the user's, but only a link of the user's own:
+    another user who made the name first (in a shared parent such as ``/tmp``) would
+    point the cache wherever they like."""
+    try:
+        st = os.lstat(root)
+    except OSError:  # missing, or under a file: creating it says what is in the way
+        return
+    if stat.S_ISLNK(st.st_mode) and st.st_uid not in (os.geteuid(), 0):
+        raise VaultError(
+            f"{root}: a link made by uid {st.st_uid}, not by this user (uid {os.geteuid()}), so it may point "
+            "anywhere. Remove it (`rm` it, or ask its owner) or choose a cache root of your own "
+            "(--root DIR, lora.cache.roots or HOSTMEM_CACHE_ROOT)."
+        )
+
+
+def check_root(root: str) -> None:
+    """An existing root: a folder (or a link of this user's to one), owned by this user or
+    root, writable by nobody else. ``FileNotFoundError`` when there is none."""
+    os.lstat(root)
+    _check_root_link(root)
     if not os.path.isdir(root):
         raise VaultError(f"{root}: exists and is not a folder; choose another cache root.")
     st = os.stat(root)
     check_owned(root, st)
     check_folder_private(root, st)
+
+
+def prepare_root(root: str | os.PathLike, create: bool = True) -> str:
+    """Return the absolute root, created 0700 if missing (with ``create``), after the
+    safety checks: a folder (the root itself may be a link to a disk, a link of this
+    user's), owned by this user or root, writable by nobody else, not on tmpfs."""
+    root = os.path.abspath(os.path.expanduser(os.fspath(root)))
+    check_not_tmpfs(root)
+    _check_root_link(root)
+    if not os.path.isdir(root):
+        if not create:
+            return root  # a read-only root that holds nothing: nothing to check, nothing to serve
+        _create_root(root)
+    check_root(root)
     check_not_tmpfs(root)
     return root

@@ -22,6 +22,7 @@ from .durable import remove_tree
 from .layer_file import LayerEntry, UnsealedLayer, discard_layer, layer_file_bytes, seal_layer, write_layer_data
 from .leases import lease_alive, map_layer
 from .piece_writer import PieceWriter
+from .provisional import is_provisional
 from .locks import KeyLock
 from .manifest import Manifest, touch_use_time, write_manifest
 from .safety import VaultError, check_not_symlink
@@ -413,10 +414,9 @@ class VaultSession:
             if self._damaged and manifest.complete:
                 record_damage(self.folder, [])  # every layer was checked again, the bad ones rebuilt
         except OSError as exc:
-            self.last_error = (
-                f"could not write {self.folder}/manifest.json ({exc}); the layers written stay and the "
-                "next start adopts them"
-            )
+            then = ("the build was provisional (its base still being hashed), so the next start builds it again"
+                    if is_provisional(self.folder) else "the layers written stay and the next start adopts them")
+            self.last_error = f"could not write {self.folder}/manifest.json ({exc}); {then}"
             say(self.last_error)
 
     def __enter__(self) -> "VaultSession":

@@ -23,11 +23,12 @@ from .combinations import (
     sweep_dead_temporaries,
     use_path,
 )
+from .content_hash import MEMO_NAME
 from .durable import free_bytes
 from .identity import CacheKey, adapter_identity, base_identity
 from .leases import use_lease
-from .locks import KeyLock
-from .safety import VaultError, check_folder_safe, check_not_symlink, make_private_dir, prepare_root, root_is_read_only
+from .locks import KeyLock, describe_holders, lock_holders
+from .safety import VaultError, check_folder_safe, make_private_dir, prepare_root, root_is_read_only
 from .readers import open_sealed
 from .session import VaultSession, claim_in_process, say, still_needed, unclaim_in_process
 from .space import SpaceCheck
@@ -35,25 +36,50 @@ from .space import SpaceCheck
 __all__ = ["Vault", "default_cache_root", "DEFAULT_HEADROOM", "MEMO_NAME"]
 
 DEFAULT_HEADROOM = 256 * 1024 * 1024
-MEMO_NAME = "content_hashes.json"
+DEFAULT_LOCK_WAIT_S = 1800.0  # see lock_wait_s
 
 
-def _lock_key(cache: str, key: str, label: str) -> tuple[KeyLock, float]:
-    """Take the key's exclusive lock, saying so when another process holds it."""
+def lock_wait_s() -> float:
+    """How long a start waits for another process of this user's holding its key's lock
+    before it merges in place: ``HOSTMEM_LOCK_TIMEOUT`` seconds, else
+    :data:`DEFAULT_LOCK_WAIT_S` (a build of a large model takes minutes; one that holds
+    the lock much longer is stuck)."""
+    text = os.environ.get("HOSTMEM_LOCK_TIMEOUT", "")
+    try:
+        return max(0.0, float(text)) if text else DEFAULT_LOCK_WAIT_S
+    except ValueError:
+        raise VaultError(f"HOSTMEM_LOCK_TIMEOUT={text!r}: not a number of seconds") from None
+
+
+def _lock_key(cache: str, key: str, label: str) -> tuple[KeyLock | None, float, str | None]:
+    """Take the key's exclusive lock, saying so when another process holds it:
+    ``(lock, seconds waited, None)``, or ``(None, seconds waited, why)`` when the start
+    must merge in place instead (a lock file it may not trust, a holder of another
+    user's, or one that held it past :func:`lock_wait_s`)."""
     lock = KeyLock(lock_path(cache, key))
-    if os.path.lexists(lock.path):
-        check_not_symlink(lock.path)
-    if lock.acquire(blocking=False):
-        return lock, 0.0
-    say(
-        f"{label} {key[:12]} is in use by another process (most likely building it); waiting "
-        f"for it to finish (lock {lock.path}), then using what it built"
-    )
+    try:
+        if lock.acquire(blocking=False):
+            return lock, 0.0, None
+    except VaultError as refused:
+        return None, 0.0, str(refused)
+    holders = describe_holders(lock_holders(lock.path))
+    if any(uid != os.geteuid() for _, uid in lock_holders(lock.path)):
+        return None, 0.0, f"its lock {lock.path} is held by {holders}, another user, who may not steer this cache"
+    bound = lock_wait_s()
+    say(f"{label} {key[:12]} is in use by another process (most likely building it); waiting up to {bound:.0f} s "
+        f"for it to finish (held by {holders}; lock {lock.path}), then using what it built")
     started = time.monotonic()
-    lock.acquire()
+    pause = 0.005
+    while not lock.acquire(blocking=False):
+        waited = time.monotonic() - started
+        if waited >= bound:
+            return None, waited, (f"its lock {lock.path} is still held by {describe_holders(lock_holders(lock.path))} "
+                                  f"after {waited:.0f} s (HOSTMEM_LOCK_TIMEOUT)")
+        time.sleep(min(pause, max(bound - waited, 0.001)))
+        pause = min(2 * pause, 0.25)
     waited = time.monotonic() - started
     say(f"{label} {key[:12]}: waited {waited:.1f} s; adopting it")
-    return lock, waited
+    return lock, waited, None
 
 
 class Vault:
@@ -121,11 +147,14 @@ class Vault:
         claim_in_process(hex_key)
         lock = None
         try:
-            lock, waited = _lock_key(self.cache, hex_key, self.label)
+            lock, waited, why_not = _lock_key(self.cache, hex_key, self.label)
+            if lock is None:
+                unclaim_in_process(hex_key)
+                return self._in_place(key, hex_key, expected_layers, waited, why_not)
             lease = use_lease(use_path(self.cache, hex_key))  # under the key's lock, before any view
             folder = os.path.join(self.cache, hex_key)
             make_private_dir(folder)
-            adopted = adopt(folder, expected_layers)
+            adopted = adopt(folder, expected_layers, inputs=key.inputs if isinstance(key, CacheKey) else None)
             _tell(self.label, hex_key, adopted)
             needed = still_needed(adopted.entries, expected_layers)
             evicted = evict_lru(self.cache, hex_key, needed, self.max_size, self.headroom)
@@ -137,12 +166,23 @@ class Vault:
             unclaim_in_process(hex_key)
             raise
 
+    def _in_place(self, key, hex_key: str, expected_layers: dict | None, waited: float, why: str) -> "VaultSession":
+        """A session that serves nothing and stores nothing, holding no lock: every layer
+        merges in place, with the one warning the merge gives from ``last_error``."""
+        inputs = key.inputs if isinstance(key, CacheKey) else {}
+        session = VaultSession(self, hex_key, os.path.join(self.cache, hex_key), (None, None), inputs,
+                               Adopted({}, None), expected_layers, waited, [])
+        session.writable = False
+        session.last_error = f"{self.label} {hex_key[:12]}: not used ({why})"
+        return session
+
     def _open_read_only(self, key, hex_key: str, expected_layers: dict | None) -> "VaultSession":
         """A session that serves what a read-only root holds, verified, and writes nothing."""
         folder = os.path.join(self.cache, hex_key)
         if os.path.isdir(folder) and not os.path.islink(folder):
             check_folder_safe(folder)
-            adopted = adopt(folder, expected_layers, writable=False)
+            adopted = adopt(folder, expected_layers, writable=False,
+                            inputs=key.inputs if isinstance(key, CacheKey) else None)
             _tell(self.label, hex_key, adopted, read_only=True)
         else:
             adopted = Adopted({}, None)

@@ -7,7 +7,11 @@ is measured once and remembered under that whole description: in
 ``<root>/kernel_wisdom.json`` beside the cache, and in this process. The cache key
 names the kernel, so the choice must stick: once a class is recorded, every later
 merge on that machine reads it instead of timing again, and two processes that time
-at once agree through a lock (the first to record wins). Beside the timings
+at once agree through a lock (the first to record wins). The file steers which sum
+the merge runs (a fact that says bf16 addmm rounds once where it does not would merge
+wrong weights), so it is trusted as the cache's own files are: a regular file of this
+user's, in a root only this user can write, never read or locked through a link; any
+other is set aside with a warning and the kernels are timed in this process. Beside the timings
 (:data:`ENTRIES`) the file keeps facts about the machine's kernels (:data:`FACTS`, such
 as whether torch's bf16 addmm rounds once), which cost a start milliseconds to learn.
 """
@@ -26,6 +30,7 @@ import warnings
 import torch
 
 from hostmem.vault.durable import durable_write
+from hostmem.vault.safety import VaultError, check_root, open_trusted, read_trusted
 
 from .precision import instruction_caps
 
@@ -111,14 +116,20 @@ class Wisdom:
     @contextlib.contextmanager
     def _locked(self):
         """The root's wisdom lock; a root that cannot be written (a read-only image) is read
-        but not written, and its new choices stay in this process."""
+        but not written, and its new choices stay in this process (as they do where the
+        root or the lock is not one the cache may trust: said once, as a warning)."""
         self.writable = False
         if self.path is None:
             yield
             return
         try:
             os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-            fd = os.open(self.path + ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+            check_root(os.path.dirname(self.path))
+            fd = open_trusted(self.path + ".lock", os.O_RDWR | os.O_CREAT)
+        except VaultError as refused:
+            _warn_untrusted(refused)
+            yield
+            return
         except OSError:
             yield
             return
@@ -134,12 +145,15 @@ class Wisdom:
         return self._sections().get(section, {})
 
     def _sections(self) -> dict:
-        """The file's sections (:data:`ENTRIES`, :data:`FACTS`), each ``{key: entry}``; a
-        file of another version, or unreadable, holds none."""
+        """The file's sections (:data:`ENTRIES`, :data:`FACTS`), each ``{key: entry}``, an
+        entry a dict; a file of another version, unreadable, or not trusted, holds none."""
         try:
-            with open(self.path) as handle:
-                data = json.load(handle)
+            check_root(os.path.dirname(self.path))
+            data = json.loads(read_trusted(self.path))
         except FileNotFoundError:
+            return {}
+        except VaultError as refused:
+            _warn_untrusted(refused)
             return {}
         except (OSError, ValueError) as error:
             warnings.warn(f"{self.path}: unreadable kernel wisdom ({error}); timing the kernels again. "
@@ -147,9 +161,16 @@ class Wisdom:
             return {}
         if not isinstance(data, dict) or data.get("version") != _VERSION or not isinstance(data.get(ENTRIES), dict):
             return {}
-        return {name: data[name] for name in (ENTRIES, FACTS) if isinstance(data.get(name), dict)}
+        return {name: {k: v for k, v in data[name].items() if isinstance(v, dict)}
+                for name in (ENTRIES, FACTS) if isinstance(data.get(name), dict)}
 
     def _write(self, sections: dict) -> None:
         """Replace the file atomically: a reader sees the old wisdom or the new, never a torn one."""
         text = json.dumps({"version": _VERSION, ENTRIES: {}, **sections}, indent=1, sort_keys=True)
         durable_write(self.path, text.encode())
+
+
+def _warn_untrusted(refused: VaultError) -> None:
+    """Say that the root's wisdom is not used, and why (Python shows a warning once)."""
+    warnings.warn(f"kernel wisdom not used: {refused} Until then the kernels are timed in this process.",
+                  stacklevel=3)

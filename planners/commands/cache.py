@@ -38,6 +38,8 @@ def register(subparsers) -> None:
     verify = sub.add_parser("verify", parents=[common], help="check every layer's checksum; record what is damaged")
     verify.add_argument("keys", nargs="*", metavar="KEY", help="keys or unique prefixes (default: all)")
     verify.add_argument("--json", action="store_true", help="print JSON")
+    verify.add_argument("--deep", action="store_true",
+                        help="also read every input (base, adapters) again and compare it with the key")
     verify.set_defaults(run=run_verify)
     prune = sub.add_parser(
         "prune",
@@ -201,7 +203,7 @@ def run_verify(args) -> int:
             raise InputError(f"{root}: holds no LoRA merge cache, so no key {args.keys[0]!r}")
         reports = []
     else:
-        reports = verify_all(cache, args.keys)
+        reports = verify_all(cache, args.keys, deep=args.deep)
     bad = [r for r in reports if r.state == "bad"]
     if args.json:
         json.dump({"root": root, "ok": not bad, "combinations": [r.to_dict() for r in reports]}, sys.stdout)

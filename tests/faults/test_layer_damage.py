@@ -66,13 +66,13 @@ def test_a_broken_manifest_is_said_and_the_cache_rebuilt(tmp_path, capfd, fault)
         with open(manifest, "w") as handle:
             handle.write("{ not json")
         said, rebuilt = "not JSON", LAYERS
-    else:  # the layer's own file is still there under its name: adopted on its header, verified
+    else:  # a file the cache would not give that layer: the manifest is not trusted, the whole rebuilt
         with open(manifest) as handle:
             data = json.load(handle)
         data["layers"][0]["file"] = "0" * 32 + ".safetensors"
         with open(manifest, "w") as handle:
             json.dump(data, handle)
-        said, rebuilt = "missing", 0
+        said, rebuilt = "is not the name the cache gives it", LAYERS
     capfd.readouterr()
     served, stats = start(world.base, world.adapter, root)
     seen = capfd.readouterr().err

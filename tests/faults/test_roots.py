@@ -89,7 +89,7 @@ def test_a_root_another_user_owns_is_refused_saying_what_to_change(tmp_path, whe
         start(world.base, world.adapter, root)
     os.chmod(path, 0o777)
     os.chown(path, os.geteuid(), os.getegid())
-    with pytest.raises(VaultError, match=r"writable by every user.*chmod o-w"):
+    with pytest.raises(VaultError, match=r"writable by every user.*chmod go-w"):
         start(world.base, world.adapter, root)
 
 

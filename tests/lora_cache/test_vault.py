@@ -224,13 +224,15 @@ def test_the_root_is_created_private(tmp_path):
     assert stat.S_IMODE(os.stat(vault.cache).st_mode) == 0o700
 
 
-def test_a_root_writable_by_others_without_sticky_bit_is_refused(tmp_path):
+def test_a_root_writable_by_others_is_refused_sticky_or_not_and_the_advice_is_safe(tmp_path):
     root = tmp_path / "shared"
     root.mkdir()
-    os.chmod(root, 0o777)
-    with pytest.raises(VaultError, match=r"shared: writable by every user.*chmod o-w"):
-        Vault(root)
-    os.chmod(root, 0o1777)
+    for mode in (0o777, 0o1777, 0o770):  # a sticky folder still takes others' new entries
+        os.chmod(root, mode)
+        with pytest.raises(VaultError, match=r"shared: a cache folder writable by .*chmod go-w") as refused:
+            Vault(root)
+        assert "+t" not in str(refused.value)
+    os.chmod(root, 0o1777 & ~0o022)  # what the advice leaves
     assert Vault(root).cache.startswith(str(root))
 
 

@@ -1,0 +1,53 @@
+"""``hostmem cache verify --deep``: every input of every combination read again, whole.
+
+A start names its inputs by their content digests, memoised by each file's (device,
+inode, size, mtime, ctime) (:mod:`.content_hash`), so that a 60 GB base is not read at
+every start. That stamp is the filesystem's word. Below the filesystem it can be wrong:
+a block device rewritten under a mounted filesystem (an image file changed while it is
+loop-mounted, a disk written through its device node), or a network filesystem whose
+server changes a file without changing the ctime its clients see. The bytes then
+change and the stamp does not, and a start serves the merge of the old bytes.
+
+``--deep`` reads each input file the combinations record, whole, and compares its
+digest with the one its key was made from. An input whose bytes changed is named; its
+entry in the digest memo goes, so the next start hashes it again and builds the merge
+of what it holds now. The combination itself is left: it is the right merge of the
+bytes it records. An input that is not where it was recorded is noted, not checked.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .content_hash import file_digest, forget_in_memo_file
+
+__all__ = ["recorded_inputs", "deep_check"]
+
+
+def recorded_inputs(inputs: dict) -> list[tuple[str, str]]:
+    """``(path, digest)`` of every input file a combination's manifest records: the base's
+    shards, then the adapters."""
+    base = inputs.get("base") if isinstance(inputs, dict) else None
+    files = list(base.get("shards") or []) if isinstance(base, dict) else []
+    files += list(inputs.get("adapters") or []) if isinstance(inputs, dict) else []
+    return [(str(f["path"]), str(f["digest"])) for f in files
+            if isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("digest"), str)]
+
+
+def deep_check(inputs: dict, memo_file: str | None, read: dict[str, str]) -> tuple[list[str], list[str]]:
+    """``(problems, notes)`` of re-hashing the inputs ``inputs`` records; ``read`` holds the
+    digests taken so far in this run (a base shared by many combinations is read once)."""
+    problems, notes = [], []
+    for path, recorded in recorded_inputs(inputs):
+        if not os.path.isfile(path):
+            notes.append(f"{path}: not there any more; not checked")
+            continue
+        if path not in read:
+            read[path] = file_digest(path)
+        if read[path] != recorded:
+            if memo_file is not None:
+                forget_in_memo_file(memo_file, path)
+            problems.append(f"{path}: its bytes changed below the filesystem's notice (digest now {read[path][:19]}, "
+                            f"the key was made from {recorded[:19]}); its memoised digest is dropped, so the next "
+                            "start hashes it again and builds the merge of what it holds now")
+    return problems, notes

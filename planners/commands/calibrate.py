@@ -1,0 +1,148 @@
+"""``hostmem calibrate [CONFIG]``: measure the cost model's rates on this machine.
+
+Disk sequential read of the cache root and of each checkpoint folder (pages dropped
+first), page-cache read, and on a CUDA host host-to-device copies at layer size from
+pinned, pageable, mapped and mapped-then-registered memory. Prints the ``transfer:``
+block to put in the deployment config (rates the planner reads); without a GPU the
+device rates are left out, with a line saying they need one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from hostmem.units import format_rate, format_size, size_option
+
+_DEFAULT_ROOT = "~/.cache/hostmem"
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="measure disk, page-cache and host-to-device rates; print the transfer: block",
+        description=(
+            "Measure what the cost model needs on this machine: a sequential read of the cache root and of "
+            "each checkpoint folder with its pages dropped first (the disk), the same read cached (the page "
+            "cache), and on a CUDA host the host-to-device copy rates at layer size. Prints the transfer: "
+            "block for the deployment config. Dropping a checkpoint's pages makes a server using it re-read them."
+        ),
+    )
+    parser.add_argument("config", nargs="?", metavar="CONFIG", help="a deployment config: its checkpoints and cache root")
+    parser.add_argument("--path", action="append", default=[], metavar="DIR", help="another folder to time (repeatable)")
+    parser.add_argument("--root", metavar="DIR", default=None,
+                        help="cache root (default: lora.cache.root, else $HOSTMEM_CACHE_ROOT, else ~/.cache/hostmem)")
+    parser.add_argument("--size", type=size_option, default=size_option("256MiB"), help="bytes read per folder")
+    parser.add_argument("--layer-size", type=size_option, default=None,
+                        help="bytes per device copy (default: the config's largest layer, else 64MiB)")
+    parser.add_argument("--device", default=None, help="the GPU to time copies to, e.g. cuda:0 (default: cuda:0 if any)")
+    parser.add_argument("--json", action="store_true", help="print JSON (rates in bytes per second)")
+    parser.set_defaults(run=run)
+
+
+def _folders(args, config) -> list[tuple[str, bool]]:
+    """``(folder, existing)``: checkpoint folders are read as they are, others get a probe file."""
+    out = []
+    root = args.root or (config.lora.cache.root if config is not None and config.lora is not None else None)
+    root = os.path.expanduser(root or os.environ.get("HOSTMEM_CACHE_ROOT") or _DEFAULT_ROOT)
+    if os.path.isdir(root):
+        out.append((root, False))
+    if config is not None:
+        for component in config.components.values():
+            if component.path is not None:
+                folder = component.path if os.path.isdir(component.path) else os.path.dirname(component.path)
+                out.append((folder, True))
+    out += [(os.path.abspath(p), True) for p in args.path]
+    seen, unique = set(), []
+    for folder, existing in out:
+        if folder not in seen:
+            seen.add(folder)
+            unique.append((folder, existing))
+    return unique
+
+
+def _layer_bytes(args, config) -> int:
+    if args.layer_size:
+        return args.layer_size
+    if config is not None:
+        from planners.whatif import checkpoint_sizes
+
+        sizes = checkpoint_sizes(config)
+        largest = max((u.nbytes for s in sizes.values() for u in s.layers), default=0)
+        if largest:
+            return largest
+    return size_option("64MiB")
+
+
+def _device(args, use_device: bool) -> tuple[str | None, str | None]:
+    """The device to time, or None and the reason the device rates are left out."""
+    if not use_device:
+        return None, "the device rates were not measured (asked not to touch the device)"
+    import torch
+
+    if not torch.cuda.is_available():
+        if args.device:
+            raise ValueError(f"--device {args.device}: this host has no CUDA device; run without --device to "
+                             "measure the host rates")
+        return None, "the device rates (pinned_h2d, pageable_h2d) need a GPU: run hostmem calibrate on a CUDA host"
+    return args.device or "cuda:0", None
+
+
+def measure(args, use_device: bool = True) -> dict:
+    """What ``hostmem calibrate`` prints, as a dict (rates in bytes per second)."""
+    from planners.config import load_config
+    from planners.executor.rates import h2d_rates, measure_folder
+
+    config = load_config(args.config) if args.config else None
+    folders = _folders(args, config)
+    if not folders:
+        raise ValueError("nothing to time: the cache root does not exist; give a CONFIG or --path DIR")
+    measured = [measure_folder(folder, args.size, existing) for folder, existing in folders]
+    device, note = _device(args, use_device)
+    transfer = {"disk_read": min(m.disk_read for m in measured)}
+    result = {"folders": [m._asdict() for m in measured], "device": device, "notes": [note] if note else []}
+    if device is not None:
+        layer = _layer_bytes(args, config)
+        source = max(measured, key=lambda m: m.nbytes)
+        rates = h2d_rates(device, min(layer, source.nbytes), source.file) if not source.probe else None
+        if rates is None:  # the probe is gone: map a fresh one of layer size
+            from planners.executor.rates import _write_probe
+
+            probe = _write_probe(source.folder, layer)
+            try:
+                rates = h2d_rates(device, layer, probe)
+            finally:
+                os.unlink(probe)
+        result["h2d"] = {"layer_bytes": layer, **rates}
+        transfer.update(pinned_h2d=rates["pinned_h2d"], pageable_h2d=rates["pageable_h2d"])
+    result["transfer"] = transfer
+    return result
+
+
+def transfer_block(transfer: dict) -> str:
+    """The ``transfer:`` block of a deployment config, in GB/s (what ``parse_rate`` reads)."""
+    lines = ["transfer:"]
+    for key in ("pinned_h2d", "pageable_h2d", "disk_read"):
+        if key in transfer:
+            lines.append(f"  {key}: {transfer[key] / 1e9:.2f}GB/s")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    result = measure(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    for folder in result["folders"]:
+        what = "probe file" if folder["probe"] else os.path.basename(folder["file"])
+        print(f"{folder['folder']}: disk {format_rate(folder['disk_read'])}, page cache "
+              f"{format_rate(folder['page_cache_read'])} ({format_size(folder['nbytes'])} of {what})")
+    if "h2d" in result:
+        h2d = result["h2d"]
+        rates = ", ".join(f"{k.removesuffix('_h2d')} {format_rate(v)}" for k, v in h2d.items() if k != "layer_bytes")
+        print(f"{result['device']}: host to device at {format_size(h2d['layer_bytes'])}: {rates}")
+    for note in result["notes"]:
+        print(f"note: {note}")
+    print()
+    print(transfer_block(result["transfer"]))
+    return 0

@@ -1,0 +1,147 @@
+"""Rates the cost model needs, measured on this machine (``hostmem calibrate``).
+
+- disk: a sequential read of a file whose pages were dropped first
+  (``POSIX_FADV_DONTNEED`` after an fsync), in 8 MiB reads: the rate a streamed layer
+  the page cache cannot keep comes back at;
+- page cache: the same file read again, now cached;
+- host to device (a CUDA host): copies of a layer-sized buffer from pinned memory
+  (``cudaHostAlloc``), from anonymous pageable memory, from a read-only file mapping,
+  and from that mapping registered in place with ``cudaHostRegister`` (read-only).
+
+A folder is measured on a probe file written there and removed afterwards, or, for a
+checkpoint folder, on its largest file as it is (read only; its pages are dropped, so
+a server using it re-reads them).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from typing import NamedTuple
+
+__all__ = ["FolderRates", "measure_file", "measure_folder", "h2d_rates", "CHUNK"]
+
+CHUNK = 8 << 20
+
+
+class FolderRates(NamedTuple):
+    folder: str
+    file: str
+    nbytes: int
+    disk_read: float  # bytes/s, pages dropped first
+    page_cache_read: float  # bytes/s, the same bytes cached
+    probe: bool  # a file written for the measurement (removed), or an existing one
+
+
+def _read_all(fd: int, nbytes: int, buf: memoryview) -> float:
+    began, at = time.perf_counter(), 0
+    while at < nbytes:
+        got = os.preadv(fd, [buf[: min(CHUNK, nbytes - at)]], at)
+        if got <= 0:
+            break
+        at += got
+    return max(time.perf_counter() - began, 1e-9)
+
+
+def measure_file(path: str, nbytes: int | None = None) -> tuple[int, float, float]:
+    """``(bytes, disk rate, page-cache rate)`` of a sequential read of ``path``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size if nbytes is None else min(nbytes, os.fstat(fd).st_size)
+        if size <= 0:
+            raise ValueError(f"{path}: empty file; nothing to time a read of")
+        buf = memoryview(bytearray(CHUNK))
+        os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
+        os.fsync(fd)  # a page still dirty (a file written moments ago) would not be dropped
+        cold = float("inf")
+        for _ in range(2):  # the better of two: a shared disk only ever makes a read slower
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            cold = min(cold, _read_all(fd, size, buf))
+        warm = _read_all(fd, size, buf)
+        return size, size / cold, size / warm
+    finally:
+        os.close(fd)
+
+
+def _write_probe(folder: str, nbytes: int) -> str:
+    path = os.path.join(folder, f".hostmem-calibrate-{os.getpid()}")
+    block = os.urandom(1 << 20) * (CHUNK >> 20)
+    with open(path, "wb") as handle:
+        for at in range(0, nbytes, CHUNK):
+            handle.write(block[: min(CHUNK, nbytes - at)])
+        handle.flush()
+        os.fsync(handle.fileno())
+    return path
+
+
+def _largest_file(folder: str) -> str | None:
+    files = [os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors")]
+    files = [f for f in files if os.path.isfile(f)]
+    return max(files, key=os.path.getsize) if files else None
+
+
+def measure_folder(folder: str, nbytes: int, existing: bool = False) -> FolderRates:
+    """Rates of ``folder``: its largest checkpoint file when ``existing``, else a probe written there."""
+    if not os.path.isdir(folder):
+        raise ValueError(f"{folder}: not a folder; give a checkpoint folder or a cache root that exists")
+    path = _largest_file(folder) if existing else None
+    probe = path is None
+    if probe:
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"{folder}: not writable and holds no .safetensors file to time a read of")
+        path = _write_probe(folder, nbytes)
+    try:
+        size, disk, cached = measure_file(path, nbytes)
+    finally:
+        if probe:
+            os.unlink(path)
+    return FolderRates(folder, path, size, disk, cached, probe)
+
+
+def _time_copy(dst, src, repeats: int = 3) -> float:
+    import torch
+
+    dst.copy_(src, non_blocking=True)  # warm: first-touch and driver setup out of the timing
+    torch.cuda.synchronize(dst.device)
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(dst.device)
+        best = min(best, time.perf_counter() - began)
+    return src.numel() / best
+
+
+def h2d_rates(device: str, layer_bytes: int, mapped_file: str) -> dict[str, float]:
+    """Host-to-device rates (bytes/s) at ``layer_bytes`` from each kind of host memory (CUDA only).
+
+    ``mapped_file`` is a file of at least ``layer_bytes``, mapped read-only here.
+    """
+    import warnings
+
+    import torch
+
+    from hostmem.pinning import CudaHostRegisterBackend
+
+    dst = torch.empty(layer_bytes, dtype=torch.uint8, device=device)
+    pinned = torch.empty(layer_bytes, dtype=torch.uint8, pin_memory=True).fill_(1)
+    pageable = torch.ones(layer_bytes, dtype=torch.uint8)
+    out = {"pinned_h2d": _time_copy(dst, pinned), "pageable_h2d": _time_copy(dst, pageable)}
+    with open(mapped_file, "rb") as handle:
+        area = mmap.mmap(handle.fileno(), layer_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # not writable: that is the point
+            view = torch.frombuffer(area, dtype=torch.uint8)
+        out["mapped_pageable_h2d"] = _time_copy(dst, view)
+        backend = CudaHostRegisterBackend()
+        backend.lock(view.data_ptr(), layer_bytes)
+        try:
+            out["mapped_registered_h2d"] = _time_copy(dst, view)
+        finally:
+            backend.unlock(view.data_ptr(), layer_bytes)
+        del view
+    finally:
+        area.close()
+    return out

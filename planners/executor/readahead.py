@@ -1,0 +1,229 @@
+"""Read a layer's file ranges ahead of use, and release them after.
+
+Reading ahead has two halves: ``advise`` starts the reads and returns (called when a
+layer enters the read-ahead window, so that every layer of the window is in the disk's
+queue at once), and ``complete`` returns once the bytes are in (run on the worker
+thread, so that the disk works while the previous layer computes). Three readers:
+
+- ``madvise``: ``madvise(MADV_WILLNEED)`` on the layer's pages, then one touch per page;
+- ``fadvise``: ``posix_fadvise(POSIX_FADV_WILLNEED)`` on the file range, then the touch;
+- ``read``: nothing ahead, then ``preadv`` of the range into one small reusable buffer
+  (the page cache keeps what was read; the buffer is overwritten by the next chunk);
+- ``fault``: nothing ahead, then the touch alone, on the worker: the kernel's own fault
+  path reads, in 2 MiB folios where the mapping asked for huge pages (advice reads 4 KiB
+  pages one by one).
+
+Which is fastest depends on the kernel, the filesystem and the disk, so it is measured
+on the first use for each device (a released layer, dropped before each try) and the
+choice is cached for the process.
+
+Release: ``MADV_DONTNEED`` unmaps the layer's pages from this process (a read-only
+mapping loses nothing: the page cache still holds the bytes), then
+``POSIX_FADV_DONTNEED`` drops them from the page cache. A private writable mapping
+(what diffusers' loader leaves) may hold a page a write made anonymous, which
+``MADV_DONTNEED`` would silently revert to the file's bytes: such a range is released
+with ``MADV_PAGEOUT`` instead, which reclaims only the file's own pages. Only whole pages
+inside the layer are released, never a neighbour's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+import time
+
+import torch
+
+from hostmem.procfs import PAGE_SIZE
+
+from .layout import FileRange, inner_pages
+
+__all__ = ["FileHandles", "advise", "set_random", "complete", "read_ahead", "release", "choose_reader", "READERS", "drop_range"]
+
+READERS = ("madvise", "fadvise", "read", "fault")
+_MADV_PAGEOUT = 21
+_CHUNK = 1 << 20  # the reusable buffer: small, so a read adds less anonymous memory than a layer
+_choices: dict[int, str] = {}  # st_dev -> the faster reader there
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+def _madvise(address: int, length: int, advice: int, what: str) -> None:
+    if length and _libc.madvise(address, length, advice) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"madvise({what}) of {length} bytes at {address:#x}: {os.strerror(code)}")
+
+
+class FileHandles:
+    """One read-only descriptor per checkpoint file, and a reusable read buffer."""
+
+    def __init__(self):
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._buffer: bytearray | None = None
+
+    def fd(self, path: str) -> int:
+        with self._lock:
+            if path not in self._fds:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                # no kernel read-ahead on this descriptor: a read brings in the layer and no more
+                # (read_ahead_kb can be 8 MiB: two layers past the one asked for, never released)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                self._fds[path] = fd
+            return self._fds[path]
+
+    def buffer(self) -> memoryview:
+        if self._buffer is None:
+            self._buffer = bytearray(_CHUNK)  # touched once here, reused for every read
+        return memoryview(self._buffer)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            self._buffer = None
+
+
+def _touch(address: int, length: int) -> None:
+    """Read one byte of every page (in C, without the GIL): returns once all are resident."""
+    if length <= 0:
+        return
+    view = (ctypes.c_char * length).from_address(address)
+    flat = torch.frombuffer(view, dtype=torch.uint8)
+    flat[::PAGE_SIZE].sum()
+
+
+def _advise_madvise(r: FileRange, handles: FileHandles) -> None:
+    start = r.address - r.address % PAGE_SIZE
+    _madvise(start, r.address + r.length - start, mmap.MADV_WILLNEED, "MADV_WILLNEED")
+
+
+def _advise_fadvise(r: FileRange, handles: FileHandles) -> None:
+    os.posix_fadvise(handles.fd(r.path), r.offset, r.length, os.POSIX_FADV_WILLNEED)
+
+
+def _touch_range(r: FileRange, handles: FileHandles) -> None:
+    _touch(r.address, r.length)
+
+
+def _read_pread(r: FileRange, handles: FileHandles) -> None:
+    fd, buf = handles.fd(r.path), handles.buffer()
+    at, end = r.offset, r.offset + r.length
+    while at < end:
+        got = os.preadv(fd, [buf[: min(_CHUNK, end - at)]], at)
+        if got <= 0:
+            raise OSError(f"{r.path}: short read at byte {at} (the file shrank under its mapping?)")
+        at += got
+
+
+# reader -> (advise: start the reads, complete: return once the bytes are in)
+_READERS = {
+    "madvise": (_advise_madvise, _touch_range),
+    "fadvise": (_advise_fadvise, _touch_range),
+    "read": (None, _read_pread),
+    "fault": (None, _touch_range),
+}
+
+
+def advise(ranges, handles: FileHandles, how: str) -> None:
+    """Start reading ``ranges`` (returns before the bytes are in; nothing for ``read``)."""
+    start = _READERS[how][0]
+    if start is not None:
+        for r in ranges:
+            start(r, handles)
+
+
+def complete(ranges, handles: FileHandles, how: str) -> int:
+    """Return once ``ranges`` are in the page cache; the bytes asked for."""
+    finish = _READERS[how][1]
+    for r in ranges:
+        finish(r, handles)
+    return sum(r.length for r in ranges)
+
+
+def read_ahead(ranges, handles: FileHandles, how: str) -> int:
+    """Both halves at once: bring ``ranges`` into the page cache; the bytes asked for."""
+    advise(ranges, handles, how)
+    return complete(ranges, handles, how)
+
+
+def set_random(ranges, on: bool) -> None:
+    """``MADV_RANDOM`` (``on``) or ``MADV_NORMAL`` on the whole pages inside ``ranges``.
+
+    A released layer is read by the executor alone: the kernel's own read-around on a
+    fault (up to ``read_ahead_kb`` past it, in 2 MiB folios on a huge-page mapping) would
+    read layers the plan has not made room for, and the group would reach its limit.
+    """
+    for r in ranges:
+        address, length = inner_pages(r)
+        _madvise(address, length, mmap.MADV_RANDOM if on else mmap.MADV_NORMAL, "MADV_RANDOM" if on else "MADV_NORMAL")
+
+
+_FOLIO = 2 << 20  # the largest folio a huge-page mapping's faults read
+
+
+def _drop(r: FileRange, handles: FileHandles, address: int, length: int) -> int:
+    if r.writable:
+        _madvise(address, length, _MADV_PAGEOUT, "MADV_PAGEOUT")
+        return length
+    _madvise(address, length, mmap.MADV_DONTNEED, "MADV_DONTNEED")
+    os.posix_fadvise(handles.fd(r.path), r.offset + (address - r.address), length, os.POSIX_FADV_DONTNEED)
+    return length
+
+
+def drop_range(r: FileRange, handles: FileHandles, back: bool = False) -> int:
+    """Release the whole pages inside ``r`` from this process and the page cache; return their bytes.
+
+    A 2 MiB folio that straddles the start of ``r`` is only dropped whole, so ``back``
+    extends the release down to the folio's start (into the layer before, already used
+    this pass); where that fails (a pinned neighbour: locked pages refuse MADV_DONTNEED)
+    the pages inside ``r`` alone are released.
+    """
+    address, length = inner_pages(r)
+    if not length:
+        return 0
+    if back and address % _FOLIO:
+        start = address - address % _FOLIO
+        try:
+            _drop(r, handles, start, length + address - start)
+            return length
+        except OSError:
+            pass
+    return _drop(r, handles, address, length)
+
+
+def release(ranges, handles: FileHandles, back: bool = False) -> int:
+    """Release every range of a layer after use; return the bytes released (see :func:`drop_range`)."""
+    return sum(drop_range(r, handles, back) for r in ranges)
+
+
+def _timed(how: str, sample: FileRange, handles: FileHandles) -> float:
+    drop_range(sample, handles)
+    began = time.perf_counter()
+    read_ahead([sample], handles, how)
+    return time.perf_counter() - began
+
+
+def choose_reader(sample: FileRange | None, handles: FileHandles, how: str = "auto") -> str:
+    """The reader to use: ``how`` when it names one, else the fastest measured on ``sample``
+    (three times each, in turn; cached per device for the process)."""
+    if how != "auto":
+        if how not in READERS:
+            raise ValueError(f"read_ahead {how!r}: choose auto, {' or '.join(READERS)}")
+        return how
+    if sample is None:
+        return "read"
+    dev = os.stat(sample.path).st_dev
+    if dev not in _choices:
+        sample = sample._replace(length=min(sample.length, 32 << 20))  # a layer, up to 32 MiB
+        times: dict[str, list[float]] = {h: [] for h in READERS}
+        for _ in range(3):  # the best of three, in turn: a shared disk only ever makes a read slower
+            for h in READERS:
+                times[h].append(_timed(h, sample, handles))
+        _choices[dev] = min(READERS, key=lambda h: min(times[h]))
+        drop_range(sample, handles)
+    return _choices[dev]

@@ -1,0 +1,66 @@
+"""What the executor measured, per pass, next to what the plan predicted.
+
+Bytes read from disk come from ``/proc/self/io`` (``read_bytes``: what this process,
+all its threads, made the block layer fetch), so a read the page cache served costs
+nothing and the figure is the disk's, not the reader's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["PassStats", "ExecutorStats", "read_io_bytes"]
+
+
+def read_io_bytes() -> int:
+    """``read_bytes`` of /proc/self/io: bytes this process caused to be read from storage."""
+    with open("/proc/self/io") as handle:
+        for line in handle:
+            key, _, value = line.partition(":")
+            if key == "read_bytes":
+                return int(value)
+    raise OSError("/proc/self/io has no read_bytes line (a kernel without task I/O accounting)")
+
+
+@dataclass
+class PassStats:
+    """One forward pass of one component under the executor."""
+
+    component: str
+    index: int
+    seconds: float = 0.0
+    read_bytes: int = 0  # from disk, /proc/self/io
+    read_ahead_bytes: int = 0  # asked of the reader (page cache hits included)
+    released_bytes: int = 0
+    copied_bytes: int = 0  # host to device (CUDA only)
+    wait_s: float = 0.0  # the compute waited on reads and copies
+    predicted_read_bytes: int = 0  # warm pass, as planned: the released layers
+    predicted_s: float | None = None  # predicted_read_bytes at the configured disk rate
+
+
+@dataclass
+class ExecutorStats:
+    """Everything an executor measured; ``to_dict()`` is JSON (sizes in bytes)."""
+
+    reader: str
+    device: str
+    roles: dict = field(default_factory=dict)  # component -> {role: layer count}
+    kept_bytes: dict = field(default_factory=dict)
+    predicted_read_bytes: dict = field(default_factory=dict)
+    pinned_bytes: int = 0
+    passes: list[PassStats] = field(default_factory=list)
+
+    def warm(self, component: str) -> list[PassStats]:
+        """Passes after the first of ``component`` (the first also reads what is kept)."""
+        return [p for p in self.passes if p.component == component][1:]
+
+    def to_dict(self) -> dict:
+        return {
+            "reader": self.reader,
+            "device": self.device,
+            "roles": self.roles,
+            "kept_bytes": self.kept_bytes,
+            "predicted_read_bytes": self.predicted_read_bytes,
+            "pinned_bytes": self.pinned_bytes,
+            "passes": [asdict(p) for p in self.passes],
+        }

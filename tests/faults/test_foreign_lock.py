@@ -1,0 +1,77 @@
+"""A key's lock held by another user, or held too long: named, and the start merges in place.
+
+The holder is a real process (forked, for the foreign case with ``nobody``'s uid for
+real) holding a real flock on the key's lock file. The start runs in a child of its own,
+so a start that waited forever would fail the test rather than hang the run.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+
+import pytest
+
+from tests.faults.world import combination_folder, make_world, start
+from tests.security.test_names import start_elsewhere
+from tests.security.users import nobody, snapshot
+
+
+def _hold(path: str, uid: int | None) -> int:
+    """Fork a process that holds an exclusive flock on ``path`` (as ``uid`` where given)
+    until it is killed; its pid, once it holds the lock."""
+    ready_r, ready_w = os.pipe()
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(ready_r)
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(ready_w, b"held")
+            while True:
+                time.sleep(60)
+        finally:
+            os._exit(0)
+    os.close(fd)
+    os.close(ready_w)
+    assert os.read(ready_r, 4) == b"held"
+    os.close(ready_r)
+    return pid
+
+
+def _let_go(pid: int) -> None:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+
+
+@pytest.mark.parametrize("holder", ["another user", "this user, past the timeout"])
+def test_a_held_lock_is_named_and_the_start_merges_in_place(tmp_path, holder, monkeypatch):
+    uid = nobody()[0] if holder == "another user" else None
+    world = make_world(tmp_path / "world")
+    root = str(tmp_path / "root")
+    start(world.base, world.adapter, root)
+    folder = combination_folder(root)
+    monkeypatch.setenv("HOSTMEM_LOCK_TIMEOUT", "1")
+    pid = _hold(folder + ".lock", uid)
+    try:
+        around = snapshot(tmp_path, [root])
+        began = time.monotonic()
+        outcome, said = start_elsewhere(world, root, timeout=60)
+        took = time.monotonic() - began
+    finally:
+        _let_go(pid)
+    assert outcome["equal"] and outcome["hit"] == 0, outcome
+    assert f"pid {pid} (uid {os.geteuid() if uid is None else uid})" in said, said
+    assert "in place" in said, said
+    assert snapshot(tmp_path, [root]) == around
+    if uid is not None:
+        assert "another user" in said
+    else:
+        assert "after 1 s (HOSTMEM_LOCK_TIMEOUT)" in said and took >= 1
+    served = start_elsewhere(world, root)[0]  # once let go, the next start hits again
+    assert served["equal"] and served["built"] == 0 and served["hit"] > 0, served

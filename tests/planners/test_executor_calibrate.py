@@ -1,0 +1,53 @@
+"""``hostmem calibrate``: real reads of real folders, a transfer: block the config parser takes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from planners.cli import main
+from planners.config import parse_config
+from planners.executor.synthetic import write_synthetic_dit
+
+
+def test_calibrate_times_a_folder_and_prints_a_transfer_block_the_config_takes(tmp_path, capsys):
+    probe_dir = tmp_path / "root"
+    probe_dir.mkdir()
+    assert main(["calibrate", "--root", str(probe_dir), "--size", "8MiB"]) == 0
+    out = capsys.readouterr().out
+    assert os.listdir(probe_dir) == []  # the probe file is gone
+    block = out[out.index("transfer:"):]
+    assert "disk_read:" in block
+    config = parse_config(
+        "deployment: c\nworkload: {steps: 1}\ncomponents:\n  dit: {size: 1GiB, layers: 4, offload: layerwise}\n"
+        + block, str(tmp_path / "c.yaml"), environ={})
+    assert config.transfer.disk_read > 1e6
+    if not torch.cuda.is_available():
+        assert "need a GPU" in out and "pinned_h2d" not in block
+
+
+def test_calibrate_reads_a_configs_checkpoint_as_it_is_and_reports_json(tmp_path, capsys):
+    folder = tmp_path / "dit"
+    folder.mkdir()
+    path = write_synthetic_dit(folder / "model.safetensors", 4, 256, torch.float32)
+    before = os.stat(path)
+    (tmp_path / "deploy.yaml").write_text(
+        "deployment: c\nworkload: {steps: 1}\ncomponents:\n"
+        f"  dit: {{path: {folder}, layers: \"blocks.{{i}}.\", offload: layerwise}}\n"
+    )
+    assert main(["calibrate", str(tmp_path / "deploy.yaml"), "--root", str(tmp_path / "absent"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    (checkpoint,) = result["folders"]
+    assert checkpoint["file"] == path and not checkpoint["probe"] and checkpoint["nbytes"] == before.st_size
+    assert os.stat(path).st_mtime_ns == before.st_mtime_ns
+    assert result["transfer"]["disk_read"] == checkpoint["disk_read"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")
+def test_calibrate_asked_for_a_device_without_cuda_says_so_in_one_line(tmp_path, capsys):
+    assert main(["calibrate", "--root", str(tmp_path), "--device", "cuda:0", "--size", "1MiB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no CUDA device" in err[0]
