@@ -36,9 +36,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hostmem.errors import InputError
 from .adapters import Adapter, as_adapters
 from .adapters.checks import check_before_use
 from .adapters.conversion_memo import ValuesNeeded
+from .combination import kernel_roots
 from .kernels import plan_for_targets
 from .layers import LayerTarget, components_of, is_merged
 from .layers import unmerge as unmerge_layers
@@ -90,6 +92,7 @@ class _Leave:
 _BUILDER: ThreadPoolExecutor | None = None
 _BUILDER_LOCK = threading.Lock()
 _COMBINATION_LOCKS: dict[tuple, threading.Lock] = {}
+_EXITING = threading.Event()  # the interpreter is exiting: a build cut short is no failure
 
 
 def _builder() -> ThreadPoolExecutor:
@@ -98,7 +101,21 @@ def _builder() -> ThreadPoolExecutor:
     with _BUILDER_LOCK:
         if _BUILDER is None:
             _BUILDER = ThreadPoolExecutor(1, "lora-switch-build")
+            _when_exiting(_EXITING.set)
         return _BUILDER
+
+
+def _when_exiting(call) -> None:
+    """Run ``call`` as the interpreter begins to exit, before it joins threads and before
+    concurrent.futures refuses new work (which ends a build in flight with "cannot
+    schedule new futures after interpreter shutdown"): threading's own exit hook, run
+    last registered first, where this Python has it."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        try:
+            register(call)
+        except RuntimeError:  # asked while the interpreter already exits
+            call()
 
 
 def _combination_lock(identity: tuple) -> threading.Lock:
@@ -125,7 +142,7 @@ def _state_of(model, options: dict | None = None) -> SwitchState:
             state.options = options
         return state
     if options is None:
-        raise ValueError("lora_cache.set_adapters has not been called on this model")
+        raise InputError("lora_cache.set_adapters has not been called on this model")
     state = SwitchState(dict(roots), options)
     for root in roots.values():
         root.register_forward_pre_hook(_Enter(state))
@@ -133,7 +150,7 @@ def _state_of(model, options: dict | None = None) -> SwitchState:
     return state
 
 
-def _identity(specs: list[Adapter], cache_root: str, shards: dict | None = None) -> tuple:
+def _identity(specs: list[Adapter], cache_root: tuple[str, ...], shards: dict | None = None) -> tuple:
     """What tells two combinations apart in this process (the vault key does across them)."""
     parts = None if shards is None else repr(shards)  # checked by plan_targets, after this
     return (cache_root, parts) + tuple(
@@ -192,8 +209,8 @@ def _install_cached(state: SwitchState, identity, targets, files, specs, kernels
 def _build(state: SwitchState, pending: Pending) -> None:
     """Build ``pending`` into the vault (the build thread). Never touches the live model."""
     with _combination_lock(pending.identity):
-        if state.pending is not pending:
-            return  # switched away before the build began: build it when asked again
+        if state.pending is not pending or _EXITING.is_set():
+            return  # switched away before the build began (build it when asked again), or exiting
         with _open(pending.stand_ins, pending.files, pending.specs, state.options, pending.kernels) as session:
             _merge_through(pending.stand_ins, session, state.options, pending.kernels)
     pending.stand_ins = []  # drops the stand-ins' views; the vault keeps the files
@@ -201,7 +218,7 @@ def _build(state: SwitchState, pending: Pending) -> None:
 
 def _after_build(future: Future) -> None:
     error = future.exception()
-    if error is not None:
+    if error is not None and not _EXITING.is_set():  # an exit is no failure: what was sealed stays, the rest resumes
         warnings.warn(f"lora_cache: building the merged combination failed ({error}); "
                       "it stays applied at run time", stacklevel=1)
 
@@ -264,7 +281,7 @@ def _swap(state: SwitchState, pending: Pending, blocking: bool) -> bool:
 def set_adapters(
     model,
     adapters,
-    cache_root: str | os.PathLike,
+    cache_root: str | os.PathLike | list,
     *,
     max_size: int | str | None = None,
     base_files: list[str] | None = None,
@@ -277,7 +294,8 @@ def set_adapters(
 
     ``adapters`` is what :func:`lora_cache.merge` takes (paths, ``(path, strength)``
     tuples, dicts, :class:`lora_cache.Adapter`). A combination the vault under
-    ``cache_root`` holds whole is installed as mapped views; any other is applied at run
+    ``cache_root`` (one root, or an ordered list of them as :func:`lora_cache.merge`
+    takes) holds whole is installed as mapped views; any other is applied at run
     time at once and built in the background (``background=False``: built now), then
     swapped in at the next safe point (see :func:`swap_ready`). Waits for forward calls
     in flight on other threads; raises when called from inside one. ``max_size``,
@@ -286,7 +304,7 @@ def set_adapters(
     in a build they share) are :func:`lora_cache.merge`'s.
     """
     started = time.perf_counter()
-    cache_root = os.path.expanduser(os.fspath(cache_root))
+    cache_root = tuple(cache_roots(cache_root))  # one root or an ordered list of them, as merge takes
     options = {"cache_root": cache_root, "max_size": max_size, "base_files": base_files, "device": device,
                "shards": shards, "rank_timeout": check_rank_timeout(rank_timeout)}
     state = _state_of(model, options)
@@ -322,7 +340,7 @@ def _switch(state: SwitchState, model, specs, planned, identity, background: boo
     targets, files = planned
     if state.options["shards"] is not None:
         return _merge_parts(state, model, specs)
-    kernels = plan_for_targets(targets, state.options["device"], cache_roots(state.options["cache_root"])[0])
+    kernels = plan_for_targets(targets, state.options["device"], kernel_roots(cache_roots(state.options["cache_root"])))
     if _install_cached(state, identity, targets, files, specs, kernels):
         return SwitchResult("cached", layers=len(targets))
     unsupported = next((r for r in map(unsupported_reason, targets) if r is not None), None)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from hostmem.errors import HostmemError
 from .adapters import Adapter, AdapterFile, ModuleChange
 from .merge_math import Delta, lora_scale
 
@@ -55,7 +56,7 @@ _HOW_TO_FIX = (
 )
 
 
-class KeyResolutionError(ValueError):
+class KeyResolutionError(HostmemError, ValueError):
     """Adapter keys that match no module, match several, or do not fit their parameter."""
 
 

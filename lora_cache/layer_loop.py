@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
+from hostmem.errors import HostmemError
 from hostmem.units import format_rate, format_size
 
 from .adapters.checks import check_before_use
@@ -32,7 +33,7 @@ from .merge_math import Scratch, compute_device, scratch_bytes, sums_in_output
 __all__ = ["CacheBuildError", "MergeStats", "cyclic_gc_paused", "merge_layers"]
 
 
-class CacheBuildError(RuntimeError):
+class CacheBuildError(HostmemError, RuntimeError):
     """The vault could not store a layer and falling back in place was not allowed."""
 
 

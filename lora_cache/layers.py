@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 from torch import nn
 
+from hostmem.errors import HostmemError
 from hostmem.pinning import replaced
 from hostmem.procfs import PAGE_SIZE, Vma
 from hostmem.slots import MappedAreas
@@ -65,7 +66,7 @@ class Snapshot:
         return self.original is not None or self.copy is not None
 
 
-class UnmergeError(RuntimeError):
+class UnmergeError(HostmemError, RuntimeError):
     """Some merged weights were written over in place without a copy to restore."""
 
 

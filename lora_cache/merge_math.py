@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from hostmem.errors import HostmemError, InputError
 from .buffers import Scratch, compute_device, host_buffer
 
 __all__ = [
@@ -85,7 +86,7 @@ _UNSUPPORTED = {
 }
 
 
-class UnsupportedAdapterError(ValueError):
+class UnsupportedAdapterError(HostmemError, ValueError):
     """An adapter uses a variant this merge cannot reproduce; the message names the key."""
 
 
@@ -107,7 +108,7 @@ def lora_scale(strength: float, alpha: float | None, rank: int, rslora: bool = F
     ``alpha`` defaults to the rank, so an adapter that stores none is scaled by its strength.
     """
     if rank <= 0:
-        raise ValueError(f"LoRA rank must be positive, got {rank}")
+        raise InputError(f"LoRA rank must be positive, got {rank}")
     alpha = float(rank) if alpha is None else float(alpha)
     return float(strength) * alpha / (math.sqrt(rank) if rslora else rank)
 

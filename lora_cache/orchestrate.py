@@ -14,15 +14,16 @@ import contextlib
 import functools
 import os
 import warnings
-from dataclasses import asdict
 from typing import NamedTuple
 
 import torch
 
-from hostmem.safetensors_header import read_header
+from hostmem.errors import InputError
 
 from .adapters import Adapter, AdapterFile, as_adapters, read_adapters
 from .adapters.conversion_memo import ValuesNeeded
+from .combination import (MERGE_POLICY, base_shards, combination_key, inputs_but_base, kernel_roots, mapped_file,
+                          merge_policy)
 from .kernels import KernelPlan, plan_for_targets
 from .kernels.precision import fp32_matmul_precision
 from .keys import ModuleIndex, plan_deltas
@@ -32,10 +33,9 @@ from .merge_math import compute_device
 from .process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
 from .switch import DISABLE_ENV, cache_disabled_by_env
 from .tp_shards import check_shards, full_shapes, shape_notes, split_shards
-from hostmem.vault import CacheKey, Vault, cache_key
+from hostmem.vault import Vault, cache_key
 from hostmem.vault.fold import FoldedSession, plan_fold, wait_for_a_folded_build
 from hostmem.vault.roots import cache_roots, open_in_roots
-from hostmem.vault.safety import root_is_read_only
 
 __all__ = [
     "CacheBuildError",
@@ -50,26 +50,6 @@ __all__ = [
     "base_shards",
     "combination_key",
 ]
-
-MERGE_POLICY = "fp32-sum-in-row-blocks-in-adapter-order-cast-once-v3"  # change when merged bytes would change
-
-
-def merge_policy(device: torch.device | str | None = None, kernels: KernelPlan | None = None) -> str:
-    """The merge policy as the key records it: :data:`MERGE_POLICY` on the compute device's
-    type, the kernel chosen for each shape class that has a choice, and how torch runs
-    fp32 matmuls on that device where this process lets it narrow them (TF32, bf16).
-
-    The same fp32 sum can round differently on a GPU (its addmm) and on the CPU, the
-    CPU's kernels differ in the last bit of a few elements, and a narrowed fp32 matmul
-    rounds an fp32 adapter's factors, so a cache built one way is never served to starts
-    that would merge another (see :mod:`lora_cache.kernels`).
-    """
-    device = torch.device(device) if device is not None else compute_device()
-    chosen = kernels.describe() if kernels is not None else ""
-    narrowed = fp32_matmul_precision(device.type)
-    return (f"{MERGE_POLICY}@{device.type}" + (f"+{chosen}" if chosen else "")
-            + ("" if narrowed == "ieee" else f"+fp32-matmul={narrowed}"))
-
 
 def _warn_if_narrowed(device) -> None:
     """Say so where this process lets torch narrow the merge's fp32 matmuls: the merged
@@ -102,110 +82,11 @@ def plan_targets(model, adapters, shards=None, memo_roots=None) -> tuple[list[La
     targets = [LayerTarget(name, *params[name], deltas, shard=held.get(name)) for name, deltas in planned.items()]
     for target in targets:
         if not target.current.is_floating_point():
-            raise ValueError(
+            raise InputError(
                 f"{target.deltas[0].source} changes {target.name!r}, which is {target.current.dtype}: "
                 "lora_cache merges into floating-point weights only (dequantize the base first)"
             )
     return targets, files
-
-
-def _mapped_file(target: LayerTarget, space: AddressSpace) -> str | None:
-    """The file the target's base weight is a mapped view of, or None."""
-    area = space.area_of(target.current)
-    path = area.path if area is not None and area.is_file else None
-    if path is None or not path.startswith("/") or path.endswith(" (deleted)"):
-        return None
-    return path
-
-
-def _dotted_suffixes(name: str) -> list[str]:
-    """``a.b.c`` -> ``["a.b.c", "b.c", "c"]``."""
-    parts = name.split(".")
-    return [".".join(parts[i:]) for i in range(len(parts))]
-
-
-def _shards_by_header(targets: list[LayerTarget], base_files: list[str]) -> set[str]:
-    """The given shards whose headers hold the targets: same shape, and the same name up to
-    wrapper prefixes on either side (``dit.blocks.0.w`` / ``model.blocks.0.w`` / ``blocks.0.w``).
-
-    When a target is found in none of them (renamed on load, say), every given shard is
-    kept: the key then covers more than it needs, never less.
-    """
-    exact: dict[str, list[tuple[str, tuple]]] = {}  # tensor name -> (shard, shape)
-    ending: dict[str, list[tuple[str, tuple]]] = {}  # every dotted suffix of a tensor name -> (shard, shape)
-    for path in base_files:
-        for name, info in read_header(path).tensors.items():
-            exact.setdefault(name, []).append((path, tuple(info.shape)))
-            for suffix in _dotted_suffixes(name):
-                ending.setdefault(suffix, []).append((path, tuple(info.shape)))
-    found = set()
-    for target in targets:
-        shape = tuple(target.current.shape)
-        shorter = [c for suffix in _dotted_suffixes(target.name)[1:] for c in exact.get(suffix, [])]
-        candidates = ending.get(target.name, []) + shorter
-        holders = {path for path, held in candidates if held == shape}
-        if not holders:
-            return set(base_files)
-        found |= holders
-    return found
-
-
-def base_shards(targets: list[LayerTarget], base_files: list[str] | None, space: AddressSpace) -> list[str]:
-    """The checkpoint shards that hold the targets' base weights: the base part of the key.
-
-    Only those shards decide the merged bytes, so only they enter the key, however the
-    merge learns of them, and every way gives the same set: a weight that is a view of a
-    mapped file (``hostmem.load_readonly``, safetensors' own mmap, ``hostmem lora
-    merge``) names its shard itself; for the others, ``base_files`` (every shard of the
-    checkpoint will do) is narrowed to the shards whose headers hold them. A shard
-    without targets (the norms, the embeddings) may change without losing the cache.
-    """
-    files, unplaced = set(), []
-    for target in targets:
-        path = _mapped_file(target, space)
-        if path is None:
-            unplaced.append(target)
-        else:
-            files.add(path)
-    if unplaced and base_files is None:
-        names = [t.name for t in unplaced]
-        raise ValueError(
-            f"cannot tell which checkpoint {len(names)} weight(s) come from ({', '.join(names[:3])}"
-            f"{', ...' if len(names) > 3 else ''}): they are not views of a mapped file. Pass "
-            "base_files=[the .safetensors shards the model was loaded from], or enabled=False to merge in place"
-        )
-    if unplaced:
-        files |= _shards_by_header(unplaced, [os.path.realpath(os.fspath(p)) for p in base_files])
-    return sorted(files)
-
-
-def _key_extras(adapter: AdapterFile, spec: Adapter) -> dict:
-    """Inputs of the merged bytes that the adapter file's content hash does not cover."""
-    config = asdict(adapter.config) if adapter.config is not None else None
-    rules = [list(r.values()) if isinstance(r, dict) else list(r) for r in spec.rules]
-    return {"rules": rules, "rslora": spec.rslora, "peft_config": config, **adapter.key_extras}
-
-
-def _inputs_but_base(vault, files, specs, dtypes, device, kernels, sharding: str) -> tuple[list[dict], str, str]:
-    """``(adapter identities, target dtype, merge policy)``: the key's inputs besides the base."""
-    identities = [
-        {**vault.adapter_identity(f.path, s.strength, s.alpha), **_key_extras(f, s)} for f, s in zip(files, specs)
-    ]
-    target_dtype = ",".join(sorted({str(d).removeprefix("torch.") for d in dtypes}))
-    policy = merge_policy(device, kernels) + (f"+{sharding}" if sharding else "")
-    return identities, target_dtype, policy
-
-
-def combination_key(
-    vault, files: list[AdapterFile], specs: list[Adapter], shards: list[str], dtypes, device=None, kernels=None,
-    sharding: str = "",
-) -> CacheKey:
-    """The vault key of merging ``files`` (as ``specs`` ask) into the checkpoint ``shards``
-    (the ones holding the targets: :func:`base_shards`), summed on ``device``
-    (default: the compute device) by ``kernels`` (see :func:`merge_policy`). ``sharding``
-    names the tensor-parallel part the layers are (:meth:`lora_cache.tp_shards.Shard.describe`)."""
-    rest = _inputs_but_base(vault, files, specs, dtypes, device, kernels, sharding)
-    return cache_key(vault.base_identity(shards), *rest)
 
 
 def _base_positions(targets: list[LayerTarget], shards: list[str], space: AddressSpace) -> dict[str, int | None]:
@@ -218,7 +99,7 @@ def _base_positions(targets: list[LayerTarget], shards: list[str], space: Addres
     positions = {}
     for target in targets:
         area = space.area_of(target.current)
-        path = _mapped_file(target, space)
+        path = mapped_file(target, space)
         real = os.path.realpath(path) if path is not None else None
         positions[target.name] = (None if real not in starts else
                                   starts[real] + area.offset + target.current.data_ptr() - area.start)
@@ -232,11 +113,6 @@ def why_in_place(enabled: bool) -> str | None:
     if cache_disabled_by_env():
         return f"the LoRA merge cache is turned off ({DISABLE_ENV}=1)"
     return None
-
-
-def _writable_root(roots: list[str] | None) -> str | None:
-    """The first root that can be written (where the kernel timings are kept), or None."""
-    return next((r for r in roots or [] if not root_is_read_only(r)), None)
 
 
 class OpenCombination(NamedTuple):
@@ -265,16 +141,22 @@ def open_combination(planned, specs, cache_root=None, *, max_size=None, base_fil
     held, and :func:`merge_layers` takes the session. ``sharding``: the targets are
     tensor-parallel parts merged apart (see :func:`combination_key`).
     """
+    return _open_in(planned, specs, cache_roots(cache_root), max_size=max_size, base_files=base_files,
+                    device=device, kernels=kernels, sharding=sharding)
+
+
+def _open_in(planned, specs, roots: list[str], *, max_size, base_files, device, kernels, sharding) -> OpenCombination:
+    """:func:`open_combination` in ``roots`` as :func:`~hostmem.vault.roots.cache_roots` gave
+    them: :func:`merge` resolves its ``cache_root`` once and walks it with that list."""
     targets, files = planned
     host = [t for t in targets if t.current.device.type == "cpu"]
-    roots = cache_roots(cache_root)
     if kernels is None:
-        kernels = plan_for_targets(targets, device, _writable_root(roots))
+        kernels = plan_for_targets(targets, device, kernel_roots(roots))
     space = AddressSpace()
     shards = base_shards(host, base_files, space)
     vaults = [Vault(root, max_size) for root in roots]
     keyer = next((v for v in vaults if not v.read_only), vaults[0])  # its memo spares the next start a rehash
-    rest = _inputs_but_base(keyer, files, specs, {t.current.dtype for t in host}, device, kernels, sharding)
+    rest = inputs_but_base(keyer, files, specs, {t.current.dtype for t in host}, device, kernels, sharding)
     expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in host}
     fold = plan_fold(vaults, shards, *rest)  # a new base: hashed beside the build, when no root can hold it
     session = fold.open(expected, _base_positions(host, fold.paths, space)) if fold is not None else None
@@ -339,7 +221,7 @@ def merge(
     >>> lora_cache.unmerge(dit)                                                                       # doctest: +SKIP
     """
     if is_merged(model):
-        raise ValueError("the model is already merged; call lora_cache.unmerge(model) before merging again")
+        raise InputError("the model is already merged; call lora_cache.unmerge(model) before merging again")
     specs = as_adapters(adapters)
     rank_timeout = check_rank_timeout(rank_timeout)
     off = why_in_place(enabled)
@@ -355,8 +237,9 @@ def merge(
         targets = split.targets
     key, root, cache_targets = None, None, [t for t in targets if t.current.device.type == "cpu"]
     session_cm = contextlib.nullcontext()
-    kernels = (split.choose_kernels(device, _writable_root(roots)) if split is not None  # timed once per machine
-               else plan_for_targets(targets, device, _writable_root(roots)))
+    timings = kernel_roots(roots)  # each checked before the timings are written in it
+    kernels = (split.choose_kernels(device, timings) if split is not None  # timed once per machine
+               else plan_for_targets(targets, device, timings))
     shares = None
     if roots and cache_targets:
         if group is not None:  # the ranks of a host first build the misses together
@@ -364,8 +247,8 @@ def merge(
 
             shares = build_shares(cache_targets, files, specs, roots, max_size, base_files, device, kernels,
                                   progress, rank_timeout)
-        key, root, session_cm = open_combination((targets, files), specs, roots, max_size=max_size,
-                                                 base_files=base_files, device=device, kernels=kernels)
+        key, root, session_cm = _open_in((targets, files), specs, roots, max_size=max_size, base_files=base_files,
+                                         device=device, kernels=kernels, sharding="")
         if isinstance(session_cm, FoldedSession):  # the one place the build's read order changes
             targets = session_cm.in_file_order(targets)
     session = None
@@ -408,7 +291,7 @@ def _merge_planned(model, specs, targets, session, **options) -> MergeStats:
 def _merge_apart(targets, sharding: str, *, files, specs, roots, open_options, loop_options) -> MergeStats:
     """Merge tensor-parallel parts that are not a view of a whole layer through a
     combination of their own, whose key names the ``sharding``."""
-    key, root, session_cm = open_combination((targets, files), specs, roots, sharding=sharding, **open_options)
+    key, root, session_cm = _open_in((targets, files), specs, roots, sharding=sharding, **open_options)
     with session_cm as session:
         stats = merge_layers(targets, session, **loop_options)
     stats.cache_key, stats.cache_root = session.key, session.vault.root

@@ -5,17 +5,19 @@ of the same size, so it commits ``2 x lora target bytes`` of memory the kernel c
 reclaim. The cached merge keeps both file-backed. The offer says so, with the disk
 the cache needs and the one-time cost of building it (none when it is already built).
 
-The planner's interface is met by attribute names (``provider``, ``component``,
-``anonymous_bytes``, ``disk_bytes``, ``one_time_s``, ``note``): imports point down,
-so nothing here imports ``planners``.
+The offer has the fields of :class:`hostmem.providers.OfferRecord`, the protocol every
+provider meets, and one more; nothing here imports ``planners``.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections import namedtuple
 from dataclasses import dataclass
 
+from hostmem.errors import InputError
+from hostmem.providers import OFFER_FIELDS
 from hostmem.safetensors_header import read_header
 from hostmem.units import format_rate, format_size
 
@@ -32,17 +34,11 @@ DEFAULT_BUILD_RATE = 300 * 1024 * 1024
 LAYER_FILE_OVERHEAD = 4096
 
 
-@dataclass(frozen=True)
-class LoraCacheOffer:
-    """Anonymous bytes the cache turns into mapped ones, and what that costs."""
+class LoraCacheOffer(namedtuple("LoraCacheOffer", [*OFFER_FIELDS, "transient_bytes"], defaults=(0,))):
+    """Anonymous bytes the cache turns into mapped ones, and what that costs; beside an
+    offer's fields, ``transient_bytes``: the one-layer buffers a cached merge holds while it runs."""
 
-    provider: str
-    component: str
-    anonymous_bytes: int
-    disk_bytes: int
-    one_time_s: float
-    note: str
-    transient_bytes: int = 0  # the one-layer buffers a cached merge holds while it runs
+    __slots__ = ()
 
 
 @dataclass(frozen=True)
@@ -66,7 +62,7 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
     from .adapters import as_adapters, read_adapter  # torch: only when files are read
     from .keys import ModuleIndex, plan_deltas
     from .kernels import plan_kernels
-    from .orchestrate import combination_key
+    from .combination import combination_key
     from hostmem.vault import Vault
 
     infos, holder = {}, {}
@@ -119,7 +115,7 @@ class LoraCacheProvider:
         build_rate: float = DEFAULT_BUILD_RATE,
     ):
         if lora_target_bytes < 0:
-            raise ValueError(f"lora target bytes of {component!r} must not be negative, got {lora_target_bytes}")
+            raise InputError(f"lora target bytes of {component!r} must not be negative, got {lora_target_bytes}")
         self.component = component
         self.lora_target_bytes = int(lora_target_bytes)
         self.layers = layers

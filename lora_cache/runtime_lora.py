@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hostmem.errors import InputError
 from .adapters.checks import check_before_use
 from .layers import LayerTarget
 
@@ -113,7 +114,7 @@ def apply_runtime(targets: list[LayerTarget]) -> int:
     for target in targets:
         reason = unsupported_reason(target)
         if reason is not None:
-            raise ValueError(f"cannot apply {reason} at run time")
+            raise InputError(f"cannot apply {reason} at run time")
     check_before_use(d for t in targets for d in t.deltas)
     for target in targets:
         module = target.module

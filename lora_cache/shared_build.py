@@ -52,8 +52,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from hostmem.errors import InputError
 from hostmem.units import format_size
 
+from .combination import base_shards, combination_key, inputs_but_base
 from .kernels.workers import cpu_count, workers_at_most
 from .layer_loop import CacheBuildError, MergeStats, merge_layers
 from .layers import AddressSpace, LayerTarget
@@ -186,7 +188,7 @@ def _same_key(host: list[tuple[int, dict]], key: str) -> None:
     """Every rank of the host computed ``key``; else name the ranks that differ."""
     other = [(rank, p["key"]) for rank, p in host if p["key"] != key]
     if other:
-        raise ValueError(
+        raise InputError(
             "the ranks of this host computed different LoRA merge cache keys ("
             + ", ".join(f"rank {r}: {k[:12]}" for r, k in [(host[0][0], host[0][1]["key"]), *other])
             + "): every rank must merge the same adapters into the same checkpoint with the same "
@@ -200,8 +202,6 @@ def _keyer(vaults: list[Vault]) -> Vault:
 
 
 def _key_of(vaults: list[Vault], targets, files, specs, base_files, device, kernels):
-    from .orchestrate import base_shards, combination_key  # orchestrate imports this module
-
     shards = base_shards(targets, base_files, AddressSpace())
     return combination_key(_keyer(vaults), files, specs, shards, {t.current.dtype for t in targets}, device, kernels)
 
@@ -211,14 +211,13 @@ def _key_or_fold(vaults, targets, files, specs, base_files, device, kernels, ind
     """``(key, None)`` with every input hashed first, together; or ``(provisional key,
     SharedFold)`` where the ranks hash the base beside their shares
     (:mod:`lora_cache.shared_fold`). A collective."""
-    from .orchestrate import _inputs_but_base, base_shards  # orchestrate imports this module
     from .shared_fold import fold_pays, plan_shared_fold
 
     memo_file = _keyer(vaults).memo_file
     shards = base_shards(targets, base_files, AddressSpace())
     if fold_pays(len(shards), count, os.cpu_count() or 1):  # the same on every rank of the host
         _hash_inputs(sorted({os.path.realpath(os.fspath(f.path)) for f in files}), index, count, memo_file, timeout)
-        rest = _inputs_but_base(_keyer(vaults), files, specs, {t.current.dtype for t in targets}, device, kernels,
+        rest = inputs_but_base(_keyer(vaults), files, specs, {t.current.dtype for t in targets}, device, kernels,
                                 "")
         fold = plan_shared_fold(vaults, shards, rest, index, count, _split_files, timeout)
         if fold is not None:
@@ -230,8 +229,6 @@ def _key_or_fold(vaults, targets, files, specs, base_files, device, kernels, ind
 def _input_files(targets, files, base_files) -> list[str]:
     """The files whose content digests the key is made of: the base's shards holding the
     targets, and the adapters."""
-    from .orchestrate import base_shards  # orchestrate imports this module
-
     paths = base_shards(targets, base_files, AddressSpace()) + [f.path for f in files]
     return sorted({os.path.realpath(os.fspath(p)) for p in paths})
 

@@ -1,5 +1,33 @@
-def __getattr__(name):  # planners.execute, imported when first used: the command line never loads torch for it
-    if name == "execute":
-        from .executor import execute
-        return execute
-    raise AttributeError(f"module 'planners' has no attribute {name!r}")
+"""planners: a deployment's config in, its host budget, device and pin plans out.
+
+The face of the package (the names a server imports, each from the module that has
+its job)::
+
+    from planners import load_config, plan_loaded, apply_pin_plan
+    config = load_config("configs/minimax-h3-32g.yaml")
+    plan = plan_loaded(config, components)          # accounts, plans, logs the report once
+    pins = apply_pin_plan(plan, components, config)  # pinned in place, at exact size
+
+Names are imported on first use, so ``import planners`` imports neither torch nor
+the command line's dependencies (``planners.execute`` runs a plan: see planners.executor).
+"""
+
+from __future__ import annotations
+
+from hostmem.lazy import lazy_exports
+
+_NAMES_BY_MODULE = {
+    "config": ("load_config", "parse_config", "ConfigError", "DeploymentConfig"),
+    "startup": ("plan_loaded",),
+    "deployment": ("plan_deployment", "DeploymentPlan"),
+    "report": ("report_text", "report_dict"),
+    "pin_apply": ("apply_pin_plan", "PinMismatch"),
+    "providers": ("collect_offers", "remap_providers"),
+    "executor": ("execute",),
+}
+_EXPORTS = {name: module for module, names in _NAMES_BY_MODULE.items() for name in names}
+
+__all__ = sorted(_EXPORTS)
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

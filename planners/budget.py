@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from hostmem.errors import InputError
 from hostmem.procfs import read_cgroup_memory, read_meminfo
 from hostmem.residency_classes import Residency
 from hostmem.units import format_size
@@ -121,7 +122,7 @@ def host_budget(
     """The budget of a host whose non-reclaimable memory is ``committed``, holding
     ``build_reserve`` back for pending adapter builds."""
     if build_reserve < 0:
-        raise ValueError(f"host_budget: build_reserve {build_reserve} must not be negative")
+        raise InputError(f"host_budget: build_reserve {build_reserve} must not be negative")
     return HostBudget(
         limit=limit,
         reserve=reserve,

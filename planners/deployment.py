@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Mapping, NamedTuple
 
+from hostmem.errors import InputError
 from hostmem.residency_classes import Residency
 from hostmem.units import format_size
 
@@ -100,7 +101,7 @@ def _core(config, components, host: HostLimit, process_excess: int, build_reserv
 def _check_components(config: DeploymentConfig, components: Mapping[str, ComponentSizes]) -> None:
     missing = [name for name in config.components if name not in components]
     if missing:
-        raise ValueError(
+        raise InputError(
             f"{config.origin.path}: components {', '.join(missing)} are in the config but were not given "
             "to the planner; pass every configured component (or remove it from the config)"
         )

@@ -31,6 +31,7 @@ from typing import Mapping
 import hostmem
 from lora_cache.adapter_switch import build_reserve_bytes
 
+from hostmem.errors import InputError
 from .budget import read_host_limit
 from .config import DeploymentConfig, load_config
 from .deployment import DeploymentPlan, plan_deployment
@@ -56,7 +57,7 @@ def live_components(config: DeploymentConfig, ledger: hostmem.Ledger) -> dict[st
     """
     missing = [name for name in config.components if name not in ledger.components]
     if missing:
-        raise ValueError(
+        raise InputError(
             f"{config.origin.path}: components {', '.join(missing)} were not given to plan_loaded "
             f"(given: {', '.join(ledger.components) or 'none'}); pass every loaded component by its config name"
         )

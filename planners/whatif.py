@@ -15,6 +15,7 @@ Residency follows from declared behaviour, not from measurement:
 
 from __future__ import annotations
 
+from hostmem.errors import InputError
 from hostmem.residency_classes import Residency
 from lora_cache.switch import DISABLE_ENV, cache_disabled_by_env
 
@@ -88,7 +89,7 @@ def _predicted(unit: Layer, load: str, merge: str) -> Layer:
 def predict(sizes: ComponentSizes, load: str, merge: str = "none") -> ComponentSizes:
     """Return ``sizes`` with the residency that ``load`` and ``merge`` will give it."""
     if merge not in MERGE_MODES:
-        raise ValueError(f"merge {merge!r}: choose one of {', '.join(MERGE_MODES)}")
+        raise InputError(f"merge {merge!r}: choose one of {', '.join(MERGE_MODES)}")
     units = [_predicted(u, load, merge) for u in sizes.units]
     snapshot = merge == "in-place" and load == "copied"  # see the module docstring
     extra = Residency(anonymous=sizes.lora_target_bytes) if snapshot else Residency()

@@ -25,6 +25,8 @@ import os
 import signal
 import sys
 
+from hostmem.errors import InputError
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -56,9 +58,9 @@ def _merge_component(config):
     chosen = config.components.get(config.lora.component) if config.lora.component else None
     chosen = chosen or config.components.get("dit") or config.streamed
     if chosen is None:
-        raise ValueError(f"{config.origin.path}: no component to merge into; set lora.component")
+        raise InputError(f"{config.origin.path}: no component to merge into; set lora.component")
     if not chosen.path:
-        raise ValueError(
+        raise InputError(
             f"{config.origin.path}: components.{chosen.name} has declared sizes but no path; "
             "hostmem lora merge needs the checkpoint itself"
         )
@@ -104,11 +106,11 @@ def _check_enabled(config) -> None:
 
     path, lora = config.origin.path, config.lora
     if lora is None or not lora.adapters:
-        raise ValueError(f"{path}: lora.adapters is empty; there is nothing to merge")
+        raise InputError(f"{path}: lora.adapters is empty; there is nothing to merge")
     if not lora.cache.enabled:
-        raise ValueError(f"{path}: lora.cache.enabled is false; set it to true to build the cache")
+        raise InputError(f"{path}: lora.cache.enabled is false; set it to true to build the cache")
     if cache_disabled_by_env():
-        raise ValueError(f"{DISABLE_ENV} is set, which turns the cache off; unset it to build the cache")
+        raise InputError(f"{DISABLE_ENV} is set, which turns the cache off; unset it to build the cache")
 
 
 def _interrupt(signum, frame) -> None:

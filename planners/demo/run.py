@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import yaml
 
+from hostmem.errors import HostmemError, InputError
 from hostmem.peak import PeakTracker
 from hostmem.procfs import is_shmem_fs
 from hostmem.table import format_table as format_table_lines
@@ -44,7 +45,7 @@ LABELS = {
 }
 
 
-class DemoError(RuntimeError):
+class DemoError(HostmemError, RuntimeError):
     """A scenario failed; the message carries the end of its error output."""
 
 
@@ -243,7 +244,7 @@ def run_demo(settings: DemoSettings) -> DemoResult:
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as exc:
-        raise ValueError(f"--workdir {workdir}: cannot create it ({exc.strerror}); name a writable folder") from None
+        raise InputError(f"--workdir {workdir}: cannot create it ({exc.strerror}); name a writable folder") from None
     try:
         files, config_path, limit, scaled_limit, runtime = _prepare(settings, workdir)
         _say(settings, f"host limit {format_size(limit)} = {format_size(scaled_limit)} (32 GiB scaled to a "
@@ -381,10 +382,10 @@ def parse_settings(scale: str | int, host_limit: str | int | None, workdir: str 
     """Settings from command-line sizes (text or bytes, through :func:`hostmem.units.parse_size`)."""
     size = parse_size(scale)
     if size < 8 * 1024**2:
-        raise ValueError(f"--scale {format_size(size)}: at least 8MiB of DiT is needed for a meaningful demo")
+        raise InputError(f"--scale {format_size(size)}: at least 8MiB of DiT is needed for a meaningful demo")
     limit = parse_size(host_limit) if host_limit is not None else None
     if limit == 0:
-        raise ValueError("--host-limit 0: the host must have some memory; give e.g. 1GiB")
+        raise InputError("--host-limit 0: the host must have some memory; give e.g. 1GiB")
     return DemoSettings(scale=size, host_limit=limit, workdir=workdir, cgroup=cgroup)
 
 
