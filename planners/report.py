@@ -4,6 +4,7 @@ The JSON form is a contract: sizes are bytes, times are seconds, and keys may be
 added but never renamed::
 
     {"deployment": str, "mode": "what-if" | "live", "merge": "none" | "in-place" | "cached",
+     "fits": bool, "over_limit_bytes": int, "verdict": str,
      "host": {"limit_bytes", "source", "mem_total_bytes", "cgroup_limit_bytes"},
      "budget": {"bytes", "reserve_bytes", "committed_bytes", "limit_bytes", "room_bytes",
                 "max_pinned_bytes", "pin_cap_bytes", "build_reserve_bytes",
@@ -31,6 +32,11 @@ added but never renamed::
      "host_share": null | {"local_rank", "local_world_size", "source", "host_budget_bytes",
                            "share_bytes", "shares_bytes", "needs_bytes"}}
 
+``fits`` is the plan's verdict (:mod:`planners.verdict`), ``verdict`` its line
+(``fits: no: committed 35.4 GiB > limit 32.0 GiB: killed while loading``) and
+``over_limit_bytes`` what is committed beyond the host limit. A plan that does not fit
+serves no request: its transfer times (top level and per pin plan) are null, and so
+is an offer's or an alternative's that does not fit either.
 A component's ``total`` is every byte it holds: its weights plus ``extra_anonymous``
 (an unmerge snapshot). ``cgroup_limit_bytes`` is null where no cgroup limits memory.
 ``merge_reason`` says why the plan merges as it does (empty without adapters).
@@ -117,13 +123,18 @@ def _device(plan: DeploymentPlan) -> dict:
     }
 
 
+def _served(seconds: float, fits: bool) -> float | None:
+    """A transfer time, or None for a plan that does not fit (it never serves a request)."""
+    return seconds if fits else None
+
+
 def _pins(plan: DeploymentPlan) -> dict:
     return {
         name: {
             "pinned_bytes": p.pinned_bytes,
             "pinned_layers": list(p.pinned_layers),
-            "transfer_s_per_request": p.transfer_s_per_request,
-            "baseline_transfer_s_per_request": p.baseline_transfer_s_per_request,
+            "transfer_s_per_request": _served(p.transfer_s_per_request, plan.fits),
+            "baseline_transfer_s_per_request": _served(p.baseline_transfer_s_per_request, plan.fits),
             "net_cost_bytes": p.net_cost_bytes,
             "moves_per_request": p.moves_per_request,
             "candidate_layers": p.candidate_layers,
@@ -142,6 +153,9 @@ def report_dict(plan: DeploymentPlan) -> dict:
         "deployment": plan.deployment,
         "mode": plan.mode,
         "merge": plan.merge,
+        "fits": plan.fits,
+        "over_limit_bytes": plan.verdict.over_limit_bytes,
+        "verdict": plan.verdict.line,
         "host": {
             "limit_bytes": h.bytes,
             "source": h.source,
@@ -152,11 +166,11 @@ def report_dict(plan: DeploymentPlan) -> dict:
         "components": _components(plan),
         "device_plan": _device(plan),
         "pin_plans": _pins(plan),
-        "transfer_s_per_request": plan.pins.transfer_s_per_request,
-        "baseline_transfer_s_per_request": plan.pins.baseline_transfer_s_per_request,
+        "transfer_s_per_request": _served(plan.pins.transfer_s_per_request, plan.fits),
+        "baseline_transfer_s_per_request": _served(plan.pins.baseline_transfer_s_per_request, plan.fits),
         "offers": [
             {**o.offer._asdict(), "budget_bytes": o.budget_bytes, "pinned_bytes": o.pinned_bytes,
-             "transfer_s_per_request": o.transfer_s_per_request}
+             "transfer_s_per_request": _served(o.transfer_s_per_request, o.fits), "fits": o.fits}
             for o in plan.offers
         ],
         "warnings": list(plan.warnings),
@@ -166,7 +180,8 @@ def report_dict(plan: DeploymentPlan) -> dict:
             {"label": a.label, "merge": a.merge, "budget_bytes": a.budget_bytes,
              "committed_bytes": a.committed_bytes, "pinned_bytes": a.pinned_bytes,
              "pinned_layers": {name: list(layers) for name, layers in a.pinned_layers.items()},
-             "transfer_s_per_request": a.transfer_s_per_request, "over_limit_bytes": a.over_limit_bytes}
+             "transfer_s_per_request": _served(a.transfer_s_per_request, a.fits),
+             "over_limit_bytes": a.over_limit_bytes, "fits": a.fits}
             for a in plan.alternatives
         ],
         "lora_merge": None if plan.lora_merge is None else dict(plan.lora_merge),
@@ -199,7 +214,10 @@ def compress_names(names) -> str:
     return ", ".join(out) if out else "none"
 
 
-def _seconds(value: float) -> str:
+def _seconds(value: float, fits: bool = True) -> str:
+    """A transfer time; ``-`` for a plan that does not fit, which serves no request."""
+    if not fits:
+        return "-"
     return f"{value:.2f} s" if value >= 1 else f"{value * 1000:.1f} ms"
 
 
@@ -283,12 +301,15 @@ def _pin_lines(plan: DeploymentPlan) -> list[str]:
         rows.append((name, p.moves_per_request, f"{len(p.pinned_layers)} of {p.candidate_layers}",
                      format_size(p.pinned_bytes), format_size(p.net_cost_bytes),
                      format_size(p.page_cache_bytes) + ("" if p.page_cache_fits else " (no room)"),
-                     format_size(p.disk_bytes_per_request), _seconds(p.transfer_s_per_request),
-                     _seconds(p.baseline_transfer_s_per_request)))
+                     format_size(p.disk_bytes_per_request), _seconds(p.transfer_s_per_request, plan.fits),
+                     _seconds(p.baseline_transfer_s_per_request, plan.fits)))
     pins = plan.pins
     rows.append(("total", "", "", format_size(pins.pinned_bytes), format_size(pins.net_cost_bytes), "", "",
-                 _seconds(pins.transfer_s_per_request), _seconds(pins.baseline_transfer_s_per_request)))
+                 _seconds(pins.transfer_s_per_request, plan.fits),
+                 _seconds(pins.baseline_transfer_s_per_request, plan.fits)))
     lines = ["pin plans:", *format_table(rows, indent="  ")]
+    if not plan.fits:
+        lines.append("  transfer: none, the plan does not fit (see its first line): it serves no request")
     for name, p in plan.pins.plans.items():
         if p.pinned_layers:
             lines.append(f"  {name} pinned: {compress_names(p.pinned_layers)}")
@@ -303,11 +324,11 @@ def _offer_lines(plan: DeploymentPlan) -> list[str]:
         return []
     rows = [("offer", "component", "to mapped", "disk", "one-time", "budget", "pinned", "transfer/req")]
     rows.append(("(without offers)", "", "", "", "", format_size(plan.budget.bytes),
-                 format_size(plan.pins.pinned_bytes), _seconds(plan.pins.transfer_s_per_request)))
+                 format_size(plan.pins.pinned_bytes), _seconds(plan.pins.transfer_s_per_request, plan.fits)))
     for o in plan.offers:
         rows.append((o.offer.provider, o.offer.component, format_size(o.offer.anonymous_bytes),
                      format_size(o.offer.disk_bytes), f"{o.offer.one_time_s:.1f} s", format_size(o.budget_bytes),
-                     format_size(o.pinned_bytes), _seconds(o.transfer_s_per_request)))
+                     format_size(o.pinned_bytes), _seconds(o.transfer_s_per_request, o.fits)))
     notes = [f"  {o.offer.provider}: {o.offer.note}" for o in plan.offers if o.offer.note]
     return ["offers:", *format_table(rows, indent="  "), *notes]
 
@@ -319,11 +340,11 @@ def _alternative_lines(plan: DeploymentPlan) -> list[str]:
     rows = [("plan", "merge", "committed", "budget", "pinned", "pinned layers", "transfer/req")]
     layers = sum(len(p.pinned_layers) for p in plan.pins.plans.values())
     rows.append(("this plan", plan.merge, format_size(plan.budget.committed), format_size(plan.budget.bytes),
-                 format_size(plan.pins.pinned_bytes), layers, _seconds(plan.pins.transfer_s_per_request)))
-    for a in plan.alternatives:  # a plan killed while it loads never serves: no transfer time to compare
+                 format_size(plan.pins.pinned_bytes), layers, _seconds(plan.pins.transfer_s_per_request, plan.fits)))
+    for a in plan.alternatives:  # a plan that does not fit never serves: no transfer time to compare
         rows.append((a.label, a.merge, format_size(a.committed_bytes), format_size(a.budget_bytes),
                      format_size(a.pinned_bytes), sum(len(v) for v in a.pinned_layers.values()),
-                     "killed while loading" if a.over_limit_bytes else _seconds(a.transfer_s_per_request)))
+                     "killed while loading" if a.over_limit_bytes else _seconds(a.transfer_s_per_request, a.fits)))
     lines = ["compared (committed = non-reclaimable memory the components hold):", *format_table(rows, indent="  ")]
     for a in plan.alternatives:
         killed = (f"; its committed memory exceeds the host limit by {format_size(a.over_limit_bytes)}: without "
@@ -350,7 +371,7 @@ def _lora_merge_lines(plan: DeploymentPlan) -> list[str]:
 
 def report_text(plan: DeploymentPlan) -> str:
     """The report for people: aligned tables, sizes in GiB with one decimal."""
-    title = [f"hostmem plan: {plan.deployment} ({plan.mode}, merge: {plan.merge})"]
+    title = [plan.verdict.line, f"hostmem plan: {plan.deployment} ({plan.mode}, merge: {plan.merge})"]
     if plan.merge_reason:
         title.append(f"merge {plan.merge}: {plan.merge_reason}")
     sections = [

@@ -29,6 +29,7 @@ __all__ = [
     "component_sizes",
     "checkpoint_sizes",
     "what_if_components",
+    "in_place_merge_bytes",
 ]
 
 MERGE_MODES = ("none", "in-place", "cached")
@@ -162,3 +163,20 @@ def what_if_components(
         out[component.name] = predict(sizes[component.name], component.load, this_merge)
     return out, warnings
 
+
+
+def in_place_merge_bytes(config: DeploymentConfig, sizes: dict[str, ComponentSizes]) -> int:
+    """Non-reclaimable bytes the in-place merge commits beyond the cached one: one price.
+
+    Computed from the two predictions themselves (:func:`predict`), so the budget of an
+    in-place plan, the LoRA cache's offer and the comparison of a cached plan with the
+    in-place one all read the same figure: the merged targets over mapped weights (the
+    base is its own snapshot), the targets and their unmerge snapshot over copied ones.
+    """
+    target = config.merge_target
+    if target is None:
+        return 0
+    load = config.components[target.name].load
+    in_place = predict(sizes[target.name], load, "in-place").residency.non_reclaimable
+    cached = predict(sizes[target.name], load, "cached").residency.non_reclaimable
+    return max(0, in_place - cached)
