@@ -270,7 +270,7 @@ def _host_share_lines(share) -> list[str]:
 
 
 def _component_lines(plan: DeploymentPlan) -> list[str]:
-    rows = [("component", "offload", "source", "layers", "anonymous", "file-backed", "pinned", "shmem", "total")]
+    rows = [("component", "offload", "source", "blocks", "anonymous", "file-backed", "pinned", "shmem", "total")]
     for name, s in plan.components.items():
         r = s.residency
         rows.append((name, s.offload, s.source, len(s.layers), format_size(r.anonymous),
@@ -282,20 +282,20 @@ def _component_lines(plan: DeploymentPlan) -> list[str]:
 def _device_lines(plan: DeploymentPlan) -> list[str]:
     d = plan.device
     if d.component is None:
-        return ["device plan: no component streams layer by layer"]
+        return ["device plan: no component streams block by block"]
     total = len(d.resident_layers) + len(d.streamed_layers)
     return [
         f"device plan ({d.component}): VRAM {format_size(d.vram)} - reserve {format_size(d.reserve)} - rest "
         f"{format_size(d.rest_bytes)} - prefetch window {format_size(d.window_bytes)}",
-        f"  resident {len(d.resident_layers)} of {total} ({format_size(d.resident_bytes)}): "
+        f"  resident {len(d.resident_layers)} of {total} blocks ({format_size(d.resident_bytes)}): "
         f"{compress_names(d.resident_layers)}",
-        f"  streamed {len(d.streamed_layers)} of {total} ({format_size(d.streamed_bytes)}): "
+        f"  streamed {len(d.streamed_layers)} of {total} blocks ({format_size(d.streamed_bytes)}): "
         f"{compress_names(d.streamed_layers)}",
     ]
 
 
 def _pin_lines(plan: DeploymentPlan) -> list[str]:
-    rows = [("component", "moves/req", "pinned layers", "pinned", "net cost", "page cache", "disk/req",
+    rows = [("component", "moves/req", "pinned blocks", "pinned", "net cost", "page cache", "disk/req",
              "transfer/req", "all pageable")]
     for name, p in plan.pins.plans.items():
         rows.append((name, p.moves_per_request, f"{len(p.pinned_layers)} of {p.candidate_layers}",
@@ -314,7 +314,7 @@ def _pin_lines(plan: DeploymentPlan) -> list[str]:
         if p.pinned_layers:
             lines.append(f"  {name} pinned: {compress_names(p.pinned_layers)}")
     if any(REST in p.pinned_layers for p in plan.pins.plans.values()):
-        lines.append(f"  {REST}: the tensors outside every layer (embeddings, norms, heads), pinned as one unit")
+        lines.append(f"  {REST}: the tensors outside every block (embeddings, norms, heads), pinned as one unit")
     lines += [f"  note: {n}" for n in plan.pins.notes]
     return lines
 
@@ -337,7 +337,7 @@ def _alternative_lines(plan: DeploymentPlan) -> list[str]:
     """This plan beside the same deployment planned another way (the in-place merge)."""
     if not plan.alternatives:
         return []
-    rows = [("plan", "merge", "committed", "budget", "pinned", "pinned layers", "transfer/req")]
+    rows = [("plan", "merge", "committed", "budget", "pinned", "pinned blocks", "transfer/req")]
     layers = sum(len(p.pinned_layers) for p in plan.pins.plans.values())
     rows.append(("this plan", plan.merge, format_size(plan.budget.committed), format_size(plan.budget.bytes),
                  format_size(plan.pins.pinned_bytes), layers, _seconds(plan.pins.transfer_s_per_request, plan.fits)))
@@ -363,7 +363,7 @@ def _lora_merge_lines(plan: DeploymentPlan) -> list[str]:
     where = f"cache {str(m['cache_key'])[:12]} under {m.get('cache_root')}" if m.get("cache_key") else "in place"
     if m.get("cache_off"):
         where += f": {m['cache_off']}"
-    rows = [("layers", "hit", "built", "fallen back", "in place", "merged", "written", "time", "rate"),
+    rows = [("tensors", "hit", "built", "fallen back", "in place", "merged", "written", "time", "rate"),
             (m["layers"], m["hit"], m["built"], m["fallen_back"], m["in_place"], format_size(m["bytes"]),
              format_size(m["bytes_written"]), f"{m['seconds']:.1f} s", format_rate(m["rate_bytes_per_s"]))]
     return [f"LoRA merge ({where}):", *format_table(rows, indent="  ", right_from=0)]

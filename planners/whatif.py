@@ -19,7 +19,7 @@ from hostmem.residency_classes import Residency
 from lora_cache.switch import DISABLE_ENV, cache_disabled_by_env
 
 from .config import ComponentConfig, DeploymentConfig
-from .sizes import ComponentSizes, Layer, from_declared
+from .sizes import ComponentSizes, Layer, from_declared, layer_matcher
 
 __all__ = [
     "MERGE_MODES",
@@ -114,17 +114,26 @@ def component_sizes(config: DeploymentConfig, component: ComponentConfig) -> Com
         from .adapter_targets import with_adapter_targets
 
         sizes = with_adapter_targets(config, sizes, component.path, component.layer_pattern)
-    if component.layer_pattern and not sizes.layers:
+    for pattern in _unmatched(component.layer_pattern, sizes):
         raise config.origin.error(
             f"{key}.layers",
-            f"{component.layer_pattern!r} matches no tensor of {component.path}; "
-            f"write the prefix its layer tensors share, e.g. \"blocks.{{i}}.\"",
+            f"{pattern!r} matches no tensor of {component.path}; "
+            f"write the prefix its block tensors share, e.g. \"blocks.{{i}}.\"",
         )
     if component.lora_target_bytes and component.lora_target_bytes > sizes.weights_bytes:
         raise config.origin.error(f"{key}.lora_targets", "exceeds the checkpoint's size; lower it")
     if component.lora_target_patterns and not sizes.lora_target_bytes:
         raise config.origin.error(f"{key}.lora_targets", f"{list(component.lora_target_patterns)} match no tensor")
     return sizes
+
+
+def _unmatched(pattern, sizes: ComponentSizes) -> list[str]:
+    """The block patterns (one, or each of a list) that name no block of ``sizes``."""
+    if not pattern:
+        return []
+    patterns = (pattern,) if isinstance(pattern, str) else pattern
+    names = [layer.name + "." for layer in sizes.layers]
+    return [p for p in patterns if not any(layer_matcher(p)(n) or layer_matcher(p)(n[:-1]) for n in names)]
 
 
 def _targets_from_adapters(config: DeploymentConfig, component: ComponentConfig) -> bool:

@@ -69,7 +69,7 @@ def test_the_text_report_is_aligned_and_human(capsys):
     rows = [line for line in table if not line.lstrip().startswith(("dit pinned", "text_encoder pinned", "note:"))]
     assert len({len(r) for r in rows}) == 1, rows  # right-aligned columns end together
     assert re.search(r"budget for pins\s+24\.0 GiB", out)
-    assert "resident 34 of 208" in out and "layers.34..207" in out
+    assert "resident 34 of 208 blocks" in out and "layers.34..207" in out
     assert not re.search(r"\d{5,} ?B\b", out)  # no raw byte counts for people
     # The in-place plan beside it is killed while loading: no transfer time that looks better.
     compared = out.split("compared (")[1].split("\n\n")[0]
