@@ -5,7 +5,8 @@ added but never renamed::
 
     {"deployment": str, "mode": "what-if" | "live", "merge": "none" | "in-place" | "cached",
      "fits": bool, "over_limit_bytes": int, "verdict": str,
-     "host": {"limit_bytes", "source", "mem_total_bytes", "cgroup_limit_bytes"},
+     "host": {"limit_bytes", "source", "mem_total_bytes", "cgroup_limit_bytes",
+              "headroom": null | {"bytes", "source", "figures": [{"name", "bytes", "source"}]}},
      "budget": {"bytes", "reserve_bytes", "committed_bytes", "limit_bytes", "room_bytes",
                 "max_pinned_bytes", "pin_cap_bytes", "build_reserve_bytes",
                 "committed": {"anonymous_bytes", "shmem_bytes", "pinned_bytes", "process_excess_bytes"}},
@@ -37,6 +38,8 @@ added but never renamed::
 ``over_limit_bytes`` what is committed beyond the host limit. A plan that does not fit
 serves no request: its transfer times (top level and per pin plan) are null, and so
 is an offer's or an alternative's that does not fit either.
+``host.headroom`` is what ``limit: auto`` was made of (:mod:`planners.headroom`), each
+figure with the file it was read from; null for a configured limit.
 A component's ``total`` is every byte it holds: its weights plus ``extra_anonymous``
 (an unmerge snapshot). ``cgroup_limit_bytes`` is null where no cgroup limits memory.
 ``merge_reason`` says why the plan merges as it does (empty without adapters).
@@ -161,6 +164,9 @@ def report_dict(plan: DeploymentPlan) -> dict:
             "source": h.source,
             "mem_total_bytes": h.mem_total,
             "cgroup_limit_bytes": h.cgroup_limit,
+            "headroom": None if h.headroom is None else {
+                "bytes": h.headroom.bytes, "source": h.headroom.source,
+                "figures": [f._asdict() for f in h.headroom.figures]},
         },
         "budget": _budget(plan),
         "components": _components(plan),
@@ -227,6 +233,7 @@ def _host_lines(plan: DeploymentPlan) -> list[str]:
     return [
         f"host: limit {format_size(h.bytes)} ({h.source}); MemTotal {format_size(h.mem_total)}; "
         f"cgroup limit {cgroup}",
+        *_headroom_lines(h.headroom),
         *(_host_share_lines(plan.host_share) if plan.host_share else []),
         "budget:",
         *format_table([
@@ -243,6 +250,15 @@ def _host_lines(plan: DeploymentPlan) -> list[str]:
         ], indent="  "),
         *_build_reserve_lines(b),
     ]
+
+
+def _headroom_lines(headroom) -> list[str]:
+    """``limit: auto``: each figure of the live headroom and where it was read."""
+    if headroom is None:
+        return []
+    lines = format_table([(f.name, format_size(f.bytes)) for f in headroom.figures], indent="    ")
+    return [f"  limit auto = the {'cgroup' if headroom.source == 'cgroup' else 'host'} headroom, the tighter of:",
+            *(f"{line}  {f.source}".rstrip() for line, f in zip(lines, headroom.figures))]
 
 
 def _build_reserve_rows(budget) -> list[tuple[str, str, str]]:
