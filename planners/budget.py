@@ -27,6 +27,7 @@ since a cgroup charges page cache too and oversubscribing it gets the server kil
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 from hostmem.procfs import read_cgroup_memory, read_meminfo
@@ -47,6 +48,7 @@ class HostLimit(NamedTuple):
     mem_total: int
     cgroup_limit: int | None
     headroom: Headroom | None = None  # auto: the figures the limit was made of, with their sources
+    gpus: int | None = None  # GPUs this machine shows (None: not looked for)
 
     @property
     def machine_bytes(self) -> int:
@@ -82,6 +84,7 @@ def read_host_limit(config: DeploymentConfig) -> HostLimit:
     limit = resolve_host_limit(
         config.host.limit, meminfo.total, cgroup.limit_bytes if cgroup else None, source, headroom
     )
+    limit = limit._replace(gpus=count_gpus())
     if config.host.reserve >= limit.bytes and headroom is None:
         raise config.origin.error(
             "host.reserve",
@@ -89,6 +92,15 @@ def read_host_limit(config: DeploymentConfig) -> HostLimit:
             f"({limit.source}); lower the reserve or configure host.limit",
         )
     return limit
+
+
+def count_gpus(dev: str = "/dev") -> int:
+    """GPUs this machine shows (NVIDIA's /dev/nvidiaN, AMD's /dev/kfd), without importing torch."""
+    try:
+        names = os.listdir(dev)
+    except OSError:
+        return 0
+    return sum(1 for n in names if n.startswith("nvidia") and n[6:].isdigit()) + ("kfd" in names)
 
 
 class HostBudget(NamedTuple):

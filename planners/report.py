@@ -5,7 +5,7 @@ added but never renamed::
 
     {"deployment": str, "mode": "what-if" | "live", "merge": "none" | "in-place" | "cached",
      "fits": bool, "over_limit_bytes": int, "verdict": str,
-     "host": {"limit_bytes", "source", "mem_total_bytes", "cgroup_limit_bytes",
+     "host": {"limit_bytes", "source", "mem_total_bytes", "cgroup_limit_bytes", "gpus",
               "headroom": null | {"bytes", "source", "figures": [{"name", "bytes", "source"}]}},
      "budget": {"bytes", "reserve_bytes", "committed_bytes", "limit_bytes", "room_bytes",
                 "max_pinned_bytes", "pin_cap_bytes", "build_reserve_bytes",
@@ -38,6 +38,7 @@ added but never renamed::
 ``over_limit_bytes`` what is committed beyond the host limit. A plan that does not fit
 serves no request: its transfer times (top level and per pin plan) are null, and so
 is an offer's or an alternative's that does not fit either.
+``host.gpus`` is how many GPUs this machine shows (null: not looked for).
 ``host.headroom`` is what ``limit: auto`` was made of (:mod:`planners.headroom`), each
 figure with the file it was read from; null for a configured limit.
 A component's ``total`` is every byte it holds: its weights plus ``extra_anonymous``
@@ -62,6 +63,7 @@ from hostmem.table import format_table
 from hostmem.units import format_rate, format_size
 
 from .deployment import DeploymentPlan
+from .report_host import host_lines
 from .sizes import REST
 
 __all__ = ["report_dict", "report_text", "compress_names"]
@@ -164,6 +166,7 @@ def report_dict(plan: DeploymentPlan) -> dict:
             "source": h.source,
             "mem_total_bytes": h.mem_total,
             "cgroup_limit_bytes": h.cgroup_limit,
+            "gpus": h.gpus,
             "headroom": None if h.headroom is None else {
                 "bytes": h.headroom.bytes, "source": h.headroom.source,
                 "figures": [f._asdict() for f in h.headroom.figures]},
@@ -227,64 +230,6 @@ def _seconds(value: float, fits: bool = True) -> str:
     return f"{value:.2f} s" if value >= 1 else f"{value * 1000:.1f} ms"
 
 
-def _host_lines(plan: DeploymentPlan) -> list[str]:
-    h, b = plan.host, plan.budget
-    cgroup = format_size(h.cgroup_limit) if h.cgroup_limit else "none"
-    return [
-        f"host: limit {format_size(h.bytes)} ({h.source}); MemTotal {format_size(h.mem_total)}; "
-        f"cgroup limit {cgroup}",
-        *_headroom_lines(h.headroom),
-        *(_host_share_lines(plan.host_share) if plan.host_share else []),
-        "budget:",
-        *format_table([
-            ("limit", format_size(b.limit), ""),
-            ("- reserve", format_size(b.reserve), ""),
-            ("- committed anonymous", format_size(b.committed_anonymous), ""),
-            ("- committed shmem", format_size(b.committed_shmem), ""),
-            ("- committed pinned", format_size(b.committed_pinned), ""),
-            ("- process beyond reserve", format_size(b.process_excess), ""),
-            *_build_reserve_rows(b),
-            ("= room (pins + page cache)", format_size(b.room), ""),
-            ("max pinned", format_size(b.max_pinned), ""),
-            ("budget for pins", format_size(b.bytes), "(room, capped by max pinned)"),
-        ], indent="  "),
-        *_build_reserve_lines(b),
-    ]
-
-
-def _headroom_lines(headroom) -> list[str]:
-    """``limit: auto``: each figure of the live headroom and where it was read."""
-    if headroom is None:
-        return []
-    lines = format_table([(f.name, format_size(f.bytes)) for f in headroom.figures], indent="    ")
-    return [f"  limit auto = the {'cgroup' if headroom.source == 'cgroup' else 'host'} headroom, the tighter of:",
-            *(f"{line}  {f.source}".rstrip() for line, f in zip(lines, headroom.figures))]
-
-
-def _build_reserve_rows(budget) -> list[tuple[str, str, str]]:
-    """The budget row of pending adapter builds, present only while one is pending."""
-    if not budget.build_reserve:
-        return []
-    return [("- pending adapter builds", format_size(budget.build_reserve), "(see below)")]
-
-
-def _build_reserve_lines(budget) -> list[str]:
-    """Why the pending adapter builds are held back, present only while one is pending."""
-    if not budget.build_reserve:
-        return []
-    return [f"  held back {format_size(budget.build_reserve)} for pending adapter builds: a combination served at "
-            "run time is being merged in the background, and its next layer's output and fp32 sum must find room"]
-
-
-def _host_share_lines(share) -> list[str]:
-    """This rank's part of the host budget: its pins are capped at that share."""
-    alike = "; ranks taken to be alike: equal shares" if "no process group" in share["source"] else ""
-    return [f"host share: local rank {share['local_rank']} of {share['local_world_size']} (from {share['source']}"
-            f"{alike})",
-            f"  {format_size(share['share_bytes'])} of the host budget {format_size(share['host_budget_bytes'])}, "
-            f"split by need ({', '.join(format_size(s) for s in share['shares_bytes'])}); pins capped at this share"]
-
-
 def _component_lines(plan: DeploymentPlan) -> list[str]:
     rows = [("component", "offload", "source", "blocks", "anonymous", "file-backed", "pinned", "shmem", "total")]
     for name, s in plan.components.items():
@@ -300,9 +245,12 @@ def _device_lines(plan: DeploymentPlan) -> list[str]:
     if d.component is None:
         return ["device plan: no component streams block by block"]
     total = len(d.resident_layers) + len(d.streamed_layers)
+    no_gpu = ["  (device.vram as configured: this machine has no GPU, so this is the configured host's device plan)"
+              ] if plan.host.gpus == 0 and d.vram else []
     return [
         f"device plan ({d.component}): VRAM {format_size(d.vram)} - reserve {format_size(d.reserve)} - rest "
         f"{format_size(d.rest_bytes)} - prefetch window {format_size(d.window_bytes)}",
+        *no_gpu,
         f"  resident {len(d.resident_layers)} of {total} blocks ({format_size(d.resident_bytes)}): "
         f"{compress_names(d.resident_layers)}",
         f"  streamed {len(d.streamed_layers)} of {total} blocks ({format_size(d.streamed_bytes)}): "
@@ -379,10 +327,13 @@ def _lora_merge_lines(plan: DeploymentPlan) -> list[str]:
     where = f"cache {str(m['cache_key'])[:12]} under {m.get('cache_root')}" if m.get("cache_key") else "in place"
     if m.get("cache_off"):
         where += f": {m['cache_off']}"
+    merged = m["built"] + m["in_place"] + m["fallen_back"]  # a rate of hits alone measures mapping, not merging
     rows = [("tensors", "hit", "built", "fallen back", "in place", "merged", "written", "time", "rate"),
             (m["layers"], m["hit"], m["built"], m["fallen_back"], m["in_place"], format_size(m["bytes"]),
-             format_size(m["bytes_written"]), f"{m['seconds']:.1f} s", format_rate(m["rate_bytes_per_s"]))]
-    return [f"LoRA merge ({where}):", *format_table(rows, indent="  ", right_from=0)]
+             format_size(m["bytes_written"]), f"{m['seconds']:.1f} s",
+             format_rate(m["rate_bytes_per_s"]) if merged else "-")]
+    hits = ["  every weight tensor came from the cache: nothing merged, nothing written"] if m["layers"] and not merged else []
+    return [f"LoRA merge ({where}):", *format_table(rows, indent="  ", right_from=0), *hits]
 
 
 def report_text(plan: DeploymentPlan) -> str:
@@ -392,7 +343,7 @@ def report_text(plan: DeploymentPlan) -> str:
         title.append(f"merge {plan.merge}: {plan.merge_reason}")
     sections = [
         title,
-        _host_lines(plan),
+        host_lines(plan),
         _component_lines(plan),
         _lora_merge_lines(plan),
         _device_lines(plan),

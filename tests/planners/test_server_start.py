@@ -76,7 +76,9 @@ def test_one_call_merges_through_the_configs_cache_and_prints_the_report(deploym
     second, report = _start(config, model)
     assert second["hit"] == second["layers"] == first["layers"] and second["built"] == 0
     merge = report.split("LoRA merge (")[1].split("\n\n")[0].splitlines()
-    assert merge[2].split()[:3] == [str(first["layers"]), str(first["layers"]), "0"]  # layers, hit, built
+    assert merge[2].split()[:3] == [str(first["layers"]), str(first["layers"]), "0"]  # tensors, hit, built
+    assert merge[2].split()[-1] == "-"  # all hits: no merge rate to speak of
+    assert merge[3] == "  every weight tensor came from the cache: nothing merged, nothing written"
 
 
 def test_quiet_prints_nothing_and_a_pipeline_without_the_component_is_named(deployment, capsys):

@@ -146,3 +146,20 @@ def test_the_in_place_merge_has_one_price_in_text_and_json(capsys, demo_config, 
         assert figures["offer"] == price and figures["offer note"] == format_size(price), (path, figures)
     targets = 6 * 1024**3
     assert price == (targets if load == "mapped" else 2 * targets)  # the copied base keeps an unmerge snapshot
+
+
+def test_a_device_plan_on_a_machine_without_a_gpu_says_whose_it_is(capsys, tmp_path):
+    from planners.budget import count_gpus
+
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidiactl", "nvidia-uvm", "nvidia0", "nvidia1", "null"):
+        (dev / name).touch()
+    assert count_gpus(str(dev)) == 2 and count_gpus(str(tmp_path / "none")) == 0
+    demo = os.path.join(REPO, "configs", "demo.yaml")
+    code, out = _plan(capsys, demo, "--json")
+    gpus = json.loads(out)["host"]["gpus"]
+    assert gpus == count_gpus()
+    text = _plan(capsys, demo)[1]
+    said = "this machine has no GPU, so this is the configured host's device plan" in text
+    assert said is (gpus == 0)
