@@ -74,8 +74,9 @@ def resolve_host_limit(
 def read_host_limit(config: DeploymentConfig) -> HostLimit:
     """Resolve the config's host limit against this machine's /proc/meminfo and cgroup.
 
-    A configured reserve at or above a configured limit is a config error; at or above
-    the live headroom it is the plan's verdict (it does not fit now), not an error.
+    A reserve at or above a configured limit, or at or above what the machine has
+    (``auto``), is a config error; at or above the live headroom only, it is the plan's
+    verdict (it does not fit now).
     """
     cgroup = read_cgroup_memory()
     meminfo = read_meminfo()
@@ -85,11 +86,14 @@ def read_host_limit(config: DeploymentConfig) -> HostLimit:
         config.host.limit, meminfo.total, cgroup.limit_bytes if cgroup else None, source, headroom
     )
     limit = limit._replace(gpus=count_gpus())
-    if config.host.reserve >= limit.bytes and headroom is None:
+    # auto: a reserve above what the machine has is an error; above what is free now, the verdict
+    ceiling, named = (limit.bytes, limit.source) if headroom is None else (
+        limit.machine_bytes, "cgroup" if limit.machine_bytes != limit.mem_total else "MemTotal")
+    if config.host.reserve >= ceiling:
         raise config.origin.error(
             "host.reserve",
-            f"{format_size(config.host.reserve)} is not below the host limit of {format_size(limit.bytes)} "
-            f"({limit.source}); lower the reserve or configure host.limit",
+            f"{format_size(config.host.reserve)} is not below the host limit of {format_size(ceiling)} "
+            f"({named}); lower the reserve or configure host.limit",
         )
     return limit
 
