@@ -160,7 +160,7 @@ class LoraCacheProvider:
         else:
             how = f"built once in about {seconds:.0f} s at {format_rate(self.build_rate)}, then reused"
         in_place = self.in_place_bytes
-        parts = "merged layers + unmerge snapshot" if in_place > targets else "merged layers"
+        parts = "merged weights + unmerge snapshot" if in_place > targets else "merged weights"
         note = (
             f"LoRA merge of {format_size(targets)} in {self.component}: in place it costs "
             f"{format_size(in_place)} anonymous ({parts}); cached it stays "

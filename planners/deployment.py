@@ -32,6 +32,7 @@ class OfferOutcome(NamedTuple):
     pinned_bytes: int
     transfer_s_per_request: float
     fits: bool = True  # False: the plan with the offer is killed too, and serves no request
+    applied_bytes: int | None = None  # what the offer takes off this plan's component (at most what it holds)
 
 
 class AlternativePlan(NamedTuple):
@@ -145,9 +146,13 @@ def plan_deployment(
     budget, device, pins = _core(config, components, host, process_excess, build_reserve)
     outcomes = []
     for record in collect_offers(providers, set(components)):
-        changed = {**components, record.component: apply_offer(components[record.component], record)}
+        before = components[record.component]
+        after = apply_offer(before, record)
+        changed = {**components, record.component: after}
         b, d, p = _core(config, changed, host, process_excess, build_reserve)
-        outcomes.append(OfferOutcome(record, b.bytes, p.pinned_bytes, p.transfer_s_per_request, verdict(b, d).fits))
+        applied = before.residency.anonymous - after.residency.anonymous
+        outcomes.append(OfferOutcome(record, b.bytes, p.pinned_bytes, p.transfer_s_per_request, verdict(b, d).fits,
+                                     applied))
     others = []
     for label, other_merge, other in alternatives:
         _check_components(config, other)

@@ -22,7 +22,7 @@ added but never renamed::
                           "disk_bytes_per_request"}},
      "transfer_s_per_request", "baseline_transfer_s_per_request",
      "offers": [{"provider", "component", "anonymous_bytes", "disk_bytes", "one_time_s", "note",
-                 "budget_bytes", "pinned_bytes", "transfer_s_per_request"}],
+                 "budget_bytes", "pinned_bytes", "transfer_s_per_request", "fits", "applied_bytes"}],
      "warnings": [str], "notes": [str],
      "merge_reason": str,
      "alternatives": [{"label", "merge", "budget_bytes", "committed_bytes", "pinned_bytes",
@@ -38,6 +38,9 @@ added but never renamed::
 ``over_limit_bytes`` what is committed beyond the host limit. A plan that does not fit
 serves no request: its transfer times (top level and per pin plan) are null, and so
 is an offer's or an alternative's that does not fit either.
+An offer's ``applied_bytes`` is what it takes off this plan's component, at most what
+the component holds (its ``anonymous_bytes`` is what the provider says of itself);
+the offers table shows the first, so it agrees with the budget.
 ``host.gpus`` is how many GPUs this machine shows (null: not looked for).
 ``host.headroom`` is what ``limit: auto`` was made of (:mod:`planners.headroom`), each
 figure with the file it was read from; null for a configured limit.
@@ -179,7 +182,8 @@ def report_dict(plan: DeploymentPlan) -> dict:
         "baseline_transfer_s_per_request": _served(plan.pins.baseline_transfer_s_per_request, plan.fits),
         "offers": [
             {**o.offer._asdict(), "budget_bytes": o.budget_bytes, "pinned_bytes": o.pinned_bytes,
-             "transfer_s_per_request": _served(o.transfer_s_per_request, o.fits), "fits": o.fits}
+             "transfer_s_per_request": _served(o.transfer_s_per_request, o.fits), "fits": o.fits,
+             "applied_bytes": o.applied_bytes}
             for o in plan.offers
         ],
         "warnings": list(plan.warnings),
@@ -290,7 +294,7 @@ def _offer_lines(plan: DeploymentPlan) -> list[str]:
     rows.append(("(without offers)", "", "", "", "", format_size(plan.budget.bytes),
                  format_size(plan.pins.pinned_bytes), _seconds(plan.pins.transfer_s_per_request, plan.fits)))
     for o in plan.offers:
-        rows.append((o.offer.provider, o.offer.component, format_size(o.offer.anonymous_bytes),
+        rows.append((o.offer.provider, o.offer.component, format_size(o.applied_bytes),
                      format_size(o.offer.disk_bytes), f"{o.offer.one_time_s:.1f} s", format_size(o.budget_bytes),
                      format_size(o.pinned_bytes), _seconds(o.transfer_s_per_request, o.fits)))
     notes = [f"  {o.offer.provider}: {o.offer.note}" for o in plan.offers if o.offer.note]

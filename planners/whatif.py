@@ -56,14 +56,14 @@ def merge_reason(config: DeploymentConfig) -> str:
     if config.merge_target is None:
         return "no component declares lora_targets, so the adapters change nothing the plan can see"
     if not lora.cache.enabled:
-        return (f"lora.cache.enabled is false ({config.origin.where('lora.cache.enabled')}): merged layers "
+        return (f"lora.cache.enabled is false ({config.origin.where('lora.cache.enabled')}): merged weights "
                 "are anonymous memory; set it to true to merge through the cache")
     if cache_disabled_by_env():
         return (f"{DISABLE_ENV}=1 turns the LoRA merge cache off, so a server merges in place "
-                "(merged layers anonymous) although lora.cache is enabled "
+                "(merged weights anonymous) although lora.cache is enabled "
                 f"({config.origin.where('lora.cache')}); unset it to merge through the cache")
     root = lora.cache.root or "~/.cache/hostmem"
-    return (f"lora.cache is enabled ({config.origin.where('lora.cache')}): merged layers are written once "
+    return (f"lora.cache is enabled ({config.origin.where('lora.cache')}): merged weights are written once "
             f"under {root} and mapped back read-only, so they stay file-backed")
 
 

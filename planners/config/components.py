@@ -102,6 +102,6 @@ def parse_components(origin: ConfigOrigin, data: Any) -> dict[str, ComponentConf
     if len(streamed) > 1:
         raise origin.error(
             f"components.{streamed[1]}.offload",
-            f"only one component may stream layer by layer ({', '.join(streamed)} do); set offload: full on the others",
+            f"only one component may stream block by block ({', '.join(streamed)} do); set offload: full on the others",
         )
     return out

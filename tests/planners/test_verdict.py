@@ -109,6 +109,7 @@ def _figures(text: str, report: dict) -> dict:
     """The in-place merge's committed figure wherever the report states it."""
     out = {"budget": report["budget"]["committed"]["anonymous_bytes"]}
     for offer in report["offers"]:
+        assert offer["applied_bytes"] == offer["anonymous_bytes"]  # the planner's own price: nothing to clamp
         out["offer"] = offer["anonymous_bytes"]
         out["offer note"] = re.search(r"in place it costs (\S+ \S+) anonymous", offer["note"]).group(1)
     for alternative in report["alternatives"]:
@@ -163,3 +164,28 @@ def test_a_device_plan_on_a_machine_without_a_gpu_says_whose_it_is(capsys, tmp_p
     text = _plan(capsys, demo)[1]
     said = "this machine has no GPU, so this is the configured host's device plan" in text
     assert said is (gpus == 0)
+
+
+def test_an_offer_larger_than_what_the_component_holds_shows_what_it_gives_back(capsys, write_config):
+    """A provider's own figure (2 x targets by default) is clamped to the component's anonymous bytes."""
+    from lora_cache.provider import LoraCacheProvider
+    from planners.budget import resolve_host_limit
+    from planners.config import load_config
+    from planners.deployment import plan_deployment
+    from planners.report import report_dict, report_text
+    from planners.whatif import what_if_components
+
+    config = load_config(write_config("""
+        deployment: x
+        workload: {steps: 4}
+        host: {limit: 32GiB, reserve: 4GiB}
+        components:
+          dit: {size: 20GiB, layers: 10, offload: layerwise, lora_targets: 6GiB}
+        """))
+    components, _ = what_if_components(config, "in-place")
+    plan = plan_deployment(config, components, resolve_host_limit(32 * 1024**3, 64 * 1024**3, None),
+                           merge="in-place", providers=[LoraCacheProvider("dit", 6 * 1024**3, layers=10)])
+    (offer,) = report_dict(plan)["offers"]
+    assert offer["anonymous_bytes"] == 12 * 1024**3 and offer["applied_bytes"] == 6 * 1024**3
+    row = next(l for l in report_text(plan).split("offers:")[1].splitlines() if l.lstrip().startswith("lora_cache  "))
+    assert row.split()[2:4] == ["6.0", "GiB"]
