@@ -15,10 +15,13 @@ tensor of that name and shape: a non-persistent buffer), ``device`` (not in host
 memory) and ``layout`` (a non-contiguous view or a tensor subclass, which a plain view
 of the file cannot stand in for).
 
-``cast`` and ``changed`` weights have no bytes on disk to point at. With ``spill=True``
-they are written once to the cache instead and mapped back read-only
-(:mod:`hostmem.remap_spill`), so they too become page cache; the report counts them as
-spilled, with the bytes written and the bytes found already cached.
+``cast`` and ``changed`` weights, and ``missing`` parameters (fused at or after load,
+as by diffusers' ``fuse_qkv_projections()``, or computed), have no bytes on disk to
+point at. With ``spill=True`` they are written once to the cache instead and mapped
+back read-only (:mod:`hostmem.remap_spill`), so they too become page cache; the report
+counts them as spilled, with the bytes written and found already cached, and says
+what each was (``spill_origins``: cast, changed, fused from which checkpoint tensors,
+computed; :mod:`hostmem.remap_origin`). Missing buffers stay: a model may write them.
 
 After a remap the weights are views of a mapped file, so ``lora_cache.merge`` finds the
 checkpoint by itself (no ``base_files``) and keeps no anonymous original for unmerge.
@@ -67,6 +70,7 @@ class RemapReport:
     spill_key: str = ""
     spill_root: str = ""
     spill_problem: str | None = None  # why some weights could not be spilled
+    spill_origins: dict[str, str] = field(default_factory=dict)  # spilled weight -> what it was (remap_origin)
     left_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
     left_names: dict[str, list[str]] = field(default_factory=lambda: {r: [] for r in REASONS})
     files: list[str] = field(default_factory=list)
@@ -93,6 +97,7 @@ class RemapReport:
             "spill_key": self.spill_key,
             "spill_root": self.spill_root,
             "spill_problem": self.spill_problem,
+            "spill_origins": dict(self.spill_origins),
             "left_bytes": dict(self.left_bytes),
             "left_names": {k: list(v) for k, v in self.left_names.items()},
             "files": list(self.files),
@@ -113,7 +118,12 @@ class RemapReport:
     def _spill_text(self) -> str:
         if not (self.spilled or self.spill_problem):
             return ""
-        text = (f"{format_size(self.spilled_bytes)} spilled ({self.spilled} tensors; "
+        kinds: dict[str, int] = {}
+        for origin in self.spill_origins.values():
+            kind = origin.split(" ", 1)[0]
+            kinds[kind] = kinds.get(kind, 0) + 1
+        what = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+        text = (f"{format_size(self.spilled_bytes)} spilled ({self.spilled} tensors{': ' + what if what else ''}; "
                 f"{format_size(self.spill_written_bytes)} written, {format_size(self.spill_reused_bytes)} "
                 f"reused from the cache in {self.spill_root})")
         return text + (f", not all: {self.spill_problem}" if self.spill_problem else "") + "; "
@@ -147,6 +157,7 @@ class CheckpointIndex:
         self.exact: dict[str, list[_Source]] = {}
         self.ending: dict[str, list[_Source]] = {}
         self._mapped: dict[str, object] = {}  # path -> ReadOnlySafetensors, mapped on first use
+        self._by_parent: dict[tuple[str, str], list[_Source]] | None = None  # built on first siblings()
         for path in files:
             for name, info in read_header(path).tensors.items():
                 source = _Source(path, name, tuple(info.shape), info.torch_dtype)
@@ -165,12 +176,35 @@ class CheckpointIndex:
         for suffix in _dotted_suffixes(name)[1:]:
             found += self.exact.get(suffix, [])
         found += self.ending.get(name, [])
-        seen, out = set(), []
-        for source in found:
-            if source.shape == shape and id(source) not in seen:
-                seen.add(id(source))
-                out.append(source)
-        return out
+        return _unique(s for s in found if s.shape == shape)
+
+    def siblings(self, name: str, row_shape: tuple[int, ...], dtype: torch.dtype) -> list[_Source]:
+        """Tensors of the module that holds ``name`` (same parent, same leaf such as
+        ``weight``) whose rows have ``row_shape`` and ``dtype``: what a fused weight's rows
+        may be made of (:mod:`hostmem.remap_origin`)."""
+        if self._by_parent is None:
+            self._by_parent = {}
+            for source in (s for sources in self.exact.values() for s in sources):
+                parts = source.name.split(".")
+                for parent in _dotted_suffixes(".".join(parts[:-2])) if len(parts) > 2 else [""]:
+                    self._by_parent.setdefault((parent, parts[-1]), []).append(source)
+        parts = name.split(".")
+        parents = _dotted_suffixes(".".join(parts[:-2])) if len(parts) > 2 else [""]
+        for parent in parents:  # the longest parent that names any: a shorter one spans other modules
+            found = _unique(s for s in self._by_parent.get((parent, parts[-1]), [])
+                            if s.shape and s.shape[1:] == row_shape and s.dtype == dtype)
+            if found:
+                return found
+        return []
+
+
+def _unique(sources) -> list[_Source]:
+    seen, out = set(), []
+    for source in sources:
+        if id(source) not in seen:
+            seen.add(id(source))
+            out.append(source)
+    return out
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -254,7 +288,8 @@ def remap(model, files=None, *, spill: bool = False, cache_root=None, max_size=N
     :func:`hostmem.checkpoint_files.checkpoint_files`). Returns a :class:`RemapReport`:
     bytes remapped, spilled, and left per reason (with a few names each), files and time.
 
-    With ``spill=True`` the weights left as ``cast`` or ``changed`` are written once to
+    With ``spill=True`` the weights left as ``cast`` or ``changed`` and the parameters no
+    checkpoint tensor holds (fused, computed) are written once to
     the cache (one verified layer file each, keyed by the checkpoint's content and their
     own bytes: see :mod:`hostmem.remap_spill`) and mapped back read-only; a later start
     with the same bytes finds them and writes nothing. ``cache_root`` is one root or an
@@ -281,9 +316,21 @@ def remap(model, files=None, *, spill: bool = False, cache_root=None, max_size=N
     return report
 
 
+def spillable(reason: str | None, slot: TensorSlot) -> bool:
+    """Whether a spill takes a weight remap left: a cast or changed one, and a parameter no
+    checkpoint tensor holds (fused or computed at load). A missing buffer stays: buffers
+    are state a model may write (a cache, running statistics), never a weight to map."""
+    from .remap_spill import SPILLED_REASONS
+
+    if reason == "missing":
+        return all(kind == "_parameters" for _, kind, _ in slot.places)
+    return reason in SPILLED_REASONS
+
+
 def _remap_all(model, files, report: RemapReport, spill: bool) -> list:
     """Remap every tensor of every component; return those a spill is to take (with ``spill``)."""
-    from .remap_spill import SPILLED_REASONS, Pending
+    from .remap_origin import origin_of
+    from .remap_spill import Pending
 
     shards_of = component_files(model, files)
     indexes: dict[tuple[str, ...], CheckpointIndex] = {}
@@ -297,8 +344,9 @@ def _remap_all(model, files, report: RemapReport, spill: bool) -> list:
                 report.files += [s for s in shards if s not in report.files]
             label = f"{component}.{slot.name}" if component else slot.name
             reason = _remap_slot(slot, indexes[shards], areas, report)
-            if reason in SPILLED_REASONS and spill:
-                pending.append(Pending(label, slot, reason, shards))
+            if spill and spillable(reason, slot):
+                origin = origin_of(reason, slot.name, slot.tensor, indexes[shards])
+                pending.append(Pending(label, slot, reason, shards, origin))
             elif reason is not None:
                 report.leave(reason, label, slot.nbytes)
     return pending

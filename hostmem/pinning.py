@@ -28,10 +28,17 @@ import ctypes
 import errno
 import os
 import resource
+import weakref
 
 import torch
 
-from .procfs import PAGE_SIZE, read_status
+from .page_spans import intersect_spans as _intersect
+from .page_spans import merge_spans as _merge
+from .page_spans import page_span
+from .page_spans import spans_of as _spans
+from .page_spans import subtract_spans as _subtract
+from .page_spans import total_of as _total
+from .procfs import read_status
 from .residency import classify_range
 from .units import format_size
 
@@ -43,6 +50,8 @@ __all__ = [
     "Pinner",
     "page_span",
     "drop_page_cache",
+    "replaced",
+    "page_bytes",
 ]
 
 _MADV_PAGEOUT = 21
@@ -52,14 +61,6 @@ _CUDA_HOST_REGISTER_READ_ONLY = 0x08
 
 class PinError(OSError):
     """A pin or unpin failed; the message says why and what to do."""
-
-
-def page_span(tensor: torch.Tensor) -> tuple[int, int]:
-    """``(start, end)`` of the whole pages under the tensor's storage."""
-    storage = tensor.untyped_storage()
-    start = storage.data_ptr()
-    end = start + storage.nbytes()
-    return start - start % PAGE_SIZE, end + (-end) % PAGE_SIZE
 
 
 def _libc():
@@ -94,6 +95,7 @@ class MlockBackend:
     """Lock pages with ``mlock(2)``; bounded by RLIMIT_MEMLOCK unless CAP_IPC_LOCK is held."""
 
     name = "mlock"
+    splits = True  # any page range may be unlocked, whatever range locked it
 
     def __init__(self):
         self._libc = _libc()
@@ -123,6 +125,7 @@ class CudaHostRegisterBackend:
     """Register pages with ``cudaHostRegister`` in place (portable; read-only when mapped so)."""
 
     name = "cuda"
+    splits = False  # a registration is undone whole, from the address it was made at
 
     def __init__(self):
         if not torch.cuda.is_available():
@@ -149,40 +152,32 @@ def default_backend():
     return CudaHostRegisterBackend() if torch.cuda.is_available() else MlockBackend()
 
 
-# ---------------------------------------------------------------- interval books
+def page_bytes(tensors) -> int:
+    """Bytes of the whole pages under ``tensors``' storages, each page once: what locking
+    them all adds to VmLck."""
+    return _total(_spans(t for t in tensors if t.device.type == "cpu"))
 
 
-def _merge(spans) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for start, end in sorted(spans):
-        if out and start <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], end)
-        else:
-            out.append([start, end])
-    return [(s, e) for s, e in out if e > s]
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
 
 
-def _subtract(spans, minus) -> list[tuple[int, int]]:
-    out, minus = [], _merge(minus)
-    for start, end in _merge(spans):
-        cursor = start
-        for m_start, m_end in minus:
-            if m_end <= cursor or m_start >= end:
-                continue
-            if m_start > cursor:
-                out.append((cursor, m_start))
-            cursor = max(cursor, m_end)
-        if cursor < end:
-            out.append((cursor, end))
-    return out
+_LIVE: "weakref.WeakSet[Pinner]" = weakref.WeakSet()  # the registry replaced() asks
 
 
-def _intersect(spans, other) -> list[tuple[int, int]]:
-    return _subtract(spans, _subtract(spans, other))
+def replaced(old: torch.Tensor | None, new: torch.Tensor | None) -> None:
+    """``new`` now stands where ``old`` stood (a merge, a switch, an unmerge, a remap).
 
-
-def _total(spans) -> int:
-    return sum(e - s for s, e in spans)
+    Whatever replaces a model's tensor calls this, while it still holds ``old``, so that
+    a pin follows its weight: every live :class:`Pinner` that pinned ``old``'s storage
+    pins ``new`` in its place (where its policy and budget allow) or releases the key,
+    and no page stays locked for a tensor nothing serves. Costs nothing without pins.
+    """
+    if old is None or old is new or not _LIVE or old.device.type != "cpu":
+        return
+    for pinner in list(_LIVE):
+        pinner.follow(old, new)
 
 
 class Pinner:
@@ -192,12 +187,23 @@ class Pinner:
     key holds yet; ``unpin(key)`` releases the pages it locked and locks again, for
     their owners, pages that other keys still need. Use as a context manager to
     unpin everything on exit.
+
+    It holds the tensors it pinned (their pages must stay mapped while locked) and
+    follows them: when a replacer reports one replaced (:func:`replaced`), the key is
+    moved to the replacement (:meth:`repin`) if ``wants(key)`` and the pages locked
+    stay within ``max_locked``; otherwise the key is released and listed in
+    ``released``. Either way the books, VmLck and a ledger agree afterwards.
     """
 
-    def __init__(self, backend=None):
+    def __init__(self, backend=None, *, max_locked: int | None = None, wants=None):
         self.backend = backend if backend is not None else default_backend()
+        self.max_locked, self.wants = max_locked, wants
+        self.released: list = []  # keys let go because a replacement could not be pinned
         self._wanted: dict = {}
         self._owned: dict = {}
+        self._tensors: dict = {}
+        self._by_storage: dict[tuple[int, int], set] = {}  # storage -> the keys holding a tensor of it
+        _LIVE.add(self)
 
     @property
     def locked_bytes(self) -> int:
@@ -206,6 +212,9 @@ class Pinner:
 
     def keys(self) -> list:
         return list(self._owned)
+
+    def tensors(self, key) -> list[torch.Tensor]:
+        return list(self._tensors[key])
 
     def _lock_all(self, spans) -> None:
         done = []
@@ -218,42 +227,115 @@ class Pinner:
                 self.backend.unlock(start, end - start)
             raise
 
-    def _held(self) -> list[tuple[int, int]]:
-        return [s for spans in self._owned.values() for s in spans]
+    def _held(self, but=None) -> list[tuple[int, int]]:
+        return [s for key, spans in self._owned.items() if key != but for s in spans]
 
     def would_lock(self, tensors) -> int:
         """Bytes that pinning ``tensors`` would newly lock (whole pages not held yet)."""
-        wanted = _merge(page_span(t) for t in tensors if t.untyped_storage().nbytes())
-        return _total(_subtract(wanted, self._held()))
+        return _total(_subtract(_spans(tensors), self._held()))
+
+    @staticmethod
+    def _check_cpu(key, tensors) -> None:
+        for t in tensors:
+            if t.device.type != "cpu":
+                raise ValueError(f"{key!r}: a tensor on {t.device} has no host pages to pin")
 
     def pin(self, key, tensors) -> int:
         """Lock the pages under ``tensors``; return the bytes newly locked."""
         if key in self._owned:
             raise ValueError(f"{key!r} is already pinned")
-        for t in tensors:
-            if t.device.type != "cpu":
-                raise ValueError(f"{key!r}: a tensor on {t.device} has no host pages to pin")
-        wanted = _merge(page_span(t) for t in tensors if t.untyped_storage().nbytes())
+        self._check_cpu(key, tensors)
+        wanted = _spans(tensors)
         new = _subtract(wanted, self._held())
         self._lock_all(new)
         self._wanted[key], self._owned[key] = wanted, new
+        self._hold(key, tensors)
         return _total(new)
+
+    def _hand_over(self, spans) -> int:
+        """Give ``spans`` (locked, no longer their owner's) to the other keys that want them;
+        unlock the rest. Returns the bytes kept locked."""
+        kept = []
+        for other, wanted in self._wanted.items():
+            orphans = _subtract(_intersect(wanted, spans), self._held() + kept)
+            if orphans:
+                self._owned[other] = sorted(self._owned[other] + orphans)  # as locked: a registration is undone whole
+                kept += orphans
+        if getattr(self.backend, "splits", True):
+            for start, end in _subtract(spans, kept):
+                self.backend.unlock(start, end - start)
+        else:  # undo each registration whole, then register again what the others keep
+            for start, end in spans:
+                self.backend.unlock(start, end - start)
+            self._lock_all(kept)
+        return _total(kept)
+
+    def _hold(self, key, tensors) -> None:
+        """Keep ``tensors`` (alive, and indexed by storage) as ``key``'s; none: forget the key."""
+        for t in self._tensors.pop(key, []):
+            keys = self._by_storage.get(_storage_key(t))
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._by_storage[_storage_key(t)]
+        if tensors:
+            self._tensors[key] = list(tensors)
+            for t in tensors:
+                self._by_storage.setdefault(_storage_key(t), set()).add(key)
 
     def unpin(self, key) -> int:
         """Release ``key``'s pages that no other key needs; return the bytes released."""
         owned = self._owned.pop(key)
         self._wanted.pop(key)
-        for start, end in owned:
-            self.backend.unlock(start, end - start)
-        kept = 0
-        for other, wanted in self._wanted.items():
-            orphans = _intersect(wanted, owned)
-            orphans = _subtract(orphans, self._held())
-            if orphans:
-                self._lock_all(orphans)
-                self._owned[other] = _merge(self._owned[other] + orphans)
-                kept += _total(orphans)
-        return _total(owned) - kept
+        self._hold(key, [])
+        return _total(owned) - self._hand_over(owned)
+
+    def repin(self, key, tensors) -> int:
+        """Move ``key``'s pins to ``tensors``: lock their pages not held yet, then release
+        the pages only ``key`` held and no longer needs. Returns the change in bytes locked."""
+        self._check_cpu(key, tensors)
+        before = self.locked_bytes
+        if not getattr(self.backend, "splits", True):  # no partial undo: move the key whole
+            self.unpin(key)
+            self.pin(key, tensors)
+            return self.locked_bytes - before
+        wanted = _spans(tensors)
+        new = _subtract(wanted, self._held())
+        self._lock_all(new)
+        old = self._owned[key]
+        self._owned[key] = _merge(_intersect(old, wanted) + new)
+        self._wanted[key] = wanted
+        self._hold(key, tensors)
+        self._hand_over(_subtract(old, wanted))
+        return self.locked_bytes - before
+
+    def follow(self, old: torch.Tensor, new: torch.Tensor | None) -> None:
+        """``new`` replaced ``old``: move every key holding ``old`` to ``new``, or release it."""
+        storage = _storage_key(old)
+        holders = list(self._by_storage.get(storage, ()))
+        if not holders:
+            return
+        same = (lambda t: t is old) if any(t is old for k in holders for t in self._tensors[k]) \
+            else (lambda t: _storage_key(t) == storage)  # a wrapper of old's bytes stood for it
+        for key in [k for k in holders if any(same(t) for t in self._tensors[k])]:
+            tensors = [t for t in self._tensors[key] if not same(t)]
+            tensors += [new] if new is not None and new.device.type == "cpu" else []
+            if tensors and self._may_follow(key, tensors):
+                self.repin(key, tensors)
+            else:
+                self.unpin(key)
+                self.released.append(key)
+
+    def _may_follow(self, key, tensors) -> bool:
+        if self.wants is not None and not self.wants(key):
+            return False
+        if self.max_locked is None:
+            return True
+        old = self._owned[key]
+        wanted = _spans(tensors)
+        freed = _subtract(_subtract(old, wanted), [s for k, w in self._wanted.items() if k != key for s in w])
+        after = self.locked_bytes + _total(_subtract(wanted, self._held())) - _total(freed)
+        return after <= self.max_locked
 
     def unpin_all(self) -> int:
         released = 0

@@ -6,8 +6,8 @@ shape and dtype. That is an upper bound (a tensor changed after load is found ou
 only by :func:`hostmem.remap` itself), and the note says so. Remap needs no disk; its
 one-time cost is reading the checkpoint once to compare, at page-cache speed.
 
-Tensors the checkpoint holds in another dtype (cast at load) cannot be remapped, only
-spilled (``hostmem.remap(spill=True)``: written once to the cache and mapped back). A
+Tensors the checkpoint holds in another dtype (cast at load), and parameters it does
+not hold at all (fused or computed at load), cannot be remapped, only spilled (``hostmem.remap(spill=True)``: written once to the cache and mapped back). A
 provider made with ``spill=True`` offers them too, with the disk their layer files take
 and the time to hash and write them, as the LoRA cache offers its merged layers;
 without it, the note says how much a spill would add.
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .checkpoint_remap import CheckpointIndex, component_files
+from .checkpoint_remap import CheckpointIndex, spillable, component_files
 from .residency import RangeClassifier
 from .slots import MappedAreas, iter_module_slots
 from .units import format_rate, format_size
@@ -53,7 +53,7 @@ class RemapSizes(NamedTuple):
     """Anonymous bytes remap could replace, and those only a spill could (with their disk)."""
 
     remappable: int
-    castable: int  # anonymous, held by the checkpoint in another dtype
+    castable: int  # anonymous, only a spill gives back: cast at load, or a parameter fused or computed at load
     castable_disk: int  # the layer files a spill of them writes
 
 
@@ -76,7 +76,7 @@ def remap_sizes(module, files=None) -> RemapSizes:
         if tensor.device.type != "cpu" or slot.nbytes == 0 or areas.read_only_file(tensor) is not None:
             continue
         candidates = index.candidates(slot.name, tuple(tensor.shape))
-        if not candidates:
+        if not candidates and not spillable("missing", slot):
             continue
         start = tensor.untyped_storage().data_ptr()
         if any(c.dtype == tensor.dtype for c in candidates):
@@ -138,7 +138,8 @@ class RemapProvider:
     def _spill_note(self) -> str:
         if not self.spill_bytes:
             return ""
-        what = (f"{format_size(self.spill_bytes)} more are held by the checkpoint in another dtype (cast at load): "
+        what = (f"{format_size(self.spill_bytes)} more are cast, fused or computed at load (no checkpoint tensor "
+                f"holds their bytes): "
                 f"a spill writes them once to the cache ({format_size(self.spill_disk_bytes)} of disk)")
         if self.spill:
             seconds = self.spill_disk_bytes / self.spill_rate

@@ -2,12 +2,16 @@
 
 :func:`hostmem.remap` can only point a weight at its checkpoint where the bytes are the
 checkpoint's. A weight cast at load (an fp32 checkpoint loaded as bf16, or diffusers'
-``_keep_in_fp32_modules`` kept in fp32 over a bf16 checkpoint) or changed after it (a
-fused weight) has no such bytes anywhere on disk, so it stays anonymous: memory a host
-without swap never gets back. With ``spill=True`` those weights are written once, one
+``_keep_in_fp32_modules`` kept in fp32 over a bf16 checkpoint), changed after it, fused
+(``fuse_qkv_projections()``'s ``to_qkv``) or computed at load has no such bytes anywhere
+on disk, so it stays anonymous: memory a host without swap never gets back. With ``spill=True`` those weights are written once, one
 layer file each, into the vault (:mod:`hostmem.vault`: verified, crash-safe, locked,
 read-only roots) and replaced by read-only mappings of what was written, so they become
 page cache too; the next start with the same bytes finds the files and writes nothing.
+
+Views. Weights that share one storage (one a view of another, or all views of one
+buffer) are spilled once: the storage is written as one flat layer file, and each of
+them becomes the same view of its mapping, so they still share their bytes.
 
 The key. How a spilled weight was derived (which cast, which fusion) is not something
 remap can know, so the key is the content, as for the LoRA cache's merged layers: the
@@ -37,7 +41,7 @@ from .slots import TensorSlot
 from .units import format_size
 from .vault.content_hash import new_hasher
 
-__all__ = ["SPILL_FORMAT", "SPILLED_REASONS", "Pending", "spill", "spill_digest"]
+__all__ = ["SPILL_FORMAT", "SPILLED_REASONS", "Pending", "SpillUnit", "spill_units", "spill", "spill_digest"]
 
 SPILL_FORMAT = "hostmem-remap-spill/1"
 SPILLED_REASONS = ("cast", "changed")  # the reasons a weight is left that its own bytes can fix
@@ -49,8 +53,54 @@ class Pending(NamedTuple):
 
     label: str  # its name, with the component: the layer's name in the vault
     slot: TensorSlot
-    reason: str  # "cast" or "changed"
+    reason: str  # "cast", "changed" or "missing" (a parameter fused or computed at load)
     shards: tuple[str, ...]
+    origin: str = ""  # what it was, for the report (hostmem.remap_origin.origin_of)
+
+
+class SpillUnit(NamedTuple):
+    """One layer file: a weight, or the whole storage several pending weights are views of."""
+
+    label: str
+    tensor: torch.Tensor  # what is written
+    members: tuple[Pending, ...]  # the weights it serves
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def views(self, mapped: torch.Tensor) -> list[torch.Tensor]:
+        """Each member's tensor as the same view of ``mapped`` (the layer file's mapping)."""
+        if len(self.members) == 1 and self.tensor is self.members[0].slot.tensor:
+            return [mapped]
+        return [mapped.as_strided(m.slot.tensor.shape, m.slot.tensor.stride(),
+                                  mapped.storage_offset() + m.slot.tensor.storage_offset()) for m in self.members]
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def spill_units(pending: list[Pending]) -> list[SpillUnit]:
+    """One unit per storage: a weight alone is written as itself; weights sharing a storage
+    (of one dtype, which the storage's size divides) are written once, as the flat storage,
+    under the name of the largest of them."""
+    groups: dict[tuple[int, int], list[Pending]] = {}
+    for item in pending:
+        groups.setdefault(_storage_key(item.slot.tensor), []).append(item)
+    units = []
+    for (_, nbytes), items in groups.items():
+        dtypes = {i.slot.tensor.dtype for i in items}
+        size = items[0].slot.tensor.element_size()
+        if len(items) == 1 or len(dtypes) > 1 or nbytes % size:
+            units += [SpillUnit(i.label, i.slot.tensor, (i,)) for i in items]
+            continue
+        owner = max(items, key=lambda i: (i.slot.tensor.numel(), i.label))
+        flat = torch.empty(0, dtype=owner.slot.tensor.dtype).set_(
+            owner.slot.tensor.untyped_storage(), 0, (nbytes // size,), (1,))
+        units.append(SpillUnit(owner.label, flat, tuple(items)))
+    return units
 
 
 def _tensor_digest(label: str, tensor: torch.Tensor) -> tuple[str, str]:
@@ -62,24 +112,24 @@ def _tensor_digest(label: str, tensor: torch.Tensor) -> tuple[str, str]:
     return label, digest.hexdigest()
 
 
-def spill_digest(pending: list[Pending]) -> str:
-    """One digest over every pending weight's digest, in name order, as
-    ``"<algorithm>:<hex>"`` (the weights hashed on all cores: both hashes release the GIL)."""
+def spill_digest(units: list[SpillUnit]) -> str:
+    """One digest over every unit's digest, in name order, as ``"<algorithm>:<hex>"``
+    (the weights hashed on all cores: both hashes release the GIL)."""
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="hostmem-spill-digest") as pool:
-        digests = sorted(pool.map(lambda p: _tensor_digest(p.label, p.slot.tensor), pending))
+        digests = sorted(pool.map(lambda u: _tensor_digest(u.label, u.tensor), units))
     combined = new_hasher()
     for label, digest in digests:
         combined.update(f"{label}\0{digest}\n".encode())
     return f"{combined.name}:{combined.hexdigest()}"
 
 
-def _spill_key(vault, pending: list[Pending]):
+def _spill_key(vault, units: list[SpillUnit]):
     """The combination's key: the checkpoint's content and the spilled weights' digest."""
     from .vault import cache_key
 
-    shards = sorted({s for p in pending for s in p.shards})
-    dtypes = ",".join(sorted({str(p.slot.tensor.dtype).removeprefix("torch.") for p in pending}))
-    policy = f"{SPILL_FORMAT} {spill_digest(pending)}"
+    shards = sorted({s for u in units for m in u.members for s in m.shards})
+    dtypes = ",".join(sorted({str(u.tensor.dtype).removeprefix("torch.") for u in units}))
+    policy = f"{SPILL_FORMAT} {spill_digest(units)}"
     return cache_key(vault.base_identity(shards), [], dtypes, policy)
 
 
@@ -93,12 +143,12 @@ def _why_not_written(vault, session) -> str:
     return session.last_error or f"the cache in {vault.root} could not take them"
 
 
-def _serve(session, item: Pending) -> torch.Tensor | None:
-    """The weight's mapped layer file: found in the cache, else written now; None if neither."""
-    tensor = item.slot.tensor.detach()
-    view = session.get(item.label, tuple(tensor.shape), tensor.dtype)
+def _serve(session, unit: SpillUnit) -> torch.Tensor | None:
+    """The unit's mapped layer file: found in the cache, else written now; None if neither."""
+    tensor = unit.tensor.detach()
+    view = session.get(unit.label, tuple(tensor.shape), tensor.dtype)
     if view is None:
-        view = session.put(item.label, tensor)
+        view = session.put(unit.label, tensor)
     return view
 
 
@@ -114,19 +164,22 @@ def spill(pending: list[Pending], report, cache_root=None, max_size=None) -> lis
         return []
     vaults = [Vault(root, max_size, label=LABEL) for root in cache_roots(cache_root)]
     keyer = next((v for v in vaults if not v.read_only), vaults[0])  # its memo spares the next start a rehash
-    key = _spill_key(keyer, pending)
-    expected = {p.label: (tuple(p.slot.tensor.shape), p.slot.tensor.dtype) for p in pending}
+    units = spill_units(pending)
+    key = _spill_key(keyer, units)
+    expected = {u.label: (tuple(u.tensor.shape), u.tensor.dtype) for u in units}
     vault, session = open_in_roots(vaults, key, expected)
     left = []
     with session:
-        for item in pending:
-            view = _serve(session, item)
+        for unit in units:
+            view = _serve(session, unit)
             if view is None:
-                left.append(item)
+                left += unit.members
                 continue
-            report.spilled += 1
-            report.spilled_bytes += item.slot.nbytes
-            item.slot.replace(view)
+            report.spilled += len(unit.members)
+            report.spilled_bytes += unit.nbytes
+            for item, new in zip(unit.members, unit.views(view)):
+                item.slot.replace(new)
+                report.spill_origins[item.label] = item.origin or item.reason
         report.spill_key, report.spill_root = key.hex, vault.root
         report.spill_written_bytes += session.stats["bytes_written"]
         report.spill_reused_bytes += session.stats["bytes_hit"]

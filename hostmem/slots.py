@@ -17,6 +17,7 @@ from typing import Iterator, Mapping
 import torch
 from torch import nn
 
+from .pinning import replaced
 from .procfs import Vma
 from .procfs.files import proc_path, read_text
 from .procfs.maps import parse_maps_line
@@ -37,12 +38,15 @@ class TensorSlot:
         return self.tensor.numel() * self.tensor.element_size()
 
     def replace(self, new: torch.Tensor) -> None:
-        """Make every place hold ``new`` (a Parameter where a Parameter was)."""
-        if isinstance(self.tensor, nn.Parameter):
-            new = nn.Parameter(new, requires_grad=self.tensor.requires_grad)
+        """Make every place hold ``new`` (a Parameter where a Parameter was); a pin on the
+        old tensor follows it (:func:`hostmem.pinning.replaced`)."""
+        old = self.tensor
+        if isinstance(old, nn.Parameter):
+            new = nn.Parameter(new, requires_grad=old.requires_grad)
         for module, kind, attr in self.places:
             getattr(module, kind)[attr] = new
         self.tensor = new
+        replaced(old, new)
 
 
 def model_components(model) -> dict[str, nn.Module]:

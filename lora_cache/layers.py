@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 from torch import nn
 
+from hostmem.pinning import replaced
 from hostmem.procfs import PAGE_SIZE, Vma
 from hostmem.slots import MappedAreas
 from hostmem.safetensors_map import open_readonly
@@ -178,7 +179,9 @@ def compute_merged(target: LayerTarget, out: torch.Tensor, scratch: Scratch, wor
 def install(target: LayerTarget, merged: torch.Tensor, snapshot: Snapshot) -> None:
     """Make ``target`` hold ``merged`` (a view of a read-only mapping from the cache, or an
     anonymous tensor of its own): the one place where a parameter is replaced."""
+    old = target.module._parameters[target.attr]
     target.module._parameters[target.attr] = nn.Parameter(merged, requires_grad=False)
+    replaced(old, target.module._parameters[target.attr])  # a pin on the base follows it
     _remember(target, snapshot)
 
 
@@ -239,7 +242,8 @@ def unmerge(model, strict: bool = True) -> int:
                         module._parameters[attr].copy_(snapshot.copy)
                     restored += 1
                 else:
-                    module._parameters[attr] = snapshot.original
+                    merged, module._parameters[attr] = module._parameters[attr], snapshot.original
+                    replaced(merged, snapshot.original)  # a pin on the merged weight follows it back
                     restored += 1
     if lost and strict:
         raise UnmergeError(

@@ -19,6 +19,10 @@ allocate: one layer's output buffer and its fp32 sum
 is a term of its own: pins planned now must leave it free, or the build's next layer
 lands on a host the pins have already filled.
 
+The reserve is configured (a size), the default, or measured from a warmup request
+and remembered per deployment (``host.reserve: measured``, :mod:`planners.reserve`);
+``reserve_source`` names which, and the report shows it.
+
 The limit is configured (a host convention: a large machine can stand in for a
 32 GiB one) or ``auto``: the live headroom (:mod:`planners.headroom`), the tighter of
 MemAvailable and the memory cgroup's limit less what others hold and cannot give back,
@@ -118,6 +122,7 @@ class HostBudget(NamedTuple):
     committed_pinned: int = 0
     process_excess: int = 0
     build_reserve: int = 0  # held back for pending adapter builds (not committed yet)
+    reserve_source: str = "config"  # where the reserve came from (a measured one says when: planners.reserve)
 
     @property
     def committed(self) -> int:
@@ -140,7 +145,7 @@ class HostBudget(NamedTuple):
 
 def host_budget(
     limit: int, reserve: int, max_pinned: int, committed: Residency, process_excess: int = 0,
-    build_reserve: int = 0,
+    build_reserve: int = 0, reserve_source: str = "config",
 ) -> HostBudget:
     """The budget of a host whose non-reclaimable memory is ``committed``, holding
     ``build_reserve`` back for pending adapter builds."""
@@ -155,4 +160,5 @@ def host_budget(
         committed_pinned=committed.pinned,
         process_excess=max(0, process_excess),
         build_reserve=build_reserve,
+        reserve_source=reserve_source,
     )

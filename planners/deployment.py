@@ -95,7 +95,7 @@ def _move_groups(config: DeploymentConfig, components, device: DevicePlan) -> li
 def _core(config, components, host: HostLimit, process_excess: int, build_reserve: int = 0):
     budget = host_budget(
         host.bytes, config.host.reserve, config.host.max_pinned(host.bytes), _committed(components), process_excess,
-        build_reserve,
+        build_reserve, config.host.reserve_source,
     )
     streamed = config.streamed
     device = plan_device(

@@ -11,6 +11,13 @@ Net cost: a layer mapped from the checkpoint is pinned where it lies, so its pag
 cache becomes the pinned copy and nothing is duplicated (``/proc/meminfo``: Mlocked
 grows by the layer, Cached does not). Were a pin made as a copy instead, the
 original's page cache would be released with ``hostmem.pinning.drop_page_cache``.
+
+Pins follow their weights. Whatever replaces a pinned parameter afterwards (a LoRA
+merge or switch, an unmerge, a remap or spill) tells the pinner
+(:func:`hostmem.pinning.replaced`), which pins the replacement in place while the plan
+still pins that layer and the pages locked stay within the plan's pin budget, and
+otherwise releases the layer (``AppliedPins.released``). :meth:`AppliedPins.check`
+says, at any time, whether the pinner's books, VmLck and the ledger agree.
 """
 
 from __future__ import annotations
@@ -21,14 +28,14 @@ from typing import Mapping
 import torch
 
 import hostmem
-from hostmem.pinning import Pinner
+from hostmem.pinning import Pinner, page_bytes
 from hostmem.procfs import read_status
 
 from .config import DeploymentConfig
 from .deployment import DeploymentPlan
 from .sizes import REST, from_ledger, layer_matcher
 
-__all__ = ["ComponentPins", "AppliedPins", "PinMismatch", "layer_tensors", "apply_pin_plan"]
+__all__ = ["ComponentPins", "AppliedPins", "PinCheck", "PinMismatch", "layer_tensors", "apply_pin_plan"]
 
 
 class PinMismatch(RuntimeError):
@@ -53,14 +60,59 @@ class AppliedPins:
     vm_lck_before: int
     vm_lck_after: int
     pinner: Pinner = field(compare=False, repr=False)
+    locked_before: int = 0  # what the pinner held before this call
 
     @property
     def planned_bytes(self) -> int:
         return sum(c.planned_bytes for c in self.components)
 
+    @property
+    def locked_now(self) -> int:
+        """Whole pages this call's pins hold now, after whatever replaced their weights."""
+        return self.pinner.locked_bytes - self.locked_before
+
+    @property
+    def released(self) -> list:
+        """``(component, layer)`` keys let go because a replacement could not be pinned."""
+        return list(self.pinner.released)
+
+    def check(self, modules: Mapping[str, torch.nn.Module]) -> "PinCheck":
+        """The pinner's books, VmLck and the ledger, read now; :class:`PinMismatch` if they differ."""
+        found = PinCheck(self.locked_now, read_status().vm_lck - self.vm_lck_before, ledger_pinned_pages(modules))
+        if self.backend == "mlock" and not found.agree:
+            raise PinMismatch(f"pins no longer agree: {found}")
+        return found
+
     def release(self) -> int:
         """Unpin everything this pinner holds; return the bytes released."""
         return self.pinner.unpin_all()
+
+
+@dataclass(frozen=True)
+class PinCheck:
+    """Pinned bytes by three witnesses: the pinner's books, the kernel's VmLck (its growth
+    since the pins were applied) and the ledger (whole pages under the storages it finds
+    pinned)."""
+
+    books: int
+    vm_lck: int
+    ledger: int
+
+    @property
+    def agree(self) -> bool:
+        return self.books == self.vm_lck == self.ledger
+
+
+def ledger_pinned_pages(modules: Mapping[str, torch.nn.Module]) -> int:
+    """Whole pages under the storages :func:`hostmem.account` finds wholly pinned."""
+    ledger = hostmem.account(dict(modules))
+    pinned = []
+    for name, module in modules.items():
+        tensors = dict(module.named_parameters(remove_duplicate=False))
+        tensors.update(module.named_buffers(remove_duplicate=False))
+        entries = ledger.components[name].parameters.values()
+        pinned += [tensors[e.name] for e in entries if e.nbytes and e.residency.pinned == e.nbytes]
+    return page_bytes(pinned)
 
 
 def layer_tensors(module: torch.nn.Module, pattern: str | None) -> dict[str, list[torch.Tensor]]:
@@ -119,6 +171,7 @@ def apply_pin_plan(
     planned = _planned_tensors(plan, modules, config)
     expected_locked = pinner.would_lock([t for ts in planned.values() for t in ts])
     vm_before, locked_before = read_status().vm_lck, pinner.locked_bytes
+    _follow_the_plan(pinner, plan, locked_before + max(plan.pins.budget_bytes, expected_locked))
     done = []
     try:
         for key, tensors in planned.items():
@@ -130,6 +183,16 @@ def apply_pin_plan(
             pinner.unpin(key)
         raise
     return result
+
+
+def _follow_the_plan(pinner: Pinner, plan: DeploymentPlan, max_locked: int) -> None:
+    """Let the pinner move a layer's pins to its replacement while ``plan`` pins that layer,
+    within the plan's pin budget (a caller's own policy and cap stand)."""
+    if pinner.wants is None:
+        plans = plan.pins.plans
+        pinner.wants = lambda key: key[0] in plans and key[1] in plans[key[0]].pinned_layers
+    if pinner.max_locked is None:
+        pinner.max_locked = max_locked
 
 
 def _verify(plan, modules, config, pinner, planned, vm_before, locked_before, expected_locked) -> AppliedPins:
@@ -157,4 +220,4 @@ def _verify(plan, modules, config, pinner, planned, vm_before, locked_before, ex
             f"VmLck grew by {vm_after - vm_before} bytes, but {locked} were locked; another thread may "
             "have locked or unlocked memory meanwhile"
         )
-    return AppliedPins(pinner.backend.name, tuple(checks), locked, vm_before, vm_after, pinner)
+    return AppliedPins(pinner.backend.name, tuple(checks), locked, vm_before, vm_after, pinner, locked_before)

@@ -7,7 +7,7 @@ added but never renamed::
      "fits": bool, "over_limit_bytes": int, "verdict": str,
      "host": {"limit_bytes", "source", "mem_total_bytes", "cgroup_limit_bytes", "gpus",
               "headroom": null | {"bytes", "source", "figures": [{"name", "bytes", "source"}]}},
-     "budget": {"bytes", "reserve_bytes", "committed_bytes", "limit_bytes", "room_bytes",
+     "budget": {"bytes", "reserve_bytes", "reserve_source", "committed_bytes", "limit_bytes", "room_bytes",
                 "max_pinned_bytes", "pin_cap_bytes", "build_reserve_bytes",
                 "committed": {"anonymous_bytes", "shmem_bytes", "pinned_bytes", "process_excess_bytes"}},
      "components": {NAME: {"anonymous", "file_backed", "pinned", "total", "shmem", "swapped",
@@ -100,6 +100,7 @@ def _budget(plan: DeploymentPlan) -> dict:
     return {
         "bytes": b.bytes,
         "reserve_bytes": b.reserve,
+        "reserve_source": b.reserve_source,
         "committed_bytes": b.committed,
         "limit_bytes": b.limit,
         "room_bytes": b.room,
@@ -244,6 +245,15 @@ def _component_lines(plan: DeploymentPlan) -> list[str]:
     return ["components (file-backed includes mapped bytes not yet read):", *format_table(rows, indent="  ")]
 
 
+def _warning_lines(plan: DeploymentPlan) -> list[str]:
+    """Warnings, and the disk reads per request that the notes describe, so 'none' never hides them."""
+    disk = sum(p.disk_bytes_per_request for p in plan.pins.plans.values()) if plan.pins.notes else 0
+    reads = f"each request reads {format_size(disk)} from disk (the notes under the pin plans)"
+    if plan.warnings:
+        return ["warnings:", *(f"  - {w}" for w in plan.warnings), *([f"  and {reads}"] if disk else [])]
+    return [f"warnings: none, but {reads}"] if disk else ["warnings: none"]
+
+
 def _device_lines(plan: DeploymentPlan) -> list[str]:
     d = plan.device
     if d.component is None:
@@ -252,7 +262,7 @@ def _device_lines(plan: DeploymentPlan) -> list[str]:
     no_gpu = ["  (device.vram as configured: this machine has no GPU, so this is the configured host's device plan)"
               ] if plan.host.gpus == 0 and d.vram else []
     return [
-        f"device plan ({d.component}): VRAM {format_size(d.vram)} - reserve {format_size(d.reserve)} - rest "
+        f"device plan ({d.component}): VRAM {format_size(d.vram)} (the config's device.vram) - reserve {format_size(d.reserve)} - rest "
         f"{format_size(d.rest_bytes)} - prefetch window {format_size(d.window_bytes)}",
         *no_gpu,
         f"  resident {len(d.resident_layers)} of {total} blocks ({format_size(d.resident_bytes)}): "
@@ -354,6 +364,6 @@ def report_text(plan: DeploymentPlan) -> str:
         _pin_lines(plan),
         _offer_lines(plan),
         _alternative_lines(plan),
-        ["warnings:", *(f"  - {w}" for w in plan.warnings)] if plan.warnings else ["warnings: none"],
+        _warning_lines(plan),
     ]
     return "\n\n".join("\n".join(s) for s in sections if s)

@@ -24,7 +24,7 @@ def host_lines(plan) -> list[str]:
         "budget:",
         *format_table([
             ("limit", format_size(b.limit), ""),
-            ("- reserve", format_size(b.reserve), ""),
+            ("- reserve", format_size(b.reserve), f"({b.reserve_source.split(':')[0]})"),
             ("- committed anonymous", format_size(b.committed_anonymous), ""),
             ("- committed shmem", format_size(b.committed_shmem), ""),
             ("- committed pinned", format_size(b.committed_pinned), ""),
@@ -35,6 +35,7 @@ def host_lines(plan) -> list[str]:
             ("budget for pins", format_size(b.bytes), "(room, capped by max pinned)"),
         ], indent="  "),
         *_build_reserve_lines(b),
+        *([f"  reserve {b.reserve_source}"] if ":" in b.reserve_source else []),
     ]
 
 

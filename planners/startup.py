@@ -38,6 +38,7 @@ from .deployment import DeploymentPlan, plan_deployment
 from .host_checks import cache_root_warnings
 from .host_share import capped_config, rank_need, share_for
 from .report import report_text
+from .reserve import process_excess
 from .sizes import ComponentSizes, from_ledger
 from .whatif import default_merge, merge_reason
 
@@ -151,7 +152,7 @@ def plan_loaded(
             host,
             mode="live",
             merge=merge,
-            process_excess=max(0, ledger.unattributed_anonymous - cfg.host.reserve),
+            process_excess=process_excess(ledger.unattributed_anonymous, cfg),
             build_reserve=build_reserve,
             providers=providers,
             notes=tuple(cache_root_warnings(cfg) + notes),

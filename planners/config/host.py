@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from hostmem.units import parse_fraction, parse_rate, parse_size
+from hostmem.units import format_size, parse_fraction, parse_rate, parse_size
 
 from .model import DeviceConfig, HostConfig, TransferConfig, WorkloadConfig
 from .source import ConfigOrigin, Section
@@ -14,21 +14,37 @@ __all__ = ["parse_host", "parse_device", "parse_transfer", "parse_workload"]
 
 
 def parse_host(origin: ConfigOrigin, data: Any) -> HostConfig:
-    s = Section(origin, "host", data, ("limit", "reserve", "max_pinned"))
+    s = Section(origin, "host", data, ("limit", "reserve", "reserve_floor", "max_pinned"))
     limit_text = s.get("limit", "auto")
     limit = None if str(limit_text).strip().lower() == "auto" else s.parsed(
         "limit", parse_size, advice="write a size such as 32GiB, or auto"
     )
     if limit == 0:
         raise origin.error("host.limit", "0 leaves nothing to plan; write a size such as 32GiB, or auto")
-    reserve = s.size("reserve", parse_size("4GiB"))
+    reserve, source, floor = _reserve(s)
     if limit is not None and reserve >= limit:
+        what = "host.reserve_floor" if source == "measured" else "host.reserve"
         raise origin.error(
-            "host.reserve",
-            f"{s.get('reserve')!r} is not below host.limit {limit_text!r}; lower the reserve or raise the limit",
+            what,
+            f"{s.get(what.split('.')[1], format_size(reserve))!r} is not below host.limit {limit_text!r}; "
+            "lower the reserve or raise the limit",
         )
     fraction, cap = _max_pinned(s)
-    return HostConfig(limit=limit, reserve=reserve, max_pinned_fraction=fraction, max_pinned_bytes=cap)
+    return HostConfig(limit=limit, reserve=reserve, max_pinned_fraction=fraction, max_pinned_bytes=cap,
+                      reserve_source=source, reserve_floor=floor)
+
+
+def _reserve(s: Section) -> tuple[int, str, int]:
+    """``(reserve, source, floor)``: a size, or ``measured`` (planners.reserve resolves it
+    from the deployment's last warmup; the default stands until one ran)."""
+    from ..reserve import DEFAULT_FLOOR, DEFAULT_RESERVE, MEASURED
+
+    floor = s.parsed("reserve_floor", parse_size, DEFAULT_FLOOR, "write a size such as 1GiB")
+    if str(s.get("reserve", "")).strip().lower() == MEASURED:
+        return floor, MEASURED, floor  # until resolved: the floor
+    source = s.origin.overrides.get("host.reserve", "config" if s.has("reserve") else "default")
+    reserve = s.parsed("reserve", parse_size, DEFAULT_RESERVE, "write a size such as 4GiB, or measured")
+    return reserve, source, floor
 
 
 _BARE_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")

@@ -30,6 +30,8 @@ class HostConfig(NamedTuple):
     reserve: int
     max_pinned_fraction: float | None = 0.75
     max_pinned_bytes: int | None = None
+    reserve_source: str = "config"  # "default", "config", or "measured" (resolved by planners.reserve)
+    reserve_floor: int = 1024**3  # the least a measured reserve may be
 
     def max_pinned(self, limit: int) -> int:
         """The most bytes that may be pinned under ``limit``."""

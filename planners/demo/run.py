@@ -237,7 +237,7 @@ def _say(settings: DemoSettings, text: str) -> None:
 def run_demo(settings: DemoSettings) -> DemoResult:
     """Write the files, run the four scenarios (and the cgroup pair), return the figures."""
     holder = None
-    workdir = settings.workdir
+    workdir = os.path.abspath(settings.workdir) if settings.workdir else None  # the config names files under it
     check_room(settings.scale, workdir or _real_disk_tmp())  # before the first byte is written
     if workdir is None:
         holder = tempfile.TemporaryDirectory(prefix="hostmem-demo-", dir=_real_disk_tmp())
@@ -284,20 +284,24 @@ def _ratio(value: int, against: int) -> str:
     return f"{value / against:.2f}x" if against else "-"
 
 
-_LEGEND = (
-    "peak/final anon: the start's anonymous memory (RssAnon) at its highest and at the end; file-backed: "
-    "weights the kernel can drop; budget: what pins may use; pinned DiT/TE: what the pin plans lock; "
-    "merged: layers whose merge was computed at this start; start: seconds to a served first request; "
-    "peak vs 2: the peak against the in-place merge's"
+_COLUMNS = (
+    ("scenario", "how the server started (each in a fresh process)"),
+    ("peak anon", "the most anonymous memory (RssAnon) the start held: what the kernel cannot drop"),
+    ("anon at end", "the anonymous memory left once the first request was served"),
+    ("page cache", "weights the kernel can drop and read again (file-backed mappings)"),
+    ("pin budget", "what the host budget leaves for pinned buffers"),
+    ("pinned DiT", "what the DiT's pin plan locks (its streamed layers)"),
+    ("pinned TE", "what the text encoder's pin plan locks"),
+    ("merged", "LoRA layers whose merge was computed at this start (0: none, or all from the cache)"),
+    ("start", "seconds to a served first request"),
+    ("vs in-place", "the peak anon against scenario 2's (the in-place merge)"),
 )
 
 
 def format_table(demo: DemoResult) -> str:
-    """Scenario rows; the last column compares the peak with the in-place merge's."""
+    """The host limit, one row per scenario, a legend of one line per column, a verdict per scenario."""
     in_place = next(s for s in demo.scenarios if s.name == "in_place")
-    header = ("scenario", "peak anon", "final anon", "file-backed", "budget", "pinned DiT", "pinned TE",
-              "merged", "start", "peak vs 2")
-    rows = [header]
+    rows = [tuple(name for name, _ in _COLUMNS)]
     for s in demo.scenarios:
         rows.append((
             LABELS[s.name], format_size(s.peak_anon_bytes), format_size(s.final_anon_bytes),
@@ -305,28 +309,55 @@ def format_table(demo: DemoResult) -> str:
             format_size(s.pinned_bytes.get("dit", 0)), format_size(s.pinned_bytes.get("text_encoder", 0)),
             str(s.merged_layers_computed), f"{s.start_s:.1f} s", _ratio(s.peak_anon_bytes, in_place.peak_anon_bytes),
         ))
+    width = max(len(name) for name, _ in _COLUMNS)
     lines = [
         f"host limit {format_size(demo.host_limit_bytes)}: 32 GiB scaled to a {format_size(demo.dit_bytes)} DiT "
         f"({format_size(demo.lora_target_bytes)} of LoRA targets) = {format_size(demo.scaled_limit_bytes)}, "
         f"plus {format_size(demo.runtime_bytes)} for the Python runtime (also reserved)",
         "",
         *format_table_lines(rows),
-        _LEGEND,
+        "",
+        *(f"  {name:<{width}}  {meaning}" for name, meaning in _COLUMNS),
+        "",
+        *verdict_lines(demo),
+        "",
+        standin_line(demo),
     ]
-    if demo.cgroup:
-        lines.append("")
-        lines.extend(_cgroup_lines(demo.cgroup))
     return "\n".join(lines)
 
 
-def _cgroup_lines(cgroup: dict) -> list[str]:
+def verdict_lines(demo: DemoResult) -> list[str]:
+    """One line per scenario: fits or killed, by a real memory cgroup where it ran, else by the peak."""
+    cgroup = demo.cgroup or {}
+    limit = format_size(demo.host_limit_bytes)
+    lines = [f"verdict on a {limit} host:"]
+    for s in demo.scenarios:
+        peak = format_size(s.peak_anon_bytes)
+        measured = cgroup.get(s.name)
+        if measured is not None:
+            real = f"a real {format_size(cgroup['limit_bytes'])} memory cgroup"
+            at = f"peak anon {format_size(measured['peak_anon_bytes'])}"
+            verdict = (f"killed by the kernel (OOM) under {real}, {at}" if measured["killed"]
+                       else f"fits: survived {real}, {at}" + ("" if s.budget_bytes else ", nothing left for pins"))
+        elif s.peak_anon_bytes > demo.host_limit_bytes:
+            verdict = f"killed (predicted): peak anon {peak} is over the limit"
+        else:
+            verdict = (f"fits: peak anon {peak} of {limit}, {format_size(s.budget_bytes)} left for pins"
+                       if s.budget_bytes else f"fits, barely: peak anon {peak} of {limit}, nothing left for pins")
+        lines.append(f"  {LABELS[s.name]}: {verdict}")
     if "skipped" in cgroup:
-        return [f"memory cgroup run skipped: {cgroup['skipped']}"]
-    lines = [f"under a real {format_size(cgroup['limit_bytes'])} memory cgroup:"]
-    for name in ("in_place", "cached_hit"):
-        verdict = "killed by the kernel (OOM)" if cgroup[name]["killed"] else "survived"
-        lines.append(f"  {LABELS[name]}: {verdict}, peak anon {format_size(cgroup[name]['peak_anon_bytes'])}")
+        lines.append(f"  (no real memory cgroup here: {cgroup['skipped']}; the verdicts compare the peak with the limit)")
+    elif not cgroup:
+        lines.append("  (the verdicts compare the peak with the limit; --cgroup runs scenarios 2 and 4 under a real one)")
     return lines
+
+
+def standin_line(demo: DemoResult) -> str:
+    """Say which figures of the report below are the demo's own stand-ins rather than measured."""
+    vram = scaled(SEED["vram"], demo.dit_bytes)
+    return (f"stand-ins: the report's VRAM ({format_size(vram)}, the seed's 12 GiB GPU scaled as the limit is) and "
+            f"its transfer times (from the config's 24/8/3 GB/s) come from the demo's config, not from a GPU: "
+            f"none is used")
 
 
 def plot_timelines(demo: DemoResult, path: str) -> None:

@@ -22,6 +22,7 @@ from hostmem.pinning import (
     default_backend,
     drop_page_cache,
     page_span,
+    replaced,
 )
 from hostmem.procfs import PAGE_SIZE, read_smaps, read_status
 from hostmem.residency import classify_range
@@ -169,3 +170,64 @@ def test_anonymous_memory_is_locked_in_place_too():
         assert read_status().vm_lck - before == 4 * MiB
         assert classify_range(t.data_ptr(), t.data_ptr() + t.nbytes).pinned == 4 * MiB
     assert os.sysconf("SC_PAGE_SIZE") == PAGE_SIZE
+
+
+def test_a_pin_follows_its_replacement_and_hands_a_shared_page_to_the_neighbour(mapped):
+    a, b, c = mapped["a"], mapped["b"], mapped["c"]
+    vm_before = read_status().vm_lck
+    with Pinner(MlockBackend()) as pinner:
+        pinner.pin("a", [a])
+        pinner.pin("b", [b])
+        replaced(a, c)  # what a merge's install says when c takes a's place
+
+        assert pinner.tensors("a") == [c] and pinner.released == []
+        union = page_span(c)[1] - page_span(b)[0]  # b and c share a page, as a and b did
+        assert pinner.locked_bytes == union == read_status().vm_lck - vm_before
+        assert classify_range(a.data_ptr(), page_span(b)[0]).pinned == 0  # a's own pages let go
+        assert classify_range(b.data_ptr(), b.data_ptr() + b.nbytes).pinned == b.nbytes
+        assert classify_range(c.data_ptr(), c.data_ptr() + c.nbytes).pinned == c.nbytes
+        replaced(torch.ones(3), torch.zeros(3))  # a tensor no pin holds: nothing changes
+        assert pinner.locked_bytes == union
+    assert read_status().vm_lck == vm_before
+
+
+def test_a_replacement_over_the_cap_releases_the_key(mapped):
+    a, b = mapped["a"], mapped["b"]
+    vm_before = read_status().vm_lck
+    with Pinner(MlockBackend(), max_locked=MiB + 2 * PAGE_SIZE) as pinner:
+        pinner.pin("a", [a])
+        replaced(a, b)  # b takes 2 MiB: more than the cap
+
+        assert pinner.released == ["a"] and pinner.keys() == [] and pinner.locked_bytes == 0
+        assert read_status().vm_lck == vm_before
+
+
+class WholeRegistrations(MlockBackend):
+    """mlock, held to cudaHostRegister's rule: a range is undone whole, from where it was made."""
+
+    splits = False
+
+    def __init__(self):
+        super().__init__()
+        self.made: dict[int, int] = {}
+
+    def lock(self, start: int, length: int) -> None:
+        super().lock(start, length)
+        self.made[start] = length
+
+    def unlock(self, start: int, length: int) -> None:
+        assert self.made.pop(start, None) == length, f"{length} bytes at {start:#x} were never registered as such"
+        super().unlock(start, length)
+
+
+def test_a_backend_that_undoes_registrations_whole_follows_too(mapped):
+    a, b, c = mapped["a"], mapped["b"], mapped["c"]
+    vm_before = read_status().vm_lck
+    backend = WholeRegistrations()
+    with Pinner(backend) as pinner:
+        pinner.pin("a", [a])
+        pinner.pin("b", [b])
+        replaced(a, c)
+        assert pinner.tensors("a") == [c]
+        assert pinner.locked_bytes == page_span(c)[1] - page_span(b)[0] == read_status().vm_lck - vm_before
+    assert read_status().vm_lck == vm_before and backend.made == {}

@@ -59,7 +59,8 @@ def test_cast_and_changed_weights_are_written_once_and_mapped_back(tmp_path):
         assert _served_from(model, name).startswith(os.path.join(root, "lora_merge_cache", report.spill_key, ""))
     assert _served_from(model, "a.weight") == path
     assert hostmem.account(model).totals.anonymous <= 256 * 4 + 4096  # the non-persistent buffer's page
-    assert "spilled (2 tensors;" in str(report) and report.to_dict()["spilled_bytes"] == 512
+    assert "spilled (2 tensors: 1 cast, 1 changed;" in str(report) and report.to_dict()["spilled_bytes"] == 512
+    assert report.spill_origins == {"a.bias": "cast from bfloat16", "b.bias": "changed"}
 
     again = _spill(_loaded(), path, root)
     assert (again.spill_written_bytes, again.spill_reused_bytes) == (0, report.spill_written_bytes)

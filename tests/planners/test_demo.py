@@ -76,6 +76,28 @@ def test_the_table_reads_like_the_story(demo):
     assert "budget for pins" in stdout
 
 
+def test_the_table_explains_itself(demo):
+    """A legend line per column, a verdict per scenario, and the stand-in VRAM named."""
+    data, stdout = demo
+    header = next(line for line in stdout.splitlines() if line.startswith("scenario "))
+    for column in ("peak anon", "anon at end", "page cache", "pin budget", "merged", "vs in-place"):
+        assert column in header
+        assert any(line.strip().startswith(column + "  ") for line in stdout.splitlines()), column
+    assert "peak vs 2" not in stdout
+    verdicts = [line for line in stdout.splitlines() if line.startswith("  ") and (": fits" in line or ": killed" in line)]
+    assert len(verdicts) == 4, verdicts
+    assert any(line.startswith("  2 in-place merge: killed") for line in verdicts)
+    assert any(line.startswith("  4 cached, 2nd start: fits") for line in verdicts)
+    assert "not from a GPU" in stdout and "(the config's device.vram)" in stdout
+
+
+def test_disk_reads_are_named_where_the_warnings_are(demo):
+    _, stdout = demo
+    last = [line for line in stdout.splitlines() if line.startswith("warnings:")][-1]
+    if "from disk per request" in stdout:
+        assert "reads" in last and "from disk" in last, last
+
+
 def test_under_a_real_memory_cgroup_the_kernel_kills_only_the_in_place_start(demo):
     data, stdout = demo
     if data["cgroup"] is None:
