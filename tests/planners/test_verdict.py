@@ -64,7 +64,11 @@ def test_check_exit_codes_and_json_fits_agree_for_every_config(capsys, demo_conf
         report = json.loads(out)
         assert code_json == code and report["fits"] is fits, (path, merge)
         first = text.splitlines()[0]
-        assert first == report["verdict"] and first.startswith("fits: yes: " if fits else "fits: no: ")
+        assert first.startswith("fits: yes: " if fits else "fits: no: ")
+        if report["host"]["headroom"] is None:  # an auto limit is read anew by each run: its figures move
+            assert first == report["verdict"]
+        else:
+            assert first.split(" within limit ")[0] == report["verdict"].split(" within limit ")[0]
         committed = report["budget"]["committed_bytes"]
         assert report["over_limit_bytes"] == max(0, committed - report["budget"]["limit_bytes"])
         if not fits:  # killed while loading: no transfer time as if it ran
