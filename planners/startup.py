@@ -42,7 +42,8 @@ from .reserve import process_excess
 from .sizes import ComponentSizes, from_ledger
 from .whatif import default_merge, merge_reason
 
-__all__ = ["plan_loaded", "live_components", "merge_stats_dict", "pending_build_reserve", "report_once"]
+__all__ = ["plan_loaded", "live_components", "merge_stats_dict", "pending_build_reserve", "report_once",
+           "merge_mismatches"]
 
 _MERGE_STATS_KEYS = ("layers", "hit", "built", "fallen_back", "in_place", "bytes", "bytes_written", "seconds")
 
@@ -118,6 +119,38 @@ def _merge_done(stats: dict) -> tuple[str, str, list[str]]:
     return merge, reason, warnings
 
 
+def _same_paths(paths) -> list[str]:
+    return [os.path.realpath(os.path.expanduser(os.fspath(p))) for p in paths]
+
+
+def merge_mismatches(config: DeploymentConfig, stats: dict) -> list[str]:
+    """Warnings where the merge a server ran is not the one its config plans.
+
+    A server that calls ``lora_cache.merge`` itself repeats the config's adapters and
+    cache roots by hand; a drift plans one deployment and serves another. The stats
+    name the adapter files and the root used (not the strengths: ``planners.start``
+    takes all of them from the config, so nothing can drift).
+    """
+    lora = config.lora
+    if lora is None or not lora.adapters or not stats.get("adapters"):
+        return []
+    from lora_cache.adapters.read import resolve_file  # the file a folder names, as the merge resolved it
+
+    out = []
+    listed = _same_paths(resolve_file(a.path) for a in lora.adapters)
+    if _same_paths(stats["adapters"]) != listed:
+        out.append(f"lora_cache.merge was given {', '.join(stats['adapters'])}, but lora.adapters "
+                   f"({config.origin.where('lora.adapters')}) lists {', '.join(a.path for a in lora.adapters)}: "
+                   "this plan is not the deployment's; merge the config's adapters (planners.start does)")
+    roots = lora.cache.roots or ((lora.cache.root,) if lora.cache.root else ())
+    root = stats.get("cache_root")
+    if root and roots and os.path.realpath(os.path.expanduser(os.fspath(root))) not in _same_paths(roots):
+        out.append(f"lora_cache.merge used the cache under {root}, but lora.cache ({config.origin.where('lora.cache')}) "
+                   f"names {', '.join(roots)}: a start with the config's roots builds again; pass them "
+                   "(planners.start does)")
+    return out
+
+
 def plan_loaded(
     config: DeploymentConfig | str | os.PathLike,
     components: Mapping,
@@ -144,6 +177,7 @@ def plan_loaded(
     build_reserve = pending_build_reserve(components)
     if stats is not None:
         merge, reason, notes = _merge_done(stats)
+        notes += merge_mismatches(config, stats)
 
     def plan_under(cfg: DeploymentConfig) -> DeploymentPlan:
         return plan_deployment(

@@ -90,3 +90,38 @@ def test_quiet_prints_nothing_and_a_pipeline_without_the_component_is_named(depl
     assert capsys.readouterr().err == "" and started.pins is None and started.plan.fits
     with pytest.raises(ValueError, match=r"components dit are not attributes of the FluxPipeline given"):
         planners.start(config, tm.pipeline("flux", None))
+
+
+def test_a_merge_the_server_ran_by_hand_is_held_to_the_config(deployment, tmp_path):
+    """Adapters or a cache root other than the config's: the plan says it is not the deployment's."""
+    import lora_cache
+    from planners import load_config, plan_loaded
+
+    config_path, model, root = deployment
+    config = load_config(config_path)
+    plain = os.path.join(root, "adapters", "diffusers_plain", "pytorch_lora_weights.safetensors")
+    dit = tm.load_model("flux", model)
+    stats = lora_cache.merge(dit, [(plain, 0.8)], cache_root=tmp_path / "elsewhere", progress=False)
+    try:
+        warnings = plan_loaded(config, {"dit": dit}, merge_stats=stats, quiet=True).warnings
+    finally:
+        lora_cache.unmerge(dit)
+    said = [w for w in warnings if w.startswith("lora_cache.merge ")]
+    assert len(said) == 2, warnings
+    assert said[0].startswith(f"lora_cache.merge was given {plain}, but lora.adapters (") and "deploy.yaml:" in said[0]
+    assert said[1].startswith(f"lora_cache.merge used the cache under {tmp_path / 'elsewhere'}, but lora.cache (")
+    matching = config_adapters_merge(config, tm.load_model("flux", model))
+    assert not [w for w in matching if w.startswith("lora_cache.merge ")], matching
+
+
+def config_adapters_merge(config, dit) -> tuple:
+    """The warnings of a plan whose merge took the config's own adapters and roots, by hand."""
+    import lora_cache
+    from planners import plan_loaded
+    from planners.server_start import config_adapters
+
+    stats = lora_cache.merge(dit, config_adapters(config), list(config.lora.cache.roots), progress=False)
+    try:
+        return plan_loaded(config, {"dit": dit}, merge_stats=stats, quiet=True).warnings
+    finally:
+        lora_cache.unmerge(dit)
