@@ -86,7 +86,7 @@ def test_v1_states_the_limit_of_ancestors_the_container_cannot_see(tmp_path):
 @pytest.mark.parametrize("group, root, folder", [
     ("/kubepods/pod7/c1", "/kubepods/pod7/c1", ""),       # v2 without a namespace: mounted from its own group
     ("/", "/", ""),                                         # v2 with a cgroup namespace: both read /
-    ("/user.slice/session-3.scope", "/", "user.slice/session-3.scope"),  # a host
+    ("/user.slice/user-1000.slice/app-7.scope", "/", "user.slice/user-1000.slice/app-7.scope"),  # a host
 ])
 def test_v2_groups_are_found_through_the_root_field(tmp_path, group, root, folder):
     mount = tmp_path / "sys" / "fs" / "cgroup"
