@@ -208,7 +208,8 @@ def _host_warnings(host: HostLimit, budget: HostBudget, device: DevicePlan, merg
             f"{format_size(budget.reserve)} reach the limit {format_size(budget.limit)}, so nothing is pinned: "
             f"{_budget_advice(budget, merge)}"
         )
-    if host.source not in ("MemTotal", "cgroup", "MemAvailable") and host.bytes > host.machine_bytes * (1 + _MEMTOTAL_SHORTFALL):
+    configured = host.source not in ("MemTotal", "cgroup", "MemAvailable")
+    if configured and host.bytes > host.machine_bytes * (1 + _MEMTOTAL_SHORTFALL):
         out.append(
             f"host limit {format_size(host.bytes)} is larger than this machine ({format_size(host.machine_bytes)}): "
             "right for planning another host, wrong for a server on this one"

@@ -259,11 +259,11 @@ def _device_lines(plan: DeploymentPlan) -> list[str]:
     if d.component is None:
         return ["device plan: no component streams block by block"]
     total = len(d.resident_layers) + len(d.streamed_layers)
-    no_gpu = ["  (device.vram as configured: this machine has no GPU, so this is the configured host's device plan)"
+    no_gpu = ["  (this machine has no GPU: this is the device plan of the host the config describes)"
               ] if plan.host.gpus == 0 and d.vram else []
     return [
-        f"device plan ({d.component}): VRAM {format_size(d.vram)} (the config's device.vram) - reserve {format_size(d.reserve)} - rest "
-        f"{format_size(d.rest_bytes)} - prefetch window {format_size(d.window_bytes)}",
+        f"device plan ({d.component}): VRAM {format_size(d.vram)} (the config's device.vram) - reserve "
+        f"{format_size(d.reserve)} - rest {format_size(d.rest_bytes)} - prefetch window {format_size(d.window_bytes)}",
         *no_gpu,
         f"  resident {len(d.resident_layers)} of {total} blocks ({format_size(d.resident_bytes)}): "
         f"{compress_names(d.resident_layers)}",
@@ -346,7 +346,8 @@ def _lora_merge_lines(plan: DeploymentPlan) -> list[str]:
             (m["layers"], m["hit"], m["built"], m["fallen_back"], m["in_place"], format_size(m["bytes"]),
              format_size(m["bytes_written"]), f"{m['seconds']:.1f} s",
              format_rate(m["rate_bytes_per_s"]) if merged else "-")]
-    hits = ["  every weight tensor came from the cache: nothing merged, nothing written"] if m["layers"] and not merged else []
+    hits = (["  every weight tensor came from the cache: nothing merged, nothing written"]
+            if m["layers"] and not merged else [])
     return [f"LoRA merge ({where}):", *format_table(rows, indent="  ", right_from=0), *hits]
 
 

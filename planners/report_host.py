@@ -60,7 +60,8 @@ def _build_reserve_lines(budget) -> list[str]:
     if not budget.build_reserve:
         return []
     return [f"  held back {format_size(budget.build_reserve)} for pending adapter builds: a combination served at "
-            "run time is being merged in the background, and its next weight tensor's output and fp32 sum must find room"]
+            "run time is being merged in the background, and its next weight tensor's output and fp32 sum "
+            "must find room"]
 
 
 def _host_share_lines(share) -> list[str]:

@@ -14,8 +14,8 @@
 (measured residency per parameter), groups them into the config's layers, plans
 under the host limit, reports once (stderr, or one record of the ``hostmem`` logger
 where logging shows it: :func:`report_once`) and returns the plan. ``planners.start``
-does all of it, the merge and the pins included, from the config alone. Several ranks on one host share one host budget, split by need
-(:mod:`planners.host_share`). Pinning is a separate, explicit step. ``merge_stats`` (what
+does all of it, the merge and the pins included, from the config alone. Several ranks
+on one host share one host budget, split by need (:mod:`planners.host_share`). Pinning is a separate, explicit step. ``merge_stats`` (what
 ``lora_cache.merge`` returned) puts the merge in the report: layers hit, built and
 fallen back, bytes, seconds and rate. A component switched by ``lora_cache.set_adapters``
 to a combination still being built in the background holds the build's working set
@@ -106,13 +106,15 @@ def _merge_done(stats: dict) -> tuple[str, str, list[str]]:
     elif not stats["layers"]:
         merge, reason = "none", "lora_cache.merge changed no weight tensor"
     elif where:
-        merge, reason = "in-place", f"the {where} could not store any weight tensor: lora_cache.merge merged all in place"
+        merge, reason = ("in-place",
+                         f"the {where} could not store any weight tensor: lora_cache.merge merged all in place")
     else:
         merge, reason = "in-place", f"lora_cache.merge merged in place ({stats.get('cache_off') or 'the cache is off'})"
     warnings = []
     if stats["fallen_back"]:
         warnings.append(
-            f"{stats['fallen_back']} merged weight tensors fell back to an in-place merge (the cache could not store them): "
+            f"{stats['fallen_back']} merged weight tensors fell back to an in-place merge "
+            "(the cache could not store them): "
             "they are anonymous memory now; free disk under the cache root or raise lora.cache.max_size, "
             "then restart to map them back"
         )
@@ -145,8 +147,8 @@ def merge_mismatches(config: DeploymentConfig, stats: dict) -> list[str]:
     roots = lora.cache.roots or ((lora.cache.root,) if lora.cache.root else ())
     root = stats.get("cache_root")
     if root and roots and os.path.realpath(os.path.expanduser(os.fspath(root))) not in _same_paths(roots):
-        out.append(f"lora_cache.merge used the cache under {root}, but lora.cache ({config.origin.where('lora.cache')}) "
-                   f"names {', '.join(roots)}: a start with the config's roots builds again; pass them "
+        out.append(f"lora_cache.merge used the cache under {root}, but lora.cache "
+                   f"({config.origin.where('lora.cache')}) names {', '.join(roots)}: a start with the config's roots builds again; pass them "
                    "(planners.start does)")
     return out
 

@@ -70,7 +70,8 @@ def _layers(s: Section, offload: str, declared: bool) -> tuple[str | tuple[str, 
         if not isinstance(pattern, str) or pattern.count("{i}") != 1:
             raise s.origin.error(
                 s.sub("layers"), f"{pattern!r} is not a block pattern; write one with a single {{i}}, e.g. "
-                "\"blocks.{i}.\", or a list of them, e.g. [\"transformer_blocks.{i}.\", \"single_transformer_blocks.{i}.\"]"
+                "\"blocks.{i}.\", or a list of them, e.g. "
+                "[\"transformer_blocks.{i}.\", \"single_transformer_blocks.{i}.\"]"
             )
     if len(set(patterns)) != len(patterns):
         raise s.origin.error(s.sub("layers"), f"{value!r} lists a pattern twice; list each once")

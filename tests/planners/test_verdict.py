@@ -92,7 +92,8 @@ def test_check_exits_2_for_a_bad_config(capsys, write_config):
 
 
 def test_a_device_that_cannot_hold_the_window_does_not_fit(capsys, write_config):
-    path = write_config("deployment: x\nworkload: {steps: 1}\nhost: {limit: 8GiB, reserve: 1GiB}\ndevice: {vram: 600MiB, reserve: 100MiB}\n"
+    path = write_config("deployment: x\nworkload: {steps: 1}\nhost: {limit: 8GiB, reserve: 1GiB}\n"
+                        "device: {vram: 600MiB, reserve: 100MiB}\n"
                         "components:\n  dit: {size: 4GiB, layers: 4, offload: layerwise, prefetch: 1}\n")
     code, out = _plan(capsys, path, "--check", "--json")
     report = json.loads(out)
@@ -166,7 +167,7 @@ def test_a_device_plan_on_a_machine_without_a_gpu_says_whose_it_is(capsys, tmp_p
     gpus = json.loads(out)["host"]["gpus"]
     assert gpus == count_gpus()
     text = _plan(capsys, demo)[1]
-    said = "this machine has no GPU, so this is the configured host's device plan" in text
+    said = "this machine has no GPU: this is the device plan of the host the config describes" in text
     assert said is (gpus == 0)
 
 
