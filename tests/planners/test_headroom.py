@@ -66,23 +66,42 @@ def _auto_limit(config: str, preexec_fn=None) -> dict:
     return json.loads(done.stdout)
 
 
+def _kernel_counts() -> tuple[int, int]:
+    """``(MemAvailable, AnonPages)`` of /proc/meminfo, in bytes."""
+    from hostmem.procfs import parse_meminfo
+
+    with open("/proc/meminfo") as handle:
+        fields = parse_meminfo(handle.read())
+    return fields["MemAvailable"] * 1024, fields["AnonPages"] * 1024
+
+
 def test_a_process_holding_memory_lowers_the_auto_limit_by_what_it_holds(auto_config):
+    """One quiet try must land within 5%. Where the kernel's own MemAvailable does not follow
+    the allocation on any try (a virtual machine's free page reporting moves it by hundreds
+    of MiB), the host cannot show it: skipped, and the nested cgroup test below shows it."""
     from planners.budget import read_host_limit
 
     config = load_config(auto_config)
-    drops = []
-    for _ in range(20):  # others on this host move MemAvailable too: one quiet measurement is enough
+    tries = []
+    for _ in range(12):  # others on this host move MemAvailable too: one quiet try is enough
+        available, anon = _kernel_counts()
         before = read_host_limit(config).bytes
         holder = Holder(512 * MiB)
         try:
             during = read_host_limit(config)
+            available_during, anon_during = _kernel_counts()
         finally:
             holder.close()
-        drops.append((before - during.bytes, holder.held))
-        if abs(drops[-1][0] - holder.held) <= 0.05 * holder.held:
+        tries.append((before - during.bytes, available - available_during, anon_during - anon, holder.held))
+        if abs(tries[-1][0] - holder.held) <= 0.05 * holder.held:
             break
     else:
-        pytest.fail(f"auto limit drops (bytes dropped, bytes held): {drops}")
+        kernel_followed = [t for t in tries if abs(t[1] - t[2]) <= 0.05 * t[3] and abs(t[2] - t[3]) <= 0.05 * t[3]]
+        if not kernel_followed:
+            pytest.skip(f"MemAvailable here does not follow an allocation (dropped {[t[1] >> 20 for t in tries]} "
+                        f"MiB while AnonPages grew {[t[2] >> 20 for t in tries]} MiB)")
+        pytest.fail(f"the kernel followed the allocation but the auto limit did not: (limit drop, MemAvailable "
+                    f"drop, AnonPages growth, held) = {kernel_followed}")
     assert during.source in ("MemAvailable", "cgroup") and during.headroom is not None
 
 
