@@ -113,6 +113,7 @@ class LoraCacheProvider:
         cached: bool = False,
         enabled: bool = True,
         build_rate: float = DEFAULT_BUILD_RATE,
+        in_place_bytes: int | None = None,
     ):
         if lora_target_bytes < 0:
             raise InputError(f"lora target bytes of {component!r} must not be negative, got {lora_target_bytes}")
@@ -124,6 +125,9 @@ class LoraCacheProvider:
         self.cached = cached
         self.enabled = enabled and not cache_disabled_by_env()
         self.build_rate = build_rate
+        # What the in-place merge commits: 2 x targets over weights loaded copied (merged layers +
+        # unmerge snapshot); the planner passes its own prediction so one report has one price.
+        self.in_place_bytes = 2 * self.lora_target_bytes if in_place_bytes is None else int(in_place_bytes)
 
     @classmethod
     def from_checkpoint(cls, component: str, shard_paths: list[str], adapters, cache_root=None, **kwargs):
@@ -151,12 +155,14 @@ class LoraCacheProvider:
             how = "already built: a start maps it back, no merge"
         else:
             how = f"built once in about {seconds:.0f} s at {format_rate(self.build_rate)}, then reused"
+        in_place = self.in_place_bytes
+        parts = "merged weights + unmerge snapshot" if in_place > targets else "merged weights"
         note = (
             f"LoRA merge of {format_size(targets)} in {self.component}: in place it costs "
-            f"{format_size(2 * targets)} anonymous (merged layers + unmerge snapshot); cached it stays "
+            f"{format_size(in_place)} anonymous ({parts}); cached it stays "
             f"file-backed ({format_size(disk)} of disk; {how})"
         )
-        return LoraCacheOffer(self.name, self.component, 2 * targets, disk, seconds, note, transient)
+        return LoraCacheOffer(self.name, self.component, in_place, disk, seconds, note, transient)
 
     def __repr__(self) -> str:
         return (

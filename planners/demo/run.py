@@ -28,6 +28,7 @@ from hostmem.table import format_table as format_table_lines
 from hostmem.units import format_size, parse_size
 
 from .progress import StatusLine
+from .room import check_room
 
 from .scenario import SCENARIOS
 from .synthetic import SyntheticSet, write_synthetic_set
@@ -238,6 +239,7 @@ def run_demo(settings: DemoSettings) -> DemoResult:
     """Write the files, run the four scenarios (and the cgroup pair), return the figures."""
     holder = None
     workdir = os.path.abspath(settings.workdir) if settings.workdir else None  # the config names files under it
+    check_room(settings.scale, workdir or _real_disk_tmp())  # before the first byte is written
     if workdir is None:
         holder = tempfile.TemporaryDirectory(prefix="hostmem-demo-", dir=_real_disk_tmp())
         workdir = holder.name
@@ -386,6 +388,8 @@ def parse_settings(scale: str | int, host_limit: str | int | None, workdir: str 
     limit = parse_size(host_limit) if host_limit is not None else None
     if limit == 0:
         raise InputError("--host-limit 0: the host must have some memory; give e.g. 1GiB")
+    # absolute: the config written there names its files relative to itself, not to the current folder
+    workdir = os.path.abspath(os.path.expanduser(workdir)) if workdir is not None else None
     return DemoSettings(scale=size, host_limit=limit, workdir=workdir, cgroup=cgroup)
 
 

@@ -221,7 +221,7 @@ def test_the_live_report_shows_what_the_merge_did(deployment, tmp_path, caplog):
     text = report_text(plan)
     assert f"LoRA merge (cache {stats.cache_key[:12]} under {tmp_path / 'cache'}):" in text
     header, row = text.split("LoRA merge (")[1].splitlines()[1:3]
-    assert header.split()[:4] == ["layers", "hit", "built", "fallen"] and row.split()[:4] == ["24", "0", "24", "0"]
+    assert header.split()[:4] == ["tensors", "hit", "built", "fallen"] and row.split()[:4] == ["24", "0", "24", "0"]
     assert "60.0 MiB" in row and "MiB/s" in row
     assert "LoRA merge (" in caplog.records[-1].getMessage()  # the logged report has it too
     lora_cache.unmerge(module)
@@ -233,7 +233,7 @@ def test_the_live_report_shows_what_the_merge_did(deployment, tmp_path, caplog):
     assert reported["components"]["dit"]["anonymous"] == 0  # mapped back from the cache
     partial = {**hit.to_dict(), "hit": 20, "fallen_back": 4}  # as a full disk leaves it
     warned = plan_loaded(config, {"dit": again, "text_encoder": te}, merge_stats=partial).warnings
-    assert any(w.startswith("4 LoRA layers fell back to an in-place merge") for w in warned), warned
+    assert any(w.startswith("4 merged weight tensors fell back to an in-place merge") for w in warned), warned
     with pytest.raises(TypeError, match="merge_stats lacks hit, built, fallen_back"):
         plan_loaded(config, {"dit": again, "text_encoder": te}, merge_stats={"layers": 24})
     lora_cache.unmerge(again)
