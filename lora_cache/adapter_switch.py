@@ -230,7 +230,8 @@ def unmerge(model, strict: bool = True) -> int:
     installed the adapter again), at a safe point as a switch is.
     """
     state = _existing_state(model)
-    if state is None:
+    if state is None:  # layers a merge kept at run time (lora_cache.rounding) come off too
+        remove_runtime(model)
         return unmerge_layers(model, strict)
     with state.gate.exclusive():
         return _to_base(state, strict)

@@ -345,7 +345,12 @@ def _lora_merge_lines(plan: DeploymentPlan) -> list[str]:
     rows = [("layers", "hit", "built", "fallen back", "in place", "merged", "written", "time", "rate"),
             (m["layers"], m["hit"], m["built"], m["fallen_back"], m["in_place"], format_size(m["bytes"]),
              format_size(m["bytes_written"]), f"{m['seconds']:.1f} s", format_rate(m["rate_bytes_per_s"]))]
-    return [f"LoRA merge ({where}):", *format_table(rows, indent="  ", right_from=0)]
+    rounding = m.get("rounding") or {}
+    lost = [f"{name} {share:.0%}" for name, share in sorted((rounding.get("lost") or {}).items())[:3]]
+    said = [f"  rounding to the weights' dtype loses over {rounding['threshold']:.0%} of {len(rounding['lost'])} "
+            f"layer(s)' update ({', '.join(lost)}): {len(rounding['at_runtime'])} at run time, "
+            f"{len(rounding['merged_anyway'])} merged anyway"] if lost else []
+    return [f"LoRA merge ({where}):", *format_table(rows, indent="  ", right_from=0), *said]
 
 
 def report_text(plan: DeploymentPlan) -> str:
