@@ -14,7 +14,6 @@ import contextlib
 import functools
 import os
 import warnings
-from dataclasses import asdict
 from typing import NamedTuple
 
 import torch
@@ -22,6 +21,7 @@ import torch
 from .adapters import Adapter, AdapterFile, as_adapters, read_adapters
 from .adapters.conversion_memo import ValuesNeeded
 from .base_shards import base_positions, base_shards
+from .canonical_key import adapter_forms
 from .kernels import KernelPlan, plan_for_targets
 from .kernels.precision import fp32_matmul_precision
 from .keys import ModuleIndex, plan_deltas
@@ -101,6 +101,8 @@ def plan_targets(model, adapters, shards=None, memo_roots=None) -> tuple[list[La
     index = ModuleIndex(full_shapes(shapes, held), components, shape_notes(shapes, held))
     planned = plan_deltas(list(zip(files, adapters)), index)
     targets = [LayerTarget(name, *params[name], deltas, shard=held.get(name)) for name, deltas in planned.items()]
+    if shards is None:
+        _name_in_component(targets, components)
     for target in targets:
         if not target.current.is_floating_point():
             raise ValueError(
@@ -110,23 +112,42 @@ def plan_targets(model, adapters, shards=None, memo_roots=None) -> tuple[list[La
     return targets, files
 
 
-def _key_extras(adapter: AdapterFile, spec: Adapter) -> dict:
-    """Inputs of the merged bytes that the adapter file's content hash does not cover."""
-    config = asdict(adapter.config) if adapter.config is not None else None
+def _name_in_component(targets: list[LayerTarget], components: tuple[str, ...]) -> None:
+    """Name the targets as their one component names them, where every target lies in the same
+    component of a dict of models (a pipeline's transformer): the layers, and the key's
+    canonical form, are then the ones a merge into that component alone (or into its
+    checkpoint, ``hostmem lora merge``) stores, and each serves the others."""
+    owners = {next((c for c in components if t.name.startswith(c + ".")), None) for t in targets}
+    if len(owners) != 1 or None in owners:
+        return
+    (owner,) = owners
+    for target in targets:
+        target.name = target.name[len(owner) + 1:]
+
+
+def _key_extras(spec: Adapter, form: str) -> dict:
+    """Inputs of the merged bytes that the adapter file's content hash does not cover: the
+    user's key rules and the canonical form's digest (:mod:`lora_cache.canonical_key`),
+    which holds every scale, whatever reader or config gave it, and names no reader."""
     rules = [list(r.values()) if isinstance(r, dict) else list(r) for r in spec.rules]
-    return {"rules": rules, "rslora": spec.rslora, "peft_config": config, **adapter.key_extras}
+    return {"rules": rules, "form": form}
 
 
-def _inputs_but_base(vault, files, specs, dtypes, device, kernels, sharding: str,
-                     rounding: str = "runtime") -> tuple[list[dict], str, str]:
+def _planned(targets: list[LayerTarget]) -> dict:
+    return {t.name: t.deltas for t in targets}
+
+
+def _inputs_but_base(vault, files, specs, dtypes, device, kernels, sharding: str, rounding: str = "runtime", *,
+                     planned) -> tuple[list[dict], str, str]:
     """``(adapter identities, target dtype, merge policy)``: the key's inputs besides the base.
+    ``planned``: ``{layer name: deltas}`` of every target, the canonical form the key covers.
 
     A merge that merges lossy layers anyway (``rounding="merge"``) is keyed apart: a
     start under the default policy that plans from conversion records cannot measure,
     and must never find those layers merged (:mod:`lora_cache.rounding`)."""
-    identities = [
-        {**vault.adapter_identity(f.path, s.strength, s.alpha), **_key_extras(f, s)} for f, s in zip(files, specs)
-    ]
+    forms = adapter_forms(planned, [f.path for f in files])
+    identities = [{**vault.adapter_identity(f.path, s.strength, s.alpha), **_key_extras(s, form)}
+                  for f, s, form in zip(files, specs, forms)]
     target_dtype = ",".join(sorted({str(d).removeprefix("torch.") for d in dtypes}))
     policy = merge_policy(device, kernels) + (f"+{sharding}" if sharding else "")
     policy += "" if rounding == "runtime" else f"+rounding={rounding}"
@@ -135,13 +156,14 @@ def _inputs_but_base(vault, files, specs, dtypes, device, kernels, sharding: str
 
 def combination_key(
     vault, files: list[AdapterFile], specs: list[Adapter], shards: list[str], dtypes, device=None, kernels=None,
-    sharding: str = "",
+    sharding: str = "", *, planned,
 ) -> CacheKey:
     """The vault key of merging ``files`` (as ``specs`` ask) into the checkpoint ``shards``
     (the ones holding the targets: :func:`base_shards`), summed on ``device``
     (default: the compute device) by ``kernels`` (see :func:`merge_policy`). ``sharding``
-    names the tensor-parallel part the layers are (:meth:`lora_cache.tp_shards.Shard.describe`)."""
-    rest = _inputs_but_base(vault, files, specs, dtypes, device, kernels, sharding)
+    names the tensor-parallel part the layers are (:meth:`lora_cache.tp_shards.Shard.describe`);
+    ``planned`` the targets' deltas by layer name (:mod:`lora_cache.canonical_key`)."""
+    rest = _inputs_but_base(vault, files, specs, dtypes, device, kernels, sharding, planned=planned)
     return cache_key(vault.base_identity(shards), *rest)
 
 
@@ -175,7 +197,7 @@ class OpenCombination(NamedTuple):
 
 def open_combination(planned, specs, cache_root=None, *, max_size=None, base_files=None, device=None,
                      kernels: KernelPlan | None = None, sharding: str = "", rounding: str = "runtime",
-                     at_runtime: frozenset[str] = frozenset()) -> OpenCombination:
+                     at_runtime: frozenset[str] = frozenset(), form: dict | None = None) -> OpenCombination:
     """Open the vault session of merging ``specs`` as :func:`merge` would, without merging.
 
     ``planned`` is what :func:`plan_targets` returned for ``specs``; only the host (CPU)
@@ -186,7 +208,9 @@ def open_combination(planned, specs, cache_root=None, *, max_size=None, base_fil
     held, and :func:`merge_layers` takes the session. ``sharding``: the targets are
     tensor-parallel parts merged apart (see :func:`combination_key`). ``rounding``: the
     rounding policy (:mod:`lora_cache.rounding`); ``at_runtime``: names of targets kept
-    at run time, part of the key's inputs but never expected in the vault.
+    at run time, part of the key's inputs but never expected in the vault; ``form``: the
+    deltas by layer name the key covers (default: the host targets'; a tensor-parallel
+    rank's are the whole model's, as a single-process merge's).
     """
     targets, files = planned
     host = [t for t in targets if t.current.device.type == "cpu"]
@@ -197,7 +221,8 @@ def open_combination(planned, specs, cache_root=None, *, max_size=None, base_fil
     shards = base_shards(host, base_files, space)
     vaults = [Vault(root, max_size) for root in roots]
     keyer = next((v for v in vaults if not v.read_only), vaults[0])  # its memo spares the next start a rehash
-    rest = _inputs_but_base(keyer, files, specs, {t.current.dtype for t in host}, device, kernels, sharding, rounding)
+    rest = _inputs_but_base(keyer, files, specs, {t.current.dtype for t in host}, device, kernels, sharding, rounding,
+                            planned=_planned(host) if form is None else form)
     host = [t for t in host if t.name not in at_runtime]
     expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in host}
     fold = plan_fold(vaults, shards, *rest)  # a new base: hashed beside the build, when no root can hold it
@@ -280,6 +305,7 @@ def merge(
     group = distributed_group()
     memo_roots = roots if shards is None and group is None else None
     targets, files = plan_targets(model, specs, shards, memo_roots)
+    form = _planned([t for t in targets if t.current.device.type == "cpu"])  # what the key covers
     split = split_shards(targets, roots is not None, base_files) if shards is not None else None
     if split is not None:  # tensor-parallel parts: whole layers for rows, the columns merged apart after
         targets = split.targets
@@ -289,18 +315,17 @@ def merge(
                else plan_for_targets(targets, device, _writable_root(roots)))
     keyed = targets  # the key covers every target, whichever way it is then served
     targets, at_runtime, check = split_lossy(targets, rounding)
-    cache_targets = [t for t in cache_targets if t in targets]
+    kept_apart = frozenset(t.name for t in at_runtime)
     shares = None
     if roots and cache_targets:
         if group is not None:  # the ranks of a host first build the misses together
             from .shared_build import build_shares
 
             shares = build_shares(cache_targets, files, specs, roots, max_size, base_files, device, kernels,
-                                  progress, rank_timeout)
+                                  progress, rank_timeout, kept_apart, form)
         key, root, session_cm = open_combination((keyed, files), specs, roots, max_size=max_size,
                                                  base_files=base_files, device=device, kernels=kernels,
-                                                 rounding=rounding,
-                                                 at_runtime=frozenset(t.name for t in at_runtime))
+                                                 rounding=rounding, form=form, at_runtime=kept_apart)
         if isinstance(session_cm, FoldedSession):  # the one place the build's read order changes
             targets = session_cm.in_file_order(targets)
     session = None
