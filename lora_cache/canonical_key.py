@@ -35,8 +35,9 @@ def _shape(tensor) -> list | None:
 
 
 def _term(delta: Delta) -> list:
-    return [float(delta.scale).hex(), _shape(delta.up), _shape(delta.down),
-            float(delta.diff_scale).hex(), _shape(delta.diff)]
+    term = [float(delta.scale).hex(), _shape(delta.up), _shape(delta.down), float(delta.diff_scale).hex(),
+            _shape(delta.diff)]
+    return term if delta.magnitude is None else [*term, "dora", _shape(delta.magnitude)]
 
 
 def _adapter_of(delta: Delta) -> str:

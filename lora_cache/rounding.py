@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .layers import LayerTarget
-from .merge_math import Term, UnsupportedAdapterError
+from .merge_math import Term, UnsupportedAdapterError, add_terms
 
 __all__ = ["POLICIES", "SAMPLE_ROWS", "THRESHOLD", "RoundingCheck", "RoundingLossError", "check_policy",
            "lost_share", "split_lossy"]
@@ -74,16 +74,13 @@ def _sample(rows: int) -> torch.Tensor:
 
 
 def _update_rows(target: LayerTarget, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The fp32 sum of ``target``'s terms on ``rows``, as the merge adds them."""
+    """The merge's fp32 change of ``target`` on ``rows``: its terms added to the base (and
+    DoRA's rows rescaled) as the merge adds them, less the base."""
     base = target.current.detach()
-    total = torch.zeros((len(rows), *base.shape[1:]), dtype=torch.float32, device=device)
-    for delta in target.deltas:
-        term = Term.of(delta, device)
-        if term.up is not None:
-            total.view(len(rows), -1).addmm_(term.up[rows], term.down, alpha=term.scale)
-        if term.diff is not None:
-            total.add_(term.diff.reshape(base.shape)[rows].float(), alpha=term.diff_scale)
-    return total
+    before = base[rows].to(device=device, dtype=torch.float32)
+    total = before.clone()
+    add_terms(total, [Term.of(delta, device) for delta in target.deltas], rows)
+    return total - before
 
 
 def lost_share(target: LayerTarget) -> float:

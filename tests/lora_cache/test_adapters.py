@@ -337,7 +337,6 @@ def test_shape_mismatch_names_the_key_and_both_shapes(tmp_path):
 @pytest.mark.parametrize(
     "key, variant",
     [
-        ("base_model.model.blocks.0.attn.to_q.lora_magnitude_vector", "DoRA"),
         ("lora_unet_blocks_0_attn_to_q.dora_scale", "DoRA"),
         ("lora_unet_blocks_0_attn_to_q.hada_w1_a", "LoHa"),
     ],
@@ -348,11 +347,12 @@ def test_unsupported_variants_are_refused_naming_the_key(tmp_path, key, variant)
         read_adapter(path)
 
 
-def test_peft_config_with_dora_is_refused(tmp_path):
+def test_peft_config_with_dora_but_no_magnitude_vector_is_refused(tmp_path):
+    """DoRA merges (tests/lora_cache/test_dora.py); a DoRA folder missing its magnitudes does not."""
     changes = {"blocks.0.attn.to_q": lora_change(64, 64, 8, 1)}
     folder = write_adapter(tmp_path / "peft", "peft", changes, config={"use_dora": True})
-    with pytest.raises(AdapterError, match="use_dora is true"):
-        read_adapter(folder)
+    with pytest.raises(KeyResolutionError, match="has no lora_magnitude_vector beside it, but its adapter_config"):
+        plan_targets(mapped_model(tmp_path), [folder])
 
 
 def test_broken_adapters_say_what_is_wrong(tmp_path):
