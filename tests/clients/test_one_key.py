@@ -1,6 +1,6 @@
 """One key per meaning: ``hostmem lora merge CONFIG`` (this package's reader, on the
-checkpoint), ``lora_cache.merge(transformer)`` and ``lora_cache.load_lora(pipe)`` (diffusers'
-converter, the layers named within a pipeline's component) on the same base, adapter and
+checkpoint), ``lora_cache.load_lora(pipe)`` (diffusers' converter, the layers named within a
+pipeline's component) and ``lora_cache.set_adapters`` on the same base, adapter and
 strength share one combination: an image built ahead of time serves a diffusers server."""
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ import torch
 model = tm.load_model("flux", sys.argv[1], torch.bfloat16)
 pipe = tm.pipeline("flux", model)
 stats = lora_cache.load_lora(pipe, sys.argv[2], 0.8, cache_root=sys.argv[3], progress=False)
-print(json.dumps(stats.to_dict()))
+switched = tm.load_model("flux", sys.argv[1], torch.bfloat16)  # a server that switches adapters
+switch = lora_cache.set_adapters(switched, [(sys.argv[2], 0.8)], sys.argv[3])
+same = all(torch.equal(a, b) for a, b in zip(tm.weights(model).values(), tm.weights(switched).values()))
+print(json.dumps({**stats.to_dict(), "switch": switch.mode, "switch_layers": switch.layers, "same": same}))
 """
 
 
@@ -67,6 +70,7 @@ def test_an_image_built_by_the_cli_serves_a_diffusers_pipeline(tmp_path, layout)
     served = json.loads(start.stdout.splitlines()[-1])
     assert served["cache_key"] == built["cache_key"]
     assert (served["hit"], served["built"], served["bytes_written"]) == (built["layers"], 0, 0)
+    assert (served["switch"], served["switch_layers"], served["same"]) == ("cached", built["layers"], True)
     after = _files(tmp_path / "cache")
     changed = {p for p in after if before.get(p) != after[p]} | (before.keys() - after.keys())
     # nothing of the combination is written; only the record of diffusers' conversion is new
