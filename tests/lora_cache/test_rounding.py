@@ -137,3 +137,26 @@ def test_an_ordinary_lora_says_nothing(tmp_path):
         warnings.simplefilter("error")
         stats = lora_cache.merge(model, [path], cache_root=tmp_path / "cache")
     assert stats.at_runtime == 0 and stats.rounding["lost"] == {} and stats.rounding["measured"] == 2
+
+
+def test_set_adapters_keeps_the_lossy_layer_at_run_time_and_shares_merges_combination(tmp_path):
+    path, changes = adapter(tmp_path)
+    with pytest.warns(UserWarning, match="lose \\(or gain\\) over"):
+        built = lora_cache.merge(base_model(tmp_path), [path], cache_root=tmp_path / "cache")
+    model = base_model(tmp_path)
+    base = model.turbo.weight.detach().clone()
+    x = torch.ones(8, DIM, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="turbo\\.weight 100% lost.*kept at run time"):
+        switched = lora_cache.set_adapters(model, [path], tmp_path / "cache")
+    assert (switched.mode, switched.layers) == ("cached", 2)
+    assert relative_error(model.turbo(x), fp32_reference(base, changes["turbo"], x)) < BF16_EPS
+    os.makedirs(tmp_path / "fresh")
+    fresh = base_model(tmp_path / "fresh")  # another server, building its own cache in the background
+    with pytest.warns(UserWarning, match="kept at run time"):
+        building = lora_cache.set_adapters(fresh, [path], tmp_path / "other", background=True)
+    assert building.mode == "runtime"
+    assert lora_cache.swap_ready(fresh, wait=True, timeout=60)
+    assert relative_error(fresh.turbo(x), fp32_reference(base, changes["turbo"], x)) < BF16_EPS
+    assert torch.equal(fresh.plain.weight, model.plain.weight) and built.at_runtime == 1
+    lora_cache.set_adapters(fresh, [], tmp_path / "other")
+    assert torch.equal(fresh.turbo(x), x @ base.T)  # back to the base: the run-time terms are off
