@@ -67,26 +67,24 @@ def check_policy(policy: str) -> str:
     return policy
 
 
-def _spread(count: int, most: int) -> torch.Tensor:
-    """``most`` evenly spaced indices of ``count`` (all of them when there are no more)."""
-    if count <= most:
-        return torch.arange(count)
-    return torch.linspace(0, count - 1, most).round().long().unique()
+def _spread(count: int, most: int) -> slice:
+    """At most ``most`` evenly spaced indices of ``count``, as a slice (a view: no gather)."""
+    step = -(-count // most)
+    return slice(0, count, step)
 
 
-def _sampled(delta: Delta, rows: torch.Tensor, cols: torch.Tensor | None) -> Delta:
-    """``delta`` on the sampled rows (and columns) of its layer, as 2-D matrices: the factors
-    are sliced before they are made fp32, so a measure (every start, every switch) costs
+def _sampled(delta: Delta, rows: slice, cols: slice) -> Delta:
+    """``delta`` on the sampled rows and columns of its layer, as 2-D matrices: views of the
+    factors, made fp32 only at that size, so a measure (every start, every switch) costs
     a few small blocks, not the layer's factors."""
-    def pick(tensor, columns=True):
-        if tensor is None:
-            return None
-        flat = tensor.reshape(tensor.shape[0], -1) if tensor.dim() else tensor.reshape(1, 1)
-        flat = flat[rows.to(tensor.device)] if tensor is not delta.down else flat
-        return flat[:, cols.to(tensor.device)] if columns and cols is not None else flat
+    def flat(tensor):
+        return tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor.reshape(-1, 1)
 
-    return replace(delta, up=pick(delta.up, columns=False), down=pick(delta.down), diff=pick(delta.diff),
-                   magnitude=None if delta.magnitude is None else delta.magnitude[rows.to(delta.magnitude.device)])
+    return replace(delta,
+                   up=None if delta.up is None else flat(delta.up)[rows],
+                   down=None if delta.down is None else flat(delta.down)[:, cols],
+                   diff=None if delta.diff is None else flat(delta.diff)[rows, cols],
+                   magnitude=None if delta.magnitude is None else delta.magnitude[rows])
 
 
 def _update_rows(target: LayerTarget, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,11 +95,10 @@ def _update_rows(target: LayerTarget, device: torch.device) -> tuple[torch.Tenso
     flat = base.reshape(base.shape[0], -1) if base.dim() > 1 else base.reshape(-1, 1)
     rows = _spread(flat.shape[0], SAMPLE_ROWS if base.dim() > 1 else flat.shape[0])
     dora = any(d.magnitude is not None for d in target.deltas)
-    cols = None if dora else _spread(flat.shape[1], SAMPLE_COLUMNS)
-    before = flat[rows.to(base.device)]
-    before = (before if cols is None else before[:, cols.to(base.device)]).to(device=device, dtype=torch.float32)
+    cols = slice(None) if dora else _spread(flat.shape[1], SAMPLE_COLUMNS)
+    before = flat[rows, cols].to(device=device, dtype=torch.float32)
     total = before.clone()
-    add_terms(total, [Term.of(_sampled(d, rows, cols), device) for d in target.deltas], slice(0, len(rows)))
+    add_terms(total, [Term.of(_sampled(d, rows, cols), device) for d in target.deltas], slice(None))
     return before, total - before
 
 

@@ -41,7 +41,7 @@ def base_model(folder) -> nn.ModuleDict:
     return model
 
 
-def adapter(folder, ulps: float = 0.15) -> tuple[str, dict]:
+def adapter(folder, ulps: float = 0.1) -> tuple[str, dict]:
     """``turbo``: a rank-1 update spread as a LoRA's is, its elements' standard deviation
     ``ulps`` bf16 steps of the weights, coherent along each row (as a distilled LoRA's
     is, so the outputs change by many of their steps); ``plain``: an ordinary rank-4
@@ -146,7 +146,7 @@ def test_set_adapters_keeps_the_lossy_layer_at_run_time_and_shares_merges_combin
     model = base_model(tmp_path)
     base = model.turbo.weight.detach().clone()
     x = torch.ones(8, DIM, dtype=torch.bfloat16)
-    with pytest.warns(UserWarning, match="turbo\\.weight 100% lost.*kept at run time"):
+    with pytest.warns(UserWarning, match="turbo\\.weight (9\\d|100)% lost.*kept at run time"):
         switched = lora_cache.set_adapters(model, [path], tmp_path / "cache")
     assert (switched.mode, switched.layers) == ("cached", 2)
     assert relative_error(model.turbo(x), fp32_reference(base, changes["turbo"], x)) < BF16_EPS
