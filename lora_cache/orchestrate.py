@@ -28,7 +28,7 @@ from .keys import ModuleIndex, plan_deltas
 from .layer_loop import CacheBuildError, MergeStats, cyclic_gc_paused, merge_layers
 from .layers import AddressSpace, LayerTarget, components_of, is_merged, keep_base, named_parameters, unmerge
 from .merge_math import compute_device
-from .rounding import check_policy, say, split_lossy
+from .rounding import check_policy, is_stand_in, say, split_lossy
 from .runtime_lora import apply_runtime
 from .process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
 from .switch import DISABLE_ENV, cache_disabled_by_env
@@ -371,8 +371,8 @@ def _merge_planned(model, specs, planned, session, *, rounding: str = "runtime",
         targets, at_runtime, check = split_lossy(again, rounding)
         stats = merge_layers(targets, session, **options)
     say(check)
-    if at_runtime:
-        apply_runtime(at_runtime)  # refuses before hooking anything; the merge's except unmerges the rest
+    if at_runtime:  # a checkpoint's tree (hostmem lora merge) has no forward: they are left unbuilt
+        apply_runtime([t for t in at_runtime if not is_stand_in(t)])  # refuses before hooking anything
         for target in at_runtime:
             keep_base(target)
     stats.layers += len(at_runtime)

@@ -46,7 +46,7 @@ from .layers import LayerTarget
 from .merge_math import Delta, Term, UnsupportedAdapterError, add_terms
 
 __all__ = ["POLICIES", "SAMPLE_ROWS", "THRESHOLD", "RoundingCheck", "RoundingLossError", "check_policy",
-           "lost_share", "split_lossy"]
+           "is_stand_in", "lost_share", "split_lossy"]
 
 THRESHOLD = 0.05  # share of the update lost from which a layer is lossy (see the module's docstring)
 SAMPLE_ROWS = 32  # rows of each layer the share is measured on
@@ -159,6 +159,13 @@ class RoundingCheck:
                 "merged_anyway": dict(self.merged_anyway)}
 
 
+def is_stand_in(target: LayerTarget) -> bool:
+    """Whether ``target`` lies in a checkpoint's module tree (``hostmem lora merge`` builds
+    without the model's class: :func:`lora_cache.layers.checkpoint_module`), not in a model:
+    its lossy layers are left unbuilt, for the server's start to keep at run time."""
+    return type(target.module) is torch.nn.Module
+
+
 def _share(share: float) -> str:
     return f"{share:.0%} lost" if share >= 0 else f"{-share:.0%} gained"
 
@@ -191,7 +198,7 @@ def split_lossy(targets: list[LayerTarget], policy: str = "runtime") -> tuple[li
         if policy == "refuse":
             continue
         reason = unsupported_reason(target) if policy == "runtime" else None
-        if policy == "runtime" and reason is None:
+        if policy == "runtime" and (reason is None or is_stand_in(target)):
             at_runtime.append(target)
             check.at_runtime.append(target.name)
         else:

@@ -13,6 +13,7 @@ from torch import nn
 import lora_cache
 from hostmem.safetensors_map import load_readonly
 from lora_cache.orchestrate import plan_targets
+from planners.cli import main
 from planners.report import _lora_merge_lines
 from lora_cache.rounding import THRESHOLD, RoundingLossError, lost_share
 from tests.conftest import write_safetensors
@@ -160,3 +161,31 @@ def test_set_adapters_keeps_the_lossy_layer_at_run_time_and_shares_merges_combin
     assert torch.equal(fresh.plain.weight, model.plain.weight) and built.at_runtime == 1
     lora_cache.set_adapters(fresh, [], tmp_path / "other")
     assert torch.equal(fresh.turbo(x), x @ base.T)  # back to the base: the run-time terms are off
+
+
+def test_hostmem_lora_merge_says_the_loss_and_takes_the_policy(tmp_path, capsys):
+    base_model(tmp_path)  # writes base.safetensors
+    path, _ = adapter(tmp_path)
+    config = tmp_path / "deploy.yaml"
+    config.write_text(f"""
+deployment: turbo
+host: {{limit: 8GiB, reserve: 1GiB}}
+workload: {{steps: 4}}
+components:
+  dit: {{path: {tmp_path / 'base.safetensors'}, offload: layerwise, layers: "blocks.{{i}}."}}
+lora:
+  adapters: [{{path: {path}, strength: 1.0}}]
+  cache: {{root: {tmp_path / 'cache'}, enabled: true}}
+""")
+    with pytest.warns(UserWarning, match="kept at run time"):
+        assert main(["lora", "merge", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "1 built" in out and "1 at run time" in out  # left unbuilt: the server keeps it at run time
+    assert "rounding: 1 layer(s) lose (or gain) over 5%" in out
+    model = base_model(tmp_path)  # the server's start on the image: the merged layer a hit, the lossy one at run time
+    with pytest.warns(UserWarning, match="kept at run time"):
+        stats = lora_cache.merge(model, [path], cache_root=tmp_path / "cache")
+    assert (stats.hit, stats.built, stats.at_runtime, stats.bytes_written) == (1, 0, 1, 0)
+    assert main(["lora", "merge", str(config), "--rounding", "refuse"]) != 0
+    err = capsys.readouterr().err
+    assert "refused (rounding='refuse')" in err and "Traceback" not in err
