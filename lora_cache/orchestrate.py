@@ -332,7 +332,8 @@ def merge(
     try:
         with session_cm as session:
             stats = _merge_planned(model, specs, (targets, at_runtime, check), session, rounding=rounding,
-                                   device=device, progress=progress, fallback=fallback, kernels=kernels, unmergeable=unmergeable)
+                                   device=device, progress=progress, fallback=fallback, kernels=kernels,
+                                   unmergeable=unmergeable)
     except BaseException as exc:
         unmerge(model, strict=False)  # a failed merge leaves the model as it found it, where it kept the base
         if isinstance(exc, KeyboardInterrupt) and session is not None:

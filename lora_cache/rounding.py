@@ -12,9 +12,9 @@ update, ``<round(W + d) - W, d> / <d, d>`` (1: all of it, 0: none, over 1: round
 made it larger), on a sample of each layer (:data:`SAMPLE_ROWS` rows by
 :data:`SAMPLE_COLUMNS` columns, evenly spaced, so the figure is the same on every
 start); the share lost is one minus that. Rounding to nearest is unbiased, so random
-rounding error does not count as loss, a systematic one does. Measured on bf16 weights of one binade, updates spread as a LoRA's are (normal,
-standard deviation in ulps of the weight): 0.1 ulp loses 100%, 0.3 ulp 33%, 0.5 ulp
-1%, one ulp or more under 0.2%. An update whose every element has the same size is the
+rounding error does not count as loss, a systematic one does. Measured on bf16 weights
+of one binade, updates spread as a LoRA's are (normal, standard deviation in ulps of the
+weight): 0.1 ulp loses 100%, 0.3 ulp 33%, 0.5 ulp 1%, one ulp or more under 0.2%. An update whose every element has the same size is the
 exception (0.7 ulp of each rounds up to one: 43% gained), hence the absolute value below.
 
 :data:`THRESHOLD` (5%) is the share, lost or gained, from which a layer is *lossy*: it
@@ -176,7 +176,8 @@ def _has_values(target: LayerTarget) -> bool:
                for d in target.deltas for t in (d.up, d.down, d.diff))
 
 
-def split_lossy(targets: list[LayerTarget], policy: str = "runtime") -> tuple[list[LayerTarget], list[LayerTarget], RoundingCheck]:
+def split_lossy(targets: list[LayerTarget],
+                policy: str = "runtime") -> tuple[list[LayerTarget], list[LayerTarget], RoundingCheck]:
     """``(to merge, to keep at run time, what was found)`` for ``targets`` under ``policy``.
 
     Targets without values (planned from a conversion record: see
