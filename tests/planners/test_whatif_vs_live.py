@@ -175,7 +175,8 @@ def test_an_in_place_merge_turns_exactly_the_predicted_bytes_anonymous(deploymen
     loaded = from_ledger(hostmem.account({"dit": module}).components["dit"], "layerwise", "blocks.{i}.")
     assert loaded.residency.anonymous == 0 and loaded.residency.file_backed == loaded.weights_bytes
     stats = lora_cache.merge(module, [root / "turbo.safetensors"], progress=False, enabled=False,
-                             unmergeable=True, rounding="merge")  # sub-ulp in 16 layers: merged anyway  # the cache off: in place, and unmerge must work
+                             unmergeable=True, rounding="merge")  # the cache off: in place, unmerge must work
+    # (rounding="merge": the fixture's LoRA is sub-ulp in 16 layers, and the plan predicts them merged)
     assert (stats.layers, stats.in_place, stats.cache_key) == (24, 24, None)
     measured = from_ledger(hostmem.account({"dit": module}).components["dit"], "layerwise", "blocks.{i}.")
     by_name = {u.name: u for u in predicted.units}
