@@ -47,6 +47,7 @@ __all__ = [
     "compute_merged",
     "install",
     "is_merged",
+    "keep_base",
     "merge_in_place",
     "named_parameters",
     "unmerge",
@@ -189,6 +190,12 @@ def install(target: LayerTarget, merged: torch.Tensor, snapshot: Snapshot) -> No
 def _remember(target: LayerTarget, snapshot: Snapshot) -> None:
     """Record what unmerge restores (the first snapshot recorded for a parameter stands)."""
     _SNAPSHOTS.setdefault(target.module, {}).setdefault(target.attr, snapshot)
+
+
+def keep_base(target: LayerTarget) -> None:
+    """Record that ``target`` is served on its base as it is (its terms added at run time,
+    :mod:`lora_cache.rounding`): the model counts as merged, and unmerge reinstalls it."""
+    _remember(target, Snapshot(original=target.current))
 
 
 def merge_in_place(target: LayerTarget, scratch: Scratch, workers=None, kernel: str = FP32_ROWS,

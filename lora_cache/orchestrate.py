@@ -20,16 +20,18 @@ import torch
 
 from hostmem.errors import InputError
 
-from .adapters import Adapter, AdapterFile, as_adapters, read_adapters
+from .adapters import AdapterFile, as_adapters, read_adapters
 from .adapters.conversion_memo import ValuesNeeded
-from .combination import (MERGE_POLICY, base_shards, combination_key, inputs_but_base, kernel_roots, mapped_file,
-                          merge_policy)
+from .base_shards import base_positions, base_shards
+from .combination import MERGE_POLICY, combination_key, inputs_but_base, kernel_roots, merge_policy
 from .kernels import KernelPlan, plan_for_targets
 from .kernels.precision import fp32_matmul_precision
 from .keys import ModuleIndex, plan_deltas
 from .layer_loop import CacheBuildError, MergeStats, cyclic_gc_paused, merge_layers
-from .layers import AddressSpace, LayerTarget, components_of, is_merged, named_parameters, unmerge
+from .layers import AddressSpace, LayerTarget, components_of, is_merged, keep_base, named_parameters, unmerge
 from .merge_math import compute_device
+from .rounding import check_policy, is_stand_in, say, split_lossy
+from .runtime_lora import apply_runtime
 from .process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
 from .switch import DISABLE_ENV, cache_disabled_by_env
 from .tp_shards import check_shards, full_shapes, shape_notes, split_shards
@@ -80,6 +82,8 @@ def plan_targets(model, adapters, shards=None, memo_roots=None) -> tuple[list[La
     index = ModuleIndex(full_shapes(shapes, held), components, shape_notes(shapes, held))
     planned = plan_deltas(list(zip(files, adapters)), index)
     targets = [LayerTarget(name, *params[name], deltas, shard=held.get(name)) for name, deltas in planned.items()]
+    if shards is None:
+        _name_in_component(targets, components)
     for target in targets:
         if not target.current.is_floating_point():
             raise InputError(
@@ -89,21 +93,21 @@ def plan_targets(model, adapters, shards=None, memo_roots=None) -> tuple[list[La
     return targets, files
 
 
-def _base_positions(targets: list[LayerTarget], shards: list[str], space: AddressSpace) -> dict[str, int | None]:
-    """Where each target's base starts in ``shards`` laid end to end (None where it is not
-    a view of one of them): the order a folded build reads them in (:mod:`hostmem.vault.fold`)."""
-    starts, at = {}, 0
-    for path in shards:
-        starts[path] = at
-        at += os.path.getsize(path)
-    positions = {}
+def _name_in_component(targets: list[LayerTarget], components: tuple[str, ...]) -> None:
+    """Name the targets as their one component names them, where every target lies in the same
+    component of a dict of models (a pipeline's transformer): the layers, and the key's
+    canonical form, are then the ones a merge into that component alone (or into its
+    checkpoint, ``hostmem lora merge``) stores, and each serves the others."""
+    owners = {next((c for c in components if t.name.startswith(c + ".")), None) for t in targets}
+    if len(owners) != 1 or None in owners:
+        return
+    (owner,) = owners
     for target in targets:
-        area = space.area_of(target.current)
-        path = mapped_file(target, space)
-        real = os.path.realpath(path) if path is not None else None
-        positions[target.name] = (None if real not in starts else
-                                  starts[real] + area.offset + target.current.data_ptr() - area.start)
-    return positions
+        target.name = target.name[len(owner) + 1:]
+
+
+def _planned(targets: list[LayerTarget]) -> dict:
+    return {t.name: t.deltas for t in targets}
 
 
 def why_in_place(enabled: bool) -> str | None:
@@ -130,7 +134,8 @@ class OpenCombination(NamedTuple):
 
 
 def open_combination(planned, specs, cache_root=None, *, max_size=None, base_files=None, device=None,
-                     kernels: KernelPlan | None = None, sharding: str = "") -> OpenCombination:
+                     kernels: KernelPlan | None = None, sharding: str = "", rounding: str = "runtime",
+                     at_runtime: frozenset[str] = frozenset(), form: dict | None = None) -> OpenCombination:
     """Open the vault session of merging ``specs`` as :func:`merge` would, without merging.
 
     ``planned`` is what :func:`plan_targets` returned for ``specs``; only the host (CPU)
@@ -139,13 +144,19 @@ def open_combination(planned, specs, cache_root=None, *, max_size=None, base_fil
     :func:`merge` would choose). For a caller that drives the layers itself
     (:mod:`lora_cache.adapter_switch`): ``session.complete`` says whether every layer is
     held, and :func:`merge_layers` takes the session. ``sharding``: the targets are
-    tensor-parallel parts merged apart (see :func:`combination_key`).
+    tensor-parallel parts merged apart (see :func:`combination_key`). ``rounding``: the
+    rounding policy (:mod:`lora_cache.rounding`); ``at_runtime``: names of targets kept
+    at run time, part of the key's inputs but never expected in the vault; ``form``: the
+    deltas by layer name the key covers (default: the host targets'; a tensor-parallel
+    rank's are the whole model's, as a single-process merge's).
     """
-    return _open_in(planned, specs, cache_roots(cache_root), max_size=max_size, base_files=base_files,
-                    device=device, kernels=kernels, sharding=sharding)
+    return _open_in(planned, specs, cache_roots(cache_root), max_size=max_size, base_files=base_files, device=device,
+                    kernels=kernels, sharding=sharding, rounding=rounding, at_runtime=at_runtime, form=form)
 
 
-def _open_in(planned, specs, roots: list[str], *, max_size, base_files, device, kernels, sharding) -> OpenCombination:
+def _open_in(planned, specs, roots: list[str], *, max_size=None, base_files=None, device=None,
+             kernels: KernelPlan | None = None, sharding: str = "", rounding: str = "runtime",
+             at_runtime: frozenset[str] = frozenset(), form: dict | None = None) -> OpenCombination:
     """:func:`open_combination` in ``roots`` as :func:`~hostmem.vault.roots.cache_roots` gave
     them: :func:`merge` resolves its ``cache_root`` once and walks it with that list."""
     targets, files = planned
@@ -156,10 +167,12 @@ def _open_in(planned, specs, roots: list[str], *, max_size, base_files, device, 
     shards = base_shards(host, base_files, space)
     vaults = [Vault(root, max_size) for root in roots]
     keyer = next((v for v in vaults if not v.read_only), vaults[0])  # its memo spares the next start a rehash
-    rest = inputs_but_base(keyer, files, specs, {t.current.dtype for t in host}, device, kernels, sharding)
+    rest = inputs_but_base(keyer, files, specs, {t.current.dtype for t in host}, device, kernels, sharding, rounding,
+                           planned=_planned(host) if form is None else form)
+    host = [t for t in host if t.name not in at_runtime]
     expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in host}
     fold = plan_fold(vaults, shards, *rest)  # a new base: hashed beside the build, when no root can hold it
-    session = fold.open(expected, _base_positions(host, fold.paths, space)) if fold is not None else None
+    session = fold.open(expected, base_positions(host, fold.paths, space)) if fold is not None else None
     if session is not None:
         return OpenCombination(session.key, session.vault.root, session)
     wait_for_a_folded_build(vaults, shards, rest)  # one building it still: it names it by the real key soon
@@ -183,6 +196,7 @@ def merge(
     unmergeable: bool = False,
     rank_timeout: float = DEFAULT_TIMEOUT,
     shards: dict | None = None,
+    rounding: str = "runtime",
 ) -> MergeStats:
     """Merge ``adapters`` into ``model`` and return what it took.
 
@@ -216,6 +230,10 @@ def merge(
     and each part gets exactly its part of a single-process merge: rows as a view of the
     whole merged layer's file, columns from a file of their own whose key names the
     sharding (see :mod:`lora_cache.tp_shards`; ``stats.shard_keys`` lists those keys).
+    ``rounding``: what to do with a layer whose merged weight would lose a material share
+    of its update to rounding (:mod:`lora_cache.rounding`): ``"runtime"`` keeps its terms
+    at run time on the base, ``"merge"`` merges anyway, ``"refuse"`` raises; any loss is
+    said in one line and recorded in ``stats.rounding``.
 
     >>> stats = lora_cache.merge(dit, [("turbo.safetensors", 1.0)], cache_root="~/.cache/hostmem")  # doctest: +SKIP
     >>> lora_cache.unmerge(dit)                                                                       # doctest: +SKIP
@@ -224,6 +242,7 @@ def merge(
         raise InputError("the model is already merged; call lora_cache.unmerge(model) before merging again")
     specs = as_adapters(adapters)
     rank_timeout = check_rank_timeout(rank_timeout)
+    check_policy(rounding)
     off = why_in_place(enabled)
     roots = None if off else cache_roots(cache_root)
     if roots is not None:
@@ -232,6 +251,7 @@ def merge(
     group = distributed_group()
     memo_roots = roots if shards is None and group is None else None
     targets, files = plan_targets(model, specs, shards, memo_roots)
+    form = _planned([t for t in targets if t.current.device.type == "cpu"])  # what the key covers
     split = split_shards(targets, roots is not None, base_files) if shards is not None else None
     if split is not None:  # tensor-parallel parts: whole layers for rows, the columns merged apart after
         targets = split.targets
@@ -240,22 +260,27 @@ def merge(
     timings = kernel_roots(roots)  # each checked before the timings are written in it
     kernels = (split.choose_kernels(device, timings) if split is not None  # timed once per machine
                else plan_for_targets(targets, device, timings))
+    keyed = targets  # the key covers every target, whichever way it is then served
+    targets, at_runtime, check = split_lossy(targets, rounding)
+    kept_apart = frozenset(t.name for t in at_runtime)
     shares = None
     if roots and cache_targets:
         if group is not None:  # the ranks of a host first build the misses together
             from .shared_build import build_shares
 
             shares = build_shares(cache_targets, files, specs, roots, max_size, base_files, device, kernels,
-                                  progress, rank_timeout)
-        key, root, session_cm = _open_in((targets, files), specs, roots, max_size=max_size, base_files=base_files,
-                                         device=device, kernels=kernels, sharding="")
+                                  progress, rank_timeout, kept_apart, form)
+        key, root, session_cm = _open_in((keyed, files), specs, roots, max_size=max_size, base_files=base_files,
+                                         device=device, kernels=kernels, rounding=rounding, form=form,
+                                         at_runtime=kept_apart)
         if isinstance(session_cm, FoldedSession):  # the one place the build's read order changes
             targets = session_cm.in_file_order(targets)
     session = None
     try:
         with session_cm as session:
-            stats = _merge_planned(model, specs, targets, session, device=device, progress=progress,
-                                   fallback=fallback, kernels=kernels, unmergeable=unmergeable)
+            stats = _merge_planned(model, specs, (targets, at_runtime, check), session, rounding=rounding,
+                                   device=device, progress=progress, fallback=fallback, kernels=kernels,
+                                   unmergeable=unmergeable)
     except BaseException as exc:
         unmerge(model, strict=False)  # a failed merge leaves the model as it found it, where it kept the base
         if isinstance(exc, KeyboardInterrupt) and session is not None:
@@ -278,14 +303,30 @@ def merge(
     return stats
 
 
-def _merge_planned(model, specs, targets, session, **options) -> MergeStats:
-    """:func:`merge_layers`; when ``targets`` were planned from conversion records (no
-    values) and a layer must be computed, it stops before any weight changes: the adapters
-    are then converted and the merge planned again, with the same key and kernels."""
+def _merge_planned(model, specs, planned, session, *, rounding: str = "runtime", **options) -> MergeStats:
+    """:func:`merge_layers` of the targets to merge, then the lossy ones hooked at run time
+    (``planned``: :func:`lora_cache.rounding.split_lossy`'s three). When the targets were
+    planned from conversion records (no values) and a layer must be computed, it stops
+    before any weight changes: the adapters are then converted, the targets planned and
+    measured again, and merged with the same key and kernels (a lossy layer is never
+    stored under the default policy, so it is always such a miss)."""
+    targets, at_runtime, check = planned
     try:
-        return merge_layers(targets, session, **options)
+        stats = merge_layers(targets, session, **options)
     except ValuesNeeded:
-        return merge_layers(plan_targets(model, specs)[0], session, **options)
+        names = {t.name for t in targets} | {t.name for t in at_runtime}
+        again = [t for t in plan_targets(model, specs)[0] if t.name in names]
+        targets, at_runtime, check = split_lossy(again, rounding)
+        stats = merge_layers(targets, session, **options)
+    say(check)
+    if at_runtime:  # a checkpoint's tree (hostmem lora merge) has no forward: they are left unbuilt
+        apply_runtime([t for t in at_runtime if not is_stand_in(t)])  # refuses before hooking anything
+        for target in at_runtime:
+            keep_base(target)
+    stats.layers += len(at_runtime)
+    stats.at_runtime = len(at_runtime)
+    stats.rounding = check.to_dict()
+    return stats
 
 
 def _merge_apart(targets, sharding: str, *, files, specs, roots, open_options, loop_options) -> MergeStats:

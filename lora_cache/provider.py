@@ -80,7 +80,8 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
         shards = sorted({holder[name] for name in planned})  # the key covers the shards holding targets
         layers = ((infos[name].shape, infos[name].torch_dtype, deltas) for name, deltas in planned.items())
         kernels = plan_kernels(layers, None, vault.root)  # the key names the kernels a build would use
-        key = combination_key(vault, files, specs, shards, {i.torch_dtype for i in chosen}, None, kernels).hex
+        key = combination_key(vault, files, specs, shards, {i.torch_dtype for i in chosen}, None, kernels,
+                              planned=planned).hex
         cached = any(c.key == key and c.complete for c in vault.combinations())
     return TargetLayers(
         names=tuple(planned),

@@ -55,7 +55,8 @@ from torch import nn
 from hostmem.errors import InputError
 from hostmem.units import format_size
 
-from .combination import base_shards, combination_key, inputs_but_base
+from .base_shards import base_shards
+from .combination import combination_key, inputs_but_base
 from .kernels.workers import cpu_count, workers_at_most
 from .layer_loop import CacheBuildError, MergeStats, merge_layers
 from .layers import AddressSpace, LayerTarget
@@ -201,13 +202,19 @@ def _keyer(vaults: list[Vault]) -> Vault:
     return next((v for v in vaults if not v.read_only), vaults[0])
 
 
-def _key_of(vaults: list[Vault], targets, files, specs, base_files, device, kernels):
+def _form(targets, form: dict | None) -> dict:
+    """The deltas by layer name the key covers: ``merge``'s (the whole model's), else the targets'."""
+    return form if form is not None else {t.name: t.deltas for t in targets}
+
+
+def _key_of(vaults: list[Vault], targets, files, specs, base_files, device, kernels, form=None):
     shards = base_shards(targets, base_files, AddressSpace())
-    return combination_key(_keyer(vaults), files, specs, shards, {t.current.dtype for t in targets}, device, kernels)
+    return combination_key(_keyer(vaults), files, specs, shards, {t.current.dtype for t in targets}, device, kernels,
+                           planned=_form(targets, form))
 
 
 def _key_or_fold(vaults, targets, files, specs, base_files, device, kernels, index: int, count: int,
-                 timeout: float):
+                 timeout: float, form: dict | None = None):
     """``(key, None)`` with every input hashed first, together; or ``(provisional key,
     SharedFold)`` where the ranks hash the base beside their shares
     (:mod:`lora_cache.shared_fold`). A collective."""
@@ -218,12 +225,12 @@ def _key_or_fold(vaults, targets, files, specs, base_files, device, kernels, ind
     if fold_pays(len(shards), count, os.cpu_count() or 1):  # the same on every rank of the host
         _hash_inputs(sorted({os.path.realpath(os.fspath(f.path)) for f in files}), index, count, memo_file, timeout)
         rest = inputs_but_base(_keyer(vaults), files, specs, {t.current.dtype for t in targets}, device, kernels,
-                                "")
+                               "", planned=_form(targets, form))
         fold = plan_shared_fold(vaults, shards, rest, index, count, _split_files, timeout)
         if fold is not None:
             return fold.key, fold
     _hash_inputs(_input_files(targets, files, base_files), index, count, memo_file, timeout)
-    return _key_of(vaults, targets, files, specs, base_files, device, kernels), None  # from the digests
+    return _key_of(vaults, targets, files, specs, base_files, device, kernels, form), None  # from the digests
 
 
 def _input_files(targets, files, base_files) -> list[str]:
@@ -285,11 +292,14 @@ def _agree(dist, vaults: list[Vault], key, expected: dict, leader: bool):
 
 
 def build_shares(targets: list[LayerTarget], files, specs, roots: list[str], max_size, base_files, device,
-                 kernels, progress=None, timeout: float = DEFAULT_TIMEOUT) -> ShareOutcome | None:
+                 kernels, progress=None, timeout: float = DEFAULT_TIMEOUT,
+                 at_runtime: frozenset[str] = frozenset(), form: dict | None = None) -> ShareOutcome | None:
     """Build the missing layers of this combination across the ranks of this host (a
     collective: every rank of the world calls it). None when there is no process group,
     or nothing to build anywhere; else what this rank built (see the module's docstring).
-    ``timeout``: the seconds a rank waits for the others at each gather.
+    ``timeout``: the seconds a rank waits for the others at each gather. ``at_runtime``:
+    targets the key covers that are served at run time, never built (:mod:`lora_cache.rounding`);
+    ``form``: the deltas by layer name the key covers (``merge``'s; default: the targets').
     """
     dist = distributed_group()
     if dist is None or not roots or not targets:
@@ -299,8 +309,9 @@ def build_shares(targets: list[LayerTarget], files, specs, roots: list[str], max
     ranks = [rank for rank, _ in gather_on_host(None, timeout=timeout, what="start a shared LoRA merge build")]
     index, count = ranks.index(dist.get_rank()), len(ranks)
     vaults = [Vault(root, max_size) for root in roots]
-    key, fold = _key_or_fold(vaults, targets, files, specs, base_files, device, kernels, index, count, timeout)
-    expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in targets}
+    key, fold = _key_or_fold(vaults, targets, files, specs, base_files, device, kernels, index, count, timeout,
+                             form)
+    expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in targets if t.name not in at_runtime}
     if fold is not None and index == 0:
         fold.mark()  # before any rank can write a share there (the others wait in the meeting below)
     anywhere, build_here, todo = _agree(dist, vaults, key, expected, index == 0)

@@ -347,8 +347,13 @@ def _lora_merge_lines(plan: DeploymentPlan) -> list[str]:
              format_size(m["bytes_written"]), f"{m['seconds']:.1f} s",
              format_rate(m["rate_bytes_per_s"]) if merged else "-")]
     hits = (["  every weight tensor came from the cache: nothing merged, nothing written"]
-            if m["layers"] and not merged else [])
-    return [f"LoRA merge ({where}):", *format_table(rows, indent="  ", right_from=0), *hits]
+            if m["layers"] and m["hit"] == m["layers"] else [])
+    rounding = m.get("rounding") or {}
+    lost = [f"{name} {share:.0%}" for name, share in sorted((rounding.get("lost") or {}).items())[:3]]
+    said = [f"  rounding to the weights' dtype loses over {rounding['threshold']:.0%} of {len(rounding['lost'])} "
+            f"weight tensor(s)' update ({', '.join(lost)}): {len(rounding['at_runtime'])} at run time, "
+            f"{len(rounding['merged_anyway'])} merged anyway"] if lost else []
+    return [f"LoRA merge ({where}):", *format_table(rows, indent="  ", right_from=0), *hits, *said]
 
 
 def report_text(plan: DeploymentPlan) -> str:

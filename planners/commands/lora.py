@@ -50,6 +50,12 @@ def register(subparsers) -> None:
         help="a tensor-parallel rank holds part INDEX of COUNT of parameter NAME along DIM (0: rows, "
         "column-parallel; 1: columns, row-parallel); repeat per parameter; builds that rank's parts",
     )
+    merge.add_argument(
+        "--rounding", choices=("runtime", "merge", "refuse"), default="runtime",
+        help="layers whose merged weight would lose over 5%% of their LoRA update to rounding: not built, the "
+        "server keeps them at run time (runtime, the default); built anyway, under a key of their own that "
+        "only starts asking for it use (merge); or refuse the build (refuse)",
+    )
     merge.set_defaults(run=run_merge)
 
 
@@ -162,6 +168,7 @@ def run_merge(args) -> int:
                 progress=False if (args.no_progress or args.json) else None,
                 fallback=False,
                 shards=parts,
+                rounding=args.rounding,
             )
     except CacheBuildError as exc:
         print(f"hostmem: error: {exc}", file=sys.stderr)
