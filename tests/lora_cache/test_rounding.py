@@ -87,7 +87,7 @@ def test_sub_ulp_lora_is_reported_and_served_at_run_time(tmp_path):
     merged_anyway = x @ (base.float() + changes["turbo"]["up"].float() @ changes["turbo"]["down"].float()).bfloat16().T
     assert relative_error(merged_anyway, reference) > 2 * BF16_EPS  # what merging would have served
     report = "\n".join(_lora_merge_lines(SimpleNamespace(lora_merge=stats.to_dict())))
-    assert "rounding to the weights' dtype loses over 5% of 1 layer(s)' update (turbo.weight 100%): 1 at run time" \
+    assert "rounding to the weights' dtype loses over 5% of 1 weight tensor(s)' update (turbo.weight 100%): 1 at run time" \
         in report  # the startup report's line
     lora_cache.unmerge(model)
     assert torch.equal(model.turbo(x), x @ base.T)  # unmerge takes the run-time terms off too
