@@ -181,6 +181,17 @@ def replaced(old: torch.Tensor | None, new: torch.Tensor | None) -> None:
         pinner.follow(old, new)
 
 
+def _unlock_owned(backend, owned: dict) -> None:
+    """Unlock every span in ``owned`` (a collected :class:`Pinner`'s books)."""
+    for spans in owned.values():
+        for start, end in spans:
+            try:
+                backend.unlock(start, end - start)
+            except PinError:
+                pass  # nothing left to do at collection: the process keeps what it cannot unlock
+    owned.clear()
+
+
 class Pinner:
     """Pins named groups of CPU tensors in place and knows exactly which pages it locked.
 
@@ -205,6 +216,9 @@ class Pinner:
         self._tensors: dict = {}
         self._by_storage: dict[tuple[int, int], set] = {}  # storage -> the keys holding a tensor of it
         _LIVE.add(self)
+        # dropped without unpin_all (a server's pins object let go): unlock while the pages it
+        # holds are still mapped, or freed heap pages would stay locked under later allocations
+        weakref.finalize(self, _unlock_owned, self.backend, self._owned)
 
     @property
     def locked_bytes(self) -> int:

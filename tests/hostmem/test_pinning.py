@@ -231,3 +231,17 @@ def test_a_backend_that_undoes_registrations_whole_follows_too(mapped):
         assert pinner.tensors("a") == [c]
         assert pinner.locked_bytes == page_span(c)[1] - page_span(b)[0] == read_status().vm_lck - vm_before
     assert read_status().vm_lck == vm_before and backend.made == {}
+
+
+def test_a_pinner_dropped_without_unpinning_unlocks_what_it_held():
+    # heap tensors (freed to the allocator, not unmapped): a lock left behind would stay on
+    # pages that later allocations reuse, and the ledger would count them pinned
+    import gc
+
+    vm_before = read_status().vm_lck
+    pinner = Pinner(MlockBackend())
+    pinner.pin("a", [torch.randn(3000)])  # under a page's worth of rows: heap memory
+    assert read_status().vm_lck > vm_before
+    del pinner
+    gc.collect()
+    assert read_status().vm_lck == vm_before
