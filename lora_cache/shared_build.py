@@ -34,18 +34,23 @@ vault, without being asked) splits the work instead:
    lock exclusively in turn before.
 
 A rank that dies or never arrives fails the others at the next gather, within
-``rank_timeout`` seconds (a keyword of ``merge``, default 600), with a message naming it; what
-was sealed stays, and the next start resumes. A share that cannot be stored (a full
-disk) says so and leaves its layers to the plain session, which builds them or falls
-back in place as any merge does. Without a process group, processes on one key still
-never build twice: the second waits on the key's lock and adopts.
+``rank_timeout`` seconds (a keyword of ``merge``, default 600), and every rank of its
+host names it (:mod:`lora_cache.shared_faults`); what was sealed stays, and the next
+start resumes. No room at any step (the provisional folder, a share, the seal, the
+re-key) is handed round at the next gather: the lowest rank removes a provisional
+folder, and every rank merges in place with one warning; the next start builds. Other
+share failures say so and leave the share's layers to the plain session. Without a
+process group, processes on one key still never build twice: the second waits on the
+key's lock and adopts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -58,7 +63,7 @@ from .kernels.workers import cpu_count, workers_at_most
 from .layer_loop import CacheBuildError, MergeStats, merge_layers
 from .layers import AddressSpace, LayerTarget
 from .process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
-from .shared_faults import RankWatch, cannot_store, this_process
+from .shared_faults import RankWatch, cannot_store, storing, this_process, warn_in_place
 from hostmem.vault import Vault, VaultError
 from hostmem.vault.adoption import shape_dtype_problem
 from hostmem.vault.content_hash import CONTENT_HASH_MEMO, file_digest
@@ -297,25 +302,6 @@ def _agree(dist, vaults: list[Vault], key, expected: dict, leader: bool, no_room
     return anywhere, build_here, set(first["missing"]) if build_here else set(), first["no_room"]
 
 
-def _storing(step, key) -> tuple:
-    """Run ``step`` (a write of the lowest rank's alone): ``(what it returned, None)``, or
-    ``(None, why it could not store)``."""
-    try:
-        return step(), None
-    except (OSError, VaultError) as exc:
-        return None, f"the LoRA merge cache could not store the shared build of {key.hex[:12]} ({exc})"
-
-
-def _in_place(outcome: ShareOutcome, reason: str) -> ShareOutcome:
-    """Every rank of the host merges in place: ``reason`` said once, as a warning."""
-    import warnings
-
-    outcome.in_place = reason
-    message = f"{reason}; every rank of this host merges in place instead"
-    warnings.warn(message)
-    return outcome
-
-
 def build_shares(targets: list[LayerTarget], files, specs, roots: list[str], max_size, base_files, device,
                  kernels, progress=None, timeout: float = DEFAULT_TIMEOUT) -> ShareOutcome | None:
     """Build the missing layers of this combination across the ranks of this host (a
@@ -345,7 +331,7 @@ def _build_together(dist, targets, files, specs, vaults, base_files, device, ker
     expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in targets}
     no_room = None
     if fold is not None and index == 0:  # before any rank can write a share there (the others wait below)
-        no_room = _storing(fold.mark, key)[1]
+        no_room = storing(fold.mark, key)[1]
     anywhere, build_here, todo, no_room = _agree(dist, vaults, key, expected, index == 0, no_room)
     if not anywhere:
         return None
@@ -365,32 +351,43 @@ def _build_together(dist, targets, files, specs, vaults, base_files, device, ker
         no_room = _seal_or_drop(writable, key, expected, finished, (fold, real), no_room, started)
     sealed = gather_on_host(no_room, timeout=timeout, what=f"seal the shared build of LoRA merge cache {key.hex[:12]}")
     no_room = next((p for _, p in sealed if p), None)
-    return _in_place(outcome, no_room) if no_room else outcome
+    return warn_in_place(outcome, no_room) if no_room else outcome
 
 
 def _seal_or_drop(writable: Vault, key, expected: dict, finished: list, folded: tuple, no_room, started: float):
-    """The lowest rank, once every share is done: where a rank had no room, remove a
-    provisional folder (nothing provisional stays); else seal what the shares built
-    (``folded``: the fold and the real key, or Nones). Why the host cannot store the
-    build, or None."""
+    """The lowest rank, once every share is done: seal what the shares built (``folded``:
+    the fold and the real key, or Nones), unless a rank had no room. Where it is not
+    sealed, a provisional folder is removed (nothing provisional stays). Why the host
+    cannot store the build, or None."""
     fold, real = folded
+    if not no_room:
+        trusted, no_room = storing(lambda: _seal(writable, key, expected, finished, fold, real), key)
     if no_room:
         if fold is not None:
             remove_tree(fold.folder)
         return no_room
-    trusted, no_room = _storing(lambda: _seal(writable, key, expected, finished, fold, real), key)
-    if not no_room:
-        say(f"LoRA merge cache {(real or key).hex[:12]}: {len(finished)} ranks built "
-            f"{sum(p['built'] for _, p in finished)} layers in {time.monotonic() - started:.1f} s ({trusted} sealed "
-            f"and checksummed as written{', the base hashed beside them' if real is not None else ''})")
-    return no_room
+    say(f"LoRA merge cache {(real or key).hex[:12]}: {len(finished)} ranks built "
+        f"{sum(p['built'] for _, p in finished)} layers in {time.monotonic() - started:.1f} s ({trusted} sealed "
+        f"and checksummed as written{', the base hashed beside them' if real is not None else ''})")
+    return None
 
 
 def _seal(writable: Vault, key, expected: dict, finished: list, fold, real) -> int:
     """The lowest rank: vouch for every share's layers, seal the manifest (adopting the
-    shares' files), and name a folded build by its ``real`` key; how many were vouched for."""
-    trusted = vouch_for(writable, key.hex, [w for _, p in finished for w in p["written"]])
-    with writable.open(key, expected) as session:  # adopts the shares' files as vouched for, seals
-        if real is not None:
-            session.after_seal = fold.rekey_after_seal(real)  # then names it by its real key
+    shares' files), and name a folded build by its ``real`` key; how many were vouched for.
+
+    What the vault says meanwhile is held back: where the combination is not sealed after
+    (no room for the manifest or the re-key), it is the reason every rank warns with,
+    once, and an OSError says it; else it is said as it was."""
+    held = io.StringIO()
+    with contextlib.redirect_stderr(held):
+        trusted = vouch_for(writable, key.hex, [w for _, p in finished for w in p["written"]])
+        with writable.open(key, expected) as session:  # adopts the shares' files as vouched for, seals
+            if real is not None:
+                session.after_seal = fold.rekey_after_seal(real)  # then names it by its real key
+    said = held.getvalue()
+    if not probe([writable], (real or key).hex, expected)[0]:
+        raise OSError("; ".join(line.removeprefix("hostmem: ") for line in said.splitlines() if line.strip())
+                      or "the manifest was not sealed")
+    sys.stderr.write(said)
     return trusted

@@ -19,8 +19,9 @@ import contextlib
 import errno
 import os
 import time
+import warnings
 
-__all__ = ["RankDiedError", "RankWatch", "cannot_store", "this_process"]
+__all__ = ["RankDiedError", "RankWatch", "cannot_store", "storing", "this_process", "warn_in_place"]
 
 NO_ROOM = tuple(os.strerror(code) for code in (errno.ENOSPC, errno.EDQUOT)) + ("no room for",)
 SETTLE_SECONDS = 2.0  # a killed process closes its sockets a moment before the kernel marks it ended
@@ -97,3 +98,23 @@ def cannot_store(exc: BaseException) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def storing(step, key) -> tuple:
+    """Run ``step``, a write the lowest rank makes alone: ``(what it returned, None)``, or
+    ``(None, why the shared build of ``key`` could not be stored)``."""
+    from hostmem.vault import VaultError
+
+    try:
+        return step(), None
+    except (OSError, VaultError) as exc:
+        return None, f"the LoRA merge cache could not store the shared build of {key.hex[:12]} ({exc})"
+
+
+def warn_in_place(outcome, reason: str):
+    """Every rank of the host merges in place: ``reason`` said once, as a warning, and kept
+    in ``outcome.in_place`` (``merge`` then opens no cache)."""
+    outcome.in_place = reason
+    message = f"{reason}; every rank of this host merges in place instead"
+    warnings.warn(message)
+    return outcome

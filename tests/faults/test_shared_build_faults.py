@@ -24,25 +24,30 @@ from hostmem.vault.content_hash import CONTENT_HASH_MEMO
 from lora_cache.layers import checkpoint_module
 from tests.faults.test_folded_hash import markers
 from tests.faults.test_full_disk_rekey import fill, small_disk
-from tests.faults.world import LAYERS, assert_same, leftovers, make_world, reference, start, weights
+from tests.faults.world import COLS, LAYERS, ROWS, assert_same, leftovers, make_world, reference, start, weights
+from tests.lora_cache.test_adapters import lora_change, write_adapter
 from tests.lora_cache.test_shared_build import report_rank, spawn_ranks
 
 FULL_DISK_WARNING = "merges in place instead"
+FULL_DISK_AT = {  # where the disk fills: what every rank's one warning names
+    "full from the start": "cannot create the LoRA merge cache folder",
+    "full at a share's first layer": "could not write layer",
+    "full at the seal": "manifest.json ([Errno 28] No space left on device)",
+    "full at the re-key": "could not store the build under its key",
+}
 RANK_TIMEOUT = 10.0  # a rank that waits for a dead one gives up in seconds
 
 
-def _fill_at_first_layer(disk: str) -> None:
-    """This rank fills the disk just before its share writes its first layer."""
-    from hostmem.vault import session as session_module
+def _fill_before(disk: str, owner, name: str) -> None:
+    """This rank fills the disk just before its first call of ``owner.name``."""
+    real, filled = getattr(owner, name), []
 
-    real, filled = session_module.VaultSession._put_data, []
-
-    def put_on_a_full_disk(self, *args, **kwargs):
+    def on_a_full_disk(*args, **kwargs):
         if not filled:
             filled.append(fill(disk))
-        return real(self, *args, **kwargs)
+        return real(*args, **kwargs)
 
-    session_module.VaultSession._put_data = put_on_a_full_disk
+    setattr(owner, name, on_a_full_disk)
 
 
 def _rank_main(rank: int, world: int, port: int, paths: dict, folder: str, fault: str) -> None:
@@ -57,11 +62,15 @@ def _rank_main(rank: int, world: int, port: int, paths: dict, folder: str, fault
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
-        if fault == "full at a share's first layer" and rank == 0:
-            _fill_at_first_layer(paths["disk"])
-        if fault == f"rank {rank} killed in its share":
-            from hostmem.vault import session as session_module
+        from hostmem.vault import rekey as rekey_module, session as session_module
 
+        if fault == "full at a share's first layer" and rank == 0:
+            _fill_before(paths["disk"], session_module.VaultSession, "_put_data")
+        if fault == "full at the seal" and rank == 0:
+            _fill_before(paths["disk"], session_module, "write_manifest")
+        if fault == "full at the re-key" and rank == 0:
+            _fill_before(paths["disk"], rekey_module, "write_manifest")
+        if fault == f"rank {rank} killed in its share":
             def die(self, *args, **kwargs):
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -76,7 +85,8 @@ def _rank_main(rank: int, world: int, port: int, paths: dict, folder: str, fault
         results = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
     report_rank(folder, rank, results, leave="error" not in results)
     sys.stderr.flush()
-    os._exit(0)
+    if "error" in results:  # its group is broken: leave without tearing gloo down
+        os._exit(0)
 
 
 def _world(tmp_path):
@@ -93,7 +103,7 @@ def _said(folder, rank: int) -> str:
         return handle.read()
 
 
-@pytest.mark.parametrize("fault", ["full from the start", "full at a share's first layer"])
+@pytest.mark.parametrize("fault", FULL_DISK_AT)
 def test_a_full_disk_in_a_shared_build_merges_in_place_on_every_rank_and_the_next_start_builds(tmp_path, fault):
     world, expected, paths = _world(tmp_path)
     out = tmp_path / "ranks"
@@ -108,7 +118,7 @@ def test_a_full_disk_in_a_shared_build_merges_in_place_on_every_rank_and_the_nex
             assert "error" not in found, (rank, found, said)
             assert found["equal"] and found["built"] == 0, (rank, found)
             assert found["in_place"] + found["fallen_back"] == LAYERS, (rank, found)
-            assert said.count(FULL_DISK_WARNING) == 1, (rank, said)
+            assert said.count(FULL_DISK_WARNING) == 1 and FULL_DISK_AT[fault] in said, (rank, said)
             assert "Traceback" not in said, (rank, said)
         root = paths["root"]
         assert markers(root) == [] and leftovers(root) == []
@@ -145,20 +155,33 @@ def _spawn_with_a_death(paths: dict, folder, world: int, victim: int) -> dict[in
     return found
 
 
-@pytest.mark.parametrize("victim", [0, 1])
-def test_every_rank_names_the_rank_killed_in_its_share_and_the_next_start_takes_up_what_it_left(tmp_path, victim):
+def _another_adapter(world) -> str:
+    """An adapter on the same base, unlike ``world``'s: a start with it hashes the base."""
+    changes = {f"blocks.{i}.proj": lora_change(ROWS, COLS, 4, 10 + i) for i in range(LAYERS)}
+    return write_adapter(world.path("other.safetensors"), "comfyui", changes)
+
+
+@pytest.mark.parametrize("victim, then", [(0, "resumed"), (1, "removed")])
+def test_every_rank_names_the_rank_killed_in_its_share_and_later_starts_resume_or_remove_what_it_left(
+        tmp_path, victim, then):
     world, expected, paths = _world(tmp_path)
     out = tmp_path / "ranks"
     out.mkdir()
-    paths.update(root=str(tmp_path / "root"))
+    root = paths["root"] = str(tmp_path / "root")
     found = _spawn_with_a_death(paths, out, 3, victim)
     for rank, result in found.items():
         assert f"rank {victim} (pid " in result.get("error", "") and "died" in result["error"], (rank, result)
         assert "Broken pipe" not in result["error"].split("torch said:")[0], (rank, result)
+    (left,) = [os.path.dirname(m) for m in markers(root)]  # the survivors' shares, marked resumable
     CONTENT_HASH_MEMO.clear()
-    served, stats = start(world.base, world.adapter, paths["root"])
+    if then == "removed":  # a start on the same base hashes it: no start builds under that provisional key again
+        start(world.base, _another_adapter(world), root)
+        Vault(root)  # the next start's sweep
+        assert not os.path.lexists(left)
+    served, stats = start(world.base, world.adapter, root)
     assert_same(served, expected)
-    assert stats.hit > 0, "nothing the survivors sealed was taken up"
-    cache = os.path.join(paths["root"], "lora_merge_cache")
-    assert markers(paths["root"]) == [] and leftovers(paths["root"]) == []
-    assert [n for n in os.listdir(cache) if len(n) == 64] == [stats.cache_key], os.listdir(cache)
+    assert stats.hit > 0 if then == "resumed" else stats.built == LAYERS, stats
+    assert markers(root) == [] and leftovers(root) == [] and not os.path.lexists(left)
+    cache = os.path.join(root, "lora_merge_cache")
+    assert stats.cache_key in os.listdir(cache) and len([n for n in os.listdir(cache) if len(n) == 64]) == (
+        1 if then == "resumed" else 2), os.listdir(cache)
