@@ -70,7 +70,8 @@ class RankWatch:
         except RuntimeError as exc:
             if isinstance(exc, RankDiedError):
                 raise
-            dead, deadline = self.dead(), time.monotonic() + SETTLE_SECONDS
+            settle = SETTLE_SECONDS if _from_a_meeting(exc) else 0.0
+            dead, deadline = self.dead(), time.monotonic() + settle
             while not dead and time.monotonic() < deadline:
                 time.sleep(0.05)
                 dead = self.dead()
@@ -81,6 +82,15 @@ class RankWatch:
                 f"{who} died during {what}: its process ended, so this rank ({self.me}) stops too; "
                 f"look in that rank's log for why it ended, then start every rank again: what was sealed "
                 f"stays and is resumed. torch said: {_first_line(exc)}") from None
+
+
+def _from_a_meeting(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch.distributed's (a lost connection, a timeout) or a gather's."""
+    import torch.distributed as dist
+
+    from hostmem.host_ledger import HostGatherError
+
+    return isinstance(exc, (HostGatherError, getattr(dist, "DistError", HostGatherError)))
 
 
 def _first_line(exc: BaseException) -> str:
