@@ -1,7 +1,8 @@
 """Start-up time of the light commands against `python -c pass`, measured side by side.
 
 A light command (``hostmem inspect``, ``cache ls|verify|prune|rm``, ``guard``, ``plan``
-from declared sizes or from a checkpoint's headers, ``--version``) reads a few files;
+from declared sizes, from a checkpoint's headers, or by path with adapters and no
+``lora_targets``, ``--version``) reads a few files;
 what a person waits for is the interpreter and the imports. Goal: each within 3x of a
 bare interpreter (``python -c pass``). Each round starts every command once, in a
 rotating order, so a busy machine slows them all alike; the figure is the median of
@@ -53,6 +54,39 @@ def write_checkpoint(folder: str, layers: int = 40, tensors_per_layer: int = 8) 
         handle.write(struct.pack("<Q", len(body)) + body + bytes(at))
 
 
+def _write_safetensors(path: str, tensors: dict[str, tuple[str, list[int]]]) -> None:
+    """A safetensors file of zero-filled tensors ``{name: (dtype, shape)}`` (no torch)."""
+    sizes = {"BF16": 2, "F32": 4}
+    header, at = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        nbytes = sizes[dtype] * shape[0] * shape[1]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + nbytes]}
+        at += nbytes
+    body = json.dumps(header).encode()
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(body)) + body + bytes(at))
+
+
+def write_adapter_deployment(work: str, layers: int = 40) -> str:
+    """A checkpoint of 2-D weights, a rank-4 LoRA on one weight per block, and a config that
+    names both by path without ``lora_targets``: the planner reads the targets from the adapter."""
+    folder = os.path.join(work, "dit_lora")
+    os.makedirs(folder, exist_ok=True)
+    _write_safetensors(os.path.join(folder, "model.safetensors"),
+                       {f"blocks.{i}.w{j}.weight": ("BF16", [64, 64]) for i in range(layers) for j in range(4)})
+    adapter = {}
+    for i in range(layers):
+        adapter[f"blocks.{i}.w0.lora_A.weight"] = ("F32", [4, 64])
+        adapter[f"blocks.{i}.w0.lora_B.weight"] = ("F32", [64, 4])
+    _write_safetensors(os.path.join(work, "lora.safetensors"), adapter)
+    config = os.path.join(work, "deploy_lora.yaml")
+    with open(config, "w") as handle:
+        handle.write("deployment: bench-lora\nhost: {limit: 32GiB, reserve: 4GiB}\nworkload: {steps: 4}\n"
+                     "components:\n  dit: {path: dit_lora, layers: \"blocks.{i}.\", offload: layerwise}\n"
+                     "lora: {adapters: [{path: lora.safetensors}], cache: {root: cache}}\n")
+    return config
+
+
 def commands(work: str) -> dict[str, list[str]]:
     """The light commands, as argv after ``hostmem``."""
     write_checkpoint(os.path.join(work, "dit"))
@@ -73,6 +107,7 @@ def commands(work: str) -> dict[str, list[str]]:
         "guard": ["guard", "--max-peak-anon", "1GiB", "--", "true"],
         "plan (declared)": ["plan", os.path.join(REPO, "configs", "minimax-h3-32g.yaml")],
         "plan (headers)": ["plan", config, "--what-if", "in-place"],
+        "plan (adapters)": ["plan", write_adapter_deployment(work)],
     }
 
 

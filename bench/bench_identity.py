@@ -113,7 +113,7 @@ def start(base: str, adapter: str | None, roots) -> float:
     started = time.perf_counter()
     model = checkpoint_module([base])
     if adapter is not None:
-        lora_cache.merge(model, [adapter], cache_root=roots, progress=False)
+        lora_cache.merge(model, [adapter], cache_root=roots, progress=False, rounding="merge")  # every layer
     for p in model.parameters():
         p.data.view(-1)[:: 4096 // p.element_size()].sum()  # touch every page once, as a first forward would
     seconds = time.perf_counter() - started

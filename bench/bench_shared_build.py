@@ -124,7 +124,7 @@ def _rank(rank: int, world: int, port: int, shards: list[str], adapter: str, fol
     started = time.perf_counter()
     with _profiled(profile) as sampler:
         stats = lora_cache.merge(model, [adapter], cache_root=root, enabled=root is not None, base_files=shards,
-                                 progress=False)
+                                 progress=False, rounding="merge")  # every layer built, whatever its rounding
     seconds = time.perf_counter() - started
     times: list = [None] * world
     dist.all_gather_object(times, (seconds, stats.seconds, sampler and sampler.report(
@@ -172,7 +172,8 @@ def _alone_child(shards: list[str], adapter: str, folder: str, profile: bool) ->
     _ready(model, adapter, root)
     started, used = time.perf_counter(), time.process_time()
     with _profiled(profile) as sampler:
-        stats = lora_cache.merge(model, [adapter], cache_root=root, base_files=shards, progress=False)
+        stats = lora_cache.merge(model, [adapter], cache_root=root, base_files=shards, progress=False,
+                                 rounding="merge")
     seconds = time.perf_counter() - started
     with open(os.path.join(folder, "alone.json"), "w") as handle:
         json.dump({"seconds": seconds, "build_seconds": stats.seconds,

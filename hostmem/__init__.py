@@ -2,7 +2,8 @@
 
 Measurement only: /proc readers, the residency classifier, the accountant, peak
 tracking and the CI guard, the read-only safetensors mapping and the pinning
-backends; beside the accountant the lowest provider, checkpoint remap
+backends; beside the accountant the protocol every provider implements
+(:class:`Provider`, :class:`Offer`), the lowest provider, checkpoint remap
 (:func:`remap`), and the guards that meet writes into read-only weights
 (:func:`make_writable`). No planning and no LoRA live here.
 
@@ -54,6 +55,11 @@ _EXPORTS = {
     "HostGatherError": "host_ledger",
     "remap": "checkpoint_remap",
     "RemapReport": "checkpoint_remap",
+    "Offer": "providers",
+    "OfferRecord": "providers",
+    "Provider": "providers",
+    "HostmemError": "errors",
+    "InputError": "errors",
     "make_writable": "writers",
     "ReadOnlyWeightsError": "writers",
 }

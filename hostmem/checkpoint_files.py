@@ -16,10 +16,12 @@ import glob
 import json
 import os
 
+from .errors import HostmemError
+
 __all__ = ["CheckpointNotFound", "checkpoint_files", "expand_files", "shards_in", "recorded_source"]
 
 
-class CheckpointNotFound(ValueError):
+class CheckpointNotFound(HostmemError, ValueError):
     """The checkpoint of a model could not be found from what the model records."""
 
 

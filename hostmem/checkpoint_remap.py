@@ -45,6 +45,7 @@ import torch
 from .checkpoint_files import checkpoint_files, expand_files
 from .safetensors_header import read_header
 from .safetensors_map import open_readonly
+from .same_bytes import same_bytes
 from .slots import MappedAreas, TensorSlot, iter_module_slots, model_components
 from .units import format_size
 
@@ -52,9 +53,6 @@ __all__ = ["RemapReport", "remap", "REASONS", "CheckpointIndex", "component_file
 
 REASONS = ("cast", "changed", "missing", "device", "layout")
 _SAMPLE_NAMES = 5  # names kept per reason, for the report
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
 
 @dataclass
 class RemapReport:
@@ -207,16 +205,6 @@ def _unique(sources) -> list[_Source]:
     return out
 
 
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Exact byte equality of two contiguous tensors, in one pass over the widest integers
-    that tile both (int64 where their addresses and sizes allow: 3x faster than int16)."""
-    a, b = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
-    if a.numel() != b.numel():
-        return False
-    width = next(w for w in (8, 4, 2, 1) if a.numel() % w == 0 and a.data_ptr() % w == 0 and b.data_ptr() % w == 0)
-    return torch.equal(a.view(_INT_OF_SIZE[width]), b.view(_INT_OF_SIZE[width]))
-
-
 @contextlib.contextmanager
 def _one_thread():
     """Compare on one thread: a memory-bound pass gains nothing from more, and torch's
@@ -255,7 +243,7 @@ def _remap_slot(slot: TensorSlot, index: CheckpointIndex, areas: MappedAreas, re
     detached = tensor.detach()
     for source in same_dtype:
         view = index.view(source)
-        if _same_bytes(detached, view):
+        if same_bytes(detached, view):
             slot.replace(view)
             report.remapped += 1
             report.remapped_bytes += slot.nbytes

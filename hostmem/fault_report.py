@@ -33,6 +33,8 @@ import signal
 import sys
 import threading
 
+from .safetensors_header import read_header
+
 __all__ = ["install_fault_report", "describe_address", "MAKE_WRITABLE_HINT"]
 
 MAKE_WRITABLE_HINT = (
@@ -83,8 +85,6 @@ def _area_at(address: int) -> tuple[int, int, str, int, str] | None:
 
 def _tensor_at(path: str, file_offset: int) -> str | None:
     """The name of the tensor of safetensors file ``path`` that holds byte ``file_offset``."""
-    from .safetensors_header import read_header
-
     try:
         header = read_header(path)
     except Exception:

@@ -40,6 +40,7 @@ import time
 from contextlib import ExitStack
 from typing import NamedTuple
 
+from .errors import InputError
 from .cgroup_sandbox import MemoryCgroup, can_nest_memory_cgroup, memory_cgroup
 from .child_wait import DEFAULT_GRACE_S, HeldSignals
 from .peak import DEFAULT_INTERVAL_S, CgroupPeak, PeakFigures, PeakTracker, PeakTrackerError
@@ -191,11 +192,11 @@ def run_guarded(
     """
     command = tuple(str(part) for part in command)
     if not command:
-        raise ValueError("no command given: put it after '--', e.g. hostmem guard --max-peak-anon 4GiB -- python x.py")
+        raise InputError("no command given: put it after '--', e.g. hostmem guard --max-peak-anon 4GiB -- python x.py")
     if limit_bytes < 0:
-        raise ValueError(f"limit_bytes={limit_bytes}: a limit is never negative")
+        raise InputError(f"limit_bytes={limit_bytes}: a limit is never negative")
     if counting not in COUNTING:
-        raise ValueError(f"counting={counting!r}: one of {', '.join(COUNTING)}")
+        raise InputError(f"counting={counting!r}: one of {', '.join(COUNTING)}")
     with ExitStack() as stack:
         held = stack.enter_context(HeldSignals(grace_s))  # left last: the clean-up is not interrupted
         group = _group_for(stack, children, counting)
@@ -242,7 +243,7 @@ def _group_for(stack: ExitStack, children: bool, counting: str) -> MemoryCgroup 
         except OSError as exc:
             reason = str(exc)
     if counting == "cgroup":
-        raise ValueError(f"cannot count the command in a memory cgroup of its own: {reason}")
+        raise InputError(f"cannot count the command in a memory cgroup of its own: {reason}")
     return None
 
 
@@ -257,11 +258,11 @@ def _start(command: tuple[str, ...], env: dict | None, cwd: str | None, group: M
     try:
         return subprocess.Popen(list(command), env=env, cwd=cwd, preexec_fn=prepare_child)
     except FileNotFoundError:
-        raise ValueError(f"{command[0]}: command not found (check the name and PATH)") from None
+        raise InputError(f"{command[0]}: command not found (check the name and PATH)") from None
     except PermissionError:
-        raise ValueError(f"{command[0]}: permission denied (is it executable?)") from None
+        raise InputError(f"{command[0]}: permission denied (is it executable?)") from None
     except NotADirectoryError:
-        raise ValueError(f"{cwd}: not a folder (the working folder for the command)") from None
+        raise InputError(f"{cwd}: not a folder (the working folder for the command)") from None
     except subprocess.SubprocessError:  # joining the group failed in the child, before exec
         raise PeakTrackerError(
             f"could not start {command[0]} in the memory cgroup {group.path}: run with --no-children, "

@@ -35,6 +35,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
+from .errors import InputError
 from .pagemap import PagemapReader
 from .procfs import PAGE_SIZE, ProcReadError, proc_path
 from .residency_classes import CLASSES, Residency
@@ -247,7 +248,7 @@ def aggregate_processes(pids: Iterable[int], *, pfns: bool | None = None) -> Set
 
     unique = list(dict.fromkeys(int(p) for p in pids))
     if not unique:
-        raise ValueError("no process to aggregate: give at least one pid")
+        raise InputError("no process to aggregate: give at least one pid")
     classified = {}
     for pid in unique:
         classified[pid] = [(m.start, m.end, m.residency) for m in inspect_process(pid).mappings]

@@ -26,6 +26,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .errors import HostmemError
 from .host_aggregate import SetResidency, aggregate_ranges
 from .units import format_size
 
@@ -35,7 +36,7 @@ __all__ = ["HostGatherError", "HostLedger", "gather_on_host", "gather_host_ledge
 _CALLS: dict[str, itertools.count] = {}
 
 
-class HostGatherError(RuntimeError):
+class HostGatherError(HostmemError, RuntimeError):
     """Ranks that did not arrive at a host gather within its timeout (named in the message)."""
 
     def __init__(self, message: str, missing: tuple[int, ...] = ()):

@@ -32,6 +32,7 @@ import weakref
 
 import torch
 
+from .errors import HostmemError
 from .page_spans import intersect_spans as _intersect
 from .page_spans import merge_spans as _merge
 from .page_spans import page_span
@@ -59,7 +60,7 @@ _CUDA_HOST_REGISTER_PORTABLE = 0x01
 _CUDA_HOST_REGISTER_READ_ONLY = 0x08
 
 
-class PinError(OSError):
+class PinError(HostmemError, OSError):
     """A pin or unpin failed; the message says why and what to do."""
 
 

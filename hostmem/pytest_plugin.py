@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from .errors import InputError
 from .peak import DEFAULT_INTERVAL_S, PeakTracker, PeakTrackerError, parse_interval_ms
 from .units import format_size, parse_size
 
@@ -127,15 +128,15 @@ def limit_for(item) -> PeakLimit | None:
     if "limit" in kwargs:
         args.insert(0, kwargs.pop("limit"))
     if len(args) != 1:
-        raise ValueError(f"{where} takes one size, e.g. @pytest.mark.{MARKER}('512MiB'); got {marker.args!r}")
+        raise InputError(f"{where} takes one size, e.g. @pytest.mark.{MARKER}('512MiB'); got {marker.args!r}")
     try:
         limit = parse_size(args[0])
     except ValueError as exc:
-        raise ValueError(f"{where}({args[0]!r}): {exc}") from None
+        raise InputError(f"{where}({args[0]!r}): {exc}") from None
     known = {"absolute", "include_shmem", "children", "interval_ms"}
     unknown = sorted(set(kwargs) - known)
     if unknown:
-        raise ValueError(f"{where}: unknown keyword {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        raise InputError(f"{where}: unknown keyword {', '.join(unknown)} (known: {', '.join(sorted(known))})")
     interval_s = _interval_from_option(item.config)
     if kwargs.get("interval_ms") is not None:
         interval_s = parse_interval_ms(kwargs["interval_ms"], f"{where}: interval_ms")

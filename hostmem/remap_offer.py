@@ -12,17 +12,17 @@ provider made with ``spill=True`` offers them too, with the disk their layer fil
 and the time to hash and write them, as the LoRA cache offers its merged layers;
 without it, the note says how much a spill would add.
 
-The planner's interface is met by attribute names (``provider``, ``component``,
-``anonymous_bytes``, ``disk_bytes``, ``one_time_s``, ``note``): imports point down,
-so nothing here imports ``planners``.
+The offer is a :class:`hostmem.providers.OfferRecord`, the protocol every provider
+meets; nothing here imports ``planners``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
+from .errors import InputError
 from .checkpoint_remap import CheckpointIndex, spillable, component_files
+from .providers import OfferRecord
 from .residency import RangeClassifier
 from .slots import MappedAreas, iter_module_slots
 from .units import format_rate, format_size
@@ -37,16 +37,10 @@ DEFAULT_COMPARE_RATE = 1024 * 1024 * 1024
 DEFAULT_SPILL_RATE = 512 * 1024 * 1024
 
 
-@dataclass(frozen=True)
-class RemapOffer:
+class RemapOffer(OfferRecord):
     """Anonymous bytes remap can turn into mapped ones, and what that costs."""
 
-    provider: str
-    component: str
-    anonymous_bytes: int
-    disk_bytes: int
-    one_time_s: float
-    note: str
+    __slots__ = ()
 
 
 class RemapSizes(NamedTuple):
@@ -105,7 +99,7 @@ class RemapProvider:
         sizes = (("remappable", anonymous_bytes), ("spillable", spill_bytes), ("spill disk", spill_disk_bytes))
         for what, value in sizes:
             if value < 0:
-                raise ValueError(f"{what} bytes of {component!r} must not be negative, got {value}")
+                raise InputError(f"{what} bytes of {component!r} must not be negative, got {value}")
         self.component = component
         self.anonymous_bytes = int(anonymous_bytes)
         self.compare_rate = compare_rate

@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from .same_bytes import same_bytes
+
 __all__ = ["origin_of", "fused_from"]
 
 
@@ -31,8 +33,6 @@ def fused_from(name: str, tensor: torch.Tensor, index) -> list[str] | None:
     ``name`` is the weight's name within its component (``blocks.0.attn.to_qkv.weight``);
     ``index`` is the component's :class:`hostmem.checkpoint_remap.CheckpointIndex`.
     """
-    from .checkpoint_remap import _same_bytes
-
     if tensor.dim() == 0 or not tensor.is_contiguous():
         return None
     siblings = index.siblings(name, tuple(tensor.shape[1:]), tensor.dtype)
@@ -42,7 +42,7 @@ def fused_from(name: str, tensor: torch.Tensor, index) -> list[str] | None:
     parts, at = [], 0
     while at < rows.shape[0]:
         found = next((s for s in siblings if s.shape[0] <= rows.shape[0] - at
-                      and _same_bytes(rows[at: at + s.shape[0]], index.view(s).reshape(s.shape[0], row_size))), None)
+                      and same_bytes(rows[at: at + s.shape[0]], index.view(s).reshape(s.shape[0], row_size))), None)
         if found is None:
             return None
         parts.append(found.name)

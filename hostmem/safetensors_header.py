@@ -14,16 +14,15 @@ import struct
 from dataclasses import dataclass
 from math import prod
 
+from .dtypes import DTYPE_SIZES, torch_dtypes
+from .errors import HostmemError
+
 __all__ = ["DTYPE_SIZES", "SafetensorsError", "TensorInfo", "SafetensorsHeader", "read_header"]
 
-DTYPE_SIZES: dict[str, int] = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-    "F8_E4M3": 1, "F8_E5M2": 1,
-}
 _MAX_HEADER = 100 * 1024 * 1024
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(HostmemError, ValueError):
     """A file is not a valid safetensors file; the message names it and says why."""
 
 
@@ -44,9 +43,7 @@ class TensorInfo:
     @property
     def torch_dtype(self):
         """The torch dtype (imports torch; the rest of this module does not)."""
-        from .safetensors_map import DTYPES
-
-        return DTYPES[self.dtype]
+        return torch_dtypes()[self.dtype]
 
 
 @dataclass(frozen=True)

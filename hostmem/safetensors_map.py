@@ -19,7 +19,10 @@ import warnings
 
 import torch
 
-from .safetensors_header import DTYPE_SIZES, SafetensorsError, SafetensorsHeader, TensorInfo, read_header
+from .dtypes import torch_dtypes
+from .file_writes import write_all, write_uncached_pieces
+from .safetensors_header import SafetensorsError, SafetensorsHeader, TensorInfo, read_header
+from .writers import guard_foreign_writers
 
 __all__ = [
     "DTYPES",
@@ -34,22 +37,8 @@ __all__ = [
     "advise_huge_pages",
 ]
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+DTYPES: dict[str, torch.dtype] = torch_dtypes()
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-assert set(DTYPES) == set(DTYPE_SIZES)
 
 
 def advise_huge_pages(mapping: mmap.mmap) -> None:
@@ -83,9 +72,7 @@ class ReadOnlySafetensors:
                 raise SafetensorsError(f"{self.path}: empty file")
             self._map = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         advise_huge_pages(self._map)
-        from .writers import guard_foreign_writers  # read-only weights handed out: catch writers
-
-        guard_foreign_writers()
+        guard_foreign_writers()  # read-only weights handed out: catch writers
 
     def keys(self) -> list[str]:
         return list(self.header.tensors)
@@ -171,8 +158,6 @@ def save_file(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)
     if direct:
-        from hostmem.vault.durable import write_uncached_pieces  # only a direct write pays its import
-
         with open(path, "wb") as handle:
             pieces = [struct.pack("<Q", len(raw)), raw, *(tensor_bytes(prepared[name]) for name in sorted(prepared))]
             write_uncached_pieces(handle.fileno(), path, pieces)
@@ -183,8 +168,6 @@ def save_file(
         handle.write(struct.pack("<Q", len(raw)))
         handle.write(raw)
         if writeback:
-            from hostmem.vault.durable import write_all  # only a long write pays its import
-
             handle.flush()
             at = 8 + len(raw)
             for name in sorted(prepared):

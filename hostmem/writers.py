@@ -40,6 +40,7 @@ import threading
 
 import torch
 
+from .errors import HostmemError
 from .fault_report import MAKE_WRITABLE_HINT, install_fault_report
 from .safetensors_header import read_header
 from .slots import MappedAreas, iter_module_slots, model_components
@@ -75,7 +76,7 @@ _INSTEAD = {
 }
 
 
-class ReadOnlyWeightsError(RuntimeError):
+class ReadOnlyWeightsError(HostmemError, RuntimeError):
     """A library call would write into weights that hostmem mapped read-only."""
 
 

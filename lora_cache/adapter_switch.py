@@ -36,12 +36,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hostmem.errors import InputError
 from .adapters import Adapter, as_adapters
 from .adapters.checks import check_before_use
 from .adapters.conversion_memo import ValuesNeeded
+from .combination import kernel_roots
 from .kernels import plan_for_targets
 from .layers import LayerTarget, components_of, is_merged
-from .layers import unmerge as unmerge_layers
+from .layers import keep_base, unmerge as unmerge_layers
+from .rounding import say, split_lossy
 from .orchestrate import CacheBuildError, cache_roots, merge, merge_layers, open_combination, plan_targets
 from .process_group import DEFAULT_TIMEOUT, check_rank_timeout
 from .runtime_lora import apply_runtime, remove_runtime, runtime_bytes, unsupported_reason
@@ -90,6 +93,7 @@ class _Leave:
 _BUILDER: ThreadPoolExecutor | None = None
 _BUILDER_LOCK = threading.Lock()
 _COMBINATION_LOCKS: dict[tuple, threading.Lock] = {}
+_EXITING = threading.Event()  # the interpreter is exiting: a build cut short is no failure
 
 
 def _builder() -> ThreadPoolExecutor:
@@ -98,7 +102,21 @@ def _builder() -> ThreadPoolExecutor:
     with _BUILDER_LOCK:
         if _BUILDER is None:
             _BUILDER = ThreadPoolExecutor(1, "lora-switch-build")
+            _when_exiting(_EXITING.set)
         return _BUILDER
+
+
+def _when_exiting(call) -> None:
+    """Run ``call`` as the interpreter begins to exit, before it joins threads and before
+    concurrent.futures refuses new work (which ends a build in flight with "cannot
+    schedule new futures after interpreter shutdown"): threading's own exit hook, run
+    last registered first, where this Python has it."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        try:
+            register(call)
+        except RuntimeError:  # asked while the interpreter already exits
+            call()
 
 
 def _combination_lock(identity: tuple) -> threading.Lock:
@@ -125,7 +143,7 @@ def _state_of(model, options: dict | None = None) -> SwitchState:
             state.options = options
         return state
     if options is None:
-        raise ValueError("lora_cache.set_adapters has not been called on this model")
+        raise InputError("lora_cache.set_adapters has not been called on this model")
     state = SwitchState(dict(roots), options)
     for root in roots.values():
         root.register_forward_pre_hook(_Enter(state))
@@ -133,7 +151,7 @@ def _state_of(model, options: dict | None = None) -> SwitchState:
     return state
 
 
-def _identity(specs: list[Adapter], cache_root: str, shards: dict | None = None) -> tuple:
+def _identity(specs: list[Adapter], cache_root: tuple[str, ...], shards: dict | None = None) -> tuple:
     """What tells two combinations apart in this process (the vault key does across them)."""
     parts = None if shards is None else repr(shards)  # checked by plan_targets, after this
     return (cache_root, parts) + tuple(
@@ -158,10 +176,20 @@ def _stand_ins(targets: list[LayerTarget]) -> list[LayerTarget]:
     return out
 
 
-def _open(targets, files, specs, opts, kernels):
-    """The vault session of this combination, keyed exactly as :func:`lora_cache.merge` keys it."""
-    return open_combination((targets, files), specs, opts["cache_root"], max_size=opts["max_size"],
-                            base_files=opts["base_files"], device=opts["device"], kernels=kernels).session
+def _open(targets, files, specs, opts, kernels, lossy=()):
+    """The vault session of this combination, keyed exactly as :func:`lora_cache.merge` keys it
+    (``lossy``: targets kept at run time, in the key, never expected: :mod:`lora_cache.rounding`)."""
+    return open_combination(([*targets, *lossy], files), specs, opts["cache_root"], max_size=opts["max_size"],
+                            base_files=opts["base_files"], device=opts["device"], kernels=kernels,
+                            at_runtime=frozenset(t.name for t in lossy)).session
+
+
+def _keep_at_runtime(lossy: list[LayerTarget]) -> None:
+    """Serve ``lossy`` at run time on their base, as :func:`lora_cache.merge` does."""
+    if lossy:
+        apply_runtime(lossy)
+        for target in lossy:
+            keep_base(target)
 
 
 def _merge_through(targets, session, opts, kernels) -> None:
@@ -170,17 +198,19 @@ def _merge_through(targets, session, opts, kernels) -> None:
                  unmergeable=True)
 
 
-def _install_cached(state: SwitchState, identity, targets, files, specs, kernels) -> bool:
-    """Re-point ``targets`` at the vault's layers when it holds the whole combination."""
+def _install_cached(state: SwitchState, identity, targets, files, specs, kernels, lossy=()) -> bool:
+    """Re-point ``targets`` at the vault's layers when it holds the whole combination (and
+    serve ``lossy`` at run time)."""
     lock = _combination_lock(identity)
     if not lock.acquire(blocking=False):
         return False  # the build thread has it open: it is being built
     try:
-        with _open(targets, files, specs, state.options, kernels) as session:
+        with _open(targets, files, specs, state.options, kernels, lossy) as session:
             if not session.complete:
                 return False
             try:
                 _merge_through(targets, session, state.options, kernels)
+                _keep_at_runtime(list(lossy))
             except BaseException:
                 unmerge_layers(state.components, strict=False)
                 raise
@@ -192,16 +222,17 @@ def _install_cached(state: SwitchState, identity, targets, files, specs, kernels
 def _build(state: SwitchState, pending: Pending) -> None:
     """Build ``pending`` into the vault (the build thread). Never touches the live model."""
     with _combination_lock(pending.identity):
-        if state.pending is not pending:
-            return  # switched away before the build began: build it when asked again
-        with _open(pending.stand_ins, pending.files, pending.specs, state.options, pending.kernels) as session:
+        if state.pending is not pending or _EXITING.is_set():
+            return  # switched away before the build began (build it when asked again), or exiting
+        with _open(pending.stand_ins, pending.files, pending.specs, state.options, pending.kernels,
+                   pending.lossy) as session:
             _merge_through(pending.stand_ins, session, state.options, pending.kernels)
     pending.stand_ins = []  # drops the stand-ins' views; the vault keeps the files
 
 
 def _after_build(future: Future) -> None:
     error = future.exception()
-    if error is not None:
+    if error is not None and not _EXITING.is_set():  # an exit is no failure: what was sealed stays, the rest resumes
         warnings.warn(f"lora_cache: building the merged combination failed ({error}); "
                       "it stays applied at run time", stacklevel=1)
 
@@ -230,7 +261,8 @@ def unmerge(model, strict: bool = True) -> int:
     installed the adapter again), at a safe point as a switch is.
     """
     state = _existing_state(model)
-    if state is None:
+    if state is None:  # layers a merge kept at run time (lora_cache.rounding) come off too
+        remove_runtime(model)
         return unmerge_layers(model, strict)
     with state.gate.exclusive():
         return _to_base(state, strict)
@@ -244,9 +276,9 @@ def _swap(state: SwitchState, pending: Pending, blocking: bool) -> bool:
         remove_runtime(state.components)
         try:
             installed = _install_cached(state, pending.identity, pending.targets, pending.files, pending.specs,
-                                        pending.kernels)
+                                        pending.kernels, pending.lossy)
         except Exception as exc:  # the model is back at the base: serve at run time again, say why
-            apply_runtime(pending.targets)
+            apply_runtime(pending.targets + pending.lossy)
             pending.swap_error = exc
             warnings.warn(f"lora_cache: swapping in the merged combination failed ({exc}); "
                           "it stays applied at run time", stacklevel=1)
@@ -255,7 +287,7 @@ def _swap(state: SwitchState, pending: Pending, blocking: bool) -> bool:
             state.pending = None
             return True
         # evicted between the build and the swap: serve at run time again and rebuild
-        apply_runtime(pending.targets)
+        apply_runtime(pending.targets + pending.lossy)
         pending.stand_ins = _stand_ins(pending.targets)
         _schedule(state, pending)
         return False
@@ -264,7 +296,7 @@ def _swap(state: SwitchState, pending: Pending, blocking: bool) -> bool:
 def set_adapters(
     model,
     adapters,
-    cache_root: str | os.PathLike,
+    cache_root: str | os.PathLike | list,
     *,
     max_size: int | str | None = None,
     base_files: list[str] | None = None,
@@ -277,7 +309,8 @@ def set_adapters(
 
     ``adapters`` is what :func:`lora_cache.merge` takes (paths, ``(path, strength)``
     tuples, dicts, :class:`lora_cache.Adapter`). A combination the vault under
-    ``cache_root`` holds whole is installed as mapped views; any other is applied at run
+    ``cache_root`` (one root, or an ordered list of them as :func:`lora_cache.merge`
+    takes) holds whole is installed as mapped views; any other is applied at run
     time at once and built in the background (``background=False``: built now), then
     swapped in at the next safe point (see :func:`swap_ready`). Waits for forward calls
     in flight on other threads; raises when called from inside one. ``max_size``,
@@ -286,7 +319,7 @@ def set_adapters(
     in a build they share) are :func:`lora_cache.merge`'s.
     """
     started = time.perf_counter()
-    cache_root = os.path.expanduser(os.fspath(cache_root))
+    cache_root = tuple(cache_roots(cache_root))  # one root or an ordered list of them, as merge takes
     options = {"cache_root": cache_root, "max_size": max_size, "base_files": base_files, "device": device,
                "shards": shards, "rank_timeout": check_rank_timeout(rank_timeout)}
     state = _state_of(model, options)
@@ -322,15 +355,18 @@ def _switch(state: SwitchState, model, specs, planned, identity, background: boo
     targets, files = planned
     if state.options["shards"] is not None:
         return _merge_parts(state, model, specs)
-    kernels = plan_for_targets(targets, state.options["device"], cache_roots(state.options["cache_root"])[0])
-    if _install_cached(state, identity, targets, files, specs, kernels):
+    kernels = plan_for_targets(targets, state.options["device"], kernel_roots(cache_roots(state.options["cache_root"])))
+    merged, lossy, check = split_lossy(targets)  # what rounding would weaken stays at run time
+    if _install_cached(state, identity, merged, files, specs, kernels, lossy):
+        say(check)
         return SwitchResult("cached", layers=len(targets))
-    unsupported = next((r for r in map(unsupported_reason, targets) if r is not None), None)
-    if unsupported is not None or not background:
+    unsupported = next((r for r in map(unsupported_reason, merged) if r is not None), None)
+    if unsupported is not None or not background:  # merge's own rounding check says what it keeps
         _merge_now(model, specs, state.options)
         return SwitchResult("built", layers=len(targets))
+    say(check)
     copied = apply_runtime(targets)
-    pending = Pending(identity, specs, files, targets, _stand_ins(targets), kernels)
+    pending = Pending(identity, specs, files, merged, _stand_ins(merged), kernels, lossy)
     state.pending = pending
     _schedule(state, pending)
     return SwitchResult("runtime", layers=len(targets), runtime_bytes=runtime_bytes(targets), copied_bytes=copied)

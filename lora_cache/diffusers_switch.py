@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+from hostmem.errors import InputError
 from .adapter_switch import SwitchResult, set_adapters
 from .adapters import AdapterError
 from .diffusers_entry import _model_of, _specs
@@ -27,11 +28,11 @@ def _weights(names: list[str], adapter_weights) -> list[float]:
         return [float(adapter_weights)] * len(names)
     weights = list(adapter_weights)
     if len(weights) != len(names):
-        raise ValueError(f"set_pipeline_adapters: {len(names)} adapter name(s) but {len(weights)} weight(s); "
+        raise InputError(f"set_pipeline_adapters: {len(names)} adapter name(s) but {len(weights)} weight(s); "
                          "give one weight per name")
     bad = [w for w in weights if not isinstance(w, (int, float))]
     if bad:
-        raise ValueError(f"set_pipeline_adapters: weight {bad[0]!r} is not a number; per-component or per-block "
+        raise InputError(f"set_pipeline_adapters: weight {bad[0]!r} is not a number; per-component or per-block "
                          "weights (dicts) are not supported, give one number per adapter")
     return [float(w) for w in weights]
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from hostmem.errors import HostmemError
+
 __all__ = ["ForwardGate", "NotASafePoint"]
 
 
-class NotASafePoint(RuntimeError):
+class NotASafePoint(HostmemError, RuntimeError):
     """A swap was asked for from inside a forward call of the same model."""
 
 

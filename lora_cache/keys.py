@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from hostmem.errors import HostmemError
 from .adapters import Adapter, AdapterFile, ModuleChange
 from .merge_math import Delta, lora_scale
 
@@ -55,7 +56,7 @@ _HOW_TO_FIX = (
 )
 
 
-class KeyResolutionError(ValueError):
+class KeyResolutionError(HostmemError, ValueError):
     """Adapter keys that match no module, match several, or do not fit their parameter."""
 
 
@@ -362,6 +363,24 @@ def _placed(adapter: AdapterFile, key: str, tensor: torch.Tensor, place: Placeme
     return padded
 
 
+def _magnitude(adapter: AdapterFile, change: ModuleChange, place: Placement, param: str):
+    """A DoRA change's magnitude vector (None for plain LoRA); refused on part of a fused
+    weight, whose other rows it would rescale to nothing."""
+    magnitude = change.parts.get("magnitude")
+    if magnitude is None and adapter.config is not None and adapter.config.use_dora:
+        raise KeyResolutionError(
+            f"{adapter.path}: {change.keys['up']!r} has no lora_magnitude_vector beside it, but its "
+            "adapter_config.json says use_dora: merged as plain LoRA it would be wrong (truncated adapter?)"
+        )
+    if magnitude is not None and (place.rows is not None or place.source is not None):
+        raise KeyResolutionError(
+            f"{adapter.path}: {change.keys['magnitude']!r} is a DoRA magnitude vector placed on some rows of "
+            f"{param!r}; DoRA rescales whole rows of the weight it was trained on, so it merges only onto that "
+            "weight whole (drop the [start:stop] rule, or merge into a model with the separate projection)"
+        )
+    return None if magnitude is None else magnitude.flatten()
+
+
 def _module_deltas(adapter: AdapterFile, spec: Adapter, place: Placement, index: ModuleIndex):
     """Yield ``(parameter, key, Delta)`` for the weight and bias changes of one placement."""
     change, module, strength = place.change, place.module, spec.strength
@@ -376,7 +395,9 @@ def _module_deltas(adapter: AdapterFile, spec: Adapter, place: Placement, index:
         param = f"{module}.weight"
         up = None if "up" not in parts else _placed(adapter, key, parts["up"], place, param, index)
         diff = None if "diff" not in parts else _placed(adapter, key, parts["diff"], place, param, index)
-        yield param, key, Delta(f"{adapter.path}: {key!r}", up, parts.get("down"), scale, diff, strength)
+        magnitude = _magnitude(adapter, change, place, param)
+        yield param, key, Delta(f"{adapter.path}: {key!r}", up, parts.get("down"), scale, diff, strength,
+                                magnitude=magnitude)
     for role, factor in (("diff_b", strength), ("up_b", scale)):  # up_b: peft's lora_bias, scaled as B @ A
         if role in parts:
             key, param = change.keys[role], f"{module}.bias"

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
+from hostmem.errors import HostmemError
 from hostmem.units import format_rate, format_size
 
 from .adapters.checks import check_before_use
@@ -32,7 +33,7 @@ from .merge_math import Scratch, compute_device, scratch_bytes, sums_in_output
 __all__ = ["CacheBuildError", "MergeStats", "cyclic_gc_paused", "merge_layers"]
 
 
-class CacheBuildError(RuntimeError):
+class CacheBuildError(HostmemError, RuntimeError):
     """The vault could not store a layer and falling back in place was not allowed."""
 
 
@@ -53,6 +54,8 @@ class MergeStats:
     cache_off: str | None = None  # why the cache was not used at all (turned off), in words
     adapters: list[str] = field(default_factory=list)
     shard_keys: dict[str, str] = field(default_factory=dict)  # tensor-parallel shards merged apart: sharding -> key
+    at_runtime: int = 0  # layers whose terms are added at run time: merging would round their update away
+    rounding: dict | None = None  # lora_cache.rounding.RoundingCheck.to_dict(): policy, threshold, shares lost
 
     @property
     def rate(self) -> float:
@@ -68,10 +71,22 @@ class MergeStats:
             where += f": {self.cache_off}"
         return (
             f"lora merge ({where}): {self.layers} layers, {self.hit} hit, {self.built} built, "
-            f"{self.fallen_back} fallen back, {self.in_place} in place; {format_size(self.bytes)} "
-            f"merged, {format_size(self.bytes_written)} written in {self.seconds:.1f} s "
-            f"({format_rate(self.rate)})"
+            f"{self.fallen_back} fallen back, {self.in_place} in place"
+            + (f", {self.at_runtime} at run time" if self.at_runtime else "")
+            + f"; {format_size(self.bytes)} merged, {format_size(self.bytes_written)} written in "
+            f"{self.seconds:.1f} s ({format_rate(self.rate)})" + _rounding_line(self.rounding)
         )
+
+
+def _rounding_line(rounding: dict | None) -> str:
+    """The stats' second line where rounding the merged weights would lose a share of an update."""
+    if not rounding or not rounding.get("lost"):
+        return ""
+    lost = rounding["lost"]
+    worst = max(lost, key=lambda name: abs(lost[name]))
+    return (f"\nrounding: {len(lost)} layer(s) lose (or gain) over {rounding['threshold']:.0%} of their update in "
+            f"the merged dtype (worst {worst}, {lost[worst]:.0%} lost): {len(rounding['at_runtime'])} at run time, "
+            f"{len(rounding['merged_anyway'])} merged anyway (policy {rounding['policy']})")
 
 
 class _Write(NamedTuple):

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 from torch import nn
 
+from hostmem.errors import HostmemError
 from hostmem.pinning import replaced
 from hostmem.procfs import PAGE_SIZE, Vma
 from hostmem.slots import MappedAreas
@@ -46,6 +47,7 @@ __all__ = [
     "compute_merged",
     "install",
     "is_merged",
+    "keep_base",
     "merge_in_place",
     "named_parameters",
     "unmerge",
@@ -65,7 +67,7 @@ class Snapshot:
         return self.original is not None or self.copy is not None
 
 
-class UnmergeError(RuntimeError):
+class UnmergeError(HostmemError, RuntimeError):
     """Some merged weights were written over in place without a copy to restore."""
 
 
@@ -188,6 +190,12 @@ def install(target: LayerTarget, merged: torch.Tensor, snapshot: Snapshot) -> No
 def _remember(target: LayerTarget, snapshot: Snapshot) -> None:
     """Record what unmerge restores (the first snapshot recorded for a parameter stands)."""
     _SNAPSHOTS.setdefault(target.module, {}).setdefault(target.attr, snapshot)
+
+
+def keep_base(target: LayerTarget) -> None:
+    """Record that ``target`` is served on its base as it is (its terms added at run time,
+    :mod:`lora_cache.rounding`): the model counts as merged, and unmerge reinstalls it."""
+    _remember(target, Snapshot(original=target.current))
 
 
 def merge_in_place(target: LayerTarget, scratch: Scratch, workers=None, kernel: str = FP32_ROWS,

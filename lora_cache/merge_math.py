@@ -14,9 +14,14 @@ They can differ in the last bit of a few elements (the matrix kernels order the 
 products differently), so the choice is never left to chance: :mod:`lora_cache.kernels`
 picks one by timing both on the machine, remembers it, and the cache key names it.
 
-Variants whose merge is not ``W + scale * B @ A`` (DoRA's magnitude vectors, LoHa,
-LoKr, ...) are refused with the key named: merging them as plain LoRA would be wrong
-without any error.
+DoRA is merged as peft's ``merge_and_unload`` merges it: ``W' = m / ||W + s B A|| *
+(W + s B A)``, the norm taken over each output row (the DoRA paper's column norm of
+``W^T``), in fp32 and rounded once with the rest of the sum. The norm is a row's own,
+so it fits the row blocks as they are. Several adapters apply in the order given, each
+DoRA term to what the terms before it made, as peft merges adapters one after another.
+
+Other variants whose merge is not ``W + scale * B @ A`` (LoHa, LoKr, ...) are refused
+with the key named: merging them as plain LoRA would be wrong without any error.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from hostmem.errors import HostmemError, InputError
 from .buffers import Scratch, compute_device, host_buffer
 
 __all__ = [
@@ -59,7 +65,6 @@ BF16_ADDMM = "bf16-addmm"  # torch's bf16 addmm into the output, fp32 inside, on
 
 # Markers of adapter variants whose merge is not W + scale * B @ A.
 _UNSUPPORTED = {
-    "lora_magnitude_vector": "DoRA (magnitude vector)",
     "dora_scale": "DoRA (dora_scale)",
     "hada_w1_a": "LoHa",
     "hada_w1_b": "LoHa",
@@ -85,7 +90,7 @@ _UNSUPPORTED = {
 }
 
 
-class UnsupportedAdapterError(ValueError):
+class UnsupportedAdapterError(HostmemError, ValueError):
     """An adapter uses a variant this merge cannot reproduce; the message names the key."""
 
 
@@ -107,7 +112,7 @@ def lora_scale(strength: float, alpha: float | None, rank: int, rslora: bool = F
     ``alpha`` defaults to the rank, so an adapter that stores none is scaled by its strength.
     """
     if rank <= 0:
-        raise ValueError(f"LoRA rank must be positive, got {rank}")
+        raise InputError(f"LoRA rank must be positive, got {rank}")
     alpha = float(rank) if alpha is None else float(alpha)
     return float(strength) * alpha / (math.sqrt(rank) if rslora else rank)
 
@@ -117,6 +122,8 @@ class Delta:
     """One adapter's change to one parameter: ``scale * up @ down`` and/or ``diff_scale * diff``.
 
     ``up`` is (out, rank) or (out, rank, 1, 1); ``down`` is (rank, in) or (rank, in, kh, kw).
+    ``magnitude`` (DoRA, shape (out,)): the rows of ``W + scale * up @ down`` are rescaled
+    to it (see the module's docstring).
     ``source`` names the adapter file and key for error messages; ``values_check`` is the
     file's check of its values, run before they are first consumed
     (:func:`lora_cache.adapters.checks.check_before_use`).
@@ -129,9 +136,15 @@ class Delta:
     diff: torch.Tensor | None = None
     diff_scale: float = 1.0
     values_check: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    magnitude: torch.Tensor | None = None
 
     def check(self) -> None:
         """Refuse what ``up @ down`` cannot express, before any layer is merged."""
+        if self.magnitude is not None and (self.up is None or self.magnitude.numel() != self.up.shape[0]):
+            raise UnsupportedAdapterError(
+                f"{self.source}: a DoRA magnitude vector of {self.magnitude.numel()} values does not fit the "
+                f"{'missing' if self.up is None else self.up.shape[0]} rows of its LoRA pair; the file is damaged"
+            )
         if self.up is not None and self.up.dim() == 4 and tuple(self.up.shape[2:]) != (1, 1):
             raise UnsupportedAdapterError(
                 f"{self.source}: conv LoRA with a {tuple(self.up.shape[2:])} up kernel is not "
@@ -165,6 +178,7 @@ class Term:
     scale: float
     diff: torch.Tensor | None
     diff_scale: float
+    magnitude: torch.Tensor | None = None  # fp32 (rows,): DoRA
 
     @classmethod
     def of(cls, delta: Delta, device: torch.device, fp32: bool = True) -> "Term":
@@ -174,7 +188,8 @@ class Term:
             delta.check()
             up, down = _as_matrix(delta.up, device, fp32), _as_matrix(delta.down, device, fp32)
         diff = None if delta.diff is None else delta.diff.to(device)
-        return cls(up, down, delta.scale, diff, delta.diff_scale)
+        magnitude = None if delta.magnitude is None else delta.magnitude.to(device=device, dtype=torch.float32)
+        return cls(up, down, delta.scale, diff, delta.diff_scale, magnitude)
 
 
 def row_blocks(shape: tuple[int, ...], device: torch.device) -> list[slice]:
@@ -232,7 +247,7 @@ def one_pass_kind(dtype: torch.dtype, ndim: int, deltas: list[Delta], device: to
     kernel wisdom keeps it) spares a start its first bf16 addmm."""
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or ndim < 2:
         return False
-    if len(deltas) != 1 or deltas[0].up is None or deltas[0].diff is not None:
+    if len(deltas) != 1 or deltas[0].up is None or deltas[0].diff is not None or deltas[0].magnitude is not None:
         return False
     delta = deltas[0]
     return delta.up.dtype == delta.down.dtype == torch.bfloat16
@@ -269,12 +284,16 @@ def _sum_block(acc: torch.Tensor, base: torch.Tensor, terms: list[Term], rows: s
 
 
 def add_terms(block: torch.Tensor, terms: list[Term], rows: slice) -> None:
-    """block += every term's ``rows``, in the order given (block: one row block)."""
+    """block += every term's ``rows``, in the order given (block: one row block); a DoRA
+    term then rescales each row to its magnitude over the row's norm, as peft does."""
     for term in terms:
         if term.up is not None:
             block.view(block.shape[0], -1).addmm_(term.up[rows], term.down, alpha=term.scale)
         if term.diff is not None:
             block.add_(term.diff[rows], alpha=term.diff_scale)
+        if term.magnitude is not None:
+            flat = block.view(block.shape[0], -1)
+            flat.mul_((term.magnitude[rows] / torch.linalg.vector_norm(flat, dim=1)).unsqueeze(1))
 
 
 def _block_ends(shape: tuple[int, ...], itemsize: int, blocks: list[slice]) -> list[int]:

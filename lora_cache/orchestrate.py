@@ -14,28 +14,30 @@ import contextlib
 import functools
 import os
 import warnings
-from dataclasses import asdict
 from typing import NamedTuple
 
 import torch
 
-from hostmem.safetensors_header import read_header
+from hostmem.errors import InputError
 
-from .adapters import Adapter, AdapterFile, as_adapters, read_adapters
+from .adapters import AdapterFile, as_adapters, read_adapters
 from .adapters.conversion_memo import ValuesNeeded
+from .base_shards import base_positions, base_shards
+from .combination import MERGE_POLICY, combination_key, inputs_but_base, kernel_roots, merge_policy
 from .kernels import KernelPlan, plan_for_targets
 from .kernels.precision import fp32_matmul_precision
 from .keys import ModuleIndex, plan_deltas
 from .layer_loop import CacheBuildError, MergeStats, cyclic_gc_paused, merge_layers
-from .layers import AddressSpace, LayerTarget, components_of, is_merged, named_parameters, unmerge
+from .layers import AddressSpace, LayerTarget, components_of, is_merged, keep_base, named_parameters, unmerge
 from .merge_math import compute_device
+from .rounding import check_policy, is_stand_in, say, split_lossy
+from .runtime_lora import apply_runtime
 from .process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
 from .switch import DISABLE_ENV, cache_disabled_by_env
 from .tp_shards import check_shards, full_shapes, shape_notes, split_shards
-from hostmem.vault import CacheKey, Vault, cache_key
+from hostmem.vault import Vault, cache_key
 from hostmem.vault.fold import FoldedSession, plan_fold, wait_for_a_folded_build
 from hostmem.vault.roots import cache_roots, open_in_roots
-from hostmem.vault.safety import root_is_read_only
 
 __all__ = [
     "CacheBuildError",
@@ -50,26 +52,6 @@ __all__ = [
     "base_shards",
     "combination_key",
 ]
-
-MERGE_POLICY = "fp32-sum-in-row-blocks-in-adapter-order-cast-once-v3"  # change when merged bytes would change
-
-
-def merge_policy(device: torch.device | str | None = None, kernels: KernelPlan | None = None) -> str:
-    """The merge policy as the key records it: :data:`MERGE_POLICY` on the compute device's
-    type, the kernel chosen for each shape class that has a choice, and how torch runs
-    fp32 matmuls on that device where this process lets it narrow them (TF32, bf16).
-
-    The same fp32 sum can round differently on a GPU (its addmm) and on the CPU, the
-    CPU's kernels differ in the last bit of a few elements, and a narrowed fp32 matmul
-    rounds an fp32 adapter's factors, so a cache built one way is never served to starts
-    that would merge another (see :mod:`lora_cache.kernels`).
-    """
-    device = torch.device(device) if device is not None else compute_device()
-    chosen = kernels.describe() if kernels is not None else ""
-    narrowed = fp32_matmul_precision(device.type)
-    return (f"{MERGE_POLICY}@{device.type}" + (f"+{chosen}" if chosen else "")
-            + ("" if narrowed == "ieee" else f"+fp32-matmul={narrowed}"))
-
 
 def _warn_if_narrowed(device) -> None:
     """Say so where this process lets torch narrow the merge's fp32 matmuls: the merged
@@ -100,129 +82,32 @@ def plan_targets(model, adapters, shards=None, memo_roots=None) -> tuple[list[La
     index = ModuleIndex(full_shapes(shapes, held), components, shape_notes(shapes, held))
     planned = plan_deltas(list(zip(files, adapters)), index)
     targets = [LayerTarget(name, *params[name], deltas, shard=held.get(name)) for name, deltas in planned.items()]
+    if shards is None:
+        _name_in_component(targets, components)
     for target in targets:
         if not target.current.is_floating_point():
-            raise ValueError(
+            raise InputError(
                 f"{target.deltas[0].source} changes {target.name!r}, which is {target.current.dtype}: "
                 "lora_cache merges into floating-point weights only (dequantize the base first)"
             )
     return targets, files
 
 
-def _mapped_file(target: LayerTarget, space: AddressSpace) -> str | None:
-    """The file the target's base weight is a mapped view of, or None."""
-    area = space.area_of(target.current)
-    path = area.path if area is not None and area.is_file else None
-    if path is None or not path.startswith("/") or path.endswith(" (deleted)"):
-        return None
-    return path
-
-
-def _dotted_suffixes(name: str) -> list[str]:
-    """``a.b.c`` -> ``["a.b.c", "b.c", "c"]``."""
-    parts = name.split(".")
-    return [".".join(parts[i:]) for i in range(len(parts))]
-
-
-def _shards_by_header(targets: list[LayerTarget], base_files: list[str]) -> set[str]:
-    """The given shards whose headers hold the targets: same shape, and the same name up to
-    wrapper prefixes on either side (``dit.blocks.0.w`` / ``model.blocks.0.w`` / ``blocks.0.w``).
-
-    When a target is found in none of them (renamed on load, say), every given shard is
-    kept: the key then covers more than it needs, never less.
-    """
-    exact: dict[str, list[tuple[str, tuple]]] = {}  # tensor name -> (shard, shape)
-    ending: dict[str, list[tuple[str, tuple]]] = {}  # every dotted suffix of a tensor name -> (shard, shape)
-    for path in base_files:
-        for name, info in read_header(path).tensors.items():
-            exact.setdefault(name, []).append((path, tuple(info.shape)))
-            for suffix in _dotted_suffixes(name):
-                ending.setdefault(suffix, []).append((path, tuple(info.shape)))
-    found = set()
+def _name_in_component(targets: list[LayerTarget], components: tuple[str, ...]) -> None:
+    """Name the targets as their one component names them, where every target lies in the same
+    component of a dict of models (a pipeline's transformer): the layers, and the key's
+    canonical form, are then the ones a merge into that component alone (or into its
+    checkpoint, ``hostmem lora merge``) stores, and each serves the others."""
+    owners = {next((c for c in components if t.name.startswith(c + ".")), None) for t in targets}
+    if len(owners) != 1 or None in owners:
+        return
+    (owner,) = owners
     for target in targets:
-        shape = tuple(target.current.shape)
-        shorter = [c for suffix in _dotted_suffixes(target.name)[1:] for c in exact.get(suffix, [])]
-        candidates = ending.get(target.name, []) + shorter
-        holders = {path for path, held in candidates if held == shape}
-        if not holders:
-            return set(base_files)
-        found |= holders
-    return found
+        target.name = target.name[len(owner) + 1:]
 
 
-def base_shards(targets: list[LayerTarget], base_files: list[str] | None, space: AddressSpace) -> list[str]:
-    """The checkpoint shards that hold the targets' base weights: the base part of the key.
-
-    Only those shards decide the merged bytes, so only they enter the key, however the
-    merge learns of them, and every way gives the same set: a weight that is a view of a
-    mapped file (``hostmem.load_readonly``, safetensors' own mmap, ``hostmem lora
-    merge``) names its shard itself; for the others, ``base_files`` (every shard of the
-    checkpoint will do) is narrowed to the shards whose headers hold them. A shard
-    without targets (the norms, the embeddings) may change without losing the cache.
-    """
-    files, unplaced = set(), []
-    for target in targets:
-        path = _mapped_file(target, space)
-        if path is None:
-            unplaced.append(target)
-        else:
-            files.add(path)
-    if unplaced and base_files is None:
-        names = [t.name for t in unplaced]
-        raise ValueError(
-            f"cannot tell which checkpoint {len(names)} weight(s) come from ({', '.join(names[:3])}"
-            f"{', ...' if len(names) > 3 else ''}): they are not views of a mapped file. Pass "
-            "base_files=[the .safetensors shards the model was loaded from], or enabled=False to merge in place"
-        )
-    if unplaced:
-        files |= _shards_by_header(unplaced, [os.path.realpath(os.fspath(p)) for p in base_files])
-    return sorted(files)
-
-
-def _key_extras(adapter: AdapterFile, spec: Adapter) -> dict:
-    """Inputs of the merged bytes that the adapter file's content hash does not cover."""
-    config = asdict(adapter.config) if adapter.config is not None else None
-    rules = [list(r.values()) if isinstance(r, dict) else list(r) for r in spec.rules]
-    return {"rules": rules, "rslora": spec.rslora, "peft_config": config, **adapter.key_extras}
-
-
-def _inputs_but_base(vault, files, specs, dtypes, device, kernels, sharding: str) -> tuple[list[dict], str, str]:
-    """``(adapter identities, target dtype, merge policy)``: the key's inputs besides the base."""
-    identities = [
-        {**vault.adapter_identity(f.path, s.strength, s.alpha), **_key_extras(f, s)} for f, s in zip(files, specs)
-    ]
-    target_dtype = ",".join(sorted({str(d).removeprefix("torch.") for d in dtypes}))
-    policy = merge_policy(device, kernels) + (f"+{sharding}" if sharding else "")
-    return identities, target_dtype, policy
-
-
-def combination_key(
-    vault, files: list[AdapterFile], specs: list[Adapter], shards: list[str], dtypes, device=None, kernels=None,
-    sharding: str = "",
-) -> CacheKey:
-    """The vault key of merging ``files`` (as ``specs`` ask) into the checkpoint ``shards``
-    (the ones holding the targets: :func:`base_shards`), summed on ``device``
-    (default: the compute device) by ``kernels`` (see :func:`merge_policy`). ``sharding``
-    names the tensor-parallel part the layers are (:meth:`lora_cache.tp_shards.Shard.describe`)."""
-    rest = _inputs_but_base(vault, files, specs, dtypes, device, kernels, sharding)
-    return cache_key(vault.base_identity(shards), *rest)
-
-
-def _base_positions(targets: list[LayerTarget], shards: list[str], space: AddressSpace) -> dict[str, int | None]:
-    """Where each target's base starts in ``shards`` laid end to end (None where it is not
-    a view of one of them): the order a folded build reads them in (:mod:`hostmem.vault.fold`)."""
-    starts, at = {}, 0
-    for path in shards:
-        starts[path] = at
-        at += os.path.getsize(path)
-    positions = {}
-    for target in targets:
-        area = space.area_of(target.current)
-        path = _mapped_file(target, space)
-        real = os.path.realpath(path) if path is not None else None
-        positions[target.name] = (None if real not in starts else
-                                  starts[real] + area.offset + target.current.data_ptr() - area.start)
-    return positions
+def _planned(targets: list[LayerTarget]) -> dict:
+    return {t.name: t.deltas for t in targets}
 
 
 def why_in_place(enabled: bool) -> str | None:
@@ -232,11 +117,6 @@ def why_in_place(enabled: bool) -> str | None:
     if cache_disabled_by_env():
         return f"the LoRA merge cache is turned off ({DISABLE_ENV}=1)"
     return None
-
-
-def _writable_root(roots: list[str] | None) -> str | None:
-    """The first root that can be written (where the kernel timings are kept), or None."""
-    return next((r for r in roots or [] if not root_is_read_only(r)), None)
 
 
 class OpenCombination(NamedTuple):
@@ -254,7 +134,8 @@ class OpenCombination(NamedTuple):
 
 
 def open_combination(planned, specs, cache_root=None, *, max_size=None, base_files=None, device=None,
-                     kernels: KernelPlan | None = None, sharding: str = "") -> OpenCombination:
+                     kernels: KernelPlan | None = None, sharding: str = "", rounding: str = "runtime",
+                     at_runtime: frozenset[str] = frozenset(), form: dict | None = None) -> OpenCombination:
     """Open the vault session of merging ``specs`` as :func:`merge` would, without merging.
 
     ``planned`` is what :func:`plan_targets` returned for ``specs``; only the host (CPU)
@@ -263,21 +144,35 @@ def open_combination(planned, specs, cache_root=None, *, max_size=None, base_fil
     :func:`merge` would choose). For a caller that drives the layers itself
     (:mod:`lora_cache.adapter_switch`): ``session.complete`` says whether every layer is
     held, and :func:`merge_layers` takes the session. ``sharding``: the targets are
-    tensor-parallel parts merged apart (see :func:`combination_key`).
+    tensor-parallel parts merged apart (see :func:`combination_key`). ``rounding``: the
+    rounding policy (:mod:`lora_cache.rounding`); ``at_runtime``: names of targets kept
+    at run time, part of the key's inputs but never expected in the vault; ``form``: the
+    deltas by layer name the key covers (default: the host targets'; a tensor-parallel
+    rank's are the whole model's, as a single-process merge's).
     """
+    return _open_in(planned, specs, cache_roots(cache_root), max_size=max_size, base_files=base_files, device=device,
+                    kernels=kernels, sharding=sharding, rounding=rounding, at_runtime=at_runtime, form=form)
+
+
+def _open_in(planned, specs, roots: list[str], *, max_size=None, base_files=None, device=None,
+             kernels: KernelPlan | None = None, sharding: str = "", rounding: str = "runtime",
+             at_runtime: frozenset[str] = frozenset(), form: dict | None = None) -> OpenCombination:
+    """:func:`open_combination` in ``roots`` as :func:`~hostmem.vault.roots.cache_roots` gave
+    them: :func:`merge` resolves its ``cache_root`` once and walks it with that list."""
     targets, files = planned
     host = [t for t in targets if t.current.device.type == "cpu"]
-    roots = cache_roots(cache_root)
     if kernels is None:
-        kernels = plan_for_targets(targets, device, _writable_root(roots))
+        kernels = plan_for_targets(targets, device, kernel_roots(roots))
     space = AddressSpace()
     shards = base_shards(host, base_files, space)
     vaults = [Vault(root, max_size) for root in roots]
     keyer = next((v for v in vaults if not v.read_only), vaults[0])  # its memo spares the next start a rehash
-    rest = _inputs_but_base(keyer, files, specs, {t.current.dtype for t in host}, device, kernels, sharding)
+    rest = inputs_but_base(keyer, files, specs, {t.current.dtype for t in host}, device, kernels, sharding, rounding,
+                           planned=_planned(host) if form is None else form)
+    host = [t for t in host if t.name not in at_runtime]
     expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in host}
     fold = plan_fold(vaults, shards, *rest)  # a new base: hashed beside the build, when no root can hold it
-    session = fold.open(expected, _base_positions(host, fold.paths, space)) if fold is not None else None
+    session = fold.open(expected, base_positions(host, fold.paths, space)) if fold is not None else None
     if session is not None:
         return OpenCombination(session.key, session.vault.root, session)
     wait_for_a_folded_build(vaults, shards, rest)  # one building it still: it names it by the real key soon
@@ -301,6 +196,7 @@ def merge(
     unmergeable: bool = False,
     rank_timeout: float = DEFAULT_TIMEOUT,
     shards: dict | None = None,
+    rounding: str = "runtime",
 ) -> MergeStats:
     """Merge ``adapters`` into ``model`` and return what it took.
 
@@ -334,14 +230,19 @@ def merge(
     and each part gets exactly its part of a single-process merge: rows as a view of the
     whole merged layer's file, columns from a file of their own whose key names the
     sharding (see :mod:`lora_cache.tp_shards`; ``stats.shard_keys`` lists those keys).
+    ``rounding``: what to do with a layer whose merged weight would lose a material share
+    of its update to rounding (:mod:`lora_cache.rounding`): ``"runtime"`` keeps its terms
+    at run time on the base, ``"merge"`` merges anyway, ``"refuse"`` raises; any loss is
+    said in one line and recorded in ``stats.rounding``.
 
     >>> stats = lora_cache.merge(dit, [("turbo.safetensors", 1.0)], cache_root="~/.cache/hostmem")  # doctest: +SKIP
     >>> lora_cache.unmerge(dit)                                                                       # doctest: +SKIP
     """
     if is_merged(model):
-        raise ValueError("the model is already merged; call lora_cache.unmerge(model) before merging again")
+        raise InputError("the model is already merged; call lora_cache.unmerge(model) before merging again")
     specs = as_adapters(adapters)
     rank_timeout = check_rank_timeout(rank_timeout)
+    check_policy(rounding)
     off = why_in_place(enabled)
     roots = None if off else cache_roots(cache_root)
     if roots is not None:
@@ -350,30 +251,37 @@ def merge(
     group = distributed_group()
     memo_roots = roots if shards is None and group is None else None
     targets, files = plan_targets(model, specs, shards, memo_roots)
+    form = _planned([t for t in targets if t.current.device.type == "cpu"])  # what the key covers
     split = split_shards(targets, roots is not None, base_files) if shards is not None else None
     if split is not None:  # tensor-parallel parts: whole layers for rows, the columns merged apart after
         targets = split.targets
     key, root, cache_targets = None, None, [t for t in targets if t.current.device.type == "cpu"]
     session_cm = contextlib.nullcontext()
-    kernels = (split.choose_kernels(device, _writable_root(roots)) if split is not None  # timed once per machine
-               else plan_for_targets(targets, device, _writable_root(roots)))
+    timings = kernel_roots(roots)  # each checked before the timings are written in it
+    kernels = (split.choose_kernels(device, timings) if split is not None  # timed once per machine
+               else plan_for_targets(targets, device, timings))
+    keyed = targets  # the key covers every target, whichever way it is then served
+    targets, at_runtime, check = split_lossy(targets, rounding)
+    kept_apart = frozenset(t.name for t in at_runtime)
     shares = None
     if roots and cache_targets:
         if group is not None:  # the ranks of a host first build the misses together
             from .shared_build import build_shares
 
             shares = build_shares(cache_targets, files, specs, roots, max_size, base_files, device, kernels,
-                                  progress, rank_timeout)
+                                  progress, rank_timeout, kept_apart, form)
         if shares is None or shares.in_place is None:  # else the host's ranks merge in place, warned once each
-            key, root, session_cm = open_combination((targets, files), specs, roots, max_size=max_size,
-                                                     base_files=base_files, device=device, kernels=kernels)
+            key, root, session_cm = _open_in((keyed, files), specs, roots, max_size=max_size, base_files=base_files,
+                                             device=device, kernels=kernels, rounding=rounding, form=form,
+                                             at_runtime=kept_apart)
             if isinstance(session_cm, FoldedSession):  # the one place the build's read order changes
                 targets = session_cm.in_file_order(targets)
     session = None
     try:
         with session_cm as session:
-            stats = _merge_planned(model, specs, targets, session, device=device, progress=progress,
-                                   fallback=fallback, kernels=kernels, unmergeable=unmergeable)
+            stats = _merge_planned(model, specs, (targets, at_runtime, check), session, rounding=rounding,
+                                   device=device, progress=progress, fallback=fallback, kernels=kernels,
+                                   unmergeable=unmergeable)
     except BaseException as exc:
         unmerge(model, strict=False)  # a failed merge leaves the model as it found it, where it kept the base
         if isinstance(exc, KeyboardInterrupt) and session is not None:
@@ -396,20 +304,36 @@ def merge(
     return stats
 
 
-def _merge_planned(model, specs, targets, session, **options) -> MergeStats:
-    """:func:`merge_layers`; when ``targets`` were planned from conversion records (no
-    values) and a layer must be computed, it stops before any weight changes: the adapters
-    are then converted and the merge planned again, with the same key and kernels."""
+def _merge_planned(model, specs, planned, session, *, rounding: str = "runtime", **options) -> MergeStats:
+    """:func:`merge_layers` of the targets to merge, then the lossy ones hooked at run time
+    (``planned``: :func:`lora_cache.rounding.split_lossy`'s three). When the targets were
+    planned from conversion records (no values) and a layer must be computed, it stops
+    before any weight changes: the adapters are then converted, the targets planned and
+    measured again, and merged with the same key and kernels (a lossy layer is never
+    stored under the default policy, so it is always such a miss)."""
+    targets, at_runtime, check = planned
     try:
-        return merge_layers(targets, session, **options)
+        stats = merge_layers(targets, session, **options)
     except ValuesNeeded:
-        return merge_layers(plan_targets(model, specs)[0], session, **options)
+        names = {t.name for t in targets} | {t.name for t in at_runtime}
+        again = [t for t in plan_targets(model, specs)[0] if t.name in names]
+        targets, at_runtime, check = split_lossy(again, rounding)
+        stats = merge_layers(targets, session, **options)
+    say(check)
+    if at_runtime:  # a checkpoint's tree (hostmem lora merge) has no forward: they are left unbuilt
+        apply_runtime([t for t in at_runtime if not is_stand_in(t)])  # refuses before hooking anything
+        for target in at_runtime:
+            keep_base(target)
+    stats.layers += len(at_runtime)
+    stats.at_runtime = len(at_runtime)
+    stats.rounding = check.to_dict()
+    return stats
 
 
 def _merge_apart(targets, sharding: str, *, files, specs, roots, open_options, loop_options) -> MergeStats:
     """Merge tensor-parallel parts that are not a view of a whole layer through a
     combination of their own, whose key names the ``sharding``."""
-    key, root, session_cm = open_combination((targets, files), specs, roots, sharding=sharding, **open_options)
+    key, root, session_cm = _open_in((targets, files), specs, roots, sharding=sharding, **open_options)
     with session_cm as session:
         stats = merge_layers(targets, session, **loop_options)
     stats.cache_key, stats.cache_root = session.key, session.vault.root

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+from hostmem.errors import InputError
+
 __all__ = ["DEFAULT_TIMEOUT", "check_rank_timeout", "distributed_group"]
 
 DEFAULT_TIMEOUT = 600.0
@@ -23,7 +25,7 @@ def check_rank_timeout(value) -> float:
     except (TypeError, ValueError):
         seconds = math.nan
     if isinstance(value, bool) or not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"rank_timeout={value!r}: expected a number of seconds above 0 (for example 600)")
+        raise InputError(f"rank_timeout={value!r}: expected a number of seconds above 0 (for example 600)")
     return seconds
 
 

@@ -5,17 +5,19 @@ of the same size, so it commits ``2 x lora target bytes`` of memory the kernel c
 reclaim. The cached merge keeps both file-backed. The offer says so, with the disk
 the cache needs and the one-time cost of building it (none when it is already built).
 
-The planner's interface is met by attribute names (``provider``, ``component``,
-``anonymous_bytes``, ``disk_bytes``, ``one_time_s``, ``note``): imports point down,
-so nothing here imports ``planners``.
+The offer has the fields of :class:`hostmem.providers.OfferRecord`, the protocol every
+provider meets, and one more; nothing here imports ``planners``.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections import namedtuple
 from dataclasses import dataclass
 
+from hostmem.errors import InputError
+from hostmem.providers import OFFER_FIELDS
 from hostmem.safetensors_header import read_header
 from hostmem.units import format_rate, format_size
 
@@ -32,17 +34,11 @@ DEFAULT_BUILD_RATE = 300 * 1024 * 1024
 LAYER_FILE_OVERHEAD = 4096
 
 
-@dataclass(frozen=True)
-class LoraCacheOffer:
-    """Anonymous bytes the cache turns into mapped ones, and what that costs."""
+class LoraCacheOffer(namedtuple("LoraCacheOffer", [*OFFER_FIELDS, "transient_bytes"], defaults=(0,))):
+    """Anonymous bytes the cache turns into mapped ones, and what that costs; beside an
+    offer's fields, ``transient_bytes``: the one-layer buffers a cached merge holds while it runs."""
 
-    provider: str
-    component: str
-    anonymous_bytes: int
-    disk_bytes: int
-    one_time_s: float
-    note: str
-    transient_bytes: int = 0  # the one-layer buffers a cached merge holds while it runs
+    __slots__ = ()
 
 
 @dataclass(frozen=True)
@@ -66,7 +62,7 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
     from .adapters import as_adapters, read_adapter  # torch: only when files are read
     from .keys import ModuleIndex, plan_deltas
     from .kernels import plan_kernels
-    from .orchestrate import combination_key
+    from .combination import combination_key
     from hostmem.vault import Vault
 
     infos, holder = {}, {}
@@ -84,7 +80,8 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
         shards = sorted({holder[name] for name in planned})  # the key covers the shards holding targets
         layers = ((infos[name].shape, infos[name].torch_dtype, deltas) for name, deltas in planned.items())
         kernels = plan_kernels(layers, None, vault.root)  # the key names the kernels a build would use
-        key = combination_key(vault, files, specs, shards, {i.torch_dtype for i in chosen}, None, kernels).hex
+        key = combination_key(vault, files, specs, shards, {i.torch_dtype for i in chosen}, None, kernels,
+                              planned=planned).hex
         cached = any(c.key == key and c.complete for c in vault.combinations())
     return TargetLayers(
         names=tuple(planned),
@@ -117,9 +114,10 @@ class LoraCacheProvider:
         cached: bool = False,
         enabled: bool = True,
         build_rate: float = DEFAULT_BUILD_RATE,
+        in_place_bytes: int | None = None,
     ):
         if lora_target_bytes < 0:
-            raise ValueError(f"lora target bytes of {component!r} must not be negative, got {lora_target_bytes}")
+            raise InputError(f"lora target bytes of {component!r} must not be negative, got {lora_target_bytes}")
         self.component = component
         self.lora_target_bytes = int(lora_target_bytes)
         self.layers = layers
@@ -128,6 +126,9 @@ class LoraCacheProvider:
         self.cached = cached
         self.enabled = enabled and not cache_disabled_by_env()
         self.build_rate = build_rate
+        # What the in-place merge commits: 2 x targets over weights loaded copied (merged layers +
+        # unmerge snapshot); the planner passes its own prediction so one report has one price.
+        self.in_place_bytes = 2 * self.lora_target_bytes if in_place_bytes is None else int(in_place_bytes)
 
     @classmethod
     def from_checkpoint(cls, component: str, shard_paths: list[str], adapters, cache_root=None, **kwargs):
@@ -155,12 +156,14 @@ class LoraCacheProvider:
             how = "already built: a start maps it back, no merge"
         else:
             how = f"built once in about {seconds:.0f} s at {format_rate(self.build_rate)}, then reused"
+        in_place = self.in_place_bytes
+        parts = "merged weights + unmerge snapshot" if in_place > targets else "merged weights"
         note = (
             f"LoRA merge of {format_size(targets)} in {self.component}: in place it costs "
-            f"{format_size(2 * targets)} anonymous (merged layers + unmerge snapshot); cached it stays "
+            f"{format_size(in_place)} anonymous ({parts}); cached it stays "
             f"file-backed ({format_size(disk)} of disk; {how})"
         )
-        return LoraCacheOffer(self.name, self.component, 2 * targets, disk, seconds, note, transient)
+        return LoraCacheOffer(self.name, self.component, in_place, disk, seconds, note, transient)
 
     def __repr__(self) -> str:
         return (

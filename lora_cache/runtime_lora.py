@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hostmem.errors import InputError
 from .adapters.checks import check_before_use
 from .layers import LayerTarget
 
@@ -35,6 +36,9 @@ def unsupported_reason(target: LayerTarget) -> str | None:
     if not isinstance(target.module, nn.Linear):
         return f"{target.name!r} belongs to a {type(target.module).__name__}, not an nn.Linear"
     if target.attr == "weight":
+        dora = [d.source for d in target.deltas if d.magnitude is not None]
+        if dora:
+            return f"{dora[0]}: a DoRA term (its rows are rescaled by the merged weight's norms)"
         bad = [d.source for d in target.deltas if d.up is not None and (d.up.dim() != 2 or d.down.dim() != 2)]
         return f"{bad[0]}: not a 2-D LoRA pair" if bad else None
     if target.attr == "bias":
@@ -113,7 +117,7 @@ def apply_runtime(targets: list[LayerTarget]) -> int:
     for target in targets:
         reason = unsupported_reason(target)
         if reason is not None:
-            raise ValueError(f"cannot apply {reason} at run time")
+            raise InputError(f"cannot apply {reason} at run time")
     check_before_use(d for t in targets for d in t.deltas)
     for target in targets:
         module = target.module

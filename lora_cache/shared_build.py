@@ -57,8 +57,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from hostmem.errors import InputError
 from hostmem.units import format_size
 
+from .base_shards import base_shards
+from .combination import combination_key, inputs_but_base
 from .kernels.workers import cpu_count, workers_at_most
 from .layer_loop import CacheBuildError, MergeStats, merge_layers
 from .layers import AddressSpace, LayerTarget
@@ -200,7 +203,7 @@ def _same_key(host: list[tuple[int, dict]], key: str) -> None:
     """Every rank of the host computed ``key``; else name the ranks that differ."""
     other = [(rank, p["key"]) for rank, p in host if p["key"] != key]
     if other:
-        raise ValueError(
+        raise InputError(
             "the ranks of this host computed different LoRA merge cache keys ("
             + ", ".join(f"rank {r}: {k[:12]}" for r, k in [(host[0][0], host[0][1]["key"]), *other])
             + "): every rank must merge the same adapters into the same checkpoint with the same "
@@ -213,39 +216,40 @@ def _keyer(vaults: list[Vault]) -> Vault:
     return next((v for v in vaults if not v.read_only), vaults[0])
 
 
-def _key_of(vaults: list[Vault], targets, files, specs, base_files, device, kernels):
-    from .orchestrate import base_shards, combination_key  # orchestrate imports this module
+def _form(targets, form: dict | None) -> dict:
+    """The deltas by layer name the key covers: ``merge``'s (the whole model's), else the targets'."""
+    return form if form is not None else {t.name: t.deltas for t in targets}
 
+
+def _key_of(vaults: list[Vault], targets, files, specs, base_files, device, kernels, form=None):
     shards = base_shards(targets, base_files, AddressSpace())
-    return combination_key(_keyer(vaults), files, specs, shards, {t.current.dtype for t in targets}, device, kernels)
+    return combination_key(_keyer(vaults), files, specs, shards, {t.current.dtype for t in targets}, device, kernels,
+                           planned=_form(targets, form))
 
 
 def _key_or_fold(vaults, targets, files, specs, base_files, device, kernels, index: int, count: int,
-                 timeout: float):
+                 timeout: float, form: dict | None = None):
     """``(key, None)`` with every input hashed first, together; or ``(provisional key,
     SharedFold)`` where the ranks hash the base beside their shares
     (:mod:`lora_cache.shared_fold`). A collective."""
-    from .orchestrate import _inputs_but_base, base_shards  # orchestrate imports this module
     from .shared_fold import fold_pays, plan_shared_fold
 
     memo_file = _keyer(vaults).memo_file
     shards = base_shards(targets, base_files, AddressSpace())
     if fold_pays(len(shards), count, os.cpu_count() or 1):  # the same on every rank of the host
         _hash_inputs(sorted({os.path.realpath(os.fspath(f.path)) for f in files}), index, count, memo_file, timeout)
-        rest = _inputs_but_base(_keyer(vaults), files, specs, {t.current.dtype for t in targets}, device, kernels,
-                                "")
+        rest = inputs_but_base(_keyer(vaults), files, specs, {t.current.dtype for t in targets}, device, kernels,
+                               "", planned=_form(targets, form))
         fold = plan_shared_fold(vaults, shards, rest, index, count, _split_files, timeout)
         if fold is not None:
             return fold.key, fold
     _hash_inputs(_input_files(targets, files, base_files), index, count, memo_file, timeout)
-    return _key_of(vaults, targets, files, specs, base_files, device, kernels), None  # from the digests
+    return _key_of(vaults, targets, files, specs, base_files, device, kernels, form), None  # from the digests
 
 
 def _input_files(targets, files, base_files) -> list[str]:
     """The files whose content digests the key is made of: the base's shards holding the
     targets, and the adapters."""
-    from .orchestrate import base_shards  # orchestrate imports this module
-
     paths = base_shards(targets, base_files, AddressSpace()) + [f.path for f in files]
     return sorted({os.path.realpath(os.fspath(p)) for p in paths})
 
@@ -303,12 +307,16 @@ def _agree(dist, vaults: list[Vault], key, expected: dict, leader: bool, no_room
 
 
 def build_shares(targets: list[LayerTarget], files, specs, roots: list[str], max_size, base_files, device,
-                 kernels, progress=None, timeout: float = DEFAULT_TIMEOUT) -> ShareOutcome | None:
+                 kernels, progress=None, timeout: float = DEFAULT_TIMEOUT,
+                 at_runtime: frozenset[str] = frozenset(), form: dict | None = None) -> ShareOutcome | None:
     """Build the missing layers of this combination across the ranks of this host (a
     collective: every rank of the world calls it). None when there is no process group,
     or nothing to build anywhere; else what this rank built (see the module's docstring),
     whose ``in_place`` says why the host could not store it (``merge`` then merges in
     place). ``timeout``: the seconds a rank waits for the others at each gather.
+    ``at_runtime``: targets the key covers that are served at run time, never built
+    (:mod:`lora_cache.rounding`); ``form``: the deltas by layer name the key covers
+    (``merge``'s; default: the targets').
     """
     dist = distributed_group()
     if dist is None or not roots or not targets:
@@ -319,19 +327,22 @@ def build_shares(targets: list[LayerTarget], files, specs, roots: list[str], max
     ranks = [rank for rank, _ in met]
     with RankWatch(met, dist.get_rank()).naming_the_dead("a shared LoRA merge build"):
         return _build_together(dist, targets, files, specs, [Vault(root, max_size) for root in roots], base_files,
-                               device, kernels, progress, timeout, ranks.index(dist.get_rank()), len(ranks))
+                               device, kernels, progress, timeout, ranks.index(dist.get_rank()), len(ranks),
+                               (at_runtime, form))
 
 
 def _build_together(dist, targets, files, specs, vaults, base_files, device, kernels, progress, timeout: float,
-                    index: int, count: int) -> ShareOutcome | None:
-    """:func:`build_shares` once the host's ranks have met: share ``index`` of ``count``."""
+                    index: int, count: int, keyed: tuple) -> ShareOutcome | None:
+    """:func:`build_shares` once the host's ranks have met: share ``index`` of ``count``
+    (``keyed``: its ``at_runtime`` and ``form``)."""
     from hostmem.host_ledger import gather_on_host
 
-    key, fold = _key_or_fold(vaults, targets, files, specs, base_files, device, kernels, index, count, timeout)
-    expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in targets}
-    no_room = None
-    if fold is not None and index == 0:  # before any rank can write a share there (the others wait below)
-        no_room = storing(fold.mark, key)[1]
+    at_runtime, form = keyed
+    key, fold = _key_or_fold(vaults, targets, files, specs, base_files, device, kernels, index, count, timeout,
+                             form)
+    expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in targets if t.name not in at_runtime}
+    # the lowest rank marks a provisional folder before any rank can write a share there (the others wait below)
+    no_room = storing(fold.mark, key)[1] if fold is not None and index == 0 else None
     anywhere, build_here, todo, no_room = _agree(dist, vaults, key, expected, index == 0, no_room)
     if not anywhere:
         return None

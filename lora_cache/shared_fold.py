@@ -40,6 +40,7 @@ from __future__ import annotations
 import os
 import threading
 
+from hostmem.errors import InputError
 from hostmem.host_ledger import gather_on_host
 from hostmem.vault.content_hash import CONTENT_HASH_MEMO, file_digest
 from hostmem.vault.durable import remove_tree
@@ -102,7 +103,7 @@ class SharedFold:
         try:
             for found in handed:
                 if found.get("error"):
-                    raise ValueError(f"the base could not be hashed for the LoRA merge cache key: {found['error']}")
+                    raise InputError(f"the base could not be hashed for the LoRA merge cache key: {found['error']}")
                 digests.update(found["digests"])
             memo_file = self.fold.writable.memo_file if self.index == 0 else None
             for path, stamp, known in self.fold.shards:
@@ -111,7 +112,7 @@ class SharedFold:
         except (ValueError, KeyError) as exc:
             if self.index == 0:
                 remove_tree(self.folder)
-            raise ValueError(f"{exc}; nothing built from it was kept") from None
+            raise InputError(f"{exc}; nothing built from it was kept") from None
         return self.fold.real_key([digests[path] for path in self.fold.paths])
 
     def rekey_after_seal(self, real: CacheKey):

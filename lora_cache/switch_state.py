@@ -24,6 +24,7 @@ class Pending:
     targets: list[LayerTarget]  # the live model's parameters
     stand_ins: list[LayerTarget]  # the same base tensors in modules of their own, for the build
     kernels: object  # the kernel plan the key is made with (lora_cache.kernels)
+    lossy: list[LayerTarget] = field(default_factory=list)  # kept at run time: merging rounds them away
     future: Future | None = None
     swap_error: BaseException | None = None
 

@@ -24,19 +24,23 @@ and remembered per deployment (``host.reserve: measured``, :mod:`planners.reserv
 ``reserve_source`` names which, and the report shows it.
 
 The limit is configured (a host convention: a large machine can stand in for a
-32 GiB one) or ``auto``: the tighter of MemTotal and the memory cgroup's limit,
+32 GiB one) or ``auto``: the live headroom (:mod:`planners.headroom`), the tighter of
+MemAvailable and the memory cgroup's limit less what others hold and cannot give back,
 since a cgroup charges page cache too and oversubscribing it gets the server killed.
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
+from hostmem.errors import InputError
 from hostmem.procfs import read_cgroup_memory, read_meminfo
 from hostmem.residency_classes import Residency
 from hostmem.units import format_size
 
 from .config import DeploymentConfig
+from .headroom import Headroom, read_headroom
 
 __all__ = ["HostLimit", "HostBudget", "resolve_host_limit", "read_host_limit", "host_budget"]
 
@@ -45,9 +49,11 @@ class HostLimit(NamedTuple):
     """The limit planned for, where it came from, and what this machine offers."""
 
     bytes: int
-    source: str  # "config", a HOSTMEM_* variable, "MemTotal" or "cgroup"
+    source: str  # "config", a HOSTMEM_* variable, "MemAvailable" or "cgroup" (auto), "MemTotal"
     mem_total: int
     cgroup_limit: int | None
+    headroom: Headroom | None = None  # auto: the figures the limit was made of, with their sources
+    gpus: int | None = None  # GPUs this machine shows (None: not looked for)
 
     @property
     def machine_bytes(self) -> int:
@@ -56,30 +62,54 @@ class HostLimit(NamedTuple):
 
 
 def resolve_host_limit(
-    configured: int | None, mem_total: int, cgroup_limit: int | None, configured_source: str = "config"
+    configured: int | None, mem_total: int, cgroup_limit: int | None, configured_source: str = "config",
+    headroom: Headroom | None = None,
 ) -> HostLimit:
-    """The configured limit, or (``None``) the tighter of MemTotal and the cgroup limit."""
+    """The configured limit, else (``None``) the live ``headroom``, else the tighter of
+    MemTotal and the cgroup limit."""
     if configured is not None:
         return HostLimit(configured, configured_source, mem_total, cgroup_limit)
+    if headroom is not None:
+        return HostLimit(headroom.bytes, headroom.source, mem_total, cgroup_limit, headroom)
     if cgroup_limit is not None and cgroup_limit < mem_total:
         return HostLimit(cgroup_limit, "cgroup", mem_total, cgroup_limit)
     return HostLimit(mem_total, "MemTotal", mem_total, cgroup_limit)
 
 
 def read_host_limit(config: DeploymentConfig) -> HostLimit:
-    """Resolve the config's host limit against this machine's /proc/meminfo and cgroup."""
+    """Resolve the config's host limit against this machine's /proc/meminfo and cgroup.
+
+    A reserve at or above a configured limit, or at or above what the machine has
+    (``auto``), is a config error; at or above the live headroom only, it is the plan's
+    verdict (it does not fit now).
+    """
     cgroup = read_cgroup_memory()
+    meminfo = read_meminfo()
     source = config.origin.overrides.get("host.limit", "config")
+    headroom = read_headroom() if config.host.limit is None else None
     limit = resolve_host_limit(
-        config.host.limit, read_meminfo().total, cgroup.limit_bytes if cgroup else None, source
+        config.host.limit, meminfo.total, cgroup.limit_bytes if cgroup else None, source, headroom
     )
-    if config.host.reserve >= limit.bytes:
+    limit = limit._replace(gpus=count_gpus())
+    # auto: a reserve above what the machine has is an error; above what is free now, the verdict
+    ceiling, named = (limit.bytes, limit.source) if headroom is None else (
+        limit.machine_bytes, "cgroup" if limit.machine_bytes != limit.mem_total else "MemTotal")
+    if config.host.reserve >= ceiling:
         raise config.origin.error(
             "host.reserve",
-            f"{format_size(config.host.reserve)} is not below the host limit of {format_size(limit.bytes)} "
-            f"({limit.source}); lower the reserve or configure host.limit",
+            f"{format_size(config.host.reserve)} is not below the host limit of {format_size(ceiling)} "
+            f"({named}); lower the reserve or configure host.limit",
         )
     return limit
+
+
+def count_gpus(dev: str = "/dev") -> int:
+    """GPUs this machine shows (NVIDIA's /dev/nvidiaN, AMD's /dev/kfd), without importing torch."""
+    try:
+        names = os.listdir(dev)
+    except OSError:
+        return 0
+    return sum(1 for n in names if n.startswith("nvidia") and n[6:].isdigit()) + ("kfd" in names)
 
 
 class HostBudget(NamedTuple):
@@ -121,7 +151,7 @@ def host_budget(
     """The budget of a host whose non-reclaimable memory is ``committed``, holding
     ``build_reserve`` back for pending adapter builds."""
     if build_reserve < 0:
-        raise ValueError(f"host_budget: build_reserve {build_reserve} must not be negative")
+        raise InputError(f"host_budget: build_reserve {build_reserve} must not be negative")
     return HostBudget(
         limit=limit,
         reserve=reserve,

@@ -3,13 +3,15 @@
 Each sub-command lives in its own module under ``planners.commands`` with a
 ``register(subparsers)`` that adds its parser and sets ``run``; ``run(args)``
 returns the exit code. Errors a person can act on are printed as one line
-``hostmem: error: ...`` with exit code 2, never as a traceback.
+``hostmem: error: ...`` with exit code 2, never as a traceback. The project's
+errors derive from :class:`hostmem.errors.HostmemError` (torch-free): one of them is
+a refusal a person can act on and is printed that way; any other exception is a
+bug and keeps its traceback, so that it can be found. An OSError is the system
+refusing (a file named on the command line, a cgroup it cannot create): one line too.
 
 Nothing here imports torch or the command modules' dependencies: a command imports
 what it needs when it runs, so ``inspect``, ``plan``, ``guard`` and ``cache`` start in
-a few tens of milliseconds (bench/bench_cli.py measures it). The project's errors are
-ValueErrors (SafetensorsError, ConfigError) or OSErrors (ProcReadError), so they are
-caught by their base classes without importing the modules that define them.
+a few tens of milliseconds (bench/bench_cli.py measures it).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import importlib
 import os
 import sys
 import warnings
+
+from hostmem.errors import HostmemError
 
 COMMANDS = ("inspect", "plan", "guard", "lora", "cache", "demo", "calibrate")
 
@@ -122,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `hostmem plan ... | head`: the reader left, nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    except ValueError as exc:  # SafetensorsError, ConfigError, a bad size or option
+    except HostmemError as exc:  # ConfigError, SafetensorsError, a bad size or option, ProcReadError
         print(f"hostmem: error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # ProcReadError, or a file or folder named on the command line
+    except OSError as exc:  # a file or folder named on the command line
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"hostmem: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Mapping, NamedTuple
 
+from hostmem.errors import InputError
 from hostmem.residency_classes import Residency
 from hostmem.units import format_size
 
@@ -19,6 +20,7 @@ from .device_plan import DevicePlan, plan_device
 from .pin_plan import CostModel, MoveGroup, PinPlans, plan_pins
 from .providers import OfferRecord, apply_offer, collect_offers
 from .sizes import ComponentSizes, sum_residency
+from .verdict import Verdict, verdict
 
 __all__ = ["AlternativePlan", "DeploymentPlan", "OfferOutcome", "plan_deployment", "cost_model"]
 
@@ -30,6 +32,8 @@ class OfferOutcome(NamedTuple):
     budget_bytes: int
     pinned_bytes: int
     transfer_s_per_request: float
+    fits: bool = True  # False: the plan with the offer is killed too, and serves no request
+    applied_bytes: int | None = None  # what the offer takes off this plan's component (at most what it holds)
 
 
 class AlternativePlan(NamedTuple):
@@ -43,6 +47,7 @@ class AlternativePlan(NamedTuple):
     pinned_layers: Mapping[str, tuple[str, ...]]
     transfer_s_per_request: float
     over_limit_bytes: int = 0  # committed beyond the host limit: killed while it loads, without swap
+    fits: bool = True  # the alternative's own verdict (planners.verdict)
 
 
 class DeploymentPlan(NamedTuple):
@@ -60,6 +65,11 @@ class DeploymentPlan(NamedTuple):
     alternatives: tuple[AlternativePlan, ...] = ()
     lora_merge: Mapping | None = None  # what lora_cache.merge did (MergeStats.to_dict()), live plans
     host_share: Mapping | None = None  # this rank's part of the host budget (HostShare.to_dict()), live plans
+    verdict: Verdict = Verdict(True, 0, ())  # whether it fits, and why not (planners.verdict)
+
+    @property
+    def fits(self) -> bool:
+        return self.verdict.fits
 
 
 def cost_model(config: DeploymentConfig) -> CostModel:
@@ -100,7 +110,7 @@ def _core(config, components, host: HostLimit, process_excess: int, build_reserv
 def _check_components(config: DeploymentConfig, components: Mapping[str, ComponentSizes]) -> None:
     missing = [name for name in config.components if name not in components]
     if missing:
-        raise ValueError(
+        raise InputError(
             f"{config.origin.path}: components {', '.join(missing)} are in the config but were not given "
             "to the planner; pass every configured component (or remove it from the config)"
         )
@@ -137,16 +147,21 @@ def plan_deployment(
     budget, device, pins = _core(config, components, host, process_excess, build_reserve)
     outcomes = []
     for record in collect_offers(providers, set(components)):
-        changed = {**components, record.component: apply_offer(components[record.component], record)}
-        b, _, p = _core(config, changed, host, process_excess, build_reserve)
-        outcomes.append(OfferOutcome(record, b.bytes, p.pinned_bytes, p.transfer_s_per_request))
+        before = components[record.component]
+        after = apply_offer(before, record)
+        changed = {**components, record.component: after}
+        b, d, p = _core(config, changed, host, process_excess, build_reserve)
+        applied = before.residency.anonymous - after.residency.anonymous
+        outcomes.append(OfferOutcome(record, b.bytes, p.pinned_bytes, p.transfer_s_per_request, verdict(b, d).fits,
+                                     applied))
     others = []
     for label, other_merge, other in alternatives:
         _check_components(config, other)
-        b, _, p = _core(config, dict(other), host, process_excess, build_reserve)
+        b, d, p = _core(config, dict(other), host, process_excess, build_reserve)
         layers = {name: tuple(plan.pinned_layers) for name, plan in p.plans.items()}
+        other_verdict = verdict(b, d)
         others.append(AlternativePlan(label, other_merge, b.bytes, b.committed, p.pinned_bytes, layers,
-                                      p.transfer_s_per_request, max(0, b.committed - b.limit)))
+                                      p.transfer_s_per_request, other_verdict.over_limit_bytes, other_verdict.fits))
     warnings = list(notes) + _host_warnings(host, budget, device, merge) + list(pins.warnings)
     return DeploymentPlan(
         deployment=config.deployment,
@@ -162,6 +177,7 @@ def plan_deployment(
         merge_reason=merge_reason,
         alternatives=tuple(others),
         lora_merge=None if lora_merge is None else dict(lora_merge),
+        verdict=verdict(budget, device),
     )
 
 
@@ -193,7 +209,8 @@ def _host_warnings(host: HostLimit, budget: HostBudget, device: DevicePlan, merg
             f"{format_size(budget.reserve)} reach the limit {format_size(budget.limit)}, so nothing is pinned: "
             f"{_budget_advice(budget, merge)}"
         )
-    if host.source not in ("MemTotal", "cgroup") and host.bytes > host.machine_bytes * (1 + _MEMTOTAL_SHORTFALL):
+    configured = host.source not in ("MemTotal", "cgroup", "MemAvailable")
+    if configured and host.bytes > host.machine_bytes * (1 + _MEMTOTAL_SHORTFALL):
         out.append(
             f"host limit {format_size(host.bytes)} is larger than this machine ({format_size(host.machine_bytes)}): "
             "right for planning another host, wrong for a server on this one"

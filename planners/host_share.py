@@ -31,6 +31,7 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from hostmem.errors import InputError
 from hostmem.residency_classes import Residency
 
 from .budget import host_budget
@@ -74,7 +75,7 @@ class HostShare:
 def split_host_budget(budget: int, needs: Sequence[int]) -> list[int]:
     """Shares of ``budget`` by need (see the module): each at most its need, summing to at most ``budget``."""
     if budget < 0 or any(n < 0 for n in needs):
-        raise ValueError(f"split_host_budget: budget {budget} and needs {list(needs)} must not be negative")
+        raise InputError(f"split_host_budget: budget {budget} and needs {list(needs)} must not be negative")
     total = sum(needs)
     if total <= budget:
         return list(needs)
@@ -98,10 +99,10 @@ def local_world(environ: Mapping[str, str] = os.environ) -> tuple[int, int] | No
     try:
         size_i, rank_i = int(size), int(rank or 0)
     except ValueError:
-        raise ValueError(f"LOCAL_WORLD_SIZE={size!r}, LOCAL_RANK={rank!r}: expected whole numbers (torchrun sets "
+        raise InputError(f"LOCAL_WORLD_SIZE={size!r}, LOCAL_RANK={rank!r}: expected whole numbers (torchrun sets "
                          "them); unset them to plan for one rank") from None
     if size_i < 1 or not 0 <= rank_i < size_i:
-        raise ValueError(f"LOCAL_RANK={rank_i} is not within LOCAL_WORLD_SIZE={size_i}")
+        raise InputError(f"LOCAL_RANK={rank_i} is not within LOCAL_WORLD_SIZE={size_i}")
     return rank_i, size_i
 
 

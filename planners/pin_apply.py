@@ -28,6 +28,7 @@ from typing import Mapping
 import torch
 
 import hostmem
+from hostmem.errors import HostmemError, InputError
 from hostmem.pinning import Pinner, page_bytes
 from hostmem.procfs import read_status
 
@@ -38,7 +39,7 @@ from .sizes import REST, from_ledger, layer_matcher
 __all__ = ["ComponentPins", "AppliedPins", "PinCheck", "PinMismatch", "layer_tensors", "apply_pin_plan"]
 
 
-class PinMismatch(RuntimeError):
+class PinMismatch(HostmemError, RuntimeError):
     """What was pinned is not what the plan says; the message gives both."""
 
 
@@ -139,19 +140,19 @@ def _planned_tensors(plan: DeploymentPlan, modules, config) -> dict[tuple[str, s
         if not pins.pinned_layers:
             continue
         if name not in modules:
-            raise ValueError(f"the plan pins layers of {name!r}, but no module of that name was given")
+            raise InputError(f"the plan pins layers of {name!r}, but no module of that name was given")
         units = {u.name: u for u in plan.components[name].units}
         groups = layer_tensors(modules[name], config.components[name].layer_pattern)
         for layer in pins.pinned_layers:
             tensors = groups.get(layer)
             if tensors is None or layer not in units:
-                raise ValueError(
+                raise InputError(
                     f"{name}: the plan pins {layer!r}, which the loaded module does not have; a plan made from "
                     "declared sizes or another checkpoint cannot be applied: plan again with plan_loaded"
                 )
             actual = sum(t.untyped_storage().nbytes() for t in tensors)
             if actual != units[layer].nbytes:
-                raise ValueError(
+                raise InputError(
                     f"{name}.{layer}: the plan has {units[layer].nbytes} bytes, the module {actual}; "
                     "plan again after loading (plan_loaded)"
                 )

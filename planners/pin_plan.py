@@ -181,12 +181,12 @@ def _thrash(plan: PinPlan, budget) -> tuple[str, bool]:
     beside the pin plans, which only a larger host or more VRAM changes.
     """
     head = (f"{plan.component} reads {format_size(plan.disk_bytes_per_request)} from disk per request: its "
-            f"unpinned layers need {format_size(plan.page_cache_bytes)} of page cache, more than the host holds "
-            "next to the pins and the layers before it")
+            f"unpinned blocks need {format_size(plan.page_cache_bytes)} of page cache, more than the host holds "
+            "next to the pins and the blocks before it")
     if budget.committed > 0:
         return (f"page-cache thrash: {head}. Give back the {format_size(budget.committed)} of committed "
                 "non-reclaimable memory (map weights read-only, merge LoRAs through the cache), raise "
-                "host.limit or keep more layers on the device"), True
+                "host.limit or keep more blocks on the device"), True
     return f"{head} (nothing is committed to give back: only a larger host or more VRAM avoids it)", False
 
 
@@ -200,7 +200,7 @@ def _warnings(groups, plans, outcome, budget, allowed, best, outcomes) -> tuple[
     if best < allowed:
         saved = sum(outcomes[allowed].seconds) - sum(outcomes[best].seconds)
         out.append(
-            f"pinned {best} of the {allowed} layers the budget allows: pinning the rest would leave too "
-            f"little page cache for the streamed layers and cost {saved:.2f} s more per request"
+            f"pinned {best} of the {allowed} blocks the budget allows: pinning the rest would leave too "
+            f"little page cache for the streamed blocks and cost {saved:.2f} s more per request"
         )
     return out, notes

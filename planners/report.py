@@ -4,7 +4,9 @@ The JSON form is a contract: sizes are bytes, times are seconds, and keys may be
 added but never renamed::
 
     {"deployment": str, "mode": "what-if" | "live", "merge": "none" | "in-place" | "cached",
-     "host": {"limit_bytes", "source", "mem_total_bytes", "cgroup_limit_bytes"},
+     "fits": bool, "over_limit_bytes": int, "verdict": str,
+     "host": {"limit_bytes", "source", "mem_total_bytes", "cgroup_limit_bytes", "gpus",
+              "headroom": null | {"bytes", "source", "figures": [{"name", "bytes", "source"}]}},
      "budget": {"bytes", "reserve_bytes", "reserve_source", "committed_bytes", "limit_bytes", "room_bytes",
                 "max_pinned_bytes", "pin_cap_bytes", "build_reserve_bytes",
                 "committed": {"anonymous_bytes", "shmem_bytes", "pinned_bytes", "process_excess_bytes"}},
@@ -20,7 +22,7 @@ added but never renamed::
                           "disk_bytes_per_request"}},
      "transfer_s_per_request", "baseline_transfer_s_per_request",
      "offers": [{"provider", "component", "anonymous_bytes", "disk_bytes", "one_time_s", "note",
-                 "budget_bytes", "pinned_bytes", "transfer_s_per_request"}],
+                 "budget_bytes", "pinned_bytes", "transfer_s_per_request", "fits", "applied_bytes"}],
      "warnings": [str], "notes": [str],
      "merge_reason": str,
      "alternatives": [{"label", "merge", "budget_bytes", "committed_bytes", "pinned_bytes",
@@ -31,6 +33,17 @@ added but never renamed::
      "host_share": null | {"local_rank", "local_world_size", "source", "host_budget_bytes",
                            "share_bytes", "shares_bytes", "needs_bytes"}}
 
+``fits`` is the plan's verdict (:mod:`planners.verdict`), ``verdict`` its line
+(``fits: no: committed 35.4 GiB > limit 32.0 GiB: killed while loading``) and
+``over_limit_bytes`` what is committed beyond the host limit. A plan that does not fit
+serves no request: its transfer times (top level and per pin plan) are null, and so
+is an offer's or an alternative's that does not fit either.
+An offer's ``applied_bytes`` is what it takes off this plan's component, at most what
+the component holds (its ``anonymous_bytes`` is what the provider says of itself);
+the offers table shows the first, so it agrees with the budget.
+``host.gpus`` is how many GPUs this machine shows (null: not looked for).
+``host.headroom`` is what ``limit: auto`` was made of (:mod:`planners.headroom`), each
+figure with the file it was read from; null for a configured limit.
 A component's ``total`` is every byte it holds: its weights plus ``extra_anonymous``
 (an unmerge snapshot). ``cgroup_limit_bytes`` is null where no cgroup limits memory.
 ``merge_reason`` says why the plan merges as it does (empty without adapters).
@@ -53,6 +66,7 @@ from hostmem.table import format_table
 from hostmem.units import format_rate, format_size
 
 from .deployment import DeploymentPlan
+from .report_host import host_lines
 from .sizes import REST
 
 __all__ = ["report_dict", "report_text", "compress_names"]
@@ -118,13 +132,18 @@ def _device(plan: DeploymentPlan) -> dict:
     }
 
 
+def _served(seconds: float, fits: bool) -> float | None:
+    """A transfer time, or None for a plan that does not fit (it never serves a request)."""
+    return seconds if fits else None
+
+
 def _pins(plan: DeploymentPlan) -> dict:
     return {
         name: {
             "pinned_bytes": p.pinned_bytes,
             "pinned_layers": list(p.pinned_layers),
-            "transfer_s_per_request": p.transfer_s_per_request,
-            "baseline_transfer_s_per_request": p.baseline_transfer_s_per_request,
+            "transfer_s_per_request": _served(p.transfer_s_per_request, plan.fits),
+            "baseline_transfer_s_per_request": _served(p.baseline_transfer_s_per_request, plan.fits),
             "net_cost_bytes": p.net_cost_bytes,
             "moves_per_request": p.moves_per_request,
             "candidate_layers": p.candidate_layers,
@@ -143,21 +162,29 @@ def report_dict(plan: DeploymentPlan) -> dict:
         "deployment": plan.deployment,
         "mode": plan.mode,
         "merge": plan.merge,
+        "fits": plan.fits,
+        "over_limit_bytes": plan.verdict.over_limit_bytes,
+        "verdict": plan.verdict.line,
         "host": {
             "limit_bytes": h.bytes,
             "source": h.source,
             "mem_total_bytes": h.mem_total,
             "cgroup_limit_bytes": h.cgroup_limit,
+            "gpus": h.gpus,
+            "headroom": None if h.headroom is None else {
+                "bytes": h.headroom.bytes, "source": h.headroom.source,
+                "figures": [f._asdict() for f in h.headroom.figures]},
         },
         "budget": _budget(plan),
         "components": _components(plan),
         "device_plan": _device(plan),
         "pin_plans": _pins(plan),
-        "transfer_s_per_request": plan.pins.transfer_s_per_request,
-        "baseline_transfer_s_per_request": plan.pins.baseline_transfer_s_per_request,
+        "transfer_s_per_request": _served(plan.pins.transfer_s_per_request, plan.fits),
+        "baseline_transfer_s_per_request": _served(plan.pins.baseline_transfer_s_per_request, plan.fits),
         "offers": [
             {**o.offer._asdict(), "budget_bytes": o.budget_bytes, "pinned_bytes": o.pinned_bytes,
-             "transfer_s_per_request": o.transfer_s_per_request}
+             "transfer_s_per_request": _served(o.transfer_s_per_request, o.fits), "fits": o.fits,
+             "applied_bytes": o.applied_bytes}
             for o in plan.offers
         ],
         "warnings": list(plan.warnings),
@@ -167,7 +194,8 @@ def report_dict(plan: DeploymentPlan) -> dict:
             {"label": a.label, "merge": a.merge, "budget_bytes": a.budget_bytes,
              "committed_bytes": a.committed_bytes, "pinned_bytes": a.pinned_bytes,
              "pinned_layers": {name: list(layers) for name, layers in a.pinned_layers.items()},
-             "transfer_s_per_request": a.transfer_s_per_request, "over_limit_bytes": a.over_limit_bytes}
+             "transfer_s_per_request": _served(a.transfer_s_per_request, a.fits),
+             "over_limit_bytes": a.over_limit_bytes, "fits": a.fits}
             for a in plan.alternatives
         ],
         "lora_merge": None if plan.lora_merge is None else dict(plan.lora_merge),
@@ -200,61 +228,15 @@ def compress_names(names) -> str:
     return ", ".join(out) if out else "none"
 
 
-def _seconds(value: float) -> str:
+def _seconds(value: float, fits: bool = True) -> str:
+    """A transfer time; ``-`` for a plan that does not fit, which serves no request."""
+    if not fits:
+        return "-"
     return f"{value:.2f} s" if value >= 1 else f"{value * 1000:.1f} ms"
 
 
-def _host_lines(plan: DeploymentPlan) -> list[str]:
-    h, b = plan.host, plan.budget
-    cgroup = format_size(h.cgroup_limit) if h.cgroup_limit else "none"
-    return [
-        f"host: limit {format_size(h.bytes)} ({h.source}); MemTotal {format_size(h.mem_total)}; "
-        f"cgroup limit {cgroup}",
-        *(_host_share_lines(plan.host_share) if plan.host_share else []),
-        "budget:",
-        *format_table([
-            ("limit", format_size(b.limit), ""),
-            ("- reserve", format_size(b.reserve), f"({b.reserve_source.split(':')[0]})"),
-            ("- committed anonymous", format_size(b.committed_anonymous), ""),
-            ("- committed shmem", format_size(b.committed_shmem), ""),
-            ("- committed pinned", format_size(b.committed_pinned), ""),
-            ("- process beyond reserve", format_size(b.process_excess), ""),
-            *_build_reserve_rows(b),
-            ("= room (pins + page cache)", format_size(b.room), ""),
-            ("max pinned", format_size(b.max_pinned), ""),
-            ("budget for pins", format_size(b.bytes), "(room, capped by max pinned)"),
-        ], indent="  "),
-        *_build_reserve_lines(b),
-        *([f"  reserve {b.reserve_source}"] if ":" in b.reserve_source else []),
-    ]
-
-
-def _build_reserve_rows(budget) -> list[tuple[str, str, str]]:
-    """The budget row of pending adapter builds, present only while one is pending."""
-    if not budget.build_reserve:
-        return []
-    return [("- pending adapter builds", format_size(budget.build_reserve), "(see below)")]
-
-
-def _build_reserve_lines(budget) -> list[str]:
-    """Why the pending adapter builds are held back, present only while one is pending."""
-    if not budget.build_reserve:
-        return []
-    return [f"  held back {format_size(budget.build_reserve)} for pending adapter builds: a combination served at "
-            "run time is being merged in the background, and its next layer's output and fp32 sum must find room"]
-
-
-def _host_share_lines(share) -> list[str]:
-    """This rank's part of the host budget: its pins are capped at that share."""
-    alike = "; ranks taken to be alike: equal shares" if "no process group" in share["source"] else ""
-    return [f"host share: local rank {share['local_rank']} of {share['local_world_size']} (from {share['source']}"
-            f"{alike})",
-            f"  {format_size(share['share_bytes'])} of the host budget {format_size(share['host_budget_bytes'])}, "
-            f"split by need ({', '.join(format_size(s) for s in share['shares_bytes'])}); pins capped at this share"]
-
-
 def _component_lines(plan: DeploymentPlan) -> list[str]:
-    rows = [("component", "offload", "source", "layers", "anonymous", "file-backed", "pinned", "shmem", "total")]
+    rows = [("component", "offload", "source", "blocks", "anonymous", "file-backed", "pinned", "shmem", "total")]
     for name, s in plan.components.items():
         r = s.residency
         rows.append((name, s.offload, s.source, len(s.layers), format_size(r.anonymous),
@@ -275,36 +257,42 @@ def _warning_lines(plan: DeploymentPlan) -> list[str]:
 def _device_lines(plan: DeploymentPlan) -> list[str]:
     d = plan.device
     if d.component is None:
-        return ["device plan: no component streams layer by layer"]
+        return ["device plan: no component streams block by block"]
     total = len(d.resident_layers) + len(d.streamed_layers)
+    no_gpu = ["  (this machine has no GPU: this is the device plan of the host the config describes)"
+              ] if plan.host.gpus == 0 and d.vram else []
     return [
-        f"device plan ({d.component}): VRAM {format_size(d.vram)} (the config's device.vram) - reserve {format_size(d.reserve)} - rest "
-        f"{format_size(d.rest_bytes)} - prefetch window {format_size(d.window_bytes)}",
-        f"  resident {len(d.resident_layers)} of {total} ({format_size(d.resident_bytes)}): "
+        f"device plan ({d.component}): VRAM {format_size(d.vram)} (the config's device.vram) - reserve "
+        f"{format_size(d.reserve)} - rest {format_size(d.rest_bytes)} - prefetch window {format_size(d.window_bytes)}",
+        *no_gpu,
+        f"  resident {len(d.resident_layers)} of {total} blocks ({format_size(d.resident_bytes)}): "
         f"{compress_names(d.resident_layers)}",
-        f"  streamed {len(d.streamed_layers)} of {total} ({format_size(d.streamed_bytes)}): "
+        f"  streamed {len(d.streamed_layers)} of {total} blocks ({format_size(d.streamed_bytes)}): "
         f"{compress_names(d.streamed_layers)}",
     ]
 
 
 def _pin_lines(plan: DeploymentPlan) -> list[str]:
-    rows = [("component", "moves/req", "pinned layers", "pinned", "net cost", "page cache", "disk/req",
+    rows = [("component", "moves/req", "pinned blocks", "pinned", "net cost", "page cache", "disk/req",
              "transfer/req", "all pageable")]
     for name, p in plan.pins.plans.items():
         rows.append((name, p.moves_per_request, f"{len(p.pinned_layers)} of {p.candidate_layers}",
                      format_size(p.pinned_bytes), format_size(p.net_cost_bytes),
                      format_size(p.page_cache_bytes) + ("" if p.page_cache_fits else " (no room)"),
-                     format_size(p.disk_bytes_per_request), _seconds(p.transfer_s_per_request),
-                     _seconds(p.baseline_transfer_s_per_request)))
+                     format_size(p.disk_bytes_per_request), _seconds(p.transfer_s_per_request, plan.fits),
+                     _seconds(p.baseline_transfer_s_per_request, plan.fits)))
     pins = plan.pins
     rows.append(("total", "", "", format_size(pins.pinned_bytes), format_size(pins.net_cost_bytes), "", "",
-                 _seconds(pins.transfer_s_per_request), _seconds(pins.baseline_transfer_s_per_request)))
+                 _seconds(pins.transfer_s_per_request, plan.fits),
+                 _seconds(pins.baseline_transfer_s_per_request, plan.fits)))
     lines = ["pin plans:", *format_table(rows, indent="  ")]
+    if not plan.fits:
+        lines.append("  transfer: none, the plan does not fit (see its first line): it serves no request")
     for name, p in plan.pins.plans.items():
         if p.pinned_layers:
             lines.append(f"  {name} pinned: {compress_names(p.pinned_layers)}")
     if any(REST in p.pinned_layers for p in plan.pins.plans.values()):
-        lines.append(f"  {REST}: the tensors outside every layer (embeddings, norms, heads), pinned as one unit")
+        lines.append(f"  {REST}: the tensors outside every block (embeddings, norms, heads), pinned as one unit")
     lines += [f"  note: {n}" for n in plan.pins.notes]
     return lines
 
@@ -314,11 +302,11 @@ def _offer_lines(plan: DeploymentPlan) -> list[str]:
         return []
     rows = [("offer", "component", "to mapped", "disk", "one-time", "budget", "pinned", "transfer/req")]
     rows.append(("(without offers)", "", "", "", "", format_size(plan.budget.bytes),
-                 format_size(plan.pins.pinned_bytes), _seconds(plan.pins.transfer_s_per_request)))
+                 format_size(plan.pins.pinned_bytes), _seconds(plan.pins.transfer_s_per_request, plan.fits)))
     for o in plan.offers:
-        rows.append((o.offer.provider, o.offer.component, format_size(o.offer.anonymous_bytes),
+        rows.append((o.offer.provider, o.offer.component, format_size(o.applied_bytes),
                      format_size(o.offer.disk_bytes), f"{o.offer.one_time_s:.1f} s", format_size(o.budget_bytes),
-                     format_size(o.pinned_bytes), _seconds(o.transfer_s_per_request)))
+                     format_size(o.pinned_bytes), _seconds(o.transfer_s_per_request, o.fits)))
     notes = [f"  {o.offer.provider}: {o.offer.note}" for o in plan.offers if o.offer.note]
     return ["offers:", *format_table(rows, indent="  "), *notes]
 
@@ -327,14 +315,14 @@ def _alternative_lines(plan: DeploymentPlan) -> list[str]:
     """This plan beside the same deployment planned another way (the in-place merge)."""
     if not plan.alternatives:
         return []
-    rows = [("plan", "merge", "committed", "budget", "pinned", "pinned layers", "transfer/req")]
+    rows = [("plan", "merge", "committed", "budget", "pinned", "pinned blocks", "transfer/req")]
     layers = sum(len(p.pinned_layers) for p in plan.pins.plans.values())
     rows.append(("this plan", plan.merge, format_size(plan.budget.committed), format_size(plan.budget.bytes),
-                 format_size(plan.pins.pinned_bytes), layers, _seconds(plan.pins.transfer_s_per_request)))
-    for a in plan.alternatives:  # a plan killed while it loads never serves: no transfer time to compare
+                 format_size(plan.pins.pinned_bytes), layers, _seconds(plan.pins.transfer_s_per_request, plan.fits)))
+    for a in plan.alternatives:  # a plan that does not fit never serves: no transfer time to compare
         rows.append((a.label, a.merge, format_size(a.committed_bytes), format_size(a.budget_bytes),
                      format_size(a.pinned_bytes), sum(len(v) for v in a.pinned_layers.values()),
-                     "killed while loading" if a.over_limit_bytes else _seconds(a.transfer_s_per_request)))
+                     "killed while loading" if a.over_limit_bytes else _seconds(a.transfer_s_per_request, a.fits)))
     lines = ["compared (committed = non-reclaimable memory the components hold):", *format_table(rows, indent="  ")]
     for a in plan.alternatives:
         killed = (f"; its committed memory exceeds the host limit by {format_size(a.over_limit_bytes)}: without "
@@ -353,20 +341,29 @@ def _lora_merge_lines(plan: DeploymentPlan) -> list[str]:
     where = f"cache {str(m['cache_key'])[:12]} under {m.get('cache_root')}" if m.get("cache_key") else "in place"
     if m.get("cache_off"):
         where += f": {m['cache_off']}"
-    rows = [("layers", "hit", "built", "fallen back", "in place", "merged", "written", "time", "rate"),
+    merged = m["built"] + m["in_place"] + m["fallen_back"]  # a rate of hits alone measures mapping, not merging
+    rows = [("tensors", "hit", "built", "fallen back", "in place", "merged", "written", "time", "rate"),
             (m["layers"], m["hit"], m["built"], m["fallen_back"], m["in_place"], format_size(m["bytes"]),
-             format_size(m["bytes_written"]), f"{m['seconds']:.1f} s", format_rate(m["rate_bytes_per_s"]))]
-    return [f"LoRA merge ({where}):", *format_table(rows, indent="  ", right_from=0)]
+             format_size(m["bytes_written"]), f"{m['seconds']:.1f} s",
+             format_rate(m["rate_bytes_per_s"]) if merged else "-")]
+    hits = (["  every weight tensor came from the cache: nothing merged, nothing written"]
+            if m["layers"] and m["hit"] == m["layers"] else [])
+    rounding = m.get("rounding") or {}
+    lost = [f"{name} {share:.0%}" for name, share in sorted((rounding.get("lost") or {}).items())[:3]]
+    said = [f"  rounding to the weights' dtype loses over {rounding['threshold']:.0%} of {len(rounding['lost'])} "
+            f"weight tensor(s)' update ({', '.join(lost)}): {len(rounding['at_runtime'])} at run time, "
+            f"{len(rounding['merged_anyway'])} merged anyway"] if lost else []
+    return [f"LoRA merge ({where}):", *format_table(rows, indent="  ", right_from=0), *hits, *said]
 
 
 def report_text(plan: DeploymentPlan) -> str:
     """The report for people: aligned tables, sizes in GiB with one decimal."""
-    title = [f"hostmem plan: {plan.deployment} ({plan.mode}, merge: {plan.merge})"]
+    title = [plan.verdict.line, f"hostmem plan: {plan.deployment} ({plan.mode}, merge: {plan.merge})"]
     if plan.merge_reason:
         title.append(f"merge {plan.merge}: {plan.merge_reason}")
     sections = [
         title,
-        _host_lines(plan),
+        host_lines(plan),
         _component_lines(plan),
         _lora_merge_lines(plan),
         _device_lines(plan),

@@ -124,28 +124,35 @@ class ComponentSizes(NamedTuple):
         return self._replace(layers=units)
 
 
-def layer_matcher(pattern: str):
-    """Return ``match(name) -> (index, layer_name) | None`` for a pattern like ``"blocks.{i}."``.
+def layer_matcher(pattern: str | tuple[str, ...]):
+    """Return ``match(name) -> (order, block name) | None`` for patterns like ``"blocks.{i}."``.
 
-    The pattern matches at the start of a tensor name; the layer's name is the
-    pattern with its index filled in, without a trailing dot (``blocks.7``).
+    ``pattern`` is one pattern or several (Flux: ``"transformer_blocks.{i}."`` and
+    ``"single_transformer_blocks.{i}."``); each matches at the start of a tensor name,
+    the first that matches wins, and a block's name is its pattern with the index
+    filled in, without a trailing dot (``blocks.7``). ``order`` sorts blocks as the
+    model runs them: every block of the first pattern, then those of the next.
     """
-    head, _, tail = pattern.partition("{i}")
-    regex = re.compile(re.escape(head) + r"(\d+)" + re.escape(tail))
+    patterns = (pattern,) if isinstance(pattern, str) else tuple(pattern)
+    compiled = []
+    for family, one in enumerate(patterns):
+        head, _, tail = one.partition("{i}")
+        compiled.append((family, head, tail, re.compile(re.escape(head) + r"(\d+)" + re.escape(tail))))
 
     def match(name: str):
-        found = regex.match(name)
-        if found is None:
-            return None
-        index = int(found.group(1))
-        return index, f"{head}{index}{tail}".rstrip(".")
+        for family, head, tail, regex in compiled:
+            found = regex.match(name)
+            if found is not None:
+                index = int(found.group(1))
+                return (family, index), f"{head}{index}{tail}".rstrip(".")
+        return None
 
     return match
 
 
 def group_layers(
     named: Iterable[tuple[str, int, Residency | None]],
-    pattern: str | None,
+    pattern: str | tuple[str, ...] | None,
     lora_patterns: tuple[str, ...] = (),
 ) -> tuple[tuple[Layer, ...], Layer | None]:
     """Group ``(tensor name, bytes, residency)`` into layers (by index) and the rest.
@@ -154,7 +161,7 @@ def group_layers(
     kept as plain integers: a checkpoint has thousands of tensors.
     """
     match = layer_matcher(pattern) if pattern else (lambda name: None)
-    groups: dict[tuple[int, str], list[int]] = {}
+    groups: dict[tuple[tuple[int, int], str], list[int]] = {}
     rest = [0] * (2 + len(CLASSES))  # bytes, lora target bytes, then each residency class
     for name, nbytes, residency in named:
         found = match(name)

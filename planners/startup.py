@@ -2,8 +2,7 @@
 
 ::
 
-    from planners.startup import plan_loaded
-    from planners.pin_apply import apply_pin_plan
+    from planners import apply_pin_plan, load_config, plan_loaded
 
     config = load_config("configs/minimax-h3-32g.yaml")
     loaded = {"dit": dit, "text_encoder": te}
@@ -13,9 +12,10 @@
 
 :func:`plan_loaded` accounts the loaded components with :func:`hostmem.account`
 (measured residency per parameter), groups them into the config's layers, plans
-under the host limit, logs the report once (logger ``hostmem``, one record) and
-returns the plan. Several ranks on one host share one host budget, split by need
-(:mod:`planners.host_share`). Pinning is a separate, explicit step. ``merge_stats`` (what
+under the host limit, reports once (stderr, or one record of the ``hostmem`` logger
+where logging shows it: :func:`report_once`) and returns the plan. ``planners.start``
+does all of it, the merge and the pins included, from the config alone. Several ranks
+on one host share one host budget, split by need (:mod:`planners.host_share`). Pinning is a separate, explicit step. ``merge_stats`` (what
 ``lora_cache.merge`` returned) puts the merge in the report: layers hit, built and
 fallen back, bytes, seconds and rate. A component switched by ``lora_cache.set_adapters``
 to a combination still being built in the background holds the build's working set
@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Mapping
 
 import hostmem
 from lora_cache.adapter_switch import build_reserve_bytes
 
+from hostmem.errors import InputError
 from .budget import read_host_limit
 from .config import DeploymentConfig, load_config
 from .deployment import DeploymentPlan, plan_deployment
@@ -41,7 +43,8 @@ from .reserve import process_excess
 from .sizes import ComponentSizes, from_ledger
 from .whatif import default_merge, merge_reason
 
-__all__ = ["plan_loaded", "live_components", "merge_stats_dict", "pending_build_reserve"]
+__all__ = ["plan_loaded", "live_components", "merge_stats_dict", "pending_build_reserve", "report_once",
+           "merge_mismatches"]
 
 _MERGE_STATS_KEYS = ("layers", "hit", "built", "fallen_back", "in_place", "bytes", "bytes_written", "seconds")
 
@@ -56,7 +59,7 @@ def live_components(config: DeploymentConfig, ledger: hostmem.Ledger) -> dict[st
     """
     missing = [name for name in config.components if name not in ledger.components]
     if missing:
-        raise ValueError(
+        raise InputError(
             f"{config.origin.path}: components {', '.join(missing)} were not given to plan_loaded "
             f"(given: {', '.join(ledger.components) or 'none'}); pass every loaded component by its config name"
         )
@@ -100,21 +103,55 @@ def _merge_done(stats: dict) -> tuple[str, str, list[str]]:
     cached = stats["hit"] + stats["built"]
     where = f"cache {str(stats['cache_key'])[:12]} under {stats.get('cache_root')}" if stats.get("cache_key") else ""
     if cached:
-        merge, reason = "cached", f"lora_cache.merge took {cached} of {stats['layers']} layers from {where}"
+        merge, reason = "cached", f"lora_cache.merge took {cached} of {stats['layers']} weight tensors from {where}"
     elif not stats["layers"]:
-        merge, reason = "none", "lora_cache.merge changed no layer"
+        merge, reason = "none", "lora_cache.merge changed no weight tensor"
     elif where:
-        merge, reason = "in-place", f"the {where} could not store any layer: lora_cache.merge merged all in place"
+        merge, reason = ("in-place",
+                         f"the {where} could not store any weight tensor: lora_cache.merge merged all in place")
     else:
         merge, reason = "in-place", f"lora_cache.merge merged in place ({stats.get('cache_off') or 'the cache is off'})"
     warnings = []
     if stats["fallen_back"]:
         warnings.append(
-            f"{stats['fallen_back']} LoRA layers fell back to an in-place merge (the cache could not store them): "
+            f"{stats['fallen_back']} merged weight tensors fell back to an in-place merge "
+            "(the cache could not store them): "
             "they are anonymous memory now; free disk under the cache root or raise lora.cache.max_size, "
             "then restart to map them back"
         )
     return merge, reason, warnings
+
+
+def _same_paths(paths) -> list[str]:
+    return [os.path.realpath(os.path.expanduser(os.fspath(p))) for p in paths]
+
+
+def merge_mismatches(config: DeploymentConfig, stats: dict) -> list[str]:
+    """Warnings where the merge a server ran is not the one its config plans.
+
+    A server that calls ``lora_cache.merge`` itself repeats the config's adapters and
+    cache roots by hand; a drift plans one deployment and serves another. The stats
+    name the adapter files and the root used (not the strengths: ``planners.start``
+    takes all of them from the config, so nothing can drift).
+    """
+    lora = config.lora
+    if lora is None or not lora.adapters or not stats.get("adapters"):
+        return []
+    from lora_cache.adapters.read import resolve_file  # the file a folder names, as the merge resolved it
+
+    out = []
+    listed = _same_paths(resolve_file(a.path) for a in lora.adapters)
+    if _same_paths(stats["adapters"]) != listed:
+        out.append(f"lora_cache.merge was given {', '.join(stats['adapters'])}, but lora.adapters "
+                   f"({config.origin.where('lora.adapters')}) lists {', '.join(a.path for a in lora.adapters)}: "
+                   "this plan is not the deployment's; merge the config's adapters (planners.start does)")
+    roots = lora.cache.roots or ((lora.cache.root,) if lora.cache.root else ())
+    root = stats.get("cache_root")
+    if root and roots and os.path.realpath(os.path.expanduser(os.fspath(root))) not in _same_paths(roots):
+        out.append(f"lora_cache.merge used the cache under {root}, but lora.cache "
+                   f"({config.origin.where('lora.cache')}) names {', '.join(roots)}: a start with the config's roots builds again; pass them "
+                   "(planners.start does)")
+    return out
 
 
 def plan_loaded(
@@ -124,11 +161,14 @@ def plan_loaded(
     providers=(),
     merge_stats=None,
     logger: logging.Logger | None = None,
+    quiet: bool = False,
 ) -> DeploymentPlan:
-    """Account ``components`` (``{config name: nn.Module}``), plan, log the report, return the plan.
+    """Account ``components`` (``{config name: nn.Module}``), plan, report, return the plan.
 
     ``merge_stats`` is what ``lora_cache.merge`` returned for these components; the
     report then shows the merge (layers hit, built, fallen back; bytes; seconds; rate).
+    The report reaches a person once (:func:`report_once`); ``quiet=True`` keeps it to
+    a DEBUG record.
     """
     if not isinstance(config, DeploymentConfig):
         config = load_config(config)
@@ -140,6 +180,7 @@ def plan_loaded(
     build_reserve = pending_build_reserve(components)
     if stats is not None:
         merge, reason, notes = _merge_done(stats)
+        notes += merge_mismatches(config, stats)
 
     def plan_under(cfg: DeploymentConfig) -> DeploymentPlan:
         return plan_deployment(
@@ -161,5 +202,22 @@ def plan_loaded(
     if share is not None:
         capped = plan_under(capped_config(config, share, plan.budget.committed_pinned))
         plan = capped._replace(host_share=share.to_dict())
-    (logger or _LOG).info("host memory plan\n%s", report_text(plan))
+    report_once(report_text(plan), logger, quiet)
     return plan
+
+
+def report_once(text: str, logger: logging.Logger | None = None, quiet: bool = False) -> None:
+    """The report as one log record where logging would show it, else on stderr.
+
+    A server that has not configured logging would drop an INFO record (Python's last
+    resort handler shows warnings only), and one that has would show a printed report
+    twice in its log; so: a record for a given ``logger`` or for the ``hostmem`` logger
+    when a handler would emit it at INFO, stderr otherwise.
+    """
+    log = logger or _LOG
+    if quiet:
+        log.debug("host memory plan\n%s", text)
+    elif logger is not None or (log.isEnabledFor(logging.INFO) and log.hasHandlers()):
+        log.info("host memory plan\n%s", text)
+    else:
+        print(f"host memory plan\n{text}", file=sys.stderr, flush=True)

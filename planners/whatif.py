@@ -15,11 +15,12 @@ Residency follows from declared behaviour, not from measurement:
 
 from __future__ import annotations
 
+from hostmem.errors import InputError
 from hostmem.residency_classes import Residency
 from lora_cache.switch import DISABLE_ENV, cache_disabled_by_env
 
 from .config import ComponentConfig, DeploymentConfig
-from .sizes import ComponentSizes, Layer, from_declared
+from .sizes import ComponentSizes, Layer, from_declared, layer_matcher
 
 __all__ = [
     "MERGE_MODES",
@@ -29,6 +30,7 @@ __all__ = [
     "component_sizes",
     "checkpoint_sizes",
     "what_if_components",
+    "in_place_merge_bytes",
 ]
 
 MERGE_MODES = ("none", "in-place", "cached")
@@ -55,14 +57,14 @@ def merge_reason(config: DeploymentConfig) -> str:
     if config.merge_target is None:
         return "no component declares lora_targets, so the adapters change nothing the plan can see"
     if not lora.cache.enabled:
-        return (f"lora.cache.enabled is false ({config.origin.where('lora.cache.enabled')}): merged layers "
+        return (f"lora.cache.enabled is false ({config.origin.where('lora.cache.enabled')}): merged weights "
                 "are anonymous memory; set it to true to merge through the cache")
     if cache_disabled_by_env():
         return (f"{DISABLE_ENV}=1 turns the LoRA merge cache off, so a server merges in place "
-                "(merged layers anonymous) although lora.cache is enabled "
+                "(merged weights anonymous) although lora.cache is enabled "
                 f"({config.origin.where('lora.cache')}); unset it to merge through the cache")
     root = lora.cache.root or "~/.cache/hostmem"
-    return (f"lora.cache is enabled ({config.origin.where('lora.cache')}): merged layers are written once "
+    return (f"lora.cache is enabled ({config.origin.where('lora.cache')}): merged weights are written once "
             f"under {root} and mapped back read-only, so they stay file-backed")
 
 
@@ -88,7 +90,7 @@ def _predicted(unit: Layer, load: str, merge: str) -> Layer:
 def predict(sizes: ComponentSizes, load: str, merge: str = "none") -> ComponentSizes:
     """Return ``sizes`` with the residency that ``load`` and ``merge`` will give it."""
     if merge not in MERGE_MODES:
-        raise ValueError(f"merge {merge!r}: choose one of {', '.join(MERGE_MODES)}")
+        raise InputError(f"merge {merge!r}: choose one of {', '.join(MERGE_MODES)}")
     units = [_predicted(u, load, merge) for u in sizes.units]
     snapshot = merge == "in-place" and load == "copied"  # see the module docstring
     extra = Residency(anonymous=sizes.lora_target_bytes) if snapshot else Residency()
@@ -113,17 +115,26 @@ def component_sizes(config: DeploymentConfig, component: ComponentConfig) -> Com
         from .adapter_targets import with_adapter_targets
 
         sizes = with_adapter_targets(config, sizes, component.path, component.layer_pattern)
-    if component.layer_pattern and not sizes.layers:
+    for pattern in _unmatched(component.layer_pattern, sizes):
         raise config.origin.error(
             f"{key}.layers",
-            f"{component.layer_pattern!r} matches no tensor of {component.path}; "
-            f"write the prefix its layer tensors share, e.g. \"blocks.{{i}}.\"",
+            f"{pattern!r} matches no tensor of {component.path}; "
+            f"write the prefix its block tensors share, e.g. \"blocks.{{i}}.\"",
         )
     if component.lora_target_bytes and component.lora_target_bytes > sizes.weights_bytes:
         raise config.origin.error(f"{key}.lora_targets", "exceeds the checkpoint's size; lower it")
     if component.lora_target_patterns and not sizes.lora_target_bytes:
         raise config.origin.error(f"{key}.lora_targets", f"{list(component.lora_target_patterns)} match no tensor")
     return sizes
+
+
+def _unmatched(pattern, sizes: ComponentSizes) -> list[str]:
+    """The block patterns (one, or each of a list) that name no block of ``sizes``."""
+    if not pattern:
+        return []
+    patterns = (pattern,) if isinstance(pattern, str) else pattern
+    names = [layer.name + "." for layer in sizes.layers]
+    return [p for p in patterns if not any(layer_matcher(p)(n) or layer_matcher(p)(n[:-1]) for n in names)]
 
 
 def _targets_from_adapters(config: DeploymentConfig, component: ComponentConfig) -> bool:
@@ -162,3 +173,20 @@ def what_if_components(
         out[component.name] = predict(sizes[component.name], component.load, this_merge)
     return out, warnings
 
+
+
+def in_place_merge_bytes(config: DeploymentConfig, sizes: dict[str, ComponentSizes]) -> int:
+    """Non-reclaimable bytes the in-place merge commits beyond the cached one: one price.
+
+    Computed from the two predictions themselves (:func:`predict`), so the budget of an
+    in-place plan, the LoRA cache's offer and the comparison of a cached plan with the
+    in-place one all read the same figure: the merged targets over mapped weights (the
+    base is its own snapshot), the targets and their unmerge snapshot over copied ones.
+    """
+    target = config.merge_target
+    if target is None:
+        return 0
+    load = config.components[target.name].load
+    in_place = predict(sizes[target.name], load, "in-place").residency.non_reclaimable
+    cached = predict(sizes[target.name], load, "cached").residency.non_reclaimable
+    return max(0, in_place - cached)

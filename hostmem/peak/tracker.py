@@ -37,6 +37,7 @@ import os
 from contextlib import contextmanager
 from typing import Iterator, NamedTuple
 
+from ..errors import InputError
 from .crosscheck import UNSEEN_TOLERANCE_BYTES, CgroupPeak, CrossChecks
 from .sampler import PeakTrackerError, SamplerProcess
 from ..units import format_size
@@ -72,9 +73,9 @@ def parse_interval_ms(value: str | float | int | None, name: str = "--interval")
     try:
         ms = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} {value!r}: not a number of milliseconds (e.g. {name} 1)") from None
+        raise InputError(f"{name} {value!r}: not a number of milliseconds (e.g. {name} 1)") from None
     if not MIN_INTERVAL_S * 1000 <= ms <= MAX_INTERVAL_S * 1000:
-        raise ValueError(
+        raise InputError(
             f"{name} {value!r}: must lie between {MIN_INTERVAL_S * 1000:g} and {MAX_INTERVAL_S * 1000:g} "
             "milliseconds (1 catches a 20 ms spike)"
         )
@@ -162,12 +163,12 @@ class PeakTracker:
         group=None,
     ):
         if not MIN_INTERVAL_S <= interval_s <= MAX_INTERVAL_S:
-            raise ValueError(
+            raise InputError(
                 f"interval_s={interval_s!r}: must lie between {MIN_INTERVAL_S} and {MAX_INTERVAL_S:g} seconds "
                 "(the sampler may run at real-time priority; a shorter interval would busy a core)"
             )
         if timeline_points < 2:
-            raise ValueError(f"timeline_points={timeline_points!r}: must be at least 2")
+            raise InputError(f"timeline_points={timeline_points!r}: must be at least 2")
         self.pid = os.getpid() if pid is None else int(pid)
         self.interval_s = float(interval_s)
         self.group = group

@@ -1,4 +1,12 @@
-"""A process's memory cgroup (v1 or v2): where it is, its limit, usage, peak and stat."""
+"""A process's memory cgroup (v1 or v2): where it is, its limit, usage, peak and stat.
+
+Where it is: ``/proc/PID/cgroup`` names the group's path from its hierarchy's root,
+and mountinfo says which folder of that hierarchy each mount shows (its root field).
+On a host both are ``/``; in a container on cgroup v1 without a cgroup namespace the
+process reads ``/docker/<id>`` while the hierarchy is mounted from ``/docker/<id>``, so
+its own group is the mount point itself. Joining the two paths without the root field
+names a folder that does not exist, and a capped container would plan as the host.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +15,10 @@ from collections import namedtuple
 from typing import NamedTuple
 
 from .files import ProcReadError, proc_path, read_text
-from .mounts import read_mounts
+from .mounts import Mount, read_mounts
 
-__all__ = ["CgroupMemory", "memory_cgroup_dir", "read_cgroup_memory", "read_cgroup_v1_dir", "read_cgroup_v2_dir"]
+__all__ = ["CgroupMemory", "memory_cgroup_dir", "read_cgroup_memory", "read_cgroup_v1_dir", "read_cgroup_v2_dir",
+           "folder_in_mount"]
 
 _UNLIMITED_V1 = 1 << 62  # v1 reports "no limit" as PAGE_COUNTER_MAX * PAGE_SIZE, near 2**63
 
@@ -28,6 +37,23 @@ class CgroupMemory(NamedTuple):
     usage_bytes: int
     peak_bytes: int | None
     stat: dict[str, int]
+
+    @property
+    def reclaimable_bytes(self) -> int:
+        """File pages charged to the group that the kernel can drop (active + inactive file).
+
+        shmem sits on the anonymous lists, so it is not counted here: it is not reclaimable
+        without swap. v1 gives the group's subtree as ``total_*``; v2's figures are the subtree's.
+        """
+        stat = self.stat
+        if "total_inactive_file" in stat:
+            return stat["total_inactive_file"] + stat.get("total_active_file", 0)
+        return stat.get("inactive_file", 0) + stat.get("active_file", 0)
+
+    @property
+    def unreclaimable_bytes(self) -> int:
+        """What the group holds that the kernel cannot drop: usage less reclaimable file pages."""
+        return max(0, self.usage_bytes - self.reclaimable_bytes)
 
 
 def _read_int_or_none(path: str) -> int | None:
@@ -80,13 +106,18 @@ def _read_cgroup_dir(version: int, files: _CgroupFiles, directory: str, root: st
         if os.path.exists(os.path.join(d, files.limit))
     ]
     peak_file = os.path.join(directory, files.peak)
+    stat_file = os.path.join(directory, "memory.stat")
+    stat = _read_stat(stat_file) if os.path.exists(stat_file) else {}
+    # v1 also states the limit of ancestors a container cannot see (above its mount)
+    hierarchical = stat.get("hierarchical_memory_limit")
+    limits.append(None if hierarchical is None or hierarchical >= _UNLIMITED_V1 else hierarchical)
     return CgroupMemory(
         version=version,
         path=directory,
         limit_bytes=_tightest(limits),
         usage_bytes=_read_int_or_none(os.path.join(directory, files.usage)) or 0,
         peak_bytes=_read_int_or_none(peak_file) if os.path.exists(peak_file) else None,
-        stat=_read_stat(os.path.join(directory, "memory.stat")),
+        stat=stat,
     )
 
 
@@ -100,36 +131,63 @@ def read_cgroup_v2_dir(directory: str, root: str | None = None) -> CgroupMemory:
     return _read_cgroup_dir(2, _V2_FILES, directory, root)
 
 
-def memory_cgroup_dir(pid: int | None = None) -> tuple[int, str, str] | None:
+def folder_in_mount(mount: Mount, group: str) -> str | None:
+    """The folder of cgroup path ``group`` (as /proc/PID/cgroup names it) under ``mount``.
+
+    The mount shows its hierarchy from ``mount.root`` down; ``None`` when ``group`` lies
+    outside what it shows.
+    """
+    root = "/" + mount.root.strip("/")
+    group = "/" + group.strip("/")
+    if root == "/":
+        inner = group
+    elif group == root or group.startswith(root + "/"):
+        inner = group[len(root):]
+    else:
+        return None
+    return os.path.join(mount.mount_point, inner.lstrip("/")).rstrip("/") or "/"
+
+
+def _found(version: int, mounts: list[Mount], group: str, wanted) -> tuple[int, str, str] | None:
+    """The first mount of the wanted kind that shows ``group`` as an existing folder."""
+    candidates = [(m, folder_in_mount(m, group)) for m in mounts if wanted(m)]
+    shown = [(m, f) for m, f in candidates if f is not None]
+    for mount, folder in shown:
+        if os.path.isdir(folder):
+            return version, folder, mount.mount_point
+    return (version, shown[0][1], shown[0][0].mount_point) if shown else None
+
+
+def memory_cgroup_dir(pid: int | None = None, proc_dir: str | None = None) -> tuple[int, str, str] | None:
     """Return ``(version, folder, hierarchy_root)`` of the process's memory cgroup.
 
     v1 wins where a v1 memory controller is mounted (hybrid hosts keep memory there);
     ``None`` when the process is in no memory cgroup this machine exposes.
+    ``proc_dir`` reads ``cgroup`` and ``mountinfo`` from that folder instead of
+    /proc/PID (a container's files, kept for a test or a report).
     """
-    mounts = read_mounts(pid)
-    lines = read_text(proc_path(pid, "cgroup")).splitlines()
+    cgroup_file = os.path.join(proc_dir, "cgroup") if proc_dir else proc_path(pid, "cgroup")
+    mounts = read_mounts(pid, os.path.join(proc_dir, "mountinfo") if proc_dir else None)
+    lines = [line for line in read_text(cgroup_file).splitlines() if line.count(":") >= 2]
     for line in lines:
         _, controllers, rel = line.split(":", 2)
         if "memory" in controllers.split(","):
-            for mount in mounts:
-                if mount.fs_type == "cgroup" and "memory" in mount.super_options.split(","):
-                    return 1, os.path.join(mount.mount_point, rel.lstrip("/")), mount.mount_point
+            found = _found(1, mounts, rel, lambda m: m.fs_type == "cgroup" and "memory" in m.super_options.split(","))
+            if found is not None:
+                return found
     for line in lines:
         hierarchy, controllers, rel = line.split(":", 2)
         if hierarchy == "0" and controllers == "":
-            for mount in mounts:
-                if mount.fs_type == "cgroup2":
-                    folder = os.path.join(mount.mount_point, rel.lstrip("/"))
-                    if os.path.exists(os.path.join(folder, "memory.current")) or os.path.exists(
-                        os.path.join(folder, "memory.max")
-                    ):
-                        return 2, folder, mount.mount_point
+            found = _found(2, mounts, rel, lambda m: m.fs_type == "cgroup2")
+            if found is not None and (os.path.exists(os.path.join(found[1], "memory.current"))
+                                      or os.path.exists(os.path.join(found[1], "memory.max"))):
+                return found
     return None
 
 
-def read_cgroup_memory(pid: int | None = None) -> CgroupMemory | None:
+def read_cgroup_memory(pid: int | None = None, proc_dir: str | None = None) -> CgroupMemory | None:
     """Return the process's memory cgroup figures, or ``None`` where there is none."""
-    found = memory_cgroup_dir(pid)
+    found = memory_cgroup_dir(pid, proc_dir)
     if found is None:
         return None
     version, folder, root = found

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 
+from ..errors import HostmemError
+
 __all__ = ["PAGE_SIZE", "ProcReadError", "proc_path", "read_text"]
 
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
-class ProcReadError(OSError):
+class ProcReadError(HostmemError, OSError):
     """A /proc or cgroup file could not be read; the message names the file."""
 
 

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 from .files import proc_path, read_text
 
-__all__ = ["Mount", "SHMEM_FS_TYPES", "read_mounts", "filesystem_of", "is_shmem_fs"]
+__all__ = ["Mount", "SHMEM_FS_TYPES", "read_mounts", "parse_mountinfo", "filesystem_of", "is_shmem_fs"]
 
 # Filesystems whose file pages are shmem: held in RAM, never reclaimable without swap.
 SHMEM_FS_TYPES = frozenset({"tmpfs", "devtmpfs", "hugetlbfs", "ramfs", "shm"})
@@ -17,17 +17,22 @@ class Mount(NamedTuple):
     mount_point: str
     fs_type: str
     super_options: str
+    root: str = "/"  # the folder of the filesystem mounted there (a container's own cgroup: /docker/<id>)
 
 
 def _unescape_mount(text: str) -> str:
     return text.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
 
 
-def read_mounts(pid: int | None = None) -> list[Mount]:
-    """Return the mounts the process sees, from /proc/PID/mountinfo."""
-    path = proc_path(pid, "mountinfo")
+def read_mounts(pid: int | None = None, path: str | None = None) -> list[Mount]:
+    """Return the mounts the process sees, from /proc/PID/mountinfo (or the file ``path``)."""
+    return parse_mountinfo(read_text(path or proc_path(pid, "mountinfo")))
+
+
+def parse_mountinfo(text: str) -> list[Mount]:
+    """The mounts of a mountinfo text: ``ID PARENT MAJ:MIN ROOT POINT OPTIONS ... - TYPE SOURCE SUPER``."""
     mounts = []
-    for line in read_text(path).splitlines():
+    for line in text.splitlines():
         left, _, right = line.partition(" - ")
         left_parts, right_parts = left.split(), right.split()
         if len(left_parts) < 5 or len(right_parts) < 1:
@@ -37,6 +42,7 @@ def read_mounts(pid: int | None = None) -> list[Mount]:
                 mount_point=_unescape_mount(left_parts[4]),
                 fs_type=right_parts[0],
                 super_options=right_parts[2] if len(right_parts) > 2 else "",
+                root=_unescape_mount(left_parts[3]),
             )
         )
     return mounts

@@ -14,6 +14,7 @@ inside them, so a folder can be removed while its locks are held.
 from __future__ import annotations
 
 import os
+import re
 import stat
 from dataclasses import dataclass, field
 
@@ -256,10 +257,16 @@ def cache_bytes(cache: str, exclude: str | None = None) -> int:
     return total
 
 
-def _sweep_folder(folder: str) -> int:
+# A small file's temporary (a memo, the kernel wisdom) as durable_write names it: at the
+# root, beside files that are not the cache's, only these are taken for our leftovers.
+_ROOT_TMP = re.compile(re.escape(TMP_PREFIX) + r"[0-9]+-[0-9a-f]{8}")
+
+
+def _sweep_folder(folder: str, name_is=None) -> int:
     """Remove the temporary files in ``folder`` that no writer holds; how many went."""
     with os.scandir(folder) as entries:
-        found = [entry.path for entry in entries if entry.name.startswith(TMP_PREFIX)]
+        found = [entry.path for entry in entries
+                 if entry.name.startswith(TMP_PREFIX) and (name_is is None or name_is(entry.name))]
     return sum(remove_if_abandoned(path) for path in found)
 
 
@@ -273,9 +280,10 @@ def sweep_dead_temporaries(cache: str) -> int:
     there. Other folders (a provider's records, such as ``conversions/``) are swept the
     same way, and a provisional combination whose key lock nobody holds goes whole (its
     builder died before it was re-keyed), unless it was left resumable
-    (:mod:`.provisional`). Returns how many files went.
+    (:mod:`.provisional`). The root above the cache holds the memos written beside it
+    (``kernel_wisdom.json``): their writers' temporaries go too. Returns how many files went.
     """
-    removed = _sweep_folder(cache)
+    removed = _sweep_folder(cache) + _sweep_folder(os.path.dirname(cache), _ROOT_TMP.fullmatch)
     for name in os.listdir(cache):
         folder = os.path.join(cache, name)
         if not os.path.isdir(folder) or os.path.islink(folder):

@@ -40,6 +40,7 @@ import queue
 import threading
 from collections.abc import Callable
 
+from ..errors import InputError
 from .durable import durable_write
 
 __all__ = ["hash_name", "new_hasher", "file_digest", "read_chunks", "stamp_of", "ContentHashMemo", "CONTENT_HASH_MEMO",
@@ -283,7 +284,7 @@ class ContentHashMemo:
         """Remember ``digest`` of ``path``, hashed from the file as ``stamp`` describes it;
         refuse it when the file changed meanwhile (its digest would describe neither)."""
         if stamp_of(os.stat(path)) != stamp:
-            raise ValueError(f"{path}: changed while it was being hashed; start again once it is written")
+            raise InputError(f"{path}: changed while it was being hashed; start again once it is written")
         key = _memo_key(stamp)
         with self._lock:
             self.computed += 1

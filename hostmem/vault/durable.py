@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import functools
-import mmap
 import os
 import shutil
 import stat
+
+from ..file_writes import DIRECT_ALIGN, fsync_dir, start_writeback, write_all, write_uncached, write_uncached_pieces
+from .safety import read_trusted
 
 __all__ = [
     "TMP_PREFIX",
@@ -43,145 +44,6 @@ __all__ = [
 ]
 
 TMP_PREFIX = ".tmp-"
-_CHUNK = 8 * 1024 * 1024
-
-
-def fsync_dir(path: str) -> None:
-    """fsync a folder so that a rename or unlink in it survives a crash."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
-
-
-@functools.cache
-def _sync_file_range():
-    """libc's sync_file_range (Linux), or None where the C library lacks it."""
-    try:
-        import ctypes  # only a build flushes ranges; `hostmem cache` starts without it
-
-        call = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    call.restype = ctypes.c_int
-    return call
-
-
-def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing ``nbytes`` at ``offset`` to disk now, without waiting.
-
-    A hint that makes the later fsync short: the disk works on a layer's first chunks
-    while its last ones are still being written, instead of idling until the fsync and
-    then taking the whole layer at once. It promises nothing about durability (the
-    fsync still does), so where the call is missing or fails it is simply skipped.
-    """
-    call = _sync_file_range()
-    if call is not None:
-        call(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
-
-
-def write_all(fd: int, data, offset: int, writeback: bool = False) -> None:
-    """pwrite every byte of ``data`` at ``offset`` (pwrite may write less than asked).
-
-    ``writeback`` starts the disk on each chunk as soon as it is written
-    (:func:`start_writeback`), for large files that are fsynced next.
-    """
-    view = memoryview(data).cast("B")
-    while view:
-        written = os.pwrite(fd, view[:_CHUNK], offset)
-        if writeback:
-            start_writeback(fd, offset, written)
-        view = view[written:]
-        offset += written
-
-
-DIRECT_ALIGN = 4096  # O_DIRECT needs address, offset and length in whole logical blocks; a page covers every disk
-_DIRECT_CHUNK = 64 * 1024 * 1024
-
-
-def _write_direct(path: str, data: memoryview, offset: int) -> int:
-    """Write ``data`` (whole, aligned pages) at ``offset`` of ``path`` with O_DIRECT.
-
-    Returns the bytes written: all of them, or fewer (0 at first) where the filesystem
-    refuses O_DIRECT or these alignments (EINVAL), so the caller writes the rest its
-    usual way. Any other error (no space, file too large, I/O) is raised.
-    """
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return 0
-        raise
-    done = 0
-    try:
-        while done < len(data):
-            try:
-                done += os.pwrite(fd, data[done : done + _DIRECT_CHUNK], offset + done)
-            except OSError as exc:
-                if exc.errno == errno.EINVAL:
-                    break
-                raise
-    finally:
-        os.close(fd)
-    return done - done % DIRECT_ALIGN
-
-
-def write_uncached(fd: int, path: str, data, offset: int, address: int) -> None:
-    """Write ``data`` (in memory at ``address``) at ``offset`` of ``path``, open as ``fd``,
-    without passing it through the page cache where the filesystem allows.
-
-    Its whole pages go with O_DIRECT through a second descriptor: the disk reads them
-    from our buffer, with no copy into newly allocated page cache (on a virtual machine,
-    touching fresh pages can cost more than the disk), and the build does not push out
-    of the cache what it holds, such as the base checkpoint being merged. What O_DIRECT
-    cannot take (an unaligned buffer or offset, the last partial page, a filesystem
-    without it) goes through ``fd`` as usual. The later fsync is still what makes it
-    durable: O_DIRECT skips the page cache, not the disk's own.
-    """
-    data = memoryview(data).cast("B")
-    body = 0
-    if address % DIRECT_ALIGN == 0 and offset % DIRECT_ALIGN == 0:
-        body = len(data) - len(data) % DIRECT_ALIGN
-    if body:
-        body = _write_direct(path, data[:body], offset)
-    write_all(fd, data[body:], offset + body, writeback=True)
-
-
-_STAGE = 64 * 1024 * 1024  # bytes staged per O_DIRECT write
-
-
-def write_uncached_pieces(fd: int, path: str, pieces: list) -> None:
-    """Write ``pieces`` (buffers) one after another from offset 0 of ``path``, open as
-    ``fd``, around the page cache where the filesystem allows (:func:`write_uncached`):
-    copied through a page-aligned staging buffer, so that every write but the last is
-    whole pages at a page-aligned offset, whatever the pieces' own sizes."""
-    import ctypes  # see _sync_file_range
-
-    stage = mmap.mmap(-1, _STAGE)
-    view = memoryview(stage)
-    anchor = ctypes.c_char.from_buffer(stage)
-    try:
-        address, filled, at = ctypes.addressof(anchor), 0, 0
-        for piece in pieces:
-            piece = memoryview(piece).cast("B")
-            while piece:
-                n = min(len(piece), _STAGE - filled)
-                view[filled : filled + n] = piece[:n]
-                filled, piece = filled + n, piece[n:]
-                if filled == _STAGE:
-                    write_uncached(fd, path, view, at, address)
-                    at, filled = at + filled, 0
-        if filled:
-            write_uncached(fd, path, view[:filled], at, address)
-    finally:
-        del anchor
-        view.release()
-        stage.close()
 
 
 def tmp_path_in(folder: str, suffix: str = "") -> str:
@@ -306,8 +168,6 @@ def read_small(path: str) -> bytes:
     """The bytes of a small file of the cache (a memo, a record): a regular file of this
     user's, writable by nobody else, never read through a link
     (:func:`~hostmem.vault.safety.read_trusted`)."""
-    from .safety import read_trusted  # here: safety builds on this module
-
     return read_trusted(path)
 
 

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import threading
 
+from ..errors import HostmemError
+
 __all__ = ["Handoff", "HandoffCancelled"]
 
 
-class HandoffCancelled(RuntimeError):
+class HandoffCancelled(HostmemError, RuntimeError):
     """The producer failed: the bytes the consumer waits for will never come."""
 
 

@@ -18,6 +18,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from ..errors import InputError
 from .content_hash import CONTENT_HASH_MEMO, ContentHashMemo
 
 __all__ = [
@@ -62,7 +63,7 @@ def _dtype_name(target_dtype) -> str:
 
 def _content_part(identity: dict, what: str, build_with: str) -> dict:
     if "digest" not in identity:
-        raise ValueError(f"{what} identity {identity!r} has no 'digest'; build it with {build_with}")
+        raise InputError(f"{what} identity {identity!r} has no 'digest'; build it with {build_with}")
     return {k: v for k, v in identity.items() if k not in _LOCATION_FIELDS}
 
 
@@ -135,7 +136,7 @@ def base_identity(shard_paths: list[str], memo_file: str | None = None, memo: Co
     """Identity of a base checkpoint: per shard its content digest (plus, for people, its
     path, size and mtime), in digest order."""
     if not shard_paths:
-        raise ValueError("base_identity: no shard paths given (expected the base checkpoint's .safetensors files)")
+        raise InputError("base_identity: no shard paths given (expected the base checkpoint's .safetensors files)")
     return base_identity_of([_file_identity(p, memo_file, memo) for p in shard_paths])
 
 

@@ -37,6 +37,7 @@ import json
 import os
 import time
 
+from ..errors import HostmemError
 from .durable import durable_write
 from .safety import read_trusted
 from .layer_file import LayerEntry
@@ -49,7 +50,7 @@ MANIFEST_FORMAT = "hostmem-lora-merge-cache"
 MANIFEST_VERSION = 2
 
 
-class ManifestError(ValueError):
+class ManifestError(HostmemError, ValueError):
     """A manifest that cannot be trusted; its combination is dropped or reported."""
 
 

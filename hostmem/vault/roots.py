@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+from ..errors import InputError
 from .combinations import default_cache_root
 from .identity import CacheKey
 
@@ -29,7 +30,7 @@ def cache_roots(cache_root) -> list[str]:
     else:
         listed = list(cache_root)
     if not listed:
-        raise ValueError("cache_root: an empty list of cache roots; give at least one "
+        raise InputError("cache_root: an empty list of cache roots; give at least one "
                          "(a LoRA merge may instead take enabled=False to merge in place)")
     return [os.path.abspath(os.path.expanduser(os.fspath(r))) for r in listed]
 

@@ -18,9 +18,10 @@ import errno
 import os
 import stat
 
+from ..errors import HostmemError
 from hostmem.procfs import SHMEM_FS_TYPES, filesystem_of
 
-from .durable import fsync_dir
+from ..file_writes import fsync_dir
 
 __all__ = [
     "VaultError",
@@ -40,7 +41,7 @@ __all__ = [
 ]
 
 
-class VaultError(ValueError):
+class VaultError(HostmemError, ValueError):
     """The cache cannot be used as configured; the message names the path and the fix.
 
     A ``ValueError`` so that the command line prints it as one actionable line.

@@ -54,6 +54,7 @@ class PeftConfig:
     rank_pattern: dict = field(default_factory=dict)
     alpha_pattern: dict = field(default_factory=dict)
     use_rslora: bool = False
+    use_dora: bool = False  # every LoRA pair then has a magnitude vector (lora_cache.keys checks)
 
     @staticmethod
     def _lookup(patterns: dict, stem: str):
@@ -109,17 +110,13 @@ def peft_config_from(where: str, raw: dict) -> PeftConfig:
     """Read the scale fields of a peft config (``adapter_config.json`` or diffusers metadata)."""
     if not isinstance(raw, dict):
         raise AdapterError(f"{where}: expected a JSON object, found {type(raw).__name__}")
-    if raw.get("use_dora"):
-        raise AdapterError(
-            f"{where}: use_dora is true; lora_cache does not merge DoRA adapters (the magnitude "
-            "vectors make the merge more than W + scale * B @ A)"
-        )
     return PeftConfig(
         r=_number(where, "r", raw.get("r"), whole=True),
         lora_alpha=_number(where, "lora_alpha", raw.get("lora_alpha")),
         rank_pattern=_patterns(where, "rank_pattern", raw.get("rank_pattern"), whole=True),
         alpha_pattern=_patterns(where, "alpha_pattern", raw.get("alpha_pattern"), whole=False),
         use_rslora=bool(raw.get("use_rslora", False)),
+        use_dora=bool(raw.get("use_dora", False)),
     )
 
 

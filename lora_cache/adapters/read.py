@@ -39,9 +39,10 @@ _ROLES = (
     ("diff_b", "diff_b"),
     ("alpha", "alpha"),
     ("diff", "diff"),
+    ("lora_magnitude_vector", "magnitude"),  # peft's DoRA (merged as peft merges it: lora_cache.merge_math)
 )
 _KNOWN_PARTS = ("lora_A/lora_B(.default).weight, lora_B.bias, lora_down/lora_up.weight, down/up.weight, alpha, diff, "
-                "diff_b")
+                "diff_b, lora_magnitude_vector")
 # The file a trainer's folder holds: peft's save_pretrained, diffusers' save_lora_weights.
 _FOLDER_FILES = ("adapter_model.safetensors", "pytorch_lora_weights.safetensors")
 # The files peft's save_pretrained writes beside its adapter_config.json: the config is theirs alone.

@@ -10,13 +10,15 @@ import math
 import os
 from dataclasses import dataclass
 
+from hostmem.errors import HostmemError
+
 __all__ = ["Adapter", "AdapterError", "as_adapter", "as_adapters"]
 
 _SPEC_KEYS = {"path", "strength", "alpha", "rules", "strict", "rslora", "convert"}
 _CONVERTERS = ("auto", "native", "diffusers")
 
 
-class AdapterError(ValueError):
+class AdapterError(HostmemError, ValueError):
     """An adapter file cannot be read as LoRA; the message names the file and key."""
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ import torch
 from ..buffers import Scratch, compute_device, host_buffer
 from ..merge_math import (BF16_ADDMM, FP32_ROWS, Delta, _bf16_addmm_rounds_once, merged_weight, one_pass_kind,
                           row_blocks)
-from .wisdom import FACTS, Wisdom, entry_key, machine
+from .wisdom import ENTRIES, FACTS, Wisdom, entry_key, machine
 from .workers import block_workers, worker_count
 
 __all__ = ["KernelPlan", "measure_kernels", "plan_kernels", "shape_class"]
@@ -89,11 +90,33 @@ def measure_kernels(rows: int, cols: int, rank: int) -> dict:
             "measured": {"rows": rows, "cols": cols, "rank": rank}}
 
 
+class _Wisdoms:
+    """The wisdom of several roots in order: a choice is recalled from the first that
+    knows it, and a new one kept in the last (see :func:`plan_kernels`)."""
+
+    def __init__(self, roots):
+        self.all = [Wisdom(r) for r in roots] or [Wisdom(None)]
+        self.keeper = self.all[-1]  # a read-only root keeps new timings in this process only
+
+    def recall(self, key: str, section: str = ENTRIES) -> dict | None:
+        return next((e for w in self.all if (e := w.recall(key, section)) is not None), None)
+
+    def recording(self, section: str = ENTRIES):
+        return self.keeper.recording(section)
+
+
+def _wisdoms(root) -> _Wisdoms:
+    return _Wisdoms([root] if root is None or isinstance(root, (str, os.PathLike)) else list(root))
+
+
 def plan_kernels(layers, device=None, root=None) -> KernelPlan:
     """Choose the kernel of every shape class among ``layers`` (``(shape, dtype, deltas)``
     triples): as remembered in ``root``'s wisdom (or this process's), else timed now on
     the class's largest layer (a fraction of a second per class, once per machine) and
-    remembered. ``device``: where the sum runs."""
+    remembered. ``device``: where the sum runs. ``root`` may be a list of roots
+    (``lora_cache.combination.kernel_roots``): read-only ones first, whose recorded
+    choices win (the keys of what they hold were made with them), and the root that
+    keeps new timings last."""
     device = torch.device(device) if device is not None else compute_device()
     largest: dict[str, tuple[int, int, int]] = {}
     for shape, dtype, deltas in layers:
@@ -103,19 +126,19 @@ def plan_kernels(layers, device=None, root=None) -> KernelPlan:
             largest[cls] = max(largest.get(cls, found), found)
     if not largest:
         return KernelPlan()
-    wisdom, threads = Wisdom(root), worker_count()
-    if not addmm_rounds_once(wisdom, threads):
+    wisdoms, threads = _wisdoms(root), worker_count()
+    if not addmm_rounds_once(wisdoms, threads):
         return KernelPlan()
     keys = {cls: entry_key("bfloat16", cls, threads) for cls in largest}
-    chosen = {cls: wisdom.recall(key) for cls, key in keys.items()}
+    chosen = {cls: wisdoms.recall(key) for cls, key in keys.items()}
     if any(entry is None for entry in chosen.values()):
-        with wisdom.recording() as record:
+        with wisdoms.recording() as record:
             for cls, entry in chosen.items():
                 chosen[cls] = entry or record(keys[cls], lambda cls=cls: measure_kernels(*largest[cls]))
     return KernelPlan(tuple(sorted((cls, entry["kernel"]) for cls, entry in chosen.items())))
 
 
-def addmm_rounds_once(wisdom: Wisdom, threads: int) -> bool:
+def addmm_rounds_once(wisdom: Wisdom | _Wisdoms, threads: int) -> bool:
     """Whether torch's bf16 addmm rounds once on this machine, as the merge must (see
     :func:`lora_cache.merge_math.one_pass_applies`), remembered in ``wisdom``'s facts.
 

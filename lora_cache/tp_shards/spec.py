@@ -14,13 +14,15 @@ import numbers
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from hostmem.errors import HostmemError
+
 __all__ = ["Shard", "ShardSpecError", "check_shards", "full_shapes", "parse_shard_args", "shape_notes"]
 
 _HOW = ("shards={'<parameter name>': (dim, index, count)}: dim 0 for a slice of rows (column-parallel), "
         "dim 1 for a slice of columns (row-parallel), index = this rank's part, count = the parallel degree")
 
 
-class ShardSpecError(ValueError):
+class ShardSpecError(HostmemError, ValueError):
     """A ``shards=`` spec that is ambiguous or does not fit the model; the message says which
     parameter, what is wrong and what to pass instead."""
 

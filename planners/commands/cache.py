@@ -13,6 +13,7 @@ import os
 import sys
 import time
 
+from hostmem.errors import InputError
 from hostmem.units import format_size, parse_size, size_option
 
 _ROOT_HELP = "cache root (default: $HOSTMEM_CACHE_ROOT, else ~/.cache/hostmem)"
@@ -71,8 +72,8 @@ def _check_given_root(root: str) -> None:
     if os.path.isdir(path):
         return
     if os.path.lexists(path):
-        raise ValueError(f"--root {root}: is a file, not a folder; give the cache root folder (the one holding lora_merge_cache)")
-    raise ValueError(f"--root {root}: no such folder; check the path (the default root is $HOSTMEM_CACHE_ROOT, else ~/.cache/hostmem)")
+        raise InputError(f"--root {root}: is a file, not a folder; give the cache root folder (the one holding lora_merge_cache)")
+    raise InputError(f"--root {root}: no such folder; check the path (the default root is $HOSTMEM_CACHE_ROOT, else ~/.cache/hostmem)")
 
 
 def _when(stamp: float | None) -> str:
@@ -199,7 +200,7 @@ def run_verify(args) -> int:
     root, cache = _cache(args)
     if cache is None:
         if args.keys:
-            raise ValueError(f"{root}: holds no LoRA merge cache, so no key {args.keys[0]!r}")
+            raise InputError(f"{root}: holds no LoRA merge cache, so no key {args.keys[0]!r}")
         reports = []
     else:
         reports = verify_all(cache, args.keys, deep=args.deep)
@@ -248,7 +249,7 @@ def run_rm(args) -> int:
 
     root, cache = _cache(args)
     if cache is None:
-        raise ValueError(f"{root}: holds no LoRA merge cache, so no key {args.key!r}")
+        raise InputError(f"{root}: holds no LoRA merge cache, so no key {args.key!r}")
     combo = remove(cache, args.key)
     print(f"removed {combo.key}  {format_size(combo.bytes)}")
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 
+from hostmem.errors import InputError
 from hostmem.units import format_rate, format_size, size_option
 
 _DEFAULT_ROOT = "~/.cache/hostmem"
@@ -82,7 +83,7 @@ def _device(args, use_device: bool) -> tuple[str | None, str | None]:
 
     if not torch.cuda.is_available():
         if args.device:
-            raise ValueError(f"--device {args.device}: this host has no CUDA device; run without --device to "
+            raise InputError(f"--device {args.device}: this host has no CUDA device; run without --device to "
                              "measure the host rates")
         return None, "the device rates (pinned_h2d, pageable_h2d) need a GPU: run hostmem calibrate on a CUDA host"
     return args.device or "cuda:0", None
@@ -96,7 +97,7 @@ def measure(args, use_device: bool = True) -> dict:
     config = load_config(args.config) if args.config else None
     folders = _folders(args, config)
     if not folders:
-        raise ValueError("nothing to time: the cache root does not exist; give a CONFIG or --path DIR")
+        raise InputError("nothing to time: the cache root does not exist; give a CONFIG or --path DIR")
     measured = [measure_folder(folder, args.size, existing) for folder, existing in folders]
     device, note = _device(args, use_device)
     transfer = {"disk_read": min(m.disk_read for m in measured)}

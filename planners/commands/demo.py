@@ -7,6 +7,7 @@ import json
 import sys
 import time
 
+from hostmem.errors import InputError
 from hostmem.units import size_option
 
 
@@ -44,13 +45,13 @@ def run(args) -> int:
 
     settings = parse_settings(args.scale, args.host_limit, args.workdir, args.cgroup)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
-        raise ValueError(f"--plot {args.plot}: matplotlib is not installed; `pip install matplotlib` (or drop --plot)")
+        raise InputError(f"--plot {args.plot}: matplotlib is not installed; `pip install matplotlib` (or drop --plot)")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path:  # fail now, not after minutes of work
             try:
                 open(path, "a").close()
             except OSError as exc:
-                raise ValueError(f"{flag} {path}: cannot write there ({exc.strerror})") from None
+                raise InputError(f"{flag} {path}: cannot write there ({exc.strerror})") from None
     started = time.perf_counter()
     try:
         demo = run_demo(settings)

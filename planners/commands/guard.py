@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 
+from hostmem.errors import InputError
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -55,9 +57,9 @@ def parse_limit(text: str) -> int:
     try:
         limit = parse_size(text)
     except ValueError as exc:
-        raise ValueError(f"--max-peak-anon: {exc}") from None
+        raise InputError(f"--max-peak-anon: {exc}") from None
     if limit <= 0:
-        raise ValueError(f"--max-peak-anon {text}: must be more than 0 bytes")
+        raise InputError(f"--max-peak-anon {text}: must be more than 0 bytes")
     return limit
 
 
@@ -71,7 +73,7 @@ def run(args) -> int:
     if command[:1] == ["--"]:
         command = command[1:]
     if not command:
-        raise ValueError("no command given: hostmem guard --max-peak-anon SIZE [options] -- CMD [ARGS...]")
+        raise InputError("no command given: hostmem guard --max-peak-anon SIZE [options] -- CMD [ARGS...]")
     json_out = _open_json(args.json)
     try:
         result = run_guarded(
@@ -96,4 +98,4 @@ def _open_json(path: str | None):
     try:
         return open(path, "w", encoding="utf-8")
     except OSError as exc:
-        raise ValueError(f"--json {path}: cannot write ({exc.strerror or exc})") from None
+        raise InputError(f"--json {path}: cannot write ({exc.strerror or exc})") from None

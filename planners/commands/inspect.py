@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+from hostmem.errors import InputError
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -29,7 +31,7 @@ def _pids(args) -> list[int]:
     if args.cgroup is not None:
         found = cgroup_pids(args.cgroup)
         if not found:
-            raise ValueError(f"--cgroup {args.cgroup}: the cgroup holds no process")
+            raise InputError(f"--cgroup {args.cgroup}: the cgroup holds no process")
         pids.extend(found)
     return list(dict.fromkeys(pids))
 
@@ -44,7 +46,7 @@ def _emit(report, as_json: bool, text: str) -> None:
 
 def run(args) -> int:
     if args.top < 0:
-        raise ValueError(f"--top {args.top}: must be 0 (all) or a positive count")
+        raise InputError(f"--top {args.top}: must be 0 (all) or a positive count")
     pids = _pids(args)
     if len(pids) > 1 or args.cgroup is not None:
         from hostmem.host_aggregate import aggregate_processes

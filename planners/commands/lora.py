@@ -25,6 +25,8 @@ import os
 import signal
 import sys
 
+from hostmem.errors import InputError
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -48,6 +50,12 @@ def register(subparsers) -> None:
         help="a tensor-parallel rank holds part INDEX of COUNT of parameter NAME along DIM (0: rows, "
         "column-parallel; 1: columns, row-parallel); repeat per parameter; builds that rank's parts",
     )
+    merge.add_argument(
+        "--rounding", choices=("runtime", "merge", "refuse"), default="runtime",
+        help="layers whose merged weight would lose over 5%% of their LoRA update to rounding: not built, the "
+        "server keeps them at run time (runtime, the default); built anyway, under a key of their own that "
+        "only starts asking for it use (merge); or refuse the build (refuse)",
+    )
     merge.set_defaults(run=run_merge)
 
 
@@ -56,9 +64,9 @@ def _merge_component(config):
     chosen = config.components.get(config.lora.component) if config.lora.component else None
     chosen = chosen or config.components.get("dit") or config.streamed
     if chosen is None:
-        raise ValueError(f"{config.origin.path}: no component to merge into; set lora.component")
+        raise InputError(f"{config.origin.path}: no component to merge into; set lora.component")
     if not chosen.path:
-        raise ValueError(
+        raise InputError(
             f"{config.origin.path}: components.{chosen.name} has declared sizes but no path; "
             "hostmem lora merge needs the checkpoint itself"
         )
@@ -104,11 +112,11 @@ def _check_enabled(config) -> None:
 
     path, lora = config.origin.path, config.lora
     if lora is None or not lora.adapters:
-        raise ValueError(f"{path}: lora.adapters is empty; there is nothing to merge")
+        raise InputError(f"{path}: lora.adapters is empty; there is nothing to merge")
     if not lora.cache.enabled:
-        raise ValueError(f"{path}: lora.cache.enabled is false; set it to true to build the cache")
+        raise InputError(f"{path}: lora.cache.enabled is false; set it to true to build the cache")
     if cache_disabled_by_env():
-        raise ValueError(f"{DISABLE_ENV} is set, which turns the cache off; unset it to build the cache")
+        raise InputError(f"{DISABLE_ENV} is set, which turns the cache off; unset it to build the cache")
 
 
 def _interrupt(signum, frame) -> None:
@@ -160,6 +168,7 @@ def run_merge(args) -> int:
                 progress=False if (args.no_progress or args.json) else None,
                 fallback=False,
                 shards=parts,
+                rounding=args.rounding,
             )
     except CacheBuildError as exc:
         print(f"hostmem: error: {exc}", file=sys.stderr)

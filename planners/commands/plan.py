@@ -25,10 +25,14 @@ def register(subparsers) -> None:
         help="the LoRA merge to predict (default: cached if lora.cache is enabled, in-place if not, "
         "none without adapters)",
     )
+    parser.add_argument(
+        "--check", action="store_true",
+        help="exit 1 when the plan does not fit (0 when it does, 2 for a bad config): a gate for CI",
+    )
     parser.set_defaults(run=run, read_only=True)  # writes nothing: cli.main may skip the exit collection
 
 
-def _providers(config, components, merge) -> list:
+def _providers(config, sizes, merge) -> list:
     """The LoRA merge cache as a provider, when the plan merges in place and the cache is on.
 
     A plan that already merges through the cache has no anonymous merge to give back,
@@ -39,9 +43,11 @@ def _providers(config, components, merge) -> list:
     if merge != "in-place" or target is None or lora is None or not lora.adapters or not lora.cache.enabled:
         return []
     from lora_cache.provider import LoraCacheProvider
+    from planners.whatif import in_place_merge_bytes
 
-    sizes = components[target.name]
-    return [LoraCacheProvider(target.name, sizes.lora_target_bytes, layers=len(sizes.layers))]
+    merged = sizes[target.name]
+    return [LoraCacheProvider(target.name, merged.lora_target_bytes, layers=len(merged.layers),
+                              in_place_bytes=in_place_merge_bytes(config, sizes))]
 
 
 def _without_cache(config, merge, sizes) -> tuple:
@@ -79,7 +85,7 @@ def run(args) -> int:
     notes += cache_root_warnings(config)
     plan = plan_deployment(
         config, components, host, mode="what-if", merge=merge, notes=tuple(notes),
-        providers=_providers(config, components, merge), merge_reason=reason,
+        providers=_providers(config, sizes, merge), merge_reason=reason,
         alternatives=_without_cache(config, merge, sizes),
     )
     if args.json:
@@ -89,4 +95,4 @@ def run(args) -> int:
         sys.stdout.write("\n")
     else:
         print(report_text(plan))
-    return 0
+    return 1 if args.check and not plan.fits else 0

@@ -54,8 +54,9 @@ def _component(origin: ConfigOrigin, name: str, data: Any) -> ComponentConfig:
     )
 
 
-def _layers(s: Section, offload: str, declared: bool) -> tuple[str | None, int | None]:
-    """``layers`` is a name pattern (``"blocks.{i}."``) with a checkpoint, a count when declared."""
+def _layers(s: Section, offload: str, declared: bool) -> tuple[str | tuple[str, ...] | None, int | None]:
+    """``layers`` names the blocks: with a checkpoint a pattern (``"blocks.{i}."``) or a list of
+    them (Flux's ``transformer_blocks.{i}.`` and ``single_transformer_blocks.{i}.``), declared a count."""
     value = s.get("layers")
     if value is None:
         if offload == "layerwise":
@@ -64,11 +65,17 @@ def _layers(s: Section, offload: str, declared: bool) -> tuple[str | None, int |
         return None, None
     if declared:
         return None, s.integer("layers", None, 1, maximum=_MAX_LAYERS)
-    if not isinstance(value, str) or value.count("{i}") != 1:
-        raise s.origin.error(
-            s.sub("layers"), f"{value!r} is not a layer pattern; write one with a single {{i}}, e.g. \"blocks.{{i}}.\""
-        )
-    return value, None
+    patterns = value if isinstance(value, list) and value else [value]
+    for pattern in patterns:
+        if not isinstance(pattern, str) or pattern.count("{i}") != 1:
+            raise s.origin.error(
+                s.sub("layers"), f"{pattern!r} is not a block pattern; write one with a single {{i}}, e.g. "
+                "\"blocks.{i}.\", or a list of them, e.g. "
+                "[\"transformer_blocks.{i}.\", \"single_transformer_blocks.{i}.\"]"
+            )
+    if len(set(patterns)) != len(patterns):
+        raise s.origin.error(s.sub("layers"), f"{value!r} lists a pattern twice; list each once")
+    return (value if isinstance(value, str) else tuple(value)), None
 
 
 def _lora_targets(s: Section, declared: bool) -> tuple[int | None, tuple[str, ...]]:
@@ -96,6 +103,6 @@ def parse_components(origin: ConfigOrigin, data: Any) -> dict[str, ComponentConf
     if len(streamed) > 1:
         raise origin.error(
             f"components.{streamed[1]}.offload",
-            f"only one component may stream layer by layer ({', '.join(streamed)} do); set offload: full on the others",
+            f"only one component may stream block by block ({', '.join(streamed)} do); set offload: full on the others",
         )
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from hostmem.errors import InputError
 from hostmem.units import format_size, parse_fraction, parse_rate, parse_size
 
 from .model import DeviceConfig, HostConfig, TransferConfig, WorkloadConfig
@@ -100,7 +101,7 @@ def _rate(text: Any) -> float:
     """A transfer rate of at least 1 MB/s (so that transfer times stay finite)."""
     rate = parse_rate(text)
     if rate < _MIN_RATE:
-        raise ValueError(f"{text!r} is slower than 1 MB/s; write a rate with its unit, e.g. 24GB/s")
+        raise InputError(f"{text!r} is slower than 1 MB/s; write a rate with its unit, e.g. 24GB/s")
     return rate
 
 

@@ -63,7 +63,7 @@ def parse_lora(origin: ConfigOrigin, data: Any, components: Mapping[str, Compone
     for i, item in enumerate(raw):
         adapters.append(_adapter(origin, Section(origin, f"lora.adapters[{i}]", item, _ADAPTER_KEYS)))
     component = s.get("component")
-    if component is not None and component not in components:
+    if component is not None and (not isinstance(component, str) or component not in components):
         raise origin.error("lora.component", f"{component!r} is not a component; choose one of {', '.join(components)}")
     return LoraConfig(adapters=tuple(adapters), cache=_lora_cache(origin, s.get("cache")), component=component)
 

@@ -71,7 +71,7 @@ class ComponentConfig(NamedTuple):
     name: str
     offload: str
     path: str | None = None
-    layer_pattern: str | None = None
+    layer_pattern: str | tuple[str, ...] | None = None  # one block pattern or several
     layer_count: int | None = None
     size: int | None = None
     lora_target_bytes: int | None = None

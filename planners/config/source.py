@@ -15,12 +15,13 @@ from typing import Any, Mapping, NamedTuple
 
 import yaml
 
+from hostmem.errors import HostmemError
 from hostmem.units import parse_size
 
 __all__ = ["ConfigError", "ConfigOrigin", "Section", "load_yaml_with_lines", "kind", "resolve_path"]
 
 
-class ConfigError(ValueError):
+class ConfigError(HostmemError, ValueError):
     """A config problem: ``str()`` reads ``FILE:LINE: KEY: problem; what to do``."""
 
     def __init__(self, where: str, key: str, problem: str):

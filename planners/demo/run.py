@@ -21,12 +21,14 @@ from dataclasses import asdict, dataclass, field
 
 import yaml
 
+from hostmem.errors import HostmemError, InputError
 from hostmem.peak import PeakTracker
 from hostmem.procfs import is_shmem_fs
 from hostmem.table import format_table as format_table_lines
 from hostmem.units import format_size, parse_size
 
 from .progress import StatusLine
+from .room import check_room
 
 from .scenario import SCENARIOS
 from .synthetic import SyntheticSet, write_synthetic_set
@@ -44,7 +46,7 @@ LABELS = {
 }
 
 
-class DemoError(RuntimeError):
+class DemoError(HostmemError, RuntimeError):
     """A scenario failed; the message carries the end of its error output."""
 
 
@@ -237,13 +239,14 @@ def run_demo(settings: DemoSettings) -> DemoResult:
     """Write the files, run the four scenarios (and the cgroup pair), return the figures."""
     holder = None
     workdir = os.path.abspath(settings.workdir) if settings.workdir else None  # the config names files under it
+    check_room(settings.scale, workdir or _real_disk_tmp())  # before the first byte is written
     if workdir is None:
         holder = tempfile.TemporaryDirectory(prefix="hostmem-demo-", dir=_real_disk_tmp())
         workdir = holder.name
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as exc:
-        raise ValueError(f"--workdir {workdir}: cannot create it ({exc.strerror}); name a writable folder") from None
+        raise InputError(f"--workdir {workdir}: cannot create it ({exc.strerror}); name a writable folder") from None
     try:
         files, config_path, limit, scaled_limit, runtime = _prepare(settings, workdir)
         _say(settings, f"host limit {format_size(limit)} = {format_size(scaled_limit)} (32 GiB scaled to a "
@@ -381,10 +384,12 @@ def parse_settings(scale: str | int, host_limit: str | int | None, workdir: str 
     """Settings from command-line sizes (text or bytes, through :func:`hostmem.units.parse_size`)."""
     size = parse_size(scale)
     if size < 8 * 1024**2:
-        raise ValueError(f"--scale {format_size(size)}: at least 8MiB of DiT is needed for a meaningful demo")
+        raise InputError(f"--scale {format_size(size)}: at least 8MiB of DiT is needed for a meaningful demo")
     limit = parse_size(host_limit) if host_limit is not None else None
     if limit == 0:
-        raise ValueError("--host-limit 0: the host must have some memory; give e.g. 1GiB")
+        raise InputError("--host-limit 0: the host must have some memory; give e.g. 1GiB")
+    # absolute: the config written there names its files relative to itself, not to the current folder
+    workdir = os.path.abspath(os.path.expanduser(workdir)) if workdir is not None else None
     return DemoSettings(scale=size, host_limit=limit, workdir=workdir, cgroup=cgroup)
 
 

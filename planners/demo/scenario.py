@@ -73,7 +73,7 @@ def run(config_path: str, name: str) -> dict:
         stats = lora_cache.merge(dit, adapters, cache_root=None if in_place else config.lora.cache.root,
                                  enabled=not in_place, unmergeable=in_place, base_files=dit_files, progress=False)
     _first_request(dit, text_encoder)
-    plan = plan_loaded(config, {"dit": dit, "text_encoder": text_encoder}, merge_stats=stats)
+    plan = plan_loaded(config, {"dit": dit, "text_encoder": text_encoder}, merge_stats=stats, quiet=True)
     start_s = time.perf_counter() - started
     report = report_dict(plan)
     components = report["components"]

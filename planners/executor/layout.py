@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from hostmem.errors import InputError
 from hostmem.procfs import PAGE_SIZE, read_maps
 
 __all__ = ["FileRange", "LayerLayout", "MapIndex", "inner_pages", "layer_layout", "layer_module", "module_tensors",
@@ -52,7 +53,7 @@ def layer_module(component: str, root: torch.nn.Module, name: str) -> torch.nn.M
     try:
         return root.get_submodule(name)
     except AttributeError:
-        raise ValueError(
+        raise InputError(
             f"{component}: the plan names layer {name!r}, but the module has no submodule of that name; the "
             "executor hooks each layer's forward, so the component's layer pattern must name its blocks "
             "(e.g. \"transformer_blocks.{i}.\") and the plan must be made from this module (plan_loaded)"

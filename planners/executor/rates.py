@@ -20,6 +20,8 @@ import os
 import time
 from typing import NamedTuple
 
+from hostmem.errors import InputError
+
 __all__ = ["FolderRates", "measure_file", "measure_folder", "h2d_rates", "CHUNK"]
 
 CHUNK = 8 << 20
@@ -50,7 +52,7 @@ def measure_file(path: str, nbytes: int | None = None) -> tuple[int, float, floa
     try:
         size = os.fstat(fd).st_size if nbytes is None else min(nbytes, os.fstat(fd).st_size)
         if size <= 0:
-            raise ValueError(f"{path}: empty file; nothing to time a read of")
+            raise InputError(f"{path}: empty file; nothing to time a read of")
         buf = memoryview(bytearray(CHUNK))
         os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
         os.fsync(fd)  # a page still dirty (a file written moments ago) would not be dropped
@@ -84,12 +86,12 @@ def _largest_file(folder: str) -> str | None:
 def measure_folder(folder: str, nbytes: int, existing: bool = False) -> FolderRates:
     """Rates of ``folder``: its largest checkpoint file when ``existing``, else a probe written there."""
     if not os.path.isdir(folder):
-        raise ValueError(f"{folder}: not a folder; give a checkpoint folder or a cache root that exists")
+        raise InputError(f"{folder}: not a folder; give a checkpoint folder or a cache root that exists")
     path = _largest_file(folder) if existing else None
     probe = path is None
     if probe:
         if not os.access(folder, os.W_OK):
-            raise ValueError(f"{folder}: not writable and holds no .safetensors file to time a read of")
+            raise InputError(f"{folder}: not writable and holds no .safetensors file to time a read of")
         path = _write_probe(folder, nbytes)
     try:
         size, disk, cached = measure_file(path, nbytes)

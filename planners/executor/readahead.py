@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from hostmem.errors import InputError
 from hostmem.procfs import PAGE_SIZE
 
 from .layout import FileRange, inner_pages
@@ -213,7 +214,7 @@ def choose_reader(sample: FileRange | None, handles: FileHandles, how: str = "au
     (three times each, in turn; cached per device for the process)."""
     if how != "auto":
         if how not in READERS:
-            raise ValueError(f"read_ahead {how!r}: choose auto, {' or '.join(READERS)}")
+            raise InputError(f"read_ahead {how!r}: choose auto, {' or '.join(READERS)}")
         return how
     if sample is None:
         return "read"

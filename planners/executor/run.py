@@ -19,6 +19,7 @@ from typing import Mapping
 
 import torch
 
+from hostmem.errors import InputError
 from hostmem.pinning import Pinner
 
 from ..deployment import DeploymentPlan
@@ -35,7 +36,7 @@ def _check_sizes(plan: DeploymentPlan, name: str, layouts) -> None:
     units = {u.name: u.nbytes for u in plan.components[name].units}
     for layer, layout in layouts.items():
         if units.get(layer) != layout.nbytes:
-            raise ValueError(
+            raise InputError(
                 f"{name}.{layer}: the plan has {units.get(layer)} bytes, the module {layout.nbytes}; the plan "
                 "was made from other weights: plan again after loading (planners.startup.plan_loaded)"
             )
@@ -48,11 +49,11 @@ class Executor:
                  device: str | torch.device | None = None, read_ahead: str = "auto",
                  disk_read: float | None = None, pinner: Pinner | None = None):
         if prefetch < 0:
-            raise ValueError(f"prefetch {prefetch}: give 0 or more layers to read ahead")
+            raise InputError(f"prefetch {prefetch}: give 0 or more layers to read ahead")
         self.plan, self.components, self.prefetch = plan, dict(components), prefetch
         self.device = torch.device(device) if device is not None else None
         if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device}: this host has no CUDA device; leave device unset on a CPU host")
+            raise InputError(f"device {self.device}: this host has no CUDA device; leave device unset on a CPU host")
         self.read_ahead, self.disk_read, self._pinner = read_ahead, disk_read, pinner
         self.roles: dict[str, ComponentRoles] = {}
         self.pipelines: dict[str, LayerPipeline] = {}
@@ -80,7 +81,7 @@ class Executor:
         out = {}
         for name, roles in self.roles.items():
             if name not in self.components:
-                raise ValueError(f"the plan moves layers of {name!r}, but no module of that name was given; "
+                raise InputError(f"the plan moves layers of {name!r}, but no module of that name was given; "
                                  f"pass {{'{name}': module}} with the others")
             hooked = roles.order if roles.moves else roles.resident
             out[name] = {layer: layer_layout(name, self.components[name], layer, maps) for layer in hooked}

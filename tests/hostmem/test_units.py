@@ -81,7 +81,8 @@ def test_a_fraction_of_a_byte_is_refused_not_rounded(text):
         ("9" * 400, "larger than any host"),
         (10**400, "larger than any host"),
         ("9223372036854775808", "larger than any host"),
-        ("8EiB", "unknown unit"),
+        ("9EiB", "larger than any host"),
+        ("8ZiB", "unknown unit"),
     ],
 )
 def test_sizes_beyond_any_host_are_refused_with_the_input_cut_short(text, words):
@@ -131,3 +132,28 @@ def test_size_option_reports_through_argparse():
     with pytest.raises(argparse.ArgumentTypeError, match="not a size: 'abc'"):
         size_option("abc")
     assert size_option("2MiB") == 2 * 1024**2
+
+
+# ---------------------------------------------------------------- what is printed reads back
+_UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4, "PiB": 1024**5, "EiB": 1024**6}
+
+
+@settings(database=None, deadline=None, max_examples=2000)
+@given(n=st.integers(0, MAX_SIZE) | st.sampled_from([MAX_SIZE, 2**60, 2**60 - 1, 1024**5 - 1, 1023 * 1024**5]),
+       precision=st.integers(0, 3))
+def test_what_format_size_prints_parse_size_reads_back_within_its_last_digit(n, precision):
+    text = format_size(n, precision)
+    back = parse_size(text)  # never refused, EiB and the largest size included
+    number, unit = text.split()
+    last_digit = _UNITS[unit] * 10.0 ** -len(number.partition(".")[2]) if unit != "B" else 1
+    assert abs(back - n) <= last_digit / 2 + 1, (n, text, back)
+
+
+def test_the_largest_size_prints_and_reads_back():
+    assert format_size(MAX_SIZE) == "8.0 EiB"
+    assert parse_size(format_size(MAX_SIZE)) == MAX_SIZE == parse_size("8EiB")
+    assert parse_size("1 EiB") == 1024**6 and parse_size("2EB") == 2 * 1000**6
+    with pytest.raises(ValueError, match="larger than any host"):
+        parse_size("8.1 EiB")
+    with pytest.raises(ValueError, match="larger than any host"):
+        parse_size(str(MAX_SIZE + 1))

@@ -113,7 +113,6 @@ def test_rank_that_contradicts_diffusers_metadata_is_an_error(tmp_path):
     ("{not json", "is not JSON"),
     (json.dumps({"transformer.lora_alpha": "sixteen"}), "lora_alpha is 'sixteen'; expected a finite number"),
     (json.dumps({"transformer.r": 0}), "r is 0; expected a positive whole number"),
-    (json.dumps({"transformer.use_dora": True}), "use_dora is true"),
 ])
 def test_broken_metadata_says_where(tmp_path, meta, message):
     parts = lora_change(8, 8, 2, 1)

@@ -221,7 +221,9 @@ def test_components_dict_resolves_inside_the_component(tmp_path):
     text_encoder = nn.Linear(8, 8)
     path = write_adapter(tmp_path / "c.safetensors", "comfyui", {"blocks.0.attn.to_q": lora_change(64, 64, 4, 1)})
     targets, _ = plan_targets({"dit": dit, "text_encoder": text_encoder}, [path])
-    assert [t.name for t in targets] == ["dit.blocks.0.attn.to_q.weight"]
+    # every target in one component: named as that component names it, so a merge into the
+    # dict, into the component alone, or into its checkpoint stores the same layers
+    assert [t.name for t in targets] == ["blocks.0.attn.to_q.weight"]
     assert targets[0].module is dit.blocks[0].attn.to_q
 
 
@@ -256,7 +258,7 @@ def test_text_encoder_keys_resolve_with_or_without_clips_text_model_level(tmp_pa
                                                                     lora_change(16, 16, 2, 1)}, prefix="text_encoder.")
     assert _scales(encoder, [kohya]) == {q_proj: pytest.approx(0.5)}
     targets, _ = plan_targets({"text_encoder": encoder, "unet": nn.Linear(4, 4)}, [peft])
-    assert [t.name for t in targets] == [f"text_encoder.{q_proj}"]
+    assert [t.name for t in targets] == [q_proj]  # named within its one component
     assert targets[0].module is encoder.get_submodule(q_proj.removesuffix(".weight"))
     unet_key = write_adapter(tmp_path / "u.safetensors", "kohya", {f"{level}encoder.layers.1.self_attn.q_proj":
                                                                     lora_change(16, 16, 2, 1)}, prefix="lora_unet_")
@@ -335,7 +337,6 @@ def test_shape_mismatch_names_the_key_and_both_shapes(tmp_path):
 @pytest.mark.parametrize(
     "key, variant",
     [
-        ("base_model.model.blocks.0.attn.to_q.lora_magnitude_vector", "DoRA"),
         ("lora_unet_blocks_0_attn_to_q.dora_scale", "DoRA"),
         ("lora_unet_blocks_0_attn_to_q.hada_w1_a", "LoHa"),
     ],
@@ -346,11 +347,12 @@ def test_unsupported_variants_are_refused_naming_the_key(tmp_path, key, variant)
         read_adapter(path)
 
 
-def test_peft_config_with_dora_is_refused(tmp_path):
+def test_peft_config_with_dora_but_no_magnitude_vector_is_refused(tmp_path):
+    """DoRA merges (tests/lora_cache/test_dora.py); a DoRA folder missing its magnitudes does not."""
     changes = {"blocks.0.attn.to_q": lora_change(64, 64, 8, 1)}
     folder = write_adapter(tmp_path / "peft", "peft", changes, config={"use_dora": True})
-    with pytest.raises(AdapterError, match="use_dora is true"):
-        read_adapter(folder)
+    with pytest.raises(KeyResolutionError, match="has no lora_magnitude_vector beside it, but its adapter_config"):
+        plan_targets(mapped_model(tmp_path), [folder])
 
 
 def test_broken_adapters_say_what_is_wrong(tmp_path):

@@ -18,7 +18,7 @@ import torch
 import lora_cache
 from lora_cache.adapters import as_adapter, read_adapter
 from lora_cache.layers import AddressSpace, checkpoint_module, module_tree
-from lora_cache.orchestrate import MERGE_POLICY, combination_key
+from lora_cache.orchestrate import MERGE_POLICY, combination_key, plan_targets
 from lora_cache.switch import DISABLE_ENV
 from hostmem.vault import Vault, VaultSession
 from planners.cli import main
@@ -176,9 +176,10 @@ def test_the_compute_device_is_part_of_the_key(tmp_path):
     assert manifest["inputs"]["merge_policy"] == f"{MERGE_POLICY}@cpu"
     vault, specs = Vault(tmp_path / "cache"), [as_adapter(adapter)]
     files, shards = [read_adapter(adapter)], [str(tmp_path / "base.safetensors")]
-    on_cpu = combination_key(vault, files, specs, shards, {torch.bfloat16}, "cpu")
+    planned = {t.name: t.deltas for t in plan_targets(model, specs)[0]}
+    on_cpu = combination_key(vault, files, specs, shards, {torch.bfloat16}, "cpu", planned=planned)
     assert on_cpu.hex == stats.cache_key
-    assert combination_key(vault, files, specs, shards, {torch.bfloat16}, "cuda").hex != on_cpu.hex
+    assert combination_key(vault, files, specs, shards, {torch.bfloat16}, "cuda", planned=planned).hex != on_cpu.hex
 
 
 def test_a_build_gives_back_torchs_thread_count_also_when_it_fails(tmp_path):

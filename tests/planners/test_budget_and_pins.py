@@ -110,7 +110,7 @@ def test_pinning_less_wins_when_the_cost_model_says_so():
     assert plans.allowed_layers == 1  # the greedy choice: the TE layer
     assert plans.plans["te"].pinned_bytes == 0  # ...undone: it would push the DiT to disk
     assert plans.plans["dit"].page_cache_fits and plans.plans["dit"].disk_bytes_per_request == 0
-    assert any("pinned 0 of the 1 layers" in w for w in plans.warnings)
+    assert any("pinned 0 of the 1 blocks" in w for w in plans.warnings)
 
 
 def test_thrash_is_reported_with_the_disk_reads_it_costs():

@@ -84,7 +84,7 @@ def test_a_component_needs_a_path_or_declared_sizes(write_config):
 def test_a_layerwise_checkpoint_needs_a_layer_pattern(write_config, tmp_path):
     (tmp_path / "ckpt").mkdir()
     text = GOOD.replace("    size: 61.7GB\n    layers: 208\n    lora_targets: 38GB\n", "    path: ckpt\n    layers: 208\n")
-    with pytest.raises(ConfigError, match=r"components.dit.layers: 208 is not a layer pattern"):
+    with pytest.raises(ConfigError, match=r"components.dit.layers: 208 is not a block pattern"):
         load_config(write_config(text), environ={})
 
 

@@ -42,12 +42,33 @@ LEAVES = [
     ("components", "dit", "size"), ("components", "dit", "layers"), ("components", "dit", "lora_targets"),
     ("components", "dit", "prefetch"), ("components", "text_encoder", "size"),
     ("lora", "adapters", 0, "strength"), ("lora", "adapters", 0, "alpha"),
+    # every other field and whole sections: a name, a flag, a list, a mapping where another kind belongs
+    ("deployment",), ("host",), ("device",), ("transfer",), ("workload",), ("components",), ("lora",),
+    ("components", "dit"), ("components", "dit", "dtype"), ("components", "dit", "offload"),
+    ("lora", "component"), ("lora", "adapters"), ("lora", "adapters", 0), ("lora", "adapters", 0, "path"),
+    ("lora", "adapters", 0, "rules"), ("lora", "adapters", 0, "strict"), ("lora", "adapters", 0, "rslora"),
+    ("lora", "cache"), ("lora", "cache", "enabled"), ("lora", "cache", "root"), ("lora", "cache", "roots"),
+    ("lora", "cache", "max_size"),
 ]
 _values = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 10**400), st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from(["1.5", ".inf", "-1GiB", "1e400", "9" * 400, "75%", "120%", "auto", "0", "8EiB", "24GB/s"]),
     st.text(max_size=12), st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+    st.lists(st.text(max_size=3), max_size=2), st.sampled_from(["dit", "text_encoder", "bf16", "layerwise"]),
 )
+
+
+def _put(data, path, value) -> None:
+    """Set ``path`` to ``value``, unless an earlier change left no place there to set it."""
+    holder = data
+    for step in path[:-1]:
+        try:
+            holder = holder[step]
+        except (KeyError, IndexError, TypeError):
+            return
+    last = path[-1]
+    if isinstance(holder, dict) or (isinstance(holder, list) and isinstance(last, int) and len(holder) > last):
+        holder[path[-1]] = value
 
 
 def _plan_every_merge(config) -> None:
@@ -73,10 +94,7 @@ def _load_or_config_error(text: str):
 def test_any_value_in_any_field_loads_and_plans_or_is_a_config_error(changes):
     data = copy.deepcopy(BASE)
     for path, value in changes:
-        holder = data
-        for step in path[:-1]:
-            holder = holder[step]
-        holder[path[-1]] = value
+        _put(data, path, value)
     config = _load_or_config_error(yaml.safe_dump(data))
     if config is not None:
         _plan_every_merge(config)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hostmem.safetensors_map import load_readonly, save_file
-from hostmem.vault import durable
+from hostmem import file_writes
 from planners.demo.write_way import WAYS, WayChoice, measure, read_back
 from tests.lora_cache.test_vault_fs import _cached_pages
 
@@ -36,7 +36,7 @@ def _folders(tmp_path) -> list[str]:
 
 @pytest.mark.parametrize("stage_mib", [64, 1], ids=["one-stage", "many-stages"])
 def test_a_direct_save_writes_the_bytes_a_buffered_save_writes(tmp_path, monkeypatch, stage_mib):
-    monkeypatch.setattr(durable, "_STAGE", stage_mib * MiB)  # 1 MiB: the 3 MiB tensor spans stages
+    monkeypatch.setattr(file_writes, "_STAGE", stage_mib * MiB)  # 1 MiB: the 3 MiB tensor spans stages
     tensors = _tensors()
     for folder in _folders(tmp_path):
         buffered, direct = (os.path.join(folder, f".hostmem-test-{os.getpid()}-{w}.safetensors") for w in WAYS)

@@ -69,7 +69,7 @@ def test_the_text_report_is_aligned_and_human(capsys):
     rows = [line for line in table if not line.lstrip().startswith(("dit pinned", "text_encoder pinned", "note:"))]
     assert len({len(r) for r in rows}) == 1, rows  # right-aligned columns end together
     assert re.search(r"budget for pins\s+24\.0 GiB", out)
-    assert "resident 34 of 208" in out and "layers.34..207" in out
+    assert "resident 34 of 208 blocks" in out and "layers.34..207" in out
     assert not re.search(r"\d{5,} ?B\b", out)  # no raw byte counts for people
     # The in-place plan beside it is killed while loading: no transfer time that looks better.
     compared = out.split("compared (")[1].split("\n\n")[0]
@@ -119,7 +119,8 @@ def test_hostmem_disable_lora_merge_cache_plans_the_in_place_merge(capsys, monke
     assert "HOSTMEM_DISABLE_LORA_MERGE_CACHE=1 turns the LoRA merge cache off" in report["merge_reason"]
     assert report["offers"] == [] and report["alternatives"] == []  # a cache that is off offers nothing
     code, text, _ = _plan(capsys, SEED)
-    assert text.splitlines()[1].startswith("merge in-place: HOSTMEM_DISABLE_LORA_MERGE_CACHE=1 turns")
+    assert text.splitlines()[0].startswith("fits: no: committed 35.4 GiB > limit 32.0 GiB")
+    assert text.splitlines()[2].startswith("merge in-place: HOSTMEM_DISABLE_LORA_MERGE_CACHE=1 turns")
     monkeypatch.setenv("HOSTMEM_DISABLE_LORA_MERGE_CACHE", "0")
     assert json.loads(_plan(capsys, SEED, "--json")[1])["merge"] == "cached"
 
@@ -160,7 +161,7 @@ def test_the_installed_command_runs(tmp_path):
     done = subprocess.run([hostmem, "plan", os.path.join(REPO, "configs", "workstation-24g.yaml")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("hostmem plan: workstation-24g-wan14b (what-if, merge: none)")
+    assert done.stdout.splitlines()[1] == "hostmem plan: workstation-24g-wan14b (what-if, merge: none)"
 
 
 @pytest.mark.parametrize("names, text", [

@@ -1,0 +1,104 @@
+"""Which checkpoint shards hold a merge's base weights: the base part of its cache key.
+
+Split from :mod:`lora_cache.orchestrate`: the key covers only the shards holding the
+targets, found from the mappings the weights are views of, or from the headers of the
+shards a caller names.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hostmem.errors import InputError
+from hostmem.safetensors_header import read_header
+
+from .layers import AddressSpace, LayerTarget
+
+__all__ = ["base_positions", "base_shards", "mapped_file"]
+
+
+def mapped_file(target: LayerTarget, space: AddressSpace) -> str | None:
+    """The file the target's base weight is a mapped view of, or None."""
+    area = space.area_of(target.current)
+    path = area.path if area is not None and area.is_file else None
+    if path is None or not path.startswith("/") or path.endswith(" (deleted)"):
+        return None
+    return path
+
+
+def _dotted_suffixes(name: str) -> list[str]:
+    """``a.b.c`` -> ``["a.b.c", "b.c", "c"]``."""
+    parts = name.split(".")
+    return [".".join(parts[i:]) for i in range(len(parts))]
+
+
+def _shards_by_header(targets: list[LayerTarget], base_files: list[str]) -> set[str]:
+    """The given shards whose headers hold the targets: same shape, and the same name up to
+    wrapper prefixes on either side (``dit.blocks.0.w`` / ``model.blocks.0.w`` / ``blocks.0.w``).
+
+    When a target is found in none of them (renamed on load, say), every given shard is
+    kept: the key then covers more than it needs, never less.
+    """
+    exact: dict[str, list[tuple[str, tuple]]] = {}  # tensor name -> (shard, shape)
+    ending: dict[str, list[tuple[str, tuple]]] = {}  # every dotted suffix of a tensor name -> (shard, shape)
+    for path in base_files:
+        for name, info in read_header(path).tensors.items():
+            exact.setdefault(name, []).append((path, tuple(info.shape)))
+            for suffix in _dotted_suffixes(name):
+                ending.setdefault(suffix, []).append((path, tuple(info.shape)))
+    found = set()
+    for target in targets:
+        shape = tuple(target.current.shape)
+        shorter = [c for suffix in _dotted_suffixes(target.name)[1:] for c in exact.get(suffix, [])]
+        candidates = ending.get(target.name, []) + shorter
+        holders = {path for path, held in candidates if held == shape}
+        if not holders:
+            return set(base_files)
+        found |= holders
+    return found
+
+
+def base_shards(targets: list[LayerTarget], base_files: list[str] | None, space: AddressSpace) -> list[str]:
+    """The checkpoint shards that hold the targets' base weights: the base part of the key.
+
+    Only those shards decide the merged bytes, so only they enter the key, however the
+    merge learns of them, and every way gives the same set: a weight that is a view of a
+    mapped file (``hostmem.load_readonly``, safetensors' own mmap, ``hostmem lora
+    merge``) names its shard itself; for the others, ``base_files`` (every shard of the
+    checkpoint will do) is narrowed to the shards whose headers hold them. A shard
+    without targets (the norms, the embeddings) may change without losing the cache.
+    """
+    files, unplaced = set(), []
+    for target in targets:
+        path = mapped_file(target, space)
+        if path is None:
+            unplaced.append(target)
+        else:
+            files.add(path)
+    if unplaced and base_files is None:
+        names = [t.name for t in unplaced]
+        raise InputError(
+            f"cannot tell which checkpoint {len(names)} weight(s) come from ({', '.join(names[:3])}"
+            f"{', ...' if len(names) > 3 else ''}): they are not views of a mapped file. Pass "
+            "base_files=[the .safetensors shards the model was loaded from], or enabled=False to merge in place"
+        )
+    if unplaced:
+        files |= _shards_by_header(unplaced, [os.path.realpath(os.fspath(p)) for p in base_files])
+    return sorted(files)
+
+
+def base_positions(targets: list[LayerTarget], shards: list[str], space: AddressSpace) -> dict[str, int | None]:
+    """Where each target's base starts in ``shards`` laid end to end (None where it is not
+    a view of one of them): the order a folded build reads them in (:mod:`hostmem.vault.fold`)."""
+    starts, at = {}, 0
+    for path in shards:
+        starts[path] = at
+        at += os.path.getsize(path)
+    positions = {}
+    for target in targets:
+        area = space.area_of(target.current)
+        path = mapped_file(target, space)
+        real = os.path.realpath(path) if path is not None else None
+        positions[target.name] = (None if real not in starts else
+                                  starts[real] + area.offset + target.current.data_ptr() - area.start)
+    return positions

@@ -1,0 +1,219 @@
+"""Rounding loss: how much of a LoRA's update survives rounding the merged weight.
+
+The merge sums ``W + d`` in fp32 and rounds once to the weight's dtype. Where ``d`` sits
+below half a step (ulp) of the bf16 or fp16 weight it is added to, as a distilled
+(Turbo-style) LoRA's deltas do, the rounded sum is ``W`` again: the update is gone and
+nothing says so. A Linear's output adds its deltas coherently over thousands of inputs,
+so the same update kept at run time (``W x + scale * B (A x)``) changes the output by
+many of its ulps: the image changes, the merged weight does not.
+
+The share that survives is measured as the projection of what the rounding kept on the
+update, ``<round(W + d) - W, d> / <d, d>`` (1: all of it, 0: none, over 1: rounding
+made it larger), on a sample of each layer (:data:`SAMPLE_ROWS` rows by
+:data:`SAMPLE_COLUMNS` columns, evenly spaced, so the figure is the same on every
+start); the share lost is one minus that. Rounding to nearest is unbiased, so random
+rounding error does not count as loss, a systematic one does. Measured on bf16 weights
+of one binade, updates spread as a LoRA's are (normal, standard deviation in ulps of the
+weight): 0.1 ulp loses 100%, 0.3 ulp 33%, 0.5 ulp 1%, one ulp or more under 0.2%. An update whose every element has the same size is the
+exception (0.7 ulp of each rounds up to one: 43% gained), hence the absolute value below.
+
+:data:`THRESHOLD` (5%) is the share, lost or gained, from which a layer is *lossy*: it
+acts as the LoRA's strength changed by that share, and 5% is half the smallest strength
+step (0.1) LoRAs are tuned with, well above the measure's noise on its sampled rows
+(under 1% from half an ulp up). Lossy layers are handled by a policy (:data:`POLICIES`):
+
+- ``runtime`` (the default, so that no LoRA is weakened without a word): those layers
+  are not merged; their terms are added at run time (:mod:`lora_cache.runtime_lora`) on
+  the base, which stays the mapped checkpoint (no anonymous copy). A layer run time
+  cannot express (not an ``nn.Linear``) is merged anyway, and the line says so;
+- ``merge``: merged anyway (what ``fuse_lora`` and ``merge_and_unload`` do), said once;
+- ``refuse``: :class:`RoundingLossError` before any weight changes.
+
+Whatever the policy, one line per combination names the layers and the share lost.
+Only bf16 and fp16 weights are measured (fp32 keeps 2**-24 of a weight: nothing a LoRA
+loses), and not tensor-parallel parts (their whole layer is).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .layers import LayerTarget
+from .merge_math import Delta, Term, UnsupportedAdapterError, add_terms
+
+__all__ = ["POLICIES", "SAMPLE_ROWS", "THRESHOLD", "RoundingCheck", "RoundingLossError", "check_policy",
+           "is_stand_in", "lost_share", "split_lossy"]
+
+THRESHOLD = 0.05  # share of the update lost from which a layer is lossy (see the module's docstring)
+SAMPLE_ROWS = 32  # rows of each layer the share is measured on
+SAMPLE_COLUMNS = 512  # and columns of those rows (every column for DoRA, whose norm is the row's)
+POLICIES = ("runtime", "merge", "refuse")
+_MEASURED = (torch.bfloat16, torch.float16)
+_SHOWN = 3
+
+
+class RoundingLossError(UnsupportedAdapterError):
+    """A merge would lose a material share of an adapter's update, and the policy refuses."""
+
+
+def check_policy(policy: str) -> str:
+    """``policy`` if it is one of :data:`POLICIES`, else a ValueError saying which there are."""
+    if policy not in POLICIES:
+        raise ValueError(f"rounding policy {policy!r} is not one of {', '.join(POLICIES)}")
+    return policy
+
+
+def _spread(count: int, most: int) -> slice:
+    """At most ``most`` evenly spaced indices of ``count``, as a slice (a view: no gather)."""
+    step = -(-count // most)
+    return slice(0, count, step)
+
+
+def _sampled(delta: Delta, rows: slice, cols: slice) -> Delta:
+    """``delta`` on the sampled rows and columns of its layer, as 2-D matrices: views of the
+    factors, made fp32 only at that size, so a measure (every start, every switch) costs
+    a few small blocks, not the layer's factors."""
+    def flat(tensor):
+        return tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor.reshape(-1, 1)
+
+    return replace(delta,
+                   up=None if delta.up is None else flat(delta.up)[rows],
+                   down=None if delta.down is None else flat(delta.down)[:, cols],
+                   diff=None if delta.diff is None else flat(delta.diff)[rows, cols],
+                   magnitude=None if delta.magnitude is None else delta.magnitude[rows])
+
+
+def _update_rows(target: LayerTarget, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(base, the merge's fp32 change of it)`` on the sampled rows and columns of ``target``:
+    its terms added to the base (and DoRA's rows rescaled) as the merge adds them. DoRA
+    rescales by a whole row's norm, so its rows are taken whole."""
+    base = target.current.detach()
+    flat = base.reshape(base.shape[0], -1) if base.dim() > 1 else base.reshape(-1, 1)
+    rows = _spread(flat.shape[0], SAMPLE_ROWS if base.dim() > 1 else flat.shape[0])
+    dora = any(d.magnitude is not None for d in target.deltas)
+    cols = slice(None) if dora else _spread(flat.shape[1], SAMPLE_COLUMNS)
+    before = flat[rows, cols].to(device=device, dtype=torch.float32)
+    total = before.clone()
+    add_terms(total, [Term.of(_sampled(d, rows, cols), device) for d in target.deltas], slice(None))
+    return before, total - before
+
+
+def lost_share(target: LayerTarget) -> float:
+    """The share of ``target``'s update that rounding its merged weight loses (1: all of it;
+    negative where rounding makes it larger)."""
+    base = target.current.detach()
+    if base.dtype not in _MEASURED or base.dim() == 0 or target.shard is not None:
+        return 0.0
+    before, update = _update_rows(target, base.device)
+    kept = (before + update).to(base.dtype).float() - before
+    energy = float(torch.dot(update.flatten(), update.flatten()))
+    if energy == 0.0 or not math.isfinite(energy):
+        return 0.0
+    survived = float(torch.dot(kept.flatten(), update.flatten())) / energy
+    return 1.0 - survived
+
+
+@dataclass
+class RoundingCheck:
+    """What the rounding check found for one combination, for :class:`MergeStats` and the report.
+
+    ``lost``: share lost by each lossy layer (over :data:`THRESHOLD`); ``at_runtime``:
+    those kept at run time; ``merged_anyway``: those merged although lossy, with why.
+    """
+
+    policy: str = "runtime"
+    threshold: float = THRESHOLD
+    measured: int = 0
+    lost: dict[str, float] = field(default_factory=dict)
+    at_runtime: list[str] = field(default_factory=list)
+    merged_anyway: dict[str, str] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """Which layers lose how much: the worst few by name, with their shares."""
+        worst = sorted(self.lost.items(), key=lambda item: -abs(item[1]))
+        named = ", ".join(f"{name} {_share(share)}" for name, share in worst[:_SHOWN])
+        more = f" and {len(worst) - _SHOWN} more" if len(worst) > _SHOWN else ""
+        return (f"{len(worst)} layer(s) lose (or gain) over {self.threshold:.0%} of their LoRA update when the merged "
+                f"weight is rounded to its dtype ({named}{more})")
+
+    def line(self) -> str | None:
+        """The one line that says what was lost and what was done about it (None: nothing lost)."""
+        if not self.lost:
+            return None
+        done = []
+        if self.at_runtime:
+            done.append(f"{len(self.at_runtime)} kept at run time on the mapped base")
+        if self.merged_anyway:
+            reasons = sorted(set(self.merged_anyway.values()))
+            done.append(f"{len(self.merged_anyway)} merged anyway ({'; '.join(reasons)})")
+        return (f"lora merge: {self.summary()}: {', '.join(done)} (rounding='runtime' keeps such layers at "
+                "run time, 'merge' merges them anyway, 'refuse' refuses)")
+
+    def to_dict(self) -> dict:
+        return {"policy": self.policy, "threshold": self.threshold, "measured": self.measured,
+                "lost": dict(self.lost), "at_runtime": list(self.at_runtime),
+                "merged_anyway": dict(self.merged_anyway)}
+
+
+def is_stand_in(target: LayerTarget) -> bool:
+    """Whether ``target`` lies in a checkpoint's module tree (``hostmem lora merge`` builds
+    without the model's class: :func:`lora_cache.layers.checkpoint_module`), not in a model:
+    its lossy layers are left unbuilt, for the server's start to keep at run time."""
+    return type(target.module) is torch.nn.Module
+
+
+def _share(share: float) -> str:
+    return f"{share:.0%} lost" if share >= 0 else f"{-share:.0%} gained"
+
+
+def _has_values(target: LayerTarget) -> bool:
+    """False for a target planned from a conversion record (its factors are on the meta device)."""
+    return all(t is None or t.device.type != "meta"
+               for d in target.deltas for t in (d.up, d.down, d.diff))
+
+
+def split_lossy(targets: list[LayerTarget],
+                policy: str = "runtime") -> tuple[list[LayerTarget], list[LayerTarget], RoundingCheck]:
+    """``(to merge, to keep at run time, what was found)`` for ``targets`` under ``policy``.
+
+    Targets without values (planned from a conversion record: see
+    :mod:`lora_cache.adapters.conversion_memo`) are not measured; the merge measures them
+    once their values are read (every lossy layer is a miss, never stored under the
+    ``runtime`` policy). ``refuse`` raises :class:`RoundingLossError` naming the layers.
+    """
+    from .runtime_lora import unsupported_reason
+
+    check = RoundingCheck(check_policy(policy))
+    to_merge, at_runtime = [], []
+    for target in targets:
+        share = lost_share(target) if _has_values(target) else 0.0
+        check.measured += _has_values(target)
+        if abs(share) <= THRESHOLD:
+            to_merge.append(target)
+            continue
+        check.lost[target.name] = share
+        if policy == "refuse":
+            continue
+        reason = unsupported_reason(target) if policy == "runtime" else None
+        if policy == "runtime" and (reason is None or is_stand_in(target)):
+            at_runtime.append(target)
+            check.at_runtime.append(target.name)
+        else:
+            to_merge.append(target)
+            check.merged_anyway[target.name] = "asked for" if policy == "merge" else "not expressible at run time"
+    if check.lost and policy == "refuse":
+        raise RoundingLossError(
+            f"lora merge refused (rounding='refuse'): {check.summary()}; nothing was merged. Pass "
+            "rounding='runtime' to keep those layers at run time, or rounding='merge' to merge them anyway")
+    return to_merge, at_runtime, check
+
+
+def say(check: RoundingCheck) -> None:
+    """Warn with the check's one line, where something was lost."""
+    line = check.line()
+    if line is not None:
+        warnings.warn(line, stacklevel=3)

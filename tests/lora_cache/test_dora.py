@@ -1,0 +1,106 @@
+"""DoRA merged exactly as peft merges it: differential against peft's merge_and_unload on a
+tiny model whose adapter peft's save_pretrained(use_dora=True) wrote."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import lora_cache
+from hostmem.safetensors_map import load_readonly
+from lora_cache.keys import KeyResolutionError
+from tests.conftest import write_safetensors
+
+peft = pytest.importorskip("peft", reason="the peft comparisons need peft (pip install hostmem[test])")
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(48, 64)
+        self.b = nn.Linear(64, 32)
+        self.c = nn.Linear(32, 32)  # not targeted
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def _base(folder, dtype=torch.float32) -> Tiny:
+    """The tiny model, every weight a read-only mapped view of a file written here."""
+    torch.manual_seed(0)
+    model = Tiny().to(dtype)
+    path = write_safetensors(os.path.join(folder, "base.safetensors"),
+                             {k: v.detach().contiguous() for k, v in model.state_dict().items()})
+    for name, tensor in load_readonly(path).items():
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner)._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+    return model
+
+
+def _dora_adapter(folder, **config) -> tuple[str, dict[str, torch.Tensor]]:
+    """A DoRA adapter saved by peft (magnitudes moved off their initial norms, as training
+    does), and peft's own merge_and_unload of it into the fp32 model."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = Tiny()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["a", "b"], use_dora=True, init_lora_weights=False, **config)
+    wrapped = get_peft_model(model, lora)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in wrapped.named_parameters():
+            if "lora_magnitude_vector" in name:
+                param.mul_(0.5 + torch.rand(param.shape, generator=gen))
+    path = os.path.join(folder, "dora")
+    wrapped.save_pretrained(path)
+    merged = wrapped.merge_and_unload()
+    return path, {k: v.detach().clone() for k, v in merged.state_dict().items()}
+
+
+def test_dora_merges_as_peft_merges_it(tmp_path):
+    path, reference = _dora_adapter(tmp_path)
+    os.makedirs(tmp_path / "second")
+    model = _base(tmp_path)
+    stats = lora_cache.merge(model, [path], cache_root=tmp_path / "cache", progress=False)
+    assert stats.built == 2 and stats.at_runtime == 0
+    for name, weight in model.state_dict().items():
+        torch.testing.assert_close(weight, reference[name], rtol=2e-6, atol=1e-7, msg=name)
+    assert not torch.allclose(model.a.weight, _base(tmp_path / "second").a.weight)  # it did change
+    second = _base(tmp_path / "second")  # a second start (the same base bytes): the layers from the cache
+    hit = lora_cache.merge(second, [path], cache_root=tmp_path / "cache", progress=False)
+    assert (hit.hit, hit.built) == (2, 0) and torch.equal(second.a.weight, model.a.weight)
+
+
+def test_dora_in_bf16_is_the_fp32_merge_rounded_once(tmp_path):
+    path, reference = _dora_adapter(tmp_path)
+    model = _base(tmp_path, torch.bfloat16)
+    lora_cache.merge(model, [path], cache_root=tmp_path / "cache", progress=False)
+    # the fp32 base and the bf16 one differ (the bf16 base is rounded), so compare with peft
+    # merging into the bf16-rounded base in fp32, then rounded once
+    from peft import PeftModel
+
+    fp32_base = Tiny()
+    fp32_base.load_state_dict({k: v.float() for k, v in _base(tmp_path / "b", torch.bfloat16).state_dict().items()})
+    expected = PeftModel.from_pretrained(fp32_base, path).merge_and_unload().state_dict()
+    for name in ("a.weight", "b.weight"):
+        rounded = expected[name].bfloat16()
+        close = (model.state_dict()[name] == rounded).float().mean()
+        assert close > 0.999, (name, float(close))
+        torch.testing.assert_close(model.state_dict()[name].float(), expected[name], rtol=2**-8, atol=0)
+
+
+def test_dora_is_not_applied_at_run_time_and_never_onto_part_of_a_fused_weight(tmp_path):
+    path, _ = _dora_adapter(tmp_path)
+    model = nn.ModuleDict({"qkv": nn.Linear(48, 3 * 64), "b": nn.Linear(64, 32)})
+    with pytest.raises(KeyResolutionError, match=r"DoRA magnitude vector placed on some rows of 'qkv\.weight'"):
+        lora_cache.merge(model, [lora_cache.Adapter(path, rules=[(r"^.*\.a$", "qkv[0:64]")])], enabled=False)
+    assert not lora_cache.is_merged(model)
+    whole = nn.ModuleDict({"a": nn.Linear(48, 64), "b": nn.Linear(64, 32)})
+    with pytest.raises(ValueError, match=r"cannot apply .*a DoRA term"):
+        from lora_cache.orchestrate import plan_targets
+        from lora_cache.runtime_lora import apply_runtime
+
+        apply_runtime(plan_targets(whole, [path])[0])

@@ -1,0 +1,193 @@
+"""Rounding loss: a sub-ulp (Turbo-style) LoRA is measured, said, and kept at run time."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import lora_cache
+from hostmem.safetensors_map import load_readonly
+from lora_cache.orchestrate import plan_targets
+from planners.cli import main
+from planners.report import _lora_merge_lines
+from lora_cache.rounding import THRESHOLD, RoundingLossError, lost_share
+from tests.conftest import write_safetensors
+from tests.lora_cache.test_adapters import write_adapter
+
+DIM = 1024
+STEP = 2.0**-12  # one bf16 step of every weight below: magnitudes in [2**-5, 2**-4)
+BF16_EPS = 2.0**-7  # bf16's machine epsilon: the tolerance of a bf16 output against fp32
+
+
+def _weight(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    magnitude = 0.0315 + torch.rand(DIM, DIM, generator=gen) * 0.03
+    sign = torch.randint(0, 2, (DIM, DIM), generator=gen) * 2 - 1
+    return (magnitude * sign).bfloat16()
+
+
+def base_model(folder) -> nn.ModuleDict:
+    """Two bf16 Linears whose weights are read-only mapped views of a file written here."""
+    path = write_safetensors(os.path.join(folder, "base.safetensors"),
+                             {"turbo.weight": _weight(1), "plain.weight": _weight(2)})
+    model = nn.ModuleDict({"turbo": nn.Linear(DIM, DIM, bias=False), "plain": nn.Linear(DIM, DIM, bias=False)})
+    for name, tensor in load_readonly(path).items():
+        owner, _, attr = name.rpartition(".")
+        model[owner]._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+    return model
+
+
+def adapter(folder, ulps: float = 0.1) -> tuple[str, dict]:
+    """``turbo``: a rank-1 update spread as a LoRA's is, its elements' standard deviation
+    ``ulps`` bf16 steps of the weights, coherent along each row (as a distilled LoRA's
+    is, so the outputs change by many of their steps); ``plain``: an ordinary rank-4
+    LoRA, many steps large."""
+    gen = torch.Generator().manual_seed(3)
+    size = (ulps * STEP) ** 0.5
+    down = (0.5 + torch.rand(1, DIM, generator=gen)) / (13 / 12) ** 0.5  # mean square 1, every one positive
+    changes = {
+        "turbo": {"up": (torch.randn(DIM, 1, generator=gen) * size).bfloat16(), "down": (down * size).bfloat16()},
+        "plain": {"up": (torch.randn(DIM, 4, generator=gen) * 0.1).bfloat16(),
+                  "down": (torch.randn(4, DIM, generator=gen) / DIM**0.5).bfloat16()},
+    }
+    return write_adapter(os.path.join(folder, "turbo.safetensors"), "comfyui", changes), changes
+
+
+def fp32_reference(weight: torch.Tensor, change: dict, x: torch.Tensor) -> torch.Tensor:
+    """The layer's output with the update added in fp32 and nothing rounded."""
+    merged = weight.float() + change["up"].float() @ change["down"].float()
+    return x.float() @ merged.T
+
+
+def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((out.float() - reference).norm() / reference.norm())
+
+
+def test_sub_ulp_lora_is_reported_and_served_at_run_time(tmp_path):
+    model = base_model(tmp_path)
+    base = model.turbo.weight.detach().clone()
+    path, changes = adapter(tmp_path)
+    x = torch.ones(8, DIM, dtype=torch.bfloat16)
+    reference = fp32_reference(base, changes["turbo"], x)
+    said = r"1 layer\(s\) lose \(or gain\) over 5% .*turbo\.weight 100% lost.*kept at run time"
+    with pytest.warns(UserWarning, match=said):
+        stats = lora_cache.merge(model, [path], cache_root=tmp_path / "cache")
+    assert stats.rounding["lost"]["turbo.weight"] > 0.95 and "plain.weight" not in stats.rounding["lost"]
+    assert (stats.at_runtime, stats.built, stats.layers) == (1, 1, 2)
+    assert "rounding: 1 layer(s) lose (or gain) over 5%" in str(stats)
+    assert model.turbo.weight.data_ptr() == load_readonly(tmp_path / "base.safetensors")["turbo.weight"].data_ptr() \
+        or torch.equal(model.turbo.weight, base)  # the base itself, never written
+    served = model.turbo(x)
+    assert relative_error(served, reference) < BF16_EPS
+    merged_anyway = x @ (base.float() + changes["turbo"]["up"].float() @ changes["turbo"]["down"].float()).bfloat16().T
+    assert relative_error(merged_anyway, reference) > 2 * BF16_EPS  # what merging would have served
+    report = "\n".join(_lora_merge_lines(SimpleNamespace(lora_merge=stats.to_dict())))
+    assert "rounding to the weights' dtype loses over 5% of 1 weight tensor(s)' update (turbo.weight 100%): 1 at run time" \
+        in report  # the startup report's line
+    lora_cache.unmerge(model)
+    assert torch.equal(model.turbo(x), x @ base.T)  # unmerge takes the run-time terms off too
+
+
+def test_next_start_hits_the_merged_layers_and_keeps_the_lossy_one_at_run_time(tmp_path):
+    path, changes = adapter(tmp_path)
+    with pytest.warns(UserWarning, match="lose \\(or gain\\) over"):
+        lora_cache.merge(base_model(tmp_path), [path], cache_root=tmp_path / "cache")
+    model = base_model(tmp_path)
+    with pytest.warns(UserWarning, match="lose \\(or gain\\) over"):
+        stats = lora_cache.merge(model, [path], cache_root=tmp_path / "cache")
+    assert (stats.hit, stats.built, stats.at_runtime, stats.bytes_written) == (1, 0, 1, 0)
+
+
+def test_merge_policy_merges_anyway_and_says_so(tmp_path):
+    model = base_model(tmp_path)
+    path, _ = adapter(tmp_path)
+    with pytest.warns(UserWarning, match=r"1 merged anyway \(asked for\)"):
+        stats = lora_cache.merge(model, [path], cache_root=tmp_path / "cache", rounding="merge")
+    assert stats.at_runtime == 0 and stats.built == 2
+    assert stats.rounding["merged_anyway"] == {"turbo.weight": "asked for"}
+
+
+def test_refuse_policy_refuses_before_any_weight_changes(tmp_path):
+    model = base_model(tmp_path)
+    path, _ = adapter(tmp_path)
+    with pytest.raises(RoundingLossError, match=r"refused .*turbo\.weight 100% lost.*rounding='runtime'"):
+        lora_cache.merge(model, [path], cache_root=tmp_path / "cache", rounding="refuse")
+    assert not lora_cache.is_merged(model)
+    with pytest.raises(ValueError, match="rounding policy 'sometimes' is not one of runtime, merge, refuse"):
+        lora_cache.merge(model, [path], cache_root=tmp_path / "cache", rounding="sometimes")
+
+
+@pytest.mark.parametrize("ulps, lost", [(0.1, (0.95, 1.0)), (1.0, (-0.02, 0.02)), (4.0, (-0.02, 0.02))])
+def test_share_lost_by_update_size(tmp_path, ulps, lost):
+    """The threshold's grounds: an update of an ulp or more keeps about all of it, one
+    below half an ulp none; the plain LoRA beside it loses nothing."""
+    model = base_model(tmp_path)
+    path, _ = adapter(tmp_path, ulps)
+    targets = {t.name: t for t in plan_targets(model, [path])[0]}
+    assert lost[0] <= lost_share(targets["turbo.weight"]) <= lost[1]
+    assert abs(lost_share(targets["plain.weight"])) < THRESHOLD / 5
+
+
+def test_an_ordinary_lora_says_nothing(tmp_path):
+    model = base_model(tmp_path)
+    path, _ = adapter(tmp_path, ulps=4.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats = lora_cache.merge(model, [path], cache_root=tmp_path / "cache")
+    assert stats.at_runtime == 0 and stats.rounding["lost"] == {} and stats.rounding["measured"] == 2
+
+
+def test_set_adapters_keeps_the_lossy_layer_at_run_time_and_shares_merges_combination(tmp_path):
+    path, changes = adapter(tmp_path)
+    with pytest.warns(UserWarning, match="lose \\(or gain\\) over"):
+        built = lora_cache.merge(base_model(tmp_path), [path], cache_root=tmp_path / "cache")
+    model = base_model(tmp_path)
+    base = model.turbo.weight.detach().clone()
+    x = torch.ones(8, DIM, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="turbo\\.weight (9\\d|100)% lost.*kept at run time"):
+        switched = lora_cache.set_adapters(model, [path], tmp_path / "cache")
+    assert (switched.mode, switched.layers) == ("cached", 2)
+    assert relative_error(model.turbo(x), fp32_reference(base, changes["turbo"], x)) < BF16_EPS
+    os.makedirs(tmp_path / "fresh")
+    fresh = base_model(tmp_path / "fresh")  # another server, building its own cache in the background
+    with pytest.warns(UserWarning, match="kept at run time"):
+        building = lora_cache.set_adapters(fresh, [path], tmp_path / "other", background=True)
+    assert building.mode == "runtime"
+    assert lora_cache.swap_ready(fresh, wait=True, timeout=60)
+    assert relative_error(fresh.turbo(x), fp32_reference(base, changes["turbo"], x)) < BF16_EPS
+    assert torch.equal(fresh.plain.weight, model.plain.weight) and built.at_runtime == 1
+    lora_cache.set_adapters(fresh, [], tmp_path / "other")
+    assert torch.equal(fresh.turbo(x), x @ base.T)  # back to the base: the run-time terms are off
+
+
+def test_hostmem_lora_merge_says_the_loss_and_takes_the_policy(tmp_path, capsys):
+    base_model(tmp_path)  # writes base.safetensors
+    path, _ = adapter(tmp_path)
+    config = tmp_path / "deploy.yaml"
+    config.write_text(f"""
+deployment: turbo
+host: {{limit: 8GiB, reserve: 1GiB}}
+workload: {{steps: 4}}
+components:
+  dit: {{path: {tmp_path / 'base.safetensors'}, offload: layerwise, layers: "blocks.{{i}}."}}
+lora:
+  adapters: [{{path: {path}, strength: 1.0}}]
+  cache: {{root: {tmp_path / 'cache'}, enabled: true}}
+""")
+    with pytest.warns(UserWarning, match="kept at run time"):
+        assert main(["lora", "merge", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "1 built" in out and "1 at run time" in out  # left unbuilt: the server keeps it at run time
+    assert "rounding: 1 layer(s) lose (or gain) over 5%" in out
+    model = base_model(tmp_path)  # the server's start on the image: the merged layer a hit, the lossy one at run time
+    with pytest.warns(UserWarning, match="kept at run time"):
+        stats = lora_cache.merge(model, [path], cache_root=tmp_path / "cache")
+    assert (stats.hit, stats.built, stats.at_runtime, stats.bytes_written) == (1, 0, 1, 0)
+    assert main(["lora", "merge", str(config), "--rounding", "refuse"]) != 0
+    err = capsys.readouterr().err
+    assert "refused (rounding='refuse')" in err and "Traceback" not in err

@@ -1,0 +1,198 @@
+"""The rules of the house, read from the source: no import circles, arrows only downward, small files.
+
+Every import is read with :mod:`ast`, function-local ones and ``TYPE_CHECKING`` ones
+included: an import moved into a function to dodge a circle still makes a circle (it
+only fails later, at first use), and a type-only arrow still says the lower layer
+knows the upper one. Layers, top to bottom: bench > planners > lora_cache > hostmem;
+tests may import anything. Each failure names the files and lines to look at.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = {"hostmem": 0, "lora_cache": 1, "planners": 2, "bench": 3}
+MAX_LINES = 450
+# Signals that steer control flow inside one function and never reach a caller: not errors.
+NOT_ERRORS = {"ValuesNeeded", "PeakSamplingWarning", "HostmemError"}  # and the root itself
+BUILTIN_ERRORS = {
+    "Exception", "ValueError", "TypeError", "RuntimeError", "OSError", "KeyError", "LookupError",
+    "IOError", "FileNotFoundError", "PermissionError", "IndexError", "AttributeError",
+}
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the four packages, by dotted name (a package by its own name)."""
+    found = {}
+    for package in LAYERS:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _absolute(module: str, path: Path, node: ast.ImportFrom) -> str:
+    """The dotted name a ``from ... import`` reads from, relative levels resolved."""
+    if not node.level:
+        return node.module or ""
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    base = package[: len(package) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _target(name: str) -> str | None:
+    """The project module ``name`` lands in (the longest known prefix), or None outside the project."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def imports(module: str, path: Path) -> list[tuple[str, int]]:
+    """(project module imported, line) for every import in ``module``, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(module, path, node)
+            names = [f"{source}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            hit = _target(name)
+            if hit and hit != module:
+                found.append((hit, node.lineno))
+    return found
+
+
+GRAPH = {module: imports(module, path) for module, path in MODULES.items()}
+
+
+def _where(module: str, line: int) -> str:
+    return f"{MODULES[module].relative_to(ROOT)}:{line}"
+
+
+def _circles() -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan), each sorted."""
+    index, low, stack, on, groups = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w, _ in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def _is_package_of(importer: str, imported: str) -> bool:
+    """A package's own ``__init__`` importing its members, or a member its package: not a circle.
+
+    The package face re-exports its members lazily or eagerly; what counts is that no
+    two modules with jobs of their own need each other.
+    """
+    return importer.startswith(imported + ".") or imported.startswith(importer + ".")
+
+
+def test_no_import_circles():
+    report = []
+    for group in _circles():
+        members = set(group)
+        edges = [
+            f"    {_where(a, line)} imports {b}"
+            for a in group for b, line in GRAPH[a]
+            if b in members and not _is_package_of(a, b)
+        ]
+        if edges:
+            report.append("circle: " + " <-> ".join(group) + "\n" + "\n".join(sorted(set(edges))))
+    assert not report, "modules that import each other (move what both need into a lower module):\n" + "\n".join(report)
+
+
+def test_arrows_point_only_down():
+    upward = [
+        f"{_where(a, line)}: {a} imports {b} ({a.split('.')[0]} is below {b.split('.')[0]})"
+        for a, edges in GRAPH.items() for b, line in edges
+        if LAYERS[b.split(".")[0]] > LAYERS[a.split(".")[0]]
+    ]
+    assert not upward, "imports that point up (bench > planners > lora_cache > hostmem):\n" + "\n".join(upward)
+
+
+# Inside hostmem: what the store is built on never reaches up into it.
+BELOW_THE_VAULT = ("hostmem.errors", "hostmem.units", "hostmem.dtypes", "hostmem.file_writes", "hostmem.procfs",
+                   "hostmem.safetensors_header", "hostmem.safetensors_map", "hostmem.writers", "hostmem.fault_report")
+
+
+def test_what_the_vault_is_built_on_does_not_import_it():
+    upward = [
+        f"{_where(a, line)}: {a} imports {b}"
+        for a, edges in GRAPH.items() if a.startswith(BELOW_THE_VAULT)
+        for b, line in edges if b == "hostmem.vault" or b.startswith("hostmem.vault.")
+    ]
+    assert not upward, "modules below hostmem.vault that import it (move what they need down):\n" + "\n".join(upward)
+
+
+def test_no_module_over_the_line_limit():
+    files = [p for package in (*LAYERS, "tests") for p in (ROOT / package).rglob("*.py")]
+    long = sorted(
+        f"{p.relative_to(ROOT)}: {n} lines" for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES
+    )
+    assert not long, f"modules over {MAX_LINES} lines (split them by job):\n" + "\n".join(long)
+
+
+def test_every_project_error_derives_from_the_root():
+    strays = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ClassDef) or node.name.startswith("_") or node.name in NOT_ERRORS:
+                continue
+            bases = {b.id for b in node.bases if isinstance(b, ast.Name)}
+            if bases & BUILTIN_ERRORS and "HostmemError" not in bases:
+                strays.append(f"{_where(module, node.lineno)}: class {node.name}({', '.join(sorted(bases))})")
+    assert not strays, "error classes outside the root (add HostmemError as the first base):\n" + "\n".join(strays)
+
+
+def test_the_planners_face_names_what_a_server_uses_and_imports_no_torch_for_a_config():
+    from tests.conftest import run_python
+
+    done = run_python("""
+import sys, planners
+planners.load_config, planners.ConfigError, planners.report_text
+assert "torch" not in sys.modules, "reading a config through the face imported torch"
+missing = [name for name in planners.__all__ if getattr(planners, name, None) is None]
+assert not missing, missing
+""", cwd=str(ROOT))
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_reader_sees_function_local_imports(tmp_path):
+    """The scan itself: a function-local import is an arrow like any other."""
+    source = tmp_path / "probe.py"
+    source.write_text("def f():\n    from planners.cli import main\n    return main\n")
+    assert imports("hostmem.probe", source) == [("planners.cli", 2)]
