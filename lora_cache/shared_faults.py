@@ -21,13 +21,15 @@ import os
 import time
 import warnings
 
+from hostmem.errors import HostmemError
+
 __all__ = ["RankDiedError", "RankWatch", "cannot_store", "storing", "this_process", "warn_in_place"]
 
 NO_ROOM = tuple(os.strerror(code) for code in (errno.ENOSPC, errno.EDQUOT)) + ("no room for",)
 SETTLE_SECONDS = 2.0  # a killed process closes its sockets a moment before the kernel marks it ended
 
 
-class RankDiedError(RuntimeError):
+class RankDiedError(HostmemError, RuntimeError):
     """A rank of this host ended during a shared build (named, with its process id)."""
 
 
