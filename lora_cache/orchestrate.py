@@ -270,11 +270,12 @@ def merge(
 
             shares = build_shares(cache_targets, files, specs, roots, max_size, base_files, device, kernels,
                                   progress, rank_timeout, kept_apart, form)
-        key, root, session_cm = _open_in((keyed, files), specs, roots, max_size=max_size, base_files=base_files,
-                                         device=device, kernels=kernels, rounding=rounding, form=form,
-                                         at_runtime=kept_apart)
-        if isinstance(session_cm, FoldedSession):  # the one place the build's read order changes
-            targets = session_cm.in_file_order(targets)
+        if shares is None or shares.in_place is None:  # else the host's ranks merge in place, warned once each
+            key, root, session_cm = _open_in((keyed, files), specs, roots, max_size=max_size, base_files=base_files,
+                                             device=device, kernels=kernels, rounding=rounding, form=form,
+                                             at_runtime=kept_apart)
+            if isinstance(session_cm, FoldedSession):  # the one place the build's read order changes
+                targets = session_cm.in_file_order(targets)
     session = None
     try:
         with session_cm as session:

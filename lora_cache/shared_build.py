@@ -34,18 +34,23 @@ vault, without being asked) splits the work instead:
    lock exclusively in turn before.
 
 A rank that dies or never arrives fails the others at the next gather, within
-``rank_timeout`` seconds (a keyword of ``merge``, default 600), with a message naming it; what
-was sealed stays, and the next start resumes. A share that cannot be stored (a full
-disk) says so and leaves its layers to the plain session, which builds them or falls
-back in place as any merge does. Without a process group, processes on one key still
-never build twice: the second waits on the key's lock and adopts.
+``rank_timeout`` seconds (a keyword of ``merge``, default 600), and every rank of its
+host names it (:mod:`lora_cache.shared_faults`); what was sealed stays, and the next
+start resumes. No room at any step (the provisional folder, a share, the seal, the
+re-key) is handed round at the next gather: the lowest rank removes a provisional
+folder, and every rank merges in place with one warning; the next start builds. Other
+share failures say so and leave the share's layers to the plain session. Without a
+process group, processes on one key still never build twice: the second waits on the
+key's lock and adopts.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -61,9 +66,11 @@ from .kernels.workers import cpu_count, workers_at_most
 from .layer_loop import CacheBuildError, MergeStats, merge_layers
 from .layers import AddressSpace, LayerTarget
 from .process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
+from .shared_faults import RankWatch, cannot_store, storing, this_process, warn_in_place
 from hostmem.vault import Vault, VaultError
 from hostmem.vault.adoption import shape_dtype_problem
 from hostmem.vault.content_hash import CONTENT_HASH_MEMO, file_digest
+from hostmem.vault.durable import remove_tree
 from hostmem.vault.layer_file import layer_file_name
 from hostmem.vault.manifest import ManifestError, read_manifest
 from hostmem.vault.session import say
@@ -82,6 +89,8 @@ class ShareOutcome:
     bytes_written: int = 0
     seconds: float = 0.0
     error: str | None = None
+    no_room: str | None = None  # why this share could not be stored (the disk had no room)
+    in_place: str | None = None  # why the host's ranks merge in place (``merge`` then opens no cache)
     written: list = field(default_factory=list)  # what the share wrote, for the others to trust
 
     def account(self, stats: MergeStats) -> None:
@@ -161,7 +170,7 @@ def _build_share(vault: Vault, key, mine: list[LayerTarget], index: int, count: 
                  progress, threads: int) -> ShareOutcome:
     """Build this rank's share on ``threads`` threads; a share the vault cannot store says
     why and builds nothing more."""
-    outcome = ShareOutcome(index, count)
+    outcome, reason = ShareOutcome(index, count), None
     if not mine:
         return outcome
     total = sum(t.nbytes for t in mine)
@@ -175,9 +184,14 @@ def _build_share(vault: Vault, key, mine: list[LayerTarget], index: int, count: 
                     stats = merge_layers([_detached(t) for t in mine], session, device=device, progress=progress,
                                          fallback=False, kernels=kernels)
             finally:
-                outcome.written = session.written()
+                outcome.written, reason = session.written(), session.last_error
     except (CacheBuildError, VaultError, OSError) as exc:
         outcome.error = str(exc)
+        if cannot_store(exc):  # every rank falls back in place, each with one warning
+            why = (reason if isinstance(exc, CacheBuildError) and reason else str(exc)).rstrip(". ")
+            outcome.no_room = (f"the LoRA merge cache could not store share {index + 1} of {count} "
+                               f"of {key.hex[:12]} ({why})")
+            return outcome
         say(f"LoRA merge cache {key.hex[:12]}: share {index + 1} of {count} stopped ({exc}); "
             "its remaining layers are built when the cache is opened")
         return outcome
@@ -270,14 +284,15 @@ def _hash_inputs(paths: list[str], index: int, count: int, memo_file: str | None
             CONTENT_HASH_MEMO.record(path, list(stamp), digest, memo_file if index == 0 else None)
 
 
-def _agree(dist, vaults: list[Vault], key, expected: dict, leader: bool):
-    """``(build anywhere, build here, missing layers)``, the same on every rank of a host:
-    the host's lowest rank probes, every rank's key must be its leader's (else every rank
-    of the world raises, naming the ranks that differ). One all-gather over the world."""
-    complete, missing = probe(vaults, key.hex, expected) if leader else (True, [])
+def _agree(dist, vaults: list[Vault], key, expected: dict, leader: bool, no_room: str | None):
+    """``(build anywhere, build here, missing layers, why this host cannot store)``, the
+    same on every rank of a host: the host's lowest rank probes, every rank's key must be
+    its leader's (else every rank of the world raises, naming the ranks that differ). One
+    all-gather over the world."""
+    complete, missing = probe(vaults, key.hex, expected) if leader and not no_room else (True, [])
     writable = any(not v.read_only for v in vaults)
     mine = (socket.gethostname(), dist.get_rank(), {"key": key.hex, "complete": complete or not writable,
-                                                     "missing": missing})
+                                                     "missing": missing, "no_room": no_room})
     world: list = [None] * dist.get_world_size()
     dist.all_gather_object(world, mine)
     hosts: dict[str, list] = {}
@@ -286,9 +301,9 @@ def _agree(dist, vaults: list[Vault], key, expected: dict, leader: bool):
     for ranks in hosts.values():
         _same_key(ranks, ranks[0][1]["key"])
     first = hosts[mine[0]][0][1]
-    build_here = not first["complete"]
-    anywhere = any(not ranks[0][1]["complete"] for ranks in hosts.values())
-    return anywhere, build_here, set(first["missing"]) if build_here else set()
+    build_here = not first["complete"] or first["no_room"] is not None
+    anywhere = any(not ranks[0][1]["complete"] or ranks[0][1]["no_room"] for ranks in hosts.values())
+    return anywhere, build_here, set(first["missing"]) if build_here else set(), first["no_room"]
 
 
 def build_shares(targets: list[LayerTarget], files, specs, roots: list[str], max_size, base_files, device,
@@ -296,44 +311,94 @@ def build_shares(targets: list[LayerTarget], files, specs, roots: list[str], max
                  at_runtime: frozenset[str] = frozenset(), form: dict | None = None) -> ShareOutcome | None:
     """Build the missing layers of this combination across the ranks of this host (a
     collective: every rank of the world calls it). None when there is no process group,
-    or nothing to build anywhere; else what this rank built (see the module's docstring).
-    ``timeout``: the seconds a rank waits for the others at each gather. ``at_runtime``:
-    targets the key covers that are served at run time, never built (:mod:`lora_cache.rounding`);
-    ``form``: the deltas by layer name the key covers (``merge``'s; default: the targets').
+    or nothing to build anywhere; else what this rank built (see the module's docstring),
+    whose ``in_place`` says why the host could not store it (``merge`` then merges in
+    place). ``timeout``: the seconds a rank waits for the others at each gather.
+    ``at_runtime``: targets the key covers that are served at run time, never built
+    (:mod:`lora_cache.rounding`); ``form``: the deltas by layer name the key covers
+    (``merge``'s; default: the targets').
     """
     dist = distributed_group()
     if dist is None or not roots or not targets:
         return None
     from hostmem.host_ledger import gather_on_host  # here: a start without a process group never needs it
 
-    ranks = [rank for rank, _ in gather_on_host(None, timeout=timeout, what="start a shared LoRA merge build")]
-    index, count = ranks.index(dist.get_rank()), len(ranks)
-    vaults = [Vault(root, max_size) for root in roots]
+    met = gather_on_host(this_process(), timeout=timeout, what="start a shared LoRA merge build")
+    ranks = [rank for rank, _ in met]
+    with RankWatch(met, dist.get_rank()).naming_the_dead("a shared LoRA merge build"):
+        return _build_together(dist, targets, files, specs, [Vault(root, max_size) for root in roots], base_files,
+                               device, kernels, progress, timeout, ranks.index(dist.get_rank()), len(ranks),
+                               (at_runtime, form))
+
+
+def _build_together(dist, targets, files, specs, vaults, base_files, device, kernels, progress, timeout: float,
+                    index: int, count: int, keyed: tuple) -> ShareOutcome | None:
+    """:func:`build_shares` once the host's ranks have met: share ``index`` of ``count``
+    (``keyed``: its ``at_runtime`` and ``form``)."""
+    from hostmem.host_ledger import gather_on_host
+
+    at_runtime, form = keyed
     key, fold = _key_or_fold(vaults, targets, files, specs, base_files, device, kernels, index, count, timeout,
                              form)
     expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in targets if t.name not in at_runtime}
-    if fold is not None and index == 0:
-        fold.mark()  # before any rank can write a share there (the others wait in the meeting below)
-    anywhere, build_here, todo = _agree(dist, vaults, key, expected, index == 0)
+    # the lowest rank marks a provisional folder before any rank can write a share there (the others wait below)
+    no_room = storing(fold.mark, key)[1] if fold is not None and index == 0 else None
+    anywhere, build_here, todo, no_room = _agree(dist, vaults, key, expected, index == 0, no_room)
     if not anywhere:
         return None
     writable = next((v for v in vaults if not v.read_only), None)
-    mine = split_by_bytes([t for t in targets if t.name in todo], count)[index]
+    mine = [] if no_room else split_by_bytes([t for t in targets if t.name in todo], count)[index]
     started = time.monotonic()
-    if fold is not None:
+    if fold is not None and not no_room:
         fold.start()  # this rank's shards of the base, hashed beside its share
     outcome = _build_share(writable, key, mine, index, count, device, kernels, progress, rank_threads(count))
-    finished = gather_on_host({"built": outcome.built, "written": outcome.written,
-                               "hashed": fold.hashed() if fold is not None else None}, timeout=timeout,
+    handed = {"built": outcome.built, "written": outcome.written, "no_room": no_room or outcome.no_room,
+              "hashed": fold.hashed() if fold is not None else None}
+    finished = gather_on_host(handed, timeout=timeout,
                               what=f"finish the shared build of LoRA merge cache {key.hex[:12]}")
-    real = fold.real_key([p["hashed"] for _, p in finished]) if fold is not None else None
+    no_room = next((p["no_room"] for _, p in finished if p["no_room"]), None)
+    real = fold.real_key([p["hashed"] for _, p in finished]) if fold is not None and not no_room else None
     if build_here and index == 0:
+        no_room = _seal_or_drop(writable, key, expected, finished, (fold, real), no_room, started)
+    sealed = gather_on_host(no_room, timeout=timeout, what=f"seal the shared build of LoRA merge cache {key.hex[:12]}")
+    no_room = next((p for _, p in sealed if p), None)
+    return warn_in_place(outcome, no_room) if no_room else outcome
+
+
+def _seal_or_drop(writable: Vault, key, expected: dict, finished: list, folded: tuple, no_room, started: float):
+    """The lowest rank, once every share is done: seal what the shares built (``folded``:
+    the fold and the real key, or Nones), unless a rank had no room. Where it is not
+    sealed, a provisional folder is removed (nothing provisional stays). Why the host
+    cannot store the build, or None."""
+    fold, real = folded
+    if not no_room:
+        trusted, no_room = storing(lambda: _seal(writable, key, expected, finished, fold, real), key)
+    if no_room:
+        if fold is not None:
+            remove_tree(fold.folder)
+        return no_room
+    say(f"LoRA merge cache {(real or key).hex[:12]}: {len(finished)} ranks built "
+        f"{sum(p['built'] for _, p in finished)} layers in {time.monotonic() - started:.1f} s ({trusted} sealed "
+        f"and checksummed as written{', the base hashed beside them' if real is not None else ''})")
+    return None
+
+
+def _seal(writable: Vault, key, expected: dict, finished: list, fold, real) -> int:
+    """The lowest rank: vouch for every share's layers, seal the manifest (adopting the
+    shares' files), and name a folded build by its ``real`` key; how many were vouched for.
+
+    What the vault says meanwhile is held back: where the combination is not sealed after
+    (no room for the manifest or the re-key), it is the reason every rank warns with,
+    once, and an OSError says it; else it is said as it was."""
+    held = io.StringIO()
+    with contextlib.redirect_stderr(held):
         trusted = vouch_for(writable, key.hex, [w for _, p in finished for w in p["written"]])
         with writable.open(key, expected) as session:  # adopts the shares' files as vouched for, seals
             if real is not None:
                 session.after_seal = fold.rekey_after_seal(real)  # then names it by its real key
-        say(f"LoRA merge cache {(real or key).hex[:12]}: {count} ranks built {sum(p['built'] for _, p in finished)} "
-            f"layers in {time.monotonic() - started:.1f} s ({trusted} sealed and checksummed as written"
-            f"{', the base hashed beside them' if real is not None else ''})")
-    gather_on_host(None, timeout=timeout, what=f"seal the shared build of LoRA merge cache {key.hex[:12]}")
-    return outcome
+    said = held.getvalue()
+    if not probe([writable], (real or key).hex, expected)[0]:
+        raise OSError("; ".join(line.removeprefix("hostmem: ") for line in said.splitlines() if line.strip())
+                      or "the manifest was not sealed")
+    sys.stderr.write(said)
+    return trusted
