@@ -11,7 +11,11 @@ thread, so that the disk works while the previous layer computes). Three readers
   (the page cache keeps what was read; the buffer is overwritten by the next chunk);
 - ``fault``: nothing ahead, then the touch alone, on the worker: the kernel's own fault
   path reads, in 2 MiB folios where the mapping asked for huge pages (advice reads 4 KiB
-  pages one by one).
+  pages one by one);
+- ``parallel``: the same touch, the layer cut at 2 MiB folio boundaries and the pieces
+  touched by a few reader threads at once: one fault reads one folio and waits for it,
+  so a single thread keeps one read in the disk's queue, and a virtual disk reads
+  several at once faster than one after another.
 
 Which is fastest depends on the kernel, the filesystem and the disk, so it is measured
 on the first use for each device (a released layer, dropped before each try) and the
@@ -33,6 +37,7 @@ import mmap
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -43,9 +48,11 @@ from .layout import FileRange, inner_pages
 
 __all__ = ["FileHandles", "advise", "set_random", "complete", "read_ahead", "release", "choose_reader", "READERS", "drop_range"]
 
-READERS = ("madvise", "fadvise", "read", "fault")
+READERS = ("madvise", "fadvise", "read", "fault", "parallel")
 _MADV_PAGEOUT = 21
 _CHUNK = 1 << 20  # the reusable buffer: small, so a read adds less anonymous memory than a layer
+_FOLIO = 2 << 20  # the largest folio a huge-page mapping's faults read
+_FAULTERS = 4  # reader threads of ``parallel``: reads in the disk's queue at once
 _choices: dict[int, str] = {}  # st_dev -> the faster reader there
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -65,6 +72,7 @@ class FileHandles:
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._buffer: bytearray | None = None
+        self._pool: ThreadPoolExecutor | None = None
 
     def fd(self, path: str) -> int:
         with self._lock:
@@ -81,12 +89,22 @@ class FileHandles:
             self._buffer = bytearray(_CHUNK)  # touched once here, reused for every read
         return memoryview(self._buffer)
 
+    def pool(self) -> ThreadPoolExecutor:
+        """The reader threads of ``parallel`` (made on first use)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=_FAULTERS, thread_name_prefix="hostmem-fault")
+            return self._pool
+
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
             self._buffer = None
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 def _touch(address: int, length: int) -> None:
@@ -111,6 +129,18 @@ def _touch_range(r: FileRange, handles: FileHandles) -> None:
     _touch(r.address, r.length)
 
 
+def _touch_parallel(r: FileRange, handles: FileHandles) -> None:
+    """Touch ``r`` in pieces cut at 2 MiB folio boundaries, several pieces at once."""
+    end = r.address + r.length
+    cuts = list(range(r.address - r.address % _FOLIO + _FOLIO, end, _FOLIO))
+    bounds = [r.address] + cuts + [end]
+    if len(bounds) <= 2:
+        return _touch(r.address, r.length)
+    pieces = [handles.pool().submit(_touch, a, b - a) for a, b in zip(bounds, bounds[1:])]
+    for piece in pieces:
+        piece.result()
+
+
 def _read_pread(r: FileRange, handles: FileHandles) -> None:
     fd, buf = handles.fd(r.path), handles.buffer()
     at, end = r.offset, r.offset + r.length
@@ -127,6 +157,7 @@ _READERS = {
     "fadvise": (_advise_fadvise, _touch_range),
     "read": (None, _read_pread),
     "fault": (None, _touch_range),
+    "parallel": (None, _touch_parallel),
 }
 
 
@@ -163,8 +194,6 @@ def set_random(ranges, on: bool) -> None:
         address, length = inner_pages(r)
         _madvise(address, length, mmap.MADV_RANDOM if on else mmap.MADV_NORMAL, "MADV_RANDOM" if on else "MADV_NORMAL")
 
-
-_FOLIO = 2 << 20  # the largest folio a huge-page mapping's faults read
 
 
 def _drop(r: FileRange, handles: FileHandles, address: int, length: int) -> int:
