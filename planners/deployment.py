@@ -163,7 +163,7 @@ def plan_deployment(
         others.append(AlternativePlan(label, other_merge, b.bytes, b.committed, p.pinned_bytes, layers,
                                       p.transfer_s_per_request, other_verdict.over_limit_bytes, other_verdict.fits))
     warnings = list(notes) + _host_warnings(host, budget, device, merge) + list(pins.warnings)
-    return DeploymentPlan(
+    plan = DeploymentPlan(
         deployment=config.deployment,
         mode=mode,
         merge=merge,
@@ -179,6 +179,9 @@ def plan_deployment(
         lora_merge=None if lora_merge is None else dict(lora_merge),
         verdict=verdict(budget, device),
     )
+    from .executor.tier import with_executor_disk  # the executor's package imports this module
+
+    return with_executor_disk(plan, config.streamed.prefetch if config.streamed else 0)
 
 
 # A machine sold as 32 GiB reports 31.2-31.6 GiB of MemTotal (firmware and the kernel keep
