@@ -33,7 +33,7 @@ class LayerPipeline:
         self.worker, self.handles, self.reader, self.copier = worker, handles, reader, copier
         # On a CPU host with an advising reader the wait runs in this thread, at the layer's
         # pre-hook: no hand-off per layer, which on busy cores costs a time slice each.
-        self.inline = copier is None and reader not in ("read", "fault", "parallel")
+        self.inline = copier is None and reader not in ("read", "fault")
         self.order = [name for name in roles.order if name in layouts]
         self.position = {name: i for i, name in enumerate(self.order)}
         self.released = set(roles.released)

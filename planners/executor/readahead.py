@@ -13,9 +13,10 @@ thread, so that the disk works while the previous layer computes). Three readers
   path reads, in 2 MiB folios where the mapping asked for huge pages (advice reads 4 KiB
   pages one by one);
 - ``parallel``: the same touch, the layer cut at 2 MiB folio boundaries and the pieces
-  touched by a few reader threads at once: one fault reads one folio and waits for it,
-  so a single thread keeps one read in the disk's queue, and a virtual disk reads
-  several at once faster than one after another.
+  queued, when the layer enters the window, on a few reader threads that touch them in
+  pass order: one fault reads one folio and waits for it, so a single thread keeps one
+  read in the disk's queue, while the pool keeps several, across layer boundaries,
+  and a disk (a virtual one above all) reads several at once faster than in turn.
 
 Which is fastest depends on the kernel, the filesystem and the disk, so it is measured
 on the first use for each device (a released layer, dropped before each try) and the
@@ -73,6 +74,7 @@ class FileHandles:
         self._lock = threading.Lock()
         self._buffer: bytearray | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self.inflight: dict[FileRange, list] = {}  # parallel: pieces queued, not yet waited for
 
     def fd(self, path: str) -> int:
         with self._lock:
@@ -129,14 +131,24 @@ def _touch_range(r: FileRange, handles: FileHandles) -> None:
     _touch(r.address, r.length)
 
 
-def _touch_parallel(r: FileRange, handles: FileHandles) -> None:
-    """Touch ``r`` in pieces cut at 2 MiB folio boundaries, several pieces at once."""
+def _pieces(r: FileRange) -> list[tuple[int, int]]:
+    """``(address, length)`` pieces of ``r`` cut at 2 MiB folio boundaries."""
     end = r.address + r.length
-    cuts = list(range(r.address - r.address % _FOLIO + _FOLIO, end, _FOLIO))
-    bounds = [r.address] + cuts + [end]
-    if len(bounds) <= 2:
-        return _touch(r.address, r.length)
-    pieces = [handles.pool().submit(_touch, a, b - a) for a, b in zip(bounds, bounds[1:])]
+    bounds = [r.address, *range(r.address - r.address % _FOLIO + _FOLIO, end, _FOLIO), end]
+    return [(a, b - a) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _advise_parallel(r: FileRange, handles: FileHandles) -> None:
+    """Queue the touch of every piece of ``r`` on the reader threads (pass order: first in, first read)."""
+    pool = handles.pool()
+    handles.inflight[r] = [pool.submit(_touch, a, n) for a, n in _pieces(r)]
+
+
+def _wait_parallel(r: FileRange, handles: FileHandles) -> None:
+    pieces = handles.inflight.pop(r, None)
+    if pieces is None:  # not advised (a drain, a timing): start it now
+        _advise_parallel(r, handles)
+        pieces = handles.inflight.pop(r)
     for piece in pieces:
         piece.result()
 
@@ -157,7 +169,7 @@ _READERS = {
     "fadvise": (_advise_fadvise, _touch_range),
     "read": (None, _read_pread),
     "fault": (None, _touch_range),
-    "parallel": (None, _touch_parallel),
+    "parallel": (_advise_parallel, _wait_parallel),
 }
 
 
