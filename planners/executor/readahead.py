@@ -243,29 +243,48 @@ def release(ranges, handles: FileHandles, back: bool = False) -> int:
     return sum(drop_range(r, handles, back) for r in ranges)
 
 
-def _timed(how: str, sample: FileRange, handles: FileHandles) -> float:
-    drop_range(sample, handles)
+def _timed(how: str, sample: list[FileRange], handles: FileHandles) -> float:
+    for r in sample:
+        drop_range(r, handles)
     began = time.perf_counter()
-    read_ahead([sample], handles, how)
+    advise(sample, handles, how)  # as a window: every layer's reads started, then waited for in turn
+    complete(sample, handles, how)
     return time.perf_counter() - began
 
 
-def choose_reader(sample: FileRange | None, handles: FileHandles, how: str = "auto") -> str:
-    """The reader to use: ``how`` when it names one, else the fastest measured on ``sample``
-    (three times each, in turn; cached per device for the process)."""
+_SAMPLE = 64 << 20  # the layers timed, at most: a few, so that one slow read decides less
+
+
+def _sample(sample) -> list[FileRange]:
+    ranges = [sample] if isinstance(sample, FileRange) else list(sample or ())
+    out, total = [], 0
+    for r in ranges:
+        r = r._replace(length=min(r.length, 32 << 20))  # a layer, up to 32 MiB
+        if out and (total + r.length > _SAMPLE or r.path != out[0].path):
+            break
+        out.append(r)
+        total += r.length
+    return out
+
+
+def choose_reader(sample, handles: FileHandles, how: str = "auto") -> str:
+    """The reader to use: ``how`` when it names one, else the fastest measured on ``sample`` (a
+    file range, or the ranges of the first released layers, up to 64 MiB of one file, read as a
+    window; three times each, in turn; cached per device for the process)."""
     if how != "auto":
         if how not in READERS:
             raise InputError(f"read_ahead {how!r}: choose auto, {' or '.join(READERS)}")
         return how
-    if sample is None:
+    sample = _sample(sample)
+    if not sample:
         return "read"
-    dev = os.stat(sample.path).st_dev
+    dev = os.stat(sample[0].path).st_dev
     if dev not in _choices:
-        sample = sample._replace(length=min(sample.length, 32 << 20))  # a layer, up to 32 MiB
         times: dict[str, list[float]] = {h: [] for h in READERS}
         for _ in range(3):  # the best of three, in turn: a shared disk only ever makes a read slower
             for h in READERS:
                 times[h].append(_timed(h, sample, handles))
         _choices[dev] = min(READERS, key=lambda h: min(times[h]))
-        drop_range(sample, handles)
+        for r in sample:
+            drop_range(r, handles)
     return _choices[dev]
