@@ -198,9 +198,10 @@ def read_ahead(ranges, handles: FileHandles, how: str) -> int:
 def set_random(ranges, on: bool) -> None:
     """``MADV_RANDOM`` (``on``) or ``MADV_NORMAL`` on the whole pages inside ``ranges``.
 
-    A released layer is read by the executor alone: the kernel's own read-around on a
-    fault (up to ``read_ahead_kb`` past it, in 2 MiB folios on a huge-page mapping) would
-    read layers the plan has not made room for, and the group would reach its limit.
+    A kept or released layer is read by the executor alone: the kernel's own read-around
+    on a fault (up to ``read_ahead_kb`` past it, in 2 MiB folios on a huge-page mapping)
+    would read layers the plan has not made room for, and the group would reach its limit
+    (the more so with several reader threads faulting at once).
     """
     for r in ranges:
         address, length = inner_pages(r)
@@ -269,8 +270,8 @@ def _sample(sample) -> list[FileRange]:
 
 def choose_reader(sample, handles: FileHandles, how: str = "auto") -> str:
     """The reader to use: ``how`` when it names one, else the fastest measured on ``sample`` (a
-    file range, or the ranges of the first released layers, up to 64 MiB of one file, read as a
-    window; three times each, in turn; cached per device for the process)."""
+    file range, or the ranges of a read-ahead window of released layers, up to 64 MiB of one
+    file, read as the window is; three times each, in turn; cached per device for the process)."""
     if how != "auto":
         if how not in READERS:
             raise InputError(f"read_ahead {how!r}: choose auto, {' or '.join(READERS)}")
