@@ -11,14 +11,13 @@ figures stay the pin plan's.
 
 from __future__ import annotations
 
-from ..deployment import DeploymentPlan
 from ..pin_plan import thrash_line
 from .roles import plan_roles
 
 __all__ = ["with_executor_disk"]
 
 
-def with_executor_disk(plan: DeploymentPlan, prefetch: int) -> DeploymentPlan:
+def with_executor_disk(plan: "DeploymentPlan", prefetch: int) -> "DeploymentPlan":
     """``plan`` with each layerwise component's disk bytes per request, and its line, the executor's."""
     layerwise = {n for n, p in plan.pins.plans.items()
                  if n in plan.components and plan.components[n].offload == "layerwise" and not p.page_cache_fits}
