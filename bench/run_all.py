@@ -68,6 +68,12 @@ BENCHES = (
      "so the ranks of a shared build share the same cores and pay for four processes: its gain grows "
      "with a core or a GPU per rank, until the disk bounds the build (the disk's bound line)."),
     ("bench_vault_hit.py", "A cache hit in the vault: open, map every layer, close", ""),
+    ("bench_executor.py", "Executor: a model twice its page cache, against the kernel's own reads",
+     "A synthetic bf16 model mapped read-only, run in a nested memory cgroup that leaves it half the "
+     "model in page cache: under the executor, left to the kernel's fault-driven reads, and with the "
+     "model in page cache (the compute bound); the disk bound is the executor's bytes read at the "
+     "checkpoint's sequential read rate, measured in the same run. Needs a memory cgroup this process "
+     "may nest under its own."),
     ("bench_cli.py", "Light commands: start-up against `python -c pass`", ""),
 )
 

@@ -16,6 +16,7 @@ from hostmem.units import format_size
 
 from .budget import HostBudget, HostLimit, host_budget
 from .config import DeploymentConfig
+from .config.model import TransferConfig
 from .device_plan import DevicePlan, plan_device
 from .pin_plan import CostModel, MoveGroup, PinPlans, plan_pins
 from .providers import OfferRecord, apply_offer, collect_offers
@@ -66,6 +67,7 @@ class DeploymentPlan(NamedTuple):
     lora_merge: Mapping | None = None  # what lora_cache.merge did (MergeStats.to_dict()), live plans
     host_share: Mapping | None = None  # this rank's part of the host budget (HostShare.to_dict()), live plans
     verdict: Verdict = Verdict(True, 0, ())  # whether it fits, and why not (planners.verdict)
+    transfer: TransferConfig | None = None  # the rates planned with, and their source
 
     @property
     def fits(self) -> bool:
@@ -163,7 +165,7 @@ def plan_deployment(
         others.append(AlternativePlan(label, other_merge, b.bytes, b.committed, p.pinned_bytes, layers,
                                       p.transfer_s_per_request, other_verdict.over_limit_bytes, other_verdict.fits))
     warnings = list(notes) + _host_warnings(host, budget, device, merge) + list(pins.warnings)
-    return DeploymentPlan(
+    plan = DeploymentPlan(
         deployment=config.deployment,
         mode=mode,
         merge=merge,
@@ -178,7 +180,11 @@ def plan_deployment(
         alternatives=tuple(others),
         lora_merge=None if lora_merge is None else dict(lora_merge),
         verdict=verdict(budget, device),
+        transfer=config.transfer,
     )
+    from .executor.tier import with_executor_disk  # the executor's package imports this module
+
+    return with_executor_disk(plan, config.streamed.prefetch if config.streamed else 0)
 
 
 # A machine sold as 32 GiB reports 31.2-31.6 GiB of MemTotal (firmware and the kernel keep

@@ -172,17 +172,20 @@ def _assemble(groups, chosen, best, outcomes, budget) -> PinPlans:
     return PinPlans(plans, budget.bytes, outcome.room_after_pins, len(chosen), tuple(warnings), tuple(notes))
 
 
-def _thrash(plan: PinPlan, budget) -> tuple[str, bool]:
+def thrash_line(plan: PinPlan, budget, roles=None) -> tuple[str, bool]:
     """The page-cache thrash line, and whether it is a warning (something in the deployment to change).
 
     With committed non-reclaimable memory, giving it back makes room for page cache:
     that is advice. With none, the streamed weights are simply larger than what the
     host holds next to the pins the planner judged worth it: a fact of the host, shown
-    beside the pin plans, which only a larger host or more VRAM changes.
+    beside the pin plans, which only a larger host or more VRAM changes. ``roles`` (the
+    executor's, :mod:`planners.executor.roles`) says how many blocks it keeps in page cache.
     """
+    kept = (f"; the executor keeps {len(roles.kept)} of {len(roles.kept) + len(roles.released)} in page cache "
+            "and reads the others on every move") if roles is not None else ""
     head = (f"{plan.component} reads {format_size(plan.disk_bytes_per_request)} from disk per request: its "
             f"unpinned blocks need {format_size(plan.page_cache_bytes)} of page cache, more than the host holds "
-            "next to the pins and the blocks before it")
+            f"next to the pins and the blocks before it{kept}")
     if budget.committed > 0:
         return (f"page-cache thrash: {head}. Give back the {format_size(budget.committed)} of committed "
                 "non-reclaimable memory (map weights read-only, merge LoRAs through the cache), raise "
@@ -195,7 +198,7 @@ def _warnings(groups, plans, outcome, budget, allowed, best, outcomes) -> tuple[
     for group in groups:
         plan = plans[group.component]
         if not plan.page_cache_fits and plan.page_cache_bytes:
-            line, is_warning = _thrash(plan, budget)
+            line, is_warning = thrash_line(plan, budget)
             (out if is_warning else notes).append(line)
     if best < allowed:
         saved = sum(outcomes[allowed].seconds) - sum(outcomes[best].seconds)

@@ -21,6 +21,7 @@ added but never renamed::
                           "candidate_layers", "page_cache_bytes", "page_cache_fits",
                           "disk_bytes_per_request"}},
      "transfer_s_per_request", "baseline_transfer_s_per_request",
+     "transfer": null | {"pinned_h2d", "pageable_h2d", "disk_read", "source"},
      "offers": [{"provider", "component", "anonymous_bytes", "disk_bytes", "one_time_s", "note",
                  "budget_bytes", "pinned_bytes", "transfer_s_per_request", "fits", "applied_bytes"}],
      "warnings": [str], "notes": [str],
@@ -42,6 +43,8 @@ An offer's ``applied_bytes`` is what it takes off this plan's component, at most
 the component holds (its ``anonymous_bytes`` is what the provider says of itself);
 the offers table shows the first, so it agrees with the budget.
 ``host.gpus`` is how many GPUs this machine shows (null: not looked for).
+``transfer`` is the rates planned with, in bytes per second, and their ``source``: ``default``,
+``config``, or a line saying which ``hostmem calibrate --save`` record (``transfer: measured``).
 ``host.headroom`` is what ``limit: auto`` was made of (:mod:`planners.headroom`), each
 figure with the file it was read from; null for a configured limit.
 A component's ``total`` is every byte it holds: its weights plus ``extra_anonymous``
@@ -181,6 +184,7 @@ def report_dict(plan: DeploymentPlan) -> dict:
         "pin_plans": _pins(plan),
         "transfer_s_per_request": _served(plan.pins.transfer_s_per_request, plan.fits),
         "baseline_transfer_s_per_request": _served(plan.pins.baseline_transfer_s_per_request, plan.fits),
+        "transfer": None if plan.transfer is None else plan.transfer._asdict(),
         "offers": [
             {**o.offer._asdict(), "budget_bytes": o.budget_bytes, "pinned_bytes": o.pinned_bytes,
              "transfer_s_per_request": _served(o.transfer_s_per_request, o.fits), "fits": o.fits,
@@ -297,6 +301,15 @@ def _pin_lines(plan: DeploymentPlan) -> list[str]:
     return lines
 
 
+def _rate_lines(plan: DeploymentPlan) -> list[str]:
+    """The rates the transfer times were priced at, and where they came from."""
+    if plan.transfer is None:
+        return []
+    from .executor.calibration import describe
+
+    return [f"transfer rates: {describe(plan.transfer)}"]
+
+
 def _offer_lines(plan: DeploymentPlan) -> list[str]:
     if not plan.offers:
         return []
@@ -368,6 +381,7 @@ def report_text(plan: DeploymentPlan) -> str:
         _lora_merge_lines(plan),
         _device_lines(plan),
         _pin_lines(plan),
+        _rate_lines(plan),
         _offer_lines(plan),
         _alternative_lines(plan),
         _warning_lines(plan),

@@ -4,7 +4,9 @@ Disk sequential read of the cache root and of each checkpoint folder (pages drop
 first), page-cache read, and on a CUDA host host-to-device copies at layer size from
 pinned, pageable, mapped and mapped-then-registered memory. Prints the ``transfer:``
 block to put in the deployment config (rates the planner reads); without a GPU the
-device rates are left out, with a line saying they need one.
+device rates are left out, with a line saying they need one. ``--save`` also writes
+them to ``<cache root>/calibration.json``, which ``transfer: measured`` plans with
+(:mod:`planners.executor.calibration`).
 """
 
 from __future__ import annotations
@@ -38,14 +40,21 @@ def register(subparsers) -> None:
                         help="bytes per device copy (default: the config's largest layer, else 64MiB)")
     parser.add_argument("--device", default=None, help="the GPU to time copies to, e.g. cuda:0 (default: cuda:0 if any)")
     parser.add_argument("--json", action="store_true", help="print JSON (rates in bytes per second)")
+    parser.add_argument("--save", action="store_true",
+                        help="also write the rates to <cache root>/calibration.json, what transfer: measured plans with")
     parser.set_defaults(run=run)
+
+
+def cache_root(args, config) -> str:
+    """``--root``, else the config's ``lora.cache.root``, else ``$HOSTMEM_CACHE_ROOT``, else the default."""
+    root = args.root or (config.lora.cache.root if config is not None and config.lora is not None else None)
+    return os.path.expanduser(root or os.environ.get("HOSTMEM_CACHE_ROOT") or _DEFAULT_ROOT)
 
 
 def _folders(args, config) -> list[tuple[str, bool]]:
     """``(folder, existing)``: checkpoint folders are read as they are, others get a probe file."""
     out = []
-    root = args.root or (config.lora.cache.root if config is not None and config.lora is not None else None)
-    root = os.path.expanduser(root or os.environ.get("HOSTMEM_CACHE_ROOT") or _DEFAULT_ROOT)
+    root = cache_root(args, config)
     if os.path.isdir(root):
         out.append((root, False))
     if config is not None:
@@ -117,6 +126,10 @@ def measure(args, use_device: bool = True) -> dict:
         result["h2d"] = {"layer_bytes": layer, **rates}
         transfer.update(pinned_h2d=rates["pinned_h2d"], pageable_h2d=rates["pageable_h2d"])
     result["transfer"] = transfer
+    if getattr(args, "save", False):
+        from planners.executor.calibration import record_path, save_record
+
+        result["saved"] = save_record(result, record_path(root=cache_root(args, config)))
     return result
 
 
@@ -144,6 +157,8 @@ def run(args) -> int:
         print(f"{result['device']}: host to device at {format_size(h2d['layer_bytes'])}: {rates}")
     for note in result["notes"]:
         print(f"note: {note}")
+    if "saved" in result:
+        print(f"saved to {result['saved']}: a config with transfer: measured plans with these rates")
     print()
     print(transfer_block(result["transfer"]))
     return 0

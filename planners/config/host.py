@@ -106,12 +106,19 @@ def _rate(text: Any) -> float:
 
 
 def parse_transfer(origin: ConfigOrigin, data: Any) -> TransferConfig:
+    """Rates written in the config, or ``transfer: measured`` (the last ``hostmem calibrate --save``)."""
+    if data == "measured":
+        return TransferConfig(source="measured")
+    if isinstance(data, str):
+        raise origin.error("transfer", f"{data!r}: write measured (the rates of the last hostmem calibrate --save) "
+                                       "or a mapping of pinned_h2d, pageable_h2d, disk_read")
     s = Section(origin, "transfer", data, ("pinned_h2d", "pageable_h2d", "disk_read"))
     d = TransferConfig()
     return TransferConfig(
         pinned_h2d=s.parsed("pinned_h2d", _rate, d.pinned_h2d),
         pageable_h2d=s.parsed("pageable_h2d", _rate, d.pageable_h2d),
         disk_read=s.parsed("disk_read", _rate, d.disk_read),
+        source="config" if data else "default",
     )
 
 

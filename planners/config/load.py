@@ -52,9 +52,10 @@ def parse_config(text: str, path: str, environ: Mapping[str, str] | None = None)
     if not isinstance(name, str):
         raise origin.error("deployment", f"expected a name, found {kind(name)}")
     components = parse_components(origin, data.get("components"))
+    from ..executor.calibration import resolve_transfer  # measured rates: the last hostmem calibrate --save
     from ..reserve import resolve_reserve  # a measured reserve: the deployment's last warmup
 
-    return resolve_reserve(DeploymentConfig(
+    return resolve_transfer(resolve_reserve(DeploymentConfig(
         deployment=name,
         host=parse_host(origin, data.get("host")),
         device=parse_device(origin, data.get("device")),
@@ -63,7 +64,7 @@ def parse_config(text: str, path: str, environ: Mapping[str, str] | None = None)
         components=components,
         lora=parse_lora(origin, data.get("lora"), components),
         origin=origin,
-    ))
+    )))
 
 
 def load_config(path: str | os.PathLike, environ: Mapping[str, str] | None = None) -> DeploymentConfig:

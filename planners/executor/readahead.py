@@ -11,7 +11,12 @@ thread, so that the disk works while the previous layer computes). Three readers
   (the page cache keeps what was read; the buffer is overwritten by the next chunk);
 - ``fault``: nothing ahead, then the touch alone, on the worker: the kernel's own fault
   path reads, in 2 MiB folios where the mapping asked for huge pages (advice reads 4 KiB
-  pages one by one).
+  pages one by one);
+- ``parallel``: the same touch, the layer cut at 2 MiB folio boundaries and the pieces
+  queued, when the layer enters the window, on a few reader threads that touch them in
+  pass order: one fault reads one folio and waits for it, so a single thread keeps one
+  read in the disk's queue, while the pool keeps several, across layer boundaries,
+  and a disk (a virtual one above all) reads several at once faster than in turn.
 
 Which is fastest depends on the kernel, the filesystem and the disk, so it is measured
 on the first use for each device (a released layer, dropped before each try) and the
@@ -33,6 +38,7 @@ import mmap
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -43,9 +49,11 @@ from .layout import FileRange, inner_pages
 
 __all__ = ["FileHandles", "advise", "set_random", "complete", "read_ahead", "release", "choose_reader", "READERS", "drop_range"]
 
-READERS = ("madvise", "fadvise", "read", "fault")
+READERS = ("madvise", "fadvise", "read", "fault", "parallel")
 _MADV_PAGEOUT = 21
 _CHUNK = 1 << 20  # the reusable buffer: small, so a read adds less anonymous memory than a layer
+_FOLIO = 2 << 20  # the largest folio a huge-page mapping's faults read
+_FAULTERS = 4  # reader threads of ``parallel``: reads in the disk's queue at once
 _choices: dict[int, str] = {}  # st_dev -> the faster reader there
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -65,6 +73,8 @@ class FileHandles:
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._buffer: bytearray | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self.inflight: dict[FileRange, list] = {}  # parallel: pieces queued, not yet waited for
 
     def fd(self, path: str) -> int:
         with self._lock:
@@ -81,12 +91,22 @@ class FileHandles:
             self._buffer = bytearray(_CHUNK)  # touched once here, reused for every read
         return memoryview(self._buffer)
 
+    def pool(self) -> ThreadPoolExecutor:
+        """The reader threads of ``parallel`` (made on first use)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=_FAULTERS, thread_name_prefix="hostmem-fault")
+            return self._pool
+
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
             self._buffer = None
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 def _touch(address: int, length: int) -> None:
@@ -111,6 +131,28 @@ def _touch_range(r: FileRange, handles: FileHandles) -> None:
     _touch(r.address, r.length)
 
 
+def _pieces(r: FileRange) -> list[tuple[int, int]]:
+    """``(address, length)`` pieces of ``r`` cut at 2 MiB folio boundaries."""
+    end = r.address + r.length
+    bounds = [r.address, *range(r.address - r.address % _FOLIO + _FOLIO, end, _FOLIO), end]
+    return [(a, b - a) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _advise_parallel(r: FileRange, handles: FileHandles) -> None:
+    """Queue the touch of every piece of ``r`` on the reader threads (pass order: first in, first read)."""
+    pool = handles.pool()
+    handles.inflight[r] = [pool.submit(_touch, a, n) for a, n in _pieces(r)]
+
+
+def _wait_parallel(r: FileRange, handles: FileHandles) -> None:
+    pieces = handles.inflight.pop(r, None)
+    if pieces is None:  # not advised (a drain, a timing): start it now
+        _advise_parallel(r, handles)
+        pieces = handles.inflight.pop(r)
+    for piece in pieces:
+        piece.result()
+
+
 def _read_pread(r: FileRange, handles: FileHandles) -> None:
     fd, buf = handles.fd(r.path), handles.buffer()
     at, end = r.offset, r.offset + r.length
@@ -127,6 +169,7 @@ _READERS = {
     "fadvise": (_advise_fadvise, _touch_range),
     "read": (None, _read_pread),
     "fault": (None, _touch_range),
+    "parallel": (_advise_parallel, _wait_parallel),
 }
 
 
@@ -155,16 +198,15 @@ def read_ahead(ranges, handles: FileHandles, how: str) -> int:
 def set_random(ranges, on: bool) -> None:
     """``MADV_RANDOM`` (``on``) or ``MADV_NORMAL`` on the whole pages inside ``ranges``.
 
-    A released layer is read by the executor alone: the kernel's own read-around on a
-    fault (up to ``read_ahead_kb`` past it, in 2 MiB folios on a huge-page mapping) would
-    read layers the plan has not made room for, and the group would reach its limit.
+    A kept or released layer is read by the executor alone: the kernel's own read-around
+    on a fault (up to ``read_ahead_kb`` past it, in 2 MiB folios on a huge-page mapping)
+    would read layers the plan has not made room for, and the group would reach its limit
+    (the more so with several reader threads faulting at once).
     """
     for r in ranges:
         address, length = inner_pages(r)
         _madvise(address, length, mmap.MADV_RANDOM if on else mmap.MADV_NORMAL, "MADV_RANDOM" if on else "MADV_NORMAL")
 
-
-_FOLIO = 2 << 20  # the largest folio a huge-page mapping's faults read
 
 
 def _drop(r: FileRange, handles: FileHandles, address: int, length: int) -> int:
@@ -202,29 +244,48 @@ def release(ranges, handles: FileHandles, back: bool = False) -> int:
     return sum(drop_range(r, handles, back) for r in ranges)
 
 
-def _timed(how: str, sample: FileRange, handles: FileHandles) -> float:
-    drop_range(sample, handles)
+def _timed(how: str, sample: list[FileRange], handles: FileHandles) -> float:
+    for r in sample:
+        drop_range(r, handles)
     began = time.perf_counter()
-    read_ahead([sample], handles, how)
+    advise(sample, handles, how)  # as a window: every layer's reads started, then waited for in turn
+    complete(sample, handles, how)
     return time.perf_counter() - began
 
 
-def choose_reader(sample: FileRange | None, handles: FileHandles, how: str = "auto") -> str:
-    """The reader to use: ``how`` when it names one, else the fastest measured on ``sample``
-    (three times each, in turn; cached per device for the process)."""
+_SAMPLE = 64 << 20  # the layers timed, at most: a few, so that one slow read decides less
+
+
+def _sample(sample) -> list[FileRange]:
+    ranges = [sample] if isinstance(sample, FileRange) else list(sample or ())
+    out, total = [], 0
+    for r in ranges:
+        r = r._replace(length=min(r.length, 32 << 20))  # a layer, up to 32 MiB
+        if out and (total + r.length > _SAMPLE or r.path != out[0].path):
+            break
+        out.append(r)
+        total += r.length
+    return out
+
+
+def choose_reader(sample, handles: FileHandles, how: str = "auto") -> str:
+    """The reader to use: ``how`` when it names one, else the fastest measured on ``sample`` (a
+    file range, or the ranges of a read-ahead window of released layers, up to 64 MiB of one
+    file, read as the window is; three times each, in turn; cached per device for the process)."""
     if how != "auto":
         if how not in READERS:
             raise InputError(f"read_ahead {how!r}: choose auto, {' or '.join(READERS)}")
         return how
-    if sample is None:
+    sample = _sample(sample)
+    if not sample:
         return "read"
-    dev = os.stat(sample.path).st_dev
+    dev = os.stat(sample[0].path).st_dev
     if dev not in _choices:
-        sample = sample._replace(length=min(sample.length, 32 << 20))  # a layer, up to 32 MiB
         times: dict[str, list[float]] = {h: [] for h in READERS}
         for _ in range(3):  # the best of three, in turn: a shared disk only ever makes a read slower
             for h in READERS:
                 times[h].append(_timed(h, sample, handles))
         _choices[dev] = min(READERS, key=lambda h: min(times[h]))
-        drop_range(sample, handles)
+        for r in sample:
+            drop_range(r, handles)
     return _choices[dev]

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..deployment import DeploymentPlan
 from ..sizes import REST, Layer
 
 __all__ = ["ComponentRoles", "disk_tier", "plan_roles"]
+
+# ``plan`` below is a planners.deployment.DeploymentPlan, named and not imported: the
+# planner asks these roles for its disk figure (planners.executor.tier), so this module
+# sits below planners.deployment.
 
 
 class ComponentRoles(NamedTuple):
@@ -43,7 +46,7 @@ class ComponentRoles(NamedTuple):
         return "unplanned"
 
 
-def _candidates(plan: DeploymentPlan, name: str) -> tuple[tuple[Layer, ...], tuple[str, ...]]:
+def _candidates(plan: "DeploymentPlan", name: str) -> tuple[tuple[Layer, ...], tuple[str, ...]]:
     """The units of ``name`` that move, and those the device plan keeps on the device."""
     sizes = plan.components[name]
     if name == plan.device.component:
@@ -103,7 +106,7 @@ def _component_roles(plan, name, room, prefetch) -> tuple[ComponentRoles, int]:
     return roles, max(0, room - kept_bytes + sum(u.reclaimable for u in rest))
 
 
-def plan_roles(plan: DeploymentPlan, prefetch: int) -> dict[str, ComponentRoles]:
+def plan_roles(plan: "DeploymentPlan", prefetch: int) -> dict[str, ComponentRoles]:
     """Roles of every layer of every component the plan moves (see the module doc)."""
     room = plan.pins.room_after_pins
     out = {}
@@ -112,7 +115,7 @@ def plan_roles(plan: DeploymentPlan, prefetch: int) -> dict[str, ComponentRoles]
     return out  # offload "none" has no pin plan: it computes where it lies, nothing moves
 
 
-def disk_tier(plan: DeploymentPlan, prefetch: int, disk_read: float) -> dict[str, tuple[int, float]]:
+def disk_tier(plan: "DeploymentPlan", prefetch: int, disk_read: float) -> dict[str, tuple[int, float]]:
     """``{component: (bytes read per request, seconds)}`` once warm, under the executor.
 
     The pin plan's own disk figure is what the kernel's LRU reads (every unpinned layer,

@@ -93,13 +93,14 @@ class Executor:
         layouts = self._layouts(MapIndex())
         copies = self.device is not None  # a device, or "cpu": the device path's twin (tests)
         self._pin(layouts)
-        sample = next((layouts[n][l].ranges[0] for n, r in self.roles.items() for l in r.released
-                       if layouts[n][l].ranges), None)
-        reader = choose_reader(sample, self._handles, self.read_ahead)
+        window = [(n, l) for n, roles in self.roles.items() for l in roles.released][: self.prefetch + 1]
+        sample = [r for n, l in window for r in layouts[n][l].ranges]  # no more than the plan's window
         for name, roles in self.roles.items():
-            for layer in roles.released:
+            for layer in roles.kept + roles.released:
                 set_random(layouts[name][layer].ranges, True)
                 self._random.append(layouts[name][layer].ranges)
+        # timed as the run reads: a window of released layers, without the kernel's read-around
+        reader = choose_reader(sample, self._handles, self.read_ahead)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hostmem-readahead")
         copier = self._copier(layouts) if copies else None
         if copies:

@@ -1,0 +1,96 @@
+"""The rates ``hostmem calibrate --save`` measured, remembered for ``transfer: measured``.
+
+``transfer:`` rates written in a config are guesses or another machine's. ``hostmem
+calibrate --save`` writes what it measured on this machine to a small JSON record in
+the user's cache root (``lora.cache.root``, else ``$HOSTMEM_CACHE_ROOT``, else
+``~/.cache/hostmem``, or ``--root``; the folder must be the user's own, as for the
+vault), and a config with ``transfer: measured`` plans with those rates, naming the
+record in the report. Until a calibration is saved, or for a rate it could not measure
+(the device rates need a GPU), the defaults stand and the report says so.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+from hostmem.units import format_rate
+
+__all__ = ["MEASURED", "RECORD", "describe", "record_path", "read_record", "resolve_transfer", "save_record"]
+
+MEASURED = "measured"
+RECORD = "calibration.json"
+_FORMAT = "hostmem-calibration/1"
+_RATES = ("pinned_h2d", "pageable_h2d", "disk_read")
+
+
+def _root(config) -> str:
+    from hostmem.vault.combinations import default_cache_root
+
+    cache = config.lora.cache if config is not None and config.lora is not None else None
+    return os.path.abspath(os.path.expanduser((cache.root if cache is not None else None) or default_cache_root()))
+
+
+def record_path(config=None, root: str | None = None) -> str:
+    """``<cache root>/calibration.json``: ``root`` if given, else the config's cache root."""
+    return os.path.join(os.path.abspath(os.path.expanduser(root)) if root else _root(config), RECORD)
+
+
+def save_record(result: dict, path: str) -> str:
+    """Write calibrate's ``result`` (its ``transfer`` rates, what was timed) to ``path``; return it."""
+    from hostmem.vault.durable import durable_write
+    from hostmem.vault.safety import prepare_root
+
+    prepare_root(os.path.dirname(path))  # the user's own folder, not tmpfs, not writable by others
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    record = {"format": _FORMAT, "measured_at": when, "transfer": result["transfer"], "device": result.get("device"),
+              "folders": result.get("folders", []), "h2d": result.get("h2d")}
+    durable_write(path, (json.dumps(record, indent=1) + "\n").encode())
+    return path
+
+
+def read_record(path: str) -> dict | None:
+    """The record at ``path``, or None (none yet, not the user's own, or not a calibration)."""
+    from hostmem.vault.durable import read_small
+
+    try:
+        st = os.lstat(path)
+        if st.st_uid != os.geteuid() or not os.path.isfile(path):
+            return None
+        data = json.loads(read_small(path))
+        rates = data.get("transfer")
+        if data.get("format") != _FORMAT or not isinstance(rates, dict) or "disk_read" not in rates:
+            return None
+        if not all(isinstance(rates[k], (int, float)) and rates[k] >= 1e6 for k in _RATES if k in rates):
+            return None  # a rate below 1 MB/s is no measurement (the config refuses it too)
+        return data
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def resolve_transfer(config):
+    """``config`` with ``transfer: measured`` resolved from the record; any other config as it is."""
+    transfer = config.transfer
+    if transfer.source != MEASURED:
+        return config
+    path = record_path(config)
+    record = read_record(path)
+    if record is None:
+        source = (f"measured: no calibration saved at {path} yet, the defaults stand until "
+                  "`hostmem calibrate --save` runs on this machine")
+        return config._replace(transfer=transfer._replace(source=source))
+    rates = {k: float(record["transfer"][k]) for k in _RATES if k in record["transfer"]}
+    missing = [k for k in _RATES if k not in rates]
+    source = f"measured by hostmem calibrate at {record.get('measured_at', '?')} ({path})"
+    if missing:
+        source += f"; {', '.join(missing)}: the defaults (measured without a GPU)"
+    return config._replace(transfer=transfer._replace(**rates, source=source))
+
+
+def describe(transfer) -> str:
+    """The rates and where they came from, as the report shows them."""
+    source = {"default": "the defaults: the config has no transfer: block",
+              "config": "the config's transfer: block"}.get(transfer.source, transfer.source)
+    return (f"pinned {format_rate(transfer.pinned_h2d)}, pageable {format_rate(transfer.pageable_h2d)}, "
+            f"disk {format_rate(transfer.disk_read)} ({source})")
