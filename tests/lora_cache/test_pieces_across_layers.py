@@ -22,7 +22,7 @@ from hostmem.vault.shares import open_share
 from lora_cache.layer_loop import _claim_after
 from lora_cache.merge_math import host_buffer
 from tests.conftest import write_safetensors
-from tests.lora_cache.test_piece_writer import _Crc
+from tests.hostmem.vault.test_piece_writer import _Crc
 from tests.lora_cache.test_adapters import lora_change, write_adapter
 
 MiB = 1024 * 1024

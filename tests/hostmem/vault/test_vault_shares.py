@@ -12,7 +12,7 @@ from hostmem.vault.combinations import lock_path
 from hostmem.vault.locks import KeyLock
 from hostmem.vault import verification
 from hostmem.vault.shares import open_share, share_lock_path, vouch_for
-from tests.lora_cache.test_vault import expected_of, key_for, layers
+from tests.hostmem.vault.test_vault import expected_of, key_for, layers
 
 
 def _halves(tensors: dict) -> tuple[dict, dict]:

@@ -23,7 +23,7 @@ from hostmem.vault.content_hash import stamp_of
 from hostmem.vault.layer_file import LAYER_FORMAT, layer_file_name
 from hostmem.vault.manifest import MANIFEST_NAME
 from tests.conftest import run_python
-from tests.lora_cache.test_vault import SHAPE, build, expected_of, folder_of, key_for, layers
+from tests.hostmem.vault.test_vault import SHAPE, build, expected_of, folder_of, key_for, layers
 
 _START = r"""
 import json, os, sys

@@ -17,7 +17,7 @@ from hostmem.vault import Vault
 from hostmem.vault.combinations import list_combinations
 from hostmem.vault.manifest import MANIFEST_NAME
 from tests.conftest import run_python
-from tests.lora_cache.test_vault import SHAPE, build, expected_of, folder_of, key_for, layers
+from tests.hostmem.vault.test_vault import SHAPE, build, expected_of, folder_of, key_for, layers
 
 _SESSION = r"""
 import json, os, sys

@@ -16,6 +16,8 @@ import torch
 from hostmem.vault import Vault, cache_key
 from hostmem.vault.admin import verify_all
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
 KEY = cache_key({"shards": []}, [], "float32", "concurrency")
 
 # Builds (or adopts) `count` deterministic layers; reports stats and a digest of what it was served.
@@ -175,7 +177,7 @@ _SEALER = textwrap.dedent(
     """
     import os, sys
     from hostmem.vault import Vault
-    from tests.lora_cache.test_vault import build, key_for, layers
+    from tests.hostmem.vault.test_vault import build, key_for, layers
 
     root, stop = sys.argv[1], sys.argv[2]
     tensors, built = layers(count=6), 0
@@ -198,7 +200,7 @@ def test_sizing_the_cache_while_another_process_seals_layers_never_fails(tmp_pat
     vault = Vault(tmp_path / "root")
     stop = tmp_path / "stop"
     sealer = subprocess.Popen([sys.executable, "-c", _SEALER, str(tmp_path / "root"), str(stop)],
-                              cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                              cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert sealer.stdout.readline().strip() == "ready"

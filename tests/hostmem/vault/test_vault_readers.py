@@ -19,14 +19,14 @@ from hostmem.vault.combinations import lock_path
 from hostmem.vault.locks import lock_is_held
 from hostmem.vault.readers import SealedSession
 from tests.conftest import run_python
-from tests.lora_cache.test_vault import build, expected_of, folder_of, key_for, layers
+from tests.hostmem.vault.test_vault import build, expected_of, folder_of, key_for, layers
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 _OPEN = """
 import json, sys
 import torch
 from hostmem.vault import Vault
-from tests.lora_cache.test_vault import expected_of, key_for, layers
+from tests.hostmem.vault.test_vault import expected_of, key_for, layers
 
 tensors = layers(count=4)
 expected = {n: (s, d) for n, (s, d) in expected_of(tensors).items()}
@@ -162,7 +162,7 @@ def test_a_manifest_edited_by_hand_is_not_served_and_the_next_start_rebuilds_it(
 _OUT_OF_DESCRIPTORS = """
 import json, os, resource, sys
 from hostmem.vault import Vault
-from tests.lora_cache.test_vault import expected_of, key_for, layers
+from tests.hostmem.vault.test_vault import expected_of, key_for, layers
 
 expected = expected_of(layers(count=4))
 with Vault(sys.argv[1]).open(key_for("readers"), expected) as session:

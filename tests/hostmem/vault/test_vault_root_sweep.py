@@ -16,7 +16,7 @@ import time
 from hostmem.vault import Vault
 from tests.faults.test_sweep_liveness import kill_group
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 # Opens a memo's temporary at the root as durable_write does, half writes it, then waits to be killed.
 WRITER = """
 import sys
