@@ -108,7 +108,7 @@ def _model(paths: list[str], shard_args: list[str]):
 
 
 def _check_enabled(config) -> None:
-    from lora_cache.switch import DISABLE_ENV, cache_disabled_by_env
+    from lora_cache.settings import DISABLE_ENV, cache_disabled_by_env
 
     path, lora = config.origin.path, config.lora
     if lora is None or not lora.adapters:

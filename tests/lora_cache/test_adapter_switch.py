@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import lora_cache
-from lora_cache import adapter_switch
-from lora_cache.forward_gate import NotASafePoint
+from lora_cache.switching import adapter_switch
+from lora_cache.switching.forward_gate import NotASafePoint
 from lora_cache.orchestrate import plan_targets
-from lora_cache.runtime_lora import apply_runtime
+from lora_cache.switching.runtime_lora import apply_runtime
 from tests.conftest import run_python, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter
 from tests.lora_cache.test_runtime_lora import fresh_merge, stack_adapter, stack_model
@@ -27,7 +27,7 @@ import json, os, sys, warnings
 warnings.filterwarnings("ignore")
 import torch, lora_cache
 from hostmem.peak import track_peak_anon
-from lora_cache.adapter_switch import serving
+from lora_cache.switching.adapter_switch import serving
 from tests.lora_cache.test_runtime_lora import fresh_merge, stack_adapter, stack_model
 
 folder, dim, depth = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -346,7 +346,7 @@ def test_unmerge_takes_off_a_combination_served_at_run_time_and_its_pending_swap
 def test_diffusers_names_and_weights_switch_like_set_adapters_and_fuse_lora(tmp_path):
     pytest.importorskip("diffusers")
     pytest.importorskip("peft")
-    from lora_cache.diffusers_switch import set_pipeline_adapters
+    from lora_cache.switching.diffusers_switch import set_pipeline_adapters
     from tests.clients import tiny_models as tm
 
     folder = tm.save_model("flux", tmp_path / "model")

@@ -16,7 +16,7 @@ import pytest
 import lora_cache
 from hostmem.residency_classes import Residency
 from hostmem.units import format_size
-from lora_cache.adapter_switch import build_reserve_bytes, serving
+from lora_cache.switching.adapter_switch import build_reserve_bytes, serving
 from planners.budget import host_budget
 from planners.config import load_config
 from planners.host_share import RankNeed, host_budget_of

@@ -4,14 +4,14 @@
 
 - a combination the vault holds whole is installed by re-pointing every affected
   parameter at its mapped layer files: no merge, no copy, no anonymous memory;
-- a missing one is served at once at run time (:mod:`lora_cache.runtime_lora`: the base
+- a missing one is served at once at run time (:mod:`lora_cache.switching.runtime_lora`: the base
   stays mapped and untouched, each targeted Linear adds its adapter terms to its
   output) while a background thread builds it into the vault, one layer at a time, as
   ``hostmem lora merge`` does: into stand-in modules that share the base's mapped
   tensors, so the live model is never touched by the build. At the next safe point
   (the next forward call of the model, or :func:`swap_ready`) the run-time terms come
   off and the built layers go in, while no forward is running
-  (:mod:`lora_cache.forward_gate`).
+  (:mod:`lora_cache.switching.forward_gate`).
 
 A tensor-parallel rank passes ``shards=`` as to :func:`lora_cache.merge`: each switch is
 then a merge of the rank's parts (a combination held whole is re-pointed at its mapped
@@ -37,16 +37,16 @@ import torch
 from torch import nn
 
 from hostmem.errors import InputError
-from .adapters import Adapter, as_adapters
-from .adapters.checks import check_before_use
-from .adapters.conversion_memo import ValuesNeeded
-from .combination import kernel_roots
-from .kernels import plan_for_targets
-from .layers import LayerTarget, components_of, is_merged
-from .layers import keep_base, unmerge as unmerge_layers
-from .rounding import say, split_lossy
-from .orchestrate import CacheBuildError, cache_roots, merge, merge_layers, open_combination, plan_targets
-from .process_group import DEFAULT_TIMEOUT, check_rank_timeout
+from ..adapters import Adapter, as_adapters
+from ..adapters.checks import check_before_use
+from ..adapters.conversion_memo import ValuesNeeded
+from ..combination import kernel_roots
+from ..kernels import plan_for_targets
+from ..layers import LayerTarget, components_of, is_merged
+from ..layers import keep_base, unmerge as unmerge_layers
+from ..rounding import say, split_lossy
+from ..orchestrate import CacheBuildError, cache_roots, merge, merge_layers, open_combination, plan_targets
+from ..process_group import DEFAULT_TIMEOUT, check_rank_timeout
 from .runtime_lora import apply_runtime, remove_runtime, runtime_bytes, unsupported_reason
 from .switch_state import Pending, SwitchState
 

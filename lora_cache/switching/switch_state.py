@@ -1,4 +1,4 @@
-"""What :mod:`lora_cache.adapter_switch` keeps of one model it switches: the combination
+"""What :mod:`lora_cache.switching.adapter_switch` keeps of one model it switches: the combination
 it serves, the gate its forward calls pass, and a combination served at run time while
 its merged layers are built."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from .adapters import Adapter, AdapterFile
+from ..adapters import Adapter, AdapterFile
 from .forward_gate import ForwardGate
-from .layers import LayerTarget
+from ..layers import LayerTarget
 
 __all__ = ["Pending", "SwitchState"]
 

@@ -4,7 +4,7 @@ The base weight stays what it was (a read-only mapped view of the checkpoint) an
 never written, so applying or removing an adapter this way costs no anonymous memory
 beyond the adapter's own factors, and those are views of the adapter file's read-only
 mapping whenever their dtype and device already match the layer's. The price is a
-little arithmetic on every forward, which is why :mod:`lora_cache.adapter_switch` only
+little arithmetic on every forward, which is why :mod:`lora_cache.switching.adapter_switch` only
 serves this way while the merged combination is being built.
 
 The factors are non-persistent buffers of a child module (``runtime_lora``) of each
@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hostmem.errors import InputError
-from .adapters.checks import check_before_use
-from .layers import LayerTarget
+from ..adapters.checks import check_before_use
+from ..layers import LayerTarget
 
 __all__ = ["CHILD", "RuntimeLoRA", "apply_runtime", "remove_runtime", "runtime_bytes", "unsupported_reason"]
 

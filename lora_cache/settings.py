@@ -1,4 +1,4 @@
-"""The one environment switch of the merge cache (torch-free, so planners can ask it)."""
+"""The merge cache's one environment setting, the kill switch (torch-free, so planners can ask it)."""
 
 from __future__ import annotations
 

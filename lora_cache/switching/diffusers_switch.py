@@ -5,7 +5,7 @@ A diffusers server loads adapters once under names and then calls
 every such switch re-merges in anonymous memory. Here the names map to the adapter
 files, and each combination of names and weights is a cached combination (re-pointed
 at mapped files) or served at run time while it is built (see
-:mod:`lora_cache.adapter_switch`).
+:mod:`lora_cache.switching.adapter_switch`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import os
 
 from hostmem.errors import InputError
 from .adapter_switch import SwitchResult, set_adapters
-from .adapters import AdapterError
-from .diffusers_entry import _model_of, _specs
+from ..adapters import AdapterError
+from ..diffusers_entry import _model_of, _specs
 
 __all__ = ["set_pipeline_adapters"]
 

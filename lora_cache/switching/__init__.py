@@ -1,0 +1,25 @@
+"""Adapter switching: change a served model's adapters while it serves.
+
+:func:`set_adapters` swaps to a combination the cache holds and serves a missing one at
+once at run time (:mod:`.runtime_lora`) while it is built in the background, swapping at
+a safe point between forwards (:mod:`.forward_gate`); :mod:`.switch_state` is what it keeps
+per model, :mod:`.diffusers_switch` diffusers' ``set_adapters(names, weights)`` on top.
+The environment kill switch is elsewhere: :mod:`lora_cache.settings`.
+"""
+
+from hostmem.lazy import lazy_exports
+
+_EXPORTS = {
+    "set_adapters": "adapter_switch",
+    "swap_ready": "adapter_switch",
+    "unmerge": "adapter_switch",
+    "build_reserve_bytes": "adapter_switch",
+    "SwitchResult": "adapter_switch",
+    "set_pipeline_adapters": "diffusers_switch",
+    "apply_runtime": "runtime_lora",
+    "remove_runtime": "runtime_lora",
+    "NotASafePoint": "forward_gate",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
