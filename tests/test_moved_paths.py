@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+import hostmem  # noqa: F401 (registers its moved paths)
 import lora_cache  # noqa: F401 (registers its moved paths)
 
 MOVED = {
@@ -22,6 +23,17 @@ MOVED = {
     "lora_cache.diffusers_switch": "lora_cache.switching.diffusers_switch",
     "lora_cache.forward_gate": "lora_cache.switching.forward_gate",
     "lora_cache.runtime_lora": "lora_cache.switching.runtime_lora",
+    "hostmem.safetensors_header": "hostmem.safetensors.header",
+    "hostmem.safetensors_map": "hostmem.safetensors.mapping",
+    "hostmem.dtypes": "hostmem.safetensors.dtypes",
+    "hostmem.writers": "hostmem.safetensors.writers",
+    "hostmem.fault_report": "hostmem.safetensors.fault_report",
+    "hostmem.checkpoint_files": "hostmem.remapping.files",
+    "hostmem.checkpoint_remap": "hostmem.remapping.checkpoint",
+    "hostmem.remap_spill": "hostmem.remapping.spill",
+    "hostmem.remap_offer": "hostmem.remapping.offer",
+    "hostmem.remap_origin": "hostmem.remapping.origin",
+    "hostmem.same_bytes": "hostmem.remapping.same_bytes",
 }
 
 
@@ -39,6 +51,12 @@ def test_a_fresh_process_imports_by_the_old_path():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "HOSTMEM_DISABLE_LORA_MERGE_CACHE"
+
+
+def test_the_face_still_serves_the_function_remap_beside_the_room_remapping():
+    """``hostmem.remap`` is the function, before and after the room is imported."""
+    importlib.import_module("hostmem.remapping.checkpoint")
+    assert callable(hostmem.remap) and hostmem.remap.__module__ == "hostmem.remapping.checkpoint"
 
 
 def test_an_unknown_path_still_fails():

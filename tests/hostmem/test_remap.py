@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import hostmem
-from hostmem.checkpoint_files import CheckpointNotFound, checkpoint_files
+from hostmem.remapping.files import CheckpointNotFound, checkpoint_files
 from hostmem.slots import MappedAreas
 from tests.conftest import write_safetensors
 
@@ -126,7 +126,7 @@ def test_a_model_that_records_no_checkpoint_gets_an_error_saying_what_to_pass(tm
 
 
 def test_the_planner_is_offered_the_remap_until_it_is_done(tmp_path):
-    from hostmem.remap_offer import RemapProvider
+    from hostmem.remapping.offer import RemapProvider
     from planners.providers import Offer, OfferRecord, Provider, collect_offers, remap_providers
 
     model, path = _model_and_checkpoint(tmp_path)

@@ -97,7 +97,7 @@ def test_without_spill_nothing_is_written_and_without_room_the_weights_stay_with
 
 
 def test_the_planner_is_offered_the_spill_with_its_disk(tmp_path):
-    from hostmem.remap_offer import RemapProvider
+    from hostmem.remapping.offer import RemapProvider
     from hostmem.vault import layer_file_bytes
     from planners.providers import remap_providers
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hostmem.safetensors_header import DTYPE_SIZES, SafetensorsError, read_header
+from hostmem.safetensors.header import DTYPE_SIZES, SafetensorsError, read_header
 
 _SETTINGS = settings(
     database=None, deadline=None, max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture]

@@ -9,7 +9,7 @@ from torch import nn
 
 import hostmem
 from hostmem.slots import MappedAreas
-from hostmem.writers import read_only_weights
+from hostmem.safetensors.writers import read_only_weights
 from tests.conftest import run_python, write_safetensors
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import lora_cache
-from hostmem.safetensors_map import load_readonly
+from hostmem.safetensors.mapping import load_readonly
 from lora_cache.keys import KeyResolutionError
 from tests.conftest import write_safetensors
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import lora_cache
-from hostmem.safetensors_map import load_readonly
+from hostmem.safetensors.mapping import load_readonly
 from hostmem.vault import Vault, cache_key
 from hostmem.vault.durable import TMP_PREFIX
 from hostmem.vault.handoff import Handoff

@@ -11,7 +11,7 @@ from torch import nn
 
 import lora_cache
 from hostmem import account
-from hostmem.safetensors_map import load_readonly
+from hostmem.safetensors.mapping import load_readonly
 from lora_cache.layers import AddressSpace
 from lora_cache.orchestrate import plan_targets
 from lora_cache.switching.runtime_lora import CHILD, apply_runtime, remove_runtime, runtime_bytes

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from hostmem.safetensors_map import load_readonly, save_file
+from hostmem.safetensors.mapping import load_readonly, save_file
 from hostmem import file_writes
 from planners.demo.write_way import WAYS, WayChoice, measure, read_back
 from tests.hostmem.vault.test_vault_fs import _cached_pages

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from hostmem.procfs import filesystem_of
-from hostmem.safetensors_map import read_header, tensor_bytes
+from hostmem.safetensors.mapping import read_header, tensor_bytes
 from hostmem.crc32 import crc32_of
 from hostmem.vault import Vault, VaultError, cache_key
 from hostmem.vault.admin import verify_combination

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from hostmem.safetensors_map import read_header
+from hostmem.safetensors.mapping import read_header
 from hostmem.vault import Vault, adapter_identity, cache_key
 from hostmem.vault.locks import KeyLock
 from hostmem.vault.layer_file import layer_file_name

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from hostmem.safetensors_map import read_header, save_file
+from hostmem.safetensors.mapping import read_header, save_file
 from hostmem.vault import Vault
 from hostmem.vault.content_hash import stamp_of
 from hostmem.vault.layer_file import LAYER_FORMAT, layer_file_name

@@ -36,10 +36,10 @@ from typing import NamedTuple
 
 import torch
 
-from .safetensors_map import tensor_bytes
-from .slots import TensorSlot
-from .units import format_size
-from .vault.content_hash import new_hasher
+from ..safetensors.mapping import tensor_bytes
+from ..slots import TensorSlot
+from ..units import format_size
+from ..vault.content_hash import new_hasher
 
 __all__ = ["SPILL_FORMAT", "SPILLED_REASONS", "Pending", "SpillUnit", "spill_units", "spill", "spill_digest"]
 
@@ -55,7 +55,7 @@ class Pending(NamedTuple):
     slot: TensorSlot
     reason: str  # "cast", "changed" or "missing" (a parameter fused or computed at load)
     shards: tuple[str, ...]
-    origin: str = ""  # what it was, for the report (hostmem.remap_origin.origin_of)
+    origin: str = ""  # what it was, for the report (hostmem.remapping.origin.origin_of)
 
 
 class SpillUnit(NamedTuple):
@@ -125,7 +125,7 @@ def spill_digest(units: list[SpillUnit]) -> str:
 
 def _spill_key(vault, units: list[SpillUnit]):
     """The combination's key: the checkpoint's content and the spilled weights' digest."""
-    from .vault import cache_key
+    from ..vault import cache_key
 
     shards = sorted({s for u in units for m in u.members for s in m.shards})
     dtypes = ",".join(sorted({str(u.tensor.dtype).removeprefix("torch.") for u in units}))
@@ -158,7 +158,7 @@ def spill(pending: list[Pending], report, cache_root=None, max_size=None) -> lis
     Updates ``report`` (spilled count and bytes, layer bytes written and reused, key,
     root, and why some could not be spilled); returns the weights that stay as they were.
     """
-    from .vault import Vault, cache_roots, open_in_roots
+    from ..vault import Vault, cache_roots, open_in_roots
 
     if not pending:
         return []

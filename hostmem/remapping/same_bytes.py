@@ -1,6 +1,6 @@
 """Exact byte equality of two tensors, fast: what remap and the origin of a fused weight compare with.
 
-Below both (:mod:`hostmem.checkpoint_remap`, :mod:`hostmem.remap_origin`), so neither
+Below both (:mod:`hostmem.remapping.checkpoint`, :mod:`hostmem.remapping.origin`), so neither
 imports the other for it.
 """
 

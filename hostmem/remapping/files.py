@@ -16,7 +16,7 @@ import glob
 import json
 import os
 
-from .errors import HostmemError
+from ..errors import HostmemError
 
 __all__ = ["CheckpointNotFound", "checkpoint_files", "expand_files", "shards_in", "recorded_source"]
 

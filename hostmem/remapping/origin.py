@@ -31,7 +31,7 @@ def fused_from(name: str, tensor: torch.Tensor, index) -> list[str] | None:
     """The checkpoint tensors whose rows, in order, make up ``tensor`` exactly, or None.
 
     ``name`` is the weight's name within its component (``blocks.0.attn.to_qkv.weight``);
-    ``index`` is the component's :class:`hostmem.checkpoint_remap.CheckpointIndex`.
+    ``index`` is the component's :class:`hostmem.remapping.checkpoint.CheckpointIndex`.
     """
     if tensor.dim() == 0 or not tensor.is_contiguous():
         return None

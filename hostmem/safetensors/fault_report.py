@@ -2,7 +2,7 @@
 
 hostmem maps weights ``PROT_READ`` on purpose: a write that would otherwise copy the
 page into anonymous memory faults instead. The library entry points known to write
-(see :mod:`hostmem.writers`) raise a Python error first; any other writer still
+(see :mod:`hostmem.safetensors.writers`) raise a Python error first; any other writer still
 faults, and a bare "Segmentation fault" says nothing about why. This handler runs
 first on SIGSEGV and SIGBUS. When the faulting address lies in a read-only shared
 mapping of a safetensors file (how hostmem and the LoRA merge cache map weights), it
@@ -33,7 +33,7 @@ import signal
 import sys
 import threading
 
-from .safetensors_header import read_header
+from .header import read_header
 
 __all__ = ["install_fault_report", "describe_address", "MAKE_WRITABLE_HINT"]
 

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .errors import InputError
-from .checkpoint_remap import CheckpointIndex, spillable, component_files
-from .providers import OfferRecord
-from .residency import RangeClassifier
-from .slots import MappedAreas, iter_module_slots
-from .units import format_rate, format_size
+from ..errors import InputError
+from .checkpoint import CheckpointIndex, spillable, component_files
+from ..providers import OfferRecord
+from ..residency import RangeClassifier
+from ..slots import MappedAreas, iter_module_slots
+from ..units import format_rate, format_size
 
 __all__ = ["RemapOffer", "RemapProvider", "RemapSizes", "remap_sizes", "remappable_anonymous_bytes",
            "DEFAULT_COMPARE_RATE", "DEFAULT_SPILL_RATE"]
@@ -60,7 +60,7 @@ def _anonymous(ranges: list[tuple[int, int]]) -> int:
 
 def remap_sizes(module, files=None) -> RemapSizes:
     """Size remap and its spill for ``module`` from its checkpoint's headers and residency."""
-    from .vault.layer_file import layer_file_bytes
+    from ..vault.layer_file import layer_file_bytes
 
     shards = component_files(module, files)[""]
     index, areas = CheckpointIndex(shards), MappedAreas()

@@ -28,7 +28,7 @@ merge from the LoRA merge cache: stacking a second adapter there goes through
 The wrappers are installed by :func:`guard_foreign_writers`, which hostmem calls
 whenever it hands out read-only weights: on libraries already imported at once, and on
 the others when they are imported (a post-import hook on ``sys.meta_path``). It also
-installs the fatal-signal report of :mod:`hostmem.fault_report` for every other writer.
+installs the fatal-signal report of :mod:`hostmem.safetensors.fault_report` for every other writer.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ import threading
 
 import torch
 
-from .errors import HostmemError
+from ..errors import HostmemError
 from .fault_report import MAKE_WRITABLE_HINT, install_fault_report
-from .safetensors_header import read_header
-from .slots import MappedAreas, iter_module_slots, model_components
+from .header import read_header
+from ..slots import MappedAreas, iter_module_slots, model_components
 
 __all__ = ["ReadOnlyWeightsError", "guard_foreign_writers", "read_only_weights", "make_writable", "MERGE_CACHE_FORMAT"]
 

@@ -20,8 +20,8 @@ import warnings
 import torch
 
 from .dtypes import torch_dtypes
-from .file_writes import write_all, write_uncached_pieces
-from .safetensors_header import SafetensorsError, SafetensorsHeader, TensorInfo, read_header
+from ..file_writes import write_all, write_uncached_pieces
+from .header import SafetensorsError, SafetensorsHeader, TensorInfo, read_header
 from .writers import guard_foreign_writers
 
 __all__ = [

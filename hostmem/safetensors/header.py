@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from math import prod
 
 from .dtypes import DTYPE_SIZES, torch_dtypes
-from .errors import HostmemError
+from ..errors import HostmemError
 
 __all__ = ["DTYPE_SIZES", "SafetensorsError", "TensorInfo", "SafetensorsHeader", "read_header"]
 

@@ -18,10 +18,10 @@ of the file cannot stand in for).
 ``cast`` and ``changed`` weights, and ``missing`` parameters (fused at or after load,
 as by diffusers' ``fuse_qkv_projections()``, or computed), have no bytes on disk to
 point at. With ``spill=True`` they are written once to the cache instead and mapped
-back read-only (:mod:`hostmem.remap_spill`), so they too become page cache; the report
+back read-only (:mod:`hostmem.remapping.spill`), so they too become page cache; the report
 counts them as spilled, with the bytes written and found already cached, and says
 what each was (``spill_origins``: cast, changed, fused from which checkpoint tensors,
-computed; :mod:`hostmem.remap_origin`). Missing buffers stay: a model may write them.
+computed; :mod:`hostmem.remapping.origin`). Missing buffers stay: a model may write them.
 
 After a remap the weights are views of a mapped file, so ``lora_cache.merge`` finds the
 checkpoint by itself (no ``base_files``) and keeps no anonymous original for unmerge.
@@ -42,12 +42,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .checkpoint_files import checkpoint_files, expand_files
-from .safetensors_header import read_header
-from .safetensors_map import open_readonly
+from .files import checkpoint_files, expand_files
+from ..safetensors.header import read_header
+from ..safetensors.mapping import open_readonly
 from .same_bytes import same_bytes
-from .slots import MappedAreas, TensorSlot, iter_module_slots, model_components
-from .units import format_size
+from ..slots import MappedAreas, TensorSlot, iter_module_slots, model_components
+from ..units import format_size
 
 __all__ = ["RemapReport", "remap", "REASONS", "CheckpointIndex", "component_files"]
 
@@ -179,7 +179,7 @@ class CheckpointIndex:
     def siblings(self, name: str, row_shape: tuple[int, ...], dtype: torch.dtype) -> list[_Source]:
         """Tensors of the module that holds ``name`` (same parent, same leaf such as
         ``weight``) whose rows have ``row_shape`` and ``dtype``: what a fused weight's rows
-        may be made of (:mod:`hostmem.remap_origin`)."""
+        may be made of (:mod:`hostmem.remapping.origin`)."""
         if self._by_parent is None:
             self._by_parent = {}
             for source in (s for sources in self.exact.values() for s in sources):
@@ -273,13 +273,13 @@ def remap(model, files=None, *, spill: bool = False, cache_root=None, max_size=N
     ``model`` is a module, a dict of named modules or a pipeline (its module
     components); ``files`` is a shard, a folder or a list of them, for every component
     (default: each component's own checkpoint, found from its config; see
-    :func:`hostmem.checkpoint_files.checkpoint_files`). Returns a :class:`RemapReport`:
+    :func:`hostmem.remapping.files.checkpoint_files`). Returns a :class:`RemapReport`:
     bytes remapped, spilled, and left per reason (with a few names each), files and time.
 
     With ``spill=True`` the weights left as ``cast`` or ``changed`` and the parameters no
     checkpoint tensor holds (fused, computed) are written once to
     the cache (one verified layer file each, keyed by the checkpoint's content and their
-    own bytes: see :mod:`hostmem.remap_spill`) and mapped back read-only; a later start
+    own bytes: see :mod:`hostmem.remapping.spill`) and mapped back read-only; a later start
     with the same bytes finds them and writes nothing. ``cache_root`` is one root or an
     ordered list, as for ``lora_cache.merge`` (default ``$HOSTMEM_CACHE_ROOT``, else
     ``~/.cache/hostmem``); ``max_size`` caps the cache as there.
@@ -291,13 +291,13 @@ def remap(model, files=None, *, spill: bool = False, cache_root=None, max_size=N
     report = RemapReport()
     pending = _remap_all(model, files, report, spill)
     if pending:
-        from .remap_spill import spill as spill_pending
+        from .spill import spill as spill_pending
 
         for item in spill_pending(pending, report, cache_root, max_size):
             report.leave(item.reason, item.label, item.slot.nbytes)
     _return_freed_memory()
     if report.remapped or report.spilled:
-        from .writers import guard_foreign_writers
+        from ..safetensors.writers import guard_foreign_writers
 
         guard_foreign_writers()
     report.seconds = time.monotonic() - start
@@ -308,7 +308,7 @@ def spillable(reason: str | None, slot: TensorSlot) -> bool:
     """Whether a spill takes a weight remap left: a cast or changed one, and a parameter no
     checkpoint tensor holds (fused or computed at load). A missing buffer stays: buffers
     are state a model may write (a cache, running statistics), never a weight to map."""
-    from .remap_spill import SPILLED_REASONS
+    from .spill import SPILLED_REASONS
 
     if reason == "missing":
         return all(kind == "_parameters" for _, kind, _ in slot.places)
@@ -317,8 +317,8 @@ def spillable(reason: str | None, slot: TensorSlot) -> bool:
 
 def _remap_all(model, files, report: RemapReport, spill: bool) -> list:
     """Remap every tensor of every component; return those a spill is to take (with ``spill``)."""
-    from .remap_origin import origin_of
-    from .remap_spill import Pending
+    from .origin import origin_of
+    from .spill import Pending
 
     shards_of = component_files(model, files)
     indexes: dict[tuple[str, ...], CheckpointIndex] = {}
