@@ -9,18 +9,3 @@ vault, and maps them back, naming what a fused weight was made from (:mod:`.orig
 :class:`hostmem.providers.Offer`. A new provider implements the protocol in
 :mod:`hostmem.providers` as :mod:`.offer` does.
 """
-
-from ..lazy import lazy_exports
-
-_EXPORTS = {
-    "remap": "checkpoint",
-    "RemapReport": "checkpoint",
-    "checkpoint_files": "files",
-    "CheckpointNotFound": "files",
-    "RemapProvider": "offer",
-    "RemapOffer": "offer",
-    "remap_sizes": "offer",
-}
-
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

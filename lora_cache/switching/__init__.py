@@ -6,20 +6,3 @@ a safe point between forwards (:mod:`.forward_gate`); :mod:`.switch_state` is wh
 per model, :mod:`.diffusers_switch` diffusers' ``set_adapters(names, weights)`` on top.
 The environment kill switch is elsewhere: :mod:`lora_cache.settings`.
 """
-
-from hostmem.lazy import lazy_exports
-
-_EXPORTS = {
-    "set_adapters": "adapter_switch",
-    "swap_ready": "adapter_switch",
-    "unmerge": "adapter_switch",
-    "build_reserve_bytes": "adapter_switch",
-    "SwitchResult": "adapter_switch",
-    "set_pipeline_adapters": "diffusers_switch",
-    "apply_runtime": "runtime_lora",
-    "remove_runtime": "runtime_lora",
-    "NotASafePoint": "forward_gate",
-}
-
-__all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
