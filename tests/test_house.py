@@ -206,3 +206,13 @@ def test_the_reader_sees_function_local_imports(tmp_path):
     source = tmp_path / "probe.py"
     source.write_text("def f():\n    from planners.cli import main\n    return main\n")
     assert imports("hostmem.probe", source) == [("planners.cli", 2)]
+
+
+def test_the_layout_page_names_every_room():
+    """docs/layout.md's tree is the newcomer's map: a package folder missing from it is a room
+    nobody is told about."""
+    page = (ROOT / "docs" / "layout.md").read_text()
+    tree = page.split("```text", 1)[1].split("```", 1)[0]
+    folders = sorted({p.parent for package in ("hostmem", "lora_cache", "planners") for p in (ROOT / package).rglob("*.py")})
+    missing = [str(f.relative_to(ROOT)) for f in folders if f"{f.name}/" not in tree]
+    assert not missing, "package folders the tree of docs/layout.md does not name:\n" + "\n".join(missing)
