@@ -21,6 +21,25 @@ from tests.conftest import run_python, transparent_huge_pages, vma_holding
 
 SHAPE = (64, 48)
 
+# A child start's first lines: the vault at argv[1] holds argv[2] layers of the key tagged
+# argv[3], built by the first start; ``built`` says whether this start built them.
+CHILD_START = r"""
+import json, os, sys
+import torch
+from hostmem.vault import Vault, cache_key
+
+root, count, tag = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+key = cache_key({"shards": ["base"]}, [], "bfloat16", tag)
+vault = Vault(root)
+tensors = {f"blocks.{i}.w": torch.full((64, 48), float(i)) for i in range(count)}
+expected = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
+built = not os.path.isdir(os.path.join(vault.cache, key.hex))
+if built:
+    with vault.open(key, expected) as session:
+        for name, tensor in tensors.items():
+            session.put(name, tensor)
+"""
+
 
 def key_for(tag: str):
     return cache_key({"shards": [{"path": f"/models/{tag}.safetensors"}]}, [], "bfloat16", "test")

@@ -17,22 +17,10 @@ from hostmem.vault import Vault
 from hostmem.vault.combinations import list_combinations
 from hostmem.vault.manifest import MANIFEST_NAME
 from tests.conftest import run_python
-from tests.hostmem.vault.test_vault import SHAPE, build, expected_of, folder_of, key_for, layers
+from tests.hostmem.vault.test_vault import CHILD_START, SHAPE, build, expected_of, folder_of, key_for, layers
 
-_SESSION = r"""
-import json, os, sys
-import torch
-from hostmem.vault import Vault, cache_key
-
-root, count, touch = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "touch"
-key = cache_key({"shards": ["base"]}, [], "bfloat16", "hit")
-vault = Vault(root)
-tensors = {f"blocks.{i}.w": torch.full((64, 48), float(i)) for i in range(count)}
-expected = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
-if not os.path.isdir(os.path.join(vault.cache, key.hex)):
-    with vault.open(key, expected) as session:
-        for name, tensor in tensors.items():
-            session.put(name, tensor)
+_SESSION = CHILD_START + r"""
+touch = sys.argv[4] == "touch"
 folder = os.path.join(vault.cache, key.hex)
 if touch:  # a layer file written to (same bytes): its memo no longer vouches for it
     first = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))[0]
@@ -62,7 +50,7 @@ print(json.dumps({p: [[f, w] for f, w in opened] for p, opened in seen.items()})
 
 
 def _session(root, count: int = 8, touch: bool = False) -> dict:
-    done = run_python(_SESSION, str(root), str(count), "touch" if touch else "")
+    done = run_python(_SESSION, str(root), str(count), "hit", "touch" if touch else "")
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 

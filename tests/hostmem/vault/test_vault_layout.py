@@ -23,22 +23,10 @@ from hostmem.vault.content_hash import stamp_of
 from hostmem.vault.layer_file import LAYER_FORMAT, layer_file_name
 from hostmem.vault.manifest import MANIFEST_NAME
 from tests.conftest import run_python
-from tests.hostmem.vault.test_vault import SHAPE, build, expected_of, folder_of, key_for, layers
+from tests.hostmem.vault.test_vault import CHILD_START, SHAPE, build, expected_of, folder_of, key_for, layers
 
-_START = r"""
-import json, os, sys
-import torch
-from hostmem.vault import Vault, cache_key
-
-root, count = sys.argv[1], int(sys.argv[2])
-key = cache_key({"shards": ["base"]}, [], "bfloat16", "layout")
-vault = Vault(root)
-tensors = {f"blocks.{i}.w": torch.full((64, 48), float(i)) for i in range(count)}
-expected = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
-if not os.path.isdir(os.path.join(vault.cache, key.hex)):
-    with vault.open(key, expected) as session:
-        for name, tensor in tensors.items():
-            session.put(name, tensor)
+_START = CHILD_START + r"""
+if built:
     print(json.dumps({"built": True}))
     sys.exit(0)
 headers_read = []
@@ -60,7 +48,7 @@ print(json.dumps({"headers_read": len(headers_read), "hit": session.stats["layer
 
 
 def _start(root, count: int = 6) -> dict:
-    done = run_python(_START, str(root), str(count))
+    done = run_python(_START, str(root), str(count), "layout")
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
