@@ -11,7 +11,7 @@ import torch
 import hostmem
 from hostmem.slots import MappedAreas
 from tests.conftest import write_safetensors
-from tests.hostmem.test_remap import Tiny
+from tests.hostmem.remapping.test_remap import Tiny
 
 SPILLED = ("a.bias", "b.bias")
 
