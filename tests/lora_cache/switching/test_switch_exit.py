@@ -11,12 +11,12 @@ import os
 
 from tests.conftest import run_python
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 # Switches to an adapter (applied at run time, built in the background) and exits at once.
 _EXIT_DURING_BUILD = r"""
 import os, sys
 import torch, lora_cache
-from tests.lora_cache.test_runtime_lora import stack_adapter, stack_model
+from tests.lora_cache.switching.test_runtime_lora import stack_adapter, stack_model
 folder = sys.argv[1]
 model = stack_model(folder, 256, 16, torch.bfloat16)
 adapter = stack_adapter(os.path.join(folder, "a.safetensors"), 256, 16, 1, rank=8, dtype=torch.bfloat16)

@@ -16,7 +16,7 @@ from lora_cache.orchestrate import plan_targets
 from lora_cache.switching.runtime_lora import apply_runtime
 from tests.conftest import run_python, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter
-from tests.lora_cache.test_runtime_lora import fresh_merge, stack_adapter, stack_model
+from tests.lora_cache.switching.test_runtime_lora import fresh_merge, stack_adapter, stack_model
 
 MiB = 1024 * 1024
 
@@ -28,7 +28,7 @@ warnings.filterwarnings("ignore")
 import torch, lora_cache
 from hostmem.peak import track_peak_anon
 from lora_cache.switching.adapter_switch import serving
-from tests.lora_cache.test_runtime_lora import fresh_merge, stack_adapter, stack_model
+from tests.lora_cache.switching.test_runtime_lora import fresh_merge, stack_adapter, stack_model
 
 folder, dim, depth = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 bf16 = torch.bfloat16
