@@ -15,6 +15,7 @@ import lora_cache
 from hostmem.vault import Vault, VaultError, cache_key
 from hostmem.vault.admin import prune, remove
 from tests.conftest import write_safetensors
+from tests.hostmem.vault.test_vault import build, expected_of
 from tests.lora_cache.test_adapters import lora_change, write_adapter
 
 SHAPE = (64, 48)
@@ -26,17 +27,6 @@ def key_for(tag: str):
 
 def tensors(count=3, rows=64) -> dict[str, torch.Tensor]:
     return {f"blocks.{i}.w": torch.randn(rows, 48) for i in range(count)}
-
-
-def expected_of(layers: dict[str, torch.Tensor]) -> dict:
-    return {n: (tuple(t.shape), t.dtype) for n, t in layers.items()}
-
-
-def build(vault: Vault, key, layers: dict[str, torch.Tensor]) -> dict:
-    with vault.open(key, expected_of(layers)) as session:
-        for name, tensor in layers.items():
-            assert session.put(name, tensor) is not None, session.last_error
-        return dict(session.stats)
 
 
 def on_disk(vault: Vault) -> set[str]:
