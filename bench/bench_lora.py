@@ -152,7 +152,7 @@ def _start(shards, adapter, root) -> dict:
     for collecting torch's 170,000 objects, a cost a server pays at its next allocations
     either way. The full collections within each start's timed part are counted.
     """
-    from hostmem.safetensors_map import load_readonly
+    from hostmem.safetensors.mapping import load_readonly
 
     gc.collect()
     full_collections = gc.get_stats()[2]["collections"]
@@ -195,7 +195,7 @@ def _raw_write(folder: str, nbytes: int, direct: bool, chunk: int = 64 << 20) ->
 def random_buffer(nbytes: int) -> memoryview:
     """``nbytes`` of random data on huge pages (so each O_DIRECT request is as large as the
     disk takes), touched before any clock starts."""
-    from hostmem.safetensors_map import advise_huge_pages
+    from hostmem.safetensors.mapping import advise_huge_pages
 
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
     advise_huge_pages(buffer)
@@ -226,7 +226,7 @@ def write_file(path: str, nbytes: int, view: memoryview, direct: bool, ready=Non
 def _write_path(shards: list[str], root: str) -> dict:
     """The cache's write path alone: every base layer, copied into the merge's page-aligned
     output buffer (untimed, as the build's cast), put into a fresh combination, then sealed."""
-    from hostmem.safetensors_map import load_readonly
+    from hostmem.safetensors.mapping import load_readonly
     from lora_cache.merge_math import Scratch
     from hostmem.vault import Vault
 

@@ -34,7 +34,7 @@ import yaml
 from common import bench_args, format_size, report, timed
 from tqdm import tqdm
 
-from hostmem.safetensors_map import read_header, save_file
+from hostmem.safetensors.mapping import read_header, save_file
 from planners.checkpoint import checkpoint_files
 from planners.cli import main as hostmem_main
 

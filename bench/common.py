@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hostmem.safetensors_map import save_file  # noqa: E402
+from hostmem.safetensors.mapping import save_file  # noqa: E402
 from hostmem.units import format_size, parse_size  # noqa: E402
 
 

@@ -74,7 +74,7 @@ def _register_probe(args, path: str) -> dict:
     import hostmem
     from hostmem.pinning import CudaHostRegisterBackend, MlockBackend, PinError, page_span
     from hostmem.residency import classify_range
-    from hostmem.safetensors_map import open_readonly
+    from hostmem.safetensors.mapping import open_readonly
 
     mapped = open_readonly(path)
     name = max(mapped.keys(), key=lambda k: mapped.header.tensors[k].nbytes)

@@ -17,7 +17,7 @@ command line, the guard and the planner start in a fraction of a second.
 
 from __future__ import annotations
 
-from .lazy import lazy_exports
+from .lazy import lazy_exports, moved_modules
 
 _EXPORTS = {
     "account": "accountant",
@@ -33,11 +33,11 @@ _EXPORTS = {
     "read_meminfo": "procfs",
     "read_cgroup_memory": "procfs",
     "ProcReadError": "procfs",
-    "open_readonly": "safetensors_map",
-    "load_readonly": "safetensors_map",
-    "save_file": "safetensors_map",
-    "read_header": "safetensors_header",
-    "SafetensorsError": "safetensors_header",
+    "open_readonly": "safetensors.mapping",
+    "load_readonly": "safetensors.mapping",
+    "save_file": "safetensors.mapping",
+    "read_header": "safetensors.header",
+    "SafetensorsError": "safetensors.header",
     "parse_size": "units",
     "format_size": "units",
     "track_peak_anon": "peak",
@@ -53,18 +53,26 @@ _EXPORTS = {
     "gather_host_ledger": "host_ledger",
     "HostLedger": "host_ledger",
     "HostGatherError": "host_ledger",
-    "remap": "checkpoint_remap",
-    "RemapReport": "checkpoint_remap",
+    "remap": "remapping.checkpoint",
+    "RemapReport": "remapping.checkpoint",
     "Offer": "providers",
     "OfferRecord": "providers",
     "Provider": "providers",
     "HostmemError": "errors",
     "InputError": "errors",
-    "make_writable": "writers",
-    "ReadOnlyWeightsError": "writers",
+    "make_writable": "safetensors.writers",
+    "ReadOnlyWeightsError": "safetensors.writers",
 }
 
 __all__ = sorted(_EXPORTS)
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+# Old paths of modules that moved to a room of their own, still importable (the same module).
+moved_modules(__name__, {
+    "safetensors_header": "safetensors.header", "safetensors_map": "safetensors.mapping",
+    "dtypes": "safetensors.dtypes", "writers": "safetensors.writers", "fault_report": "safetensors.fault_report",
+    "checkpoint_files": "remapping.files", "checkpoint_remap": "remapping.checkpoint",
+    "remap_spill": "remapping.spill", "remap_offer": "remapping.offer", "remap_origin": "remapping.origin",
+    "same_bytes": "remapping.same_bytes",
+})

@@ -1,6 +1,6 @@
 """Providers: the protocol every way of turning anonymous weights into mapped ones implements.
 
-A provider (checkpoint remap in :mod:`hostmem.remap_offer`, the LoRA merge cache in
+A provider (checkpoint remap in :mod:`hostmem.remapping.offer`, the LoRA merge cache in
 ``lora_cache.provider``, or one of your own) has ``name: str`` and ``offer() -> Offer |
 None``: everything it needs (which component, how many bytes) it was given when
 constructed, and it returns ``None`` when it has nothing to offer. The planner

@@ -18,13 +18,13 @@ Without ``cache_root`` the default root is used (``$HOSTMEM_CACHE_ROOT``, else
 place, as servers always have, and the stats say so. :class:`Adapter` gives alpha overrides and key rules.
 """
 
-from hostmem.lazy import lazy_exports
+from hostmem.lazy import lazy_exports, moved_modules
 
 _EXPORTS = {
     "merge": "orchestrate",
     "MergeStats": "orchestrate",
     "CacheBuildError": "orchestrate",
-    "unmerge": "adapter_switch",
+    "unmerge": "switching.adapter_switch",
     "is_merged": "layers",
     "UnmergeError": "layers",
     "Adapter": "adapters",
@@ -33,12 +33,18 @@ _EXPORTS = {
     "KeyResolutionError": "keys",
     "load_lora": "diffusers_entry",
     "UnsupportedAdapterError": "merge_math",
-    "set_adapters": "adapter_switch",
-    "swap_ready": "adapter_switch",
-    "set_pipeline_adapters": "diffusers_switch",
+    "set_adapters": "switching.adapter_switch",
+    "swap_ready": "switching.adapter_switch",
+    "set_pipeline_adapters": "switching.diffusers_switch",
     "Shard": "tp_shards",
     "ShardSpecError": "tp_shards",
 }
 
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+# Old paths of modules that moved to another room, still importable (the same module).
+moved_modules(__name__, {
+    "switch": "settings",
+    **{name: f"switching.{name}" for name in
+       ("adapter_switch", "switch_state", "diffusers_switch", "forward_gate", "runtime_lora")},
+})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from hostmem.errors import InputError
-from hostmem.safetensors_header import read_header
+from hostmem.safetensors.header import read_header
 
 from .layers import AddressSpace, LayerTarget
 

@@ -7,7 +7,7 @@ import mmap
 
 import torch
 
-from hostmem.safetensors_map import advise_huge_pages
+from hostmem.safetensors.mapping import advise_huge_pages
 
 __all__ = ["Scratch", "compute_device", "host_buffer"]
 

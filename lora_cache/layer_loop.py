@@ -323,7 +323,7 @@ def cyclic_gc_paused():
     is done, and is left as it was found where the caller had turned it off.
 
     Only a merge on the main thread holds it off: the collector is the whole process's,
-    and a merge on another thread (a switch's background build, :mod:`.adapter_switch`,
+    and a merge on another thread (a switch's background build, :mod:`.switching.adapter_switch`,
     minutes long for a large DiT) runs while the server keeps serving, whose cyclic
     garbage would pile up that long.
     """

@@ -29,7 +29,7 @@ from hostmem.errors import HostmemError
 from hostmem.pinning import replaced
 from hostmem.procfs import PAGE_SIZE, Vma
 from hostmem.slots import MappedAreas
-from hostmem.safetensors_map import open_readonly
+from hostmem.safetensors.mapping import open_readonly
 
 from .merge_math import FP32_ROWS, Delta, Scratch, merged_weight
 

@@ -31,9 +31,9 @@ from .layer_loop import CacheBuildError, MergeStats, cyclic_gc_paused, merge_lay
 from .layers import AddressSpace, LayerTarget, components_of, is_merged, keep_base, named_parameters, unmerge
 from .merge_math import compute_device
 from .rounding import check_policy, is_stand_in, say, split_lossy
-from .runtime_lora import apply_runtime
+from .switching.runtime_lora import apply_runtime
 from .process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
-from .switch import DISABLE_ENV, cache_disabled_by_env
+from .settings import DISABLE_ENV, cache_disabled_by_env
 from .tp_shards import check_shards, full_shapes, shape_notes, split_shards
 from hostmem.vault import Vault, cache_key
 from hostmem.vault.fold import FoldedSession, plan_fold, wait_for_a_folded_build
@@ -142,7 +142,7 @@ def open_combination(planned, specs, cache_root=None, *, max_size=None, base_fil
     targets are the vault's. ``cache_root``, ``max_size``, ``base_files`` and ``device``
     are :func:`merge`'s; ``kernels`` the plan the key is made with (default: the one
     :func:`merge` would choose). For a caller that drives the layers itself
-    (:mod:`lora_cache.adapter_switch`): ``session.complete`` says whether every layer is
+    (:mod:`lora_cache.switching.adapter_switch`): ``session.complete`` says whether every layer is
     held, and :func:`merge_layers` takes the session. ``sharding``: the targets are
     tensor-parallel parts merged apart (see :func:`combination_key`). ``rounding``: the
     rounding policy (:mod:`lora_cache.rounding`); ``at_runtime``: names of targets kept

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 from hostmem.errors import InputError
 from hostmem.providers import OFFER_FIELDS
-from hostmem.safetensors_header import read_header
+from hostmem.safetensors.header import read_header
 from hostmem.units import format_rate, format_size
 
-from .switch import cache_disabled_by_env
+from .settings import cache_disabled_by_env
 
 __all__ = ["LoraCacheOffer", "LoraCacheProvider", "TargetLayers", "target_layers", "DEFAULT_BUILD_RATE"]
 

@@ -51,7 +51,7 @@ def with_adapter_targets(config: DeploymentConfig, sizes: ComponentSizes, path: 
     found = target_layers(shards, [adapter_spec(a) for a in config.lora.adapters])
     if not found.names:
         return sizes
-    from hostmem.safetensors_header import read_header
+    from hostmem.safetensors.header import read_header
 
     nbytes = {name: info.nbytes for shard in shards for name, info in read_header(shard).tensors.items()}
     match = layer_matcher(pattern) if pattern else (lambda name: None)

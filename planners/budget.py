@@ -15,7 +15,7 @@ only the part of the unexplained memory above it is charged.
 Held back for pending adapter builds is what a merged combination being built in the
 background (``lora_cache.set_adapters`` serving it at run time meanwhile) may still
 allocate: one layer's output buffer and its fp32 sum
-(``lora_cache.adapter_switch.build_reserve_bytes``). It is not committed yet, so it
+(``lora_cache.switching.adapter_switch.build_reserve_bytes``). It is not committed yet, so it
 is a term of its own: pins planned now must leave it free, or the build's next layer
 lands on a host the pins have already filled.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from hostmem.safetensors_header import SafetensorsError, SafetensorsHeader, read_header
+from hostmem.safetensors.header import SafetensorsError, SafetensorsHeader, read_header
 
 from .sizes import ComponentSizes, group_layers, with_lora_target_bytes
 

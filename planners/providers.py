@@ -2,7 +2,7 @@
 
 The protocol (:class:`Offer`, :class:`Provider`, :class:`OfferRecord`) lives below every
 provider, in :mod:`hostmem.providers`, and is re-exported here: ``lora_cache`` supplies
-the LoRA merge cache, ``hostmem.remap_offer`` the checkpoint remap
+the LoRA merge cache, ``hostmem.remapping.offer`` the checkpoint remap
 (:func:`remap_providers`), and neither imports ``planners``.
 
 The planner plans with and without each offer (:func:`apply_offer`): the offered
@@ -65,8 +65,8 @@ def remap_providers(components, files=None, *, spill: bool = False) -> list:
     the weights cast at load, which ``hostmem.remap(spill=True)`` writes once to the
     cache and maps back (their disk and first-start time in the offer).
     """
-    from hostmem.checkpoint_files import CheckpointNotFound
-    from hostmem.remap_offer import RemapProvider
+    from hostmem.remapping.files import CheckpointNotFound
+    from hostmem.remapping.offer import RemapProvider
 
     providers = []
     for name, module in components.items():

@@ -30,7 +30,7 @@ import sys
 from typing import Mapping
 
 import hostmem
-from lora_cache.adapter_switch import build_reserve_bytes
+from lora_cache.switching.adapter_switch import build_reserve_bytes
 
 from hostmem.errors import InputError
 from .budget import read_host_limit

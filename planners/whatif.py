@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from hostmem.errors import InputError
 from hostmem.residency_classes import Residency
-from lora_cache.switch import DISABLE_ENV, cache_disabled_by_env
+from lora_cache.settings import DISABLE_ENV, cache_disabled_by_env
 
 from .config import ComponentConfig, DeploymentConfig
 from .sizes import ComponentSizes, Layer, from_declared, layer_matcher

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from hostmem.safetensors_map import save_file
+from hostmem.safetensors.mapping import save_file
 
 
 _RUN_TEMP = None  # this run's own temp folder: every temp file of the run lands in it

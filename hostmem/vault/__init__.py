@@ -1,7 +1,7 @@
 """The vault: layers stored once on disk and served as read-only mappings.
 
 Its providers: the LoRA cache's merged layers, and checkpoint remap's spill (weights
-cast or changed at load, :mod:`hostmem.remap_spill`). Both key a combination by content.
+cast or changed at load, :mod:`hostmem.remapping.spill`). Both key a combination by content.
 
 A pure store. ``Vault(root).open(key, expected_layers)`` returns a
 :class:`VaultSession` whose ``get(name, shape, dtype)`` answers a view into a

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 
-from hostmem.safetensors_header import SafetensorsError
+from hostmem.safetensors.header import SafetensorsError
 
 from .durable import discard, fsync_dir, remove_tree
 from .layer_file import LayerEntry, is_layer_file_name, layer_problem, read_layer_file

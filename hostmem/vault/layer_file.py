@@ -31,7 +31,7 @@ import struct
 from collections import namedtuple
 from math import prod
 
-from hostmem.safetensors_header import DTYPE_SIZES, SafetensorsError, read_header
+from hostmem.safetensors.header import DTYPE_SIZES, SafetensorsError, read_header
 
 from .content_hash import read_chunks, stamp_of
 from .handoff import Handoff
@@ -81,7 +81,7 @@ class LayerEntry(namedtuple("LayerEntry", "name file size header_sha256 crc32 dt
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        from hostmem.safetensors_map import DTYPES
+        from hostmem.safetensors.mapping import DTYPES
 
         return DTYPES[self.dtype]
 
@@ -186,7 +186,7 @@ def _write_streamed(fd: int, path: str, tensor: torch.Tensor, offset: int, hando
     (see :mod:`hostmem.vault.piece_writer`). With a ``writer`` (a session's
     :class:`~hostmem.vault.piece_writer.PieceWriter`), return once the last piece is on
     its way: ``writer.started`` holds them."""
-    from hostmem.safetensors_map import tensor_bytes
+    from hostmem.safetensors.mapping import tensor_bytes
 
     from .piece_writer import write_pieces  # here: a start served from the cache writes nothing
 
@@ -249,7 +249,7 @@ def write_layer_data(folder: str, name: str, merged: torch.Tensor, crc32: int | 
     this returns (see :func:`_write_streamed`). On any error the temporary file is
     removed and the error is raised.
     """
-    from hostmem.safetensors_map import DTYPE_NAMES, tensor_bytes
+    from hostmem.safetensors.mapping import DTYPE_NAMES, tensor_bytes
 
     if handoff is not None and (merged.device.type != "cpu" or not merged.is_contiguous()):
         raise ValueError("a streamed layer must be a contiguous CPU tensor (the buffer being computed)")

@@ -31,8 +31,8 @@ import weakref
 
 import torch
 
-from hostmem.safetensors_map import SafetensorsError, SafetensorsHeader, advise_huge_pages, read_header
-from hostmem.writers import guard_foreign_writers
+from hostmem.safetensors.mapping import SafetensorsError, SafetensorsHeader, advise_huge_pages, read_header
+from hostmem.safetensors.writers import guard_foreign_writers
 
 from .layer_file import LayerEntry, known_layout
 from .locks import KeyLock

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from hostmem.safetensors_map import SafetensorsError
+from hostmem.safetensors.mapping import SafetensorsError
 
 from .handoff import Handoff
 from .adoption import drop_folder, shape_dtype_problem

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hostmem.safetensors_map import SafetensorsError, open_readonly
+from hostmem.safetensors.mapping import SafetensorsError, open_readonly
 
 from ..merge_math import refuse_unsupported
 from .alpha import AlphaSources, PeftConfig, diffusers_metadata, header_alpha, network_alpha, peft_config_from

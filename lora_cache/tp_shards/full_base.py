@@ -14,8 +14,8 @@ import os
 
 import torch
 
-from hostmem.safetensors_header import read_header
-from hostmem.safetensors_map import open_readonly
+from hostmem.safetensors.header import read_header
+from hostmem.safetensors.mapping import open_readonly
 
 from ..layers import AddressSpace
 from .spec import Shard, ShardSpecError

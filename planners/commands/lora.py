@@ -85,7 +85,7 @@ def _model(paths: list[str], shard_args: list[str]):
     """The checkpoint as a tree of read-only mapped parameters; with ``--shard``, each named
     parameter as the part a tensor-parallel rank holds (a view of the mapped whole), and
     the ``shards=`` spec that says so (None without). A bad ``--shard`` names itself."""
-    from hostmem.safetensors_map import open_readonly
+    from hostmem.safetensors.mapping import open_readonly
     from lora_cache.layers import checkpoint_module, module_tree
     from lora_cache.tp_shards import ShardSpecError, check_shards, parse_shard_args
 
@@ -108,7 +108,7 @@ def _model(paths: list[str], shard_args: list[str]):
 
 
 def _check_enabled(config) -> None:
-    from lora_cache.switch import DISABLE_ENV, cache_disabled_by_env
+    from lora_cache.settings import DISABLE_ENV, cache_disabled_by_env
 
     path, lora = config.origin.path, config.lora
     if lora is None or not lora.adapters:

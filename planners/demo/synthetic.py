@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-from hostmem.safetensors_map import read_header, save_file
+from hostmem.safetensors.mapping import read_header, save_file
 
 from .progress import SizeBar
 from .write_way import measure, read_back

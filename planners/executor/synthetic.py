@@ -3,7 +3,7 @@
 For the executor's tests, its benchmark and the device check: ``layers`` blocks of
 one ``d x d`` projection each (``blocks.{i}.proj.weight``) between an input and an
 output projection (the tensors outside every layer), written as safetensors and
-mapped back read-only (:func:`hostmem.safetensors_map.open_readonly`), so every
+mapped back read-only (:func:`hostmem.safetensors.mapping.open_readonly`), so every
 weight is page cache the executor can read ahead and release.
 """
 
@@ -14,7 +14,7 @@ import os
 import torch
 from torch import nn
 
-from hostmem.safetensors_map import load_readonly, save_file
+from hostmem.safetensors.mapping import load_readonly, save_file
 
 __all__ = ["SyntheticDiT", "write_synthetic_dit", "load_synthetic_dit", "LAYER_PATTERN"]
 

@@ -48,7 +48,7 @@ def _drop_file(path: str) -> None:
 def _reference(checkpoint, inputs):
     import torch
 
-    from hostmem.safetensors_map import load_readonly
+    from hostmem.safetensors.mapping import load_readonly
     from planners.executor.synthetic import SyntheticDiT
 
     tensors = {k: v.clone() for k, v in load_readonly(checkpoint).items()}  # fully loaded: anonymous

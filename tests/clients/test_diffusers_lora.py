@@ -93,7 +93,7 @@ def test_forward_is_as_close_as_the_two_references_are(setup, tmp_path):
 
 def test_bf16_merge_is_the_fp32_sum_rounded_once(setup, tmp_path):
     """A bf16 model: every merged weight is base + 2 * B @ A summed in fp32, rounded to bf16 once."""
-    from hostmem.safetensors_map import load_readonly
+    from hostmem.safetensors.mapping import load_readonly
 
     kind, _, adapters = setup
     model_folder = tm.save_model(kind, tmp_path / "bf16", torch.bfloat16)

@@ -12,7 +12,7 @@ pytest.importorskip("diffusers", reason="the diffusers comparisons need diffuser
 pytest.importorskip("peft", reason="the diffusers comparisons need peft (pip install hostmem[test])")
 
 import lora_cache  # noqa: E402
-from hostmem.safetensors_map import save_file  # noqa: E402
+from hostmem.safetensors.mapping import save_file  # noqa: E402
 from tests.clients import tiny_models as tm  # noqa: E402
 
 

@@ -22,7 +22,7 @@ _PRELUDE = """
 import os, sys, torch, hostmem, lora_cache
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from hostmem.slots import MappedAreas
-from hostmem.writers import ReadOnlyWeightsError
+from hostmem.safetensors.writers import ReadOnlyWeightsError
 
 folder = sys.argv[1]
 torch.manual_seed(0)

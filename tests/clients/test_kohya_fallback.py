@@ -15,7 +15,7 @@ import torch
 diffusers = pytest.importorskip("diffusers", reason="the kohya Flux fallback is diffusers' converter's")
 
 import lora_cache  # noqa: E402
-from hostmem.safetensors_map import load_readonly, save_file  # noqa: E402
+from hostmem.safetensors.mapping import load_readonly, save_file  # noqa: E402
 from lora_cache import Adapter  # noqa: E402
 from lora_cache.adapters.kohya_flux import read_kohya_flux  # noqa: E402
 from lora_cache.adapters.read import open_adapter  # noqa: E402

@@ -13,7 +13,7 @@ pytest.importorskip("diffusers", reason="the diffusers comparisons need diffuser
 pytest.importorskip("peft", reason="the diffusers comparisons need peft (pip install hostmem[test])")
 
 import lora_cache  # noqa: E402
-from hostmem.safetensors_map import load_readonly, save_file  # noqa: E402
+from hostmem.safetensors.mapping import load_readonly, save_file  # noqa: E402
 from lora_cache import Adapter  # noqa: E402
 from lora_cache.adapters import read_adapters  # noqa: E402
 from tests.clients import tiny_models as tm  # noqa: E402

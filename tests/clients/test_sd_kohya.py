@@ -15,7 +15,7 @@ pytest.importorskip("peft", reason="the diffusers comparisons need peft (pip ins
 pytest.importorskip("transformers", reason="the text encoder needs transformers (pip install hostmem[test])")
 
 import lora_cache  # noqa: E402
-from hostmem.safetensors_map import save_file  # noqa: E402
+from hostmem.safetensors.mapping import save_file  # noqa: E402
 
 RANK = 4
 UNET = {"block_out_channels": (32, 64), "layers_per_block": 1, "sample_size": 16, "in_channels": 4, "out_channels": 4,

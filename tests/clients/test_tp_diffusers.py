@@ -12,7 +12,7 @@ pytest.importorskip("diffusers", reason="the diffusers comparisons need diffuser
 pytest.importorskip("peft", reason="the diffusers comparisons need peft (pip install hostmem[test])")
 
 import lora_cache  # noqa: E402
-from lora_cache.diffusers_switch import set_pipeline_adapters  # noqa: E402
+from lora_cache.switching.diffusers_switch import set_pipeline_adapters  # noqa: E402
 from lora_cache.tp_shards import Shard, ShardSpecError  # noqa: E402
 from tests.clients import tiny_models as tm  # noqa: E402
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hostmem.safetensors_map import save_file
+from hostmem.safetensors.mapping import save_file
 
 RANK = 8
 _H3_DIM = 128  # tests.conformance.models.H3's hidden size

@@ -16,7 +16,7 @@ pytest.importorskip("peft", reason="the SD pipeline's LoRA loading needs peft (p
 pytest.importorskip("transformers", reason="the text encoder needs transformers (pip install hostmem[test])")
 
 import lora_cache  # noqa: E402
-from hostmem.safetensors_map import save_file  # noqa: E402
+from hostmem.safetensors.mapping import save_file  # noqa: E402
 from lora_cache.adapters.diffusers_format import read_with_diffusers  # noqa: E402
 from tests.clients.test_kohya_fallback import _bfl_sizes, _kohya  # noqa: E402
 from tests.clients.test_sd_kohya import _kohya_file, sd  # noqa: E402,F401

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from hostmem.safetensors_map import read_header
+from hostmem.safetensors.mapping import read_header
 from tests.faults.world import LAYERS, assert_same, flip_byte_keeping_times, make_world, reference, start
 
 

@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from hostmem.safetensors_map import read_header
+from hostmem.safetensors.mapping import read_header
 from hostmem.vault.layer_file import layer_file_name
 from planners.cli import main
 from tests.faults.world import LAYERS, assert_same, combination_folder, flip_byte, make_world, reference, start

@@ -26,7 +26,7 @@ from hostmem.pinning import (
 )
 from hostmem.procfs import PAGE_SIZE, read_smaps, read_status
 from hostmem.residency import classify_range
-from hostmem.safetensors_map import load_readonly
+from hostmem.safetensors.mapping import load_readonly
 from tests.conftest import run_python, write_safetensors
 
 MiB = 1024 * 1024

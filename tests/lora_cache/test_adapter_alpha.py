@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from hostmem.safetensors_map import save_file
+from hostmem.safetensors.mapping import save_file
 from lora_cache import Adapter, AdapterError, read_adapter
 from lora_cache.orchestrate import plan_targets
 from tests.lora_cache.test_adapters import adapter_key, lora_change, mapped_model, write_adapter

@@ -140,7 +140,7 @@ def _adapter_tensors(draw):
 @given(tensors=_adapter_tensors(), ss_alpha=st.sampled_from([None, "4", "nan", "x"]))
 def test_any_file_is_a_good_read_or_an_adapter_error(tmp_path, tensors, ss_alpha):
     """Random keys, shapes, dtypes, alphas: every outcome is a usable read or an AdapterError."""
-    from hostmem.safetensors_map import save_file
+    from hostmem.safetensors.mapping import save_file
     from lora_cache.merge_math import UnsupportedAdapterError
 
     forget_checked()

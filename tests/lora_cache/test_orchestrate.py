@@ -19,7 +19,7 @@ import lora_cache
 from lora_cache.adapters import as_adapter, read_adapter
 from lora_cache.layers import AddressSpace, checkpoint_module, module_tree
 from lora_cache.orchestrate import MERGE_POLICY, combination_key, plan_targets
-from lora_cache.switch import DISABLE_ENV
+from lora_cache.settings import DISABLE_ENV
 from hostmem.vault import Vault, VaultSession
 from planners.cli import main
 from tests.conftest import run_python, write_safetensors

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import lora_cache
-from hostmem.safetensors_map import load_readonly
+from hostmem.safetensors.mapping import load_readonly
 from hostmem.vault import Vault, cache_key
 from hostmem.vault.durable import TMP_PREFIX
 from hostmem.vault.handoff import Handoff
@@ -22,7 +22,7 @@ from hostmem.vault.shares import open_share
 from lora_cache.layer_loop import _claim_after
 from lora_cache.merge_math import host_buffer
 from tests.conftest import write_safetensors
-from tests.lora_cache.test_piece_writer import _Crc
+from tests.hostmem.vault.test_piece_writer import _Crc
 from tests.lora_cache.test_adapters import lora_change, write_adapter
 
 MiB = 1024 * 1024

@@ -9,7 +9,7 @@ import torch
 
 import lora_cache
 from lora_cache.layers import checkpoint_module
-from lora_cache.switch import DISABLE_ENV
+from lora_cache.settings import DISABLE_ENV
 from lora_cache.provider import LoraCacheProvider, target_layers
 from tests.conftest import run_python, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, write_adapter

@@ -55,7 +55,7 @@ def test_a_root_linked_to_tmpfs_is_refused_before_anything_is_written_there(tmp_
 _START = r"""
 import os, sys
 import torch, lora_cache
-from tests.lora_cache.test_runtime_lora import stack_adapter, stack_model
+from tests.lora_cache.switching.test_runtime_lora import stack_adapter, stack_model
 folder, how, roots = sys.argv[1], sys.argv[2], sys.argv[3:]
 model = stack_model(folder, 256, 4, torch.bfloat16)
 adapter = stack_adapter(os.path.join(folder, "a.safetensors"), 256, 4, 1, rank=8, dtype=torch.bfloat16)
@@ -96,7 +96,7 @@ def test_merge_and_set_adapters_choose_kernels_from_a_read_only_roots_wisdom(tmp
 
 
 def test_set_adapters_takes_an_ordered_list_of_roots_as_merge_does(tmp_path):
-    from tests.lora_cache.test_runtime_lora import stack_adapter, stack_model
+    from tests.lora_cache.switching.test_runtime_lora import stack_adapter, stack_model
 
     roots = [str(tmp_path / "first"), str(tmp_path / "second")]
     adapter = stack_adapter(str(tmp_path / "a.safetensors"), 64, 2, 1, rank=4, dtype=torch.bfloat16)

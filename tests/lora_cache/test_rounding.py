@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import lora_cache
-from hostmem.safetensors_map import load_readonly
+from hostmem.safetensors.mapping import load_readonly
 from lora_cache.orchestrate import plan_targets
 from planners.cli import main
 from planners.report import _lora_merge_lines

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import lora_cache
-from hostmem.safetensors_map import open_readonly
+from hostmem.safetensors.mapping import open_readonly
 from hostmem.slots import MappedAreas
 from lora_cache import KeyResolutionError
 from lora_cache.layers import checkpoint_module, module_tree

@@ -54,7 +54,7 @@ def test_flux_by_path_has_both_block_families_in_run_order(capsys, tmp_path, flu
     assert streamed == ["transformer_blocks.0", "transformer_blocks.1", "single_transformer_blocks.0",
                         "single_transformer_blocks.1", "single_transformer_blocks.2", "(rest)"]
     assert report["components"]["dit"]["layers"] == 5
-    from hostmem.safetensors_header import read_header
+    from hostmem.safetensors.header import read_header
     from planners.checkpoint import checkpoint_files
 
     names = [n for f in checkpoint_files(flux_folder) for n in read_header(f).tensors]

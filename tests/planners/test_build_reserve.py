@@ -16,14 +16,14 @@ import pytest
 import lora_cache
 from hostmem.residency_classes import Residency
 from hostmem.units import format_size
-from lora_cache.adapter_switch import build_reserve_bytes, serving
+from lora_cache.switching.adapter_switch import build_reserve_bytes, serving
 from planners.budget import host_budget
 from planners.config import load_config
 from planners.host_share import RankNeed, host_budget_of
 from planners.report import report_dict, report_text
 from planners.startup import pending_build_reserve, plan_loaded
-from tests.lora_cache.test_adapter_switch import held_builder  # noqa: F401  (a fixture)
-from tests.lora_cache.test_runtime_lora import stack_adapter, stack_model
+from tests.lora_cache.switching.test_adapter_switch import held_builder  # noqa: F401  (a fixture)
+from tests.lora_cache.switching.test_runtime_lora import stack_adapter, stack_model
 
 from .conftest import MiB
 

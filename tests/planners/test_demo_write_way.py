@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
-from hostmem.safetensors_map import load_readonly, save_file
+from hostmem.safetensors.mapping import load_readonly, save_file
 from hostmem import file_writes
 from planners.demo.write_way import WAYS, WayChoice, measure, read_back
-from tests.lora_cache.test_vault_fs import _cached_pages
+from tests.hostmem.vault.test_vault_fs import _cached_pages
 
 MiB = 1024 * 1024
 

@@ -1,0 +1,64 @@
+"""Modules that moved to another room keep their old import paths: the very same module.
+
+A user's ``from lora_cache.adapter_switch import set_adapters`` (or a patch of a private
+name at the old path) must keep working after the move, so the old path answers with the
+new module object, not with a copy of its names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+import hostmem  # noqa: F401 (registers its moved paths)
+import lora_cache  # noqa: F401 (registers its moved paths)
+
+MOVED = {
+    "lora_cache.switch": "lora_cache.settings",
+    "lora_cache.adapter_switch": "lora_cache.switching.adapter_switch",
+    "lora_cache.switch_state": "lora_cache.switching.switch_state",
+    "lora_cache.diffusers_switch": "lora_cache.switching.diffusers_switch",
+    "lora_cache.forward_gate": "lora_cache.switching.forward_gate",
+    "lora_cache.runtime_lora": "lora_cache.switching.runtime_lora",
+    "hostmem.safetensors_header": "hostmem.safetensors.header",
+    "hostmem.safetensors_map": "hostmem.safetensors.mapping",
+    "hostmem.dtypes": "hostmem.safetensors.dtypes",
+    "hostmem.writers": "hostmem.safetensors.writers",
+    "hostmem.fault_report": "hostmem.safetensors.fault_report",
+    "hostmem.checkpoint_files": "hostmem.remapping.files",
+    "hostmem.checkpoint_remap": "hostmem.remapping.checkpoint",
+    "hostmem.remap_spill": "hostmem.remapping.spill",
+    "hostmem.remap_offer": "hostmem.remapping.offer",
+    "hostmem.remap_origin": "hostmem.remapping.origin",
+    "hostmem.same_bytes": "hostmem.remapping.same_bytes",
+}
+
+
+@pytest.mark.parametrize("old,new", sorted(MOVED.items()))
+def test_an_old_path_is_the_new_module(old, new):
+    assert importlib.import_module(old) is importlib.import_module(new)
+
+
+def test_a_fresh_process_imports_by_the_old_path():
+    """``from OLD import name`` as the first import of a process, before the package is loaded."""
+    code = ("from lora_cache.switch import DISABLE_ENV, cache_disabled_by_env\n"
+            "import lora_cache.settings as s\n"
+            "assert cache_disabled_by_env is s.cache_disabled_by_env, 'a copy, not the module'\n"
+            "print(DISABLE_ENV)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "HOSTMEM_DISABLE_LORA_MERGE_CACHE"
+
+
+def test_the_face_still_serves_the_function_remap_beside_the_room_remapping():
+    """``hostmem.remap`` is the function, before and after the room is imported."""
+    importlib.import_module("hostmem.remapping.checkpoint")
+    assert callable(hostmem.remap) and hostmem.remap.__module__ == "hostmem.remapping.checkpoint"
+
+
+def test_an_unknown_path_still_fails():
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("lora_cache.no_such_room")
