@@ -116,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     program = argv is None  # the console script or ``python -m planners.cli``: the process ends after this
     argv = sys.argv[1:] if argv is None else list(argv)
+    nul = next((i for i, arg in enumerate(argv, 1) if "\0" in arg), None)
+    if nul is not None:  # no shell can pass one; a caller's bug, refused before any file is named by it
+        print(f"hostmem: error: argument {nul} ({argv[nul - 1]!r}) holds a NUL byte; no path or value can", file=sys.stderr)
+        return 2
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:

@@ -70,6 +70,8 @@ def parse_config(text: str, path: str, environ: Mapping[str, str] | None = None)
 def load_config(path: str | os.PathLike, environ: Mapping[str, str] | None = None) -> DeploymentConfig:
     """Read and validate a deployment config; ``environ`` defaults to ``os.environ``."""
     path = os.fspath(path)
+    if "\0" in path:
+        raise ConfigError(repr(path), "", "a path cannot hold a NUL byte; name the .yaml file")
     try:
         with open(path, "r", encoding="utf-8") as handle:
             text = handle.read()

@@ -226,3 +226,14 @@ def test_an_adapter_with_a_corrupt_header_is_the_projects_error(tmp_path):
     out = hostmem("plan", path)
     assert out.returncode == 2 and out.stderr.startswith("hostmem: error: ")
     assert f"{adapter}: tensor 'x.lora_down.weight' spans bytes 9..4096" in out.stderr
+
+
+def test_a_nul_byte_in_an_argument_is_one_line_not_a_traceback(capsys):
+    from planners import cli
+    from planners.config import ConfigError, load_config
+
+    assert cli.main(["plan", "\x00"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hostmem: error: argument 2") and "NUL byte" in err and "Traceback" not in err
+    with pytest.raises(ConfigError, match="NUL byte"):
+        load_config("configs/\x00.yaml")
