@@ -170,7 +170,8 @@ class ModuleIndex:
         return self._unique(self._underscored.get(underscored, []))
 
     def examples(self, count: int = 3) -> list[str]:
-        return sorted(self.modules)[:count]
+        """A few module names to show in a message (the root module, named "", is no example)."""
+        return sorted(m for m in self.modules if m)[:count]
 
 
 def _find_with_prefixes(name: str, index: ModuleIndex) -> str | None:

@@ -23,6 +23,9 @@ class AdapterError(HostmemError, ValueError):
 
 
 def _finite(path: str, what: str, value) -> float:
+    if isinstance(value, (str, bytes, bool)):  # "1.0" or True: a config's quoting slip, as the config refuses it
+        raise AdapterError(f"adapter {path}: {what} {value!r} is {type(value).__name__}, not a number; "
+                           f"give it as a number (1.0 applies it fully)")
     try:
         number = float(value)
     except (TypeError, ValueError):

@@ -238,6 +238,7 @@ def test_a_pinner_dropped_without_unpinning_unlocks_what_it_held():
     # pages that later allocations reuse, and the ledger would count them pinned
     import gc
 
+    gc.collect()  # another test's pinner let go before this one: collected now, not inside the measure
     vm_before = read_status().vm_lck
     pinner = Pinner(MlockBackend())
     pinner.pin("a", [torch.randn(3000)])  # under a page's worth of rows: heap memory

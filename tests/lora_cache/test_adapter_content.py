@@ -70,7 +70,10 @@ def test_the_finite_check_is_remembered_per_file_identity(tmp_path):
 
 @pytest.mark.parametrize("spec, message", [
     ({"path": "a.safetensors", "strength": math.nan}, "strength is nan"),
-    ({"path": "a.safetensors", "strength": "strong"}, "strength 'strong' is not a number"),
+    ({"path": "a.safetensors", "strength": "strong"}, "strength 'strong' is str, not a number"),
+    ({"path": "a.safetensors", "strength": "1.0"}, "strength '1.0' is str, not a number"),
+    ({"path": "a.safetensors", "strength": True}, "strength True is bool, not a number"),
+    ({"path": "a.safetensors", "alpha": "4"}, "alpha '4' is str, not a number"),
     ({"path": "a.safetensors", "alpha": math.inf}, "alpha is inf"),
     ({"path": "a.safetensors", "convert": "magic"}, "convert 'magic'"),
 ])

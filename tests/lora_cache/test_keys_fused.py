@@ -134,3 +134,10 @@ def test_a_part_that_does_not_exist_says_what_a_part_is(tmp_path, part):
     with pytest.raises(KeyResolutionError, match=rf"is placed on part \{part[:-1]}\] of 'blocks.0.attn.qkv', whose "
                                                  r"weight has 96 rows; a part \[k/n\] is one of n equal parts"):
         plan_targets(model, [Adapter(path, rules=[rule])])
+
+
+def test_the_modules_named_in_a_hint_are_real_names_not_the_root():
+    from lora_cache.keys import ModuleIndex
+
+    index = ModuleIndex({"scale": (1,), "blocks.0.proj.weight": (4, 4), "blocks.1.proj.weight": (4, 4)})
+    assert index.examples() == ["blocks.0.proj", "blocks.1.proj"]

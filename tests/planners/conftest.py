@@ -42,6 +42,29 @@ def mapped_module(path) -> torch.nn.Module:
     return checkpoint_module(checkpoint_files(os.fspath(path)))
 
 
+def pins_config(deployment: str, limit: str, reserve: str, dit_layers: str = "blocks.{i}.",
+                text_encoder: bool = True) -> str:
+    """The config of a pin test: a streamed DiT (and a fully offloaded text encoder)
+    under ``limit`` less ``reserve``, every layer pinnable (``max_pinned: 100%``)."""
+    te = '\n  text_encoder: {path: te, layers: "enc.{i}.", offload: full}' if text_encoder else ""
+    return (f"deployment: {deployment}\nhost: {{limit: {limit}, reserve: {reserve}, max_pinned: 100%}}\n"
+            f"workload: {{steps: 2}}\ncomponents:\n"
+            f'  dit: {{path: dit, layers: "{dit_layers}", offload: layerwise}}{te}\n')
+
+
+def load_dit_and_text_encoder(folder, config_text: str, dit_layer_bytes: int):
+    """``(config, {"dit": ..., "text_encoder": ...})``: 12 DiT layers of ``dit_layer_bytes``
+    and 2 text-encoder layers of 4 MiB written as checkpoints under ``folder``, mapped
+    read-only, with ``config_text`` loaded (no environment overrides)."""
+    from planners.config import load_config
+
+    write_checkpoint(folder / "dit", 12, dit_layer_bytes)
+    write_checkpoint(folder / "te", 2, 4 * MiB, prefix="enc")
+    (folder / "deploy.yaml").write_text(config_text)
+    config = load_config(folder / "deploy.yaml", environ={})
+    return config, {"dit": mapped_module(folder / "dit"), "text_encoder": mapped_module(folder / "te")}
+
+
 @pytest.fixture
 def write_config(tmp_path):
     """``write_config(text, name="deploy.yaml")`` writes a dedented config under tmp_path."""

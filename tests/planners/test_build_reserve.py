@@ -25,18 +25,12 @@ from planners.startup import pending_build_reserve, plan_loaded
 from tests.lora_cache.switching.test_adapter_switch import held_builder  # noqa: F401  (a fixture)
 from tests.lora_cache.switching.test_runtime_lora import stack_adapter, stack_model
 
-from .conftest import MiB
+from .conftest import MiB, pins_config
 
 # Eight fp32 layers of 1 MiB (and a bias) streamed; 9 MiB of room above the reserve, so
 # every layer is pinned when nothing is being built, and fewer while a build is pending.
 DIM, DEPTH = 512, 8
-CONFIG = """
-deployment: build-reserve
-host: {limit: 2057MiB, reserve: 2GiB, max_pinned: 100%}
-workload: {steps: 2}
-components:
-  dit: {path: dit, layers: "layers.{i}.", offload: layerwise}
-"""
+CONFIG = pins_config("build-reserve", "2057MiB", "2GiB", dit_layers="layers.{i}.", text_encoder=False)
 LINE = "- pending adapter builds"  # the budget row; its reason follows the budget table
 
 

@@ -6,12 +6,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from planners.config import load_config
 from planners.host_share import local_world, split_host_budget
 from planners.report import report_dict, report_text
 from planners.startup import plan_loaded
 
-from .conftest import MiB, mapped_module, write_checkpoint
+from .conftest import MiB, load_dit_and_text_encoder, pins_config
 
 
 def test_a_budget_that_covers_every_need_gives_each_rank_its_need():
@@ -48,23 +47,12 @@ def test_torchruns_variables_name_the_local_world():
 
 # The host has 100 MiB above four reserves; each rank could pin 12 x 4 MiB of streamed DiT
 # layers and an 8 MiB text encoder: 56 MiB, 224 MiB for four ranks.
-CONFIG = """
-deployment: host-share
-host: {limit: 4196MiB, reserve: 1GiB, max_pinned: 100%}
-workload: {steps: 2}
-components:
-  dit: {path: dit, layers: "blocks.{i}.", offload: layerwise}
-  text_encoder: {path: te, layers: "enc.{i}.", offload: full}
-"""
+CONFIG = pins_config("host-share", "4196MiB", "1GiB")
 
 
 @pytest.fixture
 def loaded(tmp_path):
-    write_checkpoint(tmp_path / "dit", 12, 4 * MiB)
-    write_checkpoint(tmp_path / "te", 2, 4 * MiB, prefix="enc")
-    (tmp_path / "deploy.yaml").write_text(CONFIG.lstrip())
-    config = load_config(tmp_path / "deploy.yaml", environ={})
-    return config, {"dit": mapped_module(tmp_path / "dit"), "text_encoder": mapped_module(tmp_path / "te")}
+    return load_dit_and_text_encoder(tmp_path, CONFIG, 4 * MiB)
 
 
 def test_under_torchrun_each_rank_pins_within_its_share_of_one_host_budget(loaded, monkeypatch):

@@ -16,33 +16,20 @@ import hostmem
 from hostmem.pinning import MlockBackend, PinError, Pinner, page_span
 from hostmem.procfs import PAGE_SIZE, read_smaps, read_status
 from hostmem.units import format_size
-from planners.config import load_config
 from planners.pin_apply import PinMismatch, apply_pin_plan, layer_tensors
 from planners.sizes import from_ledger
 from planners.startup import plan_loaded
 
-from .conftest import MiB, mapped_module, write_checkpoint
+from .conftest import MiB, load_dit_and_text_encoder, pins_config
 
 # Layers of 4 MiB + 12 bytes, so that layer boundaries fall inside pages. The host leaves
 # 30 MiB of room: 7 of the 12 streamed DiT layers get pinned, the text encoder none.
-CONFIG = """
-deployment: pin-apply
-host: {limit: 2078MiB, reserve: 2GiB, max_pinned: 100%}
-workload: {steps: 2}
-components:
-  dit: {path: dit, layers: "blocks.{i}.", offload: layerwise}
-  text_encoder: {path: te, layers: "enc.{i}.", offload: full}
-"""
+CONFIG = pins_config("pin-apply", "2078MiB", "2GiB")
 
 
 @pytest.fixture
 def loaded(tmp_path):
-    write_checkpoint(tmp_path / "dit", 12, 4 * MiB + 12)
-    write_checkpoint(tmp_path / "te", 2, 4 * MiB, prefix="enc")
-    (tmp_path / "deploy.yaml").write_text(CONFIG.lstrip())
-    config = load_config(tmp_path / "deploy.yaml", environ={})
-    modules = {"dit": mapped_module(tmp_path / "dit"), "text_encoder": mapped_module(tmp_path / "te")}
-    return config, modules
+    return load_dit_and_text_encoder(tmp_path, CONFIG, 4 * MiB + 12)
 
 
 def _pages_of(modules, config, plan) -> int:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 import hostmem
 import lora_cache
@@ -21,17 +20,11 @@ from planners.pin_apply import apply_pin_plan
 from planners.sizes import from_ledger
 from planners.startup import plan_loaded
 
-from .conftest import MiB, mapped_module, write_checkpoint
+from .conftest import MiB, mapped_module, pins_config, write_checkpoint
 from .test_pin_apply import require_mlock
 from .test_whatif_vs_live import write_adapter
 
-CONFIG = """
-deployment: pins-follow
-host: {limit: 2148MiB, reserve: 2GiB, max_pinned: 100%}
-workload: {steps: 2}
-components:
-  dit: {path: dit, layers: "blocks.{i}.", offload: layerwise}
-"""
+CONFIG = pins_config("pins-follow", "2148MiB", "2GiB", text_encoder=False)
 
 
 @pytest.fixture
