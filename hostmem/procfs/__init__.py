@@ -12,7 +12,8 @@ psutil exposes neither smaps' ``Locked`` and ``VmFlags`` nor ``/proc/PID/status`
 
 Modules, each with one job: ``files`` (the page size, paths, reading with errors that
 name the file), ``maps`` (VMAs from maps and smaps), ``status`` (a process's status
-counters and the machine's meminfo), ``stat`` (a process's state, parent and flags),
+counters and the machine's meminfo), ``stat`` (a process's state, parent and flags), ``io`` (its
+bytes read from storage),
 ``mounts`` (which filesystem holds a path) and ``cgroup`` (the memory cgroup, v1 and v2). Names are imported on first use, so a
 command that needs one reader does not pay for the others.
 """
@@ -36,6 +37,7 @@ _EXPORTS = {
     "parse_meminfo": "status",
     "ProcStat": "stat",
     "read_stat": "stat",
+    "read_io_bytes": "io",
     "Mount": "mounts",
     "SHMEM_FS_TYPES": "mounts",
     "read_mounts": "mounts",

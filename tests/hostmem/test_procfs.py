@@ -148,3 +148,17 @@ def test_mapped_areas_place_an_address_as_a_full_read_of_maps_does(tmp_path):
         del mapped
     finally:
         mapping.close()
+
+
+def test_io_bytes_of_this_process_and_another_and_a_gone_one():
+    from hostmem.procfs import ProcReadError, read_io_bytes
+
+    assert read_io_bytes() >= 0
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        assert read_io_bytes(child.pid) >= 0
+    finally:
+        child.kill()
+        child.wait()
+    with pytest.raises(ProcReadError, match=rf"/proc/{child.pid}/io: not found"):
+        read_io_bytes(child.pid)
