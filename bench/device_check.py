@@ -42,17 +42,12 @@ PARTS = ("calibrate", "register", "executor", "shared_build")
 
 def _status() -> dict:
     """VmLck, VmPin and RssAnon of this process, Mlocked of the machine (bytes)."""
-    out = {}
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            key, _, value = line.partition(":")
-            if key in ("VmLck", "VmPin", "RssAnon"):
-                out[key] = int(value.split()[0]) * 1024
-    with open("/proc/meminfo") as handle:
-        for line in handle:
-            if line.startswith("Mlocked:"):
-                out["Mlocked"] = int(line.split()[1]) * 1024
-    return out
+    from hostmem.procfs import parse_meminfo, read_status
+    from hostmem.procfs.files import read_text
+
+    status = read_status()
+    mlocked = parse_meminfo(read_text("/proc/meminfo")).get("Mlocked", 0) * 1024
+    return {"VmLck": status.vm_lck, "VmPin": status.vm_pin, "RssAnon": status.rss_anon, "Mlocked": mlocked}
 
 
 def _delta(before: dict, after: dict) -> dict:

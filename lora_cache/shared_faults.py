@@ -22,6 +22,7 @@ import time
 import warnings
 
 from hostmem.errors import HostmemError
+from hostmem.procfs.stat import read_stat
 
 __all__ = ["RankDiedError", "RankWatch", "cannot_store", "storing", "this_process", "warn_in_place"]
 
@@ -37,11 +38,10 @@ def _started(pid: int) -> int | None:
     """The start time of live process ``pid`` (clock ticks since boot), None once it has
     ended (gone, or a zombie waiting for its parent) or where this process cannot see it."""
     try:
-        with open(f"/proc/{pid}/stat") as handle:
-            fields = handle.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        found = read_stat(pid)
+    except (OSError, IndexError, ValueError):
         return None
-    return None if fields[0] in ("Z", "X", "x") else int(fields[19])
+    return None if found.exited or found.state == "x" else found.start_ticks
 
 
 def this_process() -> tuple[int, int | None]:

@@ -1,4 +1,4 @@
-"""A process's state, parent and flags, from /proc/PID/stat."""
+"""A process's state, parent, flags and start time, from /proc/PID/stat."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ class ProcStat(NamedTuple):
     state: str  # R, S, D, Z (a zombie), X (dead), ...
     ppid: int
     flags: int
+    start_ticks: int  # when it started, clock ticks after boot: with the pid, names one process
 
     @property
     def exited(self) -> bool:
@@ -29,9 +30,9 @@ class ProcStat(NamedTuple):
 
 
 def read_stat(pid: int | None = None) -> ProcStat:
-    """The state, parent pid and flags of a process. The command name (field 2) may hold
+    """The state, parent pid, flags and start time of a process. The command name (field 2) may hold
     spaces and parentheses, so the fields are read after its last ``)``. Raises OSError
     as reading the file does (FileNotFoundError or ProcessLookupError once it is gone)."""
     with open(proc_path(pid, "stat"), "rb") as handle:
         fields = handle.read().rsplit(b")", 1)[1].split()
-    return ProcStat(fields[0].decode(), int(fields[1]), int(fields[6]))
+    return ProcStat(fields[0].decode(), int(fields[1]), int(fields[6]), int(fields[19]))
