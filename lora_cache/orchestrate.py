@@ -30,7 +30,8 @@ from .keys import ModuleIndex, plan_deltas
 from .layer_loop import CacheBuildError, MergeStats, cyclic_gc_paused, merge_layers
 from .layers import AddressSpace, LayerTarget, components_of, is_merged, keep_base, named_parameters, unmerge
 from .merge_math import compute_device
-from .rounding import check_policy, is_stand_in, say, split_lossy
+from .rounding import check_policy, decide, has_values, is_stand_in, say, split_lossy
+from .rounding_memo import RoundingSplit
 from .switching.runtime_lora import apply_runtime
 from .process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
 from .settings import DISABLE_ENV, cache_disabled_by_env
@@ -156,9 +157,12 @@ def open_combination(planned, specs, cache_root=None, *, max_size=None, base_fil
 
 def _open_in(planned, specs, roots: list[str], *, max_size=None, base_files=None, device=None,
              kernels: KernelPlan | None = None, sharding: str = "", rounding: str = "runtime",
-             at_runtime: frozenset[str] = frozenset(), form: dict | None = None) -> OpenCombination:
+             at_runtime: frozenset[str] = frozenset(), form: dict | None = None,
+             lossy: RoundingSplit | None = None) -> OpenCombination:
     """:func:`open_combination` in ``roots`` as :func:`~hostmem.vault.roots.cache_roots` gave
-    them: :func:`merge` resolves its ``cache_root`` once and walks it with that list."""
+    them: :func:`merge` resolves its ``cache_root`` once and walks it with that list.
+    ``lossy``: where given, it decides ``at_runtime`` once the key is known, from the
+    combination's record where there is one (:mod:`lora_cache.rounding_memo`)."""
     targets, files = planned
     host = [t for t in targets if t.current.device.type == "cpu"]
     if kernels is None:
@@ -169,15 +173,21 @@ def _open_in(planned, specs, roots: list[str], *, max_size=None, base_files=None
     keyer = next((v for v in vaults if not v.read_only), vaults[0])  # its memo spares the next start a rehash
     rest = inputs_but_base(keyer, files, specs, {t.current.dtype for t in host}, device, kernels, sharding, rounding,
                            planned=_planned(host) if form is None else form)
-    host = [t for t in host if t.name not in at_runtime]
-    expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in host}
+
+    def expected_layers(key_hex: str | None) -> tuple[list[LayerTarget], dict]:
+        kept = at_runtime if lossy is None else lossy.kept_apart(vaults, key_hex, rest)
+        stored = [t for t in host if t.name not in kept]
+        return stored, {t.name: (tuple(t.current.shape), t.current.dtype) for t in stored}
+
     fold = plan_fold(vaults, shards, *rest)  # a new base: hashed beside the build, when no root can hold it
-    session = fold.open(expected, base_positions(host, fold.paths, space)) if fold is not None else None
-    if session is not None:
-        return OpenCombination(session.key, session.vault.root, session)
+    if fold is not None:
+        stored, expected = expected_layers(None)
+        session = fold.open(expected, base_positions(stored, fold.paths, space))
+        if session is not None:
+            return OpenCombination(session.key, session.vault.root, session)
     wait_for_a_folded_build(vaults, shards, rest)  # one building it still: it names it by the real key soon
     key = cache_key(keyer.base_identity(shards), *rest)  # from the memo where another start hashed it meanwhile
-    vault, session = open_in_roots(vaults, key, expected)
+    vault, session = open_in_roots(vaults, key, expected_layers(key.hex)[1])
     return OpenCombination(key.hex, vault.root, session)
 
 
@@ -261,21 +271,23 @@ def merge(
     kernels = (split.choose_kernels(device, timings) if split is not None  # timed once per machine
                else plan_for_targets(targets, device, timings))
     keyed = targets  # the key covers every target, whichever way it is then served
-    targets, at_runtime, check = split_lossy(targets, rounding)
-    kept_apart = frozenset(t.name for t in at_runtime)
+    lossy = RoundingSplit(targets, rounding)  # decided from the combination's record where one is opened
     shares = None
     if roots and cache_targets:
         if group is not None:  # the ranks of a host first build the misses together
             from .shared_build import build_shares
 
             shares = build_shares(cache_targets, files, specs, roots, max_size, base_files, device, kernels,
-                                  progress, rank_timeout, kept_apart, form)
+                                  progress, rank_timeout, lossy.kept_apart_measured(), form)
         if shares is None or shares.in_place is None:  # else the host's ranks merge in place, warned once each
+            whole = shards is None and group is None  # one process, whole layers: the record decides
             key, root, session_cm = _open_in((keyed, files), specs, roots, max_size=max_size, base_files=base_files,
                                              device=device, kernels=kernels, rounding=rounding, form=form,
-                                             at_runtime=kept_apart)
-            if isinstance(session_cm, FoldedSession):  # the one place the build's read order changes
-                targets = session_cm.in_file_order(targets)
+                                             lossy=lossy if whole else None,
+                                             at_runtime=frozenset() if whole else lossy.kept_apart_measured())
+    targets, at_runtime, check = lossy.decided()
+    if isinstance(session_cm, FoldedSession):  # the one place the build's read order changes
+        targets = session_cm.in_file_order(targets)
     session = None
     try:
         with session_cm as session:
@@ -289,6 +301,7 @@ def merge(
         raise
     if session is not None:  # a folded build's key and root are known once it is sealed
         key, root = session.key, session.vault.root
+    lossy.remember(key)  # measured here: the next start on this key reads the record
     stats.cache_key = key
     stats.cache_root = root
     stats.cache_off = off
@@ -317,8 +330,14 @@ def _merge_planned(model, specs, planned, session, *, rounding: str = "runtime",
     except ValuesNeeded:
         names = {t.name for t in targets} | {t.name for t in at_runtime}
         again = [t for t in plan_targets(model, specs)[0] if t.name in names]
-        targets, at_runtime, check = split_lossy(again, rounding)
+        recorded = check.recorded  # the split the session was opened with stands
+        targets, at_runtime, check = (decide(again, check.lost, check.measured, rounding) if recorded
+                                      else split_lossy(again, rounding))
+        check.recorded = recorded
         stats = merge_layers(targets, session, **options)
+    if not all(map(has_values, at_runtime)):  # decided from a record, planned from conversion records
+        names = {t.name for t in at_runtime}
+        at_runtime = [t for t in plan_targets(model, specs)[0] if t.name in names]
     say(check)
     if at_runtime:  # a checkpoint's tree (hostmem lora merge) has no forward: they are left unbuilt
         apply_runtime([t for t in at_runtime if not is_stand_in(t)])  # refuses before hooking anything

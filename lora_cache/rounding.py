@@ -45,8 +45,8 @@ import torch
 from .layers import LayerTarget
 from .merge_math import Delta, Term, UnsupportedAdapterError, add_terms
 
-__all__ = ["POLICIES", "SAMPLE_ROWS", "THRESHOLD", "RoundingCheck", "RoundingLossError", "check_policy",
-           "is_stand_in", "lost_share", "split_lossy"]
+__all__ = ["POLICIES", "SAMPLE_ROWS", "THRESHOLD", "RoundingCheck", "RoundingLossError", "check_policy", "decide",
+           "has_values", "is_stand_in", "lost_share", "measure", "split_lossy"]
 
 THRESHOLD = 0.05  # share of the update lost from which a layer is lossy (see the module's docstring)
 SAMPLE_ROWS = 32  # rows of each layer the share is measured on
@@ -122,7 +122,8 @@ class RoundingCheck:
     """What the rounding check found for one combination, for :class:`MergeStats` and the report.
 
     ``lost``: share lost by each lossy layer (over :data:`THRESHOLD`); ``at_runtime``:
-    those kept at run time; ``merged_anyway``: those merged although lossy, with why.
+    those kept at run time; ``merged_anyway``: those merged although lossy, with why;
+    ``recorded``: the shares were read from the combination's record, not measured.
     """
 
     policy: str = "runtime"
@@ -131,6 +132,7 @@ class RoundingCheck:
     lost: dict[str, float] = field(default_factory=dict)
     at_runtime: list[str] = field(default_factory=list)
     merged_anyway: dict[str, str] = field(default_factory=dict)
+    recorded: bool = False  # the shares came from the combination's record (lora_cache.rounding_memo)
 
     def summary(self) -> str:
         """Which layers lose how much: the worst few by name, with their shares."""
@@ -156,7 +158,7 @@ class RoundingCheck:
     def to_dict(self) -> dict:
         return {"policy": self.policy, "threshold": self.threshold, "measured": self.measured,
                 "lost": dict(self.lost), "at_runtime": list(self.at_runtime),
-                "merged_anyway": dict(self.merged_anyway)}
+                "merged_anyway": dict(self.merged_anyway), "recorded": self.recorded}
 
 
 def is_stand_in(target: LayerTarget) -> bool:
@@ -170,32 +172,46 @@ def _share(share: float) -> str:
     return f"{share:.0%} lost" if share >= 0 else f"{-share:.0%} gained"
 
 
-def _has_values(target: LayerTarget) -> bool:
+def has_values(target: LayerTarget) -> bool:
     """False for a target planned from a conversion record (its factors are on the meta device)."""
     return all(t is None or t.device.type != "meta"
                for d in target.deltas for t in (d.up, d.down, d.diff))
 
 
-def split_lossy(targets: list[LayerTarget],
-                policy: str = "runtime") -> tuple[list[LayerTarget], list[LayerTarget], RoundingCheck]:
-    """``(to merge, to keep at run time, what was found)`` for ``targets`` under ``policy``.
+def measure(targets: list[LayerTarget]) -> tuple[dict[str, float], int, bool]:
+    """``(share lost by each lossy target, targets measured, every target had values)``.
 
     Targets without values (planned from a conversion record: see
     :mod:`lora_cache.adapters.conversion_memo`) are not measured; the merge measures them
     once their values are read (every lossy layer is a miss, never stored under the
-    ``runtime`` policy). ``refuse`` raises :class:`RoundingLossError` naming the layers.
-    """
+    ``runtime`` policy)."""
+    lost, measured, whole = {}, 0, True
+    for target in targets:
+        if not has_values(target):
+            whole = False
+            continue
+        measured += 1
+        share = lost_share(target)
+        if abs(share) > THRESHOLD:
+            lost[target.name] = share
+    return lost, measured, whole
+
+
+def decide(targets: list[LayerTarget], lost: dict[str, float], measured: int,
+           policy: str = "runtime") -> tuple[list[LayerTarget], list[LayerTarget], RoundingCheck]:
+    """``(to merge, to keep at run time, what was found)`` for ``targets`` whose lossy ones
+    lose ``lost`` (:func:`measure`'s, or a record of it: :mod:`lora_cache.rounding_memo`).
+    A lossy layer run time cannot express in this model is merged anyway, said so;
+    ``refuse`` raises :class:`RoundingLossError` naming the layers."""
     from .switching.runtime_lora import unsupported_reason
 
-    check = RoundingCheck(check_policy(policy))
+    check = RoundingCheck(check_policy(policy), measured=measured)
     to_merge, at_runtime = [], []
     for target in targets:
-        share = lost_share(target) if _has_values(target) else 0.0
-        check.measured += _has_values(target)
-        if abs(share) <= THRESHOLD:
+        if target.name not in lost:
             to_merge.append(target)
             continue
-        check.lost[target.name] = share
+        check.lost[target.name] = lost[target.name]
         if policy == "refuse":
             continue
         reason = unsupported_reason(target) if policy == "runtime" else None
@@ -210,6 +226,15 @@ def split_lossy(targets: list[LayerTarget],
             f"lora merge refused (rounding='refuse'): {check.summary()}; nothing was merged. Pass "
             "rounding='runtime' to keep those layers at run time, or rounding='merge' to merge them anyway")
     return to_merge, at_runtime, check
+
+
+def split_lossy(targets: list[LayerTarget],
+                policy: str = "runtime") -> tuple[list[LayerTarget], list[LayerTarget], RoundingCheck]:
+    """``(to merge, to keep at run time, what was found)`` for ``targets`` under ``policy``:
+    :func:`measure`, then :func:`decide`."""
+    check_policy(policy)
+    lost, measured, _ = measure(targets)
+    return decide(targets, lost, measured, policy)
 
 
 def say(check: RoundingCheck) -> None:

@@ -3,7 +3,9 @@
 A provider may keep small records under the cache, one JSON file per input it has
 seen, that let a later start skip work on that input (the LoRA merge cache's
 ``conversions/``: what converting an adapter file produced, so that a start whose every
-layer is cached plans without converting). Each record names the content digest of the
+layer is cached plans without converting; ``rounding/``: which layers of a combination
+lose their update to rounding, so that a start on a cached combination does not measure
+them again). Each record names the content digest of the
 input it describes (``"digest"``, as the combinations' manifests name their inputs).
 A record only serves starts whose combination is cached, so once no combination left
 under the cache names its digest, the record is dead weight: :func:`stale_records`
@@ -26,11 +28,12 @@ from .combinations import Combination
 from .durable import TMP_PREFIX
 from .safety import check_folder_safe, read_trusted
 
-__all__ = ["CONVERSIONS", "RECORD_FOLDERS", "FRESH_SECONDS", "StaleRecord", "check_record_folders", "input_digests",
+__all__ = ["CONVERSIONS", "ROUNDING", "RECORD_FOLDERS", "FRESH_SECONDS", "StaleRecord", "check_record_folders", "input_digests",
            "records_under", "stale_records"]
 
 CONVERSIONS = "conversions"  # lora_cache.adapters.conversion_memo's
-RECORD_FOLDERS = (CONVERSIONS,)  # folders of records under the cache folder
+ROUNDING = "rounding"  # lora_cache.rounding_memo's
+RECORD_FOLDERS = (CONVERSIONS, ROUNDING)  # folders of records under the cache folder
 FRESH_SECONDS = 3600
 _LARGEST = 64 * 1024 * 1024  # a record larger than this is not one
 

@@ -25,13 +25,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 
 import torch
 
-from hostmem.vault.durable import durable_write, read_small
 from hostmem.vault.records import CONVERSIONS
-from hostmem.vault.safety import VaultError, check_folder_safe, make_private_dir
+from hostmem.vault.shelf import Shelf
 
 __all__ = ["ConversionMemo", "ValuesNeeded", "NoValues", "record_of", "skeleton_of"]
 
@@ -131,7 +129,8 @@ class ConversionMemo:
         from hostmem.vault import Vault
 
         self.vaults = [Vault(root) for root in roots]
-        self.writable = next((v for v in self.vaults if not v.read_only), None)
+        self._shelf = Shelf(self.vaults, FOLDER)
+        self.writable = self._shelf.writable
         self._digests: dict[str, str] = {}  # record name -> the digest of the file it describes
 
     def key(self, path: str, converter: str, components: tuple[str, ...], alpha: float | None = None) -> str:
@@ -148,26 +147,9 @@ class ConversionMemo:
 
     def load(self, key: str) -> dict | None:
         """The record named ``key`` from the first root that holds a readable one, else None."""
-        for vault in self.vaults:
-            folder = os.path.join(vault.cache, FOLDER)
-            try:
-                check_folder_safe(folder)  # ours (or root's) and private, as the cache's own folders
-                record = json.loads(read_small(os.path.join(folder, f"{key}.json")))
-            except (OSError, VaultError, ValueError):
-                continue
-            if _valid(record):
-                return record
-        return None
+        return self._shelf.load(key, _valid)
 
     def store(self, key: str, record: dict) -> None:
         """Write ``record`` into the first writable root (a hint: where it cannot be
         written, the next start converts again)."""
-        if self.writable is None:
-            return
-        folder = os.path.join(self.writable.cache, FOLDER)
-        named = {**record, "digest": self._digests[key]} if key in self._digests else record
-        try:
-            make_private_dir(folder)
-            durable_write(os.path.join(folder, f"{key}.json"), json.dumps(named).encode())
-        except (OSError, VaultError):
-            pass
+        self._shelf.store(key, {**record, "digest": self._digests[key]} if key in self._digests else record)
