@@ -142,8 +142,12 @@ def _records(cache: str | None, combos) -> dict:
             stale = stale_records(cache, combos, found=found)  # the same scan
     except (OSError, VaultError) as exc:
         problem = str(exc)
+    kinds: dict[str, int] = {}
+    for path, _ in found:
+        kind = os.path.basename(os.path.dirname(path))
+        kinds[kind] = kinds.get(kind, 0) + 1
     records = {"count": len(found), "bytes": sum(st.st_size for _, st in found), "stale": len(stale),
-               "stale_bytes": sum(r.bytes for r in stale)}
+               "stale_bytes": sum(r.bytes for r in stale), "kinds": kinds}
     return records if problem is None else {**records, "problem": problem}
 
 
@@ -152,7 +156,8 @@ def _records_line(records: dict) -> str | None:
         return f"records: {records['problem']}"
     if not records["count"]:
         return None
-    line = f"records: {records['count']} conversion record(s), {format_size(records['bytes'])}"
+    kinds = ", ".join(f"{count} {kind.removesuffix('s')}" for kind, count in sorted(records.get("kinds", {}).items()))
+    line = f"records: {records['count']} ({kinds}), {format_size(records['bytes'])}"
     if records["stale"]:
         line += (f"; {records['stale']} of them ({format_size(records['stale_bytes'])}) no combination needs: "
                  "`hostmem cache prune` removes them")

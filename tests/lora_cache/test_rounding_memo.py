@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 
@@ -107,3 +108,24 @@ lora:
     x = torch.ones(8, DIM, dtype=torch.bfloat16)
     base = model.turbo.weight  # the mapped base: its terms are added at run time
     assert relative_error(model.turbo(x), fp32_reference(base, changes["turbo"], x)) < BF16_EPS
+
+
+def test_ls_counts_the_record_and_prune_removes_it_with_its_last_combination(tmp_path, capsys):
+    from hostmem.vault.records import FRESH_SECONDS
+
+    path, _ = adapter(tmp_path)
+    root = str(tmp_path / "cache")
+    model, built = _start(tmp_path, path, root)
+    file = _record(root, built.cache_key)
+    capsys.readouterr()
+    assert main(["cache", "ls", "--root", root]) == 0
+    assert "(1 conversion" not in (out := capsys.readouterr().out) and "records: 1 (1 rounding)" in out, out
+    aged = os.stat(file).st_mtime - FRESH_SECONDS - 60
+    os.utime(file, (aged, aged))
+    assert main(["cache", "prune", "--root", root]) == 0 and os.path.exists(file)  # its combination is still there
+    del model  # its weights are views of the combination: it stays in use while they live
+    gc.collect()
+    assert main(["cache", "rm", "--root", root, built.cache_key[:12]]) == 0
+    capsys.readouterr()
+    assert main(["cache", "prune", "--root", root]) == 0
+    assert "removed 1 record(s)" in capsys.readouterr().out and not os.path.exists(file)

@@ -158,10 +158,10 @@ def test_prune_removes_the_records_no_combination_left_needs(tmp_path, capsys):
     os.unlink(os.path.join(cache, gone.hex, "manifest.json"))  # an interrupted build: prune removes it
 
     code, out, _ = cli(capsys, "cache", "ls", "--root", root)  # ls says what prune would take
-    assert code == 0 and "records: 4 conversion record(s)" in out and "2 of them" in out  # gone names no inputs now
+    assert code == 0 and "records: 4 (4 conversion)" in out and "2 of them" in out  # gone names no inputs now
     code, out, _ = cli(capsys, "cache", "ls", "--root", root, "--json")
     listed = json.loads(out)["records"]
-    assert (listed["count"], listed["stale"]) == (4, 2) and listed["bytes"] > listed["stale_bytes"] > 0
+    assert (listed["count"], listed["stale"], listed["kinds"]) == (4, 2, {"conversions": 4}) and listed["bytes"] > listed["stale_bytes"] > 0
 
     code, out, _ = cli(capsys, "cache", "prune", "--root", root, "--dry-run")
     assert code == 0 and f"would remove {gone.short}" in out
@@ -174,7 +174,7 @@ def test_prune_removes_the_records_no_combination_left_needs(tmp_path, capsys):
     assert sorted(os.listdir(records)) == sorted(f"{names[t]}.json" for t in ("kept", "fresh"))
     assert ConversionMemo([root]).load(names["kept"]) is not None  # what stays still serves
     code, out, _ = cli(capsys, "cache", "ls", "--root", root)
-    assert "records: 2 conversion record(s)" in out and "no combination needs" not in out
+    assert "records: 2 (2 conversion)" in out and "no combination needs" not in out
 
 
 def test_prune_never_follows_a_records_folder_that_is_a_link(tmp_path, capsys):
