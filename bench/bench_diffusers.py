@@ -17,7 +17,11 @@ Ratios judged (floors from the issue): hostmem's peak anonymous growth on a star
 by the cache / diffusers' <= 0.02 (the first start's, which holds one layer's merge
 buffers while it builds, is shown beside it), and the hit's merge time / diffusers' LoRA
 load + fuse time <= 0.1 (the shared ``from_pretrained`` is shown beside them, not in the
-ratio). Every library is imported before the tracker starts.
+ratio). Every library is imported before the tracker starts. The steps that make one
+meaning of an adapter file (:data:`CANONICAL_STEPS`: the converter's probe, the canonical
+form's digest, the rounding measure) are timed inside hostmem's starts and shown as
+their share of the start (goal: <= 0.02 of a first start; on a hit, the record spares
+the measure).
 
     .venv/bin/python bench/bench_diffusers.py            # >= 1 GiB (a few minutes; not in run_all)
     .venv/bin/python bench/bench_diffusers.py --quick    # 64 MiB smoke run
@@ -99,10 +103,37 @@ def _peft(folder: str, lora: str) -> float:
     return time.perf_counter() - start
 
 
+# The steps one meaning per adapter file added to a start: the converter's probe (every key
+# accounted for), the canonical form's digest (one key per meaning), the rounding measure.
+CANONICAL_STEPS = (("lora_cache.adapters.diffusers_format", "dropped_by_converter"),
+                   ("lora_cache.combination", "adapter_forms"), ("lora_cache.rounding_memo", "measure"))
+PHASES: dict[str, float] = {}
+
+
+def _timed_steps() -> None:
+    """Time each of :data:`CANONICAL_STEPS` where a start calls it (its module's own name
+    for it), into :data:`PHASES`: the canonical form's share of a start, measured in it."""
+    import importlib
+
+    for module_name, name in CANONICAL_STEPS:
+        module = importlib.import_module(module_name)
+        step = getattr(module, name)
+
+        def timed(*args, _step=step, _name=name, **kwargs):
+            started = time.perf_counter()
+            try:
+                return _step(*args, **kwargs)
+            finally:
+                PHASES[_name] = PHASES.get(_name, 0.0) + time.perf_counter() - started
+
+        setattr(module, name, timed)
+
+
 def _hostmem(folder: str, lora: str) -> float:
     import lora_cache
 
     model = _load(folder)
+    _timed_steps()
     start = time.perf_counter()
     lora_cache.merge(model, [(lora, 1.0)], cache_root=os.path.join(folder, "cache"), progress=False)
     return time.perf_counter() - start
@@ -129,7 +160,8 @@ def run_scenario(name: str, folder: str, lora: str) -> dict:
     start = time.perf_counter()
     with hostmem.track_peak_anon() as peak:
         merge_s = SCENARIOS[name](folder, lora)
-    return {"growth_bytes": peak.growth_bytes, "total_s": time.perf_counter() - start, "merge_s": merge_s}
+    return {"growth_bytes": peak.growth_bytes, "total_s": time.perf_counter() - start, "merge_s": merge_s,
+            "canonical_steps_s": dict(PHASES)}
 
 
 def run_remap(folder: str) -> dict:
@@ -167,6 +199,8 @@ def main() -> None:
     growth_ratio = results["hostmem hit"]["growth_bytes"] / max(1, base["growth_bytes"])
     first_ratio = results["hostmem first"]["growth_bytes"] / max(1, base["growth_bytes"])
     hit_ratio = results["hostmem hit"]["merge_s"] / base["merge_s"]
+    canonical = {name: sum(results[name]["canonical_steps_s"].values()) / results[name]["total_s"]
+                 for name in ("hostmem first", "hostmem hit")}
     lines = [f"model {format_size(model_bytes)} bf16 (shallow Flux), rank-{RANK} LoRA on every double-block linear"]
     lines += [f"{name:14s} peak anon growth {format_size(r['growth_bytes']):>10s}  LoRA {r['merge_s']:6.2f} s  "
               f"load + LoRA {r['total_s']:6.2f} s" for name, r in results.items()]
@@ -174,10 +208,13 @@ def main() -> None:
               f"{format_size(remapped['anonymous_after'])} in {remapped['remap_s']:.2f} s",
               f"hostmem growth / diffusers: hit {growth_ratio:.3f} (floor <= 0.02), first start {first_ratio:.3f} "
               "(its one-layer merge buffers)",
-              f"hostmem hit LoRA time / diffusers load_lora_weights + fuse_lora: {hit_ratio:.3f} (floor <= 0.1)"]
+              f"hostmem hit LoRA time / diffusers load_lora_weights + fuse_lora: {hit_ratio:.3f} (floor <= 0.1)",
+              "canonical form's steps (converter probe, form digest, rounding measure) / load + LoRA: first start "
+              f"{canonical['hostmem first']:.4f} (goal <= 0.02), hit {canonical['hostmem hit']:.4f}"]
     report("diffusers", lines, {"model_bytes": model_bytes, "scenarios": results, "remap": remapped,
                                 "growth_ratio": growth_ratio, "first_start_growth_ratio": first_ratio,
-                                "hit_time_ratio": hit_ratio})
+                                "hit_time_ratio": hit_ratio, "canonical_share_first": canonical["hostmem first"],
+                                "canonical_share_hit": canonical["hostmem hit"]})
 
 
 if __name__ == "__main__":
