@@ -38,10 +38,11 @@ from __future__ import annotations
 
 import math
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
+
+from hostmem.torch_threads import one_thread
 
 from .layers import LayerTarget
 from .merge_math import Delta, Term, UnsupportedAdapterError, add_terms
@@ -179,20 +180,7 @@ def has_values(target: LayerTarget) -> bool:
                for d in target.deltas for t in (d.up, d.down, d.diff))
 
 
-@contextmanager
-def _one_thread():
-    """Run the measure on this thread alone: its blocks are a few KiB, so a thread pool's
-    wake-ups cost more than they compute (on a busy host, 50 times more: 0.5 s against
-    7 ms for 56 layers)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-@_one_thread()
+@one_thread()  # blocks of a few KiB: a thread pool's wake-ups cost more than they compute
 def measure(targets: list[LayerTarget]) -> tuple[dict[str, float], int, bool]:
     """``(share lost by each lossy target, targets measured, every target had values)``.
 

@@ -47,6 +47,7 @@ from ..safetensors.header import read_header
 from ..safetensors.mapping import open_readonly
 from .same_bytes import same_bytes
 from ..slots import MappedAreas, TensorSlot, iter_module_slots, model_components
+from ..torch_threads import one_thread
 from ..units import format_size
 
 __all__ = ["RemapReport", "remap", "REASONS", "CheckpointIndex", "component_files"]
@@ -205,19 +206,6 @@ def _unique(sources) -> list[_Source]:
     return out
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """Compare on one thread: a memory-bound pass gains nothing from more, and torch's
-    thread pool stalls at every operation's barrier when the cores are busy (measured
-    with load 7 on 2 cores: 2 MiB compared in 30 ms on 2 threads, 1.4 ms on one)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _is_plain(tensor: torch.Tensor) -> bool:
     return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.is_contiguous()
 
@@ -324,7 +312,7 @@ def _remap_all(model, files, report: RemapReport, spill: bool) -> list:
     indexes: dict[tuple[str, ...], CheckpointIndex] = {}
     areas = MappedAreas()
     pending = []
-    with _one_thread():
+    with one_thread():  # memory-bound: one thread, and no barrier stalls on a busy host
         for component, slot in iter_module_slots(model):
             shards = tuple(shards_of[component])
             if shards not in indexes:

@@ -165,20 +165,27 @@ def test_set_adapters_keeps_the_lossy_layer_at_run_time_and_shares_merges_combin
     assert torch.equal(fresh.turbo(x), x @ base.T)  # back to the base: the run-time terms are off
 
 
-def test_hostmem_lora_merge_says_the_loss_and_takes_the_policy(tmp_path, capsys):
-    base_model(tmp_path)  # writes base.safetensors
-    path, _ = adapter(tmp_path)
-    config = tmp_path / "deploy.yaml"
-    config.write_text(f"""
+def write_config(folder, path, root) -> str:
+    """A deployment of the base under ``folder`` with the adapter ``path``, cached in ``root``."""
+    config = os.path.join(folder, "deploy.yaml")
+    with open(config, "w") as handle:
+        handle.write(f"""
 deployment: turbo
 host: {{limit: 8GiB, reserve: 1GiB}}
 workload: {{steps: 4}}
 components:
-  dit: {{path: {tmp_path / 'base.safetensors'}, offload: layerwise, layers: "blocks.{{i}}."}}
+  dit: {{path: {os.path.join(folder, 'base.safetensors')}, offload: layerwise, layers: "blocks.{{i}}."}}
 lora:
   adapters: [{{path: {path}, strength: 1.0}}]
-  cache: {{root: {tmp_path / 'cache'}, enabled: true}}
+  cache: {{root: {root}, enabled: true}}
 """)
+    return config
+
+
+def test_hostmem_lora_merge_says_the_loss_and_takes_the_policy(tmp_path, capsys):
+    base_model(tmp_path)  # writes base.safetensors
+    path, _ = adapter(tmp_path)
+    config = write_config(tmp_path, path, tmp_path / "cache")
     with pytest.warns(UserWarning, match="kept at run time"):
         assert main(["lora", "merge", str(config)]) == 0
     out = capsys.readouterr().out

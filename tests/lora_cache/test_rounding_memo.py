@@ -12,7 +12,8 @@ import torch
 import lora_cache
 from lora_cache.rounding_memo import MEASURE
 from planners.cli import main
-from tests.lora_cache.test_rounding import BF16_EPS, DIM, adapter, base_model, fp32_reference, relative_error
+from tests.lora_cache.test_rounding import (BF16_EPS, DIM, adapter, base_model, fp32_reference, relative_error,
+                                            write_config)
 
 LOSSY = "kept at run time"
 
@@ -85,17 +86,7 @@ def test_an_image_built_with_hostmem_lora_merge_is_served_whole_from_its_read_on
     base_model(tmp_path)  # writes base.safetensors
     path, changes = adapter(tmp_path)
     image = tmp_path / "image"
-    config = tmp_path / "deploy.yaml"
-    config.write_text(f"""
-deployment: turbo
-host: {{limit: 8GiB, reserve: 1GiB}}
-workload: {{steps: 4}}
-components:
-  dit: {{path: {tmp_path / 'base.safetensors'}, offload: layerwise, layers: "blocks.{{i}}."}}
-lora:
-  adapters: [{{path: {path}, strength: 1.0}}]
-  cache: {{root: {image}, enabled: true}}
-""")
+    config = write_config(tmp_path, path, image)
     with pytest.warns(UserWarning, match=LOSSY):
         assert main(["lora", "merge", str(config)]) == 0
     baked = read_only_copy(str(image))
