@@ -17,6 +17,7 @@ import torch
 
 from hostmem.safetensors.mapping import SafetensorsError, open_readonly
 
+from ..key_names import KNOWN_PARTS as _KNOWN_PARTS, split_key as _split_key
 from ..merge_math import refuse_unsupported
 from .alpha import AlphaSources, PeftConfig, diffusers_metadata, header_alpha, network_alpha, peft_config_from
 from .checks import FiniteCheck, check_change
@@ -25,24 +26,6 @@ from .spec import AdapterError
 __all__ = ["AdapterFile", "ModuleChange", "build_adapter_file", "open_adapter", "peft_config_path", "read_adapter",
            "resolve_file"]
 
-# Suffix -> role, longest first so "lora_down.weight" wins over a bare "weight".
-_ROLES = (
-    ("lora_A.weight", "down"),
-    ("lora_A.default.weight", "down"),  # peft's adapter-name infix, as DiffSynth-Studio writes it
-    ("lora_down.weight", "down"),
-    ("down.weight", "down"),  # XLabs (``proj_lora1.down.weight``), diffusers' older ``lora.down.weight``
-    ("lora_B.weight", "up"),
-    ("lora_B.default.weight", "up"),
-    ("lora_up.weight", "up"),
-    ("up.weight", "up"),
-    ("lora_B.bias", "up_b"),  # peft's lora_bias: diffusers turns ComfyUI's diff_b into it
-    ("diff_b", "diff_b"),
-    ("alpha", "alpha"),
-    ("diff", "diff"),
-    ("lora_magnitude_vector", "magnitude"),  # peft's DoRA (merged as peft merges it: lora_cache.merge_math)
-)
-_KNOWN_PARTS = ("lora_A/lora_B(.default).weight, lora_B.bias, lora_down/lora_up.weight, down/up.weight, alpha, diff, "
-                "diff_b, lora_magnitude_vector")
 # The file a trainer's folder holds: peft's save_pretrained, diffusers' save_lora_weights.
 _FOLDER_FILES = ("adapter_model.safetensors", "pytorch_lora_weights.safetensors")
 # The files peft's save_pretrained writes beside its adapter_config.json: the config is theirs alone.
@@ -127,13 +110,6 @@ class AdapterFile:
     def key_extras(self) -> dict:
         """Inputs of the merged bytes beyond the file's content (the converter, when one ran)."""
         return {} if self.converter is None else {"converter": self.converter}
-
-
-def _split_key(key: str) -> tuple[str, str] | None:
-    for suffix, role in _ROLES:
-        if key.endswith("." + suffix):
-            return key[: -len(suffix) - 1], role
-    return None
 
 
 def peft_config_path(path: str) -> str | None:
