@@ -7,23 +7,28 @@ header says it all: each key splits into a stem and a part (:func:`lora_cache.ke
 each stem names a module by the resolver the merge uses (:func:`lora_cache.key_names.resolve_stem`),
 and the parts' shapes say which weight or bias changes and whether it fits.
 
-Anything this reading cannot decide as the full reader would is handed back with the
-reason (:class:`NeedsReader`), and the caller reads the file with torch: a folder a
-trainer wrote, an ``adapter_config.json`` beside the file (peft's ranks, alphas and
-saved modules), a part this module does not know, a malformed or unmatched key, a rule
-that places a change on rows of a fused weight, two keys on one module. So the fast
-path never gives other names than the merge would; at worst it is not taken. Values
-are not read here: NaN checks and alpha conflicts are the merge's, before it writes.
+A folder a trainer wrote names its file as it does for the reader
+(:mod:`lora_cache.adapter_paths`); peft's ``adapter_config.json`` changes no name (its
+ranks and alphas scale values), so it is only read to see that it parses and asks for
+neither DoRA nor saved modules. Anything this reading cannot decide as the full reader
+would is handed back with the reason (:class:`NeedsReader`), and the caller reads the
+file with torch: a config with DoRA or saved modules, a part this module does not know,
+a malformed or unmatched key, a rule that places a change on rows of a fused weight,
+two keys on one module. So the fast path never gives other names than the merge would;
+at worst it is not taken. Values are not read here: NaN checks, ranks against peft's
+config and alpha conflicts are the merge's, before it writes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 
 from hostmem.errors import HostmemError
 from hostmem.safetensors.header import SafetensorsError, read_header
 
+from .adapter_paths import adapter_file_in, peft_config_path
 from .key_names import KeyResolutionError, KeyRule, ModuleIndex, resolve_stem, split_key
 
 __all__ = ["NeedsReader", "header_targets"]
@@ -79,12 +84,12 @@ def _spec(adapter) -> tuple[str, list[KeyRule]]:
     raise NeedsReader(f"adapter {adapter!r}: given as an object; its reader checks it")
 
 
-def _stems(path: str) -> dict[str, dict]:
-    """``{stem: {role: TensorInfo}}`` of a plain adapter file's header."""
-    if os.path.isdir(path):
-        raise NeedsReader(f"{path}: a folder; the reader picks the file in it")
-    if os.path.exists(os.path.join(os.path.dirname(path), "adapter_config.json")):
-        raise NeedsReader(f"{path}: an adapter_config.json beside it (peft's ranks and alphas)")
+def _stems(given: str) -> dict[str, dict]:
+    """``{stem: {role: TensorInfo}}`` of the header of the adapter file ``given`` names."""
+    path, why = adapter_file_in(given)
+    if path is None:
+        raise NeedsReader(why)
+    _check_peft_config(path)
     try:
         tensors = read_header(path).tensors
     except (SafetensorsError, OSError) as exc:
@@ -98,6 +103,21 @@ def _stems(path: str) -> dict[str, dict]:
             raise NeedsReader(f"{path}: key {key!r} is no part this reading knows")
         stems.setdefault(split[0], {})[split[1]] = info
     return stems
+
+
+def _check_peft_config(path: str) -> None:
+    """peft's config beside its file changes no name, but DoRA and saved modules do what
+    only the reader checks; a config that does not parse goes to the reader too."""
+    config = peft_config_path(path)
+    if config is None:
+        return
+    try:
+        with open(config, encoding="utf-8") as handle:
+            raw = json.load(handle)
+    except (OSError, ValueError) as exc:
+        raise NeedsReader(f"{config}: {exc}") from None
+    if not isinstance(raw, dict) or raw.get("use_dora") or raw.get("modules_to_save"):
+        raise NeedsReader(f"{config}: DoRA or modules_to_save, which the reader checks")
 
 
 def _module(path: str, stem: str, rules: list[KeyRule], index: ModuleIndex) -> str:

@@ -6,7 +6,7 @@ how many bytes each of those weights holds. The names are resolved by the same c
 the merge runs (:func:`lora_cache.provider.target_layers`, through the one resolver of
 :mod:`lora_cache.key_names`), so ``--what-if in-place`` predicts the bytes a merge will
 actually write. The common layouts are read from the adapters' headers without torch;
-an adapter only the full reader can take (a peft folder with its config, a rule on rows
+an adapter only the full reader can take (a peft config asking for DoRA, a rule on rows
 of a fused weight, a malformed key) is read with torch, and the plan says so.
 """
 

@@ -56,6 +56,8 @@ def _layouts(tmp_path):
             for p, t in (("A", c["down"]), ("B", c["up"]))}),
         "diffusers": write_safetensors(tmp_path / "diffusers.safetensors", peft_keys),
         "conv": write_adapter(tmp_path / "conv.safetensors", "kohya", conv),
+        "peft folder": write_adapter(tmp_path / "peft", "peft",  # save_pretrained's file and config
+                                     {m: lora_change(32, 16, 4, i) for i, m in enumerate(MODULES[2:])}),
     }
 
 
@@ -84,11 +86,19 @@ def test_a_rule_to_a_whole_module_is_taken_and_agrees(tmp_path):
     assert header_targets(spec, _shapes(shards)) == ("blocks.1.attn.to_k.weight",) == _reader_names(shards, spec)
 
 
+def _two_files(folder) -> str:
+    for name in ("a", "b"):
+        write_adapter(folder / f"{name}.safetensors", "kohya", {MODULES[0]: lora_change(32, 16, 4, 0)})
+    return str(folder)
+
+
 def test_what_only_the_reader_can_tell_goes_to_the_reader(tmp_path):
     shards = _checkpoint(tmp_path)
     shapes = _shapes(shards)
     cases = {
-        "a folder": write_adapter(tmp_path / "peft", "peft", {MODULES[0]: lora_change(32, 16, 4, 0)}),
+        "a folder naming no file": _two_files(tmp_path / "two"),
+        "peft's DoRA": write_adapter(tmp_path / "dora", "peft", {MODULES[0]: lora_change(32, 16, 4, 0)},
+                                     config={"use_dora": True}),
         "an unknown part": write_safetensors(tmp_path / "loha.safetensors", {
             "lora_unet_blocks_0_attn_to_q.hada_w1_a": torch.ones(4, 16)}),
         "a key naming no module": write_adapter(tmp_path / "miss.safetensors", "kohya",
@@ -101,7 +111,7 @@ def test_what_only_the_reader_can_tell_goes_to_the_reader(tmp_path):
                                                          {MODULES[0]: lora_change(32, 16, 4, 0)}),
                                    "rules": [{"match": "^.*to_q$", "replace": "blocks.0.attn.qkv[0:32]"}]},
     }
-    reasons = {"a folder": "a folder", "an unknown part": "no part", "a key naming no module": "names no module",
+    reasons = {"a folder naming no file": "a folder without", "peft's DoRA": "DoRA", "an unknown part": "no part", "a key naming no module": "names no module",
                "a pair of another size": "does not fit", "a lone down": "lacks a matrix",
                "rows of a fused weight": "rows of a fused weight"}
     for what, spec in cases.items():

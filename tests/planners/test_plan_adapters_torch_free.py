@@ -37,7 +37,8 @@ print(json.dumps({"exit": code, "torch": "torch" in sys.modules}), file=sys.stde
 
 
 def _deployment(tmp_path) -> str:
-    """A 12-block checkpoint of 1 MiB weights, a kohya and a ComfyUI adapter, a config by path."""
+    """A 12-block checkpoint of 1 MiB weights, a kohya and a ComfyUI adapter and a peft folder,
+    a config by path."""
     tensors = {f"blocks.{i}.{w}.weight": torch.zeros(512, 1024, dtype=torch.bfloat16)
                for i in range(12) for w in ("attn", "mlp")}
     write_safetensors(tmp_path / "dit" / "model.safetensors", tensors)
@@ -45,11 +46,12 @@ def _deployment(tmp_path) -> str:
                   {f"blocks.{i}.attn": lora_change(512, 1024, 4, i) for i in range(0, 12, 2)})
     write_adapter(tmp_path / "turbo.safetensors", "comfyui",
                   {f"blocks.{i}.mlp": lora_change(512, 1024, 4, i) for i in range(3)})
+    write_adapter(tmp_path / "detail", "peft", {f"blocks.{i}.mlp": lora_change(512, 1024, 4, i) for i in (3, 4)})
     config = tmp_path / "deploy.yaml"
     config.write_text(
         "deployment: t\nhost: {limit: 64MiB, reserve: 8MiB}\nworkload: {steps: 4}\n"
         "components:\n  dit: {path: dit, layers: \"blocks.{i}.\", offload: layerwise}\n"
-        "lora: {adapters: [{path: style.safetensors}, {path: turbo.safetensors, strength: 0.5}],"
+        "lora: {adapters: [{path: style.safetensors}, {path: turbo.safetensors, strength: 0.5}, {path: detail}],"
         " cache: {root: cache}}\n"
     )
     return str(config)
@@ -74,6 +76,6 @@ def test_plan_by_path_with_adapters_reads_headers_without_torch_and_agrees_with_
         assert not any("read with torch" in w for w in fast.pop("warnings"))
         assert fast == slow
     plan, _ = _plan("headers", config, "--what-if", "in-place")
-    # 6 attn + 3 mlp weights of 1 MiB: the targets the two adapters name, merged in place
-    assert plan["components"]["dit"]["lora_target_bytes"] == 9 * 1024 * 1024
-    assert plan["budget"]["committed_bytes"] == 9 * 1024 * 1024
+    # 6 attn + 5 mlp weights of 1 MiB: the targets the three adapters name, merged in place
+    assert plan["components"]["dit"]["lora_target_bytes"] == 11 * 1024 * 1024
+    assert plan["budget"]["committed_bytes"] == 11 * 1024 * 1024
