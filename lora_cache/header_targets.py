@@ -22,6 +22,7 @@ config and alpha conflicts are the merge's, before it writes.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable
 
@@ -140,7 +141,7 @@ def _changed_params(path: str, stem: str, module: str, parts: dict, index: Modul
         raise NeedsReader(f"{path}: {stem!r} lacks a matrix of its pair")
     if any(info.dtype not in _FLOATS for role, info in parts.items() if role != "alpha"):
         raise NeedsReader(f"{path}: {stem!r} has a part that is not floating point")
-    if "alpha" in parts and _numel(parts["alpha"].shape) != 1:
+    if "alpha" in parts and math.prod(parts["alpha"].shape) != 1:
         raise NeedsReader(f"{path}: {stem!r} has an alpha of more than one value")
     weight = None
     if up is not None:
@@ -161,15 +162,9 @@ def _product_shape(path: str, stem: str, up: tuple, down: tuple, magnitude) -> t
     """The shape of ``up @ down`` (linear, or conv with a 1x1 up kernel)."""
     fits = (len(up) in (2, 4) and len(down) in (2, 4) and down[0] > 0 and up[1] == down[0]
             and (len(up) == 2 or tuple(up[2:]) == (1, 1)))
-    if magnitude is not None and (len(magnitude.shape) < 1 or _numel(magnitude.shape) != up[0]):
+    if fits and magnitude is not None and math.prod(magnitude.shape) != up[0]:
         fits = False
     if not fits:
         raise NeedsReader(f"{path}: {stem!r} has factors that do not multiply as a LoRA pair")
     return (up[0], *down[1:])
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    total = 1
-    for size in shape:
-        total *= size
-    return total

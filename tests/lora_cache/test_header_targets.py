@@ -56,6 +56,10 @@ def _layouts(tmp_path):
             for p, t in (("A", c["down"]), ("B", c["up"]))}),
         "diffusers": write_safetensors(tmp_path / "diffusers.safetensors", peft_keys),
         "conv": write_adapter(tmp_path / "conv.safetensors", "kohya", conv),
+        "dora keys": write_safetensors(tmp_path / "dora.safetensors", {
+            f"base_model.model.{MODULES[0]}.lora_A.weight": pair[MODULES[0]]["down"],
+            f"base_model.model.{MODULES[0]}.lora_B.weight": pair[MODULES[0]]["up"],
+            f"base_model.model.{MODULES[0]}.lora_magnitude_vector": torch.ones(32)}),
         "peft folder": write_adapter(tmp_path / "peft", "peft",  # save_pretrained's file and config
                                      {m: lora_change(32, 16, 4, i) for i, m in enumerate(MODULES[2:])}),
     }
@@ -133,3 +137,24 @@ def test_target_layers_reads_headers_alone_for_a_common_layout(tmp_path):
     assert found.names == _reader_names(shards, [path])
     assert found.nbytes == sum(infos[n].nbytes for n in found.names)
     assert found.largest_nbytes == 32 * 16 * 2 and found.largest_numel == 32 * 16
+
+
+def test_a_peft_folder_names_the_weights_peft_itself_changes(tmp_path):
+    """Differential against peft: save_pretrained's folder, read from its header, names
+    exactly the weights peft's merge_and_unload changes."""
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    torch.manual_seed(0)
+    base = nn.ModuleDict({f"block{i}": nn.ModuleDict({"q": nn.Linear(16, 32), "k": nn.Linear(16, 32),
+                                                       "out": nn.Linear(32, 16)}) for i in range(3)})
+    before = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    shard = write_safetensors(tmp_path / "base.safetensors", before)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q", "out"], init_lora_weights=False)
+    wrapped = get_peft_model(base, lora)
+    wrapped.save_pretrained(tmp_path / "peft")
+    merged = wrapped.merge_and_unload().state_dict()
+    changed = tuple(name for name in _shapes([shard]) if not torch.equal(before[name], merged[name]))
+    assert changed and all(".q." in n or ".out." in n for n in changed)
+    assert header_targets([str(tmp_path / "peft")], _shapes([shard])) == changed
+    assert _reader_names([shard], [str(tmp_path / "peft")]) == changed
