@@ -7,6 +7,8 @@ every layout the fast path takes, and hand everything else to the reader.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -158,3 +160,30 @@ def test_a_peft_folder_names_the_weights_peft_itself_changes(tmp_path):
     assert changed and all(".q." in n or ".out." in n for n in changed)
     assert header_targets([str(tmp_path / "peft")], _shapes([shard])) == changed
     assert _reader_names([shard], [str(tmp_path / "peft")]) == changed
+
+
+def test_every_file_of_the_conformance_corpus_is_read_alike_or_handed_to_the_reader(tmp_path):
+    """Differential over the corpus (real writers: peft's save_pretrained, diffusers'
+    save_lora_weights): where the header reading names weights, the reader names the same;
+    what it hands back, the reader takes or refuses itself."""
+    import glob
+
+    pytest.importorskip("diffusers", reason="the corpus's tiny models are diffusers models")
+    from tests.conformance import models
+    from tests.conformance.corpus import CASES
+
+    folders, read_alike = {}, []
+    for case in CASES:
+        if case.kind not in folders:
+            folders[case.kind] = models.save_model(case.kind, tmp_path / "models" / case.kind)
+        shards = sorted(glob.glob(os.path.join(folders[case.kind], "*.safetensors")))
+        os.makedirs(tmp_path / case.name)
+        spec = {"path": case.write(str(tmp_path / case.name), folders[case.kind])}
+        try:
+            fast = header_targets([spec], _shapes(shards))
+        except NeedsReader:
+            continue
+        assert fast == _reader_names(shards, [spec]), case.name
+        read_alike.append(case.name)
+    # peft's save_pretrained folders and diffusers' save_lora_weights files never need the reader
+    assert {"wan-peft-anchored-patterns", "wan-peft-rslora", "wan-diffusers-metadata"} <= set(read_alike)
