@@ -21,6 +21,7 @@ from hostmem.providers import OFFER_FIELDS
 from hostmem.safetensors.header import read_header
 from hostmem.units import format_rate, format_size
 
+from .header_targets import NeedsReader, header_targets
 from .settings import cache_disabled_by_env
 
 __all__ = ["LoraCacheOffer", "LoraCacheProvider", "TargetLayers", "target_layers", "DEFAULT_BUILD_RATE"]
@@ -43,7 +44,11 @@ class LoraCacheOffer(namedtuple("LoraCacheOffer", [*OFFER_FIELDS, "transient_byt
 
 @dataclass(frozen=True)
 class TargetLayers:
-    """The parameters a set of adapters changes, from headers: count, bytes, largest."""
+    """The parameters a set of adapters changes, from headers: count, bytes, largest.
+
+    ``read_with_torch`` says why the adapters were read with the full reader (which
+    imports torch) rather than from their headers alone; None when they were not.
+    """
 
     names: tuple[str, ...]
     nbytes: int
@@ -51,46 +56,66 @@ class TargetLayers:
     largest_nbytes: int
     cache_key: str | None = None
     cached: bool = False
+    read_with_torch: str | None = None
 
 
 def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLike | None = None) -> TargetLayers:
     """Resolve ``adapters`` against a checkpoint's headers (no weight is read).
 
-    With ``cache_root`` (an existing cache folder) it also says whether this exact
-    combination is already built there, without taking its lock.
+    The common layouts are read from the adapters' headers, without torch
+    (:mod:`lora_cache.header_targets`); the rest, and a lookup in ``cache_root`` (an
+    existing cache folder: is this exact combination built there? its key covers the
+    adapters' values), go through the merge's own reader.
     """
-    from .adapters import as_adapters, read_adapter  # torch: only when files are read
-    from .keys import ModuleIndex, plan_deltas
-    from .kernels import plan_kernels
-    from .combination import combination_key
-    from hostmem.vault import Vault
-
     infos, holder = {}, {}
     for path in shard_paths:
         tensors = read_header(path).tensors
         infos.update(tensors)
         holder.update(dict.fromkeys(tensors, path))
-    specs = as_adapters(adapters)
-    files = [read_adapter(s.path) for s in specs]
-    planned = plan_deltas(list(zip(files, specs)), ModuleIndex({n: i.shape for n, i in infos.items()}))
-    chosen = [infos[name] for name in planned]
-    key, cached = None, False
-    if cache_root is not None and os.path.isdir(os.path.expanduser(os.fspath(cache_root))) and chosen:
-        vault = Vault(os.path.expanduser(os.fspath(cache_root)))
-        shards = sorted({holder[name] for name in planned})  # the key covers the shards holding targets
-        layers = ((infos[name].shape, infos[name].torch_dtype, deltas) for name, deltas in planned.items())
-        kernels = plan_kernels(layers, None, vault.root)  # the key names the kernels a build would use
-        key = combination_key(vault, files, specs, shards, {i.torch_dtype for i in chosen}, None, kernels,
-                              planned=planned).hex
-        cached = any(c.key == key and c.complete for c in vault.combinations())
+    root = None if cache_root is None else os.path.expanduser(os.fspath(cache_root))
+    key, cached, why = None, False, None
+    if root is None or not os.path.isdir(root):
+        try:
+            names = header_targets(adapters, {n: i.shape for n, i in infos.items()})
+        except NeedsReader as exc:
+            names, why = None, str(exc)
+    else:
+        names, why = None, f"the key of a cached combination in {root} covers the adapters' values"
+    if names is None:
+        names, key, cached = _read_targets(infos, holder, adapters, root)
+    chosen = [infos[name] for name in names]
     return TargetLayers(
-        names=tuple(planned),
+        names=tuple(names),
         nbytes=sum(i.nbytes for i in chosen),
         largest_numel=max((math.prod(i.shape) for i in chosen), default=0),
         largest_nbytes=max((i.nbytes for i in chosen), default=0),
         cache_key=key,
         cached=cached,
+        read_with_torch=why,
     )
+
+
+def _read_targets(infos: dict, holder: dict, adapters, root: str | None):
+    """``(names, key, cached)`` by the merge's own reader and planner (imports torch)."""
+    from .adapters import as_adapters, read_adapter
+    from .keys import ModuleIndex, plan_deltas
+    from .kernels import plan_kernels
+    from .combination import combination_key
+    from hostmem.vault import Vault
+
+    specs = as_adapters(adapters)
+    files = [read_adapter(s.path) for s in specs]
+    planned = plan_deltas(list(zip(files, specs)), ModuleIndex({n: i.shape for n, i in infos.items()}))
+    key, cached = None, False
+    if root is not None and os.path.isdir(root) and planned:
+        vault = Vault(root)
+        shards = sorted({holder[name] for name in planned})  # the key covers the shards holding targets
+        layers = ((infos[name].shape, infos[name].torch_dtype, deltas) for name, deltas in planned.items())
+        kernels = plan_kernels(layers, None, vault.root)  # the key names the kernels a build would use
+        key = combination_key(vault, files, specs, shards, {infos[n].torch_dtype for n in planned}, None, kernels,
+                              planned=planned).hex
+        cached = any(c.key == key and c.complete for c in vault.combinations())
+    return tuple(planned), key, cached
 
 
 class LoraCacheProvider:

@@ -3,9 +3,11 @@
 A config that gives the merged component by path need not declare ``lora_targets``:
 the adapter files say which modules they change, and the checkpoint's headers say
 how many bytes each of those weights holds. The names are resolved by the same code
-the merge runs (:func:`lora_cache.provider.target_layers`), so ``--what-if in-place``
-predicts the bytes a merge will actually write. This is the one planning path that
-imports torch (the adapter reader maps the files); declared sizes never do.
+the merge runs (:func:`lora_cache.provider.target_layers`, through the one resolver of
+:mod:`lora_cache.key_names`), so ``--what-if in-place`` predicts the bytes a merge will
+actually write. The common layouts are read from the adapters' headers without torch;
+an adapter only the full reader can take (a peft config asking for DoRA, a rule on rows
+of a fused weight, a malformed key) is read with torch, and the plan says so.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ def with_adapter_targets(config: DeploymentConfig, sizes: ComponentSizes, path: 
     check_adapter_files(config)
     shards = checkpoint_files(path)
     found = target_layers(shards, [adapter_spec(a) for a in config.lora.adapters])
+    if found.read_with_torch:
+        sizes = sizes._replace(notes=(*sizes.notes, f"the LoRA targets of {sizes.name} were read with torch (a slower "
+                                                    f"plan, the same figures): {found.read_with_torch}"))
     if not found.names:
         return sizes
     from hostmem.safetensors.header import read_header

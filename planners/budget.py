@@ -8,7 +8,10 @@ The host budget is what pins may be paid from::
 
 Committed is what the kernel cannot drop without swap: anonymous weights (a copy,
 an in-place merge), their unmerge snapshots, shmem, pins already made, and, in a
-live process, anonymous memory beyond the reserve that no weight explains. The
+live process, anonymous memory beyond the reserve that no weight explains. On a
+unified-memory host (:mod:`planners.unified_memory`) the device plan's memory (its
+reserve, the rest and the layers kept on the device, the prefetch window) is host
+memory too, and is committed here once. The
 reserve covers the process's own memory (Python, CUDA context, activations), so
 only the part of the unexplained memory above it is charged.
 
@@ -41,6 +44,7 @@ from hostmem.units import format_size
 
 from .config import DeploymentConfig
 from .headroom import Headroom, read_headroom
+from .unified_memory import UnifiedMemory, read_unified_memory
 
 __all__ = ["HostLimit", "HostBudget", "resolve_host_limit", "read_host_limit", "host_budget"]
 
@@ -54,6 +58,11 @@ class HostLimit(NamedTuple):
     cgroup_limit: int | None
     headroom: Headroom | None = None  # auto: the figures the limit was made of, with their sources
     gpus: int | None = None  # GPUs this machine shows (None: not looked for)
+    unified: UnifiedMemory | None = None  # whether device memory is host memory here (None: not looked for)
+
+    @property
+    def is_unified(self) -> bool:
+        return self.unified is not None and self.unified.unified
 
     @property
     def machine_bytes(self) -> int:
@@ -90,7 +99,7 @@ def read_host_limit(config: DeploymentConfig) -> HostLimit:
     limit = resolve_host_limit(
         config.host.limit, meminfo.total, cgroup.limit_bytes if cgroup else None, source, headroom
     )
-    limit = limit._replace(gpus=count_gpus())
+    limit = limit._replace(gpus=count_gpus(), unified=read_unified_memory())
     # auto: a reserve above what the machine has is an error; above what is free now, the verdict
     ceiling, named = (limit.bytes, limit.source) if headroom is None else (
         limit.machine_bytes, "cgroup" if limit.machine_bytes != limit.mem_total else "MemTotal")
@@ -124,10 +133,12 @@ class HostBudget(NamedTuple):
     process_excess: int = 0
     build_reserve: int = 0  # held back for pending adapter builds (not committed yet)
     reserve_source: str = "config"  # where the reserve came from (a measured one says when: planners.reserve)
+    committed_device: int = 0  # the device plan's memory, on a unified-memory host (planners.unified_memory)
 
     @property
     def committed(self) -> int:
-        return self.committed_anonymous + self.committed_shmem + self.committed_pinned + self.process_excess
+        return (self.committed_anonymous + self.committed_shmem + self.committed_pinned + self.process_excess
+                + self.committed_device)
 
     @property
     def room(self) -> int:
@@ -146,10 +157,11 @@ class HostBudget(NamedTuple):
 
 def host_budget(
     limit: int, reserve: int, max_pinned: int, committed: Residency, process_excess: int = 0,
-    build_reserve: int = 0, reserve_source: str = "config",
+    build_reserve: int = 0, reserve_source: str = "config", device: int = 0,
 ) -> HostBudget:
     """The budget of a host whose non-reclaimable memory is ``committed``, holding
-    ``build_reserve`` back for pending adapter builds."""
+    ``build_reserve`` back for pending adapter builds; ``device``: what the device plan
+    allocates, on a host whose device memory is host memory (0 elsewhere)."""
     if build_reserve < 0:
         raise InputError(f"host_budget: build_reserve {build_reserve} must not be negative")
     return HostBudget(
@@ -162,4 +174,5 @@ def host_budget(
         process_excess=max(0, process_excess),
         build_reserve=build_reserve,
         reserve_source=reserve_source,
+        committed_device=device,
     )

@@ -17,7 +17,7 @@ from hostmem.units import format_size
 from .budget import HostBudget, HostLimit, host_budget
 from .config import DeploymentConfig
 from .config.model import TransferConfig
-from .device_plan import DevicePlan, plan_device
+from .device_plan import DevicePlan, device_in_host_memory, plan_device
 from .pin_plan import CostModel, MoveGroup, PinPlans, plan_pins
 from .providers import OfferRecord, apply_offer, collect_offers
 from .sizes import ComponentSizes, sum_residency
@@ -96,14 +96,14 @@ def _move_groups(config: DeploymentConfig, components, device: DevicePlan) -> li
 
 
 def _core(config, components, host: HostLimit, process_excess: int, build_reserve: int = 0):
-    budget = host_budget(
-        host.bytes, config.host.reserve, config.host.max_pinned(host.bytes), _committed(components), process_excess,
-        build_reserve, config.host.reserve_source,
-    )
     streamed = config.streamed
     device = plan_device(
         components[streamed.name] if streamed else None,
         config.device.vram, config.device.reserve, streamed.prefetch if streamed else 0,
+    )
+    budget = host_budget(
+        host.bytes, config.host.reserve, config.host.max_pinned(host.bytes), _committed(components), process_excess,
+        build_reserve, config.host.reserve_source, device_in_host_memory(device) if host.is_unified else 0,
     )
     pins = plan_pins(_move_groups(config, components, device), budget, cost_model(config))
     return budget, device, pins

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from .sizes import ComponentSizes
 
-__all__ = ["DevicePlan", "plan_device"]
+__all__ = ["DevicePlan", "device_in_host_memory", "plan_device"]
 
 
 class DevicePlan(NamedTuple):
@@ -71,3 +71,13 @@ def plan_device(sizes: ComponentSizes | None, vram: int, reserve: int, prefetch:
         streamed_bytes=sum(l.nbytes for l in streamed),
         fits=fits,
     )
+
+
+def device_in_host_memory(device: DevicePlan) -> int:
+    """What the device plan allocates on the device: its reserve, the layers kept there,
+    the rest (where it fits) and the prefetch window. On a unified-memory host that is
+    host memory (:mod:`planners.unified_memory`); nothing without a device budget."""
+    if not device.vram:
+        return 0
+    kept = device.resident_bytes + device.window_bytes + (device.rest_bytes if device.fits else 0)
+    return min(device.vram, device.reserve + kept)

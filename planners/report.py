@@ -6,10 +6,12 @@ added but never renamed::
     {"deployment": str, "mode": "what-if" | "live", "merge": "none" | "in-place" | "cached",
      "fits": bool, "over_limit_bytes": int, "verdict": str,
      "host": {"limit_bytes", "source", "mem_total_bytes", "cgroup_limit_bytes", "gpus",
-              "headroom": null | {"bytes", "source", "figures": [{"name", "bytes", "source"}]}},
+              "headroom": null | {"bytes", "source", "figures": [{"name", "bytes", "source"}]},
+              "unified_memory": null | {"unified": bool, "source": str}},
      "budget": {"bytes", "reserve_bytes", "reserve_source", "committed_bytes", "limit_bytes", "room_bytes",
                 "max_pinned_bytes", "pin_cap_bytes", "build_reserve_bytes",
-                "committed": {"anonymous_bytes", "shmem_bytes", "pinned_bytes", "process_excess_bytes"}},
+                "committed": {"anonymous_bytes", "shmem_bytes", "pinned_bytes", "process_excess_bytes",
+                              "device_bytes"}},
      "components": {NAME: {"anonymous", "file_backed", "pinned", "total", "shmem", "swapped",
                            "not_resident", "non_reclaimable", "weights_bytes", "extra_anonymous",
                            "lora_target_bytes", "layers", "offload", "source"}},
@@ -43,6 +45,9 @@ An offer's ``applied_bytes`` is what it takes off this plan's component, at most
 the component holds (its ``anonymous_bytes`` is what the provider says of itself);
 the offers table shows the first, so it agrees with the budget.
 ``host.gpus`` is how many GPUs this machine shows (null: not looked for).
+``host.unified_memory`` says whether the device's memory is host memory here, and the
+fact that says so (:mod:`planners.unified_memory`; null: not looked for); where it is,
+``budget.committed.device_bytes`` is the device plan's memory, committed on the host once.
 ``transfer`` is the rates planned with, in bytes per second, and their ``source``: ``default``,
 ``config``, or a line saying which ``hostmem calibrate --save`` record (``transfer: measured``).
 ``host.headroom`` is what ``limit: auto`` was made of (:mod:`planners.headroom`), each
@@ -115,6 +120,7 @@ def _budget(plan: DeploymentPlan) -> dict:
             "shmem_bytes": b.committed_shmem,
             "pinned_bytes": b.committed_pinned,
             "process_excess_bytes": b.process_excess,
+            "device_bytes": b.committed_device,
         },
     }
 
@@ -177,6 +183,7 @@ def report_dict(plan: DeploymentPlan) -> dict:
             "headroom": None if h.headroom is None else {
                 "bytes": h.headroom.bytes, "source": h.headroom.source,
                 "figures": [f._asdict() for f in h.headroom.figures]},
+            "unified_memory": None if h.unified is None else h.unified._asdict(),
         },
         "budget": _budget(plan),
         "components": _components(plan),

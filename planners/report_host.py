@@ -1,5 +1,7 @@
 """The host section of the text report: the limit and where it came from, the budget.
 
+On a unified-memory host (:mod:`planners.unified_memory`) the report says so and
+why, and the device plan's memory is a row of the budget.
 ``limit: auto`` lists each figure of the live headroom with the file it was read from;
 a rank sharing its host says its share; pending adapter builds show their row only
 while one is pending.
@@ -20,6 +22,7 @@ def host_lines(plan) -> list[str]:
         f"host: limit {format_size(h.bytes)} ({h.source}); MemTotal {format_size(h.mem_total)}; "
         f"cgroup limit {cgroup}",
         *_headroom_lines(h.headroom),
+        *([f"unified memory: yes ({h.unified.source})"] if h.is_unified else []),
         *(_host_share_lines(plan.host_share) if plan.host_share else []),
         "budget:",
         *format_table([
@@ -29,6 +32,7 @@ def host_lines(plan) -> list[str]:
             ("- committed shmem", format_size(b.committed_shmem), ""),
             ("- committed pinned", format_size(b.committed_pinned), ""),
             ("- process beyond reserve", format_size(b.process_excess), ""),
+            *_device_rows(h, b),
             *_build_reserve_rows(b),
             ("= room (pins + page cache)", format_size(b.room), ""),
             ("max pinned", format_size(b.max_pinned), ""),
@@ -71,3 +75,11 @@ def _host_share_lines(share) -> list[str]:
             f"{alike})",
             f"  {format_size(share['share_bytes'])} of the host budget {format_size(share['host_budget_bytes'])}, "
             f"split by need ({', '.join(format_size(s) for s in share['shares_bytes'])}); pins capped at this share"]
+
+
+def _device_rows(host, budget) -> list[tuple[str, str, str]]:
+    """On a unified-memory host, the device plan's memory is a term of the host budget."""
+    if not host.is_unified:
+        return []
+    return [("- device plan (unified memory)", format_size(budget.committed_device),
+             "(device reserve, kept layers, window: host memory here, counted once)")]

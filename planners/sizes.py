@@ -97,6 +97,7 @@ class ComponentSizes(NamedTuple):
     rest: Layer | None = None
     extra: Residency = Residency()  # frozen: one shared default is safe
     dtype: str | None = None
+    notes: tuple[str, ...] = ()  # how the sizes were read, where the plan should say so
 
     @property
     def units(self) -> tuple[Layer, ...]:

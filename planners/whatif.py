@@ -167,6 +167,7 @@ def what_if_components(
             "list the adapters under lora.adapters with the merged component given by path, or "
             "declare lora_targets (a size, or tensor name patterns) on it"
         )
+    warnings += [note for c in config.components.values() for note in sizes[c.name].notes]
     out = {}
     for component in config.components.values():
         this_merge = merge if target is not None and component.name == target.name else "none"

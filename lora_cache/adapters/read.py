@@ -17,6 +17,8 @@ import torch
 
 from hostmem.safetensors.mapping import SafetensorsError, open_readonly
 
+from ..adapter_paths import adapter_file_in, peft_config_path
+from ..key_names import KNOWN_PARTS as _KNOWN_PARTS, split_key as _split_key
 from ..merge_math import refuse_unsupported
 from .alpha import AlphaSources, PeftConfig, diffusers_metadata, header_alpha, network_alpha, peft_config_from
 from .checks import FiniteCheck, check_change
@@ -24,30 +26,6 @@ from .spec import AdapterError
 
 __all__ = ["AdapterFile", "ModuleChange", "build_adapter_file", "open_adapter", "peft_config_path", "read_adapter",
            "resolve_file"]
-
-# Suffix -> role, longest first so "lora_down.weight" wins over a bare "weight".
-_ROLES = (
-    ("lora_A.weight", "down"),
-    ("lora_A.default.weight", "down"),  # peft's adapter-name infix, as DiffSynth-Studio writes it
-    ("lora_down.weight", "down"),
-    ("down.weight", "down"),  # XLabs (``proj_lora1.down.weight``), diffusers' older ``lora.down.weight``
-    ("lora_B.weight", "up"),
-    ("lora_B.default.weight", "up"),
-    ("lora_up.weight", "up"),
-    ("up.weight", "up"),
-    ("lora_B.bias", "up_b"),  # peft's lora_bias: diffusers turns ComfyUI's diff_b into it
-    ("diff_b", "diff_b"),
-    ("alpha", "alpha"),
-    ("diff", "diff"),
-    ("lora_magnitude_vector", "magnitude"),  # peft's DoRA (merged as peft merges it: lora_cache.merge_math)
-)
-_KNOWN_PARTS = ("lora_A/lora_B(.default).weight, lora_B.bias, lora_down/lora_up.weight, down/up.weight, alpha, diff, "
-                "diff_b, lora_magnitude_vector")
-# The file a trainer's folder holds: peft's save_pretrained, diffusers' save_lora_weights.
-_FOLDER_FILES = ("adapter_model.safetensors", "pytorch_lora_weights.safetensors")
-# The files peft's save_pretrained writes beside its adapter_config.json: the config is theirs alone.
-PEFT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-
 
 @dataclass
 class ModuleChange:
@@ -129,23 +107,6 @@ class AdapterFile:
         return {} if self.converter is None else {"converter": self.converter}
 
 
-def _split_key(key: str) -> tuple[str, str] | None:
-    for suffix, role in _ROLES:
-        if key.endswith("." + suffix):
-            return key[: -len(suffix) - 1], role
-    return None
-
-
-def peft_config_path(path: str) -> str | None:
-    """The ``adapter_config.json`` that describes the adapter file ``path``: the one beside
-    it when ``path`` is the file peft wrote with it, else None (an unrelated file in the
-    same folder is not described by it)."""
-    if os.path.basename(path) not in PEFT_FILES:
-        return None
-    config = os.path.join(os.path.dirname(path), "adapter_config.json")
-    return config if os.path.exists(config) else None
-
-
 def _read_peft_config(file: str, tensors: dict) -> PeftConfig | None:
     path = peft_config_path(file)
     if path is None:
@@ -189,19 +150,10 @@ def _detect_format(keys: list[str], metadata: dict) -> str:
 
 def resolve_file(path: str) -> str:
     """The adapter file a path names: itself, or the file the trainer wrote into a folder."""
-    if not os.path.isdir(path):
-        return path
-    for name in _FOLDER_FILES:
-        inner = os.path.join(path, name)
-        if os.path.exists(inner):
-            return inner
-    found = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-    if len(found) == 1:
-        return os.path.join(path, found[0])
-    listed = f"it holds {', '.join(found)}" if found else "it holds no .safetensors file"
-    raise AdapterError(
-        f"{path}: a folder without {' or '.join(_FOLDER_FILES)}, and {listed}; name the .safetensors file"
-    )
+    found, why = adapter_file_in(path)
+    if found is None:
+        raise AdapterError(why)
+    return found
 
 
 def group_parts(path: str, tensors: dict[str, torch.Tensor]) -> dict[str, ModuleChange]:
