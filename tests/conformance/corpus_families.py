@@ -200,7 +200,8 @@ _UNREAD = {  # layouts diffusers 0.42 loads nothing of (a warning only), refused
 
 def _layout_rows() -> list[dict]:
     held = {name: {"reference": "refused", "refusal": refusal} for name, refusal in _UNREAD.items()}
-    return [dict(name=name, kind=kind, layout=layout, alpha_from=alpha_from, write=_factors(name, stems, down, up, alpha),
+    return [dict(name=name, kind=kind, layout=layout, alpha_from=alpha_from,
+                 write=_factors(name, stems, down, up, alpha),
                  **held.get(name, {"reference": "diffusers"}))
             for name, kind, layout, alpha_from, stems, down, up, alpha in _LAYOUTS]
 
@@ -215,6 +216,54 @@ def _diffusers_plain(kind: str) -> Callable[[str, str], str]:
     return write
 
 
+def _diffusers_metadata(kind: str, modules: list[str]) -> Callable[[str, str], str]:
+    """The family's ``save_lora_weights`` with the adapter's config as metadata (alpha 8, r 4:
+    a reader that ignores it merges half the delta)."""
+    def write(folder: str, model_folder: str) -> str:
+        from peft import LoraConfig
+
+        from tests.conformance.models import loader_class
+
+        layers = _random_lora(kind, model_folder, modules, seed=37)
+        config = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=modules).to_dict()
+        loader_class(kind).save_lora_weights(folder, transformer_lora_layers=layers,
+                                             transformer_lora_adapter_metadata=config)
+        return os.path.join(folder, "pytorch_lora_weights.safetensors")
+    return write
+
+
+def _peft(kind: str, targets: list[str], **config) -> Callable[[str, str], str]:
+    def write(folder: str, model_folder: str) -> str:
+        from tests.conformance.corpus import _peft_save
+
+        return _peft_save(folder, model_folder, targets, kind=kind, **config)
+    return write
+
+
+def _diffsynth_qwen(folder: str, model_folder: str) -> str:
+    """DiffSynth-Studio's QwenImage layout: the model's own names with peft's ``.default.`` infix."""
+    modules = [f"transformer_blocks.0.{m}" for m in ("attn.to_q", "attn.add_v_proj", "img_mlp.net.2")]
+    layers = _random_lora("qwen", model_folder, modules, seed=41)
+    path = os.path.join(folder, "diffsynth_qwen.safetensors")
+    save_file({k.replace(".weight", ".default.weight"): v for k, v in layers.items()}, path)
+    return path
+
+
+_H3_ATTN = ["to_q", "to_k", "to_out.0", "ff.net.0.proj"]
+_PEFT_ROWS = [  # (name, kind, layout, alpha from, targets, LoraConfig fields): held to peft's merge_and_unload
+    ("h3-peft-rslora-patterns", "h3", "peft `save_pretrained` folder, rsLoRA and patterns",
+     "`adapter_config.json`: `alpha_pattern`/`rank_pattern` over sqrt(r)", _H3_ATTN,
+     {"use_rslora": True, "alpha_pattern": {r"^transformer_blocks\.1\.attn\.to_k": 32},
+      "rank_pattern": {"ff.net.0.proj": 4}}),
+    ("flux-peft-rslora-patterns", "flux", "peft `save_pretrained` folder, rsLoRA and patterns",
+     "`adapter_config.json`: `alpha_pattern`/`rank_pattern` over sqrt(r)", ["to_q", "add_k_proj", "proj_mlp"],
+     {"use_rslora": True, "alpha_pattern": {"add_k_proj": 4},
+      "rank_pattern": {r"^single_transformer_blocks\.0\.proj_mlp": 2}}),
+    ("qwen-peft", "qwen", "peft `save_pretrained` folder", "`adapter_config.json` `lora_alpha`",
+     ["to_q", "add_k_proj", "img_mlp.net.2"], {}),
+]
+
+
 def rows() -> list[dict]:
     """Every file of this module, as a Case's keyword arguments."""
     return [
@@ -225,4 +274,21 @@ def rows() -> list[dict]:
         dict(name="wan-diffusers-no-metadata", kind="wan", layout="diffusers `save_lora_weights` without metadata",
              alpha_from="none (alpha = rank)", write=_diffusers_plain("wan"), reference="diffusers"),
         *_layout_rows(),
+        *(dict(name=name, kind=kind, layout=layout, alpha_from=alpha_from, write=_peft(kind, targets, **config),
+               reference="peft") for name, kind, layout, alpha_from, targets, config in _PEFT_ROWS),
+        dict(name="h3-peft-lora-bias-on-a-layer-without-bias", kind="h3",
+             layout="peft `save_pretrained` folder, `lora_bias` on a layer without a bias", alpha_from="-",
+             write=_peft("h3", ["to_q", "to_out.0"], lora_bias=True), reference="refused",
+             refusal=r"lora_B\.bias' changes '.*\.bias', which the model does not have"),  # peft: "Impossible to merge"
+        dict(name="h3-diffusers-metadata", kind="h3", layout="diffusers `save_lora_weights` with adapter metadata",
+             alpha_from="header `lora_adapter_metadata` (`transformer.lora_alpha`)",
+             write=_diffusers_metadata("h3", ["transformer_blocks.0.attn.to_q", "transformer_blocks.1.ff.net.2"]),
+             reference="diffusers"),
+        dict(name="qwen-diffusers-metadata", kind="qwen", layout="diffusers `save_lora_weights` with adapter metadata",
+             alpha_from="header `lora_adapter_metadata` (`transformer.lora_alpha`)",
+             write=_diffusers_metadata("qwen", ["transformer_blocks.0.attn.to_k",
+                                                "transformer_blocks.0.txt_mlp.net.0.proj"]),
+             reference="diffusers"),
+        dict(name="qwen-diffsynth-default-infix", kind="qwen", layout="DiffSynth-Studio (`.lora_A.default.weight`)",
+             alpha_from="none (alpha = rank)", write=_diffsynth_qwen, reference="diffusers"),
     ]

@@ -1,4 +1,4 @@
-"""What diffusers itself does with the corpus files lora_cache refuses or holds to the math:
+"""What diffusers (and peft) do with the corpus files lora_cache refuses or holds to the math:
 the kohya files diffusers' ``convert_state_dict_to_kohya`` writes for Flux, SD3,
 HunyuanVideo, LTX and ZImage, and layouts its loaders skip (see
 :mod:`tests.conformance.corpus_families` for what was found per family).
@@ -44,3 +44,12 @@ def test_diffusers_merges_nothing_of_the_file(case, tmp_path):
     fused = models.weights(models.diffusers_fused(case.kind, model_folder, path))
     base = models.weights(models.load_model(case.kind, model_folder))
     assert [name for name, weight in fused.items() if not torch.equal(weight, base[name])] == []
+
+
+def test_peft_refuses_to_merge_a_lora_bias_on_a_layer_without_bias(tmp_path):
+    """The corpus refuses this file as peft's own merge does (not a difference from peft)."""
+    case = next(c for c in CASES if c.name == "h3-peft-lora-bias-on-a-layer-without-bias")
+    model_folder = models.save_model(case.kind, tmp_path / "model")
+    path = case.write(os.fspath(tmp_path), model_folder)
+    with pytest.warns(UserWarning, match="has no bias"), pytest.raises(Exception, match="Impossible to merge"):
+        models.peft_merged(case.kind, model_folder, path)
