@@ -145,6 +145,26 @@ def _unet_conv_dora(folder: str, model_folder: str) -> str:
                       use_dora=True, prepare=_trained_magnitudes)
 
 
+def _unet_kohya_locon(folder: str, model_folder: str) -> str:
+    """A kohya LoCon file for an SD 1.x UNet (3x3 conv LoRAs: a (r, in, 3, 3) down, a (out, r,
+    1, 1) up) written by diffusers' ``convert_state_dict_to_kohya`` from peft's factors, as
+    SD trainers write them (``lora_unet_down_blocks_0_resnets_0_conv1``), the alpha set to 2."""
+    from diffusers.utils import convert_state_dict_to_kohya
+    from peft import LoraConfig, get_peft_model
+    from peft.utils import get_peft_model_state_dict
+
+    from tests.conformance.models import load_model
+
+    torch.manual_seed(6)
+    lora = LoraConfig(r=RANK, lora_alpha=RANK, target_modules=["conv1", "conv2", "conv_shortcut", "to_k"],
+                      init_lora_weights=False)
+    layers = get_peft_model_state_dict(get_peft_model(load_model("unet", model_folder), lora))
+    kohya = convert_state_dict_to_kohya({f"unet.{k.removeprefix('base_model.model.')}": v for k, v in layers.items()})
+    path = os.path.join(folder, "unet_locon.safetensors")
+    save_file({k: torch.tensor(2.0) if k.endswith(".alpha") else v.contiguous() for k, v in kohya.items()}, path)
+    return path
+
+
 def _factors(name: str, stems: dict[str, tuple[int, int]], down: str, up: str,
              alpha: float | None) -> Callable[[str, str], str]:
     """A file written to a trainer's key scheme: ``<stem>.<down>`` (rank, cols), ``<stem>.<up>``
@@ -271,6 +291,8 @@ def rows() -> list[dict]:
         dict(name="unet-peft-conv-dora", kind="unet", layout="peft `save_pretrained` folder, DoRA on 3x3 and 1x1 convs",
              alpha_from="`adapter_config.json` `lora_alpha`; magnitudes over all dims but the output one",
              write=_unet_conv_dora, reference="peft"),
+        dict(name="unet-kohya-locon-conv", kind="unet", layout="kohya LoCon (`lora_unet_…_resnets_0_conv1`, 3x3 "
+             "down)", alpha_from="`.alpha`", write=_unet_kohya_locon, reference="diffusers"),
         dict(name="wan-diffusers-no-metadata", kind="wan", layout="diffusers `save_lora_weights` without metadata",
              alpha_from="none (alpha = rank)", write=_diffusers_plain("wan"), reference="diffusers"),
         *_layout_rows(),

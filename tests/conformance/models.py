@@ -76,9 +76,12 @@ def diffusers_fused(kind: str, model_folder, path: str, strength: float = 1.0):
     """diffusers' own path on a model: the file read by the loader's ``lora_state_dict`` (its
     header included), loaded with ``load_lora_adapter`` and fused."""
     model = load_model(kind, model_folder)
-    state, metadata = loader_class(kind).lora_state_dict(os.path.dirname(path), weight_name=os.path.basename(path),
-                                                         return_lora_metadata=True)
-    model.load_lora_adapter(state, prefix="transformer", metadata=metadata, adapter_name="a")
+    out = loader_class(kind).lora_state_dict(os.path.dirname(path), weight_name=os.path.basename(path),
+                                             return_lora_metadata=True)
+    state, metadata = out[0], out[-1]
+    alphas = out[1] if len(out) == 3 else None  # the UNet loaders hand kohya's alphas back beside the state
+    model.load_lora_adapter(state, prefix="unet" if kind == "unet" else "transformer", network_alphas=alphas,
+                            metadata=metadata, adapter_name="a")
     model.fuse_lora(lora_scale=strength)
     model.unload_lora()
     return model
