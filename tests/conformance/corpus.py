@@ -202,15 +202,16 @@ def _qwen_older_spelling(folder: str, _model: str) -> str:
     return path
 
 
-def _save_lora_adapter(folder: str, model_folder: str) -> str:
+def _save_lora_adapter(folder: str, model_folder: str, kind: str = "wan",
+                       targets: tuple[str, ...] = ("to_q", "to_out.0")) -> str:
     """diffusers' own ``model.save_lora_adapter()``: unprefixed keys, the config in the header."""
     from peft import LoraConfig
 
     from tests.conformance.models import load_model
 
     torch.manual_seed(4)
-    model = load_model("wan", model_folder)
-    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_out.0"], init_lora_weights=False))
+    model = load_model(kind, model_folder)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False))
     out = os.path.join(folder, "save_lora_adapter")
     model.save_lora_adapter(out)
     return out

@@ -204,6 +204,9 @@ _LAYOUTS = [  # (name, kind, layout, alpha from, stems -> (rows, cols), down, up
                   (("attn.to_q", _QWEN, _QWEN), ("attn.to_add_out", _QWEN, _QWEN),
                    ("txt_mlp.net.0.proj", 4 * _QWEN, _QWEN))},
      *_KOHYA, 8.0),
+    ("wan-comfyui-peft-factors", "wan", "ComfyUI with peft's factors (`diffusion_model.blocks.0.self_attn.q.lora_A`)",
+     "none (alpha = rank)", {f"diffusion_model.blocks.{b}.{m}": (_WAN, _WAN) for b in range(2)
+                             for m in ("self_attn.k", "cross_attn.o")}, "lora_A.weight", "lora_B.weight", None),
     ("flux-comfyui", "flux", "ComfyUI (`diffusion_model.double_blocks.0.img_attn.proj.lora_down`, `.alpha`)",
      "`.alpha`", {"diffusion_model.double_blocks.0.img_attn.proj": (32, 32),
                   "diffusion_model.double_blocks.0.txt_mlp.2": (32, 128),
@@ -226,13 +229,21 @@ def _layout_rows() -> list[dict]:
             for name, kind, layout, alpha_from, stems, down, up, alpha in _LAYOUTS]
 
 
-def _diffusers_plain(kind: str) -> Callable[[str, str], str]:
-    """diffusers' ``save_lora_weights`` without adapter metadata (alpha = rank)."""
+def _diffusers_saved(kind: str, variant: str) -> Callable[[str, str], str]:
+    """diffusers' ``save_lora_weights`` of a peft LoRA (alpha 16, r 8) with its config as
+    metadata (``diffusers_meta``) or without (``diffusers_plain``: alpha = rank)."""
     def write(folder: str, model_folder: str) -> str:
         from tests.clients import tiny_models as tm
 
-        return os.path.join(tm.write_adapters(kind, model_folder, folder)["diffusers_plain"],
-                            "pytorch_lora_weights.safetensors")
+        return os.path.join(tm.write_adapters(kind, model_folder, folder)[variant], "pytorch_lora_weights.safetensors")
+    return write
+
+
+def _save_lora_adapter(kind: str, targets: tuple[str, ...]) -> Callable[[str, str], str]:
+    def write(folder: str, model_folder: str) -> str:
+        from tests.conformance.corpus import _save_lora_adapter as save
+
+        return save(folder, model_folder, kind, targets)
     return write
 
 
@@ -294,7 +305,15 @@ def rows() -> list[dict]:
         dict(name="unet-kohya-locon-conv", kind="unet", layout="kohya LoCon (`lora_unet_…_resnets_0_conv1`, 3x3 "
              "down)", alpha_from="`.alpha`", write=_unet_kohya_locon, reference="diffusers"),
         dict(name="wan-diffusers-no-metadata", kind="wan", layout="diffusers `save_lora_weights` without metadata",
-             alpha_from="none (alpha = rank)", write=_diffusers_plain("wan"), reference="diffusers"),
+             alpha_from="none (alpha = rank)", write=_diffusers_saved("wan", "diffusers_plain"), reference="diffusers"),
+        dict(name="flux-diffusers-metadata", kind="flux", layout="diffusers `save_lora_weights` with adapter metadata",
+             alpha_from="header `lora_adapter_metadata` (`transformer.lora_alpha`)",
+             write=_diffusers_saved("flux", "diffusers_meta"), reference="diffusers"),
+        *(dict(name=f"{kind}-diffusers-save-lora-adapter", kind=kind,
+               layout="diffusers `save_lora_adapter()` (unprefixed keys, metadata)",
+               alpha_from="header `lora_adapter_metadata` (unprefixed)", write=_save_lora_adapter(kind, targets),
+               reference="diffusers-model")
+          for kind, targets in (("h3", ("to_q", "ff.net.2")), ("flux", ("to_k", "proj_mlp", "to_add_out")))),
         *_layout_rows(),
         *(dict(name=name, kind=kind, layout=layout, alpha_from=alpha_from, write=_peft(kind, targets, **config),
                reference="peft") for name, kind, layout, alpha_from, targets, config in _PEFT_ROWS),
