@@ -207,6 +207,9 @@ _LAYOUTS = [  # (name, kind, layout, alpha from, stems -> (rows, cols), down, up
     ("wan-comfyui-peft-factors", "wan", "ComfyUI with peft's factors (`diffusion_model.blocks.0.self_attn.q.lora_A`)",
      "none (alpha = rank)", {f"diffusion_model.blocks.{b}.{m}": (_WAN, _WAN) for b in range(2)
                              for m in ("self_attn.k", "cross_attn.o")}, "lora_A.weight", "lora_B.weight", None),
+    ("wan-diffsynth-default-infix", "wan", "DiffSynth-Studio (`blocks.0.self_attn.q.lora_A.default.weight`)",
+     "none (alpha = rank)", {f"blocks.{b}.{m}": (_WAN, _WAN) for b in range(2) for m in ("self_attn.q", "cross_attn.v")}
+     | {"blocks.1.ffn.2": (_WAN, 32)}, "lora_A.default.weight", "lora_B.default.weight", None),
     ("flux-comfyui", "flux", "ComfyUI (`diffusion_model.double_blocks.0.img_attn.proj.lora_down`, `.alpha`)",
      "`.alpha`", {"diffusion_model.double_blocks.0.img_attn.proj": (32, 32),
                   "diffusion_model.double_blocks.0.txt_mlp.2": (32, 128),
@@ -218,7 +221,28 @@ _LAYOUTS = [  # (name, kind, layout, alpha from, stems -> (rows, cols), down, up
 ]
 _UNREAD = {  # layouts diffusers 0.42 loads nothing of (a warning only), refused here with the keys named
     "flux-bfl-names-peft-factors": "match no module of the model",
+    "wan-diffsynth-default-infix": r"match no module of the model:\s+blocks\.0\.cross_attn\.v\.lora_A\.default",
 }
+
+
+_FLUX_KOHYA = {  # kohya sd-scripts' Flux modules (BFL names) -> the diffusers weights their up rows split over
+    "lora_unet_double_blocks_0_img_attn_qkv": [f"transformer_blocks.0.attn.to_{p}" for p in "qkv"],
+    "lora_unet_double_blocks_0_txt_attn_proj": ["transformer_blocks.0.attn.to_add_out"],
+    "lora_unet_single_blocks_0_linear2": ["single_transformer_blocks.0.proj_out"],
+}
+
+
+def _flux_kohya_expected(path: str) -> dict:
+    """The file's meaning: alpha / rank x up @ down, a fused qkv's up rows split in order."""
+    from safetensors.torch import load_file
+
+    tensors, deltas = load_file(path), {}
+    for stem, params in _FLUX_KOHYA.items():
+        up, down = tensors[f"{stem}.lora_up.weight"].double(), tensors[f"{stem}.lora_down.weight"].double()
+        scale = float(tensors[f"{stem}.alpha"]) / down.shape[0]
+        for param, part in zip(params, up.chunk(len(params))):
+            deltas[f"{param}.weight"] = scale * part @ down
+    return deltas
 
 
 def _layout_rows() -> list[dict]:
@@ -304,6 +328,12 @@ def rows() -> list[dict]:
              write=_unet_conv_dora, reference="peft"),
         dict(name="unet-kohya-locon-conv", kind="unet", layout="kohya LoCon (`lora_unet_…_resnets_0_conv1`, 3x3 "
              "down)", alpha_from="`.alpha`", write=_unet_kohya_locon, reference="diffusers"),
+        dict(name="flux-kohya-sd-scripts", kind="flux",
+             layout="kohya sd-scripts (`lora_unet_double_blocks_0_img_attn_qkv`)",
+             alpha_from="`.alpha`", reference="math", expected=_flux_kohya_expected, spec={"strength": 0.9},
+             write=_factors("flux-kohya-sd-scripts", {"lora_unet_double_blocks_0_img_attn_qkv": (96, 32),
+                                                      "lora_unet_double_blocks_0_txt_attn_proj": (32, 32),
+                                                      "lora_unet_single_blocks_0_linear2": (32, 160)}, *_KOHYA, 2.0)),
         dict(name="wan-diffusers-no-metadata", kind="wan", layout="diffusers `save_lora_weights` without metadata",
              alpha_from="none (alpha = rank)", write=_diffusers_saved("wan", "diffusers_plain"), reference="diffusers"),
         dict(name="flux-diffusers-metadata", kind="flux", layout="diffusers `save_lora_weights` with adapter metadata",
