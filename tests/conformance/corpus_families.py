@@ -81,9 +81,9 @@ def _kohya_converted(kind: str, prefixed: bool) -> Callable[[str, str], str]:
     return write
 
 
-def _kohya_expected(kind: str) -> Callable[[str], dict]:
+def _kohya_expected(kind: str, alpha: float | None = None) -> Callable[[str], dict]:
     """The file's meaning at strength 1: each ``<module with _>.lora_up/down`` on its module,
-    scaled by its ``.alpha`` over the rank."""
+    scaled by its ``.alpha`` (or the override ``alpha``) over the rank."""
     def expected(path: str) -> dict:
         from safetensors.torch import load_file
 
@@ -92,7 +92,8 @@ def _kohya_expected(kind: str) -> Callable[[str], dict]:
         for name in _KOHYA_MODULES[kind]:
             stem = name.replace(".", "_")
             up, down = tensors[f"{stem}.lora_up.weight"].double(), tensors[f"{stem}.lora_down.weight"].double()
-            deltas[f"{name}.weight"] = float(tensors[f"{stem}.alpha"]) / down.shape[0] * up @ down
+            stored = float(tensors[f"{stem}.alpha"]) if alpha is None else alpha
+            deltas[f"{name}.weight"] = stored / down.shape[0] * up @ down
         return deltas
     return expected
 
@@ -125,6 +126,11 @@ def _kohya_rows() -> list[dict]:
         else:
             own.update(reference="math", expected=_kohya_expected(kind), spec={"strength": 0.8})
         out.append(own)
+    out.append(dict(name="sd3-kohya-converted-from-model-keys-alpha-override", kind="sd3",
+                    layout="kohya from diffusers' `convert_state_dict_to_kohya` of SD3's own keys, the training "
+                           "alpha given", alpha_from="`Adapter(alpha=...)` over `.alpha` (the rank)",
+                    write=_kohya_converted("sd3", prefixed=False), reference="math",
+                    expected=_kohya_expected("sd3", alpha=8.0), spec={"alpha": 8.0}))
     return out
 
 
