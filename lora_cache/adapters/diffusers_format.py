@@ -134,10 +134,10 @@ def _kept(path: str, state: dict, keep: tuple[str, ...], loader=None) -> dict:
         return dict(state)
     kept = {k: v for k, v in state.items() if k.split(".", 1)[0] in keep}
     if not kept:
-        raise AdapterError(
-            f"{path}: after diffusers' conversion no key belongs to {', '.join(keep)} "
-            f"(they start with {sorted({k.split('.', 1)[0] for k in state})}); is it an adapter for another model?"
-        )
+        found = f"they start with {sorted({k.split('.', 1)[0] for k in state})}" if state else \
+            "the converter drops every key of the file, and diffusers loads nothing of it"
+        raise AdapterError(f"{path}: after diffusers' conversion no key belongs to {', '.join(keep)} ({found}); "
+                           "is it an adapter for another model?")
     return kept
 
 

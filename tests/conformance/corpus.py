@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hostmem.safetensors.mapping import save_file
+from tests.conformance.corpus_families import rows as family_rows
 
 RANK = 8
 _H3_DIM = 128  # tests.conformance.models.H3's hidden size
@@ -33,7 +34,7 @@ class Case:
     """One adapter file of the corpus and the reference its merge is held to."""
 
     name: str
-    kind: str  # the tiny model: h3, qwen, wan, flux
+    kind: str  # the tiny model (tests.conformance.models): h3, qwen, wan, flux, sd3, hunyuan, ltx, zimage, unet
     layout: str  # the layout, in the words its users know it by
     alpha_from: str  # where its alpha is read from
     write: Callable[[str, str], str]  # (folder, model folder) -> the adapter path
@@ -84,8 +85,9 @@ def _lightx2v(alpha: float | None) -> Callable[[str, str], str]:
     return write
 
 
-def _peft_save(folder: str, model_folder: str, targets: list[str], **config) -> str:
-    """peft's own ``save_pretrained`` of a random LoRA on the tiny Wan."""
+def _peft_save(folder: str, model_folder: str, targets: list[str], kind: str = "wan", prepare=None, **config) -> str:
+    """peft's own ``save_pretrained`` of a random LoRA on a tiny model (Wan unless ``kind``
+    says), ``prepare(peft_model)`` first changing what training would (DoRA's magnitudes)."""
     from peft import LoraConfig, get_peft_model
 
     from tests.conformance.models import load_model
@@ -93,7 +95,10 @@ def _peft_save(folder: str, model_folder: str, targets: list[str], **config) -> 
     torch.manual_seed(3)
     lora = LoraConfig(r=RANK, lora_alpha=16, target_modules=targets, init_lora_weights=False, **config)
     out = os.path.join(folder, "peft")
-    get_peft_model(load_model("wan", model_folder), lora).save_pretrained(out)
+    model = get_peft_model(load_model(kind, model_folder), lora)
+    if prepare is not None:
+        prepare(model)
+    model.save_pretrained(out)
     return out
 
 
@@ -197,15 +202,16 @@ def _qwen_older_spelling(folder: str, _model: str) -> str:
     return path
 
 
-def _save_lora_adapter(folder: str, model_folder: str) -> str:
+def _save_lora_adapter(folder: str, model_folder: str, kind: str = "wan",
+                       targets: tuple[str, ...] = ("to_q", "to_out.0")) -> str:
     """diffusers' own ``model.save_lora_adapter()``: unprefixed keys, the config in the header."""
     from peft import LoraConfig
 
     from tests.conformance.models import load_model
 
     torch.manual_seed(4)
-    model = load_model("wan", model_folder)
-    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_out.0"], init_lora_weights=False))
+    model = load_model(kind, model_folder)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False))
     out = os.path.join(folder, "save_lora_adapter")
     model.save_lora_adapter(out)
     return out
@@ -266,6 +272,7 @@ CASES: list[Case] = [
          "over sqrt(r)", _peft_rslora, "peft"),
     Case("wan-peft-lora-bias", "wan", "peft `save_pretrained` folder, `lora_bias`", "`adapter_config.json` "
          "`lora_alpha` (the bias scaled as B @ A)", _peft_lora_bias, "peft"),
+    *(Case(**row) for row in family_rows()),  # tests/conformance/corpus_families.py
     Case("wan-peft-modules-to-save", "wan", "peft `save_pretrained` folder, `modules_to_save`", "-",
          _peft_modules_to_save, "refused", refusal="modules_to_save"),
     Case("wan-lycoris-loha", "wan", "LyCORIS LoHa (`hada_w1_a` ...)", "-", _lycoris_loha, "refused",
@@ -282,7 +289,7 @@ def describe(case: Case) -> dict:
     outcome = "refused" if case.reference == "refused" else "merged"
     held = {"diffusers": "diffusers load + fuse", "peft": "peft merge_and_unload",
             "diffusers-model": "diffusers model.load_lora_adapter + fuse",
-            "diffusers-file": "diffusers on the file storing that alpha", "math": "W + strength x diff",
+            "diffusers-file": "diffusers on the file storing that alpha", "math": "the math: W + strength x delta",
             "refused": "a refusal naming " + case.refusal}[case.reference]
     return {"layout": case.layout, "model": case.kind, "alpha": case.alpha_from, "outcome": outcome, "held to": held}
 
