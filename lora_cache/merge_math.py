@@ -21,7 +21,8 @@ so it fits the row blocks as they are. Several adapters apply in the order given
 DoRA term to what the terms before it made, as peft merges adapters one after another.
 
 Other variants whose merge is not ``W + scale * B @ A`` (LoHa, LoKr, ...) are refused
-with the key named: merging them as plain LoRA would be wrong without any error.
+with the key named (:mod:`lora_cache.adapters.formats.refused`): merging them as plain
+LoRA would be wrong without any error.
 """
 
 from __future__ import annotations
@@ -55,7 +56,6 @@ __all__ = [
     "one_pass_kind",
     "one_pass_possible",
     "row_blocks",
-    "refuse_unsupported",
     "scratch_bytes",
     "sums_in_output",
 ]
@@ -63,47 +63,9 @@ __all__ = [
 FP32_ROWS = "fp32-rows"  # fp32 accumulator per row block, terms in order, one cast: every case
 BF16_ADDMM = "bf16-addmm"  # torch's bf16 addmm into the output, fp32 inside, one rounding
 
-# Markers of adapter variants whose merge is not W + scale * B @ A.
-_UNSUPPORTED = {
-    "dora_scale": "DoRA (dora_scale)",
-    "hada_w1_a": "LoHa",
-    "hada_w1_b": "LoHa",
-    "hada_w2_a": "LoHa",
-    "hada_w2_b": "LoHa",
-    "hada_t1": "LoHa",
-    "hada_t2": "LoHa",
-    "lokr_w1": "LoKr",
-    "lokr_w1_a": "LoKr",
-    "lokr_w1_b": "LoKr",
-    "lokr_w2": "LoKr",
-    "lokr_w2_a": "LoKr",
-    "lokr_w2_b": "LoKr",
-    "lokr_t2": "LoKr",
-    "lora_mid": "LoCon with a Tucker core (lora_mid)",
-    "lora_embedding_A": "embedding LoRA",
-    "lora_embedding_B": "embedding LoRA",
-    "ia3_l": "IA3",
-    "oft_blocks": "OFT",
-    "oft_r": "OFT",
-    "w_norm": "norm adapter (w_norm)",
-    "b_norm": "norm adapter (b_norm)",
-}
-
 
 class UnsupportedAdapterError(HostmemError, ValueError):
     """An adapter uses a variant this merge cannot reproduce; the message names the key."""
-
-
-def refuse_unsupported(path: str, key: str) -> None:
-    """Raise :class:`UnsupportedAdapterError` when ``key`` belongs to an unsupported variant."""
-    for part in key.split(".")[-2:]:  # the variant's marker is the key's suffix
-        variant = _UNSUPPORTED.get(part)
-        if variant is not None:
-            raise UnsupportedAdapterError(
-                f"{path}: key {key!r} belongs to a {variant} adapter, which lora_cache does not "
-                "merge (its weights are not W + scale * B @ A); convert it to plain LoRA or apply "
-                "it at run time instead"
-            )
 
 
 def lora_scale(strength: float, alpha: float | None, rank: int, rslora: bool = False) -> float:
