@@ -38,6 +38,7 @@ import torch
 
 from hostmem.errors import HostmemError, InputError
 from .buffers import Scratch, compute_device, host_buffer
+from .dora_lycoris import COLUMNS, PEFT, add_decomposed, column_scale
 
 __all__ = [
     "Accumulators",
@@ -48,6 +49,7 @@ __all__ = [
     "Term",
     "UnsupportedAdapterError",
     "add_terms",
+    "column_scales",
     "compute_device",
     "host_buffer",
     "lora_scale",
@@ -85,7 +87,9 @@ class Delta:
 
     ``up`` is (out, rank) or (out, rank, 1, 1); ``down`` is (rank, in) or (rank, in, kh, kw).
     ``magnitude`` (DoRA, shape (out,)): the rows of ``W + scale * up @ down`` are rescaled
-    to it (see the module's docstring).
+    to it (see the module's docstring); ``dora`` says whose DoRA: peft's, or LyCORIS's
+    ``dora_scale`` as ComfyUI merges it on its row or column axis, with ``dora_strength``
+    (:mod:`lora_cache.dora_lycoris`; ``scale`` is then alpha / rank alone).
     ``source`` names the adapter file and key for error messages; ``values_check`` is the
     file's check of its values, run before they are first consumed
     (:func:`lora_cache.adapters.checks.check_before_use`).
@@ -99,13 +103,17 @@ class Delta:
     diff_scale: float = 1.0
     values_check: Callable[[], None] | None = field(default=None, repr=False, compare=False)
     magnitude: torch.Tensor | None = None
+    dora: str = PEFT
+    dora_strength: float = 1.0
 
     def check(self) -> None:
         """Refuse what ``up @ down`` cannot express, before any layer is merged."""
-        if self.magnitude is not None and (self.up is None or self.magnitude.numel() != self.up.shape[0]):
+        axis = "input columns" if self.dora == COLUMNS else "rows"
+        fits = self.up is not None and (self.down.shape[1] if self.dora == COLUMNS else self.up.shape[0])
+        if self.magnitude is not None and self.magnitude.numel() != fits:
             raise UnsupportedAdapterError(
                 f"{self.source}: a DoRA magnitude vector of {self.magnitude.numel()} values does not fit the "
-                f"{'missing' if self.up is None else self.up.shape[0]} rows of its LoRA pair; the file is damaged"
+                f"{'missing' if self.up is None else fits} {axis} of its LoRA pair; the file is damaged"
             )
         if self.up is not None and self.up.dim() == 4 and tuple(self.up.shape[2:]) != (1, 1):
             raise UnsupportedAdapterError(
@@ -141,9 +149,12 @@ class Term:
     diff: torch.Tensor | None
     diff_scale: float
     magnitude: torch.Tensor | None = None  # fp32 (rows,): DoRA
+    dora: str = PEFT
+    dora_strength: float = 1.0
+    columns: torch.Tensor | None = None  # fp32 (cols,): a column-axis DoRA's factors (column_scales)
 
     @classmethod
-    def of(cls, delta: Delta, device: torch.device, fp32: bool = True) -> "Term":
+    def of(cls, delta: Delta, device: torch.device, fp32: bool = True, columns: torch.Tensor | None = None) -> "Term":
         if delta.up is None:
             up = down = None
         else:
@@ -151,7 +162,7 @@ class Term:
             up, down = _as_matrix(delta.up, device, fp32), _as_matrix(delta.down, device, fp32)
         diff = None if delta.diff is None else delta.diff.to(device)
         magnitude = None if delta.magnitude is None else delta.magnitude.to(device=device, dtype=torch.float32)
-        return cls(up, down, delta.scale, diff, delta.diff_scale, magnitude)
+        return cls(up, down, delta.scale, diff, delta.diff_scale, magnitude, delta.dora, delta.dora_strength, columns)
 
 
 def row_blocks(shape: tuple[int, ...], device: torch.device) -> list[slice]:
@@ -247,8 +258,13 @@ def _sum_block(acc: torch.Tensor, base: torch.Tensor, terms: list[Term], rows: s
 
 def add_terms(block: torch.Tensor, terms: list[Term], rows: slice) -> None:
     """block += every term's ``rows``, in the order given (block: one row block); a DoRA
-    term then rescales each row to its magnitude over the row's norm, as peft does."""
+    term then rescales each row to its magnitude over the row's norm, as peft does (a
+    LyCORIS one as :mod:`lora_cache.dora_lycoris` says)."""
     for term in terms:
+        if term.magnitude is not None and term.dora != PEFT:
+            add_decomposed(block.view(block.shape[0], -1), term.up[rows], term.down, term.scale, term.dora_strength,
+                           None if term.dora == COLUMNS else term.magnitude[rows], term.columns)
+            continue
         if term.up is not None:
             block.view(block.shape[0], -1).addmm_(term.up[rows], term.down, alpha=term.scale)
         if term.diff is not None:
@@ -256,6 +272,28 @@ def add_terms(block: torch.Tensor, terms: list[Term], rows: slice) -> None:
         if term.magnitude is not None:
             flat = block.view(block.shape[0], -1)
             flat.mul_((term.magnitude[rows] / torch.linalg.vector_norm(flat, dim=1)).unsqueeze(1))
+
+
+def column_scales(base: torch.Tensor, deltas: list[Delta], device: torch.device) -> list[torch.Tensor | None]:
+    """For each delta, its column-axis DoRA factors over the whole layer (None for the others):
+    the columns' norms of the weight the terms before it and its own pair make, gathered in
+    the merge's row blocks before any block is merged."""
+    found: list[torch.Tensor | None] = [None] * len(deltas)
+    if not any(d.magnitude is not None and d.dora == COLUMNS for d in deltas):
+        return found
+    terms = [Term.of(d, device) for d in deltas]
+    flat_base = base.reshape(base.shape[0], -1)
+    for i, term in enumerate(terms):
+        if term.magnitude is None or term.dora != COLUMNS:
+            continue
+        sumsq = torch.zeros(flat_base.shape[1], dtype=torch.float32, device=device)
+        for rows in row_blocks(tuple(flat_base.shape), device):
+            block = flat_base[rows].to(device=device, dtype=torch.float32, copy=True)  # never a view of the base
+            add_terms(block, terms[:i], rows)
+            sumsq += block.addmm_(term.up[rows], term.down, alpha=term.scale).square().sum(dim=0)
+        found[i] = column_scale(sumsq, term.magnitude)
+        terms[i] = replace(term, columns=found[i])
+    return found
 
 
 def _block_ends(shape: tuple[int, ...], itemsize: int, blocks: list[slice]) -> list[int]:
@@ -365,7 +403,7 @@ def _fp32_blocks(base, deltas, out, scratch, workers, blocks, ends, claim) -> Ca
     """The :data:`FP32_ROWS` work of block ``i``: sum it in an fp32 accumulator (before its
     bytes of ``out`` are claimed, so the sum overlaps the wait), then cast it into ``out``."""
     device = scratch.device
-    terms = [Term.of(delta, device) for delta in deltas]
+    terms = [Term.of(delta, device, columns=c) for delta, c in zip(deltas, column_scales(base, deltas, device))]
     if base.dim() == 0:  # a scalar parameter: one block of one row
         base, out = base.view(1), out.view(1)
         terms = [replace(t, diff=None if t.diff is None else t.diff.view(1)) for t in terms]

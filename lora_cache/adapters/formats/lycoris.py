@@ -15,7 +15,7 @@ from __future__ import annotations
 __all__ = ["NAME", "ROLES", "claims", "read"]
 
 NAME = "lycoris"
-ROLES: tuple = ()
+ROLES = (("dora_scale", "dora_scale"),)
 
 
 def claims(keys, metadata: dict) -> bool:

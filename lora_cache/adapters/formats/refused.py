@@ -19,7 +19,6 @@ ROLES: tuple = ()
 
 # A key's last or second-to-last part -> the variant it marks.
 VARIANTS = {
-    "dora_scale": "DoRA (dora_scale)",
     "hada_w1_a": "LoHa",
     "hada_w1_b": "LoHa",
     "hada_w2_a": "LoHa",
