@@ -1,8 +1,8 @@
 """LyCORIS files merged by the native reader: ``dora_scale`` (its DoRA) as ComfyUI merges it,
 on both axes its shape names, and the "full" algorithm's ``.diff`` / ``.diff_b`` as
 ``W += strength * diff``. The references are written here from the formats' documentation
-(ComfyUI's ``weight_decompose``, LyCORIS's ``FullModule``), in float64, independently of
-lora_cache's row-block merge."""
+(ComfyUI's ``weight_decompose`` in tests/conformance/corpus.py, LyCORIS's ``FullModule``), in
+float64, independently of lora_cache's row-block merge."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import lora_cache
 from hostmem.safetensors.mapping import load_readonly
 from lora_cache import read_adapter
 from lora_cache.keys import KeyResolutionError
+from tests.conformance.corpus import comfyui_dora  # ComfyUI's weight_decompose, written from it
 from tests.conftest import write_safetensors
 
 RANK, ALPHA = 4, 2.0
@@ -59,22 +60,6 @@ def _lycoris_dora(folder, on_out: bool) -> str:
     return path
 
 
-def _comfyui_dora(weight, up, down, alpha, dora_scale, strength):
-    """ComfyUI's weight_decompose, written from its documented behaviour, in float64: the
-    update C = W + alpha / rank * up @ down; on the output axis (dora_scale's first size is
-    the weight's rows) each row is normed on W, else each input channel on C (over the
-    rows and the kernel); D = C * dora_scale / (norm + eps); W + strength * (D - W)."""
-    w = weight.double()
-    c = w + alpha / down.shape[0] * (up.flatten(1).double() @ down.flatten(1).double()).reshape(w.shape)
-    eps = torch.finfo(torch.float32).eps
-    if dora_scale.shape[0] == w.shape[0]:
-        norm = w.reshape(w.shape[0], -1).norm(dim=1).reshape(-1, *[1] * (w.dim() - 1))
-    else:
-        norm = c.transpose(0, 1).reshape(w.shape[1], -1).norm(dim=1).reshape(1, -1, *[1] * (w.dim() - 2))
-    d = c * dora_scale.double() / (norm + eps)
-    return w + strength * (d - w)
-
-
 @pytest.mark.parametrize("strength", [1.0, 0.6])
 @pytest.mark.parametrize("on_out", [False, True], ids=["input-axis", "output-axis"])
 def test_dora_scale_merges_as_comfyui_merges_it(tmp_path, on_out, strength):
@@ -87,7 +72,7 @@ def test_dora_scale_merges_as_comfyui_merges_it(tmp_path, on_out, strength):
     base, file = _base(tmp_path / "b").state_dict(), load_readonly(path)
     for name in ("a", "sq", "conv"):
         stem = f"lycoris_{name}"
-        expected = _comfyui_dora(base[f"{name}.weight"], file[f"{stem}.lora_up.weight"],
+        expected = comfyui_dora(base[f"{name}.weight"], file[f"{stem}.lora_up.weight"],
                                  file[f"{stem}.lora_down.weight"], ALPHA, file[f"{stem}.dora_scale"], strength)
         merged = model.state_dict()[f"{name}.weight"]
         torch.testing.assert_close(merged.double(), expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
@@ -112,7 +97,7 @@ def test_dora_scale_in_bf16_is_the_fp32_merge_rounded_once(tmp_path):
     model = _base(tmp_path / "m", torch.bfloat16)
     lora_cache.merge(model, [path], cache_root=tmp_path / "cache", progress=False)
     base, file = _base(tmp_path / "b", torch.bfloat16).state_dict(), load_readonly(path)
-    expected = _comfyui_dora(base["a.weight"], file["lycoris_a.lora_up.weight"], file["lycoris_a.lora_down.weight"],
+    expected = comfyui_dora(base["a.weight"], file["lycoris_a.lora_up.weight"], file["lycoris_a.lora_down.weight"],
                              ALPHA, file["lycoris_a.dora_scale"], 1.0)
     torch.testing.assert_close(model.a.weight.double(), expected, rtol=2**-8, atol=0)
 
