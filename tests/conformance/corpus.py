@@ -279,7 +279,7 @@ CASES: list[Case] = [
 
 # LyCORIS (lycoris/modules/locon.py with DoRA, full.py), written by the trainer's key scheme
 # for a diffusers Wan (LyCORIS names a module lycoris_<its name with underscores>) and read
-# by lora_cache's own reader: diffusers' converters do not take these names.
+# by lora_cache's own reader, on a diffusers model too: diffusers' converters do not take them.
 _LYCORIS_WAN = {"blocks.0.attn1.to_q": (_WAN_DIM, _WAN_DIM), "blocks.1.ffn.net.0.proj": (32, _WAN_DIM),
                 "blocks.1.ffn.net.2": (_WAN_DIM, 32)}
 
@@ -355,12 +355,12 @@ def _expected_beside(path: str) -> dict:
 
 CASES += [
     Case("wan-lycoris-dora-input-axis", "wan", "LyCORIS LoCon with DoRA (`.dora_scale` (1, in))", "`.alpha`",
-         _lycoris_dora(False), "comfyui", spec={"strength": 0.8, "convert": "native"}, expected=_expected_beside),
+         _lycoris_dora(False), "comfyui", spec={"strength": 0.8}, expected=_expected_beside),
     Case("wan-lycoris-dora-output-axis", "wan", "LyCORIS LoCon with DoRA, `wd_on_out` (`.dora_scale` (out, 1))",
-         "`.alpha`", _lycoris_dora(True), "comfyui", spec={"strength": 0.8, "convert": "native"},
+         "`.alpha`", _lycoris_dora(True), "comfyui", spec={"strength": 0.8},
          expected=_expected_beside),
     Case("wan-lycoris-full", "wan", "LyCORIS full (`lycoris_….diff`, `.diff_b`)", "none (a diff has none)",
-         _lycoris_full, "math", spec={"strength": 0.6, "convert": "native"}, expected=_lycoris_full_expected),
+         _lycoris_full, "math", spec={"strength": 0.6}, expected=_lycoris_full_expected),
 ]
 
 

@@ -9,6 +9,8 @@ A format module (one file in this folder) has:
 - ``claims(keys, metadata)``: whether a file with these keys and header metadata is
   of this format (cheap: names only, never values);
 - ``read(reading)``: the file as an :class:`~lora_cache.adapters.read.AdapterFile`.
+- optionally ``DIFFUSERS_READS = False``: on a diffusers model the file is read by
+  lora_cache's reader, not diffusers' converter (which does not know the format).
 
 The reader tries the modules in the order of :data:`lora_cache.adapters.formats.FORMATS`
 and reads a file with the first that claims it. The reader's grouping of keys by suffix

@@ -12,10 +12,11 @@ LoHa and LoKr are refused by name (:mod:`.refused`).
 
 from __future__ import annotations
 
-__all__ = ["NAME", "ROLES", "claims", "read"]
+__all__ = ["DIFFUSERS_READS", "NAME", "ROLES", "claims", "read"]
 
 NAME = "lycoris"
 ROLES = (("dora_scale", "dora_scale"),)
+DIFFUSERS_READS = False  # diffusers' converters know neither its names nor its DoRA: lora_cache's reader takes it
 
 
 def claims(keys, metadata: dict) -> bool:
