@@ -385,9 +385,9 @@ def _magnitude(adapter: AdapterFile, change: ModuleChange, place: Placement, par
         )
     if magnitude is not None and magnitude.dim() == 2 and magnitude.shape[0] == 1 < change.parts["up"].shape[0]:
         raise KeyResolutionError(
-            f"{adapter.path}: {change.keys['magnitude']!r} has shape {tuple(magnitude.shape)}: a LyCORIS dora_scale "
-            "on the input axis, which the converter handed on as peft's magnitude vector (normed by rows); merging it "
-            "so would be wrong. Read the file with convert='native', which merges it as ComfyUI does"
+            f"{adapter.path}: {change.keys['magnitude']!r} has shape {tuple(magnitude.shape)}: magnitudes of input "
+            "columns (LyCORIS's dora_scale on the input axis, as a converter may hand it on), where peft's DoRA norms "
+            "rows; merging it so would be wrong. A LyCORIS file merges with convert='native', as ComfyUI merges it"
         )
     return (None if magnitude is None else magnitude.flatten()), PEFT
 

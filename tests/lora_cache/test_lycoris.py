@@ -136,3 +136,16 @@ def test_lycoris_full_weights_merge_as_w_plus_strength_diff(tmp_path):
     for name, weight in model.state_dict().items():
         expected = base[name].double() + (0.7 * 0.01 * diffs[name].double() if name in diffs else 0)
         torch.testing.assert_close(weight.double(), expected, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_a_magnitude_vector_of_input_columns_is_never_normed_by_rows(tmp_path):
+    """peft's magnitude is one value per row; a (1, in) one (LyCORIS's input-axis dora_scale
+    under peft's name, as a converter may pass it on) is refused even where in == out."""
+    gen = torch.Generator().manual_seed(2)
+    path = write_safetensors(tmp_path / "m.safetensors", {
+        "sq.lora_A.weight": torch.randn(RANK, 32, generator=gen),
+        "sq.lora_B.weight": torch.randn(32, RANK, generator=gen),
+        "sq.lora_magnitude_vector": torch.ones(1, 32)})
+    refusal = r"'sq.lora_magnitude_vector' has shape \(1, 32\): magnitudes of input"
+    with pytest.raises(KeyResolutionError, match=refusal):
+        lora_cache.merge(_base(tmp_path / "m"), [path], enabled=False)
