@@ -149,3 +149,18 @@ def test_a_magnitude_vector_of_input_columns_is_never_normed_by_rows(tmp_path):
     refusal = r"'sq.lora_magnitude_vector' has shape \(1, 32\): magnitudes of input"
     with pytest.raises(KeyResolutionError, match=refusal):
         lora_cache.merge(_base(tmp_path / "m"), [path], enabled=False)
+
+
+@pytest.mark.parametrize("dora, dim", [("peft", 1), ("comfyui-rows", 1), ("comfyui-columns", 0)])
+def test_a_dora_term_on_a_part_that_lacks_its_norms_is_refused(dora, dim):
+    """A tensor-parallel part without the rows or columns a DoRA term's norms span is never
+    merged alone (its norms would be a part's)."""
+    from lora_cache.merge_math import Delta, Scratch
+    from lora_cache.tp_shards import Shard
+    from lora_cache.tp_shards.shard_math import shard_merged
+
+    up, down = torch.ones(32, RANK), torch.ones(RANK, 32)
+    delta = Delta("f.safetensors: 'sq'", up, down, 0.5, magnitude=torch.ones(32), dora=dora)
+    part = torch.zeros(32, 16) if dim == 1 else torch.zeros(16, 32)
+    with pytest.raises(lora_cache.UnsupportedAdapterError, match=rf"'sq': a DoRA term on a part .* along dim {dim}"):
+        shard_merged(part, [delta], Shard(dim, 0, 2), part.clone(), Scratch(torch.device("cpu")))
