@@ -37,7 +37,10 @@ def _shape(tensor) -> list | None:
 def _term(delta: Delta) -> list:
     term = [float(delta.scale).hex(), _shape(delta.up), _shape(delta.down), float(delta.diff_scale).hex(),
             _shape(delta.diff)]
-    return term if delta.magnitude is None else [*term, "dora", _shape(delta.magnitude)]
+    if delta.magnitude is None:
+        return term
+    lycoris = [] if delta.dora == "peft" else [delta.dora, float(delta.dora_strength).hex()]  # dora_lycoris
+    return [*term, "dora", _shape(delta.magnitude), *lycoris]
 
 
 def _adapter_of(delta: Delta) -> str:

@@ -3,7 +3,7 @@
 A plan needs the names of the weights a merge will write, and their bytes, not the
 adapter's values. For the common layouts (peft and diffusers ``lora_A/B``, kohya
 ``lora_unet_``, ComfyUI and lightx2v ``diffusion_model.``) the adapter's safetensors
-header says it all: each key splits into a stem and a part (:func:`lora_cache.key_names.split_key`),
+header says it all: each key splits into a stem and a part (:func:`lora_cache.adapters.formats.split_key`, the formats' one suffix table),
 each stem names a module by the resolver the merge uses (:func:`lora_cache.key_names.resolve_stem`),
 and the parts' shapes say which weight or bias changes and whether it fits.
 
@@ -30,7 +30,8 @@ from hostmem.errors import HostmemError
 from hostmem.safetensors.header import SafetensorsError, read_header
 
 from .adapter_paths import adapter_file_in, peft_config_path
-from .key_names import KeyResolutionError, KeyRule, ModuleIndex, resolve_stem, split_key
+from .adapters.formats import split_key
+from .key_names import KeyResolutionError, KeyRule, ModuleIndex, resolve_stem
 
 __all__ = ["NeedsReader", "header_targets"]
 

@@ -1,12 +1,11 @@
-"""The pure-string half of adapter keys: which part of a change a key holds, and which
-module a key stem names.
+"""The pure-string half of adapter keys: which module a key stem names.
 
 A key is a stem plus a suffix naming its part (``.lora_A.weight``, ``.lora_down.weight``,
-``.alpha``, ``.diff`` ...: :func:`split_key`); the stem names a module the way its
-trainer saw it (:func:`resolve_stem`, see :mod:`lora_cache.keys` for the rules). Both
-work on names and shapes only and import no torch, so the merge (through
-:mod:`lora_cache.keys` and the adapter reader) and the planner's header-only path
-(:mod:`lora_cache.header_targets`) share one resolver.
+``.alpha``, ``.diff`` ...: the formats' one table, :func:`lora_cache.adapters.formats.split_key`);
+the stem names a module the way its trainer saw it (:func:`resolve_stem`, see
+:mod:`lora_cache.keys` for the rules). Both work on names and shapes only and import no
+torch, so the merge (through :mod:`lora_cache.keys` and the adapter reader) and the
+planner's header-only path (:mod:`lora_cache.header_targets`) share one resolver.
 """
 
 from __future__ import annotations
@@ -16,35 +15,7 @@ from dataclasses import dataclass
 
 from hostmem.errors import HostmemError
 
-__all__ = ["KNOWN_PARTS", "ROLES", "KeyResolutionError", "KeyRule", "ModuleIndex", "Target", "resolve_stem",
-           "split_key"]
-
-# Suffix -> role, longest first so "lora_down.weight" wins over a bare "weight".
-ROLES = (
-    ("lora_A.weight", "down"),
-    ("lora_A.default.weight", "down"),  # peft's adapter-name infix, as DiffSynth-Studio writes it
-    ("lora_down.weight", "down"),
-    ("down.weight", "down"),  # XLabs (``proj_lora1.down.weight``), diffusers' older ``lora.down.weight``
-    ("lora_B.weight", "up"),
-    ("lora_B.default.weight", "up"),
-    ("lora_up.weight", "up"),
-    ("up.weight", "up"),
-    ("lora_B.bias", "up_b"),  # peft's lora_bias: diffusers turns ComfyUI's diff_b into it
-    ("diff_b", "diff_b"),
-    ("alpha", "alpha"),
-    ("diff", "diff"),
-    ("lora_magnitude_vector", "magnitude"),  # peft's DoRA (merged as peft merges it: lora_cache.merge_math)
-)
-KNOWN_PARTS = ("lora_A/lora_B(.default).weight, lora_B.bias, lora_down/lora_up.weight, down/up.weight, alpha, diff, "
-               "diff_b, lora_magnitude_vector")
-
-
-def split_key(key: str) -> tuple[str, str] | None:
-    """``(stem, role)`` of an adapter key, or None when its suffix names no part."""
-    for suffix, role in ROLES:
-        if key.endswith("." + suffix):
-            return key[: -len(suffix) - 1], role
-    return None
+__all__ = ["KeyResolutionError", "KeyRule", "ModuleIndex", "Target", "resolve_stem"]
 
 _DOTTED_PREFIXES = (
     "base_model.model.",

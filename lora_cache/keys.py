@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .adapters import Adapter, AdapterFile, ModuleChange
+from .dora_lycoris import PEFT, axis_of
 from .key_names import KeyResolutionError, KeyRule, ModuleIndex, Target, resolve_stem
 from .merge_math import Delta, lora_scale
 
@@ -183,8 +184,11 @@ def _placed(adapter: AdapterFile, key: str, tensor: torch.Tensor, place: Placeme
 
 
 def _magnitude(adapter: AdapterFile, change: ModuleChange, place: Placement, param: str):
-    """A DoRA change's magnitude vector (None for plain LoRA); refused on part of a fused
-    weight, whose other rows it would rescale to nothing."""
+    """``(magnitude, whose DoRA)`` of a change: peft's ``lora_magnitude_vector`` or LyCORIS's
+    ``dora_scale`` (:mod:`lora_cache.dora_lycoris`), None for plain LoRA; refused on part of
+    a fused weight, whose other rows it would rescale to nothing."""
+    if "dora_scale" in change.parts:
+        return _dora_scale(adapter, change, place, param)
     magnitude = change.parts.get("magnitude")
     if magnitude is None and adapter.config is not None and adapter.config.use_dora:
         raise KeyResolutionError(
@@ -197,7 +201,25 @@ def _magnitude(adapter: AdapterFile, change: ModuleChange, place: Placement, par
             f"{param!r}; DoRA rescales whole rows of the weight it was trained on, so it merges only onto that "
             "weight whole (drop the [start:stop] rule, or merge into a model with the separate projection)"
         )
-    return None if magnitude is None else magnitude.flatten()
+    if magnitude is not None and magnitude.dim() == 2 and magnitude.shape[0] == 1 < change.parts["up"].shape[0]:
+        raise KeyResolutionError(
+            f"{adapter.path}: {change.keys['magnitude']!r} has shape {tuple(magnitude.shape)}: magnitudes of input "
+            "columns (LyCORIS's dora_scale on the input axis, as a converter may hand it on), where peft's DoRA norms "
+            "rows; merging it so would be wrong. A LyCORIS file merges with convert='native', as ComfyUI merges it"
+        )
+    return (None if magnitude is None else magnitude.flatten()), PEFT
+
+
+def _dora_scale(adapter: AdapterFile, change: ModuleChange, place: Placement, param: str):
+    """LyCORIS's ``dora_scale``: the axis its shape names, on the whole weight only."""
+    key, scale = change.keys["dora_scale"], change.parts["dora_scale"]
+    if "up" not in change.parts or "magnitude" in change.parts:
+        raise KeyResolutionError(f"{adapter.path}: {key!r} needs a LoRA pair beside it and no lora_magnitude_vector "
+                                 "(truncated or mixed adapter?)")
+    if place.rows is not None or place.source is not None:
+        raise KeyResolutionError(f"{adapter.path}: {key!r} is a DoRA scale placed on some rows of {param!r}; DoRA "
+                                 "norms the weight it was trained on, so it merges only onto that weight whole")
+    return scale.flatten(), axis_of(scale, change.parts["up"].shape[0])
 
 
 def _module_deltas(adapter: AdapterFile, spec: Adapter, place: Placement, index: ModuleIndex):
@@ -208,15 +230,16 @@ def _module_deltas(adapter: AdapterFile, spec: Adapter, place: Placement, index:
     if "up" in parts:
         alpha = adapter.alpha(change, spec.alpha)  # the override, unless a converter folded it in already
         rslora = adapter.rslora_for(change) if spec.rslora is None else spec.rslora
-        scale = lora_scale(strength, alpha, adapter.rank(change), rslora)
+        outside = "dora_scale" in parts  # LyCORIS's DoRA takes its strength outside the norm (dora_lycoris)
+        scale = lora_scale(1.0 if outside else strength, alpha, adapter.rank(change), rslora)
     if "up" in parts or "diff" in parts:
         key = change.keys.get("up", change.keys.get("diff"))
         param = f"{module}.weight"
         up = None if "up" not in parts else _placed(adapter, key, parts["up"], place, param, index)
         diff = None if "diff" not in parts else _placed(adapter, key, parts["diff"], place, param, index)
-        magnitude = _magnitude(adapter, change, place, param)
+        magnitude, dora = _magnitude(adapter, change, place, param)
         yield param, key, Delta(f"{adapter.path}: {key!r}", up, parts.get("down"), scale, diff, strength,
-                                magnitude=magnitude)
+                                magnitude=magnitude, dora=dora, dora_strength=strength if dora != PEFT else 1.0)
     for role, factor in (("diff_b", strength), ("up_b", scale)):  # up_b: peft's lora_bias, scaled as B @ A
         if role in parts:
             key, param = change.keys[role], f"{module}.bias"

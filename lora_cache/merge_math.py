@@ -21,7 +21,8 @@ so it fits the row blocks as they are. Several adapters apply in the order given
 DoRA term to what the terms before it made, as peft merges adapters one after another.
 
 Other variants whose merge is not ``W + scale * B @ A`` (LoHa, LoKr, ...) are refused
-with the key named: merging them as plain LoRA would be wrong without any error.
+with the key named (:mod:`lora_cache.adapters.formats.refused`): merging them as plain
+LoRA would be wrong without any error.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ from typing import Callable
 
 import torch
 
-from hostmem.errors import HostmemError, InputError
+from hostmem.errors import InputError
+from .adapters.spec import UnsupportedAdapterError
 from .buffers import Scratch, compute_device, host_buffer
+from .dora_lycoris import COLUMNS, PEFT, add_decomposed, column_scale
 
 __all__ = [
     "Accumulators",
@@ -47,6 +50,7 @@ __all__ = [
     "Term",
     "UnsupportedAdapterError",
     "add_terms",
+    "column_scales",
     "compute_device",
     "host_buffer",
     "lora_scale",
@@ -55,55 +59,12 @@ __all__ = [
     "one_pass_kind",
     "one_pass_possible",
     "row_blocks",
-    "refuse_unsupported",
     "scratch_bytes",
     "sums_in_output",
 ]
 
 FP32_ROWS = "fp32-rows"  # fp32 accumulator per row block, terms in order, one cast: every case
 BF16_ADDMM = "bf16-addmm"  # torch's bf16 addmm into the output, fp32 inside, one rounding
-
-# Markers of adapter variants whose merge is not W + scale * B @ A.
-_UNSUPPORTED = {
-    "dora_scale": "DoRA (dora_scale)",
-    "hada_w1_a": "LoHa",
-    "hada_w1_b": "LoHa",
-    "hada_w2_a": "LoHa",
-    "hada_w2_b": "LoHa",
-    "hada_t1": "LoHa",
-    "hada_t2": "LoHa",
-    "lokr_w1": "LoKr",
-    "lokr_w1_a": "LoKr",
-    "lokr_w1_b": "LoKr",
-    "lokr_w2": "LoKr",
-    "lokr_w2_a": "LoKr",
-    "lokr_w2_b": "LoKr",
-    "lokr_t2": "LoKr",
-    "lora_mid": "LoCon with a Tucker core (lora_mid)",
-    "lora_embedding_A": "embedding LoRA",
-    "lora_embedding_B": "embedding LoRA",
-    "ia3_l": "IA3",
-    "oft_blocks": "OFT",
-    "oft_r": "OFT",
-    "w_norm": "norm adapter (w_norm)",
-    "b_norm": "norm adapter (b_norm)",
-}
-
-
-class UnsupportedAdapterError(HostmemError, ValueError):
-    """An adapter uses a variant this merge cannot reproduce; the message names the key."""
-
-
-def refuse_unsupported(path: str, key: str) -> None:
-    """Raise :class:`UnsupportedAdapterError` when ``key`` belongs to an unsupported variant."""
-    for part in key.split(".")[-2:]:  # the variant's marker is the key's suffix
-        variant = _UNSUPPORTED.get(part)
-        if variant is not None:
-            raise UnsupportedAdapterError(
-                f"{path}: key {key!r} belongs to a {variant} adapter, which lora_cache does not "
-                "merge (its weights are not W + scale * B @ A); convert it to plain LoRA or apply "
-                "it at run time instead"
-            )
 
 
 def lora_scale(strength: float, alpha: float | None, rank: int, rslora: bool = False) -> float:
@@ -123,7 +84,9 @@ class Delta:
 
     ``up`` is (out, rank) or (out, rank, 1, 1); ``down`` is (rank, in) or (rank, in, kh, kw).
     ``magnitude`` (DoRA, shape (out,)): the rows of ``W + scale * up @ down`` are rescaled
-    to it (see the module's docstring).
+    to it (see the module's docstring); ``dora`` says whose DoRA: peft's, or LyCORIS's
+    ``dora_scale`` as ComfyUI merges it on its row or column axis, with ``dora_strength``
+    (:mod:`lora_cache.dora_lycoris`; ``scale`` is then alpha / rank alone).
     ``source`` names the adapter file and key for error messages; ``values_check`` is the
     file's check of its values, run before they are first consumed
     (:func:`lora_cache.adapters.checks.check_before_use`).
@@ -137,13 +100,17 @@ class Delta:
     diff_scale: float = 1.0
     values_check: Callable[[], None] | None = field(default=None, repr=False, compare=False)
     magnitude: torch.Tensor | None = None
+    dora: str = PEFT
+    dora_strength: float = 1.0
 
     def check(self) -> None:
         """Refuse what ``up @ down`` cannot express, before any layer is merged."""
-        if self.magnitude is not None and (self.up is None or self.magnitude.numel() != self.up.shape[0]):
+        axis = "input columns" if self.dora == COLUMNS else "rows"
+        fits = self.up is not None and (self.down.shape[1] if self.dora == COLUMNS else self.up.shape[0])
+        if self.magnitude is not None and self.magnitude.numel() != fits:
             raise UnsupportedAdapterError(
                 f"{self.source}: a DoRA magnitude vector of {self.magnitude.numel()} values does not fit the "
-                f"{'missing' if self.up is None else self.up.shape[0]} rows of its LoRA pair; the file is damaged"
+                f"{'missing' if self.up is None else fits} {axis} of its LoRA pair; the file is damaged"
             )
         if self.up is not None and self.up.dim() == 4 and tuple(self.up.shape[2:]) != (1, 1):
             raise UnsupportedAdapterError(
@@ -179,9 +146,12 @@ class Term:
     diff: torch.Tensor | None
     diff_scale: float
     magnitude: torch.Tensor | None = None  # fp32 (rows,): DoRA
+    dora: str = PEFT
+    dora_strength: float = 1.0
+    columns: torch.Tensor | None = None  # fp32 (cols,): a column-axis DoRA's factors (column_scales)
 
     @classmethod
-    def of(cls, delta: Delta, device: torch.device, fp32: bool = True) -> "Term":
+    def of(cls, delta: Delta, device: torch.device, fp32: bool = True, columns: torch.Tensor | None = None) -> "Term":
         if delta.up is None:
             up = down = None
         else:
@@ -189,7 +159,7 @@ class Term:
             up, down = _as_matrix(delta.up, device, fp32), _as_matrix(delta.down, device, fp32)
         diff = None if delta.diff is None else delta.diff.to(device)
         magnitude = None if delta.magnitude is None else delta.magnitude.to(device=device, dtype=torch.float32)
-        return cls(up, down, delta.scale, diff, delta.diff_scale, magnitude)
+        return cls(up, down, delta.scale, diff, delta.diff_scale, magnitude, delta.dora, delta.dora_strength, columns)
 
 
 def row_blocks(shape: tuple[int, ...], device: torch.device) -> list[slice]:
@@ -285,8 +255,13 @@ def _sum_block(acc: torch.Tensor, base: torch.Tensor, terms: list[Term], rows: s
 
 def add_terms(block: torch.Tensor, terms: list[Term], rows: slice) -> None:
     """block += every term's ``rows``, in the order given (block: one row block); a DoRA
-    term then rescales each row to its magnitude over the row's norm, as peft does."""
+    term then rescales each row to its magnitude over the row's norm, as peft does (a
+    LyCORIS one as :mod:`lora_cache.dora_lycoris` says)."""
     for term in terms:
+        if term.magnitude is not None and term.dora != PEFT:
+            add_decomposed(block.view(block.shape[0], -1), term.up[rows], term.down, term.scale, term.dora_strength,
+                           None if term.dora == COLUMNS else term.magnitude[rows], term.columns)
+            continue
         if term.up is not None:
             block.view(block.shape[0], -1).addmm_(term.up[rows], term.down, alpha=term.scale)
         if term.diff is not None:
@@ -294,6 +269,28 @@ def add_terms(block: torch.Tensor, terms: list[Term], rows: slice) -> None:
         if term.magnitude is not None:
             flat = block.view(block.shape[0], -1)
             flat.mul_((term.magnitude[rows] / torch.linalg.vector_norm(flat, dim=1)).unsqueeze(1))
+
+
+def column_scales(base: torch.Tensor, deltas: list[Delta], device: torch.device) -> list[torch.Tensor | None]:
+    """For each delta, its column-axis DoRA factors over the whole layer (None for the others):
+    the columns' norms of the weight the terms before it and its own pair make, gathered in
+    the merge's row blocks before any block is merged."""
+    found: list[torch.Tensor | None] = [None] * len(deltas)
+    if not any(d.magnitude is not None and d.dora == COLUMNS for d in deltas):
+        return found
+    terms = [Term.of(d, device) for d in deltas]
+    flat_base = base.reshape(base.shape[0], -1)
+    for i, term in enumerate(terms):
+        if term.magnitude is None or term.dora != COLUMNS:
+            continue
+        sumsq = torch.zeros(flat_base.shape[1], dtype=torch.float32, device=device)
+        for rows in row_blocks(tuple(flat_base.shape), device):
+            block = flat_base[rows].to(device=device, dtype=torch.float32, copy=True)  # never a view of the base
+            add_terms(block, terms[:i], rows)
+            sumsq += block.addmm_(term.up[rows], term.down, alpha=term.scale).square().sum(dim=0)
+        found[i] = column_scale(sumsq, term.magnitude)
+        terms[i] = replace(term, columns=found[i])
+    return found
 
 
 def _block_ends(shape: tuple[int, ...], itemsize: int, blocks: list[slice]) -> list[int]:
@@ -403,7 +400,7 @@ def _fp32_blocks(base, deltas, out, scratch, workers, blocks, ends, claim) -> Ca
     """The :data:`FP32_ROWS` work of block ``i``: sum it in an fp32 accumulator (before its
     bytes of ``out`` are claimed, so the sum overlaps the wait), then cast it into ``out``."""
     device = scratch.device
-    terms = [Term.of(delta, device) for delta in deltas]
+    terms = [Term.of(delta, device, columns=c) for delta, c in zip(deltas, column_scales(base, deltas, device))]
     if base.dim() == 0:  # a scalar parameter: one block of one row
         base, out = base.view(1), out.view(1)
         terms = [replace(t, diff=None if t.diff is None else t.diff.view(1)) for t in terms]

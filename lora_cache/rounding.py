@@ -45,7 +45,8 @@ import torch
 from hostmem.torch_threads import one_thread
 
 from .layers import LayerTarget
-from .merge_math import Delta, Term, UnsupportedAdapterError, add_terms
+from .dora_lycoris import COLUMNS
+from .merge_math import Delta, Term, UnsupportedAdapterError, add_terms, column_scales
 
 __all__ = ["POLICIES", "SAMPLE_ROWS", "THRESHOLD", "RoundingCheck", "RoundingLossError", "check_policy", "decide",
            "has_values", "is_stand_in", "lost_share", "measure", "split_lossy"]
@@ -86,7 +87,7 @@ def _sampled(delta: Delta, rows: slice, cols: slice) -> Delta:
                    up=None if delta.up is None else flat(delta.up)[rows],
                    down=None if delta.down is None else flat(delta.down)[:, cols],
                    diff=None if delta.diff is None else flat(delta.diff)[rows, cols],
-                   magnitude=None if delta.magnitude is None else delta.magnitude[rows])
+                   magnitude=None if delta.magnitude is None or delta.dora == COLUMNS else delta.magnitude[rows])
 
 
 def _update_rows(target: LayerTarget, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +101,9 @@ def _update_rows(target: LayerTarget, device: torch.device) -> tuple[torch.Tenso
     cols = slice(None) if dora else _spread(flat.shape[1], SAMPLE_COLUMNS)
     before = flat[rows, cols].to(device=device, dtype=torch.float32)
     total = before.clone()
-    add_terms(total, [Term.of(_sampled(d, rows, cols), device) for d in target.deltas], slice(None))
+    columns = column_scales(base, target.deltas, device)  # a column-axis DoRA's norms: the whole layer's
+    add_terms(total, [Term.of(_sampled(d, rows, cols), device, columns=c) for d, c in zip(target.deltas, columns)],
+              slice(None))
     return before, total - before
 
 

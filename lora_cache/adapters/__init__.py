@@ -16,6 +16,9 @@ Every format names the same few parts of a module's change with its own suffixes
   (``alpha``, ``lora_alpha`` or ``network_alpha``);
 - XLabs ``.down.weight`` / ``.up.weight``, peft's ``.lora_A.default.weight`` infix.
 
+Each format is one module of :mod:`lora_cache.adapters.formats`, tried from one list
+there (its key suffixes, how it is recognised, how it is read).
+
 A path may be the file or the folder peft (``adapter_model.safetensors``) or diffusers
 (``pytorch_lora_weights.safetensors``) wrote; an ``adapter_config.json`` belongs to the
 file peft wrote with it only. Alpha precedence, and what happens when two places
@@ -27,28 +30,26 @@ are converted by diffusers itself (:mod:`lora_cache.adapters.diffusers_format`),
 conversion recorded by the file's content so that a start whose layers are all cached
 does not convert again (:mod:`lora_cache.adapters.conversion_memo`); a kohya Flux file
 whose sizes diffusers' converter cannot take is read by this package's parser
-(:mod:`lora_cache.adapters.kohya_flux`). Which model module a key names is decided in
+(:mod:`lora_cache.adapters.formats.kohya_flux`). Which model module a key names is decided in
 :mod:`lora_cache.keys`.
 """
 
 from __future__ import annotations
 
-from .alpha import AlphaSources, PeftConfig
-from .checks import forget_checked
-from .for_model import read_adapters
-from .read import AdapterFile, ModuleChange, read_adapter
-from .spec import Adapter, AdapterError, as_adapter, as_adapters
+from hostmem.lazy import lazy_exports
 
-__all__ = [
-    "Adapter",
-    "AdapterError",
-    "AdapterFile",
-    "AlphaSources",
-    "ModuleChange",
-    "PeftConfig",
-    "as_adapter",
-    "as_adapters",
-    "forget_checked",
-    "read_adapter",
-    "read_adapters",
-]
+_EXPORTS = {  # imported on first use: the planner reads formats' key suffixes without torch
+    "Adapter": "spec",
+    "AdapterError": "spec",
+    "AdapterFile": "read",
+    "AlphaSources": "alpha",
+    "ModuleChange": "read",
+    "PeftConfig": "alpha",
+    "as_adapter": "spec",
+    "as_adapters": "spec",
+    "forget_checked": "checks",
+    "read_adapter": "read",
+    "read_adapters": "for_model",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

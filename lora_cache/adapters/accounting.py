@@ -27,7 +27,7 @@ import torch
 
 from .spec import AdapterError
 
-__all__ = ["dropped_by_converter", "left_over"]
+__all__ = ["dropped_by_converter", "dropped_dora_scales", "left_over"]
 
 _SHOWN = 5
 
@@ -112,3 +112,13 @@ def dropped_by_converter(convert, fed: dict, modules: dict) -> list[str]:
         return []
     return sorted(k for n, change in numbered.items() if n not in seen
                   for k in change.keys.values() if k in fed)
+
+
+def dropped_dora_scales(fed: dict, state: dict) -> list[str]:
+    """The ``dora_scale`` keys of ``fed`` a converter did not carry into ``state`` as peft's
+    magnitude vectors (diffusers' SD loader filters them out with a warning, which would
+    merge a DoRA as plain LoRA): the probe of :func:`dropped_by_converter` follows the
+    factors, and a module whose factors survive keeps it from seeing these."""
+    scales = sorted(key for key in fed if key.endswith(".dora_scale"))
+    carried = sum(1 for key in state if "lora_magnitude_vector" in key)
+    return scales if carried < len(scales) else []

@@ -132,9 +132,11 @@ def check_change(path: str, parts: dict[str, torch.Tensor], keys: dict[str, str]
         raise AdapterError(f"{path}: {keys[have]!r} has no matching {lacking} matrix (truncated adapter?)")
     if "alpha" in parts:
         _check_alpha(path, keys["alpha"], parts["alpha"])
+    if "dora_scale" in parts and up is None:
+        raise AdapterError(f"{path}: {keys['dora_scale']!r} has no LoRA pair beside it (truncated adapter?)")
     if "up_b" in parts and up is None:
         raise AdapterError(f"{path}: {keys['up_b']!r} has no lora_B.weight beside it (truncated adapter?)")
-    for role in ("diff", "diff_b", "up_b"):
+    for role in ("diff", "diff_b", "up_b", "dora_scale"):
         if role in parts and not parts[role].is_floating_point():
             raise AdapterError(f"{path}: {keys[role]!r} is {parts[role].dtype}; a weight change is floating point")
     if up is None:

@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from .accounting import dropped_by_converter, left_over
+from .accounting import dropped_by_converter, dropped_dora_scales, left_over
 from .alpha_fold import folded_metadata, for_converter, is_folded
 from .checks import FiniteCheck
 from .conversion_memo import ConversionMemo, NoValues, record_of, skeleton_of
@@ -145,6 +145,7 @@ def _left(path: str, loader, state: dict, fed: dict, modules: dict, keep: tuple[
     """The keys a conversion leaves unused: ``dropped`` by the converter (the file's keys),
     ``others``: converted for a component not merged (see :mod:`lora_cache.adapters.accounting`)."""
     dropped = dropped_by_converter(lambda probe: _convert(loader, path, probe)[0], fed, modules)
+    dropped += dropped_dora_scales(fed, state)
     others = [] if _unprefixed(state, loader, keep) else sorted(key for key in state if key.split(".", 1)[0] not in keep)
     return {"dropped": dropped, "others": others}
 

@@ -2,13 +2,18 @@
 
 A diffusers model (or the components ``lora_cache.load_lora`` took from a pipeline) gets
 its adapters through diffusers' own converter; every other model through this package's
-reader. The choice is made here, once per merge, so the rest of the merge never asks.
+reader, as does a file of a format diffusers does not read (its module in
+:mod:`lora_cache.adapters.formats` says ``DIFFUSERS_READS = False``). The choice is made
+here, once per merge, so the rest of the merge never asks.
 """
 
 from __future__ import annotations
 
+from hostmem.safetensors.header import SafetensorsError, read_header
+
 from .conversion_memo import ConversionMemo
 from .diffusers_format import denoiser_name, diffusers_loader, is_diffusers_model, read_with_diffusers
+from .formats import detect
 from .read import AdapterFile, peft_config_path, read_adapter, resolve_file
 from .spec import Adapter, AdapterError
 
@@ -34,6 +39,18 @@ def _denoiser(model, loader):
     return model.get(denoiser_name(loader))
 
 
+def _diffusers_reads(path: str) -> bool:
+    """Whether the file's format is one diffusers' converters read (a LyCORIS file's
+    ``lycoris_`` names and ``dora_scale`` are not: lora_cache's reader takes it). Decided
+    from the header's names alone; a file that cannot be read is left to the reader that
+    says so."""
+    try:
+        header = read_header(path)
+    except (SafetensorsError, OSError):
+        return True
+    return getattr(detect(header.tensors, header.metadata), "DIFFUSERS_READS", True)
+
+
 def read_adapters(model, specs: list[Adapter], loader=None, components: tuple[str, ...] = (),
                   memo_roots: list[str] | None = None) -> list[AdapterFile]:
     """Read every adapter for ``model``: through diffusers' converter where ``loader`` (a
@@ -56,7 +73,8 @@ def read_adapters(model, specs: list[Adapter], loader=None, components: tuple[st
     for spec in specs:
         path = resolve_file(spec.path)
         peft_folder = peft_config_path(path) is not None
-        use = spec.convert == "diffusers" or (spec.convert == "auto" and found is not None and not peft_folder)
+        use = spec.convert == "diffusers" or (spec.convert == "auto" and found is not None and not peft_folder
+                                              and _diffusers_reads(path))
         if use and found is None:
             raise AdapterError(f"{spec.path}: convert='diffusers' but the model is not one diffusers loads LoRA into")
         if use and memo is None and memo_roots:

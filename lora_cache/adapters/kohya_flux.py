@@ -1,108 +1,25 @@
-"""kohya sd-scripts Flux adapters (BFL module names) read by this package's own parser, for
-a diffusers Flux model whose sizes diffusers' converter cannot take.
-
-diffusers' ``_convert_kohya_flux_lora_to_diffusers`` splits a single block's ``linear1``
-(fused q, k, v and the MLP's input) at Flux-dev's widths (3072, 3072, 3072, 12288), and
-converts double blocks 0-18 and single blocks 0-37 only: any other width or depth fails
-there. :data:`RULES` name the modules its converter names; a LoRA on a fused projection
-(``img_attn_qkv``, ``txt_attn_qkv``, ``linear1``) has its up matrix's rows split over the
-model's own weights, in order, each as wide as the weight is (:mod:`lora_cache.keys`), so
-any width and depth works. Alphas come from ``.alpha`` and ``ss_network_alpha`` by the
-precedence of :mod:`lora_cache.adapters.alpha`. Where both work the merge is diffusers'
-up to one rounding: diffusers folds alpha / rank into the down matrix in the adapter's
-dtype (and, for an up matrix that is block-diagonal over the split, keeps only its
-blocks, which is the same product), where this merge applies alpha / rank in the fp32 sum.
-
-One difference is on purpose: diffusers' converter drops the ``.alpha`` of the
-``final_layer_*`` modules (merging them at scale 1); here they count as every other
-module's alpha does, as kohya trained them.
-
-``final_layer_adaLN_modulation_1`` lands on ``norm_out.linear`` with the halves of its up
-matrix swapped, as diffusers' converter swaps them: BFL's final modulation gives shift
-then scale, diffusers' ``AdaLayerNormContinuous`` scale then shift. The rule names the two
-halves of the weight's rows in the up matrix's order (``norm_out.linear[1/2]``, then
-``[0/2]``), so it holds at any width.
-"""
+"""The kohya Flux (BFL names) parser as the rest of the package calls it: the format itself
+is :mod:`lora_cache.adapters.formats.kohya_flux`; this keeps its old import path and reads
+a file's tensors with it."""
 
 from __future__ import annotations
 
-import logging
-import re
-
-from .checks import FiniteCheck
-from .read import AdapterFile, _split_key, build_adapter_file
+from .formats import split_key
+from .formats.kohya_flux import CONVERTER, RULES
+from .formats.kohya_flux import read as _read
+from .formats.kohya_flux import uncovered_stems as _uncovered
+from .read import AdapterFile, reading_of
 
 __all__ = ["CONVERTER", "RULES", "read_kohya_flux", "uncovered_stems"]
 
-# In the cache key: change when the rules would change a merge (a rule for a module that
-# no rule named before changes none: a file with it was refused).
-CONVERTER = "lora_cache kohya-flux-bfl v1"
-_LOG = logging.getLogger("lora_cache")
-
-_DOUBLE = {
-    "img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
-    "img_attn_proj": "attn.to_out.0",
-    "img_mlp_0": "ff.net.0.proj",
-    "img_mlp_2": "ff.net.2",
-    "img_mod_lin": "norm1.linear",
-    "txt_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
-    "txt_attn_proj": "attn.to_add_out",
-    "txt_mlp_0": "ff_context.net.0.proj",
-    "txt_mlp_2": "ff_context.net.2",
-    "txt_mod_lin": "norm1_context.linear",
-}
-_SINGLE = {
-    "linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
-    "linear2": "proj_out",
-    "modulation_lin": "norm.linear",
-}
-_OUTSIDE_BLOCKS = {
-    "img_in": "x_embedder",
-    "txt_in": "context_embedder",
-    "time_in_in_layer": "time_text_embed.timestep_embedder.linear_1",
-    "time_in_out_layer": "time_text_embed.timestep_embedder.linear_2",
-    "vector_in_in_layer": "time_text_embed.text_embedder.linear_1",
-    "vector_in_out_layer": "time_text_embed.text_embedder.linear_2",
-    "guidance_in_in_layer": "time_text_embed.guidance_embedder.linear_1",
-    "guidance_in_out_layer": "time_text_embed.guidance_embedder.linear_2",
-    "final_layer_linear": "proj_out",
-    "final_layer_adaLN_modulation_1": ("norm_out.linear[1/2]", "norm_out.linear[0/2]"),  # shift, scale -> swapped
-}
-
-
-def _rule(pattern: str, block: str, modules) -> tuple[str, str | list[str]]:
-    if isinstance(modules, str):
-        return pattern, f"{block}{modules}"
-    return pattern, [f"{block}{m}" for m in modules]
-
-
-RULES: tuple = (
-    *(_rule(rf"^lora_unet_double_blocks_(\d+)_{bfl}$", r"transformer_blocks.\1.", m) for bfl, m in _DOUBLE.items()),
-    *(_rule(rf"^lora_unet_single_blocks_(\d+)_{bfl}$", r"single_transformer_blocks.\1.", m)
-      for bfl, m in _SINGLE.items()),
-    *(_rule(rf"^lora_unet_{bfl}$", "", m) for bfl, m in _OUTSIDE_BLOCKS.items()),
-)
-_PATTERNS = [pattern for pattern, _ in RULES]
-
-
-def _stem(key: str) -> str:
-    split = _split_key(key)
-    return split[0] if split else key
-
 
 def uncovered_stems(keys) -> list[str] | None:
-    """The key stems :data:`RULES` do not name, or None when the file is no kohya BFL Flux
-    adapter at all (no ``lora_unet_double_blocks_`` / ``lora_unet_single_blocks_`` key)."""
-    stems = {_stem(key) for key in keys}
-    if not any(s.startswith(("lora_unet_double_blocks_", "lora_unet_single_blocks_")) for s in stems):
-        return None
-    return sorted(s for s in stems if not any(re.match(p, s) for p in _PATTERNS))
+    """The stems of ``keys`` the kohya Flux rules do not name, or None when the file is no
+    kohya BFL Flux adapter (see :func:`lora_cache.adapters.formats.kohya_flux.uncovered_stems`)."""
+    return _uncovered((split_key(key) or (key,))[0] for key in keys)
 
 
 def read_kohya_flux(path: str, tensors: dict, metadata: dict, why: str) -> AdapterFile:
-    """The adapter read by this package's parser with :data:`RULES`, saying so (and ``why``)
-    in one info line. Its tensors stay views of the file's read-only mapping."""
-    _LOG.info("%s: %s; reading its kohya Flux (BFL) names with lora_cache's own parser instead, fused qkv and "
-              "linear1 split by rows at the model's own sizes", path, why)
-    return build_adapter_file(path, tensors, metadata, converter=CONVERTER, values_check=FiniteCheck(path, tensors),
-                              rules=RULES)
+    """The file (its tensors, views of the read-only mapping, and header metadata) read with
+    the kohya Flux rules, saying so and ``why`` in one info line."""
+    return _read(reading_of(path, tensors, metadata), why)

@@ -1,7 +1,9 @@
 """Reading an adapter file (or the folder a trainer wrote) into :class:`ModuleChange` records.
 
-Every format names the same few parts of a module's change with its own suffixes;
-:func:`read_adapter` strips them and groups the parts by key stem. Which model module a
+Every format names the same few parts of a module's change with its own suffixes; each
+format is a module of :mod:`lora_cache.adapters.formats`, tried from one list there.
+:func:`read_adapter` reads a file with the first that claims it, which strips the
+suffixes and groups the parts by key stem. Which model module a
 stem names is decided in :mod:`lora_cache.keys`. Tensors stay views of a read-only
 mapping of the file.
 """
@@ -18,14 +20,14 @@ import torch
 from hostmem.safetensors.mapping import SafetensorsError, open_readonly
 
 from ..adapter_paths import adapter_file_in, peft_config_path
-from ..key_names import KNOWN_PARTS as _KNOWN_PARTS, split_key as _split_key
-from ..merge_math import refuse_unsupported
 from .alpha import AlphaSources, PeftConfig, diffusers_metadata, header_alpha, network_alpha, peft_config_from
 from .checks import FiniteCheck, check_change
+from .formats import Reading, detect, known_parts, split_key
+from .formats.refused import refuse
 from .spec import AdapterError
 
 __all__ = ["AdapterFile", "ModuleChange", "build_adapter_file", "open_adapter", "peft_config_path", "read_adapter",
-           "resolve_file"]
+           "reading_of", "resolve_file"]
 
 @dataclass
 class ModuleChange:
@@ -125,7 +127,7 @@ def _refuse_saved_modules(path: str, tensors: dict, saved: list) -> None:
     """peft's ``modules_to_save`` are stored whole: their trained weights replace the
     model's, which is no change a merge adds (and no key of a LoRA part)."""
     names = [str(n) for n in saved]
-    found = sorted(key for key in tensors if key.endswith((".weight", ".bias")) and _split_key(key) is None
+    found = sorted(key for key in tensors if key.endswith((".weight", ".bias")) and split_key(key) is None
                    and any(key.rpartition(".")[0].endswith(n) for n in names))
     if found:
         raise AdapterError(
@@ -134,18 +136,6 @@ def _refuse_saved_modules(path: str, tensors: dict, saved: list) -> None:
             "does not merge (it adds changes to the model's weights). Merge this adapter with peft's "
             "merge_and_unload, or train it without modules_to_save"
         )
-
-
-def _detect_format(keys: list[str], metadata: dict) -> str:
-    if any(k.startswith(("lora_unet_", "lora_te", "lora_transformer_")) for k in keys):
-        return "kohya"
-    if any(k.startswith(("diffusion_model.", "model.diffusion_model.")) for k in keys):
-        return "comfyui"
-    if "lora_adapter_metadata" in metadata or any(k.startswith(("transformer.", "unet.")) for k in keys):
-        return "diffusers"
-    if any(".lora_A." in k for k in keys):
-        return "peft"
-    return "lora"
 
 
 def resolve_file(path: str) -> str:
@@ -160,10 +150,10 @@ def group_parts(path: str, tensors: dict[str, torch.Tensor]) -> dict[str, Module
     """Group ``tensors`` by key stem; every key must be a LoRA part this merge understands."""
     modules: dict[str, ModuleChange] = {}
     for key in sorted(tensors):
-        refuse_unsupported(path, key)
-        split = _split_key(key)
+        refuse(path, key)
+        split = split_key(key)
         if split is None:
-            raise AdapterError(f"{path}: key {key!r} is not a LoRA part this merge understands ({_KNOWN_PARTS})")
+            raise AdapterError(f"{path}: key {key!r} is not a LoRA part this merge understands ({known_parts()})")
         stem, role = split
         change = modules.setdefault(stem, ModuleChange(stem))
         change.parts[role] = tensors[key]
@@ -191,8 +181,14 @@ def build_adapter_file(path: str, tensors: dict[str, torch.Tensor], header_metad
     metadata = diffusers_metadata(path, header_metadata)
     sources = AlphaSources(path, config, metadata, network_alpha(path, header_metadata),
                            header_alpha(path, header_metadata))
-    return AdapterFile(path, _detect_format(list(tensors), header_metadata), modules, config, sources, converter,
+    return AdapterFile(path, detect(tensors, header_metadata).NAME, modules, config, sources, converter,
                        values_check, tuple(rules), folded)
+
+
+def reading_of(path: str, tensors: dict[str, torch.Tensor], header_metadata: dict) -> Reading:
+    """A file's tensors and header metadata as a format module reads them (:mod:`.formats`)."""
+    return Reading(path, tensors, header_metadata, split_key,
+                   lambda **options: build_adapter_file(path, tensors, header_metadata, **options))
 
 
 def open_adapter(path: str | os.PathLike):
@@ -223,7 +219,8 @@ def read_adapter(path: str | os.PathLike, check_values: bool = True) -> AdapterF
     layer it computes, so a start whose every layer is cached never reads them.
     """
     path, mapped, tensors = open_adapter(path)
-    adapter = build_adapter_file(path, tensors, mapped.metadata())
+    metadata = mapped.metadata()
+    adapter = detect(tensors, metadata).read(reading_of(path, tensors, metadata))  # the first format that claims it
     if check_values:
         adapter.values_check()
     return adapter

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from hostmem.errors import HostmemError
 
-__all__ = ["Adapter", "AdapterError", "as_adapter", "as_adapters"]
+__all__ = ["Adapter", "AdapterError", "UnsupportedAdapterError", "as_adapter", "as_adapters"]
 
 _SPEC_KEYS = {"path", "strength", "alpha", "rules", "strict", "rslora", "convert"}
 _CONVERTERS = ("auto", "native", "diffusers")
@@ -20,6 +20,10 @@ _CONVERTERS = ("auto", "native", "diffusers")
 
 class AdapterError(HostmemError, ValueError):
     """An adapter file cannot be read as LoRA; the message names the file and key."""
+
+
+class UnsupportedAdapterError(HostmemError, ValueError):
+    """An adapter uses a variant this merge cannot reproduce; the message names the key."""
 
 
 def _finite(path: str, what: str, value) -> float:

@@ -19,11 +19,25 @@ from typing import Callable
 
 import torch
 
-from ..merge_math import (BF16_ADDMM, FP32_ROWS, Accumulators, Delta, Scratch, Term, add_terms, one_pass_applies,
-                          row_blocks)
+from ..dora_lycoris import COLUMNS
+from ..merge_math import (BF16_ADDMM, FP32_ROWS, Accumulators, Delta, Scratch, Term, UnsupportedAdapterError, add_terms,
+                          one_pass_applies, row_blocks)
 from .spec import Shard
 
 __all__ = ["shard_merged"]
+
+
+def _refuse_dora_apart(deltas: list[Delta], shard: Shard) -> None:
+    """A DoRA term norms whole rows (peft's; LyCORIS's row axis) or whole columns over every
+    row (LyCORIS's input axis, :mod:`lora_cache.dora_lycoris`): a part that lacks them
+    cannot be merged alone without normalising by the wrong norms."""
+    for delta in deltas:
+        if delta.magnitude is not None and (shard.dim == 1 or delta.dora == COLUMNS):
+            lacks = "the other columns of its rows" if shard.dim == 1 else "the other rows of its columns"
+            raise UnsupportedAdapterError(
+                f"{delta.source}: a DoRA term on a part of the weight along dim {shard.dim}, which lacks {lacks} "
+                "its norms need; merge it on the whole weight (no shards= for this parameter)"
+            )
 
 
 def shard_merged(base: torch.Tensor, deltas: list[Delta], shard: Shard, out: torch.Tensor, scratch: Scratch,
@@ -39,6 +53,7 @@ def shard_merged(base: torch.Tensor, deltas: list[Delta], shard: Shard, out: tor
     full = tuple(deltas[0].shape)
     if shard.full_shape(tuple(base.shape)) != full or out.shape != base.shape or out.dtype != base.dtype:
         raise ValueError(f"a shard {tuple(shard)} of {full}: base is {tuple(base.shape)}, out {tuple(out.shape)}")
+    _refuse_dora_apart(deltas, shard)
     device = scratch.device
     own = shard.bounds(full)
     rows = own if shard.dim == 0 else slice(0, full[0])

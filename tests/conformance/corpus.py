@@ -38,7 +38,7 @@ class Case:
     layout: str  # the layout, in the words its users know it by
     alpha_from: str  # where its alpha is read from
     write: Callable[[str, str], str]  # (folder, model folder) -> the adapter path
-    reference: str  # diffusers, diffusers-model, peft, diffusers-file, math, refused
+    reference: str  # diffusers, diffusers-model, peft, diffusers-file, math, comfyui, refused
     spec: dict = field(default_factory=dict)  # lora_cache.Adapter's options (alpha, strength)
     reference_write: Callable[[str, str], str] | None = None  # diffusers-file: the file diffusers loads
     expected: Callable[[str], dict] | None = None  # math: {param: delta at strength 1} from the file
@@ -284,12 +284,100 @@ CASES: list[Case] = [
 ]
 
 
+# LyCORIS (lycoris/modules/locon.py with DoRA, full.py), written by the trainer's key scheme
+# for a diffusers Wan (LyCORIS names a module lycoris_<its name with underscores>) and read
+# by lora_cache's own reader, on a diffusers model too: diffusers' converters do not take them.
+_LYCORIS_WAN = {"blocks.0.attn1.to_q": (_WAN_DIM, _WAN_DIM), "blocks.1.ffn.net.0.proj": (32, _WAN_DIM),
+                "blocks.1.ffn.net.2": (_WAN_DIM, 32)}
+
+
+def comfyui_dora(weight, up, down, alpha, dora_scale, strength):
+    """ComfyUI's ``weight_decompose`` (comfy/weight_adapter/base.py), written from it in float64:
+    C = W + alpha / rank * up @ down; on the output axis (dora_scale's first size is the
+    weight's rows) each row normed on W, else each input channel normed on C over the rows
+    and the kernel; D = C * dora_scale / (norm + float32's eps); W + strength * (D - W)."""
+    w = weight.double()
+    c = w + alpha / down.shape[0] * (up.flatten(1).double() @ down.flatten(1).double()).reshape(w.shape)
+    if dora_scale.shape[0] == w.shape[0]:
+        norm = w.reshape(w.shape[0], -1).norm(dim=1).reshape(-1, *[1] * (w.dim() - 1))
+    else:
+        norm = c.transpose(0, 1).reshape(w.shape[1], -1).norm(dim=1).reshape(1, -1, *[1] * (w.dim() - 2))
+    return w + strength * (c * dora_scale.double() / (norm + torch.finfo(torch.float32).eps) - w)
+
+
+def _lycoris_dora(on_out: bool) -> Callable[[str, str], str]:
+    """A LyCORIS LoCon file with DoRA (``.dora_scale`` of shape (out, 1) for ``wd_on_out``, else
+    (1, in)); beside it, the delta at strength 1 by :func:`comfyui_dora` on the model's base
+    (ComfyUI's strength is linear in it: W + strength * (D - W))."""
+    def write(folder: str, model_folder: str) -> str:
+        from tests.conformance.models import load_model, weights
+
+        base, gen, tensors, expected = weights(load_model("wan", model_folder)), _gen(29), {}, {}
+        for module, (rows, cols) in _LYCORIS_WAN.items():
+            stem = "lycoris_" + module.replace(".", "_")
+            parts = {"lora_down.weight": torch.randn(4, cols, generator=gen) / cols**0.5,
+                     "lora_up.weight": torch.randn(rows, 4, generator=gen) * 0.2, "alpha": torch.tensor(2.0),
+                     "dora_scale": 0.5 + torch.rand((rows, 1) if on_out else (1, cols), generator=gen)}
+            tensors.update({f"{stem}.{part}": value for part, value in parts.items()})
+            weight = base[f"{module}.weight"]
+            expected[f"{module}.weight"] = comfyui_dora(weight, parts["lora_up.weight"], parts["lora_down.weight"],
+                                                        2.0, parts["dora_scale"], 1.0) - weight.double()
+        path = os.path.join(folder, f"lycoris_dora_{'out' if on_out else 'in'}.safetensors")
+        save_file(tensors, path)
+        save_file({k: v.contiguous() for k, v in expected.items()}, path + ".expected")
+        return path
+    return write
+
+
+def _lycoris_full(folder: str, _model: str) -> str:
+    """LyCORIS's "full" algorithm: the trained weight minus the original (``.diff``), the bias's
+    (``.diff_b``)."""
+    gen, tensors = _gen(31), {}
+    for module, (rows, cols) in _LYCORIS_WAN.items():
+        stem = "lycoris_" + module.replace(".", "_")
+        tensors[f"{stem}.diff"] = torch.randn(rows, cols, generator=gen) * 0.05
+        tensors[f"{stem}.diff_b"] = torch.randn(rows, generator=gen) * 0.05
+    path = os.path.join(folder, "lycoris_full.safetensors")
+    save_file(tensors, path)
+    return path
+
+
+def _lycoris_full_expected(path: str) -> dict:
+    """{parameter: delta} of a LyCORIS full file over :data:`_LYCORIS_WAN`."""
+    from safetensors.torch import load_file
+
+    tensors, out = load_file(path), {}
+    for module in _LYCORIS_WAN:
+        stem = "lycoris_" + module.replace(".", "_")
+        out[f"{module}.weight"] = tensors[f"{stem}.diff"].double()
+        out[f"{module}.bias"] = tensors[f"{stem}.diff_b"].double()
+    return out
+
+
+def _expected_beside(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    return {name: value.double() for name, value in load_file(path + ".expected").items()}
+
+
+CASES += [
+    Case("wan-lycoris-dora-input-axis", "wan", "LyCORIS LoCon with DoRA (`.dora_scale` (1, in))", "`.alpha`",
+         _lycoris_dora(False), "comfyui", spec={"strength": 0.8}, expected=_expected_beside),
+    Case("wan-lycoris-dora-output-axis", "wan", "LyCORIS LoCon with DoRA, `wd_on_out` (`.dora_scale` (out, 1))",
+         "`.alpha`", _lycoris_dora(True), "comfyui", spec={"strength": 0.8},
+         expected=_expected_beside),
+    Case("wan-lycoris-full", "wan", "LyCORIS full (`lycoris_….diff`, `.diff_b`)", "none (a diff has none)",
+         _lycoris_full, "math", spec={"strength": 0.6}, expected=_lycoris_full_expected),
+]
+
+
 def describe(case: Case) -> dict:
     """The corpus entry as the docs table shows it."""
     outcome = "refused" if case.reference == "refused" else "merged"
     held = {"diffusers": "diffusers load + fuse", "peft": "peft merge_and_unload",
             "diffusers-model": "diffusers model.load_lora_adapter + fuse",
             "diffusers-file": "diffusers on the file storing that alpha", "math": "the math: W + strength x delta",
+            "comfyui": "ComfyUI's weight_decompose, written in the test",
             "refused": "a refusal naming " + case.refusal}[case.reference]
     return {"layout": case.layout, "model": case.kind, "alpha": case.alpha_from, "outcome": outcome, "held to": held}
 

@@ -95,7 +95,8 @@ for name, weight in sorted(models.weights(model).items()):
     digest.update(name.encode() + weight.contiguous().view(torch.uint8).numpy().tobytes())
 print(json.dumps({"layers": stats.layers, "hit": stats.hit, "built": stats.built, "digest": digest.hexdigest()}))
 """
-_FRESH = ["h3-ai-toolkit-header-alpha", "wan-lightx2v-alpha-override", "wan-comfyui-full-diffs", "unet-peft-conv-dora"]
+_FRESH = ["h3-ai-toolkit-header-alpha", "wan-lightx2v-alpha-override", "wan-comfyui-full-diffs", "unet-peft-conv-dora",
+          "wan-lycoris-dora-input-axis"]
 
 
 @pytest.mark.slow

@@ -337,7 +337,7 @@ def test_shape_mismatch_names_the_key_and_both_shapes(tmp_path):
 @pytest.mark.parametrize(
     "key, variant",
     [
-        ("lora_unet_blocks_0_attn_to_q.dora_scale", "DoRA"),
+        ("lora_unet_blocks_0_attn_to_q.lokr_w1", "LoKr"),
         ("lora_unet_blocks_0_attn_to_q.hada_w1_a", "LoHa"),
     ],
 )
