@@ -17,6 +17,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from .anchor import listdir_in, unlink_in
 from .durable import TMP_PREFIX
 from .layer_file import data_crc32, is_layer_file_name, layer_problem, read_layer_file
 from .locks import KeyLock
@@ -92,7 +93,7 @@ def _verify_files(folder: str, report: VerifyReport) -> None:
         entries = {}
     else:
         entries = {e.file: e for e in manifest.layers.values()}
-    for name in sorted(os.listdir(folder)):
+    for name in sorted(listdir_in(folder)):
         if name in (MANIFEST_NAME, VERIFIED_NAME, DAMAGE_NAME, MARKER_NAME):
             continue
         path = os.path.join(folder, name)
@@ -270,7 +271,7 @@ def prune_records(cache: str, gone: set[str] = frozenset(), dry_run: bool = Fals
     removed = []
     for record in stale:
         try:
-            os.unlink(record.path)
+            unlink_in(record.path)
         except FileNotFoundError:  # another prune was first
             continue
         removed.append(record)
@@ -285,7 +286,7 @@ def _clear_strays(cache: str) -> None:
     that lock, so none can start on a file that is about to disappear.
     """
     sweep_dead_temporaries(cache)
-    for name in os.listdir(cache):
+    for name in listdir_in(cache):
         key, _, suffix = name.rpartition(".")
         if suffix in ("lock", "use") and is_key(key):
             _clear_locks(cache, key)

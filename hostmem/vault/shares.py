@@ -24,6 +24,7 @@ import contextlib
 import os
 import time
 
+from .anchor import listdir_in
 from .adoption import Adopted, shape_dtype_problem
 from .combinations import lock_path, use_path
 from .content_hash import stamp_of
@@ -159,7 +160,7 @@ def vouch_for(vault, key: str, written: list[dict]) -> int:
 def _known(memo: VerifiedMemo, folder: str) -> dict[str, LayerEntry]:
     """The layers the memo on disk vouched for already, so that saving keeps them."""
     known = {}
-    for name in os.listdir(folder):
+    for name in listdir_in(folder):
         path = os.path.join(folder, name)
         with contextlib.suppress(OSError, ValueError):
             entry = read_layer_file(path) if name.endswith(".safetensors") else None
