@@ -14,10 +14,11 @@ providers' records that no combination left needs (:mod:`.records`).
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from dataclasses import dataclass, field
 
-from .anchor import listdir_in, unlink_in
+from .anchor import listdir_in, lstat_in, unlink_in
 from .durable import TMP_PREFIX
 from .layer_file import data_crc32, is_layer_file_name, layer_problem, read_layer_file
 from .locks import KeyLock
@@ -97,7 +98,11 @@ def _verify_files(folder: str, report: VerifyReport) -> None:
         if name in (MANIFEST_NAME, VERIFIED_NAME, DAMAGE_NAME, MARKER_NAME):
             continue
         path = os.path.join(folder, name)
-        if os.path.islink(path):
+        try:
+            found = lstat_in(path)  # in the key folder's descriptor, walked from the root's
+        except FileNotFoundError:
+            continue  # gone since the listing (a writer's temporary renamed)
+        if stat.S_ISLNK(found.st_mode):
             report.problems.append(f"{path}: a symlink (the cache refuses them)")
         elif name.startswith(TMP_PREFIX):
             report.problems.append(f"{path}: leftover temporary file of a writer that died")
