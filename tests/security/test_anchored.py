@@ -100,7 +100,10 @@ def _serve(vault: Vault, key, good: dict, evil: dict) -> int:
                 assert torch.equal(view, tensor)
                 served += 1
     finally:
-        session.close()
+        try:
+            session.close()
+        except VaultError:  # its seal refused: the folder's name was a link at that instant
+            pass
     return served
 
 
@@ -148,5 +151,30 @@ def test_a_key_folder_swapped_back_and_forth_during_starts_is_never_followed(tmp
     if os.path.islink(real):
         _exchange(real, link)
     prune(vault.cache, everything=True)  # removes what is in the root, through no link
+    assert _read(aged) == []
+    assert snapshot(outside) == around
+
+
+def test_a_folder_swapped_between_its_check_and_the_open_below_it_is_refused_not_followed(tmp_path):
+    """The gap itself, without timing luck: the key folder checked by its path, swapped
+    for a link, then a manifest, a memo, a layer and a lock opened below it."""
+    from hostmem.vault.locks import lock_is_held
+    from hostmem.vault.manifest import MANIFEST_NAME
+    from hostmem.vault.safety import check_folder_safe, open_trusted, read_trusted
+    from hostmem.vault.verification import VERIFIED_NAME
+
+    vault, key, good, evil, real, link, outside = _world(tmp_path, count=2)
+    check_folder_safe(real)  # what a reader checked by the path...
+    _exchange(real, link)  # ...before the name became a link
+    around = snapshot(outside)
+    aged = _age_reads(outside)
+    layer = next(n for n in os.listdir(link) if n.endswith(".safetensors"))
+    for name in (MANIFEST_NAME, VERIFIED_NAME, layer):
+        with pytest.raises(VaultError, match=r"is a symlink"):
+            read_trusted(os.path.join(real, name))
+    with pytest.raises(VaultError, match=r"is a symlink"):
+        open_trusted(os.path.join(real, "planted.lock"), os.O_RDWR | os.O_CREAT)
+    with pytest.raises(OSError):
+        lock_is_held(os.path.join(real, "planted.lock"), shared_too=True)
     assert _read(aged) == []
     assert snapshot(outside) == around
