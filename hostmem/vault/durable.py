@@ -20,8 +20,8 @@ import fcntl
 import os
 import stat
 
-from ..file_writes import DIRECT_ALIGN, fsync_dir, start_writeback, write_all, write_uncached, write_uncached_pieces
-from .anchor import in_folder, lstat_in, remove_tree_in, rename_in, unlink_in
+from ..file_writes import DIRECT_ALIGN, start_writeback, write_all, write_uncached, write_uncached_pieces
+from .anchor import in_folder, lstat_in, open_folder, remove_tree_in, rename_in, unlink_in
 from .safety import VaultError, read_trusted
 
 __all__ = [
@@ -44,6 +44,16 @@ __all__ = [
 ]
 
 TMP_PREFIX = ".tmp-"
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a cache folder so that a rename or unlink in it survives a crash; the folder
+    opened from the root's descriptor, as every path of the cache is (:mod:`.anchor`)."""
+    fd = open_folder(path)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def tmp_path_in(folder: str, suffix: str = "") -> str:
