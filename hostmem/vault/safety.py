@@ -160,7 +160,8 @@ def _check_root_link(root: str) -> None:
 
 def check_root(root: str) -> None:
     """An existing root: a folder (or a link of this user's to one), owned by this user or
-    root, writable by nobody else. ``FileNotFoundError`` when there is none."""
+    root, writable by nobody else. ``FileNotFoundError`` when there is none. Every path
+    below it is walked from its descriptor from then on (:func:`~.anchor.anchor_root`)."""
     os.lstat(root)
     _check_root_link(root)
     if not os.path.isdir(root):
@@ -168,6 +169,7 @@ def check_root(root: str) -> None:
     st = os.stat(root)
     check_owned(root, st)
     check_folder_private(root, st)
+    anchor_root(os.path.abspath(root))
 
 
 def prepare_root(root: str | os.PathLike, create: bool = True) -> str:
@@ -183,5 +185,4 @@ def prepare_root(root: str | os.PathLike, create: bool = True) -> str:
         _create_root(root)
     check_root(root)
     check_not_tmpfs(root)
-    anchor_root(root)  # every path below is walked from this descriptor from now on
     return root
