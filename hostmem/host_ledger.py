@@ -18,11 +18,14 @@ it: each rank first marks its arrival in the process group's own store.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import os
 import re
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -30,7 +33,7 @@ from .errors import HostmemError
 from .host_aggregate import SetResidency, aggregate_ranges
 from .units import format_size
 
-__all__ = ["HostGatherError", "HostLedger", "gather_on_host", "gather_host_ledger"]
+__all__ = ["HostGatherError", "HostLedger", "gather_on_host", "gather_host_ledger", "group_store", "watching"]
 
 # Calls per process group: collectives of one group happen in the same order on each of its ranks.
 _CALLS: dict[str, itertools.count] = {}
@@ -49,19 +52,58 @@ def _arrive(dist, group, timeout: float, what: str) -> None:
     ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
     name = getattr(group if group is not None else dist.group.WORLD, "group_name", "world")
     prefix = f"hostmem/arrived/{name}/{next(_CALLS.setdefault(name, itertools.count()))}/"
-    store = _store(dist)
+    store = group_store(dist)
     if store is None:  # no store to ask: torch's monitored barrier names them (on rank 0)
         _monitored_barrier(dist, group, timeout, what)
         return
     store.set(prefix + str(dist.get_rank()), "1")
+    keys, deadline = [prefix + str(r) for r in ranks], time.monotonic() + timeout
+    while True:
+        try:
+            store.wait(keys, datetime.timedelta(seconds=_wait_step(deadline)))
+            return
+        except RuntimeError as exc:  # torch's DistStoreError on timeout
+            if _watch_between(store, keys, deadline):
+                continue  # a short wait of a watched gather ran out: nobody has died, wait on
+            missing = tuple(r for r in ranks if not store.check([prefix + str(r)]))
+            raise HostGatherError(_missing_message(missing, timeout, what, exc), missing) from None
+
+
+_WATCH = threading.local()  # what a gather calls while it waits, on this thread (see :func:`watching`)
+_WATCH_EVERY = 0.25  # seconds between two calls
+
+
+@contextlib.contextmanager
+def watching(check):
+    """Within: every gather of this thread calls ``check()`` every quarter of a second while
+    it waits for the other ranks, so that a rank whose process has ended is named at once
+    (``check`` raises) rather than once the gather's timeout runs out."""
+    before, _WATCH.check = getattr(_WATCH, "check", None), check
     try:
-        store.wait([prefix + str(r) for r in ranks], datetime.timedelta(seconds=timeout))
-    except RuntimeError as exc:  # torch's DistStoreError on timeout
-        missing = tuple(r for r in ranks if not store.check([prefix + str(r)]))
-        raise HostGatherError(_missing_message(missing, timeout, what, exc), missing) from None
+        yield
+    finally:
+        _WATCH.check = before
 
 
-def _store(dist):
+def _wait_step(deadline: float) -> float:
+    left = max(deadline - time.monotonic(), 0.001)
+    return left if getattr(_WATCH, "check", None) is None else min(left, _WATCH_EVERY)
+
+
+def _watch_between(store, keys: list[str], deadline: float) -> bool:
+    """After a wait ran out: whether to wait again (a watch is set, time is left, and the
+    store still answers). The watch raises where a rank has died."""
+    check = getattr(_WATCH, "check", None)
+    if check is None:
+        return False
+    check()
+    if time.monotonic() >= deadline:
+        return False
+    store.check(keys[:1])  # the store is gone (its rank died): torch's error, for the watch's caller to name
+    return True
+
+
+def group_store(dist):
     """The default group's key-value store (every group of the process can reach it).
 
     torch hands it out only through a private getter; where that is gone, None.

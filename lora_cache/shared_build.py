@@ -33,10 +33,13 @@ vault, without being asked) splits the work instead:
    and maps every layer read-only at the same time as the others, where each took the
    lock exclusively in turn before.
 
-A rank that dies or never arrives fails the others at the next gather, within
-``rank_timeout`` seconds (a keyword of ``merge``, default 600), and every rank of its
-host names it (:mod:`lora_cache.shared_faults`); what was sealed stays, and the next
-start resumes. No room at any step (the provisional folder, a share, the seal, the
+A rank that dies, from the moment the build begins (each rank publishes its process
+first), is named (rank and pid) by every other rank of its host within a second, at
+whatever step: they wait at a gather looking every quarter of a second which of them
+has ended (:mod:`lora_cache.shared_faults`), and each merges in place with one warning;
+what was sealed stays, and the next start resumes. A rank that never arrives fails the
+others at the first gather after ``rank_timeout`` seconds (a keyword of ``merge``,
+default 600), naming it. No room at any step (the provisional folder, a share, the seal, the
 re-key) is handed round at the next gather: the lowest rank removes a provisional
 folder, and every rank merges in place with one warning; the next start builds. Other
 share failures say so and leave the share's layers to the plain session. Without a
@@ -66,7 +69,7 @@ from .kernels.workers import cpu_count, workers_at_most
 from .layer_loop import CacheBuildError, MergeStats, merge_layers
 from .layers import AddressSpace, LayerTarget
 from .process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
-from .shared_faults import RankWatch, cannot_store, storing, this_process, warn_in_place
+from .shared_faults import PeerWatch, RankDiedError, cannot_store, storing, this_process, warn_in_place
 from hostmem.vault import Vault, VaultError
 from hostmem.vault.adoption import shape_dtype_problem
 from hostmem.vault.content_hash import CONTENT_HASH_MEMO, file_digest
@@ -321,14 +324,18 @@ def build_shares(targets: list[LayerTarget], files, specs, roots: list[str], max
     dist = distributed_group()
     if dist is None or not roots or not targets:
         return None
-    from hostmem.host_ledger import gather_on_host  # here: a start without a process group never needs it
+    from hostmem.host_ledger import gather_on_host, watching  # here: a start without a process group never needs it
 
-    met = gather_on_host(this_process(), timeout=timeout, what="start a shared LoRA merge build")
-    ranks = [rank for rank, _ in met]
-    with RankWatch(met, dist.get_rank()).naming_the_dead("a shared LoRA merge build"):
-        return _build_together(dist, targets, files, specs, [Vault(root, max_size) for root in roots], base_files,
-                               device, kernels, progress, timeout, ranks.index(dist.get_rank()), len(ranks),
-                               (at_runtime, form))
+    watch = PeerWatch(dist)  # this rank's process published before any gather: a death from now on is named
+    try:
+        with watching(watch.check), watch.naming_the_dead("a shared LoRA merge build"):
+            met = gather_on_host(this_process(), timeout=timeout, what="start a shared LoRA merge build")
+            ranks = [rank for rank, _ in met]
+            return _build_together(dist, targets, files, specs, [Vault(root, max_size) for root in roots],
+                                   base_files, device, kernels, progress, timeout, ranks.index(dist.get_rank()),
+                                   len(ranks), (at_runtime, form))
+    except RankDiedError as exc:  # every surviving rank names it and merges in place
+        return warn_in_place(ShareOutcome(0, 1), str(exc).rstrip("."))
 
 
 def _build_together(dist, targets, files, specs, vaults, base_files, device, kernels, progress, timeout: float,

@@ -2,11 +2,16 @@
 
 A rank killed in a shared build (:mod:`lora_cache.shared_build`) leaves the others
 with whatever torch.distributed saw: the rank that hosts the group's store waits for it
-and names it when ``rank_timeout`` runs out, but every other rank loses the store with
-it when that rank is the one that died, and says only "Broken pipe" or
-``DistNetworkError``. The ranks of one host can see each other's processes, so each
-notes the others' process ids (and start times, against a reused id) when they first
-meet, and on a failed meeting looks which of them has ended (:class:`RankWatch`).
+until ``rank_timeout`` runs out, and every other rank loses the store with it when that
+rank is the one that died, and says only "Broken pipe" or ``DistNetworkError``. The
+ranks of one host can see each other's processes, so each rank publishes its process
+id (and start time, against a reused id) in the group's store before anything else
+(:class:`PeerWatch`), reads the others' as they appear, and looks which of them has
+ended every quarter of a second while a gather waits
+(:func:`hostmem.host_ledger.watching`) and after any failed meeting: the rank that
+died is named (rank and pid) on every surviving rank at once, and every one of them
+merges in place with one warning. A rank that never published (it died, or never
+came, before the build began) is told from a slow one only by ``rank_timeout``.
 
 A full disk is not an error of the build: the merged weights can always be made in
 place. :func:`cannot_store` tells such a failure (no room, or a folder that could not be
@@ -17,14 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
+import socket
 import time
 import warnings
 
 from hostmem.errors import HostmemError
 from hostmem.procfs.stat import read_stat
 
-__all__ = ["RankDiedError", "RankWatch", "cannot_store", "storing", "this_process", "warn_in_place"]
+__all__ = ["PeerWatch", "RankDiedError", "RankWatch", "cannot_store", "storing", "this_process", "warn_in_place"]
 
 NO_ROOM = tuple(os.strerror(code) for code in (errno.ENOSPC, errno.EDQUOT)) + ("no room for",)
 SETTLE_SECONDS = 2.0  # a killed process closes its sockets a moment before the kernel marks it ended
@@ -79,11 +86,79 @@ class RankWatch:
                 dead = self.dead()
             if not dead:
                 raise
-            who = ", ".join(f"rank {rank} (pid {pid})" for rank, pid in dead)
-            raise RankDiedError(
-                f"{who} died during {what}: its process ended, so this rank ({self.me}) stops too; "
-                f"look in that rank's log for why it ended, then start every rank again: what was sealed "
-                f"stays and is resumed. torch said: {_first_line(exc)}") from None
+            raise RankDiedError(self.message(dead, what, exc)) from None
+
+    def message(self, dead: list[tuple[int, int | None]], what: str, exc: BaseException | None) -> str:
+        """What every surviving rank says of the ``dead`` ranks."""
+        who = ", ".join(f"rank {rank} (pid {pid})" if pid is not None else
+                        f"rank {rank} (its process, which holds the group's store, no longer answers)"
+                        for rank, pid in dead)
+        said = f" torch said: {_first_line(exc)}" if exc is not None else ""
+        return (f"{who} died during {what}: its process ended, so this rank ({self.me}) builds no more with it "
+                f"(look in that rank's log for why it ended); what was sealed stays, and the next start "
+                f"resumes it.{said}")
+
+
+_PEER_KEY = "hostmem/shared-build/process/"
+
+
+def _pid_space() -> int | None:
+    """This process's pid namespace (its inode): ranks in the same one see each other's pids."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+class PeerWatch(RankWatch):
+    """A :class:`RankWatch` that learns the host's ranks from the group's store: this rank
+    publishes ``(host, pid, start time)`` there when it is made, before any gather, and
+    reads the others' as they appear, so that a rank that dies before the first exchange
+    is named too. :meth:`check` is what a watched gather calls while it waits."""
+
+    def __init__(self, dist):
+        from hostmem.host_ledger import group_store
+
+        super().__init__([], dist.get_rank())
+        self._store, self._host = group_store(dist), socket.gethostname()
+        self._pending = [rank for rank in range(dist.get_world_size()) if rank != self.me]
+        try:
+            if self._store is not None:
+                self._store.set(f"{_PEER_KEY}{self.me}", json.dumps([self._host, _pid_space(), *this_process()]))
+        except RuntimeError:
+            pass  # the store is gone already (its rank died): the first gather fails, and names it
+
+    def learn(self) -> None:
+        """Note the processes of the ranks that have published theirs since the last look."""
+        for rank in list(self._pending) if self._store is not None else []:
+            key = f"{_PEER_KEY}{rank}"
+            if not self._store.check([key]):
+                continue
+            self._pending.remove(rank)
+            host, space, pid, started = json.loads(self._store.get(key))
+            if space is not None and (host, space) == (self._host, _pid_space()) and started is not None:  # pids we see
+                self.processes[rank] = (pid, started)  # judged even where it has ended by now
+
+    def dead(self) -> list[tuple[int, int | None]]:
+        """The watched ranks whose process has ended; and rank 0, where the group's store it
+        holds no longer answers (its pid where it was published: None where it was not)."""
+        found = super().dead()
+        if not found and self.me != 0 and self._store is not None and 0 not in self.processes:
+            try:
+                self._store.check([f"{_PEER_KEY}{self.me}"])
+            except RuntimeError:
+                found = [(0, None)]
+        return found
+
+    def check(self, what: str = "a shared LoRA merge build") -> None:
+        """Raise :class:`RankDiedError` naming the ranks of this host whose process has ended."""
+        try:
+            self.learn()
+        except RuntimeError:
+            pass  # the store is gone (its rank died): the gather's own error says so, and is named then
+        dead = self.dead()
+        if dead:
+            raise RankDiedError(self.message(dead, what, None))
 
 
 def _from_a_meeting(exc: BaseException) -> bool:

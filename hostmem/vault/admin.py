@@ -14,9 +14,11 @@ providers' records that no combination left needs (:mod:`.records`).
 from __future__ import annotations
 
 import os
+import stat
 import sys
 from dataclasses import dataclass, field
 
+from .anchor import listdir_in, lstat_in, unlink_in
 from .durable import TMP_PREFIX
 from .layer_file import data_crc32, is_layer_file_name, layer_problem, read_layer_file
 from .locks import KeyLock
@@ -92,11 +94,15 @@ def _verify_files(folder: str, report: VerifyReport) -> None:
         entries = {}
     else:
         entries = {e.file: e for e in manifest.layers.values()}
-    for name in sorted(os.listdir(folder)):
+    for name in sorted(listdir_in(folder)):
         if name in (MANIFEST_NAME, VERIFIED_NAME, DAMAGE_NAME, MARKER_NAME):
             continue
         path = os.path.join(folder, name)
-        if os.path.islink(path):
+        try:
+            found = lstat_in(path)  # in the key folder's descriptor, walked from the root's
+        except FileNotFoundError:
+            continue  # gone since the listing (a writer's temporary renamed)
+        if stat.S_ISLNK(found.st_mode):
             report.problems.append(f"{path}: a symlink (the cache refuses them)")
         elif name.startswith(TMP_PREFIX):
             report.problems.append(f"{path}: leftover temporary file of a writer that died")
@@ -270,7 +276,7 @@ def prune_records(cache: str, gone: set[str] = frozenset(), dry_run: bool = Fals
     removed = []
     for record in stale:
         try:
-            os.unlink(record.path)
+            unlink_in(record.path)
         except FileNotFoundError:  # another prune was first
             continue
         removed.append(record)
@@ -285,7 +291,7 @@ def _clear_strays(cache: str) -> None:
     that lock, so none can start on a file that is about to disappear.
     """
     sweep_dead_temporaries(cache)
-    for name in os.listdir(cache):
+    for name in listdir_in(cache):
         key, _, suffix = name.rpartition(".")
         if suffix in ("lock", "use") and is_key(key):
             _clear_locks(cache, key)

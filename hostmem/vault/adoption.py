@@ -25,6 +25,7 @@ import os
 
 from hostmem.safetensors.header import SafetensorsError
 
+from .anchor import listdir_in
 from .durable import discard, fsync_dir, remove_tree
 from .layer_file import LayerEntry, is_layer_file_name, layer_problem, read_layer_file
 from .manifest import Manifest, ManifestError, inputs_problem, read_manifest
@@ -92,7 +93,7 @@ def _recorded(folder: str, manifest: Manifest) -> tuple[dict[str, LayerEntry], d
 def _unrecorded(folder: str, known_files: set[str], writable: bool) -> dict[str, LayerEntry]:
     """Sealed layer files the manifest does not list (a build that did not get to seal)."""
     found = {}
-    for name in sorted(os.listdir(folder)):
+    for name in sorted(listdir_in(folder)):
         if not is_layer_file_name(name) or name in known_files:
             continue
         path = os.path.join(folder, name)

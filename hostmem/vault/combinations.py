@@ -18,6 +18,7 @@ import re
 import stat
 from dataclasses import dataclass, field
 
+from .anchor import listdir_in, open_folder
 from .durable import TMP_PREFIX, free_bytes, remove_if_abandoned, remove_tree
 from .locks import KeyLock, lock_is_held
 from .safety import VaultError, make_private_dir
@@ -123,16 +124,20 @@ def _folder_bytes(path: str) -> tuple[int, int, float]:
     between the listing and its stat (a layer's temporary file renamed as it is sealed)
     is not counted."""
     total = count = 0
-    with os.scandir(path) as entries:
-        for entry in entries:
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                total += st.st_size
-                count += 1
-    return total, count, os.lstat(path).st_mtime
+    fd = open_folder(path)  # walked from the root's descriptor: a link on the way is refused, never listed
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    total += st.st_size
+                    count += 1
+        return total, count, os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
 
 
 def scan_combination(cache: str, key: str) -> Combination:
@@ -156,7 +161,7 @@ def scan_combination(cache: str, key: str) -> Combination:
         combo.inputs = manifest.inputs
     else:
         try:
-            names = os.listdir(path)
+            names = listdir_in(path)
         except OSError as exc:
             names = []
             combo.problem = str(exc)
@@ -167,7 +172,7 @@ def scan_combination(cache: str, key: str) -> Combination:
 def list_combinations(cache: str) -> list[Combination]:
     """Every combination folder under the cache, least recently used first."""
     combos = []
-    for name in sorted(os.listdir(cache)):
+    for name in sorted(listdir_in(cache)):
         full = os.path.join(cache, name)
         if is_key(name) and (os.path.isdir(full) or os.path.islink(full)):
             combo = scan_combination(cache, name)
@@ -208,7 +213,7 @@ def remove_if_unused(cache: str, key: str) -> bool:
 def resolve_key(cache: str, prefix: str) -> str:
     """The full key a (unique) prefix names, as ``hostmem cache rm`` accepts it."""
     prefix = prefix.strip().lower()
-    matches = [n for n in os.listdir(cache) if is_key(n) and n.startswith(prefix)] if prefix else []
+    matches = [n for n in listdir_in(cache) if is_key(n) and n.startswith(prefix)] if prefix else []
     if len(matches) == 1:
         return matches[0]
     if not matches:
@@ -247,7 +252,7 @@ def evict_lru(cache: str, keep: str, needed: int, max_size: int | None, headroom
 def cache_bytes(cache: str, exclude: str | None = None) -> int:
     """Apparent bytes of every combination but ``exclude``."""
     total = 0
-    for name in os.listdir(cache):
+    for name in listdir_in(cache):
         full = os.path.join(cache, name)
         if is_key(name) and name != exclude and os.path.isdir(full) and not os.path.islink(full):
             try:
@@ -264,9 +269,8 @@ _ROOT_TMP = re.compile(re.escape(TMP_PREFIX) + r"[0-9]+-[0-9a-f]{8}")
 
 def _sweep_folder(folder: str, name_is=None) -> int:
     """Remove the temporary files in ``folder`` that no writer holds; how many went."""
-    with os.scandir(folder) as entries:
-        found = [entry.path for entry in entries
-                 if entry.name.startswith(TMP_PREFIX) and (name_is is None or name_is(entry.name))]
+    found = [os.path.join(folder, name) for name in listdir_in(folder)
+             if name.startswith(TMP_PREFIX) and (name_is is None or name_is(name))]
     return sum(remove_if_abandoned(path) for path in found)
 
 
@@ -284,7 +288,7 @@ def sweep_dead_temporaries(cache: str) -> int:
     (``kernel_wisdom.json``): their writers' temporaries go too. Returns how many files went.
     """
     removed = _sweep_folder(cache) + _sweep_folder(os.path.dirname(cache), _ROOT_TMP.fullmatch)
-    for name in os.listdir(cache):
+    for name in listdir_in(cache):
         folder = os.path.join(cache, name)
         if not os.path.isdir(folder) or os.path.islink(folder):
             continue

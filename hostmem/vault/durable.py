@@ -18,11 +18,11 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import shutil
 import stat
 
-from ..file_writes import DIRECT_ALIGN, fsync_dir, start_writeback, write_all, write_uncached, write_uncached_pieces
-from .safety import read_trusted
+from ..file_writes import DIRECT_ALIGN, start_writeback, write_all, write_uncached, write_uncached_pieces
+from .anchor import in_folder, lstat_in, open_folder, remove_tree_in, rename_in, unlink_in
+from .safety import VaultError, read_trusted
 
 __all__ = [
     "TMP_PREFIX",
@@ -46,15 +46,25 @@ __all__ = [
 TMP_PREFIX = ".tmp-"
 
 
+def fsync_dir(path: str) -> None:
+    """fsync a cache folder so that a rename or unlink in it survives a crash; the folder
+    opened from the root's descriptor, as every path of the cache is (:mod:`.anchor`)."""
+    fd = open_folder(path)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def tmp_path_in(folder: str, suffix: str = "") -> str:
     """A fresh temporary name in ``folder`` (same filesystem, so the rename is atomic)."""
     return os.path.join(folder, f"{TMP_PREFIX}{os.getpid()}-{os.urandom(4).hex()}{suffix}")
 
 
-def _same_file(fd: int, path: str) -> bool:
+def _same_file(fd: int, path: str, dir_fd: int | None = None) -> bool:
     """Whether ``path`` still names the file open as ``fd`` (not removed, not replaced)."""
     try:
-        named = os.lstat(path)
+        named = lstat_in(path, dir_fd)
     except FileNotFoundError:
         return False
     held = os.fstat(fd)
@@ -72,28 +82,30 @@ def open_tmp(folder: str, suffix: str = "") -> tuple[int, str]:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     while True:
         path = tmp_path_in(folder, suffix)
-        fd = os.open(path, flags, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if _same_file(fd, path):
-                return fd, path
-        except BaseException:
+        with in_folder(path) as (folder_fd, name):  # the folder walked from the root's descriptor
+            fd = os.open(name, flags, 0o600, dir_fd=folder_fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if _same_file(fd, path, folder_fd):
+                    return fd, path
+            except BaseException:
+                os.close(fd)
+                discard(path)
+                raise
             os.close(fd)
-            discard(path)
-            raise
-        os.close(fd)
 
 
 def _open_to_probe(path: str) -> int:
     """Open a temporary file to take its lock: for writing where allowed (NFS grants an
     exclusive flock only on a file open for writing), else for reading."""
     flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        return os.open(path, os.O_RDWR | flags)
-    except OSError as exc:
-        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
-    return os.open(path, os.O_RDONLY | flags)
+    with in_folder(path) as (folder_fd, name):
+        try:
+            return os.open(name, os.O_RDWR | flags, dir_fd=folder_fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+        return os.open(name, os.O_RDONLY | flags, dir_fd=folder_fd)
 
 
 def remove_if_abandoned(path: str) -> bool:
@@ -115,7 +127,7 @@ def remove_if_abandoned(path: str) -> bool:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode) or not _same_file(fd, path):
             return False
-        os.unlink(path)
+        unlink_in(path)
         return True
     except OSError:
         return False
@@ -134,7 +146,7 @@ def seal(fd: int, tmp: str, final: str, sync_dir: bool = True) -> None:
     """
     try:
         os.fsync(fd)
-        os.rename(tmp, final)
+        rename_in(tmp, final)  # both names in their folders' descriptors: no link on the way followed
     except BaseException:
         discard(tmp)
         os.close(fd)
@@ -147,8 +159,8 @@ def seal(fd: int, tmp: str, final: str, sync_dir: bool = True) -> None:
 def discard(path: str) -> None:
     """Remove a file if it is there (cleanup must not raise over the real error)."""
     try:
-        os.unlink(path)
-    except OSError:
+        unlink_in(path)
+    except (OSError, VaultError):
         pass
 
 
@@ -178,10 +190,7 @@ def free_bytes(path: str) -> int:
 
 
 def remove_tree(path: str) -> None:
-    """Remove a cache folder; links inside are unlinked, never followed."""
-    if os.path.islink(path):
-        os.unlink(path)
-    elif os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        os.unlink(path)
+    """Remove a cache folder from its folder's descriptor, walked from the root's: links
+    inside are unlinked, never followed, and nothing on the way to it is a link
+    (:func:`~hostmem.vault.anchor.remove_tree_in`)."""
+    remove_tree_in(path)

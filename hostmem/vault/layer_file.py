@@ -31,7 +31,7 @@ import struct
 from collections import namedtuple
 from math import prod
 
-from hostmem.safetensors.header import DTYPE_SIZES, SafetensorsError, read_header
+from hostmem.safetensors.header import DTYPE_SIZES, SafetensorsError, SafetensorsHeader, read_header
 
 from .content_hash import read_chunks, stamp_of
 from .handoff import Handoff
@@ -300,16 +300,46 @@ def discard_layer(layer: UnsealedLayer) -> None:
     os.close(layer.fd)
 
 
+def _open_layer_file(path: str) -> int:
+    """Open layer file ``path`` for reading in its folder's descriptor, walked from the
+    root's (:mod:`.anchor`): never through a link, never hanging on a FIFO."""
+    from .anchor import in_folder
+
+    with in_folder(path) as (folder_fd, name):
+        try:
+            return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder_fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a link: refused by name, never followed
+                check_not_symlink(path, os.stat(name, dir_fd=folder_fd, follow_symlinks=False))
+            raise
+
+
+def header_of_open_file(fd: int, path: str) -> SafetensorsHeader:
+    """The header of the very file ``fd`` is open on (not of whatever ``path`` names by now)."""
+    import dataclasses
+
+    via = f"/proc/self/fd/{fd}"
+    try:
+        header = read_header(via)
+    except SafetensorsError as exc:
+        raise SafetensorsError(str(exc).replace(via, path)) from None
+    return dataclasses.replace(header, path=path)
+
+
 def read_layer_file(path: str) -> LayerEntry:
     """Read a layer file's header into its entry; raise ``SafetensorsError`` if it is not one.
 
-    Checks what adoption must: a regular file (never a link), exactly header + data long,
-    one tensor whose name hashes to this file name, and our format's checksum metadata.
+    Checks what adoption must: a regular file (never a link: opened in its folder's
+    descriptor with ``O_NOFOLLOW``), exactly header + data long, one tensor whose name
+    hashes to this file name, and our format's checksum metadata.
     """
-    st = check_not_symlink(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise SafetensorsError(f"{path}: not a regular file")
-    header = read_header(path)
+    fd = _open_layer_file(path)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SafetensorsError(f"{path}: not a regular file")
+        header = header_of_open_file(fd, path)
+    finally:
+        os.close(fd)
     if len(header.tensors) != 1:
         raise SafetensorsError(f"{path}: holds {len(header.tensors)} tensors, a layer file holds one")
     (info,) = header.tensors.values()
@@ -333,14 +363,14 @@ def read_layer_file(path: str) -> LayerEntry:
     )
 
 
-def known_layout(fd: int, entry: LayerEntry) -> int | None:
-    """Where ``entry``'s data starts in the file open as ``fd``, without reading its header:
+def known_layout(st: os.stat_result, entry: LayerEntry) -> int | None:
+    """Where ``entry``'s data starts in the open file whose ``fstat`` is ``st``, without reading its header:
     the recorded offset, while the file still has the stamp it had when its bytes last
     matched their checksum; None when it has not (or either is not recorded), and the
     caller reads the header as for any file."""
     if entry.data_offset is None or entry.stamp is None or entry.data_offset + entry.data_bytes != entry.stamp[2]:
         return None
-    return entry.data_offset if tuple(stamp_of(os.fstat(fd))) == entry.stamp else None
+    return entry.data_offset if tuple(stamp_of(st)) == entry.stamp else None
 
 
 def layer_problem(folder: str, entry: LayerEntry) -> str | None:
@@ -361,10 +391,12 @@ def layer_problem(folder: str, entry: LayerEntry) -> str | None:
 
 def data_crc32(path: str) -> str:
     """CRC-32 of a layer file's data section, read from disk (what `cache verify` checks)."""
-    header = read_header(path)
-    digest = _Crc32()
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = _open_layer_file(path)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SafetensorsError(f"{path}: not a regular file")
+        header = header_of_open_file(fd, path)
+        digest = _Crc32()
         read_chunks(fd, header.data_offset, header.file_size, digest.update)
     finally:
         os.close(fd)

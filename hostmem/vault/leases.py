@@ -22,7 +22,7 @@ waiting (after ``<key>.lock``) and leave the combination alone when they cannot 
 
 from __future__ import annotations
 
-import dataclasses
+import errno
 import mmap
 import os
 import threading
@@ -31,12 +31,12 @@ import weakref
 
 import torch
 
-from hostmem.safetensors.mapping import SafetensorsError, SafetensorsHeader, advise_huge_pages, read_header
+from hostmem.safetensors.mapping import SafetensorsError, SafetensorsHeader, advise_huge_pages
 from hostmem.safetensors.writers import guard_foreign_writers
 
-from .layer_file import LayerEntry, known_layout
+from .layer_file import LayerEntry, header_of_open_file, known_layout
 from .locks import KeyLock
-from .safety import check_not_symlink
+from .safety import check_file_safe, check_not_symlink, open_trusted
 
 __all__ = ["UseLease", "use_lease", "lease_alive", "map_layer"]
 
@@ -85,31 +85,47 @@ class _LeasedMapping(mmap.mmap):
     lease: UseLease | None = None
 
 
-def _header_of_open_file(fd: int, path: str) -> SafetensorsHeader:
-    """The header of the very file ``fd`` is open on (not of whatever ``path`` names by now)."""
-    via = f"/proc/self/fd/{fd}"
+def _open_layer(path: str, dir_fd: int | None) -> tuple[int, os.stat_result]:
+    """Open layer file ``path`` relative to its folder's descriptor (``dir_fd``, else the
+    folder walked from the root's), no link followed, never hanging on a FIFO; the
+    descriptor checked as every file of the cache is (a regular file, ours, private)."""
+    if dir_fd is None:
+        fd = open_trusted(path)
+        return fd, os.fstat(fd)
+    name = os.path.basename(path)
     try:
-        header = read_header(via)
-    except SafetensorsError as exc:
-        raise SafetensorsError(str(exc).replace(via, path)) from None
-    return dataclasses.replace(header, path=path)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a link where the layer's file should be: refused by name
+            check_not_symlink(path, os.stat(name, dir_fd=dir_fd, follow_symlinks=False))
+        raise
+    try:
+        st = os.fstat(fd)
+        check_file_safe(path, st)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
 
 
-def map_layer(path: str, name: str, lease: UseLease,
-              entry: LayerEntry | None = None) -> tuple[torch.Tensor, SafetensorsHeader | None]:
+def map_layer(path: str, name: str, lease: UseLease, entry: LayerEntry | None = None,
+              dir_fd: int | None = None) -> tuple[torch.Tensor, SafetensorsHeader | None]:
     """Map tensor ``name`` of layer file ``path`` read-only; the view holds ``lease``.
 
-    Returns the view and the header it was read with (the caller checks it against
-    what it recorded), or None for the header where ``entry`` (the layer's record) says
-    where the data starts and the open file still has the stamp it had when its bytes
-    last matched their checksum (:func:`~hostmem.vault.layer_file.known_layout`): then no
-    header is read. A write into the view faults instead of copying the page.
+    The file is opened relative to ``dir_fd`` (its key folder's descriptor, which the
+    session opened from the root's) without following a link, checked on its
+    descriptor, and that very descriptor is mapped. Returns the view and the header it
+    was read with (the caller checks it against what it recorded), or None for the
+    header where ``entry`` (the layer's record) says where the data starts and the open
+    file still has the stamp it had when its bytes last matched their checksum
+    (:func:`~hostmem.vault.layer_file.known_layout`): then no header is read. A write
+    into the view faults instead of copying the page.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO never hangs it
+    fd, st = _open_layer(path, dir_fd)
     try:
-        offset = None if entry is None else known_layout(fd, entry)
+        offset = None if entry is None else known_layout(st, entry)
         if offset is None:
-            header = _header_of_open_file(fd, path)
+            header = header_of_open_file(fd, path)
             if name not in header.tensors:
                 raise SafetensorsError(f"{path}: no tensor named {name!r}")
             info = header.tensors[name]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 from dataclasses import dataclass
 
+from .anchor import in_folder, lstat_in
+from .checks import VaultError
 from .durable import discard
 from .safety import open_trusted
 
@@ -44,7 +47,7 @@ class KeyLock:
 
     def _still_named(self, fd: int) -> bool:
         try:
-            named = os.lstat(self.path)
+            named = lstat_in(self.path)  # in its folder's descriptor, walked from the root's
         except FileNotFoundError:
             return False
         held = os.fstat(fd)
@@ -89,9 +92,12 @@ def lock_is_held(path: str, shared_too: bool) -> bool:
     in the way of other shared holders). The probe's own lock is dropped at once.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO never hangs it
+        with in_folder(path) as (folder_fd, name):  # walked from the root's descriptor; a FIFO never hangs it
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder_fd)
     except FileNotFoundError:
         return False
+    except VaultError as exc:  # a folder on the way is a link: an error of the file, as a link to the lock is
+        raise OSError(errno.ELOOP, str(exc)) from None
     try:
         fcntl.flock(fd, (fcntl.LOCK_EX if shared_too else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except BlockingIOError:

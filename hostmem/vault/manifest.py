@@ -38,8 +38,9 @@ import os
 import time
 
 from ..errors import HostmemError
+from .anchor import in_folder
 from .durable import durable_write
-from .safety import read_trusted
+from .safety import VaultError, read_trusted
 from .layer_file import LayerEntry
 
 __all__ = ["MANIFEST_NAME", "MANIFEST_FORMAT", "Manifest", "read_manifest", "write_manifest", "ManifestError",
@@ -157,9 +158,10 @@ def touch_use_time(folder: str) -> None:
     """Record a use of the combination without rewriting its manifest: set the file's mtime
     to now (a hint for the LRU order; where it cannot be set, the use is not recorded)."""
     now = time.time_ns()  # not the filesystem's coarse clock, which may lag the seals' time.time()
-    try:
-        os.utime(os.path.join(folder, MANIFEST_NAME), ns=(now, now), follow_symlinks=False)
-    except OSError:
+    try:  # in its folder's descriptor, walked from the root's: never through a link on the way
+        with in_folder(os.path.join(folder, MANIFEST_NAME)) as (folder_fd, name):
+            os.utime(name, ns=(now, now), dir_fd=folder_fd, follow_symlinks=False)
+    except (OSError, VaultError):
         pass
 
 

@@ -105,7 +105,7 @@ def _vouched(folder: str, expected: dict, inputs: dict) -> Adopted | None:
     if any(n not in layers or shape_dtype_problem(layers[n], s, d) for n, (s, d) in expected.items()):
         return None
     files = {e.file for e in layers.values()}
-    if any(is_layer_file_name(f) and f not in files for f in os.listdir(folder)):
+    if any(is_layer_file_name(f) and f not in files for f in memo.dir.run(os.listdir)):
         return None
     if not all(memo.holds(e) for e in layers.values()):
         return None

@@ -24,6 +24,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from .anchor import open_folder
 from .combinations import Combination
 from .durable import TMP_PREFIX
 from .safety import check_folder_safe, read_trusted
@@ -98,11 +99,15 @@ def records_under(cache: str) -> list[tuple[str, os.stat_result]]:
     :class:`~hostmem.vault.safety.VaultError` naming it."""
     found = []
     for folder in check_record_folders(cache):
-        for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-            if entry.name.startswith(TMP_PREFIX) or not entry.name.endswith(".json"):
-                continue  # writers' temporaries are the sweep's (it knows the live ones), not ours
-            if entry.is_file(follow_symlinks=False):
-                found.append((entry.path, entry.stat(follow_symlinks=False)))
+        fd = open_folder(folder)  # walked from the root's descriptor: no link on the way followed
+        try:
+            for entry in sorted(os.scandir(fd), key=lambda e: e.name):
+                if entry.name.startswith(TMP_PREFIX) or not entry.name.endswith(".json"):
+                    continue  # writers' temporaries are the sweep's (it knows the live ones), not ours
+                if entry.is_file(follow_symlinks=False):
+                    found.append((os.path.join(folder, entry.name), entry.stat(follow_symlinks=False)))
+        finally:
+            os.close(fd)
     return found
 
 

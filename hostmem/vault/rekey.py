@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import time
 
+from .anchor import rename_in
 from .combinations import lock_path, use_path
 from .durable import discard, fsync_dir, remove_tree
 from .identity import CacheKey
@@ -78,7 +79,7 @@ def _name_by(cache: str, folder: str, target: str, manifest, provisional: str, r
     manifest.key, manifest.inputs = real.hex, real.inputs
     write_manifest(folder, manifest)
     _carry_lease(cache, provisional, real.hex)
-    os.rename(folder, target)
+    rename_in(folder, target)  # in the cache folder's descriptor, walked from the root's
     fsync_dir(cache)
     unmark_provisional(target)
 

@@ -18,10 +18,11 @@ import errno
 import os
 import stat
 
-from ..errors import HostmemError
 from hostmem.procfs import SHMEM_FS_TYPES, filesystem_of
 
-from ..file_writes import fsync_dir
+from .anchor import anchor_root, in_folder, mkdir_in, open_in
+from .checks import (VaultError, check_file_safe, check_folder_private, check_folder_safe, check_not_symlink,
+                     check_owned)
 
 __all__ = [
     "VaultError",
@@ -39,13 +40,6 @@ __all__ = [
     "read_trusted",
     "root_is_read_only",
 ]
-
-
-class VaultError(HostmemError, ValueError):
-    """The cache cannot be used as configured; the message names the path and the fix.
-
-    A ``ValueError`` so that the command line prints it as one actionable line.
-    """
 
 
 def nearest_existing(path: str) -> str:
@@ -70,83 +64,25 @@ def check_not_tmpfs(path: str) -> None:
         )
 
 
-def _writable_by_others(path: str, st: os.stat_result, what: str) -> VaultError:
-    """The refusal of a folder or file others can write; its advice gives a safe mode
-    (``chmod +t`` would not: a sticky folder still takes others' new entries)."""
-    who = "every user" if st.st_mode & stat.S_IWOTH else "its group"
-    return VaultError(
-        f"{path}: {what} writable by {who} (mode {stat.S_IMODE(st.st_mode):04o}), so another user could plant "
-        f"or swap cached weights. Run `chmod go-w {path}` (the cache makes its folders 0700 and its files "
-        "0600), or choose another cache root."
-    )
+def open_trusted(path: str, flags: int = os.O_RDONLY, mode: int = 0o600, dir_fd: int | None = None) -> int:
+    """Open a file of the cache relative to its folder's descriptor (``dir_fd``, else the
+    folder walked from its root's descriptor, :mod:`.anchor`), without following a link,
+    a special file refused before it is opened (a FIFO would hang the open, a device
+    would be read without end), and the file opened checked with :func:`check_file_safe`.
+    ``FileNotFoundError`` passes (with ``O_CREAT`` in ``flags`` a missing file is
+    created ``mode``)."""
+    return open_in(path, flags, mode, dir_fd)
 
 
-def check_folder_private(path: str, st: os.stat_result | None = None) -> None:
-    """Refuse a folder that anyone but its owner may write into, sticky or not.
-
-    Anyone who can create entries there could plant a layer file, a manifest or a memo
-    under the name we will look up, or rename a combination onto another's key.
-    """
-    st = os.lstat(path) if st is None else st
-    if stat.S_ISLNK(st.st_mode):
-        check_not_symlink(path, st)
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise _writable_by_others(path, st, "a cache folder")
-
-
-def check_file_safe(path: str, st: os.stat_result) -> None:
-    """A file the cache trusts (a manifest, a memo, a record, a lock): a regular file, ours
-    (or root's), and writable by nobody else."""
-    if not stat.S_ISREG(st.st_mode):
-        kind = ("a symlink" if stat.S_ISLNK(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
-                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)
-                else "a folder" if stat.S_ISDIR(st.st_mode) else "a socket or other special file")
-        raise VaultError(f"{path}: is {kind}, where the cache keeps a regular file of its own; the cache never "
-                         "reads through it. Remove it (`rm` it) and start again.")
-    check_owned(path, st, "file")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise _writable_by_others(path, st, "a cache file")
-
-
-def open_trusted(path: str, flags: int = os.O_RDONLY, mode: int = 0o600) -> int:
-    """Open a file of the cache without following a link, a special file refused before it
-    is opened (a FIFO would hang the open, a device would be read without end), and the
-    file opened checked with :func:`check_file_safe`. ``FileNotFoundError`` passes (with
-    ``O_CREAT`` in ``flags`` a missing file is created ``mode``)."""
-    try:
-        check_file_safe(path, os.lstat(path))
-    except FileNotFoundError:
-        if not flags & os.O_CREAT:
-            raise
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
-    try:
-        check_file_safe(path, os.fstat(fd))  # the very file opened: not one swapped in since the lstat
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def read_trusted(path: str, limit: int = 64 * 1024 * 1024) -> bytes:
+def read_trusted(path: str, limit: int = 64 * 1024 * 1024, dir_fd: int | None = None) -> bytes:
     """The bytes of a small file of the cache (a manifest, a memo, a record), opened with
     :func:`open_trusted`; one larger than ``limit`` is refused, not read into memory."""
-    fd = open_trusted(path)
+    fd = open_trusted(path, dir_fd=dir_fd)
     with os.fdopen(fd, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
         if size > limit:
             raise VaultError(f"{path}: {size} bytes, more than a file of the cache ever holds; remove it")
         return handle.read(limit + 1)
-
-
-def check_not_symlink(path: str, st: os.stat_result | None = None) -> os.stat_result:
-    """Return ``lstat(path)``; refuse a symlink where the cache expects its own file."""
-    st = os.lstat(path) if st is None else st
-    if stat.S_ISLNK(st.st_mode):
-        raise VaultError(
-            f"{path}: is a symlink; the cache never follows links inside itself. Remove the link "
-            "(`hostmem cache rm KEY` or `rm` it) and start again."
-        )
-    return st
 
 
 def _cannot_create(path: str, exc: OSError) -> VaultError:
@@ -164,35 +100,17 @@ def _cannot_create(path: str, exc: OSError) -> VaultError:
     )
 
 
-def check_owned(path: str, st: os.stat_result, what: str = "folder") -> None:
-    """Refuse a folder or file another user owns (root's are accepted, as sshd's StrictModes
-    does): its owner could replace cached weights, even when its mode looks private to us."""
-    if st.st_uid not in (os.geteuid(), 0):
-        raise VaultError(
-            f"{path}: owned by uid {st.st_uid} (a {what} of the cache), not by this user (uid {os.geteuid()}), "
-            f"who could replace cached weights. `chown {os.geteuid()} {path}` if it is yours, or choose a cache root of your own "
-            "(--root DIR, lora.cache.roots or HOSTMEM_CACHE_ROOT)."
-        )
-
-
-def check_folder_safe(path: str) -> os.stat_result:
-    """A cache folder that is there must be a real folder (no link), ours, and private."""
-    st = check_not_symlink(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise VaultError(f"{path}: exists and is not a folder; move it away or choose another cache root.")
-    check_owned(path, st)
-    check_folder_private(path, st)
-    return st
-
-
 def make_private_dir(path: str) -> None:
-    """Create ``path`` 0700 if missing; an existing one must pass :func:`check_folder_safe`."""
+    """Create ``path`` 0700 if missing, in its folder opened from the root's descriptor
+    (:mod:`.anchor`); an existing one must pass :func:`check_folder_safe`."""
     try:
-        os.mkdir(path, 0o700)
-        os.chmod(path, 0o700)  # the umask may have narrowed it; never widened, but be exact
-        fsync_dir(os.path.dirname(path))  # the new folder's entry survives a crash too
+        mkdir_in(path)
+        with in_folder(path) as (parent, _):
+            os.fsync(parent)  # the new folder's entry survives a crash too
     except FileExistsError:
         pass
+    except VaultError:
+        raise
     except OSError as exc:
         raise _cannot_create(path, exc) from None
     check_folder_safe(path)
@@ -242,7 +160,8 @@ def _check_root_link(root: str) -> None:
 
 def check_root(root: str) -> None:
     """An existing root: a folder (or a link of this user's to one), owned by this user or
-    root, writable by nobody else. ``FileNotFoundError`` when there is none."""
+    root, writable by nobody else. ``FileNotFoundError`` when there is none. Every path
+    below it is walked from its descriptor from then on (:func:`~.anchor.anchor_root`)."""
     os.lstat(root)
     _check_root_link(root)
     if not os.path.isdir(root):
@@ -250,6 +169,7 @@ def check_root(root: str) -> None:
     st = os.stat(root)
     check_owned(root, st)
     check_folder_private(root, st)
+    anchor_root(os.path.abspath(root))
 
 
 def prepare_root(root: str | os.PathLike, create: bool = True) -> str:

@@ -25,7 +25,7 @@ from .piece_writer import PieceWriter
 from .provisional import is_provisional
 from .locks import KeyLock
 from .manifest import Manifest, touch_use_time, write_manifest
-from .safety import VaultError, check_not_symlink
+from .safety import VaultError
 from .verification import VerifiedMemo, record_damage
 
 __all__ = ["VaultSession", "still_needed", "say", "claim_in_process", "unclaim_in_process"]
@@ -156,9 +156,8 @@ class VaultSession:
         """Map a layer file read-only, if it still is what the manifest recorded."""
         path = os.path.join(self.folder, entry.file)
         self._map_passing = False
-        try:
-            check_not_symlink(path)
-            view, header = map_layer(path, entry.name, self._lease, entry)
+        try:  # opened in the key folder's descriptor, kept for the session: one openat per layer
+            view, header = self._memo.dir.run(lambda fd: map_layer(path, entry.name, self._lease, entry, fd))
         except (SafetensorsError, OSError) as exc:
             self._map_problem = str(exc)
             # the file itself (gone, a header that lies, a link) or the process (out of
@@ -344,12 +343,14 @@ class VaultSession:
         self._closed = True
         self._stop_writer()
         if self._lock is None:  # a read-only root: nothing was locked, nothing is written
+            self._memo.dir.close()
             return
         try:
             self._seal()
             if self.after_seal is not None:
                 self.after_seal(self)
         finally:
+            self._memo.dir.close()
             try:
                 self._let_go_of_use()
             finally:
@@ -368,6 +369,7 @@ class VaultSession:
             self._stop_writer()
             tidy()
         finally:
+            self._memo.dir.close()
             try:
                 self._lock.release_and_remove_if_alone()
             finally:

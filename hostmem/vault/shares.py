@@ -24,6 +24,7 @@ import contextlib
 import os
 import time
 
+from .anchor import listdir_in, lstat_in
 from .adoption import Adopted, shape_dtype_problem
 from .combinations import lock_path, use_path
 from .content_hash import stamp_of
@@ -58,7 +59,7 @@ class ShareSession(VaultSession):
             if name not in self._found:
                 with contextlib.suppress(OSError):
                     done.append({"entry": entry.to_dict(),
-                                 "stamp": stamp_of(os.lstat(os.path.join(self.folder, entry.file)))})
+                                 "stamp": stamp_of(lstat_in(os.path.join(self.folder, entry.file)))})
         return done
 
     def close(self) -> None:
@@ -148,7 +149,7 @@ def vouch_for(vault, key: str, written: list[dict]) -> int:
     for item in written:
         entry = LayerEntry.from_dict(item["entry"])
         with contextlib.suppress(OSError):
-            if stamp_of(os.lstat(os.path.join(folder, entry.file))) == list(item["stamp"]):
+            if stamp_of(lstat_in(os.path.join(folder, entry.file))) == list(item["stamp"]):
                 memo.record(entry)
                 entries[entry.name] = entry
     if entries:
@@ -159,7 +160,7 @@ def vouch_for(vault, key: str, written: list[dict]) -> int:
 def _known(memo: VerifiedMemo, folder: str) -> dict[str, LayerEntry]:
     """The layers the memo on disk vouched for already, so that saving keeps them."""
     known = {}
-    for name in os.listdir(folder):
+    for name in listdir_in(folder):
         path = os.path.join(folder, name)
         with contextlib.suppress(OSError, ValueError):
             entry = read_layer_file(path) if name.endswith(".safetensors") else None

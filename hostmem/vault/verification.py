@@ -28,6 +28,7 @@ import threading
 from .content_hash import stamp_of
 from .durable import discard, durable_write
 from .layer_file import LayerEntry, data_crc32, layer_problem
+from .anchor import FolderFd
 from .safety import read_trusted
 
 __all__ = ["VERIFIED_NAME", "DAMAGE_NAME", "VerifiedMemo", "check_layers", "read_damage", "record_damage"]
@@ -49,6 +50,7 @@ class VerifiedMemo:
 
     def __init__(self, folder: str, trust: bool = True):
         self.folder = folder
+        self.dir = FolderFd(folder)  # the key folder's descriptor: each file stat'ed in it, no link followed
         self._trust = trust
         self._disk_memo: dict[str, tuple[list[int], str]] | None = None if trust else {}
         self._seen: dict[str, list[int]] = {}  # file -> its stamp, as vouched for or recorded in this session
@@ -65,13 +67,16 @@ class VerifiedMemo:
         if not self._trust:
             return False
         try:
-            stamp = stamp_of(os.lstat(os.path.join(self.folder, entry.file)))
+            stamp = stamp_of(self._lstat(entry.file))
         except OSError:
             return False
         if not self._known(entry, stamp):
             return False
         self._seen[entry.file] = stamp
         return True
+
+    def _lstat(self, file: str) -> os.stat_result:
+        return self.dir.run(lambda fd: os.stat(file, dir_fd=fd, follow_symlinks=False))
 
     def _known(self, entry: LayerEntry, stamp: list[int]) -> bool:
         """``stamp`` is one at which ``entry``'s bytes matched its checksum."""
@@ -87,7 +92,7 @@ class VerifiedMemo:
         """``entry``'s file now matches its checksum (just written, or just read); return the
         entry with its stamp (where the file cannot be stat'ed, as it was)."""
         try:
-            stamp = stamp_of(os.lstat(os.path.join(self.folder, entry.file)))
+            stamp = stamp_of(self._lstat(entry.file))
         except OSError:
             return entry
         with _PROCESS_LOCK:

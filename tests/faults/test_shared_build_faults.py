@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 
 import pytest
@@ -50,6 +51,33 @@ def _fill_before(disk: str, owner, name: str) -> None:
     setattr(owner, name, on_a_full_disk)
 
 
+KILL_STEPS = {  # where a rank is SIGKILLed: the gather it would arrive at next, or its share's first write
+    "before the exchange": "start a shared LoRA merge build",
+    "in its share": None,
+    "at the seal": "seal the shared build",
+}
+
+
+def _die_at(step: str, session_module) -> None:
+    """This rank SIGKILLs itself at ``step`` (one of :data:`KILL_STEPS`)."""
+    from hostmem import host_ledger
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if KILL_STEPS[step] is None:
+        session_module.VaultSession._put_data = die
+        return
+    real = host_ledger.gather_on_host
+
+    def gather(payload, **kwargs):
+        if kwargs.get("what", "").startswith(KILL_STEPS[step]):
+            die()
+        return real(payload, **kwargs)
+
+    host_ledger.gather_on_host = gather
+
+
 def _rank_main(rank: int, world: int, port: int, paths: dict, folder: str, fault: str) -> None:
     """One rank: its stderr to ``rank<N>.err``, join the group, meet the fault, merge."""
     import torch.distributed as dist
@@ -70,17 +98,16 @@ def _rank_main(rank: int, world: int, port: int, paths: dict, folder: str, fault
             _fill_before(paths["disk"], session_module, "write_manifest")
         if fault == "full at the re-key" and rank == 0:
             _fill_before(paths["disk"], rekey_module, "write_manifest")
-        if fault == f"rank {rank} killed in its share":
-            def die(self, *args, **kwargs):
-                os.kill(os.getpid(), signal.SIGKILL)
-
-            session_module.VaultSession._put_data = die
+        if fault.startswith(f"rank {rank} killed "):
+            _die_at(fault.split(" killed ")[1], session_module)
         model = checkpoint_module([paths["base"]])
+        began = time.monotonic()
         stats = lora_cache.merge(model, [paths["adapter"]], cache_root=paths["root"], progress=False,
                                  rank_timeout=RANK_TIMEOUT)
         served, expected = weights(model), load_file(paths["reference"])
         results = {"equal": all(served[n].equal(t) for n, t in expected.items()) and served.keys() == expected.keys(),
-                   "built": stats.built, "in_place": stats.in_place, "fallen_back": stats.fallen_back}
+                   "built": stats.built, "in_place": stats.in_place, "fallen_back": stats.fallen_back,
+                   "seconds": time.monotonic() - began}
     except Exception as exc:  # noqa: BLE001 - what it raised is what the test checks
         results = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
     report_rank(folder, rank, results, leave="error" not in results)
@@ -131,16 +158,16 @@ def test_a_full_disk_in_a_shared_build_merges_in_place_on_every_rank_and_the_nex
         assert stats.hit == LAYERS
 
 
-def _spawn_with_a_death(paths: dict, folder, world: int, victim: int) -> dict[int, dict]:
-    """Run :func:`_rank_main` on ``world`` ranks of which ``victim`` is SIGKILLed in its
-    share; what each survivor wrote."""
+def _spawn_with_a_death(paths: dict, folder, world: int, victim: int, step: str = "in its share") -> dict[int, dict]:
+    """Run :func:`_rank_main` on ``world`` ranks of which ``victim`` is SIGKILLed at ``step``;
+    what each survivor wrote."""
     import multiprocessing
 
     from tests.lora_cache.test_shared_build import _free_port
 
     context, port = multiprocessing.get_context("spawn"), _free_port()
     ranks = [context.Process(target=_rank_main, args=(rank, world, port, paths, str(folder),
-                                                      f"rank {victim} killed in its share"))
+                                                      f"rank {victim} killed {step}"))
              for rank in range(world)]
     for process in ranks:
         process.start()
@@ -153,6 +180,19 @@ def _spawn_with_a_death(paths: dict, folder, world: int, victim: int) -> dict[in
             with open(folder / f"rank{rank}.json") as handle:
                 found[rank] = json.load(handle)
     return found
+
+
+def _named_and_in_place(found: dict, folder, victim: int) -> None:
+    """Every survivor named the dead rank (and its pid where it could know it) in its one
+    warning, before any wait ran out, and served the in-place merge."""
+    for rank, result in found.items():
+        said = _said(folder, rank)
+        assert "error" not in result, (rank, result, said)
+        assert result["equal"] and result["seconds"] < RANK_TIMEOUT, (rank, result)
+        assert said.count(FULL_DISK_WARNING) == 1 and f"rank {victim} (" in said and " died during " in said, said
+        assert victim == 0 or f"rank {victim} (pid " in said, said  # rank 0's pid: where it published it
+        (warned,) = [line for line in said.splitlines() if FULL_DISK_WARNING in line]  # torch logs its own too
+        assert "Broken pipe" not in warned.split("torch said:")[0] and "Traceback" not in said, said
 
 
 def _another_adapter(world) -> str:
@@ -169,9 +209,7 @@ def test_every_rank_names_the_rank_killed_in_its_share_and_later_starts_resume_o
     out.mkdir()
     root = paths["root"] = str(tmp_path / "root")
     found = _spawn_with_a_death(paths, out, 3, victim)
-    for rank, result in found.items():
-        assert f"rank {victim} (pid " in result.get("error", "") and "died" in result["error"], (rank, result)
-        assert "Broken pipe" not in result["error"].split("torch said:")[0], (rank, result)
+    _named_and_in_place(found, out, victim)
     (left,) = [os.path.dirname(m) for m in markers(root)]  # the survivors' shares, marked resumable
     CONTENT_HASH_MEMO.clear()
     if then == "removed":  # a start on the same base hashes it: no start builds under that provisional key again
@@ -185,3 +223,21 @@ def test_every_rank_names_the_rank_killed_in_its_share_and_later_starts_resume_o
     cache = os.path.join(root, "lora_merge_cache")
     assert stats.cache_key in os.listdir(cache) and len([n for n in os.listdir(cache) if len(n) == 64]) == (
         1 if then == "resumed" else 2), os.listdir(cache)
+
+
+@pytest.mark.parametrize("step", ["before the exchange", "at the seal"])
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_rank_killed_before_the_exchange_or_at_the_seal_is_named_at_once_and_every_survivor_merges_in_place(
+        tmp_path, step, victim):
+    world, expected, paths = _world(tmp_path)
+    out = tmp_path / "ranks"
+    out.mkdir()
+    root = paths["root"] = str(tmp_path / "root")
+    found = _spawn_with_a_death(paths, out, 2, victim, step)
+    _named_and_in_place(found, out, victim)
+    CONTENT_HASH_MEMO.clear()
+    served, _ = start(world.base, world.adapter, root)  # the next start builds, resumes or hits
+    assert_same(served, expected)
+    served, stats = start(world.base, world.adapter, root)
+    assert_same(served, expected)
+    assert stats.hit == LAYERS, stats

@@ -2,7 +2,8 @@
 
 Opening it reads no layer header (mapping reads each one, once) and closing it rewrites
 no file; what a layer file was opened for is asked of Python's audit hook ("open"
-events, os.open included) in a fresh interpreter. A manifest that no longer matches its
+events, os.open included; a name without a folder is one opened relative to a folder's
+descriptor) in a fresh interpreter. A manifest that no longer matches its
 files is still never served.
 """
 
@@ -32,7 +33,11 @@ seen = {"open": [], "get": [], "close": []}
 phase = None
 
 def hook(event, args):
-    if event == "open" and phase is not None and str(args[0]).startswith(folder + os.sep):
+    # the vault opens a folder's files by name relative to the folder's descriptor (openat)
+    named = str(args[0]) if event == "open" else ""
+    if phase is not None and (named.startswith(folder + os.sep)
+                              or named and not os.path.isabs(named)
+                              and (os.path.lexists(os.path.join(folder, named)) or named.startswith(".tmp-"))):
         writing = isinstance(args[2], int) and args[2] & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
         seen[phase].append((os.path.basename(str(args[0])), bool(writing or "w" in str(args[1] or ""))))
 
