@@ -19,8 +19,6 @@ process's own anonymous memory beyond the weights as committed in full
 
 from __future__ import annotations
 
-import datetime
-import hashlib
 import json
 import os
 import re
@@ -66,12 +64,24 @@ def _root(config) -> str:
     return os.path.abspath(os.path.expanduser((cache.root if cache is not None else None) or default_cache_root()))
 
 
+def _digest(name: str) -> str:
+    import hashlib  # a plan reads records without it; only naming one computes this
+
+    return hashlib.sha256(name.encode()).hexdigest()[:12]
+
+
+def _now() -> str:
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def record_path(config) -> str:
     """``<cache root>/reserves/<deployment>-<digest>.json``: a basename that cannot leave
     the folder, unique per deployment name."""
     name = config.deployment
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:64].lstrip(".") or "deployment"
-    return os.path.join(_root(config), _FOLDER, f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:12]}.json")
+    return os.path.join(_root(config), _FOLDER, f"{safe}-{_digest(name)}.json")
 
 
 def remembered(config) -> MeasuredReserve | None:
@@ -147,7 +157,7 @@ def measure_reserve(config, warmup: Callable[[], object], *, interval_s: float |
     figures = peak.figures()
     record = MeasuredReserve(
         config.deployment, figures.growth_bytes, figures.baseline_bytes, figures.peak_bytes, figures.samples,
-        round(figures.max_gap_s, 6), datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        round(figures.max_gap_s, 6), _now(),
     )
     _write(config, record)
     host = config.host._replace(reserve=record.reserve(config.host.reserve_floor),

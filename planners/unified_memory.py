@@ -26,7 +26,6 @@ files of such a machine and read them through the same code.
 from __future__ import annotations
 
 import os
-import platform
 import sys
 from typing import NamedTuple
 
@@ -48,7 +47,7 @@ class UnifiedMemory(NamedTuple):
 def read_unified_memory() -> UnifiedMemory:
     """This machine, read now: torch's answer where it is loaded with CUDA, else the files."""
     said = _torch_says()
-    return said if said is not None else unified_memory_at("/", platform.machine())
+    return said if said is not None else unified_memory_at("/", os.uname().machine)
 
 
 def _torch_says() -> UnifiedMemory | None:

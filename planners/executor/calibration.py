@@ -11,7 +11,6 @@ record in the report. Until a calibration is saved, or for a rate it could not m
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 
@@ -43,6 +42,8 @@ def save_record(result: dict, path: str) -> str:
     from hostmem.vault.safety import prepare_root
 
     prepare_root(os.path.dirname(path))  # the user's own folder, not tmpfs, not writable by others
+    import datetime  # only when a record is written: the plan reads records without it
+
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     record = {"format": _FORMAT, "measured_at": when, "transfer": result["transfer"], "device": result.get("device"),
               "folders": result.get("folders", []), "h2d": result.get("h2d")}

@@ -26,7 +26,6 @@ halves of the weight's rows in the up matrix's order (``norm_out.linear[1/2]``, 
 
 from __future__ import annotations
 
-import logging
 import re
 
 
@@ -38,7 +37,6 @@ ROLES: tuple = ()  # kohya's (:mod:`.kohya`)
 # In the cache key: change when the rules would change a merge (a rule for a module that
 # no rule named before changes none: a file with it was refused).
 CONVERTER = "lora_cache kohya-flux-bfl v1"
-_LOG = logging.getLogger("lora_cache")
 
 _DOUBLE = {
     "img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
@@ -105,7 +103,9 @@ def claims(keys, metadata: dict) -> bool:
 def read(reading, why: str = "read with lora_cache's kohya Flux rules"):
     """The adapter read by this package's parser with :data:`RULES`, saying so (and ``why``)
     in one info line. Its tensors stay views of the file's read-only mapping."""
-    _LOG.info("%s: %s; reading its kohya Flux (BFL) names with lora_cache's own parser instead, fused qkv and "
+    import logging  # only when this fallback runs: the planner reads these rules without it
+
+    logging.getLogger("lora_cache").info("%s: %s; reading its kohya Flux (BFL) names with lora_cache's own parser instead, fused qkv and "
               "linear1 split by rows at the model's own sizes", reading.path, why)
     from ..checks import FiniteCheck  # torch: only once a file is read; the suffixes above are read without it
 
