@@ -10,9 +10,8 @@ import torch
 from torch import nn
 
 import lora_cache
-from hostmem.safetensors.mapping import load_readonly
 from lora_cache.keys import KeyResolutionError
-from tests.conftest import write_safetensors
+from tests.conftest import mapped_model
 
 peft = pytest.importorskip("peft", reason="the peft comparisons need peft (pip install hostmem[test])")
 
@@ -31,13 +30,7 @@ class Tiny(nn.Module):
 def _base(folder, dtype=torch.float32) -> Tiny:
     """The tiny model, every weight a read-only mapped view of a file written here."""
     torch.manual_seed(0)
-    model = Tiny().to(dtype)
-    path = write_safetensors(os.path.join(folder, "base.safetensors"),
-                             {k: v.detach().contiguous() for k, v in model.state_dict().items()})
-    for name, tensor in load_readonly(path).items():
-        owner, _, attr = name.rpartition(".")
-        model.get_submodule(owner)._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
-    return model
+    return mapped_model(Tiny().to(dtype), folder)
 
 
 def _dora_adapter(folder, **config) -> tuple[str, dict[str, torch.Tensor]]:

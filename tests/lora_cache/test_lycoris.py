@@ -17,7 +17,7 @@ from hostmem.safetensors.mapping import load_readonly
 from lora_cache import read_adapter
 from lora_cache.keys import KeyResolutionError
 from tests.conformance.corpus import comfyui_dora  # ComfyUI's weight_decompose, written from it
-from tests.conftest import write_safetensors
+from tests.conftest import mapped_model, write_safetensors
 
 RANK, ALPHA = 4, 2.0
 
@@ -33,14 +33,7 @@ class Tiny(nn.Module):
 def _base(folder, dtype=torch.float32) -> Tiny:
     """The tiny model, every weight a read-only mapped view of a file written here."""
     torch.manual_seed(0)
-    model = Tiny().to(dtype)
-    os.makedirs(folder, exist_ok=True)
-    path = write_safetensors(os.path.join(folder, "base.safetensors"),
-                             {k: v.detach().contiguous() for k, v in model.state_dict().items()})
-    for name, tensor in load_readonly(path).items():
-        owner, _, attr = name.rpartition(".")
-        model.get_submodule(owner)._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
-    return model
+    return mapped_model(Tiny().to(dtype), folder)
 
 
 def _lycoris_dora(folder, on_out: bool) -> str:
