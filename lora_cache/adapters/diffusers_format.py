@@ -36,7 +36,7 @@ from .alpha_fold import folded_metadata, for_converter, is_folded
 from .checks import FiniteCheck
 from .conversion_memo import ConversionMemo, NoValues, record_of, skeleton_of
 from .diffusers_keys import peft_keys
-from .full_diffs import full_diff_stems, place_full_diffs, without_full_diffs
+from .full_diffs import diff_placer, full_diff_stems, place_full_diffs, without_full_diffs
 from .kohya_flux import read_kohya_flux, uncovered_stems
 from .read import AdapterFile, build_adapter_file, group_parts, open_adapter
 from .spec import AdapterError
@@ -244,7 +244,7 @@ def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
     keep = tuple(components or (denoiser_name(loader),))
     converter = f"diffusers {diffusers.__version__} {loader.__name__}.lora_state_dict"
     if any(key.endswith((".diff", ".diff_b")) for key in tensors):  # the merged bytes changed when these stopped dropping
-        converter += " + full diffs by the single-file converter"
+        converter += f" + full diffs by {diff_placer(model)}"
     name = memo.key(path, converter, keep, alpha) if memo is not None else None
     record = memo.load(name) if memo is not None else None
     if record is not None:
