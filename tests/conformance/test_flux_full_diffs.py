@@ -1,0 +1,39 @@
+"""Flux full diffs in BFL names that cannot be placed exactly are refused, naming the key
+and why: a fused diff whose rows do not add up to its split weights, a bias diff on a
+norm scale (which has no bias), a module the model lacks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers", reason="Flux full diffs need diffusers (pip install hostmem[test])")
+
+import lora_cache  # noqa: E402
+from hostmem.safetensors.mapping import save_file  # noqa: E402
+from lora_cache import AdapterError  # noqa: E402
+from tests.conformance import models  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def flux_folder(tmp_path_factory):
+    return models.save_model("flux", tmp_path_factory.mktemp("flux") / "model")
+
+
+@pytest.mark.parametrize("key, shape, why", [
+    ("diffusion_model.double_blocks.0.img_attn.qkv.diff", (95, 32), r"95 rows where .*to_q.*to_k.*to_v have 32 \+ 32 \+ 32"),
+    ("diffusion_model.single_blocks.0.linear1.diff", (224, 31), r"shape \(224, 31\) does not fit"),
+    ("diffusion_model.double_blocks.0.img_attn.norm.query_norm.scale.diff_b", (16,), r"attn\.norm_q\.bias None"),
+    ("diffusion_model.double_blocks.3.img_attn.proj.diff", (32, 32), r"transformer_blocks\.3\.attn\.to_out\.0, which "
+                                                                     r"the model lacks"),
+])
+def test_a_diff_that_does_not_fit_is_refused_naming_it(flux_folder, tmp_path, key, shape, why):
+    path = os.fspath(tmp_path / "diffs.safetensors")
+    save_file({key: torch.ones(shape)}, path)
+    model = models.load_model("flux", flux_folder)
+    before = models.weights(model)
+    with pytest.raises(AdapterError, match=rf"(?s){key.replace('.', '[.]')}.*{why}"):
+        lora_cache.load_lora(model, path, cache_root=tmp_path / "cache", progress=False)
+    assert all(torch.equal(w, before[n]) for n, w in models.weights(model).items())
