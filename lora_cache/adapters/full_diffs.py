@@ -38,21 +38,33 @@ __all__ = ["diff_placer", "full_diff_stems", "place_full_diffs", "without_full_d
 _RULED = {"FluxTransformer2DModel": ("lora_cache Flux BFL rules v1", BFL_RULES)}
 
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-_AS_CHECKPOINT = {"diff": "weight", "diff_b": "bias"}
 
 
-def full_diff_stems(modules: dict) -> list[str]:
-    """The stems whose change is a full diff: ``.diff``, or a ``.diff_b`` without LoRA factors
-    (a ``.diff_b`` beside factors is peft's ``lora_B.bias`` to diffusers' converter)."""
-    return sorted(stem for stem, change in modules.items()
-                  if "diff" in change.parts or ("diff_b" in change.parts and "up" not in change.parts))
+def _ruled(model) -> bool:
+    return model is not None and type(model).__name__ in _RULED
 
 
-def without_full_diffs(tensors: dict, modules: dict, stems: list[str]) -> dict:
+def _full_bias(change, ruled: bool) -> bool:
+    """Whether a change's ``.diff_b`` is a full diff of the bias: always without LoRA factors;
+    beside them diffusers' converter reads it as peft's ``lora_B.bias`` (Wan's does), except
+    where this package places the diffs (Flux's converter drops it without a word, and
+    ComfyUI merges it as the bias's diff)."""
+    return "diff_b" in change.parts and ("up" not in change.parts or ruled)
+
+
+def full_diff_stems(modules: dict, model=None) -> list[str]:
+    """The stems with a full diff for ``model``: ``.diff``, or a ``.diff_b`` :func:`_full_bias` takes."""
+    ruled = _ruled(model)
+    return sorted(stem for stem, change in modules.items() if "diff" in change.parts or _full_bias(change, ruled))
+
+
+def without_full_diffs(tensors: dict, modules: dict, stems: list[str], model=None) -> dict:
     """``tensors`` without the full diffs of ``stems`` (and the alphas of those without LoRA
     factors, which scale nothing; beside factors the alpha is theirs, for the converter)."""
-    taken = {modules[s].keys[role] for s in stems for role in ("diff", "diff_b", "alpha") if role in modules[s].keys
-             and (role == "diff" or "up" not in modules[s].parts)}
+    ruled, taken = _ruled(model), set()
+    for change in (modules[s] for s in stems):
+        roles = ["diff"] + ["diff_b"] * _full_bias(change, ruled) + ["alpha"] * ("up" not in change.parts)
+        taken.update(change.keys[role] for role in roles if role in change.keys)
     return {key: value for key, value in tensors.items() if key not in taken}
 
 
@@ -76,11 +88,11 @@ def diff_placer(model) -> str:
     return "the single-file converter" if ruled is None else ruled[0]
 
 
-def _diff_parts(change) -> dict:
-    """``{"weight": diff, "bias": diff_b}`` of a change (a ``.diff_b`` beside factors is peft's
-    ``lora_B.bias``, left to the LoRA converter)."""
-    return {_AS_CHECKPOINT[role]: change.parts[role] for role in ("diff", "diff_b")
-            if role in change.parts and (role == "diff" or "up" not in change.parts)}
+def _diff_parts(change, ruled: bool) -> dict:
+    """``{"weight": diff, "bias": diff_b}`` of a change (a ``.diff_b`` :func:`_full_bias` does
+    not take is left to the LoRA converter)."""
+    parts = {"weight": change.parts.get("diff"), "bias": change.parts["diff_b"] if _full_bias(change, ruled) else None}
+    return {kind: diff for kind, diff in parts.items() if diff is not None}
 
 
 def _spans(targets, heights: list[int]) -> list[slice | None]:
@@ -109,15 +121,17 @@ def _by_rules(stem: str, change, rules, shapes: dict, placed: dict, owner: dict,
     heights = [shapes[f"{t.module}.weight"][0] for t in targets]
     spans = _spans(targets, heights)
     sizes = [h if s is None else s.stop - s.start for h, s in zip(heights, spans)]
-    for kind, diff in _diff_parts(change).items():
+    for kind, diff in _diff_parts(change, True).items():
         if diff.shape[0] != sum(sizes):
             return f"its {kind} diff has {diff.shape[0]} rows where {', '.join(t.module for t in targets)} " \
                    f"have {' + '.join(map(str, sizes))}"
         start = 0
         for target, span, size in zip(targets, spans, sizes):
             param = f"{target.module}.{kind}"
-            if param not in shapes or tuple(shapes[param][1:]) != tuple(diff.shape[1:]):
-                return f"its {kind} diff of shape {tuple(diff.shape)} does not fit {param} {shapes.get(param)}"
+            if param not in shapes:
+                return f"the model has no {param}"
+            if tuple(shapes[param][1:]) != tuple(diff.shape[1:]):
+                return f"its {kind} diff of shape {tuple(diff.shape)} does not fit {param} of shape {shapes[param]}"
             key = f"{component}.{target.module}.{'diff' if kind == 'weight' else 'diff_b'}"
             piece = diff[start:start + size]
             start += size
@@ -158,7 +172,7 @@ def place_full_diffs(path: str, modules: dict, stems: list[str], model, componen
     for stem in stems:
         change = modules[stem]
         name = next((stem[len(p):] for p in _PREFIXES if stem.startswith(p)), stem)
-        checkpoint = {f"{name}.{kind}": diff for kind, diff in _diff_parts(change).items()}
+        checkpoint = {f"{name}.{kind}": diff for kind, diff in _diff_parts(change, False).items()}
         try:
             renamed = _renamed(fn, model, checkpoint) if fn is not None else {}
         except Exception as exc:  # noqa: BLE001 - diffusers' converters fail by KeyError on partial checkpoints

@@ -27,6 +27,7 @@ _SHAPES = {  # key -> shape, in ComfyUI's names
     f"{_P}double_blocks.0.img_attn.qkv.diff": (3 * _DIM, _DIM),
     f"{_P}double_blocks.0.img_attn.qkv.diff_b": (3 * _DIM,),
     f"{_P}double_blocks.0.img_attn.proj.diff": (_DIM, _DIM),
+    f"{_P}double_blocks.0.img_attn.proj.diff_b": (_DIM,),  # beside factors: the bias's diff (Flux's converter drops it)
     f"{_P}double_blocks.0.img_attn.norm.query_norm.scale.diff": (_HEAD,),
     f"{_P}double_blocks.0.txt_attn.norm.key_norm.scale.diff": (_HEAD,),
     f"{_P}double_blocks.0.txt_mlp.0.diff_b": (_MLP,),
@@ -80,6 +81,7 @@ def _expected(path: str) -> dict:
     lora = "double_blocks.0.img_attn.proj"
     up, down = t[f"{lora}.lora_up.weight"], t[f"{lora}.lora_down.weight"]
     out[f"{block}attn.to_out.0.weight"] = t[f"{lora}.diff"] + 2.0 / 4 * up @ down
+    out[f"{block}attn.to_out.0.bias"] = t[f"{lora}.diff_b"]
     return out
 
 

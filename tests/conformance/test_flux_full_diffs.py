@@ -23,9 +23,11 @@ def flux_folder(tmp_path_factory):
 
 
 @pytest.mark.parametrize("key, shape, why", [
-    ("diffusion_model.double_blocks.0.img_attn.qkv.diff", (95, 32), r"95 rows where .*to_q.*to_k.*to_v have 32 \+ 32 \+ 32"),
+    ("diffusion_model.double_blocks.0.img_attn.qkv.diff", (95, 32),
+     r"95 rows where .*to_q.*to_k.*to_v have 32 \+ 32 \+ 32"),
     ("diffusion_model.single_blocks.0.linear1.diff", (224, 31), r"shape \(224, 31\) does not fit"),
-    ("diffusion_model.double_blocks.0.img_attn.norm.query_norm.scale.diff_b", (16,), r"attn\.norm_q\.bias None"),
+    ("diffusion_model.double_blocks.0.img_attn.norm.query_norm.scale.diff_b", (16,),
+     r"the model has no transformer_blocks\.0\.attn\.norm_q\.bias"),
     ("diffusion_model.double_blocks.3.img_attn.proj.diff", (32, 32), r"transformer_blocks\.3\.attn\.to_out\.0, which "
                                                                      r"the model lacks"),
 ])
@@ -37,3 +39,20 @@ def test_a_diff_that_does_not_fit_is_refused_naming_it(flux_folder, tmp_path, ke
     with pytest.raises(AdapterError, match=rf"(?s){key.replace('.', '[.]')}.*{why}"):
         lora_cache.load_lora(model, path, cache_root=tmp_path / "cache", progress=False)
     assert all(torch.equal(w, before[n]) for n, w in models.weights(model).items())
+
+
+def test_a_bias_diff_a_converter_drops_beside_factors_is_named(tmp_path):
+    """Read for no model (so no rules place its diffs), a ComfyUI Flux file's ``.diff_b`` beside
+    a LoRA pair goes to diffusers' converter as peft's ``lora_B.bias``, which Flux's drops while
+    keeping the pair: the load fails naming the key rather than merging without it."""
+    from diffusers.loaders import FluxLoraLoaderMixin
+
+    from lora_cache.adapters.diffusers_format import read_with_diffusers
+
+    stem, gen = "diffusion_model.double_blocks.0.img_attn.proj", torch.Generator().manual_seed(2)
+    path = os.fspath(tmp_path / "bias.safetensors")
+    save_file({f"{stem}.lora_down.weight": torch.randn(4, 32, generator=gen),
+               f"{stem}.lora_up.weight": torch.randn(32, 4, generator=gen), f"{stem}.diff_b": torch.randn(32)}, path)
+    dropped = r"dropped by diffusers' FluxLoraLoaderMixin.*: diffusion_model\.double_blocks\.0\.img_attn\.proj\.diff_b"
+    with pytest.raises(AdapterError, match=dropped):
+        read_with_diffusers(path, FluxLoraLoaderMixin)
