@@ -16,7 +16,8 @@ Flux is the exception: its single-file converter needs the whole checkpoint (it 
 the blocks and pops every key of each), so a partial one fails there. A Flux file's diffs
 (ComfyUI's BFL names: ``diffusion_model.double_blocks.0.img_attn.qkv.diff``) are placed
 by the one table of BFL names that kohya's Flux files are read with
-(:data:`lora_cache.adapters.formats.kohya_flux.BFL_RULES`): a diff on a fused weight
+(:data:`lora_cache.adapters.formats.kohya_flux.BFL_RULES`, and its kohya spelling
+``lora_unet_double_blocks_0_img_attn_qkv``, which ComfyUI also maps): a diff on a fused weight
 (``img_attn.qkv``, ``linear1``) splits by rows onto the model's weights in order, each as
 tall as its weight, as ComfyUI's ``W += strength * diff`` on the fused weight means; the
 final modulation's halves are swapped as the checkpoint's are. A diff no rule names is
@@ -28,14 +29,14 @@ from __future__ import annotations
 import inspect
 
 from ..key_names import KeyRule, ModuleIndex
-from .formats.kohya_flux import BFL_RULES
+from .formats.kohya_flux import BFL_RULES, RULES
 from .spec import AdapterError
 
 __all__ = ["diff_placer", "full_diff_stems", "place_full_diffs", "without_full_diffs"]
 
 # Model classes whose full diffs are placed by rules of this package (name, rules), not by
 # diffusers' single-file converter; the name goes into the cache key.
-_RULED = {"FluxTransformer2DModel": ("lora_cache Flux BFL rules v1", BFL_RULES)}
+_RULED = {"FluxTransformer2DModel": ("lora_cache Flux BFL rules v1", BFL_RULES + RULES)}  # ComfyUI's or kohya's names
 
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 

@@ -56,3 +56,20 @@ def test_a_bias_diff_a_converter_drops_beside_factors_is_named(tmp_path):
     dropped = r"dropped by diffusers' FluxLoraLoaderMixin.*: diffusion_model\.double_blocks\.0\.img_attn\.proj\.diff_b"
     with pytest.raises(AdapterError, match=dropped):
         read_with_diffusers(path, FluxLoraLoaderMixin)
+
+
+def test_a_diff_in_kohya_s_spelling_of_a_bfl_name_is_cut_as_comfyui_s(flux_folder, tmp_path):
+    """ComfyUI also keys a BFL weight as kohya spells it (``lora_unet_double_blocks_0_img_attn_qkv``):
+    the same table places that diff, its rows cut onto to_q, to_k and to_v."""
+    diff = torch.randn(96, 32, generator=torch.Generator().manual_seed(3))
+    path = os.fspath(tmp_path / "kohya_diff.safetensors")
+    save_file({"lora_unet_double_blocks_0_img_attn_qkv.diff": diff}, path)
+    model = models.load_model("flux", flux_folder)
+    before = models.weights(model)
+    stats = lora_cache.load_lora(model, lora_cache.Adapter(path, strength=0.5), cache_root=tmp_path / "cache",
+                                 progress=False)
+    after = models.weights(model)
+    assert stats.layers == 3
+    for part, rows in zip("qkv", diff.chunk(3)):
+        name = f"transformer_blocks.0.attn.to_{part}.weight"
+        torch.testing.assert_close(after[name], before[name] + 0.5 * rows, rtol=1e-6, atol=1e-6)
