@@ -30,7 +30,7 @@ def flux_folder(tmp_path_factory):
      r"the model has no transformer_blocks\.0\.attn\.norm_q\.bias"),
     ("diffusion_model.double_blocks.3.img_attn.proj.diff", (32, 32), r"transformer_blocks\.3\.attn\.to_out\.0, which "
                                                                      r"the model lacks"),
-])
+], ids=["fused-rows", "columns", "bias-of-a-norm", "block-the-model-lacks"])
 def test_a_diff_that_does_not_fit_is_refused_naming_it(flux_folder, tmp_path, key, shape, why):
     path = os.fspath(tmp_path / "diffs.safetensors")
     save_file({key: torch.ones(shape)}, path)
