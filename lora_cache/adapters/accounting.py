@@ -27,7 +27,7 @@ import torch
 
 from .spec import AdapterError
 
-__all__ = ["dropped_by_converter", "dropped_dora_scales", "left_over"]
+__all__ = ["dropped_bias_diffs", "dropped_by_converter", "dropped_dora_scales", "left_over"]
 
 _SHOWN = 5
 
@@ -122,3 +122,12 @@ def dropped_dora_scales(fed: dict, state: dict) -> list[str]:
     scales = sorted(key for key in fed if key.endswith(".dora_scale"))
     carried = sum(1 for key in state if "lora_magnitude_vector" in key)
     return scales if carried < len(scales) else []
+
+
+def dropped_bias_diffs(fed: dict, state: dict) -> list[str]:
+    """The ``.diff_b`` keys of ``fed`` (beside LoRA factors: peft's ``lora_B.bias`` to a
+    converter) that did not come through as ``lora_B.bias``: a converter that drops them
+    keeps the factors, so the probe of :func:`dropped_by_converter` cannot see it."""
+    biases = sorted(key for key in fed if key.endswith(".diff_b"))
+    carried = sum(1 for key in state if key.endswith(".lora_B.bias"))
+    return biases if carried < len(biases) else []

@@ -31,12 +31,12 @@ import sys
 
 import torch
 
-from .accounting import dropped_by_converter, dropped_dora_scales, left_over
+from .accounting import dropped_bias_diffs, dropped_by_converter, dropped_dora_scales, left_over
 from .alpha_fold import folded_metadata, for_converter, is_folded
 from .checks import FiniteCheck
 from .conversion_memo import ConversionMemo, NoValues, record_of, skeleton_of
 from .diffusers_keys import peft_keys
-from .full_diffs import full_diff_stems, place_full_diffs, without_full_diffs
+from .full_diffs import diff_placer, full_diff_stems, place_full_diffs, without_full_diffs
 from .kohya_flux import read_kohya_flux, uncovered_stems
 from .read import AdapterFile, build_adapter_file, group_parts, open_adapter
 from .spec import AdapterError
@@ -146,6 +146,7 @@ def _left(path: str, loader, state: dict, fed: dict, modules: dict, keep: tuple[
     ``others``: converted for a component not merged (see :mod:`lora_cache.adapters.accounting`)."""
     dropped = dropped_by_converter(lambda probe: _convert(loader, path, probe)[0], fed, modules)
     dropped += dropped_dora_scales(fed, state)
+    dropped += dropped_bias_diffs(fed, state)
     others = [] if _unprefixed(state, loader, keep) else sorted(key for key in state if key.split(".", 1)[0] not in keep)
     return {"dropped": dropped, "others": others}
 
@@ -174,9 +175,9 @@ def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str
     components of a pipeline (which then lacks the others), not one model merged alone."""
     modules = group_parts(path, tensors)  # the file's own keys and shapes, checked before any conversion
     values_check = FiniteCheck(path, tensors)  # the file's own values, under the file's own keys
-    stems = full_diff_stems(modules)  # taken out: diffusers' LoRA converters drop them
+    stems = full_diff_stems(modules, model)  # taken out: diffusers' LoRA converters drop them
     diffs = place_full_diffs(path, modules, stems, model, denoiser_name(loader))
-    fed = for_converter(path, without_full_diffs(tensors, modules, stems), modules, metadata, alpha)
+    fed = for_converter(path, without_full_diffs(tensors, modules, stems, model), modules, metadata, alpha)
     # diffusers' converters scale some matrices in place (Wan's: ``*=``): they get writable
     # copies, never views of the read-only mapping (a write there is a SIGSEGV).
     writable = {k: v.clone() for k, v in fed.items()}
@@ -244,7 +245,7 @@ def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
     keep = tuple(components or (denoiser_name(loader),))
     converter = f"diffusers {diffusers.__version__} {loader.__name__}.lora_state_dict"
     if any(key.endswith((".diff", ".diff_b")) for key in tensors):  # the merged bytes changed when these stopped dropping
-        converter += " + full diffs by the single-file converter"
+        converter += f" + full diffs by {diff_placer(model)}"
     name = memo.key(path, converter, keep, alpha) if memo is not None else None
     record = memo.load(name) if memo is not None else None
     if record is not None:

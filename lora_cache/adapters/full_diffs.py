@@ -11,31 +11,61 @@ into the model's names): a diff changes a weight the way the checkpoint's weight
 same name is changed, so the diff goes through the same renaming (and the same splits
 and permutations, which are linear). A diff that converter cannot name is refused with
 its key; it is never dropped.
+
+Flux is the exception: its single-file converter needs the whole checkpoint (it counts
+the blocks and pops every key of each), so a partial one fails there. A Flux file's diffs
+(ComfyUI's BFL names: ``diffusion_model.double_blocks.0.img_attn.qkv.diff``) are placed
+by the one table of BFL names that kohya's Flux files are read with
+(:data:`lora_cache.adapters.formats.kohya_flux.BFL_RULES`, and its kohya spelling
+``lora_unet_double_blocks_0_img_attn_qkv``, which ComfyUI also maps): a diff on a fused weight
+(``img_attn.qkv``, ``linear1``) splits by rows onto the model's weights in order, each as
+tall as its weight, as ComfyUI's ``W += strength * diff`` on the fused weight means; the
+final modulation's halves are swapped as the checkpoint's are. A diff no rule names is
+refused with its key.
 """
 
 from __future__ import annotations
 
 import inspect
 
+from ..key_names import KeyRule, ModuleIndex
+from .formats.kohya_flux import BFL_RULES, RULES
 from .spec import AdapterError
 
-__all__ = ["full_diff_stems", "place_full_diffs", "without_full_diffs"]
+__all__ = ["diff_placer", "full_diff_stems", "place_full_diffs", "without_full_diffs"]
+
+# Model classes whose full diffs are placed by rules of this package (name, rules), not by
+# diffusers' single-file converter; the name goes into the cache key.
+_RULED = {"FluxTransformer2DModel": ("lora_cache Flux BFL rules v1", BFL_RULES + RULES)}  # ComfyUI's or kohya's names
 
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-_AS_CHECKPOINT = {"diff": "weight", "diff_b": "bias"}
 
 
-def full_diff_stems(modules: dict) -> list[str]:
-    """The stems whose change is a full diff: ``.diff``, or a ``.diff_b`` without LoRA factors
-    (a ``.diff_b`` beside factors is peft's ``lora_B.bias`` to diffusers' converter)."""
-    return sorted(stem for stem, change in modules.items()
-                  if "diff" in change.parts or ("diff_b" in change.parts and "up" not in change.parts))
+def _ruled(model) -> bool:
+    return model is not None and type(model).__name__ in _RULED
 
 
-def without_full_diffs(tensors: dict, modules: dict, stems: list[str]) -> dict:
-    """``tensors`` without the full diffs of ``stems`` (and their alphas, which scale nothing)."""
-    taken = {modules[s].keys[role] for s in stems for role in ("diff", "diff_b", "alpha") if role in modules[s].keys
-             and (role != "diff_b" or "up" not in modules[s].parts)}
+def _full_bias(change, ruled: bool) -> bool:
+    """Whether a change's ``.diff_b`` is a full diff of the bias: always without LoRA factors;
+    beside them diffusers' converter reads it as peft's ``lora_B.bias`` (Wan's does), except
+    where this package places the diffs (Flux's converter drops it without a word, and
+    ComfyUI merges it as the bias's diff)."""
+    return "diff_b" in change.parts and ("up" not in change.parts or ruled)
+
+
+def full_diff_stems(modules: dict, model=None) -> list[str]:
+    """The stems with a full diff for ``model``: ``.diff``, or a ``.diff_b`` :func:`_full_bias` takes."""
+    ruled = _ruled(model)
+    return sorted(stem for stem, change in modules.items() if "diff" in change.parts or _full_bias(change, ruled))
+
+
+def without_full_diffs(tensors: dict, modules: dict, stems: list[str], model=None) -> dict:
+    """``tensors`` without the full diffs of ``stems`` (and the alphas of those without LoRA
+    factors, which scale nothing; beside factors the alpha is theirs, for the converter)."""
+    ruled, taken = _ruled(model), set()
+    for change in (modules[s] for s in stems):
+        roles = ["diff"] + ["diff_b"] * _full_bias(change, ruled) + ["alpha"] * ("up" not in change.parts)
+        taken.update(change.keys[role] for role in roles if role in change.keys)
     return {key: value for key, value in tensors.items() if key not in taken}
 
 
@@ -52,18 +82,98 @@ def _renamed(fn, model, checkpoint: dict) -> dict:
     return fn(checkpoint=dict(checkpoint), **kwargs)
 
 
+def diff_placer(model) -> str:
+    """What names a file's full diffs on ``model``: a rule table of this package, or
+    diffusers' single-file converter (said in the cache key: it decides the merged bytes)."""
+    ruled = _RULED.get(type(model).__name__)
+    return "the single-file converter" if ruled is None else ruled[0]
+
+
+def _diff_parts(change, ruled: bool) -> dict:
+    """``{"weight": diff, "bias": diff_b}`` of a change (a ``.diff_b`` :func:`_full_bias` does
+    not take is left to the LoRA converter)."""
+    parts = {"weight": change.parts.get("diff"), "bias": change.parts["diff_b"] if _full_bias(change, ruled) else None}
+    return {kind: diff for kind, diff in parts.items() if diff is not None}
+
+
+def _spans(targets, heights: list[int]) -> list[slice | None]:
+    """The rows of its weight each target covers (None: all of them)."""
+    spans = []
+    for target, height in zip(targets, heights):
+        if target.part is not None:
+            index, count = target.part
+            spans.append(slice(index * height // count, (index + 1) * height // count))
+        else:
+            spans.append(target.rows)
+    return spans
+
+
+def _by_rules(stem: str, change, rules, shapes: dict, placed: dict, owner: dict, component: str) -> str:
+    """Place one stem's diffs by ``rules`` into ``placed`` (row slices of a fused diff, set
+    into zero rows where a target is part of a weight; ``owner``: the stem each placed key
+    came from); the reason it cannot, else ''."""
+    rule = next((r for r in rules if r.pattern.search(stem)), None)
+    if rule is None:
+        return "lora_cache's rules for this model name no such module"
+    targets = rule.apply(stem, ModuleIndex(shapes))
+    if targets is None:
+        names = (rule.replace,) if isinstance(rule.replace, str) else rule.replace
+        return f"it names {', '.join(rule.pattern.sub(n, stem) for n in names)}, which the model lacks in part"
+    heights = [shapes[f"{t.module}.weight"][0] for t in targets]
+    spans = _spans(targets, heights)
+    sizes = [h if s is None else s.stop - s.start for h, s in zip(heights, spans)]
+    for kind, diff in _diff_parts(change, True).items():
+        if diff.shape[0] != sum(sizes):
+            return f"its {kind} diff has {diff.shape[0]} rows where {', '.join(t.module for t in targets)} " \
+                   f"have {' + '.join(map(str, sizes))}"
+        start = 0
+        for target, span, size in zip(targets, spans, sizes):
+            param = f"{target.module}.{kind}"
+            if param not in shapes:
+                return f"the model has no {param}"
+            if tuple(shapes[param][1:]) != tuple(diff.shape[1:]):
+                return f"its {kind} diff of shape {tuple(diff.shape)} does not fit {param} of shape {shapes[param]}"
+            key = f"{component}.{target.module}.{'diff' if kind == 'weight' else 'diff_b'}"
+            piece = diff[start:start + size]
+            start += size
+            if owner.setdefault(key, stem) != stem:
+                return f"the key of {owner[key]!r} changes {param} too"
+            if span is None:
+                placed[key] = piece
+            else:
+                placed.setdefault(key, diff.new_zeros((shapes[param][0], *diff.shape[1:])))[span] = piece
+    return ""
+
+
+def _place_by_rules(path: str, modules: dict, stems: list[str], model, component: str, rules) -> tuple[dict, list]:
+    """``(placed diffs, [(key, why) refused])`` of a model whose diffs rules place."""
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    parsed = [KeyRule.parse(rule) for rule in rules]
+    placed, owner, refused = {}, {}, []
+    for stem in stems:
+        change = modules[stem]
+        why = _by_rules(stem, change, parsed, shapes, placed, owner, component)
+        if why:
+            refused.append((change.keys.get("diff", change.keys.get("diff_b")), why))
+    return placed, refused
+
+
 def place_full_diffs(path: str, modules: dict, stems: list[str], model, component: str) -> dict:
     """The full diffs of ``stems`` under the model's names: ``<component>.<module>.diff`` and
-    ``.diff_b``. Refuses, naming the keys, what the model's converter cannot name."""
+    ``.diff_b``. Refuses, naming the keys, what the model's converter (or rules) cannot name."""
     if not stems:
         return {}
+    ruled = None if model is None else _RULED.get(type(model).__name__)
+    if ruled is not None:
+        placed, refused = _place_by_rules(path, modules, stems, model, component, ruled[1])
+        _refuse(path, refused)
+        return placed
     fn = None if model is None else _mapping_fn(model)
     placed, refused = {}, []
     for stem in stems:
         change = modules[stem]
         name = next((stem[len(p):] for p in _PREFIXES if stem.startswith(p)), stem)
-        checkpoint = {f"{name}.{_AS_CHECKPOINT[role]}": change.parts[role] for role in ("diff", "diff_b")
-                      if role in change.parts and (role == "diff" or "up" not in change.parts)}
+        checkpoint = {f"{name}.{kind}": diff for kind, diff in _diff_parts(change, False).items()}
         try:
             renamed = _renamed(fn, model, checkpoint) if fn is not None else {}
         except Exception as exc:  # noqa: BLE001 - diffusers' converters fail by KeyError on partial checkpoints
@@ -77,6 +187,12 @@ def place_full_diffs(path: str, modules: dict, stems: list[str], model, componen
         for key, value in renamed.items():
             module, _, kind = key.rpartition(".")
             placed[f"{component}.{module}.{'diff' if kind == 'weight' else 'diff_b'}"] = value
+    _refuse(path, refused)
+    return placed
+
+
+def _refuse(path: str, refused: list) -> None:
+    """Refuse the diffs that cannot be placed, naming their keys and why."""
     if refused:
         shown = "; ".join(f"{key!r} ({why})" for key, why in refused[:5])
         raise AdapterError(
@@ -84,4 +200,3 @@ def place_full_diffs(path: str, modules: dict, stems: list[str], model, componen
             f"{' ...' if len(refused) > 5 else ''}. diffusers' LoRA loader drops them; merging without them would be "
             "another model. Pass convert='native' with key rules that name their modules, or remove them"
         )
-    return placed

@@ -24,6 +24,7 @@ import torch
 
 from hostmem.safetensors.mapping import save_file
 from tests.conformance.corpus_families import rows as family_rows
+from tests.conformance.corpus_flux_diffs import rows as flux_diff_rows
 
 RANK = 8
 _H3_DIM = 128  # tests.conformance.models.H3's hidden size
@@ -273,6 +274,7 @@ CASES: list[Case] = [
     Case("wan-peft-lora-bias", "wan", "peft `save_pretrained` folder, `lora_bias`", "`adapter_config.json` "
          "`lora_alpha` (the bias scaled as B @ A)", _peft_lora_bias, "peft"),
     *(Case(**row) for row in family_rows()),  # tests/conformance/corpus_families.py
+    *(Case(**row) for row in flux_diff_rows()),  # tests/conformance/corpus_flux_diffs.py
     Case("wan-peft-modules-to-save", "wan", "peft `save_pretrained` folder, `modules_to_save`", "-",
          _peft_modules_to_save, "refused", refusal="modules_to_save"),
     Case("wan-lycoris-loha", "wan", "LyCORIS LoHa (`hada_w1_a` ...)", "-", _lycoris_loha, "refused",

@@ -325,9 +325,29 @@ _PEFT_ROWS = [  # (name, kind, layout, alpha from, targets, LoraConfig fields): 
 ]
 
 
+_WRITERS = {"sd3": ["to_q", "add_k_proj", "ff.net.2"], "hunyuan": ["to_q", "proj_mlp", "to_k"],  # peft's targets
+            "ltx": ["to_q", "to_out.0", "ff.net.2"], "zimage": ["to_q", "w1", "to_out.0"]}
+
+
+def _writer_rows() -> list[dict]:
+    """The libraries' own writers on the families that had only kohya files: peft's
+    ``save_pretrained`` (held to ``merge_and_unload``) and diffusers' ``save_lora_weights``
+    with metadata (held to ``load_lora_weights`` + ``fuse_lora``)."""
+    out = []
+    for kind, targets in _WRITERS.items():
+        out.append(dict(name=f"{kind}-peft", kind=kind, layout="peft `save_pretrained` folder",
+                        alpha_from="`adapter_config.json` `lora_alpha`", write=_peft(kind, targets), reference="peft"))
+        out.append(dict(name=f"{kind}-diffusers-metadata", kind=kind,
+                        layout="diffusers `save_lora_weights` with adapter metadata",
+                        alpha_from="header `lora_adapter_metadata` (`transformer.lora_alpha`)",
+                        write=_diffusers_metadata(kind, _KOHYA_MODULES[kind]), reference="diffusers"))
+    return out
+
+
 def rows() -> list[dict]:
     """Every file of this module, as a Case's keyword arguments."""
     return [
+        *_writer_rows(),
         *_kohya_rows(),
         dict(name="unet-peft-conv-dora", kind="unet", layout="peft `save_pretrained` folder, DoRA on 3x3 and 1x1 convs",
              alpha_from="`adapter_config.json` `lora_alpha`; magnitudes over all dims but the output one",

@@ -96,7 +96,7 @@ for name, weight in sorted(models.weights(model).items()):
 print(json.dumps({"layers": stats.layers, "hit": stats.hit, "built": stats.built, "digest": digest.hexdigest()}))
 """
 _FRESH = ["h3-ai-toolkit-header-alpha", "wan-lightx2v-alpha-override", "wan-comfyui-full-diffs", "unet-peft-conv-dora",
-          "wan-lycoris-dora-input-axis"]
+          "wan-lycoris-dora-input-axis", "flux-comfyui-full-diffs"]
 
 
 @pytest.mark.slow

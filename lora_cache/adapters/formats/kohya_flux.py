@@ -22,6 +22,12 @@ matrix swapped, as diffusers' converter swaps them: BFL's final modulation gives
 then scale, diffusers' ``AdaLayerNormContinuous`` scale then shift. The rule names the two
 halves of the weight's rows in the up matrix's order (``norm_out.linear[1/2]``, then
 ``[0/2]``), so it holds at any width.
+
+The table is BFL's module names, written once: :data:`RULES` spell them as kohya does
+(``lora_unet_double_blocks_0_img_attn_qkv``), :data:`BFL_RULES` as ComfyUI keys a BFL
+checkpoint (``diffusion_model.double_blocks.0.img_attn.qkv``, the qk norms by their whole
+parameter name ``...img_attn.norm.query_norm.scale``), for the full diffs of a ComfyUI
+Flux file (:mod:`lora_cache.adapters.full_diffs`), split by rows as the factors are.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from __future__ import annotations
 import re
 
 
-__all__ = ["CONVERTER", "NAME", "ROLES", "RULES", "claims", "read", "read_kohya_flux", "uncovered_stems"]
+__all__ = ["BFL_RULES", "CONVERTER", "NAME", "ROLES", "RULES", "claims", "read", "read_kohya_flux", "uncovered_stems"]
 
 NAME = "kohya-flux"
 ROLES: tuple = ()  # kohya's (:mod:`.kohya`)
@@ -38,35 +44,47 @@ ROLES: tuple = ()  # kohya's (:mod:`.kohya`)
 # no rule named before changes none: a file with it was refused).
 CONVERTER = "lora_cache kohya-flux-bfl v1"
 
+# BFL's module names (its checkpoint's, without ``.weight``) -> diffusers' modules. kohya
+# writes them with ``_`` for ``.`` (``lora_unet_double_blocks_0_img_attn_qkv``), ComfyUI as
+# they are (``diffusion_model.double_blocks.0.img_attn.qkv``): both rule sets come from here.
 _DOUBLE = {
-    "img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
-    "img_attn_proj": "attn.to_out.0",
-    "img_mlp_0": "ff.net.0.proj",
-    "img_mlp_2": "ff.net.2",
-    "img_mod_lin": "norm1.linear",
-    "txt_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
-    "txt_attn_proj": "attn.to_add_out",
-    "txt_mlp_0": "ff_context.net.0.proj",
-    "txt_mlp_2": "ff_context.net.2",
-    "txt_mod_lin": "norm1_context.linear",
+    "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "img_attn.proj": "attn.to_out.0",
+    "img_mlp.0": "ff.net.0.proj",
+    "img_mlp.2": "ff.net.2",
+    "img_mod.lin": "norm1.linear",
+    "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    "txt_attn.proj": "attn.to_add_out",
+    "txt_mlp.0": "ff_context.net.0.proj",
+    "txt_mlp.2": "ff_context.net.2",
+    "txt_mod.lin": "norm1_context.linear",
 }
 _SINGLE = {
     "linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
     "linear2": "proj_out",
-    "modulation_lin": "norm.linear",
+    "modulation.lin": "norm.linear",
 }
 _OUTSIDE_BLOCKS = {
     "img_in": "x_embedder",
     "txt_in": "context_embedder",
-    "time_in_in_layer": "time_text_embed.timestep_embedder.linear_1",
-    "time_in_out_layer": "time_text_embed.timestep_embedder.linear_2",
-    "vector_in_in_layer": "time_text_embed.text_embedder.linear_1",
-    "vector_in_out_layer": "time_text_embed.text_embedder.linear_2",
-    "guidance_in_in_layer": "time_text_embed.guidance_embedder.linear_1",
-    "guidance_in_out_layer": "time_text_embed.guidance_embedder.linear_2",
-    "final_layer_linear": "proj_out",
-    "final_layer_adaLN_modulation_1": ("norm_out.linear[1/2]", "norm_out.linear[0/2]"),  # shift, scale -> swapped
+    "time_in.in_layer": "time_text_embed.timestep_embedder.linear_1",
+    "time_in.out_layer": "time_text_embed.timestep_embedder.linear_2",
+    "vector_in.in_layer": "time_text_embed.text_embedder.linear_1",
+    "vector_in.out_layer": "time_text_embed.text_embedder.linear_2",
+    "guidance_in.in_layer": "time_text_embed.guidance_embedder.linear_1",
+    "guidance_in.out_layer": "time_text_embed.guidance_embedder.linear_2",
+    "final_layer.linear": "proj_out",
+    "final_layer.adaLN_modulation.1": ("norm_out.linear[1/2]", "norm_out.linear[0/2]"),  # shift, scale -> swapped
 }
+# The qk norms' scales: vectors no LoRA trains, but a full diff may change (ComfyUI names a
+# parameter that does not end in ``.weight`` by its whole name: ``...query_norm.scale``).
+_DOUBLE_NORMS = {
+    "img_attn.norm.query_norm.scale": "attn.norm_q",
+    "img_attn.norm.key_norm.scale": "attn.norm_k",
+    "txt_attn.norm.query_norm.scale": "attn.norm_added_q",
+    "txt_attn.norm.key_norm.scale": "attn.norm_added_k",
+}
+_SINGLE_NORMS = {"norm.query_norm.scale": "attn.norm_q", "norm.key_norm.scale": "attn.norm_k"}
 
 
 def _rule(pattern: str, block: str, modules) -> tuple[str, str | list[str]]:
@@ -75,12 +93,31 @@ def _rule(pattern: str, block: str, modules) -> tuple[str, str | list[str]]:
     return pattern, [f"{block}{m}" for m in modules]
 
 
-RULES: tuple = (
-    *(_rule(rf"^lora_unet_double_blocks_(\d+)_{bfl}$", r"transformer_blocks.\1.", m) for bfl, m in _DOUBLE.items()),
-    *(_rule(rf"^lora_unet_single_blocks_(\d+)_{bfl}$", r"single_transformer_blocks.\1.", m)
-      for bfl, m in _SINGLE.items()),
-    *(_rule(rf"^lora_unet_{bfl}$", "", m) for bfl, m in _OUTSIDE_BLOCKS.items()),
-)
+def _rules(double: dict, single: dict, outside: dict, spell) -> tuple:
+    """The rules over one spelling: ``spell(where, bfl)`` is the regex of a stem naming BFL
+    module ``bfl`` in ``where`` (``double_blocks``, ``single_blocks`` or ``""``)."""
+    return (
+        *(_rule(spell("double_blocks", bfl), r"transformer_blocks.\1.", m) for bfl, m in double.items()),
+        *(_rule(spell("single_blocks", bfl), r"single_transformer_blocks.\1.", m) for bfl, m in single.items()),
+        *(_rule(spell("", bfl), "", m) for bfl, m in outside.items()),
+    )
+
+
+def _kohya(where: str, bfl: str) -> str:
+    name = bfl.replace(".", "_")
+    return rf"^lora_unet_{where}_(\d+)_{name}$" if where else rf"^lora_unet_{name}$"
+
+
+def _comfyui(where: str, bfl: str) -> str:
+    name = re.escape(bfl)
+    return rf"^(?:model\.)?diffusion_model\.{where}\.(\d+)\.{name}$" if where else \
+        rf"^(?:model\.)?diffusion_model\.{name}$"
+
+
+RULES: tuple = _rules(_DOUBLE, _SINGLE, _OUTSIDE_BLOCKS, _kohya)
+# ComfyUI's keys of a BFL Flux checkpoint (``diffusion_model.`` and the BFL name), norms'
+# scales included: the rules its full diffs are placed by (:mod:`lora_cache.adapters.full_diffs`).
+BFL_RULES: tuple = _rules(_DOUBLE | _DOUBLE_NORMS, _SINGLE | _SINGLE_NORMS, _OUTSIDE_BLOCKS, _comfyui)
 _PATTERNS = [pattern for pattern, _ in RULES]
 
 
