@@ -7,7 +7,10 @@ the merge runs (:func:`lora_cache.provider.target_layers`, through the one resol
 :mod:`lora_cache.key_names`), so ``--what-if in-place`` predicts the bytes a merge will
 actually write. The common layouts are read from the adapters' headers without torch;
 an adapter only the full reader can take (a peft config asking for DoRA, a rule on rows
-of a fused weight, a malformed key) is read with torch, and the plan says so.
+of a fused weight, a malformed key) is read with torch, and the plan says so. For a
+diffusers model (its folder's config.json names the class), a file only diffusers'
+converter maps is read as the merge reads it: from the conversion record a merge left
+under the config's cache roots (no torch), else by the converter (torch, said in a note).
 """
 
 from __future__ import annotations
@@ -44,16 +47,23 @@ def check_adapter_files(config: DeploymentConfig) -> None:
 
 def with_adapter_targets(config: DeploymentConfig, sizes: ComponentSizes, path: str, pattern: str | None) -> ComponentSizes:
     """``sizes`` with each layer's LoRA target bytes: the weights the adapters change."""
+    from hostmem.vault.combinations import default_cache_root
+    from lora_cache.planned_conversion import diffusers_class
     from lora_cache.provider import target_layers
 
     from .checkpoint import checkpoint_files  # here: ``hostmem plan`` imports this module for its check
 
     check_adapter_files(config)
     shards = checkpoint_files(path)
-    found = target_layers(shards, [adapter_spec(a) for a in config.lora.adapters])
+    cache = config.lora.cache
+    roots = (cache.roots or (default_cache_root(),)) if cache is None or cache.enabled else ()  # the merge's roots
+    found = target_layers(shards, [adapter_spec(a) for a in config.lora.adapters], model_class=diffusers_class(path),
+                          memo_roots=roots)
     if found.read_with_torch:
         sizes = sizes._replace(notes=(*sizes.notes, f"the LoRA targets of {sizes.name} were read with torch (a slower "
                                                     f"plan, the same figures): {found.read_with_torch}"))
+    if found.converted:
+        sizes = sizes._replace(notes=(*sizes.notes, f"the LoRA targets of {sizes.name} were read {found.converted}"))
     if not found.names:
         return sizes
     from hostmem.safetensors.header import read_header
