@@ -26,7 +26,7 @@ from planners.checkpoint import checkpoint_files  # noqa: E402
 from tests.conformance.corpus import CASES  # noqa: E402
 from tests.conformance.models import load_model, save_model  # noqa: E402
 
-LAYERS = {"wan": "blocks.{i}.", "h3": "transformer_blocks.{i}."}  # the tiny models' block prefixes
+LAYERS = {"wan": "blocks.{i}.", "h3": "transformer_blocks.{i}.", "flux": "transformer_blocks.{i}."}  # the tiny models' block prefixes
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PROBE = r"""
@@ -75,7 +75,7 @@ def _merged(kind_folder: str, kind: str, spec: dict, root: str) -> tuple[set[str
     return changed, stats
 
 
-@pytest.mark.parametrize("case_name", ["wan-lightx2v-alpha-override", "h3-ai-toolkit-header-alpha"])
+@pytest.mark.parametrize("case_name", ["wan-lightx2v-alpha-override", "h3-ai-toolkit-header-alpha", "flux-xlabs"])
 def test_plan_reads_converter_only_files_as_the_merge_does(tmp_path, case_name):
     config, spec, model, root = _deployment(tmp_path, case_name)
     kind = next(c for c in CASES if c.name == case_name).kind
