@@ -4,8 +4,8 @@ Some files name a diffusers model's weights only through diffusers' converters (
 original checkpoint's names of Wan, MiniMax-H3 or XLabs Flux): the headers alone cannot
 place them, and this package's own reader refuses them, yet a merge into the diffusers
 model reads them with the model class's converter (:mod:`lora_cache.adapters.for_model`).
-A plan of such a model (its folder's ``config.json`` names the class) reads them the
-same two ways the merge can:
+A plan of such a model (its folder's ``config.json`` names the class:
+:func:`planners.checkpoint.diffusers_class`) reads them the same two ways the merge can:
 
 - from a conversion record (:mod:`lora_cache.adapters.conversion_memo`) a merge left
   under one of the cache roots, found by the file's content digest and the installed
@@ -21,7 +21,6 @@ A plan never writes a record: the cache roots are the merge's.
 
 from __future__ import annotations
 
-import json
 import os
 from collections import namedtuple
 
@@ -33,7 +32,7 @@ from hostmem.vault.shelf import Shelf
 from .adapter_paths import adapter_file_in
 from .header_targets import NeedsReader, adapter_path_rules, header_targets, listed_adapters, tensor_targets
 
-__all__ = ["diffusers_class", "loader_for", "recorded_targets"]
+__all__ = ["loader_for", "recorded_targets"]
 
 # What lora_cache.adapters.conversion_memo writes (tests/lora_cache/test_planned_conversion.py
 # holds the two together; that module imports torch, so the names are not imported from it).
@@ -43,18 +42,6 @@ _DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F
 
 _Tensor = namedtuple("_Tensor", "shape dtype")
 _Root = namedtuple("_Root", "cache read_only")  # what Shelf reads of a root; a plan only reads
-
-
-def diffusers_class(checkpoint: str) -> str | None:
-    """The diffusers model class a checkpoint folder's ``config.json`` names (``_class_name``),
-    or None: no such file, not JSON, or no class named (a file's folder is looked in)."""
-    folder = checkpoint if os.path.isdir(checkpoint) else os.path.dirname(checkpoint)
-    try:
-        with open(os.path.join(folder, "config.json"), encoding="utf-8") as handle:
-            name = json.load(handle).get("_class_name")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return name if isinstance(name, str) and name.isidentifier() else None
 
 
 def loader_for(class_name: str):
@@ -118,14 +105,18 @@ def _record_of(given: str, roots, version: str) -> tuple[dict, str] | None:
     path, _ = adapter_file_in(given)
     if path is None or not os.path.isfile(path):
         return None
-    digest = _digest(os.path.realpath(path), roots)
+    listed = []
     for root in roots:
         cache = os.path.join(root, CACHE_DIR)
         try:
             names = sorted(n[:-5] for n in os.listdir(os.path.join(cache, CONVERSIONS)) if n.endswith(".json"))
         except OSError:
             continue
-        shelf = Shelf([_Root(cache, True)], CONVERSIONS)
+        listed.append((root, Shelf([_Root(cache, True)], CONVERSIONS), names))
+    if not listed:
+        return None  # no record anywhere: the file is not hashed
+    digest = _digest(os.path.realpath(path), roots)
+    for root, shelf, names in listed:
         for name in names:
             record = shelf.load(name, lambda r: _usable(r, digest, version))
             if record is not None:

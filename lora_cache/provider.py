@@ -63,7 +63,7 @@ class TargetLayers:
 
 
 def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLike | None = None, *,
-                  model_class: str | None = None, memo_roots=()) -> TargetLayers:
+                  model_class: str | None = None, memo_roots=None) -> TargetLayers:
     """Resolve ``adapters`` against a checkpoint's headers (no weight is read).
 
     The common layouts are read from the adapters' headers, without torch
@@ -72,7 +72,8 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
     adapters' values), go through the merge's own reader. For a diffusers model
     (``model_class``, the ``_class_name`` of its folder's config.json) a file only
     diffusers' converter maps is read as the merge reads it: from its conversion record
-    under ``memo_roots`` (the merge's cache roots) without torch, else by the converter
+    under ``memo_roots`` (the merge's cache roots; None: the default root, as for the
+    merge; ``()``: none) without torch, else by the converter
     (:mod:`lora_cache.planned_conversion`).
     """
     infos, holder = {}, {}
@@ -111,9 +112,11 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
 def _converted_targets(adapters, shapes: dict, model_class: str, memo_roots):
     """``(names or None, how they were read, loader or None)`` for a diffusers model: the
     conversion records' names (no torch), else the loader to convert with (names None)."""
+    from hostmem.vault.combinations import default_cache_root
+
     from .planned_conversion import loader_for, recorded_targets
 
-    roots = [os.path.expanduser(os.fspath(r)) for r in memo_roots or ()]
+    roots = [os.path.expanduser(os.fspath(r)) for r in ((default_cache_root(),) if memo_roots is None else memo_roots)]
     found = recorded_targets(adapters, shapes, [r for r in roots if os.path.isdir(r)])
     if found is not None:
         return found[0], f"from diffusers' conversion records under {found[1]} (no torch)", None

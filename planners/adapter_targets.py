@@ -47,16 +47,14 @@ def check_adapter_files(config: DeploymentConfig) -> None:
 
 def with_adapter_targets(config: DeploymentConfig, sizes: ComponentSizes, path: str, pattern: str | None) -> ComponentSizes:
     """``sizes`` with each layer's LoRA target bytes: the weights the adapters change."""
-    from hostmem.vault.combinations import default_cache_root
-    from lora_cache.planned_conversion import diffusers_class
     from lora_cache.provider import target_layers
 
-    from .checkpoint import checkpoint_files  # here: ``hostmem plan`` imports this module for its check
+    from .checkpoint import checkpoint_files, diffusers_class  # here: ``hostmem plan`` imports this module for its check
 
     check_adapter_files(config)
     shards = checkpoint_files(path)
     cache = config.lora.cache
-    roots = (cache.roots or (default_cache_root(),)) if cache is None or cache.enabled else ()  # the merge's roots
+    roots = (cache.roots or None) if cache is None or cache.enabled else ()  # the merge's roots (None: the default)
     found = target_layers(shards, [adapter_spec(a) for a in config.lora.adapters], model_class=diffusers_class(path),
                           memo_roots=roots)
     if found.read_with_torch:

@@ -8,13 +8,14 @@ component's ``rest``.
 
 from __future__ import annotations
 
+import json
 import os
 
 from hostmem.safetensors.header import SafetensorsError, SafetensorsHeader, read_header
 
 from .sizes import ComponentSizes, group_layers, with_lora_target_bytes
 
-__all__ = ["checkpoint_files", "read_headers", "read_checkpoint"]
+__all__ = ["checkpoint_files", "diffusers_class", "read_headers", "read_checkpoint"]
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -29,6 +30,18 @@ def checkpoint_files(path: str) -> list[str]:
     if not files:
         raise SafetensorsError(f"{path}: no .safetensors files in this folder")
     return files
+
+
+def diffusers_class(checkpoint: str) -> str | None:
+    """The diffusers model class a checkpoint folder's ``config.json`` names (``_class_name``),
+    or None: no such file, not JSON, or no class named (a file's folder is looked in)."""
+    folder = checkpoint if os.path.isdir(checkpoint) else os.path.dirname(checkpoint)
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as handle:
+            name = json.load(handle).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and name.isidentifier() else None
 
 
 def read_headers(path: str) -> list[SafetensorsHeader]:

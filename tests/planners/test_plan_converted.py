@@ -20,9 +20,9 @@ import torch
 
 pytest.importorskip("diffusers", reason="diffusers' converters are what these files need (pip install hostmem[test])")
 
-from lora_cache.planned_conversion import RECORD_FORMAT, RECORD_VERSION, diffusers_class  # noqa: E402
+from lora_cache.planned_conversion import RECORD_FORMAT, RECORD_VERSION  # noqa: E402
 from lora_cache.provider import target_layers  # noqa: E402
-from planners.checkpoint import checkpoint_files  # noqa: E402
+from planners.checkpoint import checkpoint_files, diffusers_class  # noqa: E402
 from tests.conformance.corpus import CASES  # noqa: E402
 from tests.conformance.models import load_model, save_model  # noqa: E402
 
