@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 from collections import namedtuple
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from hostmem.errors import InputError
 from hostmem.providers import OFFER_FIELDS
@@ -42,14 +42,14 @@ class LoraCacheOffer(namedtuple("LoraCacheOffer", [*OFFER_FIELDS, "transient_byt
     __slots__ = ()
 
 
-@dataclass(frozen=True)
-class TargetLayers:
+class TargetLayers(NamedTuple):
     """The parameters a set of adapters changes, from headers: count, bytes, largest.
 
     ``read_with_torch`` says why the adapters were read with the full reader (which
     imports torch) rather than from their headers alone; None when they were not.
     ``converted`` says how files only diffusers' converter maps were read (by the
     converter, or from the conversion records a merge left); None when none was.
+    A NamedTuple, not a dataclass: a plan by path builds no dataclass it can spare.
     """
 
     names: tuple[str, ...]
