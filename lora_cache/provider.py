@@ -63,7 +63,7 @@ class TargetLayers(NamedTuple):
 
 
 def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLike | None = None, *,
-                  model_class: str | None = None, memo_roots=None) -> TargetLayers:
+                  model_class: str | None = None, memo_roots=None, headers=None) -> TargetLayers:
     """Resolve ``adapters`` against a checkpoint's headers (no weight is read).
 
     The common layouts are read from the adapters' headers, without torch
@@ -74,13 +74,13 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
     diffusers' converter maps is read as the merge reads it: from its conversion record
     under ``memo_roots`` (the merge's cache roots; None: the default root, as for the
     merge; ``()``: none) without torch, else by the converter
-    (:mod:`lora_cache.planned_conversion`).
+    (:mod:`lora_cache.planned_conversion`). ``headers``: the shards' headers when the
+    caller has read them already (``read_header`` of each of ``shard_paths``, in order).
     """
     infos, holder = {}, {}
-    for path in shard_paths:
-        tensors = read_header(path).tensors
-        infos.update(tensors)
-        holder.update(dict.fromkeys(tensors, path))
+    for path, header in zip(shard_paths, headers or [read_header(p) for p in shard_paths]):
+        infos.update(header.tensors)
+        holder.update(dict.fromkeys(header.tensors, path))
     root = None if cache_root is None else os.path.expanduser(os.fspath(cache_root))
     key, cached, why, converted, loader = None, False, None, None, None
     if root is None or not os.path.isdir(root):

@@ -66,14 +66,17 @@ def read_checkpoint(
     lora_patterns: tuple[str, ...] = (),
     lora_target_bytes: int | None = None,
     dtype: str | None = None,
+    headers: list[SafetensorsHeader] | None = None,
 ) -> ComponentSizes:
     """Sizes of component ``name`` from the headers under ``path``.
 
     Residency is not known before loading: every byte starts not resident, and
     ``planners.whatif.predict`` says where the bytes will live. A pattern that
     matches no tensor leaves ``layers`` empty; the caller says which key to fix.
+    ``headers``: what :func:`read_headers` gave for ``path`` already (a plan reads them once).
     """
-    named = [(info.name, info.nbytes, None) for header in read_headers(path) for info in header.tensors.values()]
+    headers = read_headers(path) if headers is None else headers
+    named = [(info.name, info.nbytes, None) for header in headers for info in header.tensors.values()]
     layers, rest = group_layers(named, pattern, lora_patterns)
     sizes = ComponentSizes(name, offload, "headers", layers, rest, dtype=dtype)
     return with_lora_target_bytes(sizes, lora_target_bytes) if lora_target_bytes else sizes
