@@ -33,7 +33,7 @@ from .adapter_paths import adapter_file_in, peft_config_path
 from .adapters.formats import split_key
 from .key_names import KeyResolutionError, KeyRule, ModuleIndex, resolve_stem
 
-__all__ = ["NeedsReader", "header_targets"]
+__all__ = ["NeedsReader", "adapter_path_rules", "header_targets", "listed_adapters", "tensor_targets"]
 
 _FLOATS = ("F16", "BF16", "F32", "F64")
 
@@ -51,28 +51,43 @@ def header_targets(adapters: Iterable, shapes: dict[str, tuple[int, ...]]) -> tu
     already); ``shapes``: ``{parameter name: shape}`` from the checkpoint's headers.
     Raises :class:`NeedsReader` where only the full reader can tell.
     """
-    index = ModuleIndex(shapes)
-    changed: dict[str, str] = {}  # parameter -> the adapter file and stem that change it
-    for path, rules in (_spec(a) for a in _listed(adapters)):
-        owners: dict[str, str] = {}
-        for stem, parts in _stems(path).items():
-            module = _module(path, stem, rules, index)
-            if module in owners:
-                raise NeedsReader(f"{path}: {owners[module]!r} and {stem!r} both name {module!r}")
-            owners[module] = stem
-            for param in _changed_params(path, stem, module, parts, index):
-                changed[param] = f"{path}: {stem}"
+    index, changed = ModuleIndex(shapes), set()
+    for path, rules in (adapter_path_rules(a) for a in listed_adapters(adapters)):
+        changed.update(_file_params(path, _stems(path), rules, index))
     return tuple(name for name in shapes if name in changed)
 
 
-def _listed(adapters) -> list:
+def tensor_targets(path: str, tensors: dict, rules: list[KeyRule], shapes: dict[str, tuple[int, ...]]) -> tuple[str, ...]:
+    """The parameters one adapter's ``tensors`` (``{key: info with .shape and .dtype}``,
+    safetensors' dtype names) change, in the checkpoint's order: the header reading applied
+    to keys that come from elsewhere than ``path``'s header (a conversion record).
+    Raises :class:`NeedsReader` where only the full reader can tell."""
+    changed = set(_file_params(path, _split(path, tensors), rules, ModuleIndex(shapes)))
+    return tuple(name for name in shapes if name in changed)
+
+
+def _file_params(path: str, stems: dict, rules: list[KeyRule], index: ModuleIndex) -> list[str]:
+    """The parameters one file's stems change; two stems on one module go to the reader."""
+    owners: dict[str, str] = {}
+    params: list[str] = []
+    for stem, parts in stems.items():
+        module = _module(path, stem, rules, index)
+        if module in owners:
+            raise NeedsReader(f"{path}: {owners[module]!r} and {stem!r} both name {module!r}")
+        owners[module] = stem
+        params += _changed_params(path, stem, module, parts, index)
+    return params
+
+
+def listed_adapters(adapters) -> list:
+    """The adapters given, as a list (one path, tuple or dict alone is one adapter)."""
     one = isinstance(adapters, (str, os.PathLike, dict)) or (
         isinstance(adapters, tuple) and len(adapters) == 2 and isinstance(adapters[0], (str, os.PathLike))
         and isinstance(adapters[1], (int, float)))
     return [adapters] if one else list(adapters)
 
 
-def _spec(adapter) -> tuple[str, list[KeyRule]]:
+def adapter_path_rules(adapter) -> tuple[str, list[KeyRule]]:
     """``(path, rules)`` of one adapter as given (an unmatched key goes to the reader, strict or not)."""
     if isinstance(adapter, (str, os.PathLike)):
         return os.fspath(adapter), []
@@ -96,6 +111,11 @@ def _stems(given: str) -> dict[str, dict]:
         tensors = read_header(path).tensors
     except (SafetensorsError, OSError) as exc:
         raise NeedsReader(f"{path}: {exc}") from None
+    return _split(path, tensors)
+
+
+def _split(path: str, tensors: dict) -> dict[str, dict]:
+    """``{stem: {role: info}}`` of a file's tensors, by the formats' one suffix table."""
     if not tensors:
         raise NeedsReader(f"{path}: no tensors")
     stems: dict[str, dict] = {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import os
 from collections import namedtuple
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from hostmem.errors import InputError
 from hostmem.providers import OFFER_FIELDS
@@ -42,12 +42,14 @@ class LoraCacheOffer(namedtuple("LoraCacheOffer", [*OFFER_FIELDS, "transient_byt
     __slots__ = ()
 
 
-@dataclass(frozen=True)
-class TargetLayers:
+class TargetLayers(NamedTuple):
     """The parameters a set of adapters changes, from headers: count, bytes, largest.
 
     ``read_with_torch`` says why the adapters were read with the full reader (which
     imports torch) rather than from their headers alone; None when they were not.
+    ``converted`` says how files only diffusers' converter maps were read (by the
+    converter, or from the conversion records a merge left); None when none was.
+    A NamedTuple, not a dataclass: a plan by path builds no dataclass it can spare.
     """
 
     names: tuple[str, ...]
@@ -57,32 +59,43 @@ class TargetLayers:
     cache_key: str | None = None
     cached: bool = False
     read_with_torch: str | None = None
+    converted: str | None = None
 
 
-def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLike | None = None) -> TargetLayers:
+def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLike | None = None, *,
+                  model_class: str | None = None, memo_roots=None, headers=None) -> TargetLayers:
     """Resolve ``adapters`` against a checkpoint's headers (no weight is read).
 
     The common layouts are read from the adapters' headers, without torch
     (:mod:`lora_cache.header_targets`); the rest, and a lookup in ``cache_root`` (an
     existing cache folder: is this exact combination built there? its key covers the
-    adapters' values), go through the merge's own reader.
+    adapters' values), go through the merge's own reader. For a diffusers model
+    (``model_class``, the ``_class_name`` of its folder's config.json) a file only
+    diffusers' converter maps is read as the merge reads it: from its conversion record
+    under ``memo_roots`` (the merge's cache roots; None: the default root, as for the
+    merge; ``()``: none) without torch, else by the converter
+    (:mod:`lora_cache.planned_conversion`). ``headers``: the shards' headers when the
+    caller has read them already (``read_header`` of each of ``shard_paths``, in order).
     """
     infos, holder = {}, {}
-    for path in shard_paths:
-        tensors = read_header(path).tensors
-        infos.update(tensors)
-        holder.update(dict.fromkeys(tensors, path))
+    for path, header in zip(shard_paths, headers or [read_header(p) for p in shard_paths]):
+        infos.update(header.tensors)
+        holder.update(dict.fromkeys(header.tensors, path))
     root = None if cache_root is None else os.path.expanduser(os.fspath(cache_root))
-    key, cached, why = None, False, None
+    key, cached, why, converted, loader = None, False, None, None, None
     if root is None or not os.path.isdir(root):
+        shapes = {n: i.shape for n, i in infos.items()}
         try:
-            names = header_targets(adapters, {n: i.shape for n, i in infos.items()})
+            names = header_targets(adapters, shapes)
         except NeedsReader as exc:
             names, why = None, str(exc)
+            if model_class is not None:
+                names, converted, loader = _converted_targets(adapters, shapes, model_class, memo_roots)
+                why = None if loader is None and names is not None else why
     else:
         names, why = None, f"the key of a cached combination in {root} covers the adapters' values"
     if names is None:
-        names, key, cached = _read_targets(infos, holder, adapters, root)
+        names, key, cached = _read_targets(infos, holder, adapters, root, loader)
     chosen = [infos[name] for name in names]
     return TargetLayers(
         names=tuple(names),
@@ -92,19 +105,39 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
         cache_key=key,
         cached=cached,
         read_with_torch=why,
+        converted=converted,
     )
 
 
-def _read_targets(infos: dict, holder: dict, adapters, root: str | None):
-    """``(names, key, cached)`` by the merge's own reader and planner (imports torch)."""
+def _converted_targets(adapters, shapes: dict, model_class: str, memo_roots):
+    """``(names or None, how they were read, loader or None)`` for a diffusers model: the
+    conversion records' names (no torch), else the loader to convert with (names None)."""
+    from hostmem.vault.combinations import default_cache_root
+
+    from .planned_conversion import loader_for, recorded_targets
+
+    roots = [os.path.expanduser(os.fspath(r)) for r in ((default_cache_root(),) if memo_roots is None else memo_roots)]
+    found = recorded_targets(adapters, shapes, [r for r in roots if os.path.isdir(r)])
+    if found is not None:
+        return found[0], f"from diffusers' conversion records under {found[1]} (no torch)", None
+    loader = loader_for(model_class)
+    if loader is None:
+        return None, None, None
+    return None, f"by diffusers' {loader.__name__} converter for {model_class}, as the merge reads them", loader
+
+
+def _read_targets(infos: dict, holder: dict, adapters, root: str | None, loader=None):
+    """``(names, key, cached)`` by the merge's own reader and planner (imports torch); with
+    ``loader``, files diffusers reads go through its converter, as into a diffusers model."""
     from .adapters import as_adapters, read_adapter
+    from .adapters.for_model import read_adapters
     from .keys import ModuleIndex, plan_deltas
     from .kernels import plan_kernels
     from .combination import combination_key
     from hostmem.vault import Vault
 
     specs = as_adapters(adapters)
-    files = [read_adapter(s.path) for s in specs]
+    files = read_adapters(None, specs, loader=loader) if loader is not None else [read_adapter(s.path) for s in specs]
     planned = plan_deltas(list(zip(files, specs)), ModuleIndex({n: i.shape for n, i in infos.items()}))
     key, cached = None, False
     if root is not None and os.path.isdir(root) and planned:

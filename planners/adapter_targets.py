@@ -7,7 +7,10 @@ the merge runs (:func:`lora_cache.provider.target_layers`, through the one resol
 :mod:`lora_cache.key_names`), so ``--what-if in-place`` predicts the bytes a merge will
 actually write. The common layouts are read from the adapters' headers without torch;
 an adapter only the full reader can take (a peft config asking for DoRA, a rule on rows
-of a fused weight, a malformed key) is read with torch, and the plan says so.
+of a fused weight, a malformed key) is read with torch, and the plan says so. For a
+diffusers model (its folder's config.json names the class), a file only diffusers'
+converter maps is read as the merge reads it: from the conversion record a merge left
+under the config's cache roots (no torch), else by the converter (torch, said in a note).
 """
 
 from __future__ import annotations
@@ -42,23 +45,30 @@ def check_adapter_files(config: DeploymentConfig) -> None:
             )
 
 
-def with_adapter_targets(config: DeploymentConfig, sizes: ComponentSizes, path: str, pattern: str | None) -> ComponentSizes:
-    """``sizes`` with each layer's LoRA target bytes: the weights the adapters change."""
+def with_adapter_targets(config: DeploymentConfig, sizes: ComponentSizes, path: str, pattern: str | None,
+                         headers: list | None = None) -> ComponentSizes:
+    """``sizes`` with each layer's LoRA target bytes: the weights the adapters change.
+    ``headers``: the checkpoint's, as :func:`planners.checkpoint.read_headers` gave them
+    (read here when not given)."""
     from lora_cache.provider import target_layers
 
-    from .checkpoint import checkpoint_files  # here: ``hostmem plan`` imports this module for its check
+    from .checkpoint import diffusers_class, read_headers  # here: ``hostmem plan`` imports this module for its check
 
     check_adapter_files(config)
-    shards = checkpoint_files(path)
-    found = target_layers(shards, [adapter_spec(a) for a in config.lora.adapters])
+    headers = read_headers(path) if headers is None else headers
+    shards = [header.path for header in headers]
+    cache = config.lora.cache
+    roots = (cache.roots or None) if cache is None or cache.enabled else ()  # the merge's roots (None: the default)
+    found = target_layers(shards, [adapter_spec(a) for a in config.lora.adapters], model_class=diffusers_class(path),
+                          memo_roots=roots, headers=headers)
     if found.read_with_torch:
         sizes = sizes._replace(notes=(*sizes.notes, f"the LoRA targets of {sizes.name} were read with torch (a slower "
                                                     f"plan, the same figures): {found.read_with_torch}"))
+    if found.converted:
+        sizes = sizes._replace(notes=(*sizes.notes, f"the LoRA targets of {sizes.name} were read {found.converted}"))
     if not found.names:
         return sizes
-    from hostmem.safetensors.header import read_header
-
-    nbytes = {name: info.nbytes for shard in shards for name, info in read_header(shard).tensors.items()}
+    nbytes = {name: info.nbytes for header in headers for name, info in header.tensors.items()}
     match = layer_matcher(pattern) if pattern else (lambda name: None)
     per_layer: dict[str, int] = {}
     for name in found.names:

@@ -8,13 +8,14 @@ component's ``rest``.
 
 from __future__ import annotations
 
+import json
 import os
 
 from hostmem.safetensors.header import SafetensorsError, SafetensorsHeader, read_header
 
 from .sizes import ComponentSizes, group_layers, with_lora_target_bytes
 
-__all__ = ["checkpoint_files", "read_headers", "read_checkpoint"]
+__all__ = ["checkpoint_files", "diffusers_class", "read_headers", "read_checkpoint"]
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -29,6 +30,18 @@ def checkpoint_files(path: str) -> list[str]:
     if not files:
         raise SafetensorsError(f"{path}: no .safetensors files in this folder")
     return files
+
+
+def diffusers_class(checkpoint: str) -> str | None:
+    """The diffusers model class a checkpoint folder's ``config.json`` names (``_class_name``),
+    or None: no such file, not JSON, or no class named (a file's folder is looked in)."""
+    folder = checkpoint if os.path.isdir(checkpoint) else os.path.dirname(checkpoint)
+    try:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as handle:
+            name = json.load(handle).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return name if isinstance(name, str) and name.isidentifier() else None
 
 
 def read_headers(path: str) -> list[SafetensorsHeader]:
@@ -53,14 +66,17 @@ def read_checkpoint(
     lora_patterns: tuple[str, ...] = (),
     lora_target_bytes: int | None = None,
     dtype: str | None = None,
+    headers: list[SafetensorsHeader] | None = None,
 ) -> ComponentSizes:
     """Sizes of component ``name`` from the headers under ``path``.
 
     Residency is not known before loading: every byte starts not resident, and
     ``planners.whatif.predict`` says where the bytes will live. A pattern that
     matches no tensor leaves ``layers`` empty; the caller says which key to fix.
+    ``headers``: what :func:`read_headers` gave for ``path`` already (a plan reads them once).
     """
-    named = [(info.name, info.nbytes, None) for header in read_headers(path) for info in header.tensors.values()]
+    headers = read_headers(path) if headers is None else headers
+    named = [(info.name, info.nbytes, None) for header in headers for info in header.tensors.values()]
     layers, rest = group_layers(named, pattern, lora_patterns)
     sizes = ComponentSizes(name, offload, "headers", layers, rest, dtype=dtype)
     return with_lora_target_bytes(sizes, lora_target_bytes) if lora_target_bytes else sizes

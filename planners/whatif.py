@@ -104,17 +104,18 @@ def component_sizes(config: DeploymentConfig, component: ComponentConfig) -> Com
             component.name, component.offload, component.size, component.layer_count,
             component.lora_target_bytes, component.dtype,
         )
-    from .checkpoint import read_checkpoint  # here: declared sizes read no header
+    from .checkpoint import read_checkpoint, read_headers  # here: declared sizes read no header
 
+    headers = read_headers(component.path)  # once: the sizes and the adapters' targets both read them
     sizes = read_checkpoint(
         component.name, component.offload, component.path, component.layer_pattern,
-        component.lora_target_patterns, component.lora_target_bytes, component.dtype,
+        component.lora_target_patterns, component.lora_target_bytes, component.dtype, headers=headers,
     )
     key = f"components.{component.name}"
     if _targets_from_adapters(config, component):
         from .adapter_targets import with_adapter_targets
 
-        sizes = with_adapter_targets(config, sizes, component.path, component.layer_pattern)
+        sizes = with_adapter_targets(config, sizes, component.path, component.layer_pattern, headers)
     for pattern in _unmatched(component.layer_pattern, sizes):
         raise config.origin.error(
             f"{key}.layers",

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from math import prod
 
 from .dtypes import DTYPE_SIZES, torch_dtypes
@@ -55,7 +56,15 @@ class SafetensorsHeader:
     metadata: dict[str, str]
     data_offset: int
     file_size: int
-    header_sha256: str
+    header_bytes: bytes = field(repr=False)  # the length prefix and the JSON, as in the file
+
+    @cached_property
+    def header_sha256(self) -> str:
+        """The SHA-256 of the header's bytes, computed when first asked for: hashlib loads
+        OpenSSL, which a plan that only sizes weights need not wait for."""
+        import hashlib
+
+        return hashlib.sha256(self.header_bytes).hexdigest()
 
     @property
     def data_bytes(self) -> int:
@@ -173,13 +182,11 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     data_size = file_size - data_offset
     tensors = {name: _entry(path, name, entry, data_size) for name, entry in parsed.items()}
     _check_layout(path, tensors)
-    import hashlib  # here, not at import: a plan from declared sizes never reads a header
-
     return SafetensorsHeader(
         path=path,
         tensors=tensors,
         metadata=dict(metadata),
         data_offset=data_offset,
         file_size=file_size,
-        header_sha256=hashlib.sha256(prefix + raw).hexdigest(),
+        header_bytes=prefix + raw,
     )

@@ -16,12 +16,11 @@ opened by its path as before, and only its last name is opened without following
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import errno
 import os
-import shutil
 import stat
-import threading
 import weakref
 
 from .checks import VaultError, check_file_safe, check_folder_private, check_owned
@@ -31,7 +30,7 @@ __all__ = ["FolderFd", "anchor_root", "open_folder", "in_folder", "open_in", "ls
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _ROOTS: set[str] = set()  # the absolute roots checked by this process
-_ROOTS_LOCK = threading.Lock()
+_ROOTS_LOCK = _thread.allocate_lock()  # threading's Lock: a plan that checks a root imports no threading
 
 
 def _check_folder(path: str, st: os.stat_result) -> None:
@@ -196,6 +195,8 @@ def remove_tree_in(path: str) -> None:
             except FileNotFoundError:
                 return
             if stat.S_ISDIR(st.st_mode):
+                import shutil  # here: shutil imports bz2 and lzma, and a plan only checks roots
+
                 shutil.rmtree(name, dir_fd=fd)
             else:
                 os.unlink(name, dir_fd=fd)
