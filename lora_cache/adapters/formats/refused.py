@@ -10,8 +10,6 @@ keys are grouped (a converter's path included).
 
 from __future__ import annotations
 
-from ..spec import UnsupportedAdapterError
-
 __all__ = ["NAME", "ROLES", "VARIANTS", "claims", "read", "refuse", "variant_of"]
 
 NAME = "refused"
@@ -55,6 +53,8 @@ def refuse(path: str, key: str) -> None:
     """Raise :class:`UnsupportedAdapterError` when ``key`` belongs to a refused variant."""
     variant = variant_of(key)
     if variant is not None:
+        from ..spec import UnsupportedAdapterError  # the plan's header reading lists formats without it
+
         raise UnsupportedAdapterError(
             f"{path}: key {key!r} belongs to a {variant} adapter, which lora_cache does not "
             "merge (its weights are not W + scale * B @ A); convert it to plain LoRA or apply "
