@@ -11,7 +11,7 @@ planner's header-only path (:mod:`lora_cache.header_targets`) share one resolver
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from hostmem.errors import HostmemError
 
@@ -37,8 +37,7 @@ _ROWS = re.compile(r"^(?P<name>.*)\[(?P<start>\d+):(?P<stop>\d+)\]$")
 _PART = re.compile(r"^(?P<name>.*)\[(?P<index>\d+)/(?P<count>\d+)\]$")
 
 
-@dataclass(frozen=True)
-class Target:
+class Target(NamedTuple):  # a NamedTuple, not a dataclass: the plan's imports stay light
     """Where (part of) an adapter key lands: a module, and optionally rows of its weight,
     named outright or as one of ``count`` equal parts of its rows (resolved against the
     weight's height, so a rule holds at any width)."""
@@ -59,8 +58,7 @@ def _target(name: str, index: "ModuleIndex") -> Target | None:
                   (int(part["index"]), int(part["count"])) if part else None)
 
 
-@dataclass(frozen=True)
-class KeyRule:
+class KeyRule(NamedTuple):
     """A user's rule: a key stem matching ``pattern`` names ``pattern.sub(replace, stem)``.
 
     ``replace`` is one module name, which may end in ``[start:stop]`` to name rows of a

@@ -21,13 +21,12 @@ below the reader and needs nothing but this file.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["Reading"]
 
 
-@dataclass(frozen=True)
-class Reading:
+class Reading(NamedTuple):  # a NamedTuple, not a dataclass: the plan's imports stay light
     """One adapter file being read: its tensors (views of the read-only mapping), header
     metadata, and the reader's tools: ``split_key(key)`` -> ``(stem, role)`` or None, and
     ``build(**options)``, the file grouped by stem into an ``AdapterFile`` (options:
