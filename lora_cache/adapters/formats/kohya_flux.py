@@ -32,6 +32,7 @@ Flux file (:mod:`lora_cache.adapters.full_diffs`), split by rows as the factors 
 
 from __future__ import annotations
 
+import functools
 import re
 
 
@@ -114,11 +115,20 @@ def _comfyui(where: str, bfl: str) -> str:
         rf"^(?:model\.)?diffusion_model\.{name}$"
 
 
-RULES: tuple = _rules(_DOUBLE, _SINGLE, _OUTSIDE_BLOCKS, _kohya)
-# ComfyUI's keys of a BFL Flux checkpoint (``diffusion_model.`` and the BFL name), norms'
-# scales included: the rules its full diffs are placed by (:mod:`lora_cache.adapters.full_diffs`).
-BFL_RULES: tuple = _rules(_DOUBLE | _DOUBLE_NORMS, _SINGLE | _SINGLE_NORMS, _OUTSIDE_BLOCKS, _comfyui)
-_PATTERNS = [pattern for pattern, _ in RULES]
+@functools.cache
+def _tables() -> dict[str, tuple]:
+    """``RULES``, kohya's spelling, and ``BFL_RULES``: ComfyUI's keys of a BFL Flux checkpoint
+    (``diffusion_model.`` and the BFL name), norms' scales included, the rules its full diffs
+    are placed by (:mod:`lora_cache.adapters.full_diffs`). Built on first use: a plan lists
+    the formats' suffixes without them."""
+    return {"RULES": _rules(_DOUBLE, _SINGLE, _OUTSIDE_BLOCKS, _kohya),
+            "BFL_RULES": _rules(_DOUBLE | _DOUBLE_NORMS, _SINGLE | _SINGLE_NORMS, _OUTSIDE_BLOCKS, _comfyui)}
+
+
+def __getattr__(name: str):
+    if name in ("RULES", "BFL_RULES"):
+        return _tables()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def uncovered_stems(stems) -> list[str] | None:
@@ -128,7 +138,7 @@ def uncovered_stems(stems) -> list[str] | None:
     stems = set(stems)
     if not any(s.startswith(("lora_unet_double_blocks_", "lora_unet_single_blocks_")) for s in stems):
         return None
-    return sorted(s for s in stems if not any(re.match(p, s) for p in _PATTERNS))
+    return sorted(s for s in stems if not any(re.match(p, s) for p, _ in _tables()["RULES"]))
 
 
 def claims(keys, metadata: dict) -> bool:
@@ -146,5 +156,6 @@ def read(reading, why: str = "read with lora_cache's kohya Flux rules"):
               "linear1 split by rows at the model's own sizes", reading.path, why)
     from ..checks import FiniteCheck  # torch: only once a file is read; the suffixes above are read without it
 
-    return reading.build(converter=CONVERTER, values_check=FiniteCheck(reading.path, reading.tensors), rules=RULES)
+    return reading.build(converter=CONVERTER, values_check=FiniteCheck(reading.path, reading.tensors),
+                         rules=_tables()["RULES"])
 
