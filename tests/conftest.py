@@ -27,12 +27,19 @@ def pytest_configure(config):
     """
     global _RUN_TEMP
     _interruptible()
-    if _RUN_TEMP is not None or config.option.basetemp:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    ours = os.environ.get("_HOSTMEM_TESTS_ROOT")
+    if worker and ours and os.environ.get("HOSTMEM_CACHE_ROOT") == ours:
+        # a worker of a parallel run (pytest -n): the run's folder is its TMPDIR already;
+        # its own default cache root, so that no two workers' merges meet in one
+        os.environ["HOSTMEM_CACHE_ROOT"] = ours + "-" + worker
+    if _RUN_TEMP is not None or config.option.basetemp or worker:
         return
     _RUN_TEMP = tempfile.mkdtemp(prefix="hostmem-tests-")
     os.environ["TMPDIR"] = _RUN_TEMP
     tempfile.tempdir = _RUN_TEMP
-    os.environ.setdefault("HOSTMEM_CACHE_ROOT", os.path.join(_RUN_TEMP, "cache-root"))
+    if "HOSTMEM_CACHE_ROOT" not in os.environ:
+        os.environ["HOSTMEM_CACHE_ROOT"] = os.environ["_HOSTMEM_TESTS_ROOT"] = os.path.join(_RUN_TEMP, "cache-root")
 
 
 def _interruptible() -> None:

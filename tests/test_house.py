@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LAYERS = {"hostmem": 0, "lora_cache": 1, "planners": 2, "bench": 3}
 MAX_LINES = 450
 # Signals that steer control flow inside one function and never reach a caller: not errors.
-NOT_ERRORS = {"ValuesNeeded", "PeakSamplingWarning", "HostmemError"}  # and the root itself
+NOT_ERRORS = {"PeakSamplingWarning", "HostmemError"}  # and the root itself
 BUILTIN_ERRORS = {
     "Exception", "ValueError", "TypeError", "RuntimeError", "OSError", "KeyError", "LookupError",
     "IOError", "FileNotFoundError", "PermissionError", "IndexError", "AttributeError",

@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from hostmem.errors import HostmemError
 from hostmem.vault.records import CONVERSIONS
 from hostmem.vault.shelf import Shelf
 
@@ -38,8 +39,11 @@ RECORD_VERSION = 2  # 2: whether the converter folded the alphas, and the overri
 FOLDER = CONVERSIONS  # a folder hostmem cache prune looks after (hostmem.vault.records)
 
 
-class ValuesNeeded(Exception):
-    """A merge planned from a conversion record must compute a layer: convert, plan again."""
+class ValuesNeeded(HostmemError):
+    """A merge planned from a conversion record must compute a layer: convert, plan again.
+
+    Caught inside the merge (which converts and plans again); a project error like every
+    other, so a caller that catches ``HostmemError`` never meets a stray one."""
 
 
 class NoValues:
