@@ -46,5 +46,6 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 moved_modules(__name__, {
     "switch": "settings",
     **{name: f"switching.{name}" for name in
-       ("adapter_switch", "switch_state", "diffusers_switch", "forward_gate", "runtime_lora")},
+       ("adapter_switch", "switch_state", "diffusers_switch", "forward_gate")},
+    "switching.runtime_lora": "runtime_lora",  # below the merge and the switching, which both use it
 })

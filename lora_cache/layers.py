@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping, Protocol
 
 import torch
 from torch import nn
@@ -33,8 +33,14 @@ from hostmem.safetensors.mapping import open_readonly
 
 from .merge_math import FP32_ROWS, Delta, Scratch, merged_weight
 
-if TYPE_CHECKING:
-    from .tp_shards.spec import Shard
+
+class WeightPart(Protocol):
+    """The part of a whole weight a parameter holds (a tensor-parallel rank's
+    :class:`lora_cache.tp_shards.Shard`): it sums its own part of the whole layer's merge,
+    so this room never needs the shards' room (which builds on it)."""
+
+    def merged(self, base: torch.Tensor, deltas: list[Delta], out: torch.Tensor, scratch: Scratch, workers=None,
+               claim=None, publish=None, kernel: str = FP32_ROWS) -> torch.Tensor: ...
 
 __all__ = [
     "AddressSpace",
@@ -82,7 +88,7 @@ class LayerTarget:
     module: nn.Module
     attr: str
     deltas: list[Delta] = field(default_factory=list)
-    shard: "Shard | None" = None  # the part of the whole weight the parameter holds (lora_cache.tp_shards)
+    shard: WeightPart | None = None  # the part of the whole weight the parameter holds (lora_cache.tp_shards)
     kernel: str | None = None  # fixed by the caller: a shard is summed by its whole layer's kernel
 
     @property
@@ -171,10 +177,8 @@ def compute_merged(target: LayerTarget, out: torch.Tensor, scratch: Scratch, wor
     ``out`` while it is computed (see :func:`lora_cache.merge_math.merged_weight`).
     """
     if target.shard is not None:  # the deltas are the whole weight's: sum as the whole layer is
-        from .tp_shards.shard_math import shard_merged
-
-        return shard_merged(target.current.detach(), target.deltas, target.shard, out, scratch, workers, claim,
-                            publish, kernel)
+        return target.shard.merged(target.current.detach(), target.deltas, out, scratch, workers, claim, publish,
+                                   kernel)
     return merged_weight(target.current.detach(), target.deltas, out, scratch, workers, claim, publish, kernel)
 
 

@@ -32,7 +32,7 @@ from .layers import AddressSpace, LayerTarget, components_of, is_merged, keep_ba
 from .merge_math import compute_device
 from .rounding import check_policy, decide, has_values, is_stand_in, say, split_lossy
 from .rounding_memo import RoundingSplit
-from .switching.runtime_lora import apply_runtime
+from .runtime_lora import apply_runtime
 from .process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
 from .settings import DISABLE_ENV, cache_disabled_by_env
 from .tp_shards import check_shards, full_shapes, shape_notes, split_shards

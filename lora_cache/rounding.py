@@ -23,7 +23,7 @@ step (0.1) LoRAs are tuned with, well above the measure's noise on its sampled r
 (under 1% from half an ulp up). Lossy layers are handled by a policy (:data:`POLICIES`):
 
 - ``runtime`` (the default, so that no LoRA is weakened without a word): those layers
-  are not merged; their terms are added at run time (:mod:`lora_cache.switching.runtime_lora`) on
+  are not merged; their terms are added at run time (:mod:`lora_cache.runtime_lora`) on
   the base, which stays the mapped checkpoint (no anonymous copy). A layer run time
   cannot express (not an ``nn.Linear``) is merged anyway, and the line says so;
 - ``merge``: merged anyway (what ``fuse_lora`` and ``merge_and_unload`` do), said once;
@@ -209,7 +209,7 @@ def decide(targets: list[LayerTarget], lost: dict[str, float], measured: int,
     lose ``lost`` (:func:`measure`'s, or a record of it: :mod:`lora_cache.rounding_memo`).
     A lossy layer run time cannot express in this model is merged anyway, said so;
     ``refuse`` raises :class:`RoundingLossError` naming the layers."""
-    from .switching.runtime_lora import unsupported_reason
+    from .runtime_lora import unsupported_reason
 
     check = RoundingCheck(check_policy(policy), measured=measured)
     to_merge, at_runtime = [], []

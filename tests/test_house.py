@@ -168,6 +168,85 @@ def test_rooms_inside_hostmem_point_only_down():
     assert not upward, "rooms of hostmem that import a room above them (move what they need down):\n" + "\n".join(upward)
 
 
+def room_of(module: str) -> str:
+    """The room a module sits in, one scale up from files: a subpackage of a package is one
+    room (``lora_cache.switching``), a module at a package's top level is a room of its own."""
+    parts = module.split(".")
+    if len(parts) >= 2 and MODULES.get(".".join(parts[:2]), ROOT).name == "__init__.py":
+        return ".".join(parts[:2])
+    return module
+
+
+def room_graph() -> dict[str, dict[str, list[str]]]:
+    """``{room: {room it imports: [where]}}``, a package's face and its members left out
+    (the face re-exports; what counts is rooms with jobs of their own)."""
+    rooms: dict[str, dict[str, list[str]]] = {}
+    for a, edges in GRAPH.items():
+        for b, line in edges:
+            ra, rb = room_of(a), room_of(b)
+            if ra == rb or "." not in ra or "." not in rb or _is_package_of(ra, rb):
+                continue
+            rooms.setdefault(ra, {}).setdefault(rb, []).append(_where(a, line))
+    return rooms
+
+
+def _room_circles(rooms) -> list[list[str]]:
+    """Strongly connected groups of rooms (Tarjan, iterative), each sorted."""
+    index, low, on, stack, groups = {}, {}, set(), [], []
+    for start in sorted(rooms):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(rooms.get(start, {}))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on.add(start)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(rooms.get(w, {})))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                group = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    group.append(w)
+                    if w == v:
+                        break
+                if len(group) > 1:
+                    groups.append(sorted(group))
+    return groups
+
+
+def test_no_circles_between_rooms():
+    """One scale up: no two rooms lean on each other, directly or through a third (a
+    newcomer who opens one room must not have to hold another that needs it back)."""
+    rooms = room_graph()
+    report = []
+    for group in _room_circles(rooms):
+        members = set(group)
+        edges = [f"    {a} -> {b}: {', '.join(rooms[a][b][:2])}" for a in group for b in sorted(rooms.get(a, {}))
+                 if b in members]
+        report.append("rooms in a circle: " + ", ".join(group) + "\n" + "\n".join(edges))
+    assert not report, "rooms that import each other (move what both need into a room below):\n" + "\n".join(report)
+
+
+def test_the_room_check_sees_a_circle_through_a_third():
+    """The scan itself, on a made-up graph: a -> b -> c -> a is one circle."""
+    assert _room_circles({"p.a": {"p.b": []}, "p.b": {"p.c": []}, "p.c": {"p.a": []}, "p.d": {"p.a": []}}) == \
+        [["p.a", "p.b", "p.c"]]
+
+
 def test_no_module_over_the_line_limit():
     files = [p for package in (*LAYERS, "tests") for p in (ROOT / package).rglob("*.py")]
     long = sorted(

@@ -22,7 +22,7 @@ MOVED = {
     "lora_cache.switch_state": "lora_cache.switching.switch_state",
     "lora_cache.diffusers_switch": "lora_cache.switching.diffusers_switch",
     "lora_cache.forward_gate": "lora_cache.switching.forward_gate",
-    "lora_cache.runtime_lora": "lora_cache.switching.runtime_lora",
+    "lora_cache.switching.runtime_lora": "lora_cache.runtime_lora",
     "hostmem.safetensors_header": "hostmem.safetensors.header",
     "hostmem.safetensors_map": "hostmem.safetensors.mapping",
     "hostmem.dtypes": "hostmem.safetensors.dtypes",

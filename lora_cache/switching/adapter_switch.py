@@ -4,7 +4,7 @@
 
 - a combination the vault holds whole is installed by re-pointing every affected
   parameter at its mapped layer files: no merge, no copy, no anonymous memory;
-- a missing one is served at once at run time (:mod:`lora_cache.switching.runtime_lora`: the base
+- a missing one is served at once at run time (:mod:`lora_cache.runtime_lora`: the base
   stays mapped and untouched, each targeted Linear adds its adapter terms to its
   output) while a background thread builds it into the vault, one layer at a time, as
   ``hostmem lora merge`` does: into stand-in modules that share the base's mapped
@@ -47,7 +47,7 @@ from ..layers import keep_base, unmerge as unmerge_layers
 from ..rounding import say, split_lossy
 from ..orchestrate import CacheBuildError, cache_roots, merge, merge_layers, open_combination, plan_targets
 from ..process_group import DEFAULT_TIMEOUT, check_rank_timeout
-from .runtime_lora import apply_runtime, remove_runtime, runtime_bytes, unsupported_reason
+from ..runtime_lora import apply_runtime, remove_runtime, runtime_bytes, unsupported_reason
 from .switch_state import Pending, SwitchState
 
 __all__ = ["SwitchResult", "set_adapters", "swap_ready", "serving", "build_reserve_bytes", "unmerge"]

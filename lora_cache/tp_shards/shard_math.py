@@ -22,12 +22,15 @@ import torch
 from ..dora_lycoris import COLUMNS
 from ..merge_math import (BF16_ADDMM, FP32_ROWS, Accumulators, Delta, Scratch, Term, UnsupportedAdapterError, add_terms,
                           one_pass_applies, row_blocks)
-from .spec import Shard
+
+# ``shard`` below is a :class:`lora_cache.tp_shards.spec.Shard`, named and not imported: the
+# Shard calls this module (``Shard.merged``), so the layer operations can sum a part without
+# knowing this room.
 
 __all__ = ["shard_merged"]
 
 
-def _refuse_dora_apart(deltas: list[Delta], shard: Shard) -> None:
+def _refuse_dora_apart(deltas: list[Delta], shard: "Shard") -> None:
     """A DoRA term norms whole rows (peft's; LyCORIS's row axis) or whole columns over every
     row (LyCORIS's input axis, :mod:`lora_cache.dora_lycoris`): a part that lacks them
     cannot be merged alone without normalising by the wrong norms."""
@@ -40,7 +43,7 @@ def _refuse_dora_apart(deltas: list[Delta], shard: Shard) -> None:
             )
 
 
-def shard_merged(base: torch.Tensor, deltas: list[Delta], shard: Shard, out: torch.Tensor, scratch: Scratch,
+def shard_merged(base: torch.Tensor, deltas: list[Delta], shard: "Shard", out: torch.Tensor, scratch: Scratch,
                  workers=None, claim: Callable[[int], None] | None = None,
                  publish: Callable[[int], None] | None = None, kernel: str = FP32_ROWS) -> torch.Tensor:
     """Write ``shard``'s part of the whole layer's merge into ``out`` and return ``out``.

@@ -57,6 +57,14 @@ class Shard(NamedTuple):
         """The sharding as the cache key and the stats name it."""
         return f"shard(dim={self.dim},part={self.index}of{self.count})"
 
+    def merged(self, base, deltas, out, scratch, workers=None, claim=None, publish=None, kernel=None):
+        """Write this part of the whole layer's merge into ``out`` (``base`` is the part held,
+        ``deltas`` the whole layer's); see :func:`lora_cache.tp_shards.shard_math.shard_merged`."""
+        from .shard_math import shard_merged  # torch: only when a shard is merged
+
+        return shard_merged(base, deltas, self, out, scratch, workers, claim, publish,
+                            **({} if kernel is None else {"kernel": kernel}))
+
 
 def _as_shard(name: str, value) -> Shard:
     """``value`` as a :class:`Shard`, or a :class:`ShardSpecError` naming ``name``."""

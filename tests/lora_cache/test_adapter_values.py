@@ -17,7 +17,7 @@ import torch
 import lora_cache
 from lora_cache import AdapterError
 from lora_cache.adapters import forget_checked
-from lora_cache.switching.runtime_lora import CHILD, apply_runtime
+from lora_cache.runtime_lora import CHILD, apply_runtime
 from lora_cache.orchestrate import plan_targets
 from tests.conftest import drop_page_cache, run_python, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter
