@@ -13,7 +13,7 @@ runs one process per GPU. Side by side in one run:
 - first start: the wall time of the shared build (every rank calls ``lora_cache.merge``
   into an empty cache at once; the slowest rank counts) against one rank building alone
   into an empty cache (goal <= 0.6 on 2 cores). Each rank of the shared build sums its
-  share on cores / ranks threads, at least 1 (``lora_cache.shared_build.rank_threads``),
+  share on cores / ranks threads, at least 1 (``lora_cache.ranks.shared_build.rank_threads``),
   torch's own operations included: before, every rank started a worker per core and ran
   the adapter's finiteness check on torch's full OpenMP pool, so four ranks put four
   times the threads on the cores and the check alone stalled for seconds at OpenMP's
@@ -33,7 +33,7 @@ runs one process per GPU. Side by side in one run:
   A rank alone folds the base's content hash into its build (``hostmem.vault.fold``);
   the ranks of a shared build hash the inputs together before the shares start, each a
   disjoint set of files, and fold the base's hash into their shares only where hashing
-  first would leave cores idle (``lora_cache.shared_fold.fold_pays``: here four shards
+  first would leave cores idle (``lora_cache.ranks.fold.fold_pays``: here four shards
   and four ranks fill both cores, and folding measured slower). The ranks map the sealed
   combination at once, under the key's lock held shared. The sum's part falls once the
   ranks bring compute one rank alone leaves idle: a rank alone sums on at most 8
@@ -280,7 +280,7 @@ def _report(size: int, in_place: dict, cached: dict, alone: dict, disk: dict, ba
     memory = cached["memory"]["non_reclaimable"] / max(1, in_place["memory"]["non_reclaimable"])
     split = _split(cached, alone)
     from lora_cache.kernels.workers import worker_count
-    from lora_cache.shared_build import rank_threads
+    from lora_cache.ranks.shared_build import rank_threads
 
     cores, threads = len(os.sched_getaffinity(0)), rank_threads(RANKS)
     busy_shared, busy_alone = min(cores, RANKS * threads), min(cores, worker_count())

@@ -16,6 +16,17 @@ without merging::
 Without ``cache_root`` the default root is used (``$HOSTMEM_CACHE_ROOT``, else
 ``~/.cache/hostmem``); ``enabled=False`` or ``HOSTMEM_DISABLE_LORA_MERGE_CACHE=1`` merge in
 place, as servers always have, and the stats say so. :class:`Adapter` gives alpha overrides and key rules.
+
+The merge's stages, in the order a layer goes through them (each room calls the next,
+never back):
+
+1. read the adapters into one canonical form: :mod:`.adapters`;
+2. key the combination: :mod:`.keys`, :mod:`.canonical_key`, :mod:`.combination`;
+3. open it (a hit, a shared build in :mod:`.ranks`, or a build): :mod:`.orchestrate`;
+4. build layer by layer: :mod:`.layer_loop`, :mod:`.merge_math`, :mod:`.kernels`, :mod:`.rounding`;
+5. seal: the vault's session (:mod:`hostmem.vault`);
+6. place the weights (mapped, run-time terms, in place): :mod:`.layers`, :mod:`.runtime_lora`;
+   :mod:`.switching` swaps placed combinations while a server runs.
 """
 
 from hostmem.lazy import lazy_exports, moved_modules
@@ -36,8 +47,8 @@ _EXPORTS = {
     "set_adapters": "switching.adapter_switch",
     "swap_ready": "switching.adapter_switch",
     "set_pipeline_adapters": "switching.diffusers_switch",
-    "Shard": "tp_shards",
-    "ShardSpecError": "tp_shards",
+    "Shard": "ranks.tp_shards",
+    "ShardSpecError": "ranks.tp_shards",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -48,4 +59,8 @@ moved_modules(__name__, {
     **{name: f"switching.{name}" for name in
        ("adapter_switch", "switch_state", "diffusers_switch", "forward_gate")},
     "switching.runtime_lora": "runtime_lora",  # below the merge and the switching, which both use it
+    # the ranks' work, one room: a build shared by a host's ranks, tensor-parallel parts
+    "shared_build": "ranks.shared_build", "shared_faults": "ranks.faults", "shared_fold": "ranks.fold",
+    "process_group": "ranks.process_group", "tp_shards": "ranks.tp_shards",
+    **{f"tp_shards.{name}": f"ranks.tp_shards.{name}" for name in ("spec", "plan", "full_base", "shard_math")},
 })

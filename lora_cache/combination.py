@@ -1,7 +1,7 @@
 """A combination: the merge policy and the vault key of adapters merged into a base.
 
 What decides the merged bytes, and so the key they are cached under. ``merge``
-(:mod:`lora_cache.orchestrate`), the shared build (:mod:`lora_cache.shared_build`) and the
+(:mod:`lora_cache.orchestrate`), the shared build (:mod:`lora_cache.ranks.shared_build`) and the
 provider's offer (:mod:`lora_cache.provider`) all key a combination here, so they agree,
 and none of them imports another for it.
 """
@@ -76,7 +76,7 @@ def combination_key(
     (the ones holding the targets: :func:`lora_cache.base_shards.base_shards`), summed on
     ``device`` (default: the compute device) by ``kernels`` (see :func:`merge_policy`).
     ``sharding`` names the tensor-parallel part the layers are
-    (:meth:`lora_cache.tp_shards.Shard.describe`); ``planned`` the targets' deltas by layer
+    (:meth:`lora_cache.ranks.tp_shards.Shard.describe`); ``planned`` the targets' deltas by layer
     name (:mod:`lora_cache.canonical_key`)."""
     rest = inputs_but_base(vault, files, specs, dtypes, device, kernels, sharding, planned=planned)
     return cache_key(vault.base_identity(shards), *rest)

@@ -80,7 +80,7 @@ def load_lora(pipe_or_model, lora, strength: float = 1.0, cache_root: str | os.P
     to :func:`lora_cache.merge` (the default root, ``enabled=False`` to merge in place as
     ``fuse_lora`` does, ``base_files``, ``max_size``, ``device``, ``progress``, ...). A
     tensor-parallel rank passes ``shards={parameter name: (dim, index, count)}`` for the
-    parts it holds (see :mod:`lora_cache.tp_shards`); for a pipeline, a name starts with
+    parts it holds (see :mod:`lora_cache.ranks.tp_shards`); for a pipeline, a name starts with
     its component (``"transformer.transformer_blocks.0.attn.to_q.weight"``), as it does
     in :func:`lora_cache.merge` of a dict of models. Undo
     with ``lora_cache.unmerge(pipe.transformer)`` (or the component), never with

@@ -36,7 +36,7 @@ from .merge_math import FP32_ROWS, Delta, Scratch, merged_weight
 
 class WeightPart(Protocol):
     """The part of a whole weight a parameter holds (a tensor-parallel rank's
-    :class:`lora_cache.tp_shards.Shard`): it sums its own part of the whole layer's merge,
+    :class:`lora_cache.ranks.tp_shards.Shard`): it sums its own part of the whole layer's merge,
     so this room never needs the shards' room (which builds on it)."""
 
     def merged(self, base: torch.Tensor, deltas: list[Delta], out: torch.Tensor, scratch: Scratch, workers=None,
@@ -88,7 +88,7 @@ class LayerTarget:
     module: nn.Module
     attr: str
     deltas: list[Delta] = field(default_factory=list)
-    shard: WeightPart | None = None  # the part of the whole weight the parameter holds (lora_cache.tp_shards)
+    shard: WeightPart | None = None  # the part of the whole weight the parameter holds (lora_cache.ranks.tp_shards)
     kernel: str | None = None  # fixed by the caller: a shard is summed by its whole layer's kernel
 
     @property

@@ -33,9 +33,9 @@ from .merge_math import compute_device
 from .rounding import check_policy, decide, has_values, is_stand_in, say, split_lossy
 from .rounding_memo import RoundingSplit
 from .runtime_lora import apply_runtime
-from .process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
+from .ranks.process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
 from .settings import DISABLE_ENV, cache_disabled_by_env
-from .tp_shards import check_shards, full_shapes, shape_notes, split_shards
+from .ranks.tp_shards import check_shards, full_shapes, shape_notes, split_shards
 from hostmem.vault import Vault, cache_key
 from hostmem.vault.fold import FoldedSession, plan_fold, wait_for_a_folded_build
 from hostmem.vault.roots import cache_roots, open_in_roots
@@ -234,12 +234,12 @@ def merge(
     can restore it (a cached merge never needs one). ``rank_timeout``: with a
     torch.distributed process group, the seconds a rank waits for the host's other ranks
     at each step of a shared build before it fails, naming the missing rank (see
-    :mod:`lora_cache.shared_build`). ``shards``: for a tensor-parallel rank, the parts of
+    :mod:`lora_cache.ranks.shared_build`). ``shards``: for a tensor-parallel rank, the parts of
     weights it holds, ``{parameter name: (dim, index, count)}`` (part ``index`` of
     ``count`` along dim 0, rows, or dim 1, columns); the adapters stay the whole model's,
     and each part gets exactly its part of a single-process merge: rows as a view of the
     whole merged layer's file, columns from a file of their own whose key names the
-    sharding (see :mod:`lora_cache.tp_shards`; ``stats.shard_keys`` lists those keys).
+    sharding (see :mod:`lora_cache.ranks.tp_shards`; ``stats.shard_keys`` lists those keys).
     ``rounding``: what to do with a layer whose merged weight would lose a material share
     of its update to rounding (:mod:`lora_cache.rounding`): ``"runtime"`` keeps its terms
     at run time on the base, ``"merge"`` merges anyway, ``"refuse"`` raises; any loss is
@@ -275,7 +275,7 @@ def merge(
     shares = None
     if roots and cache_targets:
         if group is not None:  # the ranks of a host first build the misses together
-            from .shared_build import build_shares
+            from .ranks.shared_build import build_shares
 
             shares = build_shares(cache_targets, files, specs, roots, max_size, base_files, device, kernels,
                                   progress, rank_timeout, lossy.kept_apart_measured(), form)

@@ -2,7 +2,7 @@
 
 A plain session holds its key's lock exclusively, so two processes opening one key
 build one after the other. The ranks of one host split a missing combination's layers
-instead (see :mod:`lora_cache.shared_build`), and each opens a share session over its
+instead (see :mod:`lora_cache.ranks.shared_build`), and each opens a share session over its
 own part with :func:`open_share`:
 
 - the key's lock ``<key>.lock`` is held SHARED, by every share at once: a plain

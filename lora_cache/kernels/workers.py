@@ -42,7 +42,7 @@ def workers_at_most(threads: int):
     """Within (this thread's context), :func:`block_workers` start at most ``threads`` workers.
 
     For a process that shares the host's cores with others building at the same time
-    (the local ranks of a shared build, :mod:`lora_cache.shared_build`): each starting a
+    (the local ranks of a shared build, :mod:`lora_cache.ranks.shared_build`): each starting a
     worker per core would put ranks x cores summing threads on the cores. The kernel
     choice is not affected (:func:`worker_count` still names the machine's count).
     """

@@ -46,7 +46,7 @@ from ..layers import LayerTarget, components_of, is_merged
 from ..layers import keep_base, unmerge as unmerge_layers
 from ..rounding import say, split_lossy
 from ..orchestrate import CacheBuildError, cache_roots, merge, merge_layers, open_combination, plan_targets
-from ..process_group import DEFAULT_TIMEOUT, check_rank_timeout
+from ..ranks.process_group import DEFAULT_TIMEOUT, check_rank_timeout
 from ..runtime_lora import apply_runtime, remove_runtime, runtime_bytes, unsupported_reason
 from .switch_state import Pending, SwitchState
 

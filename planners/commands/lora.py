@@ -87,7 +87,7 @@ def _model(paths: list[str], shard_args: list[str]):
     the ``shards=`` spec that says so (None without). A bad ``--shard`` names itself."""
     from hostmem.safetensors.mapping import open_readonly
     from lora_cache.layers import checkpoint_module, module_tree
-    from lora_cache.tp_shards import ShardSpecError, check_shards, parse_shard_args
+    from lora_cache.ranks.tp_shards import ShardSpecError, check_shards, parse_shard_args
 
     if not shard_args:
         return checkpoint_module(paths), None

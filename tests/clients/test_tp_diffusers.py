@@ -13,7 +13,7 @@ pytest.importorskip("peft", reason="the diffusers comparisons need peft (pip ins
 
 import lora_cache  # noqa: E402
 from lora_cache.switching.diffusers_switch import set_pipeline_adapters  # noqa: E402
-from lora_cache.tp_shards import Shard, ShardSpecError  # noqa: E402
+from lora_cache.ranks.tp_shards import Shard, ShardSpecError  # noqa: E402
 from tests.clients import tiny_models as tm  # noqa: E402
 
 DEGREE = 2

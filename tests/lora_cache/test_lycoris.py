@@ -149,8 +149,8 @@ def test_a_dora_term_on_a_part_that_lacks_its_norms_is_refused(dora, dim):
     """A tensor-parallel part without the rows or columns a DoRA term's norms span is never
     merged alone (its norms would be a part's)."""
     from lora_cache.merge_math import Delta, Scratch
-    from lora_cache.tp_shards import Shard
-    from lora_cache.tp_shards.shard_math import shard_merged
+    from lora_cache.ranks.tp_shards import Shard
+    from lora_cache.ranks.tp_shards.shard_math import shard_merged
 
     up, down = torch.ones(32, RANK), torch.ones(RANK, 32)
     delta = Delta("f.safetensors: 'sq'", up, down, 0.5, magnitude=torch.ones(32), dora=dora)

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from hostmem.vault import VaultError
-from lora_cache.shared_faults import RankDiedError, RankWatch, _started, cannot_store
+from lora_cache.ranks.faults import RankDiedError, RankWatch, _started, cannot_store
 
 
 def test_a_watched_rank_whose_process_is_killed_is_named_and_a_live_one_never():

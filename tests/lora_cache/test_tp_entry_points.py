@@ -15,7 +15,7 @@ import traceback
 import pytest
 
 import lora_cache
-from lora_cache.tp_shards import ShardSpecError, parse_shard_args
+from lora_cache.ranks.tp_shards import ShardSpecError, parse_shard_args
 from planners.cli import main
 from tests.lora_cache.test_shared_build import RANK_TIMEOUT, report_rank, spawn_ranks
 from tests.lora_cache.test_tp_shards import DEGREE, compare, inputs, rank_model, spec  # noqa: F401 (a fixture)

@@ -19,8 +19,8 @@ from hostmem.slots import MappedAreas
 from lora_cache import KeyResolutionError
 from lora_cache.layers import checkpoint_module, module_tree
 from lora_cache.merge_math import BF16_ADDMM, FP32_ROWS, Delta, Scratch, merged_weight
-from lora_cache.tp_shards import Shard, ShardSpecError
-from lora_cache.tp_shards.shard_math import shard_merged
+from lora_cache.ranks.tp_shards import Shard, ShardSpecError
+from lora_cache.ranks.tp_shards.shard_math import shard_merged
 from tests.conftest import write_safetensors
 from tests.lora_cache.test_adapters import lora_change, write_adapter
 from tests.lora_cache.test_shared_build import RANK_TIMEOUT, report_rank, spawn_ranks

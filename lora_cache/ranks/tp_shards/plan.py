@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..buffers import compute_device
-from ..kernels import KernelPlan, plan_kernels
-from ..layers import AddressSpace, LayerTarget, Snapshot, install, unmerge
+from ...buffers import compute_device
+from ...kernels import KernelPlan, plan_kernels
+from ...layers import AddressSpace, LayerTarget, Snapshot, install, unmerge
 from .full_base import WholeWeights
 from .spec import Shard
 

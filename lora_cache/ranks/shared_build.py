@@ -63,13 +63,13 @@ from torch import nn
 from hostmem.errors import InputError
 from hostmem.units import format_size
 
-from .base_shards import base_shards
-from .combination import combination_key, inputs_but_base
-from .kernels.workers import cpu_count, workers_at_most
-from .layer_loop import CacheBuildError, MergeStats, merge_layers
-from .layers import AddressSpace, LayerTarget
+from ..base_shards import base_shards
+from ..combination import combination_key, inputs_but_base
+from ..kernels.workers import cpu_count, workers_at_most
+from ..layer_loop import CacheBuildError, MergeStats, merge_layers
+from ..layers import AddressSpace, LayerTarget
 from .process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
-from .shared_faults import PeerWatch, RankDiedError, cannot_store, storing, this_process, warn_in_place
+from .faults import PeerWatch, RankDiedError, cannot_store, storing, this_process, warn_in_place
 from hostmem.vault import Vault, VaultError
 from hostmem.vault.adoption import shape_dtype_problem
 from hostmem.vault.content_hash import CONTENT_HASH_MEMO, file_digest
@@ -235,7 +235,7 @@ def _key_or_fold(vaults, targets, files, specs, base_files, device, kernels, ind
     """``(key, None)`` with every input hashed first, together; or ``(provisional key,
     SharedFold)`` where the ranks hash the base beside their shares
     (:mod:`lora_cache.shared_fold`). A collective."""
-    from .shared_fold import fold_pays, plan_shared_fold
+    from .fold import fold_pays, plan_shared_fold
 
     memo_file = _keyer(vaults).memo_file
     shards = base_shards(targets, base_files, AddressSpace())

@@ -19,11 +19,11 @@ from typing import Callable
 
 import torch
 
-from ..dora_lycoris import COLUMNS
-from ..merge_math import (BF16_ADDMM, FP32_ROWS, Accumulators, Delta, Scratch, Term, UnsupportedAdapterError, add_terms,
+from ...dora_lycoris import COLUMNS
+from ...merge_math import (BF16_ADDMM, FP32_ROWS, Accumulators, Delta, Scratch, Term, UnsupportedAdapterError, add_terms,
                           one_pass_applies, row_blocks)
 
-# ``shard`` below is a :class:`lora_cache.tp_shards.spec.Shard`, named and not imported: the
+# ``shard`` below is a :class:`lora_cache.ranks.tp_shards.spec.Shard`, named and not imported: the
 # Shard calls this module (``Shard.merged``), so the layer operations can sum a part without
 # knowing this room.
 
