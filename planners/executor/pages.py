@@ -66,22 +66,23 @@ def _piece(r: FileRange, start: int, end: int) -> FileRange:
     return r._replace(offset=r.offset + start - r.address, length=end - start, address=start)
 
 
-def free_pieces(ranges, protected: list[Intervals], below: list[Intervals]) -> list[tuple[FileRange, bool]]:
+def free_pieces(ranges, floors, protected: list[Intervals], below: list[Intervals]) -> list[tuple[FileRange, bool]]:
     """``(piece, back)``: the whole pages of ``ranges`` outside every ``protected`` set, and whether
-    the release may reach down to the start of the piece's 2 MiB folio (none of ``below`` there).
+    the release may reach down to the start of the piece's 2 MiB folio (inside the range's file
+    mapping, which begins at its ``floors`` entry, and none of ``below`` there).
 
     A folio straddling a released layer's start is dropped only whole; reaching into a kept
     layer's last pages costs their re-read, keeping it would hold up to 2 MiB per kept layer
     beyond the plan, so ``below`` names only what must never go: pinned pages, the rest, the window.
     """
     out = []
-    for r in ranges:
+    for r, floor in zip(ranges, floors):
         start, length = inner_pages(r)
         gaps = [(start, start + length)] if length else []
         for guard in protected:
             gaps = [g for a, b in gaps for g in guard.gaps(a, b)]
         for a, b in gaps:
             folio = a - a % _FOLIO
-            back = a > folio and not any(guard.overlaps(folio, a) for guard in below)
+            back = floor <= folio < a and not any(guard.overlaps(folio, a) for guard in below)
             out.append((_piece(r, a, b), back))
     return out

@@ -251,7 +251,7 @@ class LayerPipeline:
             needed.append(running)  # the layer computing now
         window = Intervals(page_cover([r for s in needed for r in s.ranges]))
         freed = 0
-        for piece, back in free_pieces(snap.ranges, [self.protected, window], [self.never, window]):
+        for piece, back in free_pieces(snap.ranges, snap.floors, [self.protected, window], [self.never, window]):
             freed += drop_range(piece, self.handles, back=back)
         return freed
 

@@ -45,6 +45,7 @@ class Snapshot(NamedTuple):
     layout: LayerLayout
     fingerprint: tuple
     held: tuple  # detached aliases of the layout's tensors: their storages stay alive
+    floors: tuple  # per range, where its file mapping begins: a release never reaches below
 
     @property
     def ranges(self):
@@ -53,5 +54,7 @@ class Snapshot(NamedTuple):
 
 def take_snapshot(component: str, root: torch.nn.Module, name: str, maps: MapIndex | None = None) -> Snapshot:
     """The layer's layout and fingerprint now (``maps`` read from /proc/self/maps when not given)."""
-    layout = layer_layout(component, root, name, maps if maps is not None else MapIndex())
-    return Snapshot(layout, fingerprint(layout.module), tuple(t.detach() for t in layout.tensors))
+    maps = maps if maps is not None else MapIndex()
+    layout = layer_layout(component, root, name, maps)
+    floors = tuple(maps.mapping_start(r.address) for r in layout.ranges)
+    return Snapshot(layout, fingerprint(layout.module), tuple(t.detach() for t in layout.tensors), floors)
