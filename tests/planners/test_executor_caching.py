@@ -120,6 +120,7 @@ def test_offload_hooks_are_refused_by_name_and_group_offloading_is_warned_about(
     assert sum(len(m._forward_pre_hooks) for m in grouped.modules()) == 0
     (warning,) = offload_warnings({"dit": grouped})
     assert warning.startswith("dit carries diffusers' group offloading") and "anonymous" in warning
+    assert warning in _plan(folder, grouped).warnings  # the plan a server starts with says it
     offloaded = accelerate.cpu_offload(_pipe(folder, None).transformer, execution_device="cpu")
     with pytest.raises(ValueError, match="accelerate's .*remove_all_hooks"):
         execute(plan, {"dit": offloaded}).__enter__()
