@@ -159,6 +159,8 @@ class DeviceCopier:
             own = None
             if slot is None or need > self.buffers[slot].numel():
                 own = torch.empty(need, dtype=torch.uint8, device=self.device)
+                if self.cuda:
+                    own.record_stream(self.stream)  # the copy runs there: no reuse before it ends
             buffer = own if own is not None else self.buffers[slot]
             if own is None and self.free[slot] is not None:
                 self.stream.wait_event(self.free[slot])
@@ -200,6 +202,8 @@ class DeviceCopier:
             table = module._parameters if kind == "p" else module._buffers
             if name in table and table[name] is not tensor and _is_view_of(table[name], loaded.views[(module, kind, name)]):
                 table[name] = tensor
+        if loaded.buffer is not None and self.cuda:
+            loaded.buffer.record_stream(self._current())  # freed with the Loaded: not before the forward ends
         if loaded.slot is not None:
             event = self._event()
             event.record(self._current())

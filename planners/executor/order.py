@@ -16,17 +16,22 @@ __all__ = ["LearnedOrder"]
 
 
 class LearnedOrder:
-    """Which layer follows which (the plan's order until seen otherwise)."""
+    """Which layer follows which (the plan's order until seen otherwise), and where a pass ends."""
 
     def __init__(self, order: Sequence[str]):
         order = list(order)
         self.following = dict(zip(order, order[1:] + order[:1]))
         self.first = order[0] if order else None  # the first layer of the last pass
+        self.end = order[-1] if order else None  # the last layer of the last pass
         self.last: str | None = None
         self._starting = False
 
     def begin_pass(self) -> None:
         self._starting = True
+
+    def end_pass(self) -> None:
+        if self.last is not None and not self._starting:
+            self.end = self.last
 
     def seen(self, name: str) -> None:
         """``name`` runs now."""
@@ -36,16 +41,20 @@ class LearnedOrder:
             self.following[self.last] = name
         self.last = name
 
-    def ahead(self, name: str | None, wanted: Callable[[str], bool], count: int, include: bool = False) -> list[str]:
-        """Up to ``count`` layers that follow ``name`` (``name`` too with ``include``), each once, that ``wanted``."""
-        out, at, visited = [], name, set()
+    def ahead(self, name: str | None, wanted: Callable[[str], bool], count: int,
+              include: bool = False) -> tuple[list[str], int]:
+        """Up to ``count`` layers that follow ``name`` (``name`` too with ``include``), each once, that
+        ``wanted``; and how many of them come before the end of the pass (as last seen)."""
+        out, at, visited, in_pass = [], name, set(), None
         if include and name is not None and count and wanted(name):
             out.append(name)
         while at is not None and len(out) < count:
             visited.add(at)
+            if at == self.end and in_pass is None:
+                in_pass = len(out)
             at = self.following.get(at)
             if at is None or at in visited:
                 break
             if wanted(at):
                 out.append(at)
-        return out
+        return out, len(out) if in_pass is None else in_pass

@@ -15,7 +15,9 @@ Read-ahead is a hint, never a promise of order (:mod:`.snapshot`). At use:
 - a device copy read ahead is used only if it was made in this pass (the component's
   forward: an in-place write through ``.data`` between passes, as peft's merge does,
   changes no fingerprint, so no copy outlives the pass it was made in) from the tensors
-  the module holds now; otherwise it is dropped and the layer is copied now;
+  the module holds now; otherwise it is dropped and the layer is copied now. So the
+  window's layers past the end of the pass (as last seen) are only read, and copied when
+  the next pass begins;
 - a layer read ahead that leaves the window without running is dropped: its slot given
   back, and, when released, the pages it read released.
 
@@ -53,6 +55,7 @@ class _Pending(NamedTuple):
     slot: int | None  # the device slot the load owns
     epoch: int
     reads: bool  # the job reads the layer's pages
+    copies: bool  # the job copies the layer to the device (else it only reads: the next pass's layers)
 
 
 class LayerPipeline:
@@ -108,25 +111,39 @@ class LayerPipeline:
         return snap
 
     # ------------------------------------------------------------------ the window
-    def _job(self, snap: Snapshot, reads: bool, slot: int | None, pinned: bool):
+    def _job(self, snap: Snapshot, reads: bool, slot: int | None, pinned: bool, copies: bool):
         nbytes = complete(snap.ranges, self.handles, self.reader) if reads else 0
-        loaded = self.copier.load(snap.layout, pinned, slot) if self.copier is not None else None
+        loaded = self.copier.load(snap.layout, pinned, slot) if copies else None
         return nbytes, loaded
 
-    def _schedule(self, name: str) -> None:
-        if name in self.pending or name in self._attached or not self._needs_work(name):
+    def _schedule(self, name: str, copies: bool = True) -> None:
+        """Start reading ``name`` ahead and, with ``copies`` on a device, copying it into a slot."""
+        copies = copies and self.copier is not None
+        held = self.pending.get(name)
+        if held is not None and copies and not held.copies and held.snapshot is self.snapshots[name]:
+            self._settle(self.pending.pop(name))  # read ahead for this pass: now copy it too
+        elif held is not None or name in self._attached or not self._needs_work(name):
             return
         snap = self._now(name)
-        slot = None
-        if self.copier is not None:
-            slot = self.copier.acquire()
-            if slot is None:
-                return  # every slot is taken: this layer is copied when it runs
+        slot = self.copier.acquire() if copies else None
+        copies = copies and slot is not None  # every slot taken: read it now, copy it when it runs
         reads = name in self.unread
         if reads:  # into the disk's queue now: every layer of the window at once
             advise(snap.ranges, self.handles, self.reader)
-        future = None if self.inline else self.worker.submit(self._job, snap, reads, slot, name in self.pinned)
-        self.pending[name] = _Pending(snap, future, slot, self.clock.value, reads)
+        if not reads and not copies:
+            return
+        future = None if self.inline else self.worker.submit(self._job, snap, reads, slot, name in self.pinned, copies)
+        self.pending[name] = _Pending(snap, future, slot, self.clock.value, reads, copies)
+
+    def _settle(self, pending: _Pending) -> int:
+        """Wait for a read-ahead that stands (its pages are used next); the bytes it read."""
+        try:
+            got = self._wait(pending)
+        except Exception:  # noqa: BLE001 - a read that failed is read again at use
+            return 0
+        if got is not None and got[1] is not None:
+            self.copier.give_back(got[1].slot)
+        return got[0] if got is not None else 0
 
     def _drop(self, name: str, pending: _Pending) -> None:
         """Forget a read-ahead: give its slot back, release what it read for a released layer."""
@@ -144,11 +161,11 @@ class LayerPipeline:
 
     def _window(self, name: str) -> None:
         """Schedule the layers that follow ``name``; drop read-aheads that left the window."""
-        wanted = self.order.ahead(name, self._needs_work, self.prefetch)
+        wanted, in_pass = self.order.ahead(name, self._needs_work, self.prefetch)
         for other in [n for n in self.pending if n not in wanted]:
             self._drop(other, self.pending.pop(other))
-        for upcoming in wanted:
-            self._schedule(upcoming)
+        for i, upcoming in enumerate(wanted):  # past the end of the pass: read only (see the module doc)
+            self._schedule(upcoming, copies=i < in_pass)
 
     def _slot(self) -> int | None:
         """A free slot, dropping another pipeline's read-ahead when all are taken (nested components)."""
@@ -167,22 +184,24 @@ class LayerPipeline:
     def begin(self) -> None:
         """The component's forward begins: its first layers, as last seen, enter the window."""
         self.order.begin_pass()
-        for name in self.order.ahead(self.order.first, self._needs_work, self.prefetch, include=True):
+        first, _ = self.order.ahead(self.order.first, self._needs_work, self.prefetch, include=True)
+        for name in first:
             self._schedule(name)
+
+    def end(self) -> None:
+        """The component's forward ends: the last layer it ran ends a pass."""
+        self.order.end_pass()
 
     def boundary(self) -> None:
         """A pass began or ended (any component): no device copy made before it is used after it."""
-        for name in list(self._attached):  # a forward that raised never reached its post-hook
-            self._detach(name)
-        if self.copier is not None:
-            for name in list(self.pending):
-                self._drop(name, self.pending.pop(name))
+        for name in [n for n, p in self.pending.items() if p.copies]:
+            self._drop(name, self.pending.pop(name))
 
     def _fresh(self, pending: _Pending | None, snap: Snapshot) -> bool:
         """Whether a read-ahead was made from ``snap`` (and, for a device copy, in this pass)."""
         if pending is None or pending.snapshot is not snap:
             return False
-        return self.copier is None or pending.epoch == self.clock.value
+        return self.copier is None or (pending.copies and pending.epoch == self.clock.value)
 
     def _wait(self, pending: _Pending):
         """``(bytes read, loaded)`` of a fresh read-ahead, or None when its copy is not of the tensors now."""
@@ -197,11 +216,15 @@ class LayerPipeline:
             return None
         return nbytes, loaded
 
-    def _now_read(self, name: str, snap: Snapshot, slot: int | None):
-        """Read (and copy) the layer here, in the caller: it was not read ahead, or not from what it holds."""
+    def _now_read(self, name: str, snap: Snapshot, slot: int | None, read: int | None = None):
+        """Read (and copy) the layer here, in the caller: it was not read ahead, or not from what it
+        holds (``read``: the bytes a read-ahead that stands brought in: not read again)."""
         if self.copier is not None and slot is None:
             slot = self._slot()
-        nbytes = read_ahead(snap.ranges, self.handles, self.reader) if name in self.unread else 0
+        if read is not None:
+            nbytes = read
+        else:
+            nbytes = read_ahead(snap.ranges, self.handles, self.reader) if name in self.unread else 0
         loaded = self.copier.load(snap.layout, name in self.pinned, slot) if self.copier is not None else None
         return nbytes, loaded
 
@@ -214,9 +237,11 @@ class LayerPipeline:
         began = time.perf_counter()
         snap = self._now(name)
         self.order.seen(name)
-        pending, slot = self.pending.pop(name, None), None
+        pending, slot, read = self.pending.pop(name, None), None, None
         if not self._fresh(pending, snap):
-            if pending is not None:
+            if pending is not None and pending.snapshot is snap and not pending.copies:
+                read = self._settle(pending)  # read ahead (the pass before): the pages stand, copy now
+            elif pending is not None:
                 self._drop(name, pending)
             pending = None
             slot = self._slot() if self.copier is not None else None  # before the window takes them all
@@ -224,7 +249,7 @@ class LayerPipeline:
         got = self._wait(pending) if pending is not None else None
         late = got is None and self._needs_work(name)
         if got is None:
-            got = self._now_read(name, snap, slot)
+            got = self._now_read(name, snap, slot, read)
         elif slot is not None:
             self.copier.give_back(slot)
         nbytes, loaded = got

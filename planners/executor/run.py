@@ -204,14 +204,16 @@ class Executor:
     def _hook(self, name: str, pipe: LayerPipeline) -> None:
         root = self.components[name]
         self._hooks.append(root.register_forward_pre_hook(lambda m, a, n=name: self._pass_begin(n)))
-        self._hooks.append(root.register_forward_hook(lambda m, a, o, n=name: self._pass_end(n)))
+        # always_call: a forward that raises still ends its pass and gives its layer's buffer back
+        self._hooks.append(root.register_forward_hook(lambda m, a, o, n=name: self._pass_end(n), always_call=True))
         hooked = set()
         for layer, layout in pipe.layouts.items():
             if id(layout.module) in hooked:  # one module under two layer names: its first name
                 continue
             hooked.add(id(layout.module))
             self._hooks.append(layout.module.register_forward_pre_hook(lambda m, a, l=layer: pipe.before(l)))
-            self._hooks.append(layout.module.register_forward_hook(lambda m, a, o, l=layer: pipe.after(l)))
+            self._hooks.append(layout.module.register_forward_hook(lambda m, a, o, l=layer: pipe.after(l),
+                                                                   always_call=True))
 
     def _boundary(self) -> None:
         """A pass begins or ends: no device copy made before it serves a layer after it."""
@@ -230,8 +232,9 @@ class Executor:
         self.pipelines[name].begin()
 
     def _pass_end(self, name: str) -> None:
-        self._boundary()
         pipe = self.pipelines[name]
+        pipe.end()
+        self._boundary()
         current, pipe.current = pipe.current, None
         if current is None or name not in self._pass_start:
             return
