@@ -66,12 +66,12 @@ def slot_bytes(layout, align: int = _PAGE) -> int:
 
 class Loaded(NamedTuple):
     layout: object  # the LayerLayout the load was made for
-    slot: int | None  # None: a one-off buffer (the layer outgrew the slots)
+    slot: int | None  # the slot the load owns (given back after use, even when the layer outgrew it)
     ready: object  # torch.cuda.Event recorded on the side stream after the copy
     views: dict  # (module, kind, name) -> device tensor
     nbytes: int
     fingerprint: tuple  # the tensors it copied (snapshot.fingerprint of the module then)
-    buffer: torch.Tensor | None = None  # the one-off buffer, kept alive until used
+    buffer: torch.Tensor | None = None  # a one-off buffer (the layer outgrew the slots), kept alive until used
 
 
 class _Twin:
@@ -182,8 +182,7 @@ class DeviceCopier:
                 at = placed[span]
                 view = buffer[at:at + span[1]].view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
                 views[(m, kind, name)] = view
-            return Loaded(layout, None if own is not None else slot, ready, views,
-                          sum(n for _, n in spans), taken, own)
+            return Loaded(layout, slot, ready, views, sum(n for _, n in spans), taken, own)
 
     def attach(self, loaded: Loaded) -> dict:
         """Make the layer compute from its device buffer; returns the host tensors to put back."""
@@ -204,7 +203,7 @@ class DeviceCopier:
                 table[name] = tensor
         if loaded.buffer is not None and self.cuda:
             loaded.buffer.record_stream(self._current())  # freed with the Loaded: not before the forward ends
-        if loaded.slot is not None:
+        if loaded.buffer is None and loaded.slot is not None:
             event = self._event()
             event.record(self._current())
             self.free[loaded.slot] = event

@@ -252,6 +252,12 @@ class Executor:
             raise RuntimeError("the executor has not started: use it as `with execute(plan, components) as ex:`")
         return self._stats
 
+    def settle(self) -> None:
+        """Return once every read-ahead and copy in flight has ended (a fence for tests and benchmarks:
+        what is done next, such as a weight written in place, cannot race a copy of it)."""
+        if self._worker is not None:
+            self._worker.submit(int).result()  # one worker thread: every job before this one is done
+
     def close(self) -> None:
         """Remove every hook; drain reads; put host tensors back; unpin; close files."""
         for handle in self._hooks:

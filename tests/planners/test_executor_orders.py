@@ -76,7 +76,9 @@ def _run(model, passes, between=None):
 
 def _under(plan, model, options, passes, between=None, components=None, own_hooks=0):
     with execute(plan, components or {"dit": model}, prefetch=2, **options) as run:
-        outs = _run(model, passes, between)
+        # the executor's reads and copies ended: a write below cannot race them, it must be caught
+        settled = None if between is None else (lambda m, i: (run.settle(), between(m, i)))
+        outs = _run(model, passes, settled)
         stats = run.stats()
     assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == own_hooks
     return outs, stats

@@ -93,12 +93,13 @@ def test_peft_adapters_injected_switched_merged_and_unmerged_between_passes(chec
     expected = _passes(load_synthetic_dit(checkpoint), _peft_step, orders)
     model = load_synthetic_dit(checkpoint)
     with execute(_plan(checkpoint, model), {"dit": model}, prefetch=2, **PATHS[path]) as run:
-        got = _passes(model, _peft_step, orders)
+        got = _passes(model, lambda m, i: (run.settle(), _peft_step(m, i)), orders)  # no race: caught
         stats = run.stats()
     for i, (a, b) in enumerate(zip(got, expected)):
         assert torch.equal(a, b), f"pass {i}"
     assert len({tuple(o.flatten()[:4].tolist()) for o in expected}) > 3  # the steps did change the outputs
     assert stats.roles["dit"]["released"] > 0
+    assert stats.passes[-1].late_layers == 0  # layers that grew (adapters) are read ahead again once unchanged
 
 
 def _copied(model):
