@@ -77,6 +77,7 @@ def _scenario(checkpoint, plan, passes, device, tokens) -> dict:
     outs = []
     with torch.no_grad(), execute(plan, {"dit": model}, device=device, prefetch=2) as run:
         for order, change in passes:
+            run.settle()  # a change made next cannot race a copy in flight: it must be caught
             outs.append(_pass(model, whole, order, change, x, device if device != "cpu" else None))
         late = [p.late_layers for p in run.stats().passes]
     return {"identical": all(torch.equal(a, b) for a, b in outs),

@@ -63,12 +63,14 @@ def _apply(model, originals, change) -> None:
         proj.weight.data += value
 
 
-def _script(model, steps):
+def _script(model, steps, settle=lambda: None):
+    """``settle``: the executor's reads and copies end before each change (it must be caught, not raced)."""
     originals = [b.proj.weight for b in model.blocks]
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(11))
     outs = []
     with torch.no_grad():
         for order, before, during in steps:
+            settle()
             _apply(model, originals, before)
             hook = None
             if during is not None:  # when block ``at`` runs, block ``target`` gets a new weight
@@ -88,7 +90,7 @@ def test_any_script_of_orders_and_replacements_gives_the_outputs_of_the_model_al
     torch.set_num_threads(1)
     expected = _script(load_synthetic_dit(checkpoint), steps)
     model = load_synthetic_dit(checkpoint)
-    with execute(plan, {"dit": model}, prefetch=2, **PATHS[path]):
-        got = _script(model, steps)
+    with execute(plan, {"dit": model}, prefetch=2, **PATHS[path]) as run:
+        got = _script(model, steps, run.settle)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == 0
