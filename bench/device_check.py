@@ -3,7 +3,7 @@
     python bench/device_check.py                 # on a CUDA host: writes bench/out/device_check.md and .json
     python bench/device_check.py --dry-run       # on any host: everything but the CUDA calls
 
-Four parts, each timed and reported on its own (one that fails is reported and the
+Five parts, each timed and reported on its own (one that fails is reported and the
 others still run):
 
 1. calibrate: ``hostmem calibrate`` of a folder here and, on the GPU, host-to-device
@@ -17,7 +17,12 @@ others still run):
    ``planners.execute`` on the GPU: per pass copy and wait time against the plan's
    prediction, outputs against the model run whole on the same device (the dry run:
    on the CPU, against the CPU);
-4. shared build: ``bench/bench_shared_build.py`` (4 ranks) on this machine's cores
+4. orders: the executor on a smaller synthetic DiT in the orders servers run (blocks
+   skipped as step caches do, reversed, repeated, a pass stopped halfway, CFG's two
+   passes, weights replaced between and during passes): every pass against the same
+   order and replacements on the model run whole on the same device, bit for bit (the
+   dry run: the host path and the device path's CPU twin, against the CPU);
+5. shared build: ``bench/bench_shared_build.py`` (4 ranks) on this machine's cores
    (``--quick`` in the dry run).
 """
 
@@ -37,7 +42,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from hostmem.units import format_size, parse_size  # noqa: E402
 
-PARTS = ("calibrate", "register", "executor", "shared_build")
+PARTS = ("calibrate", "register", "executor", "orders", "shared_build")
 
 
 def _status() -> dict:
@@ -167,6 +172,12 @@ def part_executor(args, work: str, checkpoint: str, transfer: dict) -> dict:
     }
 
 
+def part_orders(args, work: str, transfer: dict) -> dict:
+    from device_orders import run_orders  # bench/ is on sys.path: the script runs from there
+
+    return run_orders(args, work, transfer, _executor_config)
+
+
 def part_shared_build(args, work: str) -> dict:
     cmd = [sys.executable, os.path.join(HERE, "bench_shared_build.py"), "--workdir", os.path.join(work, "shared")]
     cmd += ["--quick"] if args.dry_run else []
@@ -200,6 +211,8 @@ def _run_parts(args, work: str) -> dict:
                 found = part_register(args, work, checkpoint)
             elif part == "executor":
                 found = part_executor(args, work, checkpoint, transfer)
+            elif part == "orders":
+                found = part_orders(args, work, transfer)
             else:
                 found = part_shared_build(args, work)
         except Exception as exc:  # noqa: BLE001 - a part that fails is reported; the others still run
@@ -264,6 +277,13 @@ def _lines(results: dict) -> list[str]:
             for p in passes:
                 out.append(f"  - pass {p['index']}: {p['seconds']:.3f} s, copied {format_size(p['copied_bytes'])}, "
                            f"waited {p['wait_s']:.3f} s, read {format_size(p['read_bytes'])} from disk")
+        elif part == "orders":
+            for path, scenarios in found["paths"].items():
+                same = [n for n, r in scenarios.items() if r["identical"]]
+                differ = [f"{n} (largest difference {r['max_abs_diff']:.3g})" for n, r in scenarios.items()
+                          if not r["identical"]]
+                out.append(f"- orders on {path}: identical to the model run whole: {', '.join(same) or 'none'}"
+                           + (f"; DIFFERENT: {', '.join(differ)}" if differ else ""))
         else:
             out.append("- shared build: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                                                      for k, v in found.items()))

@@ -36,6 +36,7 @@ from hostmem.errors import InputError
 from .budget import read_host_limit
 from .config import DeploymentConfig, load_config
 from .deployment import DeploymentPlan, plan_deployment
+from .executor.guard import offload_warnings
 from .host_checks import cache_root_warnings
 from .host_share import capped_config, rank_need, share_for
 from .report import report_text
@@ -192,7 +193,7 @@ def plan_loaded(
             process_excess=process_excess(ledger.unattributed_anonymous, cfg),
             build_reserve=build_reserve,
             providers=providers,
-            notes=tuple(cache_root_warnings(cfg) + notes),
+            notes=tuple(cache_root_warnings(cfg) + offload_warnings(components) + notes),
             merge_reason=reason,
             lora_merge=stats,
         )

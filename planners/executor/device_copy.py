@@ -1,31 +1,45 @@
 """Host-to-device copies of streamed layers on a side stream (a CUDA host only).
 
 A small pool of device buffers (the plan's prefetch depth plus the one computing)
-takes layer after layer. A pinned layer (page-locked in place) is copied straight from
-its pages; a pageable one goes through two pinned staging buffers in turn, so that the
-CPU fills one while the device copies the other. Events order everything: the compute
-stream waits for a layer's copy before its forward, and a buffer is refilled only after
-the forward that used it has finished. During the forward, the layer's parameters are
-views into its buffer; afterwards they are the host tensors again, so no host copy of a
-mapped weight is ever made.
+takes layer after layer. A slot belongs to one load from :meth:`DeviceCopier.acquire`
+until :meth:`DeviceCopier.give_back` (the pipeline gives it back after the forward
+that used it, or when it drops a load it no longer wants), so a load read ahead is
+never overwritten by another layer's while it waits. A pinned layer (page-locked in
+place) is copied straight from its pages; a pageable one goes through two pinned
+staging buffers in turn, so that the CPU fills one while the device copies the
+other. Events order everything: the compute stream waits for a layer's copy before
+its forward, and a buffer is refilled only after the forward that used it has finished.
+During the forward, the layer's parameters are views into its buffer; afterwards they
+are the host tensors again, so no host copy of a mapped weight is ever made.
 
-With ``device`` the CPU the same code runs without streams and events (every copy is
-synchronous): the twin the tests drive on a host without CUDA.
+A load copies the tensors the layer's modules hold when it runs (not a list made at
+start) and records which (:func:`planners.executor.snapshot.fingerprint`): the
+pipeline uses it only while the module still holds those same tensors.
+
+Each tensor is placed in its buffer at the alignment it has on the host, modulo a
+page on the CPU twin (a CPU kernel's choice, and so its rounding, may depend on it: a
+1-row fp32 ``linear`` gives other bits for a weight 4 bytes off a 16-byte boundary) and
+at 256 bytes on a device (what its allocator gives a tensor). With ``device`` the CPU
+the same code runs without streams and events (every copy is synchronous): the twin
+the tests drive on a host without CUDA.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import threading
 from typing import NamedTuple
 
 import torch
 
-from .layout import LayerLayout, tensor_span
+from .layout import tensor_span
+from .snapshot import fingerprint, held_tensors
 
-__all__ = ["DeviceCopier", "Loaded", "host_bytes", "slot_bytes"]
+__all__ = ["DeviceCopier", "Loaded", "alignment", "host_bytes", "slot_bytes"]
 
-_ALIGN = 256
+_ALIGN = 256  # a device buffer's tensors start at this alignment
+_PAGE = 4096  # the CPU twin keeps each tensor's address modulo a page
 _STAGE = 16 << 20
 
 
@@ -34,18 +48,30 @@ def host_bytes(address: int, length: int) -> torch.Tensor:
     return torch.frombuffer((ctypes.c_char * length).from_address(address), dtype=torch.uint8)
 
 
-def slot_bytes(layout: LayerLayout) -> int:
-    """The buffer a layer needs: each tensor's bytes, each start aligned as :meth:`DeviceCopier.load` places it."""
-    spans = {tensor_span(t) for t in layout.tensors}
-    return sum(n + (-n) % _ALIGN for _, n in spans)
+def _spans(module: torch.nn.Module) -> list[tuple[int, int]]:
+    out = []
+    for _, _, _, tensor in held_tensors(module):
+        if tensor.device.type == "cpu":
+            span = tensor_span(tensor)
+            if span[1] and span not in out:
+                out.append(span)
+    return out
+
+
+def slot_bytes(layout, align: int = _PAGE) -> int:
+    """The buffer a layer needs: each tensor's bytes, each start placed as :meth:`DeviceCopier.load`
+    places it (at most ``align`` bytes of padding each)."""
+    return sum(n + align for _, n in _spans(layout.module))
 
 
 class Loaded(NamedTuple):
-    layout: LayerLayout
-    slot: int
+    layout: object  # the LayerLayout the load was made for
+    slot: int | None  # the slot the load owns (given back after use, even when the layer outgrew it)
     ready: object  # torch.cuda.Event recorded on the side stream after the copy
     views: dict  # (module, kind, name) -> device tensor
     nbytes: int
+    fingerprint: tuple  # the tensors it copied (snapshot.fingerprint of the module then)
+    buffer: torch.Tensor | None = None  # a one-off buffer (the layer outgrew the slots), kept alive until used
 
 
 class _Twin:
@@ -67,14 +93,27 @@ class DeviceCopier:
     def __init__(self, device: torch.device, slots: int, slot_bytes: int):
         self.device = device
         self.cuda = device.type == "cuda"
+        self.align = alignment(device)
         self.stream = torch.cuda.Stream(device=device) if self.cuda else _Twin()
         self.buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(slots)]
         self.free = [None] * slots  # an event recorded when the slot's forward finished
+        self.idle = list(range(slots))  # slots no load owns
         self.staging = [torch.empty(_STAGE, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
         self.staged = [None, None]  # an event recorded after the copy out of each staging buffer
-        self._next = 0
         self._turn = 0
+        self._lock = threading.Lock()  # loads run on the worker and, for a late layer, in the caller
 
+    # ------------------------------------------------------------------ slots
+    def acquire(self) -> int | None:
+        """A slot for one load, or None when every slot is owned."""
+        return self.idle.pop(0) if self.idle else None
+
+    def give_back(self, slot: int | None) -> None:
+        """The slot's load is used or dropped: a later load may take it."""
+        if slot is not None and slot not in self.idle:
+            self.idle.append(slot)
+
+    # ------------------------------------------------------------------ copies
     def _copy_pageable(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         for at in range(0, src.numel(), _STAGE):
             n = min(_STAGE, src.numel() - at)
@@ -98,38 +137,52 @@ class DeviceCopier:
     def _current(self):
         return torch.cuda.current_stream(self.device) if self.cuda else _Twin()
 
-    def load(self, layout: LayerLayout, pinned: bool) -> Loaded:
-        """Start copying ``layout`` into the next free buffer; returns at once for pinned layers."""
-        slot, self._next = self._next, (self._next + 1) % len(self.buffers)
-        buffer, placed, at = self.buffers[slot], {}, 0
-        if self.free[slot] is not None:
-            self.stream.wait_event(self.free[slot])
-        for tensor in layout.tensors:
-            address, length = tensor_span(tensor)
-            if (address, length) in placed:
-                continue
-            dst = buffer[at:at + length]
-            src = host_bytes(address, length)
-            if pinned:
-                with self._on_side():
-                    dst.copy_(src, non_blocking=True)
-            else:
-                self._copy_pageable(dst, src)
+    def _place(self, buffer: torch.Tensor, spans) -> dict[tuple[int, int], int]:
+        """Where each span starts in ``buffer``: aligned as :data:`align` says (see the module doc)."""
+        base, at, placed = buffer.data_ptr(), 0, {}
+        for address, length in spans:
+            residue = address % self.align if not self.cuda else 0
+            at += (residue - (base + at)) % self.align
             placed[(address, length)] = at
-            at += length + (-length) % _ALIGN
-        ready = self._event()
-        ready.record(self.stream)
-        views = {}
-        for module in layout.module.modules():
-            for kind, table in (("p", module._parameters), ("b", module._buffers)):
-                for name, tensor in table.items():
-                    if tensor is None or tensor.device.type != "cpu":
-                        continue
-                    off = placed[tensor_span(tensor)]
-                    size = tensor_span(tensor)[1]
-                    view = buffer[off:off + size].view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
-                    views[(module, kind, name)] = view
-        return Loaded(layout, slot, ready, views, at)
+            at += length
+        return placed
+
+    def load(self, layout, pinned: bool, slot: int | None) -> Loaded:
+        """Copy the tensors ``layout``'s module holds now into ``slot`` (a one-off buffer when
+        None or too small); returns at once for pinned layers on a device."""
+        with self._lock:
+            module = layout.module
+            taken = fingerprint(module)
+            tensors = [(m, kind, name, t) for m, kind, name, t in held_tensors(module) if t.device.type == "cpu"]
+            spans = _spans(module)
+            need = sum(n + self.align for _, n in spans)
+            own = None
+            if slot is None or need > self.buffers[slot].numel():
+                own = torch.empty(need, dtype=torch.uint8, device=self.device)
+                if self.cuda:
+                    own.record_stream(self.stream)  # the copy runs there: no reuse before it ends
+            buffer = own if own is not None else self.buffers[slot]
+            if own is None and self.free[slot] is not None:
+                self.stream.wait_event(self.free[slot])
+            placed = self._place(buffer, spans)
+            for (address, length), at in placed.items():
+                dst, src = buffer[at:at + length], host_bytes(address, length)
+                if pinned:
+                    with self._on_side():
+                        dst.copy_(src, non_blocking=True)
+                else:
+                    self._copy_pageable(dst, src)
+            ready = self._event()
+            ready.record(self.stream)
+            views = {}
+            for m, kind, name, tensor in tensors:
+                span = tensor_span(tensor)
+                if not span[1]:
+                    continue
+                at = placed[span]
+                view = buffer[at:at + span[1]].view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
+                views[(m, kind, name)] = view
+            return Loaded(layout, slot, ready, views, sum(n for _, n in spans), taken, own)
 
     def attach(self, loaded: Loaded) -> dict:
         """Make the layer compute from its device buffer; returns the host tensors to put back."""
@@ -142,14 +195,30 @@ class DeviceCopier:
         return saved
 
     def detach(self, loaded: Loaded, saved: dict) -> None:
-        """Put the host tensors back and free the buffer once the forward is done with it."""
+        """Put the host tensors back (where the forward left the views) and free the buffer once
+        the forward is done with it."""
         for (module, kind, name), tensor in saved.items():
-            (module._parameters if kind == "p" else module._buffers)[name] = tensor
-        event = self._event()
-        event.record(self._current())
-        self.free[loaded.slot] = event
+            table = module._parameters if kind == "p" else module._buffers
+            if name in table and table[name] is not tensor and _is_view_of(table[name], loaded.views[(module, kind, name)]):
+                table[name] = tensor
+        if loaded.buffer is not None and self.cuda:
+            loaded.buffer.record_stream(self._current())  # freed with the Loaded: not before the forward ends
+        if loaded.buffer is None and loaded.slot is not None:
+            event = self._event()
+            event.record(self._current())
+            self.free[loaded.slot] = event
 
     def close(self) -> None:
         self.stream.synchronize()
         self.buffers.clear()
         self.staging.clear()
+
+
+def _is_view_of(held: torch.Tensor | None, view: torch.Tensor) -> bool:
+    """Whether the table still holds the view put there (not a tensor the forward replaced it with)."""
+    return held is not None and held.data_ptr() == view.data_ptr() and held.device == view.device
+
+
+def alignment(device: torch.device) -> int:
+    """How a copy of ``device`` places its tensors (see the module doc): 256 bytes on a device, a page on the twin."""
+    return _ALIGN if device.type == "cuda" else _PAGE

@@ -81,27 +81,56 @@ def module_tensors(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
+class _Area(NamedTuple):
+    start: int
+    end: int
+    offset: int
+    path: str
+    writable: bool
+
+
+def _joined(areas) -> list[_Area]:
+    """Areas of one file mapped in a row become one: ``MADV_RANDOM`` on part of a mapping splits
+    it, and a tensor across the split is still one file range."""
+    out: list[_Area] = []
+    for vma in areas:
+        area = _Area(vma.start, vma.end, vma.offset, vma.path, vma.perms[1] == "w")
+        last = out[-1] if out else None
+        if last and last.end == area.start and last.path == area.path and last.writable == area.writable \
+                and last.offset + (last.end - last.start) == area.offset:
+            out[-1] = last._replace(end=area.end)
+        else:
+            out.append(area)
+    return out
+
+
 class MapIndex:
     """The file mappings of this process, read once from /proc/self/maps."""
 
     def __init__(self):
-        self._areas = sorted(
+        self._areas = _joined(sorted(
             (vma for vma in read_maps() if vma.is_file and vma.path and vma.path.startswith("/")),
             key=lambda v: v.start,
-        )
+        ))
+
+    def _area(self, address: int) -> _Area | None:
+        return next((area for area in self._areas if area.start <= address < area.end), None)
 
     def find(self, address: int, length: int) -> FileRange | None:
         """The file range under ``[address, address + length)``, or None for anonymous memory."""
-        for vma in self._areas:
-            if vma.start <= address < vma.end:
-                if address + length > vma.end:
-                    return None  # spans two areas: not one file range
-                path = vma.path[: -len(" (deleted)")] if vma.path.endswith(" (deleted)") else vma.path
-                if not os.path.isfile(path):
-                    return None
-                writable = vma.perms[1] == "w"
-                return FileRange(path, vma.offset + address - vma.start, length, address, writable)
-        return None
+        area = self._area(address)
+        if area is None or address + length > area.end:
+            return None  # anonymous, or across two areas: not one file range
+        path = area.path[: -len(" (deleted)")] if area.path.endswith(" (deleted)") else area.path
+        if not os.path.isfile(path):
+            return None
+        return FileRange(path, area.offset + address - area.start, length, address, area.writable)
+
+    def mapping_start(self, address: int) -> int:
+        """Where the file mapping holding ``address`` begins: no release may reach below it
+        (the memory there may be anything, and ``MADV_DONTNEED`` zeroes anonymous pages)."""
+        area = self._area(address)
+        return area.start if area is not None else address
 
 
 def _merge(ranges: list[FileRange]) -> tuple[FileRange, ...]:

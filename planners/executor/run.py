@@ -23,21 +23,45 @@ from hostmem.errors import InputError
 from hostmem.pinning import Pinner
 
 from ..deployment import DeploymentPlan
-from .layout import MapIndex, layer_layout
-from .pipeline import LayerPipeline
+from .guard import refuse_offload_hooks
+from .layout import MapIndex, layer_module, tensor_span
+from .pages import page_cover
+from .pipeline import Clock, LayerPipeline
 from .readahead import FileHandles, choose_reader, set_random
 from .roles import ComponentRoles, plan_roles
+from .snapshot import take_snapshot
 from .stats import ExecutorStats, PassStats, read_io_bytes
 
 __all__ = ["Executor", "execute"]
 
 
-def _check_sizes(plan: DeploymentPlan, name: str, layouts) -> None:
+def _first_seen_bytes(root: torch.nn.Module, layers) -> dict[str, int]:
+    """Each layer's host bytes as the plan counted them: a storage several tensors share once,
+    under the first name it goes by (parameters, then buffers, in module order: the accountant's rule)."""
+    prefixes = sorted(((layer + ".", layer) for layer in layers), key=lambda p: -len(p[0]))
+    out, seen = dict.fromkeys(layers, 0), set()
+    named = [(n, t) for kind in ("_parameters", "_buffers") for prefix, m in root.named_modules(remove_duplicate=False)
+             for n, t in ((f"{prefix}.{k}" if prefix else k, t) for k, t in getattr(m, kind).items()) if t is not None]
+    for name, tensor in named:
+        if not tensor.is_cpu:
+            continue
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key in seen:
+            continue
+        seen.add(key)
+        owner = next((layer for prefix, layer in prefixes if name.startswith(prefix)), None)
+        if owner is not None:
+            out[owner] += storage.nbytes()
+    return out
+
+
+def _check_sizes(plan: DeploymentPlan, name: str, root: torch.nn.Module, layers) -> None:
     units = {u.name: u.nbytes for u in plan.components[name].units}
-    for layer, layout in layouts.items():
-        if units.get(layer) != layout.nbytes:
+    for layer, nbytes in _first_seen_bytes(root, layers).items():
+        if units.get(layer) != nbytes:
             raise InputError(
-                f"{name}.{layer}: the plan has {units.get(layer)} bytes, the module {layout.nbytes}; the plan "
+                f"{name}.{layer}: the plan has {units.get(layer)} bytes, the module {nbytes}; the plan "
                 "was made from other weights: plan again after loading (planners.startup.plan_loaded)"
             )
 
@@ -64,6 +88,7 @@ class Executor:
         self._worker: ThreadPoolExecutor | None = None
         self._pass_start: dict[str, tuple[float, int]] = {}
         self._stats: ExecutorStats | None = None
+        self._clock = Clock()
 
     # ------------------------------------------------------------------ entry
     def __enter__(self) -> "Executor":
@@ -77,20 +102,39 @@ class Executor:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _layouts(self, maps: MapIndex) -> dict[str, dict]:
+    def _snapshots(self, maps: MapIndex) -> dict[str, dict]:
         out = {}
         for name, roles in self.roles.items():
             if name not in self.components:
                 raise InputError(f"the plan moves layers of {name!r}, but no module of that name was given; "
                                  f"pass {{'{name}': module}} with the others")
             hooked = roles.order if roles.moves else roles.resident
-            out[name] = {layer: layer_layout(name, self.components[name], layer, maps) for layer in hooked}
-            _check_sizes(self.plan, name, out[name])
+            root = self.components[name]
+            for layer in hooked:
+                layer_module(name, root, layer)  # a clear error for a layer the module lacks
+            _check_sizes(self.plan, name, root, hooked)
+            out[name] = {layer: take_snapshot(name, root, layer, maps) for layer in hooked}
         return out
 
+    def _rest_cover(self, name: str, snapshots: dict, maps: MapIndex) -> list:
+        """Pages of the component's tensors outside every hooked layer: never released."""
+        inside = {id(m) for snap in snapshots.values() for m in snap.layout.module.modules()}
+        ranges = []
+        for module in self.components[name].modules():
+            if id(module) in inside:
+                continue
+            for tensor in [*module._parameters.values(), *module._buffers.values()]:
+                if tensor is not None and tensor.is_cpu and tensor.numel():
+                    found = maps.find(*tensor_span(tensor))
+                    ranges += [found] if found is not None else []
+        return page_cover(ranges)
+
     def _start(self) -> None:
+        refuse_offload_hooks(self.components)
         self.roles = plan_roles(self.plan, self.prefetch)
-        layouts = self._layouts(MapIndex())
+        maps = MapIndex()
+        snapshots = self._snapshots(maps)
+        layouts = {n: {k: snap.layout for k, snap in s.items()} for n, s in snapshots.items()}
         copies = self.device is not None  # a device, or "cpu": the device path's twin (tests)
         self._pin(layouts)
         window = [(n, l) for n, roles in self.roles.items() for l in roles.released][: self.prefetch + 1]
@@ -106,10 +150,14 @@ class Executor:
         if copies:
             self._place_on_device(layouts)
         for name, roles in self.roles.items():
-            moved = {k: v for k, v in layouts[name].items() if k not in roles.resident}
-            pipe = LayerPipeline(roles, moved, self.prefetch, self._worker, self._handles, reader, copier)
+            moved = {k: v for k, v in snapshots[name].items() if k not in roles.resident}
+            pipe = LayerPipeline(roles, moved, self.prefetch, self._worker, self._handles, reader, copier,
+                                 root=self.components[name], rest_cover=self._rest_cover(name, moved, maps),
+                                 clock=self._clock)
             self.pipelines[name] = pipe
             self._hook(name, pipe)
+        for pipe in self.pipelines.values():
+            pipe.neighbours = list(self.pipelines.values())
         self._stats = ExecutorStats(
             reader=reader, device=str(self.device or "cpu"),
             roles={n: {k: len(getattr(r, k)) for k in ("resident", "pinned", "kept", "released")}
@@ -128,9 +176,10 @@ class Executor:
             self._pinner.pin(("executor", name, layer), layouts[name][layer].tensors)
 
     def _copier(self, layouts):
-        from .device_copy import DeviceCopier, slot_bytes
+        from .device_copy import DeviceCopier, alignment, slot_bytes
 
-        moved = [slot_bytes(l) for n, r in self.roles.items() for k, l in layouts[n].items() if k not in r.resident]
+        align = alignment(self.device)
+        moved = [slot_bytes(l, align) for n, r in self.roles.items() for k, l in layouts[n].items() if k not in r.resident]
         return DeviceCopier(self.device, self.prefetch + 1, max(moved)) if moved else None
 
     def _place_on_device(self, layouts) -> None:
@@ -146,29 +195,46 @@ class Executor:
                         if tensor is None or tensor.device.type != "cpu":
                             continue
                         moved = tensor.detach().to(self.device)
-                        self._placed.append((table, key, tensor))
-                        table[key] = torch.nn.Parameter(moved, requires_grad=False) if table is module._parameters \
+                        placed = torch.nn.Parameter(moved, requires_grad=False) if table is module._parameters \
                             else moved
+                        table[key] = placed
+                        self._placed.append((table, key, tensor, placed))
 
     # ------------------------------------------------------------------ hooks
     def _hook(self, name: str, pipe: LayerPipeline) -> None:
         root = self.components[name]
         self._hooks.append(root.register_forward_pre_hook(lambda m, a, n=name: self._pass_begin(n)))
-        self._hooks.append(root.register_forward_hook(lambda m, a, o, n=name: self._pass_end(n)))
+        # always_call: a forward that raises still ends its pass and gives its layer's buffer back
+        self._hooks.append(root.register_forward_hook(lambda m, a, o, n=name: self._pass_end(n), always_call=True))
+        hooked = set()
         for layer, layout in pipe.layouts.items():
+            if id(layout.module) in hooked:  # one module under two layer names: its first name
+                continue
+            hooked.add(id(layout.module))
             self._hooks.append(layout.module.register_forward_pre_hook(lambda m, a, l=layer: pipe.before(l)))
-            self._hooks.append(layout.module.register_forward_hook(lambda m, a, o, l=layer: pipe.after(l)))
+            self._hooks.append(layout.module.register_forward_hook(lambda m, a, o, l=layer: pipe.after(l),
+                                                                   always_call=True))
+
+    def _boundary(self) -> None:
+        """A pass begins or ends: no device copy made before it serves a layer after it."""
+        self._clock.value += 1
+        for pipe in self.pipelines.values():
+            pipe.boundary()
 
     def _pass_begin(self, name: str) -> None:
+        self._boundary()
         index = sum(1 for p in self._stats.passes if p.component == name)
         roles = self.roles[name]
         predicted_s = roles.predicted_read_bytes / self.disk_read if self.disk_read else None
         self.pipelines[name].current = PassStats(name, index, predicted_read_bytes=roles.predicted_read_bytes,
                                                  predicted_s=predicted_s)
         self._pass_start[name] = (time.perf_counter(), read_io_bytes())
+        self.pipelines[name].begin()
 
     def _pass_end(self, name: str) -> None:
         pipe = self.pipelines[name]
+        pipe.end()
+        self._boundary()
         current, pipe.current = pipe.current, None
         if current is None or name not in self._pass_start:
             return
@@ -186,6 +252,12 @@ class Executor:
             raise RuntimeError("the executor has not started: use it as `with execute(plan, components) as ex:`")
         return self._stats
 
+    def settle(self) -> None:
+        """Return once every read-ahead and copy in flight has ended (a fence for tests and benchmarks:
+        what is done next, such as a weight written in place, cannot race a copy of it)."""
+        if self._worker is not None:
+            self._worker.submit(int).result()  # one worker thread: every job before this one is done
+
     def close(self) -> None:
         """Remove every hook; drain reads; put host tensors back; unpin; close files."""
         for handle in self._hooks:
@@ -199,8 +271,9 @@ class Executor:
         for ranges in self._random:
             set_random(ranges, False)
         self._random.clear()
-        for table, key, tensor in reversed(self._placed):
-            table[key] = tensor
+        for table, key, tensor, placed in reversed(self._placed):
+            if table.get(key) is placed:  # a weight replaced since is the caller's: it stays
+                table[key] = tensor
         self._placed.clear()
         copiers = {id(p.copier): p.copier for p in self.pipelines.values() if p.copier is not None}
         for copier in copiers.values():

@@ -39,9 +39,11 @@ class SyntheticDiT(nn.Module):
         self.blocks = nn.ModuleList(_Block(d, dtype) for _ in range(layers))
         self.head = nn.Linear(d, 64, bias=False, dtype=dtype, device="meta")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, order=None) -> torch.Tensor:
+        """Every block in turn, or the blocks ``order`` lists (indices: skips, repeats, any order),
+        as a server's step caching or a partial pass runs them."""
         x = self.embed(x)
-        for block in self.blocks:
+        for block in self.blocks if order is None else (self.blocks[i] for i in order):
             x = block(x)
         return self.head(x)
 

@@ -34,5 +34,11 @@ def test_the_device_checks_dry_run_writes_every_part(tmp_path):
     executor = results["executor"]
     roles = executor["executor"]["roles"]["dit"]
     assert executor["identical"] and all(roles[k] > 0 for k in ("resident", "pinned", "kept", "released")), roles
+    orders = results["orders"]["paths"]
+    assert sorted(orders) == ["device twin (cpu)", "host"]
+    for path, found in orders.items():  # skips, reverse, repeats, partial passes, CFG, replacements
+        assert set(found) >= {"skip", "reverse", "repeat", "partial", "cfg", "replace"}, found
+        assert all(r["identical"] and r["passes"] >= 2 for r in found.values()), (path, found)
+    assert "orders on device twin (cpu): identical to the model run whole: skip" in text
     assert results["shared_build"] == {"skipped": "--skip"}
     assert sorted(os.listdir(tmp_path)) == ["out"]  # the checkpoints and probes are gone

@@ -1,0 +1,253 @@
+"""planners.execute in any order a server runs the layers: skips (step caching), subsets, reverse,
+repeats, partial passes, CFG, two components interleaved, layers that share a tensor, and weights
+replaced between and during passes. Each run equals, bit for bit, the same order and the same
+replacements on a second copy of the model without the executor, on the host path and on the
+device path's CPU twin, with a plan whose page cache is too small to keep every layer."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from hostmem.procfs import PAGE_SIZE, read_status
+from hostmem.residency import classify_range
+from planners.executor import execute, plan_roles
+from planners.executor.synthetic import load_synthetic_dit, write_synthetic_dit
+from planners.executor.trial import synthetic_config
+from planners.startup import plan_loaded
+
+from .conftest import MiB
+
+LAYERS, D = 16, 256  # blocks of 256 KiB (fp32)
+ROOM = 2 * MiB  # page cache for half the layers: the rest are released after use
+FULL = list(range(LAYERS))
+PATHS = {"host": {"read_ahead": "madvise"}, "host-worker": {"read_ahead": "read"}, "twin": {"device": "cpu"}}
+ORDERS = {
+    "skip": [FULL, [0, 1, 14, 15], [0, 1, 14, 15], FULL],
+    "first-block-cache": [FULL, [0], [0], FULL, [0]],
+    "subset": [sorted(random.Random(s).sample(FULL, 7)) for s in range(3)],
+    "reverse": [FULL[::-1]] * 3,
+    "repeat": [[0, 1, 2, 2, 2, 3, *FULL[4:], 15]] * 2,
+    "partial": [FULL[:8], FULL, FULL[:8], FULL[:3]],
+    "cfg": [FULL, FULL],
+    "shuffled": [random.Random(s).sample(FULL, LAYERS) for s in range(3)],
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One compute thread: on busy cores a second one spins at every small matmul (100x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_synthetic_dit(tmp_path_factory.mktemp("orders") / "dit.safetensors", LAYERS, D, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def plan(checkpoint):
+    reserve = read_status().rss_anon + 256 * MiB
+    config = synthetic_config(os.fspath(checkpoint), reserve + ROOM, reserve, 0, 3)
+    made = plan_loaded(config, {"dit": load_synthetic_dit(checkpoint)}, quiet=True)
+    assert not made.pins.plans["dit"].page_cache_fits
+    return made
+
+
+def _x():
+    return torch.randn(3, 64, generator=torch.Generator().manual_seed(7))  # 3 rows: not a 1-row GEMV
+
+
+def _run(model, passes, between=None):
+    outs = []
+    with torch.no_grad():
+        for i, order in enumerate(passes):
+            if between is not None:
+                between(model, i)
+            outs.append(model(_x(), order=order))
+    return outs
+
+
+def _under(plan, model, options, passes, between=None, components=None, own_hooks=0):
+    with execute(plan, components or {"dit": model}, prefetch=2, **options) as run:
+        # the executor's reads and copies ended: a write below cannot race them, it must be caught
+        settled = None if between is None else (lambda m, i: (run.settle(), between(m, i)))
+        outs = _run(model, passes, settled)
+        stats = run.stats()
+    assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == own_hooks
+    return outs, stats
+
+
+def _same(got, expected):
+    assert len(got) == len(expected)
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert torch.equal(a, b), f"pass {i}: largest difference {(a - b).abs().max()}"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_any_order_gives_the_outputs_of_the_model_alone(checkpoint, plan, path):
+    """Every order of ORDERS, one after another under one executor (each switch is a change of order)."""
+    passes = [order for name in ORDERS for order in ORDERS[name]]
+    expected = _run(load_synthetic_dit(checkpoint), passes)
+    got, stats = _under(plan, load_synthetic_dit(checkpoint), PATHS[path], passes)
+    _same(got, expected)
+    assert stats.roles["dit"]["released"] > 0 and sum(p.released_bytes for p in stats.passes) > 0
+
+
+@pytest.mark.parametrize("path", ["host-worker", "twin"])
+def test_the_read_ahead_learns_the_order_the_model_runs(checkpoint, plan, path):
+    """Reverse passes: the plan's order predicts none of the layers; from the second pass on, the
+    order seen does, so no layer waits for a read or copy started at its own forward."""
+    passes = [FULL[::-1]] * 3
+    _, stats = _under(plan, load_synthetic_dit(checkpoint), PATHS[path], passes)
+    late = [p.late_layers for p in stats.passes]
+    assert late[0] >= LAYERS // 2 and late[1:] == [0, 0], late
+
+
+def _replace(model, index, scale):
+    """A LoRA switch as diffusers' fuse does it: the module gets a new (anonymous) weight."""
+    old = model.blocks[index].proj.weight
+    model.blocks[index].proj.weight = torch.nn.Parameter(old.detach() * scale, requires_grad=False)
+
+
+def _between(model, i):
+    if i == 1:
+        _replace(model, 0, 0.5)  # the first layer: read ahead at the end of the pass before
+        _replace(model, 9, 1.5)
+    if i == 2:
+        model.blocks[0].proj.weight.data += 1e-3  # peft's merge: in place through .data, nothing changes but bytes
+    if i == 3:
+        model.blocks[4].proj.weight = model.blocks[3].proj.weight  # a weight now shared by two layers
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_weights_replaced_between_passes(checkpoint, plan, path):
+    passes = [FULL, FULL, [0, 1, 2], FULL[::-1], FULL]
+    expected = _run(load_synthetic_dit(checkpoint), passes, _between)
+    got, _ = _under(plan, load_synthetic_dit(checkpoint), PATHS[path], passes, _between)
+    _same(got, expected)
+
+
+def _during(model, i):
+    """Hooks that, inside a pass, replace a weight of a layer that is read ahead by then."""
+    def swap(module, args, target=model.blocks[7]):
+        target.proj.weight = torch.nn.Parameter(target.proj.weight.detach() * 0.25, requires_grad=False)
+
+    if i == 1:
+        model._swap = model.blocks[6].register_forward_pre_hook(swap)
+    if i == 2:
+        model._swap.remove()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_weight_replaced_during_a_pass(checkpoint, plan, path):
+    passes = [FULL, FULL, FULL]
+    expected = _run(load_synthetic_dit(checkpoint), passes, _during)
+    model = load_synthetic_dit(checkpoint)
+    got, _ = _under(plan, model, PATHS[path], passes, _during)
+    _same(got, expected)
+
+
+class _Gated(torch.nn.Module):
+    """A block that also reads a table every block shares (a view of block 0's mapped weight)."""
+
+    def __init__(self, block, table):
+        super().__init__()
+        self.proj = block.proj
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, x):
+        return x + torch.tanh(self.proj(x)) * self.table
+
+
+def _share(model):
+    table = model.blocks[0].proj.weight[1]
+    for i in range(1, LAYERS):
+        model.blocks[i] = _Gated(model.blocks[i], table)
+    return model
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_layers_that_share_a_tensor_run_and_the_shared_pages_are_not_released(checkpoint, path):
+    reserve = read_status().rss_anon + 256 * MiB
+    config = synthetic_config(os.fspath(checkpoint), reserve + ROOM, reserve, 0, 3)
+    model = _share(load_synthetic_dit(checkpoint))
+    shared = plan_loaded(config, {"dit": model}, quiet=True)
+    passes = [FULL, FULL[::-1], [0, 5, 6]]
+    expected = _run(_share(load_synthetic_dit(checkpoint)), passes)
+    table = model.blocks[1].table
+    start = table.data_ptr() - table.data_ptr() % PAGE_SIZE
+    resident = []
+
+    def after_block_0(module, args, output):
+        resident.append(classify_range(start, start + PAGE_SIZE).file_backed)
+
+    def between(model, i):  # registered under the executor: runs after its release
+        if i == 0:
+            model.blocks[0].register_forward_hook(after_block_0)
+
+    got, stats = _under(shared, model, PATHS[path], passes, between, own_hooks=1)
+    _same(got, expected)
+    assert "blocks.0" in plan_roles(shared, 2)["dit"].released and stats.roles["dit"]["released"] > 0
+    assert resident == [PAGE_SIZE] * 3  # block 0 released, but not the page the others read too
+
+
+def _two(tmp_path, checkpoint):
+    other = write_synthetic_dit(tmp_path / "te.safetensors", 4, D, torch.float32, seed=3)
+    reserve = read_status().rss_anon + 256 * MiB
+    from planners.config import parse_config
+
+    text = (
+        "deployment: two\n"
+        f"host: {{limit: {reserve + ROOM + MiB // 2}B, reserve: {reserve}B, max_pinned: 0B}}\n"
+        "workload: {steps: 2}\n"
+        "components:\n"
+        f"  dit: {{path: {checkpoint}, layers: \"blocks.{{i}}.\", offload: layerwise}}\n"
+        f"  te: {{path: {other}, layers: \"blocks.{{i}}.\", offload: full}}\n"
+    )
+    config = parse_config(text, os.fspath(tmp_path / "two.yaml"), environ={})
+    return other, config
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_two_components_interleaved(tmp_path, checkpoint, path):
+    other, config = _two(tmp_path, checkpoint)
+
+    def script(dit, te):
+        with torch.no_grad():
+            outs = [te(_x(), order=[0, 1, 2, 3]), dit(_x(), order=FULL[:5])]
+            outs += [te(_x(), order=[3, 2]), dit(_x(), order=FULL[::-1]), te(_x()), dit(_x(), order=[0, 15])]
+        return outs
+
+    expected = script(load_synthetic_dit(checkpoint), load_synthetic_dit(other))
+    dit, te = load_synthetic_dit(checkpoint), load_synthetic_dit(other)
+    plan = plan_loaded(config, {"dit": dit, "te": te}, quiet=True)
+    with execute(plan, {"dit": dit, "te": te}, prefetch=2, **PATHS[path]) as run:
+        got = script(dit, te)
+        stats = run.stats()
+    _same(got, expected)
+    assert [p.component for p in stats.passes] == ["te", "dit"] * 3
+
+
+def test_a_forward_that_raises_leaves_the_host_weights_in_place(checkpoint, plan):
+    model = load_synthetic_dit(checkpoint)
+    weights = [p for p in model.parameters()]
+    expected = _run(load_synthetic_dit(checkpoint), [FULL])
+
+    def boom(module, args):
+        raise RuntimeError("a forward that fails")
+
+    with execute(plan, {"dit": model}, device="cpu", prefetch=2):
+        handle = model.blocks[5].proj.register_forward_pre_hook(boom)
+        with pytest.raises(RuntimeError, match="fails"), torch.no_grad():
+            model(_x())
+        handle.remove()
+        got = _run(model, [FULL])
+    _same(got, expected)
+    assert all(a is b for a, b in zip(model.parameters(), weights))

@@ -1,0 +1,131 @@
+"""Weights replaced under planners.execute by the real callers: peft's adapters injected, switched
+(``set_adapter``), rescaled, merged (safe: a new tensor) and unmerged (in place through ``.data``)
+between passes, and ``hostmem.remap`` turning copied weights back into mappings. Each run equals,
+bit for bit, the same steps on a second copy of the model without the executor, on the host path
+and on the device path's CPU twin."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hostmem.procfs import read_status
+from planners.executor import execute
+from planners.executor.synthetic import load_synthetic_dit, write_synthetic_dit
+from planners.executor.trial import synthetic_config
+from planners.startup import plan_loaded
+
+from .conftest import MiB
+
+LAYERS, D = 8, 256
+FULL = list(range(LAYERS))
+PATHS = {"host": {"read_ahead": "madvise"}, "twin": {"device": "cpu"}}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_synthetic_dit(tmp_path_factory.mktemp("replace") / "dit.safetensors", LAYERS, D, torch.float32)
+
+
+def _plan(checkpoint, model):
+    reserve = read_status().rss_anon + 256 * MiB
+    config = synthetic_config(os.fspath(checkpoint), reserve + MiB, reserve, 0, 3)
+    return plan_loaded(config, {"dit": model}, quiet=True)
+
+
+def _x():
+    return torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+
+
+def _lora_layers(model):
+    from peft.tuners.lora import Linear
+
+    return [m for m in model.modules() if isinstance(m, Linear)]
+
+
+def _peft_step(model, i):
+    from peft import LoraConfig, inject_adapter_in_model
+
+    if i == 1:
+        for name, seed in (("a", 1), ("b", 2)):
+            torch.manual_seed(seed)
+            inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["proj"], init_lora_weights=False),
+                                    model, adapter_name=name)
+        for layer in _lora_layers(model):
+            layer.set_adapter("a")
+    elif i == 2:
+        for layer in _lora_layers(model):
+            layer.set_adapter("b")  # a switch: other factors, the same modules
+    elif i == 3:
+        for layer in _lora_layers(model):
+            layer.set_scale("b", 0.5)
+    elif i == 4:
+        for layer in _lora_layers(model):
+            layer.merge(safe_merge=True)  # the base weight becomes a new (anonymous) tensor
+    elif i == 5:
+        for layer in _lora_layers(model):
+            layer.unmerge()  # in place: weight.data -= delta; no address or version changes
+
+
+def _passes(model, step, orders):
+    outs = []
+    with torch.no_grad():
+        for i, order in enumerate(orders):
+            step(model, i)
+            outs.append(model(_x(), order=order))
+    return outs
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_peft_adapters_injected_switched_merged_and_unmerged_between_passes(checkpoint, path):
+    pytest.importorskip("peft")
+    orders = [FULL, FULL, FULL[::-1], [0, 1, 2], FULL, FULL, FULL]
+    expected = _passes(load_synthetic_dit(checkpoint), _peft_step, orders)
+    model = load_synthetic_dit(checkpoint)
+    with execute(_plan(checkpoint, model), {"dit": model}, prefetch=2, **PATHS[path]) as run:
+        got = _passes(model, lambda m, i: (run.settle(), _peft_step(m, i)), orders)  # no race: caught
+        stats = run.stats()
+    for i, (a, b) in enumerate(zip(got, expected)):
+        assert torch.equal(a, b), f"pass {i}"
+    assert len({tuple(o.flatten()[:4].tolist()) for o in expected}) > 3  # the steps did change the outputs
+    assert stats.roles["dit"]["released"] > 0
+    assert stats.passes[-1].late_layers == 0  # layers that grew (adapters) are read ahead again once unchanged
+
+
+def _copied(model):
+    """Blocks 2..5 copied into anonymous memory, as a loader that casts or merges leaves them."""
+    for i in range(2, 6):
+        proj = model.blocks[i].proj
+        proj.weight = torch.nn.Parameter(proj.weight.detach().clone(), requires_grad=False)
+    return model
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_remap_between_passes_points_layers_at_the_mapping(checkpoint, path):
+    import hostmem
+
+    expected = _passes(_copied(load_synthetic_dit(checkpoint)), lambda m, i: None, [FULL] * 3)
+    model = _copied(load_synthetic_dit(checkpoint))
+    anonymous = model.blocks[3].proj.weight.data_ptr()
+
+    def step(m, i):
+        if i == 1:
+            report = hostmem.remap(m, files=[os.fspath(checkpoint)])
+            assert report.remapped == 4
+
+    with execute(_plan(checkpoint, model), {"dit": model}, prefetch=2, **PATHS[path]) as run:
+        got = _passes(model, step, [FULL] * 3)
+        stats = run.stats()
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert model.blocks[3].proj.weight.data_ptr() != anonymous  # mapped now, and stays so after exit
+    assert stats.passes[-1].released_bytes > stats.passes[0].released_bytes  # the remapped layers are released too
