@@ -62,13 +62,17 @@ class LayerPipeline:
         self.pending[name] = None if self.inline else self.worker.submit(self._job, name)
 
     def _look_ahead(self, name: str) -> None:
-        """Schedule the next ``prefetch`` layers after ``name`` that need work (wrapping)."""
-        at, n, count = self.position[name], len(self.order), 0
+        """Schedule the next layers after ``name`` that need work (wrapping): up to ``prefetch``
+        of them and the plan's read-ahead bytes (always the next one), the window it made room for."""
+        at, n, count, ahead = self.position[name], len(self.order), 0, 0
         for step in range(1, n):
             if count >= self.prefetch:
                 break
             upcoming = self.order[(at + step) % n]
             if self._needs_work(upcoming):
+                ahead += self.layouts[upcoming].mapped_bytes
+                if count and ahead > self.roles.read_ahead_bytes:
+                    break
                 self._schedule(upcoming)
                 count += 1
 
