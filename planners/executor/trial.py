@@ -100,8 +100,10 @@ def _run(args) -> dict:
                  disk_read=config.transfer.disk_read) if args.mode == "executor" else None
     passes, identical = [], True
     with torch.no_grad():
+        began = time.perf_counter()
         if ex is not None:
-            ex.__enter__()
+            ex.__enter__()  # pins, hooks, the reader's choice: what a server waits for at start
+        start_s = time.perf_counter() - began
         try:
             for i, x in enumerate(inputs):
                 read0, t0 = read_io_bytes(), time.perf_counter()
@@ -125,7 +127,7 @@ def _run(args) -> dict:
         "predicted_read_bytes": stats["predicted_read_bytes"]["dit"] if stats else None,
         "largest_layer": max(p.numel() * p.element_size() for p in model.blocks.parameters()),
         "executor": stats, "hooks_left": hooks_left, "planned_kept": planned_kept,
-        "kept": list(ex.roles["dit"].kept) if ex is not None else None, "loader": args.loader,
+        "kept": list(ex.roles["dit"].kept) if ex is not None else None, "loader": args.loader, "start_s": start_s,
         "pinned_bytes": plan.pins.pinned_bytes, "window_bytes": plan.pins.window_bytes,
     }
 
