@@ -74,7 +74,11 @@ def read_record(path: str) -> dict | None:
 
 
 def saved_reader(config=None) -> str | None:
-    """The read-ahead reader ``hostmem calibrate --save`` found fastest on this machine, or None."""
+    """The read-ahead reader ``hostmem calibrate --save`` found fastest on this machine, or None.
+
+    The executor has a plan, not a config: it reads the record of the default cache root
+    (``$HOSTMEM_CACHE_ROOT``, else ``~/.cache/hostmem``), where a calibration without
+    ``--root`` or a config's cache root is saved."""
     record = read_record(record_path(config))
     choice = record.get("read_ahead") if record is not None else None
     return choice.get("reader") if isinstance(choice, dict) and isinstance(choice.get("reader"), str) else None

@@ -23,9 +23,9 @@ from hostmem.errors import InputError
 from hostmem.pinning import Pinner
 
 from ..deployment import DeploymentPlan
+from .calibration import saved_reader
 from .layout import MapIndex, layer_layout
 from .pipeline import LayerPipeline
-from .calibration import saved_reader
 from .readahead import FileHandles, choose_reader, set_random
 from .roles import ComponentRoles, plan_roles
 from .stats import ExecutorStats, PassStats, read_io_bytes
