@@ -105,7 +105,8 @@ def _core(config, components, host: HostLimit, process_excess: int, build_reserv
         host.bytes, config.host.reserve, config.host.max_pinned(host.bytes), _committed(components), process_excess,
         build_reserve, config.host.reserve_source, device_in_host_memory(device) if host.is_unified else 0,
     )
-    pins = plan_pins(_move_groups(config, components, device), budget, cost_model(config))
+    pins = plan_pins(_move_groups(config, components, device), budget, cost_model(config),
+                     streamed.prefetch if streamed else 0)
     return budget, device, pins
 
 

@@ -17,6 +17,11 @@ layers do not fit is read from disk on every move, and so is everything after it
 (a cyclic stream larger than the cache evicts each page before its reuse). The
 plan is the prefix of the greedy selection with the least transfer time per
 request, so it pins less when pinning more would push streamed layers to disk.
+
+Where the unpinned layers cannot all stay in page cache, the executor streams some of
+them through a read-ahead window (:func:`planners.executor.roles.window_bytes`): pins
+stop short of that window's room, or every streamed layer would be read twice (evicted
+while read ahead, read again when used). Where everything fits, no window is needed.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from typing import NamedTuple
 from hostmem.units import format_size
 
 from .budget import HostBudget
-from .sizes import Layer
+from .executor.roles import window_bytes
+from .sizes import REST, Layer
 
 __all__ = ["CostModel", "MoveGroup", "PinPlan", "PinPlans", "plan_pins"]
 
@@ -65,6 +71,7 @@ class PinPlan(NamedTuple):
     disk_bytes_per_request: int
     transfer_s_per_request: float
     baseline_transfer_s_per_request: float
+    kept_layers: tuple[str, ...] = ()  # the executor's kept set (planners.executor.roles), set by the planner
 
 
 class PinPlans(NamedTuple):
@@ -76,6 +83,8 @@ class PinPlans(NamedTuple):
     allowed_layers: int  # layers the budget alone would pin
     warnings: tuple[str, ...]
     notes: tuple[str, ...] = ()  # facts of the host no setting changes (weights larger than it)
+    prefetch: int = 0  # layers read ahead: the executor's default, so that it keeps what the plan says
+    window_bytes: int = 0  # room the pins left for the read-ahead window (0: every layer fits)
 
     @property
     def pinned_bytes(self) -> int:
@@ -94,15 +103,25 @@ class PinPlans(NamedTuple):
         return sum(p.baseline_transfer_s_per_request for p in self.plans.values())
 
 
-def _greedy(groups: list[MoveGroup], budget: HostBudget) -> list[tuple[int, Layer]]:
-    """Units the budget can pay for, in priority order: ``(group index, unit)``."""
+def _window(groups: list[MoveGroup], budget: HostBudget, prefetch: int) -> int:
+    """The read-ahead window the pins must leave free: none where every unit fits in the room,
+    else the largest any group streams through (its layers before pins: never less than after)."""
+    if sum(u.reclaimable for g in groups for u in g.units) <= budget.room:
+        return 0
+    return max((window_bytes([u.reclaimable for u in g.units if u.name != REST], prefetch) for g in groups),
+               default=0)
+
+
+def _greedy(groups: list[MoveGroup], budget: HostBudget, window: int) -> list[tuple[int, Layer]]:
+    """Units the budget can pay for, in priority order, leaving ``window`` bytes of the room:
+    ``(group index, unit)``."""
     if budget.bytes == 0:
         return []
     chosen, net, gross = [], 0, 0
     for g, group in enumerate(groups):
         for unit in group.units:
             cap_cost = unit.nbytes - unit.residency.pinned
-            if net + unit.reclaimable <= budget.room and gross + cap_cost <= budget.pin_cap:
+            if net + unit.reclaimable <= budget.room - window and gross + cap_cost <= budget.pin_cap:
                 chosen.append((g, unit))
                 net, gross = net + unit.reclaimable, gross + cap_cost
     return chosen
@@ -132,11 +151,13 @@ def _evaluate(groups, totals, pinned_bytes, pinned_need, net_cost, budget, cost)
     return _Outcome(tuple(seconds), tuple(disk), tuple(fits), budget.room - net_cost)
 
 
-def plan_pins(groups: list[MoveGroup], budget: HostBudget, cost: CostModel) -> PinPlans:
-    """Pin plans for ``groups`` under ``budget``, by the cost model ``cost``."""
+def plan_pins(groups: list[MoveGroup], budget: HostBudget, cost: CostModel, prefetch: int = 0) -> PinPlans:
+    """Pin plans for ``groups`` under ``budget``, by the cost model ``cost``, leaving room for
+    a read-ahead window of ``prefetch`` layers where the layers do not all fit."""
     groups = sorted(groups, key=lambda g: -g.moves)  # stable: config order among equals
     totals = [(sum(u.nbytes for u in g.units), sum(u.reclaimable for u in g.units)) for g in groups]
-    chosen = _greedy(groups, budget)
+    window = _window(groups, budget, prefetch)
+    chosen = _greedy(groups, budget, window)
     pinned_bytes, pinned_need, net = [0] * len(groups), [0] * len(groups), 0
     outcomes = [_evaluate(groups, totals, pinned_bytes, pinned_need, net, budget, cost)]
     for g, unit in chosen:
@@ -145,7 +166,7 @@ def plan_pins(groups: list[MoveGroup], budget: HostBudget, cost: CostModel) -> P
         net += unit.reclaimable
         outcomes.append(_evaluate(groups, totals, pinned_bytes, pinned_need, net, budget, cost))
     best = min(range(len(outcomes)), key=lambda p: (round(sum(outcomes[p].seconds), 9), p))
-    return _assemble(groups, chosen, best, outcomes, budget)
+    return _assemble(groups, chosen, best, outcomes, budget)._replace(prefetch=prefetch, window_bytes=window)
 
 
 def _assemble(groups, chosen, best, outcomes, budget) -> PinPlans:

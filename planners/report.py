@@ -21,7 +21,7 @@ added but never renamed::
      "pin_plans": {NAME: {"pinned_bytes", "pinned_layers": [..], "transfer_s_per_request",
                           "baseline_transfer_s_per_request", "net_cost_bytes", "moves_per_request",
                           "candidate_layers", "page_cache_bytes", "page_cache_fits",
-                          "disk_bytes_per_request"}},
+                          "disk_bytes_per_request", "kept_layers": [..]}},
      "transfer_s_per_request", "baseline_transfer_s_per_request",
      "transfer": null | {"pinned_h2d", "pageable_h2d", "disk_read", "source"},
      "offers": [{"provider", "component", "anonymous_bytes", "disk_bytes", "one_time_s", "note",
@@ -159,6 +159,7 @@ def _pins(plan: DeploymentPlan) -> dict:
             "page_cache_bytes": p.page_cache_bytes,
             "page_cache_fits": p.page_cache_fits,
             "disk_bytes_per_request": p.disk_bytes_per_request,
+            "kept_layers": list(p.kept_layers),  # the executor's kept set (planners.executor.roles)
         }
         for name, p in plan.pins.plans.items()
     }

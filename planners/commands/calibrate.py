@@ -111,6 +111,9 @@ def measure(args, use_device: bool = True) -> dict:
     device, note = _device(args, use_device)
     transfer = {"disk_read": min(m.disk_read for m in measured)}
     result = {"folders": [m._asdict() for m in measured], "device": device, "notes": [note] if note else []}
+    readers = min(measured, key=lambda m: m.disk_read).readers  # the slowest folder: where read-ahead matters
+    if readers:
+        result["read_ahead"] = {"reader": min(readers, key=readers.get), "seconds": readers}
     if device is not None:
         layer = _layer_bytes(args, config)
         source = max(measured, key=lambda m: m.nbytes)
@@ -155,6 +158,9 @@ def run(args) -> int:
         h2d = result["h2d"]
         rates = ", ".join(f"{k.removesuffix('_h2d')} {format_rate(v)}" for k, v in h2d.items() if k != "layer_bytes")
         print(f"{result['device']}: host to device at {format_size(h2d['layer_bytes'])}: {rates}")
+    if "read_ahead" in result:
+        print(f"read-ahead: {result['read_ahead']['reader']} is the fastest reader here (what read_ahead: auto "
+              "uses once saved)")
     for note in result["notes"]:
         print(f"note: {note}")
     if "saved" in result:

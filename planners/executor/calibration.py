@@ -6,7 +6,9 @@ the user's cache root (``lora.cache.root``, else ``$HOSTMEM_CACHE_ROOT``, else
 ``~/.cache/hostmem``, or ``--root``; the folder must be the user's own, as for the
 vault), and a config with ``transfer: measured`` plans with those rates, naming the
 record in the report. Until a calibration is saved, or for a rate it could not measure
-(the device rates need a GPU), the defaults stand and the report says so.
+(the device rates need a GPU), the defaults stand and the report says so. The record
+also names the read-ahead reader that was fastest here (``read_ahead``), which the
+executor's ``read_ahead: auto`` uses (:func:`saved_reader`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import os
 
 from hostmem.units import format_rate
 
-__all__ = ["MEASURED", "RECORD", "describe", "record_path", "read_record", "resolve_transfer", "save_record"]
+__all__ = ["MEASURED", "RECORD", "describe", "record_path", "read_record", "resolve_transfer", "save_record",
+           "saved_reader"]
 
 MEASURED = "measured"
 RECORD = "calibration.json"
@@ -46,7 +49,7 @@ def save_record(result: dict, path: str) -> str:
 
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     record = {"format": _FORMAT, "measured_at": when, "transfer": result["transfer"], "device": result.get("device"),
-              "folders": result.get("folders", []), "h2d": result.get("h2d")}
+              "folders": result.get("folders", []), "h2d": result.get("h2d"), "read_ahead": result.get("read_ahead")}
     durable_write(path, (json.dumps(record, indent=1) + "\n").encode())
     return path
 
@@ -68,6 +71,17 @@ def read_record(path: str) -> dict | None:
         return data
     except (OSError, ValueError, TypeError):
         return None
+
+
+def saved_reader(config=None) -> str | None:
+    """The read-ahead reader ``hostmem calibrate --save`` found fastest on this machine, or None.
+
+    The executor has a plan, not a config: it reads the record of the default cache root
+    (``$HOSTMEM_CACHE_ROOT``, else ``~/.cache/hostmem``), where a calibration without
+    ``--root`` or a config's cache root is saved."""
+    record = read_record(record_path(config))
+    choice = record.get("read_ahead") if record is not None else None
+    return choice.get("reader") if isinstance(choice, dict) and isinstance(choice.get("reader"), str) else None
 
 
 def resolve_transfer(config):

@@ -41,11 +41,13 @@ class LearnedOrder:
             self.following[self.last] = name
         self.last = name
 
-    def ahead(self, name: str | None, wanted: Callable[[str], bool], count: int,
-              include: bool = False) -> tuple[list[str], int]:
+    def ahead(self, name: str | None, wanted: Callable[[str], bool], count: int, include: bool = False,
+              size: Callable[[str], int] | None = None, budget: int | None = None) -> tuple[list[str], int]:
         """Up to ``count`` layers that follow ``name`` (``name`` too with ``include``), each once, that
-        ``wanted``; and how many of them come before the end of the pass (as last seen)."""
-        out, at, visited, in_pass = [], name, set(), None
+        ``wanted``, and no more than ``budget`` bytes of them by ``size`` past the first (the window
+        the plan made room for: always the next layer); and how many of them come before the end
+        of the pass (as last seen)."""
+        out, at, visited, in_pass, taken = [], name, set(), None, 0
         if include and name is not None and count and wanted(name):
             out.append(name)
         while at is not None and len(out) < count:
@@ -56,5 +58,8 @@ class LearnedOrder:
             if at is None or at in visited:
                 break
             if wanted(at):
+                taken += size(at) if size is not None else 0
+                if out and budget is not None and taken > budget:
+                    break
                 out.append(at)
         return out, len(out) if in_pass is None else in_pass

@@ -161,11 +161,16 @@ class LayerPipeline:
 
     def _window(self, name: str) -> None:
         """Schedule the layers that follow ``name``; drop read-aheads that left the window."""
-        wanted, in_pass = self.order.ahead(name, self._needs_work, self.prefetch)
+        wanted, in_pass = self.order.ahead(name, self._needs_work, self.prefetch, size=self._mapped_bytes,
+                                           budget=self.roles.read_ahead_bytes)
         for other in [n for n in self.pending if n not in wanted]:
             self._drop(other, self.pending.pop(other))
         for i, upcoming in enumerate(wanted):  # past the end of the pass: read only (see the module doc)
             self._schedule(upcoming, copies=i < in_pass)
+
+    def _mapped_bytes(self, name: str) -> int:
+        """The file bytes a read-ahead of ``name`` brings in (what the plan's window counts)."""
+        return sum(r.length for r in self.snapshots[name].ranges)
 
     def _slot(self) -> int | None:
         """A free slot, dropping another pipeline's read-ahead when all are taken (nested components)."""
@@ -184,7 +189,8 @@ class LayerPipeline:
     def begin(self) -> None:
         """The component's forward begins: its first layers, as last seen, enter the window."""
         self.order.begin_pass()
-        first, _ = self.order.ahead(self.order.first, self._needs_work, self.prefetch, include=True)
+        first, _ = self.order.ahead(self.order.first, self._needs_work, self.prefetch, include=True,
+                                    size=self._mapped_bytes, budget=self.roles.read_ahead_bytes)
         for name in first:
             self._schedule(name)
 

@@ -4,6 +4,9 @@
   (``POSIX_FADV_DONTNEED`` after an fsync), in 8 MiB reads: the rate a streamed layer
   the page cache cannot keep comes back at;
 - page cache: the same file read again, now cached;
+- read-ahead: each of the executor's readers on a window of 32 MiB layers of that file,
+  mapped read-only (pages dropped first): the fastest is what ``read_ahead: auto`` uses
+  once ``--save`` has written it (:mod:`.readahead`);
 - host to device (a CUDA host): copies of a layer-sized buffer from pinned memory
   (``cudaHostAlloc``), from anonymous pageable memory, from a read-only file mapping,
   and from that mapping registered in place with ``cudaHostRegister`` (read-only).
@@ -22,7 +25,7 @@ from typing import NamedTuple
 
 from hostmem.errors import InputError
 
-__all__ = ["FolderRates", "measure_file", "measure_folder", "h2d_rates", "CHUNK"]
+__all__ = ["FolderRates", "measure_file", "measure_folder", "h2d_rates", "time_file_readers", "CHUNK"]
 
 CHUNK = 8 << 20
 
@@ -34,7 +37,7 @@ class FolderRates(NamedTuple):
     disk_read: float  # bytes/s, pages dropped first
     page_cache_read: float  # bytes/s, the same bytes cached
     probe: bool  # a file written for the measurement (removed), or an existing one
-
+    readers: dict | None = None  # read-ahead reader -> seconds for the window timed
 
 def _read_all(fd: int, nbytes: int, buf: memoryview) -> float:
     began, at = time.perf_counter(), 0
@@ -95,10 +98,42 @@ def measure_folder(folder: str, nbytes: int, existing: bool = False) -> FolderRa
         path = _write_probe(folder, nbytes)
     try:
         size, disk, cached = measure_file(path, nbytes)
+        readers = time_file_readers(path, min(size, _WINDOW))
     finally:
         if probe:
             os.unlink(path)
-    return FolderRates(folder, path, size, disk, cached, probe)
+    return FolderRates(folder, path, size, disk, cached, probe, readers)
+
+
+_WINDOW = 64 << 20  # two layers of 32 MiB: a read-ahead window
+
+
+def time_file_readers(path: str, nbytes: int) -> dict[str, float]:
+    """Seconds per reader to read the first ``nbytes`` of ``path`` as a read-ahead window of
+    32 MiB layers (:func:`.readahead.time_readers`), on a read-only mapping made here."""
+    import ctypes
+
+    from .layout import FileRange
+    from .readahead import FileHandles, set_random, time_readers
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    fd = os.open(path, os.O_RDONLY)
+    address = libc.mmap(None, nbytes, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    os.close(fd)
+    if address in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), f"{path}: could not map {nbytes} bytes to time the readers")
+    handles = FileHandles()
+    try:
+        ranges = [FileRange(path, at, min(32 << 20, nbytes - at), address + at, False)
+                  for at in range(0, nbytes, 32 << 20)]
+        set_random(ranges, True)
+        return time_readers(ranges, handles)
+    finally:
+        handles.close()
+        libc.munmap(address, nbytes)
 
 
 def _time_copy(dst, src, repeats: int = 3) -> float:

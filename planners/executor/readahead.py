@@ -18,9 +18,21 @@ thread, so that the disk works while the previous layer computes). Three readers
   read in the disk's queue, while the pool keeps several, across layer boundaries,
   and a disk (a virtual one above all) reads several at once faster than in turn.
 
-Which is fastest depends on the kernel, the filesystem and the disk, so it is measured
-on the first use for each device (a released layer, dropped before each try) and the
-choice is cached for the process.
+Every reader needs a layer's file pages to come in large reads. A fault on a mapping
+advised ``MADV_HUGEPAGE`` reads a 2 MiB folio, even under ``MADV_RANDOM`` (which stops
+the kernel's read-around past the layer); without that advice it reads one 4 KiB page
+and waits for it: ``safetensors.torch.load_file`` (what diffusers users have) hands out
+such a private mapping, where a fault-driven reader crawled at 0.15 GB/s. So
+:func:`set_random` advises both on every kept and released layer: on hostmem's own
+mapping (huge pages already asked for) nothing changes; on safetensors' the same
+readers read 2 MiB at a time. The hugepage advice stays after the executor (there is
+no advice that restores "none"): later faults there read in 2 MiB folios too.
+
+``auto`` is decided once per machine, not at every start: ``hostmem calibrate`` times
+the readers on a window of 32 MiB layers (:func:`time_readers`) and saves the fastest
+in its record (:mod:`.calibration`); without a record ``auto`` is ``parallel``, which
+keeps several folio reads in the disk's queue on either mapping. Reading the record
+costs one small file read: identical runs make the identical choice.
 
 Release: ``MADV_DONTNEED`` unmaps the layer's pages from this process (a read-only
 mapping loses nothing: the page cache still holds the bytes), then
@@ -34,6 +46,7 @@ inside the layer are released, never a neighbour's.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -47,14 +60,16 @@ from hostmem.procfs import PAGE_SIZE
 
 from .layout import FileRange, inner_pages
 
-__all__ = ["FileHandles", "advise", "set_random", "complete", "read_ahead", "release", "choose_reader", "READERS", "drop_range"]
+__all__ = ["FileHandles", "advise", "set_random", "complete", "read_ahead", "release", "choose_reader", "READERS",
+           "DEFAULT_READER", "drop_range", "time_readers"]
 
 READERS = ("madvise", "fadvise", "read", "fault", "parallel")
+DEFAULT_READER = "parallel"  # auto without a calibration record: see the module doc
 _MADV_PAGEOUT = 21
+_MADV_HUGEPAGE = 14
 _CHUNK = 1 << 20  # the reusable buffer: small, so a read adds less anonymous memory than a layer
 _FOLIO = 2 << 20  # the largest folio a huge-page mapping's faults read
 _FAULTERS = 4  # reader threads of ``parallel``: reads in the disk's queue at once
-_choices: dict[int, str] = {}  # st_dev -> the faster reader there
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
@@ -196,17 +211,30 @@ def read_ahead(ranges, handles: FileHandles, how: str) -> int:
 
 
 def set_random(ranges, on: bool) -> None:
-    """``MADV_RANDOM`` (``on``) or ``MADV_NORMAL`` on the whole pages inside ``ranges``.
+    """``MADV_RANDOM`` and ``MADV_HUGEPAGE`` (``on``), or ``MADV_NORMAL``, on the whole pages
+    inside ``ranges``.
 
     A kept or released layer is read by the executor alone: the kernel's own read-around
-    on a fault (up to ``read_ahead_kb`` past it, in 2 MiB folios on a huge-page mapping)
-    would read layers the plan has not made room for, and the group would reach its limit
-    (the more so with several reader threads faulting at once).
+    on a fault (up to ``read_ahead_kb`` past it) would read layers the plan has not made
+    room for, and the group would reach its limit (the more so with several reader
+    threads faulting at once). The hugepage advice makes each fault read a 2 MiB folio,
+    where a plain private mapping would read 4 KiB (see the module doc); it is left on.
     """
     for r in ranges:
         address, length = inner_pages(r)
-        _madvise(address, length, mmap.MADV_RANDOM if on else mmap.MADV_NORMAL, "MADV_RANDOM" if on else "MADV_NORMAL")
+        if on:
+            _madvise(address, length, mmap.MADV_RANDOM, "MADV_RANDOM")
+            _hugepage(address, length)
+        else:
+            _madvise(address, length, mmap.MADV_NORMAL, "MADV_NORMAL")
 
+
+def _hugepage(address: int, length: int) -> None:
+    """``MADV_HUGEPAGE``, where the kernel has transparent huge pages (EINVAL without: 4 KiB reads stay)."""
+    if length and _libc.madvise(address, length, _MADV_HUGEPAGE) != 0:
+        code = ctypes.get_errno()
+        if code != errno.EINVAL:
+            raise OSError(code, f"madvise(MADV_HUGEPAGE) of {length} bytes at {address:#x}: {os.strerror(code)}")
 
 
 def _drop(r: FileRange, handles: FileHandles, address: int, length: int) -> int:
@@ -268,24 +296,26 @@ def _sample(sample) -> list[FileRange]:
     return out
 
 
-def choose_reader(sample, handles: FileHandles, how: str = "auto") -> str:
-    """The reader to use: ``how`` when it names one, else the fastest measured on ``sample`` (a
-    file range, or the ranges of a read-ahead window of released layers, up to 64 MiB of one
-    file, read as the window is; three times each, in turn; cached per device for the process)."""
+def time_readers(sample, handles: FileHandles) -> dict[str, float]:
+    """Seconds of the best of three reads of ``sample`` (the ranges of a read-ahead window of
+    released layers, up to 64 MiB of one file, each advised as :func:`set_random` does),
+    per reader, in turn, pages dropped before each: what ``hostmem calibrate`` saves."""
+    sample = _sample(sample)
+    times: dict[str, float] = {h: float("inf") for h in READERS}
+    for _ in range(3):  # the best of three, in turn: a shared disk only ever makes a read slower
+        for h in READERS:
+            times[h] = min(times[h], _timed(h, sample, handles))
+    for r in sample:
+        drop_range(r, handles)
+    return times
+
+
+def choose_reader(how: str = "auto", saved: str | None = None) -> str:
+    """The reader to use: ``how`` when it names one, else (``auto``) the one ``hostmem
+    calibrate`` saved for this machine (``saved``), else :data:`DEFAULT_READER`. Nothing is
+    read or timed here: identical runs choose alike, at no cost."""
     if how != "auto":
         if how not in READERS:
             raise InputError(f"read_ahead {how!r}: choose auto, {' or '.join(READERS)}")
         return how
-    sample = _sample(sample)
-    if not sample:
-        return "read"
-    dev = os.stat(sample[0].path).st_dev
-    if dev not in _choices:
-        times: dict[str, list[float]] = {h: [] for h in READERS}
-        for _ in range(3):  # the best of three, in turn: a shared disk only ever makes a read slower
-            for h in READERS:
-                times[h].append(_timed(h, sample, handles))
-        _choices[dev] = min(READERS, key=lambda h: min(times[h]))
-        for r in sample:
-            drop_range(r, handles)
-    return _choices[dev]
+    return saved if saved in READERS else DEFAULT_READER

@@ -11,8 +11,18 @@ the pass, so that the disk has a streamed layer to read while every kept one com
 
 The room is the plan's ``room_after_pins``, given to components in the planner's order
 (most moves per request first), less the tensors outside every layer (used on every
-pass, never released) and the read-ahead window (``prefetch + 1`` streamed layers in
-flight at once). Read per pass once warm: the released layers' reclaimable bytes.
+pass, never released) and the read-ahead window. Read per pass once warm: the released
+layers' reclaimable bytes.
+
+The window is counted in bytes (:func:`window_bytes`): the layer computing, plus the
+layers read ahead, up to ``prefetch`` of them but no more bytes than the larger of one
+layer and a sixteenth of the stream. A layer read ahead beyond the next one only
+absorbs jitter, while every byte of window is a byte not kept, read back on every pass:
+counted in layers, 8 layers of 256 MiB with ``prefetch: 2`` would take 768 MiB and keep
+nothing where 512 MiB of window keeps a layer more. The pin plan leaves this window's
+room free (:func:`planners.pin_plan.plan_pins`), so pins never take the room the
+released layers stream through. The plan's report states this module's kept set: one
+function says which layers are kept, for the plan and the executor alike.
 """
 
 from __future__ import annotations
@@ -21,7 +31,9 @@ from typing import NamedTuple
 
 from ..sizes import REST, Layer
 
-__all__ = ["ComponentRoles", "disk_tier", "plan_roles"]
+__all__ = ["ComponentRoles", "disk_tier", "plan_roles", "read_ahead_bytes", "window_bytes"]
+
+_STREAM_SHARE = 16  # read ahead at most a sixteenth of the stream (and always the next layer)
 
 # ``plan`` below is a planners.deployment.DeploymentPlan, named and not imported: the
 # planner asks these roles for its disk figure (planners.executor.tier), so this module
@@ -38,6 +50,7 @@ class ComponentRoles(NamedTuple):
     released: tuple[str, ...]
     kept_bytes: int  # page cache the kept layers and the rest hold
     predicted_read_bytes: int  # per warm pass: what released layers read back
+    read_ahead_bytes: int = 0  # how far past the layer computing the reads may reach
 
     def role(self, layer: str) -> str:
         for name in ("resident", "pinned", "kept", "released"):
@@ -74,6 +87,22 @@ def _spread_fit(layers: list[Layer], budget: int) -> set[str]:
     return kept
 
 
+def read_ahead_bytes(sizes: list[int], prefetch: int) -> int:
+    """How many bytes past the layer computing the read-ahead may hold, for layers of ``sizes``:
+    ``prefetch`` of the largest, but no more than the larger of one layer and a sixteenth of
+    the stream (none when ``prefetch`` is 0)."""
+    largest = max(sizes, default=0)
+    if not prefetch or not largest:
+        return 0
+    return max(largest, min(prefetch * largest, sum(sizes) // _STREAM_SHARE))
+
+
+def window_bytes(sizes: list[int], prefetch: int) -> int:
+    """The page cache the released layers stream through: the largest one computing, and the
+    read-ahead past it (:func:`read_ahead_bytes`)."""
+    return max(sizes, default=0) + read_ahead_bytes(sizes, prefetch)
+
+
 def _component_roles(plan, name, room, prefetch) -> tuple[ComponentRoles, int]:
     pins = plan.pins.plans[name]
     units, resident = _candidates(plan, name)
@@ -81,15 +110,14 @@ def _component_roles(plan, name, room, prefetch) -> tuple[ComponentRoles, int]:
     rest = [u for u in units if u.name == REST and u.name not in pinned]
     layers = [u for u in units if u.name != REST and u.name not in pinned]
     room -= sum(u.reclaimable for u in rest)
+    sizes = [u.reclaimable for u in layers]
     if pins.page_cache_fits:
         kept = {u.name for u in layers}
     else:
-        window = (prefetch + 1) * max((u.reclaimable for u in layers), default=0)
-        kept = _spread_fit(layers, max(0, room - window))
+        kept = _spread_fit(layers, max(0, room - window_bytes(sizes, prefetch)))
     kept_bytes = sum(u.reclaimable for u in layers if u.name in kept) + sum(u.reclaimable for u in rest)
     released = tuple(u.name for u in layers if u.name not in kept)
-    sizes = plan.components[name]
-    order = tuple(u.name for u in sizes.layers)  # the rest is no layer: it is never hooked
+    order = tuple(u.name for u in plan.components[name].layers)  # the rest is no layer: it is never hooked
     roles = ComponentRoles(
         component=name,
         moves=pins.moves_per_request,
@@ -100,6 +128,7 @@ def _component_roles(plan, name, room, prefetch) -> tuple[ComponentRoles, int]:
         released=released,
         kept_bytes=kept_bytes,
         predicted_read_bytes=sum(u.reclaimable for u in layers if u.name in released),
+        read_ahead_bytes=read_ahead_bytes(sizes, prefetch),
     )
     if not pins.page_cache_fits:
         return roles, 0  # the window and the kept set took the room: later components read from disk

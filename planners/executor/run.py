@@ -23,6 +23,7 @@ from hostmem.errors import InputError
 from hostmem.pinning import Pinner
 
 from ..deployment import DeploymentPlan
+from .calibration import saved_reader
 from .guard import refuse_offload_hooks
 from .layout import MapIndex, layer_module, tensor_span
 from .pages import page_cover
@@ -69,9 +70,10 @@ def _check_sizes(plan: DeploymentPlan, name: str, root: torch.nn.Module, layers)
 class Executor:
     """Runs ``plan`` on ``components``; see the module doc. Use :func:`execute`."""
 
-    def __init__(self, plan: DeploymentPlan, components: Mapping[str, torch.nn.Module], *, prefetch: int = 2,
+    def __init__(self, plan: DeploymentPlan, components: Mapping[str, torch.nn.Module], *, prefetch: int | None = None,
                  device: str | torch.device | None = None, read_ahead: str = "auto",
                  disk_read: float | None = None, pinner: Pinner | None = None):
+        prefetch = plan.pins.prefetch if prefetch is None else prefetch  # the plan's: its kept set is ours
         if prefetch < 0:
             raise InputError(f"prefetch {prefetch}: give 0 or more layers to read ahead")
         self.plan, self.components, self.prefetch = plan, dict(components), prefetch
@@ -137,14 +139,11 @@ class Executor:
         layouts = {n: {k: snap.layout for k, snap in s.items()} for n, s in snapshots.items()}
         copies = self.device is not None  # a device, or "cpu": the device path's twin (tests)
         self._pin(layouts)
-        window = [(n, l) for n, roles in self.roles.items() for l in roles.released][: self.prefetch + 1]
-        sample = [r for n, l in window for r in layouts[n][l].ranges]  # no more than the plan's window
         for name, roles in self.roles.items():
             for layer in roles.kept + roles.released:
                 set_random(layouts[name][layer].ranges, True)
                 self._random.append(layouts[name][layer].ranges)
-        # timed as the run reads: a window of released layers, without the kernel's read-around
-        reader = choose_reader(sample, self._handles, self.read_ahead)
+        reader = choose_reader(self.read_ahead, saved_reader())  # decided once per machine: calibrate's record
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hostmem-readahead")
         copier = self._copier(layouts) if copies else None
         if copies:
@@ -287,10 +286,11 @@ class Executor:
 def execute(plan: DeploymentPlan, components: Mapping[str, torch.nn.Module], **options) -> Executor:
     """``with execute(plan, {"dit": transformer, ...}) as run: ...``; see :class:`Executor`.
 
-    Options: ``prefetch`` (layers read ahead, default 2), ``device`` (``"cuda:0"`` to copy
+    Options: ``prefetch`` (layers read ahead, at most: default the plan's, whose kept set the
+    report states; the bytes read ahead are bounded too, see :mod:`.roles`), ``device`` (``"cuda:0"`` to copy
     moved layers to a GPU; unset on a CPU host; ``"cpu"`` runs the device path's twin,
     copies into a pool of CPU buffers, for tests), ``read_ahead`` (``auto``, ``fault``,
-    ``madvise``, ``fadvise`` or ``read``: see :mod:`.readahead`), ``disk_read`` (bytes/s, to
+    ``madvise``, ``fadvise``, ``read`` or ``parallel``: see :mod:`.readahead`), ``disk_read`` (bytes/s, to
     predict each pass's read time), ``pinner`` (a :class:`hostmem.pinning.Pinner`).
     """
     return Executor(plan, components, **options)

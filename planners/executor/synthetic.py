@@ -4,7 +4,9 @@ For the executor's tests, its benchmark and the device check: ``layers`` blocks 
 one ``d x d`` projection each (``blocks.{i}.proj.weight``) between an input and an
 output projection (the tensors outside every layer), written as safetensors and
 mapped back read-only (:func:`hostmem.safetensors.mapping.open_readonly`), so every
-weight is page cache the executor can read ahead and release.
+weight is page cache the executor can read ahead and release; or, ``loader="safetensors"``,
+by ``safetensors.torch.load_file`` (what diffusers users have: a private writable
+mapping of 4 KiB pages).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from torch import nn
 
 from hostmem.safetensors.mapping import load_readonly, save_file
 
-__all__ = ["SyntheticDiT", "write_synthetic_dit", "load_synthetic_dit", "LAYER_PATTERN"]
+__all__ = ["SyntheticDiT", "write_synthetic_dit", "load_synthetic_dit", "LAYER_PATTERN", "LOADERS"]
+
+LOADERS = ("hostmem", "safetensors")
 
 LAYER_PATTERN = "blocks.{i}."
 
@@ -61,9 +65,15 @@ def write_synthetic_dit(path: str | os.PathLike, layers: int, d: int, dtype: tor
     return os.fspath(path)
 
 
-def load_synthetic_dit(path: str | os.PathLike) -> SyntheticDiT:
-    """The model with every weight a read-only view of ``path`` (nothing copied)."""
-    tensors = load_readonly(path)
+def load_synthetic_dit(path: str | os.PathLike, loader: str = "hostmem") -> SyntheticDiT:
+    """The model with every weight a view of a mapping of ``path`` (nothing copied): hostmem's
+    read-only one, or safetensors' own (``loader="safetensors"``)."""
+    if loader == "safetensors":
+        from safetensors.torch import load_file
+
+        tensors = load_file(os.fspath(path))
+    else:
+        tensors = load_readonly(path)
     layers = sum(1 for name in tensors if name.startswith("blocks."))
     d, dtype = tensors["head.weight"].shape[1], tensors["head.weight"].dtype
     model = SyntheticDiT(layers, d, dtype).requires_grad_(False)

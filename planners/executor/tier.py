@@ -6,7 +6,8 @@ move. The executor keeps a fixed set that fits and reads only the rest
 (:mod:`.roles`), so for a component with ``offload: layerwise`` the report's disk
 figure, and the page-cache line that states it, are the executor's prediction: the
 released layers' bytes times the moves per request. Transfer times and the other
-figures stay the pin plan's.
+figures stay the pin plan's. Every pin plan carries the executor's kept set
+(``kept_layers``), the same :func:`.roles.plan_roles` output the executor runs by.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ __all__ = ["with_executor_disk"]
 
 
 def with_executor_disk(plan: "DeploymentPlan", prefetch: int) -> "DeploymentPlan":
-    """``plan`` with each layerwise component's disk bytes per request, and its line, the executor's."""
+    """``plan`` with each component's kept set, and each layerwise component's disk bytes per
+    request and its line, the executor's."""
     layerwise = {n for n, p in plan.pins.plans.items()
                  if n in plan.components and plan.components[n].offload == "layerwise" and not p.page_cache_fits}
-    if not layerwise:
-        return plan
     roles = plan_roles(plan, prefetch)
-    plans, swap = dict(plan.pins.plans), {}
+    plans = {n: p._replace(kept_layers=roles[n].kept) for n, p in plan.pins.plans.items()}
+    if not layerwise:
+        return plan._replace(pins=plan.pins._replace(plans=plans))
+    swap = {}
     for name in layerwise:
         old = plans[name]
         new = old._replace(disk_bytes_per_request=roles[name].predicted_read_bytes * old.moves_per_request)

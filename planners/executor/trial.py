@@ -23,13 +23,15 @@ import time
 __all__ = ["main", "synthetic_config"]
 
 
-def synthetic_config(checkpoint: str, limit: int, reserve: int, max_pinned: int, steps: int):
-    """A deployment of the synthetic model alone on a host of ``limit`` bytes."""
+def synthetic_config(checkpoint: str, limit: int, reserve: int, max_pinned: int | str, steps: int):
+    """A deployment of the synthetic model alone on a host of ``limit`` bytes (``max_pinned``:
+    bytes, or a share of the limit such as ``"75%"``)."""
     from planners.config import parse_config
 
+    pinned = max_pinned if isinstance(max_pinned, str) else f"{max_pinned}B"
     text = (
         "deployment: executor-trial\n"
-        f"host: {{limit: {limit}B, reserve: {reserve}B, max_pinned: {max_pinned}B}}\n"
+        f"host: {{limit: {limit}B, reserve: {reserve}B, max_pinned: {pinned}}}\n"
         f"workload: {{steps: {steps}}}\n"
         "components:\n"
         f"  dit: {{path: {json.dumps(checkpoint)}, layers: \"blocks.{{i}}.\", offload: layerwise}}\n"
@@ -77,7 +79,7 @@ def _run(args) -> dict:
     gen = torch.Generator().manual_seed(7)
     inputs = [torch.randn(args.tokens, 64, generator=gen) for _ in range(args.passes)]
     reference = _reference(args.checkpoint, inputs) if args.check else None
-    model = load_synthetic_dit(args.checkpoint)
+    model = load_synthetic_dit(args.checkpoint, args.loader)
     inputs = [x.to(model.head.weight.dtype) for x in inputs]
     if args.mode == "cached":
         with torch.no_grad():
@@ -88,6 +90,7 @@ def _run(args) -> dict:
     config = synthetic_config(args.checkpoint, anon + args.slack + args.room, anon + args.slack, args.max_pinned,
                               args.passes)
     plan = plan_loaded(config, {"dit": model})
+    planned_kept = list(plan.pins.plans["dit"].kept_layers)
     version = 2 if args.join and os.path.exists(os.path.join(args.join, "memory.current")) else 1
     if args.join:
         with open(os.path.join(args.join, "cgroup.procs"), "w") as handle:
@@ -97,8 +100,10 @@ def _run(args) -> dict:
                  disk_read=config.transfer.disk_read) if args.mode == "executor" else None
     passes, identical = [], True
     with torch.no_grad():
+        began = time.perf_counter()
         if ex is not None:
-            ex.__enter__()
+            ex.__enter__()  # pins, hooks, the reader's choice: what a server waits for at start
+        start_s = time.perf_counter() - began
         try:
             for i, x in enumerate(inputs):
                 read0, t0 = read_io_bytes(), time.perf_counter()
@@ -121,7 +126,9 @@ def _run(args) -> dict:
         "kept_bytes": stats["kept_bytes"]["dit"] if stats else 0,
         "predicted_read_bytes": stats["predicted_read_bytes"]["dit"] if stats else None,
         "largest_layer": max(p.numel() * p.element_size() for p in model.blocks.parameters()),
-        "executor": stats, "hooks_left": hooks_left,
+        "executor": stats, "hooks_left": hooks_left, "planned_kept": planned_kept,
+        "kept": list(ex.roles["dit"].kept) if ex is not None else None, "loader": args.loader, "start_s": start_s,
+        "pinned_bytes": plan.pins.pinned_bytes, "window_bytes": plan.pins.window_bytes,
     }
 
 
@@ -132,11 +139,13 @@ def main(argv=None) -> int:
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--room", type=int, required=True, help="page cache the plan may use, bytes")
     parser.add_argument("--slack", type=int, default=8 << 20, help="reserve beyond the process's anonymous memory")
-    parser.add_argument("--max-pinned", type=int, default=0)
+    parser.add_argument("--max-pinned", default="0B", help="bytes (\"123B\") or a share of the limit (\"75%%\")")
+    parser.add_argument("--loader", choices=("hostmem", "safetensors"), default="hostmem",
+                        help="map the checkpoint with hostmem (read-only, shared) or safetensors.torch.load_file")
     parser.add_argument("--join", help="a memory cgroup folder to join before the measured passes")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=8)
-    parser.add_argument("--prefetch", type=int, default=2)
+    parser.add_argument("--prefetch", type=int, default=None, help="layers read ahead (default: the plan's)")
     parser.add_argument("--read-ahead", default="auto")
     parser.add_argument("--check", action="store_true", help="compare outputs with a fully loaded copy")
     args = parser.parse_args(argv)

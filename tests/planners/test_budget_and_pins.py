@@ -66,9 +66,13 @@ def test_budget_zero_and_every_pin_plan_empty_when_committed_reaches_the_limit(w
     assert plan.budget.committed == 7 * GiB and plan.budget.bytes == 0
     assert plan.pins.plans and all(not p.pinned_layers and p.pinned_bytes == 0 for p in plan.pins.plans.values())
     assert any(w.startswith("host budget is 0") for w in plan.warnings)
-    # One byte less committed and pins come back: the test can fail both ways.
-    comps = _mapped(config, anonymous_extra=7 * GiB - 64 * MiB)
-    assert plan_deployment(config, comps, _host(config)).pins.pinned_bytes > 0
+    # Less committed and pins come back, once the read-ahead window's room (a layer computing
+    # and one read ahead: 128 MiB) is left: the test can fail both ways.
+    comps = _mapped(config, anonymous_extra=7 * GiB - 128 * MiB)
+    assert plan_deployment(config, comps, _host(config)).pins.pinned_bytes == 0
+    comps = _mapped(config, anonymous_extra=7 * GiB - 192 * MiB)
+    pins = plan_deployment(config, comps, _host(config)).pins
+    assert pins.pinned_bytes == 64 * MiB and pins.window_bytes == 128 * MiB
 
 
 def test_a_large_budget_pins_every_streamed_layer_before_any_text_encoder_byte(write_config):
@@ -100,17 +104,33 @@ def _layers(prefix, count, nbytes, **residency):
 
 
 def test_pinning_less_wins_when_the_cost_model_says_so():
-    # A streamed layer of 150 MiB (moves 10x) is too big for the 120 MiB pin cap, so the
-    # greedy choice pins the 120 MiB text-encoder layer. That leaves 80 MiB of the 200 MiB
-    # room for page cache: the streamed layer would be read from disk on every pass.
-    dit = MoveGroup("dit", _layers("blocks", 1, 150 * MiB), moves=10)
-    te = MoveGroup("te", _layers("enc", 1, 120 * MiB), moves=1)
-    budget = host_budget(GiB + 200 * MiB, GiB, 120 * MiB, Residency())
+    # Streamed layers of 130 MiB (moves 10x) are too big for the 120 MiB pin cap, so the
+    # greedy choice pins the four 30 MiB text-encoder layers (the window's 130 MiB left
+    # free). That leaves 180 MiB of the 300 MiB room for the DiT's 260 MiB of page cache:
+    # it would be read from disk on every pass. One TE layer pinned still leaves it room.
+    dit = MoveGroup("dit", _layers("blocks", 2, 130 * MiB), moves=10)
+    te = MoveGroup("te", _layers("enc", 4, 30 * MiB), moves=1)
+    budget = host_budget(GiB + 300 * MiB, GiB, 120 * MiB, Residency())
     plans = plan_pins([dit, te], budget, COST)
-    assert plans.allowed_layers == 1  # the greedy choice: the TE layer
-    assert plans.plans["te"].pinned_bytes == 0  # ...undone: it would push the DiT to disk
+    assert plans.window_bytes == 130 * MiB  # 380 MiB do not fit in 300: a window of one 130 MiB layer
+    assert plans.allowed_layers == 4  # the greedy choice: every TE layer
+    assert plans.plans["te"].pinned_bytes == 30 * MiB  # ...cut back: more would push the DiT to disk
     assert plans.plans["dit"].page_cache_fits and plans.plans["dit"].disk_bytes_per_request == 0
-    assert any("pinned 0 of the 1 blocks" in w for w in plans.warnings)
+    assert any("pinned 1 of the 4 blocks" in w for w in plans.warnings)
+
+
+def test_pins_leave_the_read_ahead_windows_room_where_the_layers_do_not_all_fit():
+    # 16 layers of 64 MiB, moves 8, 512 MiB of room and no cap: without the window the
+    # greedy pins 8 layers and leaves no page cache for the 8 streamed through it.
+    dit = MoveGroup("dit", _layers("blocks", 16, 64 * MiB), moves=8)
+    budget = host_budget(GiB + 512 * MiB, GiB, 512 * MiB, Residency())
+    plans = plan_pins([dit], budget, COST, prefetch=2)
+    # a layer computing + one read ahead: prefetch 2 would be 128 MiB, more than a sixteenth of the stream
+    assert plans.window_bytes == 2 * 64 * MiB
+    assert plans.pinned_bytes <= 512 * MiB - plans.window_bytes and plans.room_after_pins >= plans.window_bytes
+    # where every layer fits, no room is held back: everything is pinned
+    roomy = plan_pins([dit], host_budget(3 * GiB, GiB, GiB, Residency()), COST, prefetch=2)
+    assert roomy.window_bytes == 0 and roomy.pinned_bytes == GiB
 
 
 def test_thrash_is_reported_with_the_disk_reads_it_costs():

@@ -12,7 +12,7 @@ import torch
 from hostmem.procfs import PAGE_SIZE, read_status
 from planners.executor import disk_tier, execute, plan_roles, read_io_bytes
 from planners.executor.layout import MapIndex
-from planners.executor.readahead import READERS, FileHandles, choose_reader, drop_range, read_ahead
+from planners.executor.readahead import FileHandles, drop_range, read_ahead
 from planners.executor.synthetic import load_synthetic_dit, write_synthetic_dit
 from planners.executor.trial import synthetic_config
 from planners.sizes import REST
@@ -144,18 +144,6 @@ def test_on_a_cuda_host_streamed_layers_compute_on_the_device(model):
         assert run.stats().passes[0].copied_bytes > 0
     torch.testing.assert_close(out.cpu(), reference, rtol=1e-4, atol=1e-4)
     assert all(p.device.type == "cpu" for p in dit.parameters())
-
-
-def test_reader_choice_is_measured_once_and_a_named_one_is_kept(model):
-    path, dit = model
-    ranges = MapIndex().find(dit.blocks[0].proj.weight.data_ptr(), MiB)
-    handles = FileHandles()
-    try:
-        assert choose_reader(ranges, handles, "read") == "read"
-        first = choose_reader(ranges, handles)
-        assert first in READERS and choose_reader(ranges, handles) == first
-    finally:
-        handles.close()
 
 
 def test_parallel_reader_brings_a_layer_in_from_several_threads_and_closes_them(tmp_path):

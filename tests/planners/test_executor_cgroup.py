@@ -42,12 +42,12 @@ def checkpoint(tmp_path_factory):
     return write_synthetic_dit(folder / "dit.safetensors", LAYERS, D, torch.float32)
 
 
-def _trial(checkpoint: str, mode: str) -> tuple[dict, int]:
+def _trial(checkpoint: str, mode: str, *extra: str) -> tuple[dict, int]:
     """Run the child in a fresh group; return its report and the group's OOM kills."""
     with memory_cgroup(LIMIT) as group:
         done = subprocess.run(
             [sys.executable, "-m", "planners.executor.trial", checkpoint, "--mode", mode, "--room", str(ROOM),
-             "--join", group.path, "--check", "--passes", "3"],
+             "--join", group.path, "--check", "--passes", "3", *extra],
             capture_output=True, text=True, timeout=300,
         )
         kills = group.oom_kills()
@@ -91,3 +91,20 @@ def test_left_to_the_kernel_the_same_passes_hit_the_limit_and_reread_the_model(c
     warm = report["passes"][1:]
     assert all(one["read_bytes"] >= 0.9 * report["model_bytes"] for one in warm)
     assert report["passes"][-1]["cgroup"]["limit_hits"] > 0
+
+
+def test_pins_at_75_percent_leave_the_window_and_a_warm_pass_reads_what_the_plan_says(checkpoint):
+    """``max_pinned: 75%`` lets the pins take the room; the plan stops them short of the
+    read-ahead window, so a released layer is read once per pass, not twice."""
+    from .test_pin_apply import require_mlock
+
+    require_mlock(ROOM)
+    report, kills = _trial(checkpoint, "executor", "--max-pinned", "75%")
+    assert kills == 0 and report["identical"] is True
+    roles = report["executor"]["roles"]["dit"]
+    assert roles["pinned"] > 0 and roles["released"] > 0
+    assert report["pinned_bytes"] + report["window_bytes"] <= ROOM  # the window's room left by the pins
+    assert report["kept"] == report["planned_kept"]  # the executor keeps what the plan says
+    predicted = report["predicted_read_bytes"]
+    for one in report["passes"][1:]:
+        assert abs(one["read_bytes"] - predicted) <= 0.1 * predicted, (one["read_bytes"], predicted)

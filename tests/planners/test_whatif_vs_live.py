@@ -108,7 +108,9 @@ def test_the_what_if_plan_from_headers_matches_the_live_plan_within_1_percent(de
         assert _close(bp["pinned_bytes"], ap["pinned_bytes"])
         assert _close(bp["transfer_s_per_request"], ap["transfer_s_per_request"])
     assert before["device_plan"] == after["device_plan"]
-    assert len(after["pin_plans"]["dit"]["pinned_layers"]) == 20  # 100 MiB of 5 MiB layers
+    # 100 MiB of room less the read-ahead window of the largest layers streamed (the text
+    # encoder's: an 8 MiB layer computing and one read ahead): 84 MiB, 16 layers of 5 MiB
+    assert len(after["pin_plans"]["dit"]["pinned_layers"]) == 16
 
 
 # Tolerance of the process's growth (measured in a fresh process, see in_place_growth): the
