@@ -59,7 +59,7 @@ def cache_root_warnings(config: DeploymentConfig, mounts: list[Mount] | None = N
 def _root_problem(root: str, mounts: list[Mount]) -> str | None:
     """Why a merge at ``root`` would fail, or None."""
     from hostmem.vault import VaultError
-    from hostmem.vault.safety import check_folder_private, check_owned, nearest_existing
+    from hostmem.vault.safety import check_folder_private, check_owned, check_path, nearest_existing
 
     mount = filesystem_of(root, mounts)
     if mount is not None and mount.fs_type in _PSEUDO_FS:
@@ -73,10 +73,11 @@ def _root_problem(root: str, mounts: list[Mount]) -> str | None:
     if not stat.S_ISDIR(st.st_mode):
         what = "exists and is not a folder" if found == root else f"cannot be created: {found} is a file, not a folder"
         return f"{what}; every merge there fails. Choose another cache root"
-    if found == root:
-        try:
+    try:
+        if found == root:
             check_owned(root, st)
             check_folder_private(root, st)
-        except VaultError as exc:
-            return f"every merge there fails: {exc}"
+        check_path(root)  # every folder from / down, as a start walks it
+    except VaultError as exc:
+        return f"every merge there fails: {exc}"
     return None

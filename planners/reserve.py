@@ -20,13 +20,14 @@ process's own anonymous memory beyond the weights as committed in full
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import Callable, NamedTuple
 
 from hostmem.units import format_size
 
-__all__ = ["MEASURED", "MeasuredReserve", "measure_reserve", "remembered", "resolve_reserve", "process_excess",
+__all__ = ["MEASURED", "MeasuredReserve", "measure_reserve", "remembered", "read_reserve", "resolve_reserve", "process_excess",
            "is_measured", "record_path", "DEFAULT_RESERVE", "DEFAULT_FLOOR"]
 
 MEASURED = "measured"
@@ -84,21 +85,63 @@ def record_path(config) -> str:
     return os.path.join(_root(config), _FOLDER, f"{safe}-{_digest(name)}.json")
 
 
-def remembered(config) -> MeasuredReserve | None:
-    """The deployment's last measurement, or None (none yet, or a record not the user's own)."""
+_MOST_BYTES = 1 << 60  # an EiB: a figure beyond it is no measurement of one request
+
+
+def _is_count(value, most: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= most
+
+
+def _why_not(data, config) -> str | None:
+    """Why ``data`` is not a measurement of this deployment (types, finite numbers in
+    range), or None: a record is checked whoever wrote it."""
+    if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        return f"not a record of {_FORMAT}"
+    if data.get("deployment") != config.deployment:
+        return f"a record of deployment {data.get('deployment')!r}"
+    missing = [k for k in MeasuredReserve._fields if k not in data]
+    if missing:
+        return f"no {', '.join(missing)}"
+    bad = [k for k in ("growth_bytes", "baseline_bytes", "peak_bytes") if not _is_count(data[k], _MOST_BYTES)]
+    if not _is_count(data["samples"], 1 << 40):
+        bad.append("samples")
+    gap = data["max_gap_s"]
+    if not (isinstance(gap, (int, float)) and not isinstance(gap, bool) and math.isfinite(gap) and gap >= 0):
+        bad.append("max_gap_s")
+    if not isinstance(data["measured_at"], str) or len(data["measured_at"]) > 64:
+        bad.append("measured_at")
+    if bad:
+        return f"{', '.join(bad)}: not a count of bytes (or seconds) in range"
+    return None
+
+
+def read_reserve(config) -> tuple[MeasuredReserve | None, str | None]:
+    """``(the deployment's last measurement, None)``, or ``(None, why there is none)``:
+    none yet, or a record that is not the user's own, not a file, or not valid."""
     from hostmem.vault.durable import read_small
 
     path = record_path(config)
     try:
         st = os.lstat(path)
-        if st.st_uid != os.geteuid() or not os.path.isfile(path):
-            return None
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"{path} cannot be read ({exc.strerror or exc})"
+    if st.st_uid != os.geteuid() or not os.path.isfile(path):
+        return None, f"{path} is not a file of this user's (uid {st.st_uid}); remove it"
+    try:
         data = json.loads(read_small(path))
-        if data.get("format") != _FORMAT or data.get("deployment") != config.deployment:
-            return None
-        return MeasuredReserve(**{k: data[k] for k in MeasuredReserve._fields})
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    except (OSError, ValueError) as exc:
+        return None, f"{path} cannot be read ({exc}); remove it"
+    why = _why_not(data, config)
+    if why is not None:
+        return None, f"{path} is not used ({why}); remove it, or run the warmup again"
+    return MeasuredReserve(**{k: data[k] for k in MeasuredReserve._fields}), None
+
+
+def remembered(config) -> MeasuredReserve | None:
+    """The deployment's last measurement, or None (none yet, or a record not the user's own or not valid)."""
+    return read_reserve(config)[0]
 
 
 def resolve_reserve(config):
@@ -107,11 +150,14 @@ def resolve_reserve(config):
     host = config.host
     if host.reserve_source != MEASURED:
         return config
-    record = remembered(config)
+    record, why = read_reserve(config)
     if record is None:
         reserve = host.reserve_floor
         source = (f"measured: no warmup yet, the floor {format_size(reserve)} stands until one runs "
                   "(planners.reserve.measure_reserve)")
+        if why is not None:
+            source = (f"measured: no warmup yet that can be used ({why}); the floor {format_size(reserve)} stands "
+                      "until one runs (planners.reserve.measure_reserve)")
     else:
         reserve, source = record.reserve(host.reserve_floor), record.source(host.reserve_floor)
     return config._replace(host=host._replace(reserve=reserve, reserve_source=source))
@@ -159,7 +205,14 @@ def measure_reserve(config, warmup: Callable[[], object], *, interval_s: float |
         config.deployment, figures.growth_bytes, figures.baseline_bytes, figures.peak_bytes, figures.samples,
         round(figures.max_gap_s, 6), _now(),
     )
-    _write(config, record)
+    try:
+        _write(config, record)
+    except (OSError, ValueError) as exc:  # a full disk, a refused root (VaultError is a ValueError)
+        from hostmem.vault.locks import say
+
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        say(f"{record_path(config)}: the measured reserve could not be recorded ({why}); it is used by this "
+            "start, and the next start measures again")
     host = config.host._replace(reserve=record.reserve(config.host.reserve_floor),
                                 reserve_source=record.source(config.host.reserve_floor))
     return config._replace(host=host), record

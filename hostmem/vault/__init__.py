@@ -33,6 +33,9 @@ Contract, in the order it happens:
   A combination sealed complete whose every layer is memoised as verified (below) is
   only mapped, so ``open`` takes its flock SHARED instead, and any number of such
   readers map it at once; every writer still excludes them (see ``readers``).
+  No wait is without end: a lock another user holds (a root others can read) is
+  named, a sealed combination served without it, else a copy of this user's own
+  built beside it under :func:`~.store.alternate_key` (see ``locks``).
 - Adoption checks each recorded layer's size and header; layer files a killed build
   sealed but never recorded are adopted on their own header, so a build resumes
   where it died. Every layer's content must then match its CRC-32 unless it is

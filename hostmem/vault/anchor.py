@@ -4,14 +4,17 @@ Checking a folder's owner and mode by its path, then opening a file below it by 
 same path, leaves a gap: between the check and the open, anyone who can write a
 folder on the way could swap it for a link to anywhere. So a root, once :mod:`.safety` checked it
 (:func:`anchor_root`), is the anchor of every path under it: the root is opened and
-checked on its descriptor, and the path walked from there, each folder opened with ``O_NOFOLLOW |
+checked on its descriptor, its identity (device and inode) compared with the one the
+walk from ``/`` found (:mod:`.path_walk`), so a root swapped since is never entered,
+and the path walked from there, each folder opened with ``O_NOFOLLOW |
 O_DIRECTORY`` relative to the one before (``openat``) and checked on the descriptor
 itself (``fstat``: ours, writable by nobody else), and the file opened, stat'ed,
 renamed or removed relative to the last folder's descriptor. A link anywhere on the
 way is refused, never followed; what is checked is what is used.
 
 A path under no root opened this way (a file of a root not opened yet) has its folder
-opened by its path as before, and only its last name is opened without following a link.
+walked from ``/`` as a root's path is (:mod:`.path_walk`), and its last name opened
+without following a link.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ import os
 import stat
 import weakref
 
-from .checks import VaultError, check_file_safe, check_folder_private, check_owned
+from .checks import RootChanged, VaultError, check_file_safe, check_folder_private, check_owned
+from .path_walk import walk_to
 
 __all__ = ["FolderFd", "anchor_root", "open_folder", "in_folder", "open_in", "lstat_in", "unlink_in", "rename_in",
            "remove_tree_in", "mkdir_in", "listdir_in"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_ROOTS: set[str] = set()  # the absolute roots checked by this process
+_ROOTS: dict[str, tuple[int, int]] = {}  # the absolute roots checked by this process: their (st_dev, st_ino)
 _ROOTS_LOCK = _thread.allocate_lock()  # threading's Lock: a plan that checks a root imports no threading
 
 
@@ -41,25 +45,32 @@ def _check_folder(path: str, st: os.stat_result) -> None:
 
 
 def _open_root(root: str) -> int:
-    """Open ``root`` (its own name may be a link of ours, checked by :func:`~.safety.check_root`)
-    and check the folder on its descriptor: ours, writable by nobody else."""
+    """Open ``root`` and check the folder on its descriptor: the very folder the walk from
+    ``/`` checked (its device and inode), ours, writable by nobody else."""
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        _check_folder(root, os.fstat(fd))
+        st = os.fstat(fd)
+        with _ROOTS_LOCK:
+            known = _ROOTS.get(root)
+        if known is not None and (st.st_dev, st.st_ino) != known:
+            raise RootChanged(f"{root}: is no longer the folder checked when the cache opened it (device:inode "
+                             f"{known[0]}:{known[1]}, now {st.st_dev}:{st.st_ino}): a folder on the way was replaced "
+                             "or remounted; the cache never enters a root it did not check. Start again.")
+        _check_folder(root, st)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def anchor_root(root: str) -> None:
-    """Walk every path below ``root`` (checked by :func:`~.safety.check_root`) from its
-    descriptor from now on. The descriptor is opened for each walk and checked on itself,
-    not held: one held for the process's life would keep a disk the root is on from being
-    unmounted once nothing of it is mapped any more."""
-    os.close(_open_root(root))
+def anchor_root(root: str, st: os.stat_result) -> None:
+    """Walk every path below ``root`` (checked by :func:`~.safety.check_root`, ``st`` its
+    descriptor's ``fstat``) from its descriptor from now on. The descriptor is opened for
+    each walk, its identity checked against ``st``, not held: one held for the process's
+    life would keep a disk the root is on from being unmounted once nothing of it is
+    mapped any more; a root remounted since is refused until it is checked again."""
     with _ROOTS_LOCK:
-        _ROOTS.add(root)
+        _ROOTS[root] = (st.st_dev, st.st_ino)
 
 
 def _anchored(path: str) -> tuple[str | None, list[str]]:
@@ -83,8 +94,8 @@ def open_folder(path: str) -> int:
     a link, each cache folder on the way checked on its descriptor (ours, private).
     ``FileNotFoundError`` when a folder on the way is missing."""
     root, names = _anchored(path)
-    if root is None:
-        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    if root is None:  # a folder under no root checked yet: walked from / as a root's path is
+        return walk_to(os.path.abspath(path))
     fd, walked = _open_root(root), root
     try:
         for name in names:

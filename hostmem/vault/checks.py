@@ -12,7 +12,7 @@ import stat
 
 from ..errors import HostmemError
 
-__all__ = ["VaultError", "check_not_symlink", "check_folder_private", "check_owned", "check_folder_safe",
+__all__ = ["VaultError", "RootChanged", "check_not_symlink", "check_folder_private", "check_owned", "check_folder_safe",
            "check_file_safe"]
 
 
@@ -21,6 +21,11 @@ class VaultError(HostmemError, ValueError):
 
     A ``ValueError`` so that the command line prints it as one actionable line.
     """
+
+
+class RootChanged(VaultError):
+    """A root is no longer the folder checked when the cache opened it: refused outright,
+    never worked around (no in-place merge, no copy beside it)."""
 
 
 def _writable_by_others(path: str, st: os.stat_result, what: str) -> VaultError:
@@ -83,9 +88,10 @@ def check_owned(path: str, st: os.stat_result, what: str = "folder") -> None:
         )
 
 
-def check_folder_safe(path: str) -> os.stat_result:
-    """A cache folder that is there must be a real folder (no link), ours, and private."""
-    st = check_not_symlink(path)
+def check_folder_safe(path: str, st: os.stat_result | None = None) -> os.stat_result:
+    """A cache folder that is there must be a real folder (no link), ours, and private
+    (``st``: its ``lstat``, else taken by path)."""
+    st = check_not_symlink(path, st)
     if not stat.S_ISDIR(st.st_mode):
         raise VaultError(f"{path}: exists and is not a folder; move it away or choose another cache root.")
     check_owned(path, st)

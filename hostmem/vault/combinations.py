@@ -49,8 +49,12 @@ CACHE_DIR = "lora_merge_cache"
 
 
 def default_cache_root() -> str:
-    """``$HOSTMEM_CACHE_ROOT`` if set, else ``~/.cache/hostmem``."""
-    return os.environ.get("HOSTMEM_CACHE_ROOT") or os.path.join(os.path.expanduser("~"), ".cache", "hostmem")
+    """``$HOSTMEM_CACHE_ROOT`` if set, else ``$XDG_CACHE_HOME/hostmem`` (an absolute one, as
+    the XDG spec asks), else ``~/.cache/hostmem``; whichever it is, its whole path is
+    checked as any root's is (:mod:`.path_walk`)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    cache_home = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get("HOSTMEM_CACHE_ROOT") or os.path.join(cache_home, "hostmem")
 
 
 def cache_dir(root: str) -> str:

@@ -32,7 +32,7 @@ from .durable import remove_tree
 from .identity import (CacheKey, base_identity_of, cache_key, key_inputs, provisional_key, same_but_base_digests,
                        shard_identity)
 from .combinations import lock_path
-from .locks import KeyLock, lock_is_held
+from .locks import KeyLock, describe_holders, lock_holders, lock_is_held
 from .manifest import read_manifest
 from .provisional import mark_provisional
 from .rekey import rekey
@@ -216,8 +216,10 @@ def wait_for_a_folded_build(vaults: list, shard_paths: list[str], rest: tuple) -
     say(f"{writable.label} {key.hex[:12]}: another start is building this combination while it hashes the "
         "base; waiting for it, then using what it built")
     lock = KeyLock(path)
-    lock.acquire(exclusive=False)  # granted once the builder has re-keyed and let go
-    lock.release_and_remove_if_alone()
+    if lock.acquire_within(exclusive=False):  # granted once the builder has re-keyed and let go
+        lock.release_and_remove_if_alone()
+    else:  # bounded: the plain open below waits for, or works around, whoever holds it
+        say(f"{writable.label} {key.hex[:12]}: still held by {describe_holders(lock_holders(path))}; going on")
 
 
 class FoldedSession:

@@ -18,6 +18,14 @@ freed, so the views hold the combination in use themselves:
 
 Eviction, ``prune`` and ``hostmem cache rm`` ask for ``<key>.use`` exclusively without
 waiting (after ``<key>.lock``) and leave the combination alone when they cannot have it.
+
+So a process of ours holds ``<key>.use`` exclusively only for an instant. Another user
+who can read the file (a root made readable by others) can hold it for ever: a lease is
+waited for a bounded time (:func:`~.locks.lock_wait_s`, short), then the weights are
+served without it, saying who holds it. That is safe: the lease only keeps our own
+eviction from counting as freed a combination still mapped, and while the other user
+holds the file exclusively no eviction of ours can take it either; the files are ours
+and private, so nobody else can change what is mapped.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from hostmem.safetensors.mapping import SafetensorsError, SafetensorsHeader, adv
 from hostmem.safetensors.writers import guard_foreign_writers
 
 from .layer_file import LayerEntry, header_of_open_file, known_layout
-from .locks import KeyLock
+from .locks import KeyLock, describe_holders, lock_holders, lock_wait_s, say
 from .safety import check_file_safe, check_not_symlink, open_trusted
 
 __all__ = ["UseLease", "use_lease", "lease_alive", "map_layer"]
@@ -45,14 +53,21 @@ _LEASES_LOCK = threading.Lock()
 
 
 class UseLease:
-    """A shared flock on a key's ``.use`` file, released when the last reference goes."""
+    """A shared flock on a key's ``.use`` file, released when the last reference goes;
+    ``held`` False where another process held the file exclusively past the bounded
+    wait (see the module's docstring)."""
 
     def __init__(self, path: str):
         self.path = path
         if os.path.lexists(path):
             check_not_symlink(path)
         self._lock = KeyLock(path)
-        self._lock.acquire(exclusive=False)  # only a momentary probe can hold it exclusively
+        bound = lock_wait_s(short=True)  # only a momentary probe of ours holds it exclusively
+        self.held = self._lock.acquire_within(bound, exclusive=False)
+        if not self.held:
+            say(f"use lock {path} is held by {describe_holders(lock_holders(path))} past {bound:.0f} s; serving "
+                "without it (the files are this user's own and private; until it is let go, no eviction of this "
+                "cache removes them)")
         weakref.finalize(self, self._lock.release)
 
     def __repr__(self) -> str:

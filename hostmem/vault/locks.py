@@ -1,10 +1,19 @@
-"""flock-based locks of the vault: released by the kernel when their holder dies."""
+"""flock-based locks of the vault: released by the kernel when their holder dies.
+
+No lock is waited for without end: anyone who can read a lock file (a root an operator
+made readable by others, ``chmod -R go+rX``) can hold a flock on it for ever, so every
+wait is bounded (:meth:`KeyLock.acquire_within`, :func:`lock_wait_s`), and who holds a
+lock is read from ``/proc/locks`` (:func:`lock_holders`) to say so and to tell another
+user's hold, which never means work of ours in progress, from a process of ours.
+"""
 
 from __future__ import annotations
 
 import errno
 import fcntl
 import os
+import sys
+import time
 from dataclasses import dataclass
 
 from .anchor import in_folder, lstat_in
@@ -12,7 +21,31 @@ from .checks import VaultError
 from .durable import discard
 from .safety import open_trusted
 
-__all__ = ["KeyLock", "lock_is_held", "lock_holders", "describe_holders"]
+__all__ = ["KeyLock", "lock_is_held", "lock_holders", "describe_holders", "held_by_others", "lock_wait_s",
+           "say", "flock_within", "DEFAULT_LOCK_WAIT_S", "SHORT_WAIT_S"]
+
+DEFAULT_LOCK_WAIT_S = 1800.0  # see lock_wait_s
+SHORT_WAIT_S = 2.0  # a lock only held for an instant by a process of ours (a probe): longer is someone else
+
+
+def say(message: str) -> None:
+    """One line to the person running the start (standard error)."""
+    print(f"hostmem: {message}", file=sys.stderr, flush=True)
+
+
+def lock_wait_s(short: bool = False) -> float:
+    """How long a start waits for a lock: ``HOSTMEM_LOCK_TIMEOUT`` seconds, else
+    :data:`DEFAULT_LOCK_WAIT_S` (a build of a large model takes minutes; one that holds
+    the lock much longer is stuck), or at most :data:`SHORT_WAIT_S` for a lock a process
+    of ours holds only for an instant (``short``)."""
+    text = os.environ.get("HOSTMEM_LOCK_TIMEOUT", "")
+    try:
+        bound = max(0.0, float(text)) if text else DEFAULT_LOCK_WAIT_S
+    except ValueError:
+        raise VaultError(f"HOSTMEM_LOCK_TIMEOUT={text!r}: not a number of seconds") from None
+    if bound != bound or bound == float("inf"):
+        raise VaultError(f"HOSTMEM_LOCK_TIMEOUT={text!r}: give a finite number of seconds")
+    return min(bound, SHORT_WAIT_S) if short else bound
 
 
 @dataclass
@@ -44,6 +77,21 @@ class KeyLock:
                 self.fd = fd
                 return True
             os.close(fd)
+
+    def acquire_within(self, seconds: float | None = None, exclusive: bool = True) -> bool:
+        """Take the lock, waiting at most ``seconds`` (else :func:`lock_wait_s`), and no
+        longer than the short bound once every holder is another user's (polling, so
+        that no wait is for ever); False when it is still held then."""
+        started, pause = time.monotonic(), 0.005
+        bound = lock_wait_s() if seconds is None else seconds
+        short = min(bound, lock_wait_s(short=True))
+        while not self.acquire(exclusive, blocking=False):
+            waited = time.monotonic() - started
+            if waited >= bound or (waited >= short and held_by_others(lock_holders(self.path))):
+                return False
+            time.sleep(min(pause, max(bound - waited, 0.001)))
+            pause = min(2 * pause, 0.25)
+        return True
 
     def _still_named(self, fd: int) -> bool:
         try:
@@ -133,6 +181,31 @@ def lock_holders(path: str) -> list[tuple[int, int | None]]:
                 uid = None
             found.append((pid, uid))
     return found
+
+
+def flock_within(fd: int, path: str, exclusive: bool = True) -> bool:
+    """Lock open file ``fd`` (named ``path``), waiting at most :func:`lock_wait_s` for a
+    process of ours, and no longer than its short bound once every holder is another
+    user's (never work of ours: waiting for it is waiting for ever). False when not taken."""
+    mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+    started, pause = time.monotonic(), 0.005
+    short, bound = lock_wait_s(short=True), lock_wait_s()
+    while True:
+        try:
+            fcntl.flock(fd, mode)
+            return True
+        except BlockingIOError:
+            waited = time.monotonic() - started
+            if waited >= bound or (waited >= short and held_by_others(lock_holders(path))):
+                return False
+            time.sleep(min(pause, max(bound - waited, 0.001)))
+            pause = min(2 * pause, 0.25)
+
+
+def held_by_others(holders: list[tuple[int, int | None]]) -> bool:
+    """Whether every known holder is another user's process: never work of ours in
+    progress, so waiting for it is waiting for ever."""
+    return bool(holders) and all(uid is not None and uid != os.geteuid() for _, uid in holders)
 
 
 def describe_holders(holders: list[tuple[int, int | None]]) -> str:

@@ -40,7 +40,7 @@ from .adoption import Adopted, shape_dtype_problem
 from .combinations import lock_path, use_path
 from .layer_file import is_layer_file_name
 from .leases import use_lease
-from .locks import KeyLock
+from .locks import KeyLock, describe_holders, held_by_others, lock_holders
 from .manifest import ManifestError, inputs_problem, read_manifest, touch_use_time
 from .provisional import is_provisional
 from .safety import VaultError, check_folder_safe
@@ -122,10 +122,10 @@ def open_sealed(vault, hex_key: str, inputs: dict, expected: dict | None) -> Sea
     check_folder_safe(folder)  # ours and private, as the plain open checks it: one lstat
     claim_in_process(hex_key)
     lock = KeyLock(lock_path(vault.cache, hex_key))
-    served = None
+    served, foreign = None, None
     try:
         try:
-            if not _take_shared(lock):
+            if not _take_shared(lock) and not (foreign := _held_by_another_user(lock)):
                 return None  # a writer at work: the plain open waits for it
         except VaultError:
             return None  # a lock file the cache may not trust: the plain open says so, and merges in place
@@ -138,6 +138,10 @@ def open_sealed(vault, hex_key: str, inputs: dict, expected: dict | None) -> Sea
             return None
         session.writable = False
         session.last_error = f"{vault.label} {hex_key[:12]} is open only to map it (sealed and verified)"
+        if foreign:
+            say(f"{lock.path}: held by {foreign}, another user; serving the sealed combination without it (its "
+                "files are this user's own and private). Make the cache root private (`chmod -R go-rwx` on it) so "
+                "that nobody else can open its locks")
         served = session
         return served
     finally:
@@ -145,6 +149,15 @@ def open_sealed(vault, hex_key: str, inputs: dict, expected: dict | None) -> Sea
             if lock.held:
                 lock.release_and_remove_if_alone()
             unclaim_in_process(hex_key)
+
+
+def _held_by_another_user(lock: KeyLock) -> str | None:
+    """Who holds the key's lock, where only another user's processes do: no writer of
+    ours can take it either, so nothing of ours drops, rebuilds or removes the
+    combination, and its files are ours and private (checked as they are mapped): it is
+    served without the lock, instead of waiting for ever. None otherwise."""
+    holders = lock_holders(lock.path)
+    return describe_holders(holders) if held_by_others(holders) else None
 
 
 def _take_shared(lock: KeyLock) -> bool:

@@ -26,7 +26,7 @@ from .combinations import lock_path, use_path
 from .durable import discard, fsync_dir, remove_tree
 from .identity import CacheKey
 from .leases import use_lease
-from .locks import KeyLock, lock_is_held
+from .locks import KeyLock, describe_holders, lock_holders, lock_is_held
 from .manifest import ManifestError, read_manifest, write_manifest
 from .provisional import is_provisional, unmark_provisional
 from .safety import VaultError, check_folder_safe
@@ -52,14 +52,19 @@ def complete_in(vaults: list, key: str):
     return None
 
 
-def _take(lock: KeyLock, label: str, key: str) -> None:
-    """Take the real key's lock, saying so when another process holds it."""
+def _take(lock: KeyLock, label: str, key: str) -> bool:
+    """Take the real key's lock, saying so when another process holds it; False where it
+    is still held after the bounded wait (:meth:`~.locks.KeyLock.acquire_within`)."""
     if lock.acquire(blocking=False):
-        return
+        return True
     say(f"{label} {key[:12]} is in use by another process; waiting for it before naming this build by it")
     started = time.monotonic()
-    lock.acquire()
+    if not lock.acquire_within():
+        say(f"{label} {key[:12]}: its lock is still held by {describe_holders(lock_holders(lock.path))}; the "
+            "weights merged are served from the build as it is, left under its provisional key")
+        return False
     say(f"{label} {key[:12]}: waited {time.monotonic() - started:.1f} s")
+    return True
 
 
 def _carry_lease(cache: str, provisional: str, real: str) -> None:
@@ -109,7 +114,8 @@ def rekey(vault, provisional: str, real: CacheKey, vaults: list):
     claim_in_process(real.hex)
     lock = KeyLock(lock_path(cache, real.hex))
     try:
-        _take(lock, vault.label, real.hex)
+        if not _take(lock, vault.label, real.hex):
+            return vault
         holder = complete_in(vaults, real.hex)
         target = os.path.join(cache, real.hex)
         if holder is None and os.path.lexists(target) and lock_is_held(use_path(cache, real.hex), shared_too=True):

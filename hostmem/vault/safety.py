@@ -4,9 +4,11 @@ A cache folder others can write into, or one another user owns, is a door for
 replacing the model weights we serve; so roots and folders are refused the way sshd's
 StrictModes refuses a home folder: owned by this user (or root), and writable by nobody
 else (a sticky bit does not help: it stops others removing our entries, not planting
-their own under the names we will look up). The one exception is the parent of a root
-(a shared folder such as ``/tmp``), which is not checked; the root itself, every folder
-and every file the cache reads are. Files are opened without following links, and a
+their own under the names we will look up). The folders above a root are walked from
+``/`` and trusted as sshd trusts the path to a home (:mod:`.path_walk`: root's or ours,
+writable by nobody else unless sticky, no link of another user's), and the root's
+identity kept (:mod:`.anchor`); the root itself, every folder and every file the cache
+reads are ours and private. Files are opened without following links, and a
 special file (a FIFO, a device) is refused before it is opened. A root on tmpfs is
 refused too: its pages are shared memory the kernel cannot drop without swap, so
 mapping merged weights from there would save no host memory at all.
@@ -16,13 +18,13 @@ from __future__ import annotations
 
 import errno
 import os
-import stat
 
-from hostmem.procfs import SHMEM_FS_TYPES, filesystem_of
+from hostmem.procfs import SHMEM_FS_TYPES
 
-from .anchor import anchor_root, in_folder, mkdir_in, open_in
-from .checks import (VaultError, check_file_safe, check_folder_private, check_folder_safe, check_not_symlink,
-                     check_owned)
+from . import checks
+from .anchor import anchor_root, in_folder, lstat_in, mkdir_in, open_folder, open_in
+from .checks import VaultError, check_file_safe, check_folder_private, check_not_symlink, check_owned
+from .path_walk import walk_to
 
 __all__ = [
     "VaultError",
@@ -35,6 +37,7 @@ __all__ = [
     "check_owned",
     "check_folder_safe",
     "check_root",
+    "check_path",
     "check_file_safe",
     "open_trusted",
     "read_trusted",
@@ -52,12 +55,36 @@ def nearest_existing(path: str) -> str:
     return path
 
 
-def check_not_tmpfs(path: str) -> None:
-    """Refuse a cache folder on tmpfs: its pages cannot be reclaimed without swap."""
-    mount = filesystem_of(nearest_existing(path))
-    if mount is not None and mount.fs_type in SHMEM_FS_TYPES:
+def _mount_of_device(st_dev: int) -> tuple[str, str] | None:
+    """``(filesystem type, mount point)`` of the filesystem of device ``st_dev``, from
+    ``/proc/self/mountinfo``'s ``major:minor``: no path resolved, so nothing renamed
+    meanwhile can make it fail or answer for another folder."""
+    device = f"{os.major(st_dev)}:{os.minor(st_dev)}"
+    try:
+        with open("/proc/self/mountinfo") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, kind = left.split(), right.split()
+        if len(fields) >= 5 and kind and fields[2] == device:
+            return kind[0], fields[4]
+    return None
+
+
+def check_not_tmpfs(path: str, st: os.stat_result | None = None) -> None:
+    """Refuse a cache folder on tmpfs: its pages cannot be reclaimed without swap. ``st``:
+    the folder's ``fstat`` (else its nearest existing folder's, by path)."""
+    if st is None:
+        try:
+            st = os.stat(nearest_existing(path))
+        except OSError:
+            return  # gone meanwhile: the walk that opens it says what is in the way
+    mount = _mount_of_device(st.st_dev)
+    if mount is not None and mount[0] in SHMEM_FS_TYPES:
         raise VaultError(
-            f"{path}: on {mount.fs_type} (mounted at {mount.mount_point}); pages there are shared "
+            f"{path}: on {mount[0]} (mounted at {mount[1]}); pages there are shared "
             "memory the kernel cannot drop without swap, so a merge cache there saves no host "
             "memory. Choose a folder on a disk-backed filesystem (--root DIR or HOSTMEM_CACHE_ROOT, "
             "e.g. ~/.cache/hostmem)."
@@ -100,9 +127,23 @@ def _cannot_create(path: str, exc: OSError) -> VaultError:
     )
 
 
+def check_folder_safe(path: str) -> os.stat_result:
+    """A cache folder that is there must be a real folder (no link), ours, and private:
+    its ``lstat`` taken in its parent's descriptor, walked from the root's (:mod:`.anchor`),
+    so no folder on the way is a link."""
+    return checks.check_folder_safe(path, lstat_in(path))
+
+
+def _vanished(path: str) -> VaultError:
+    return VaultError(f"{path}: removed or replaced while the cache was making it (another process is removing "
+                      "this cache, or a folder on the way was swapped); start again.")
+
+
 def make_private_dir(path: str) -> None:
     """Create ``path`` 0700 if missing, in its folder opened from the root's descriptor
-    (:mod:`.anchor`); an existing one must pass :func:`check_folder_safe`."""
+    (:mod:`.anchor`); an existing one must pass :func:`check_folder_safe`, checked on
+    its descriptor walked from the root's. A folder on the way removed meanwhile is a
+    :class:`VaultError` saying so."""
     try:
         mkdir_in(path)
         with in_folder(path) as (parent, _):
@@ -111,9 +152,14 @@ def make_private_dir(path: str) -> None:
         pass
     except VaultError:
         raise
+    except FileNotFoundError:
+        raise _vanished(path) from None
     except OSError as exc:
         raise _cannot_create(path, exc) from None
-    check_folder_safe(path)
+    try:
+        os.close(open_folder(path))  # every folder on the way and this one, checked on its descriptor
+    except FileNotFoundError:
+        raise _vanished(path) from None
 
 
 def root_is_read_only(root: str | os.PathLike) -> bool:
@@ -128,61 +174,70 @@ def root_is_read_only(root: str | os.PathLike) -> bool:
     return os.path.isdir(path) and not os.access(path, os.W_OK | os.X_OK)
 
 
-def _create_root(root: str) -> None:
-    try:  # a file where a parent folder should be, /proc, a read-only disk...
-        os.makedirs(os.path.dirname(root), exist_ok=True)
-    except OSError as exc:
+def _open_checked_root(root: str, create: bool) -> int:
+    """The root's descriptor, opened by a walk from ``/`` that trusts every folder and
+    link on the way (:func:`~.path_walk.walk_to`), the root itself checked on it: a
+    folder, ours or root's, writable by nobody else."""
+    try:
+        fd = walk_to(root, create)
+    except OSError as exc:  # a file where a folder should be, /proc, a read-only disk...
+        if isinstance(exc, FileNotFoundError) and not create:
+            raise
+        if not create:
+            raise VaultError(f"{root}: cannot be opened as a cache root ({exc.strerror or exc}); choose "
+                             "another cache root (--root DIR, lora.cache.roots or HOSTMEM_CACHE_ROOT).") from None
         raise _cannot_create(root, exc) from None
     try:
-        os.mkdir(root, 0o700)
-        os.chmod(root, 0o700)
-    except FileExistsError:
-        pass  # a file in the way of the root itself is refused below
-    except OSError as exc:
-        raise _cannot_create(root, exc) from None
-
-
-def _check_root_link(root: str) -> None:
-    """A root may be a link to a disk of the user's, but only a link of the user's own:
-    another user who made the name first (in a shared parent such as ``/tmp``) would
-    point the cache wherever they like."""
-    try:
-        st = os.lstat(root)
-    except OSError:  # missing, or under a file: creating it says what is in the way
-        return
-    if stat.S_ISLNK(st.st_mode) and st.st_uid not in (os.geteuid(), 0):
-        raise VaultError(
-            f"{root}: a link made by uid {st.st_uid}, not by this user (uid {os.geteuid()}), so it may point "
-            "anywhere. Remove it (`rm` it, or ask its owner) or choose a cache root of your own "
-            "(--root DIR, lora.cache.roots or HOSTMEM_CACHE_ROOT)."
-        )
+        st = os.fstat(fd)
+        check_owned(root, st)
+        check_folder_private(root, st)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def check_root(root: str) -> None:
-    """An existing root: a folder (or a link of this user's to one), owned by this user or
-    root, writable by nobody else. ``FileNotFoundError`` when there is none. Every path
-    below it is walked from its descriptor from then on (:func:`~.anchor.anchor_root`)."""
-    os.lstat(root)
-    _check_root_link(root)
-    if not os.path.isdir(root):
-        raise VaultError(f"{root}: exists and is not a folder; choose another cache root.")
-    st = os.stat(root)
-    check_owned(root, st)
-    check_folder_private(root, st)
-    anchor_root(os.path.abspath(root))
+    """An existing root: a folder (or a link of this user's or root's to one) whose every
+    folder from ``/`` down is trusted (:mod:`.path_walk`), owned by this user or root,
+    writable by nobody else. ``FileNotFoundError`` when there is none. Every path below
+    it is walked from its descriptor from then on, the folder's identity kept
+    (:func:`~.anchor.anchor_root`)."""
+    root = os.path.abspath(root)
+    fd = _open_checked_root(root, create=False)
+    try:
+        anchor_root(root, os.fstat(fd))
+    finally:
+        os.close(fd)
+
+
+def check_path(root: str) -> None:
+    """Check, creating nothing, the folders from ``/`` to ``root`` or its nearest existing
+    folder as :func:`prepare_root` would (a plan's warning); :class:`VaultError` says why not."""
+    root = os.path.abspath(root)
+    found = nearest_existing(root)
+    try:
+        fd = walk_to(found) if found != root else _open_checked_root(root, create=False)
+    except OSError:
+        return  # gone meanwhile, or not a folder: the plan's own checks say so
+    os.close(fd)
 
 
 def prepare_root(root: str | os.PathLike, create: bool = True) -> str:
     """Return the absolute root, created 0700 if missing (with ``create``), after the
-    safety checks: a folder (the root itself may be a link to a disk, a link of this
-    user's), owned by this user or root, writable by nobody else, not on tmpfs."""
+    safety checks: every folder from ``/`` to it trusted (the root itself may be a link
+    to a disk, a link of this user's or root's), owned by this user or root, writable by
+    nobody else, not on tmpfs. Its identity is kept (:func:`~.anchor.anchor_root`)."""
     root = os.path.abspath(os.path.expanduser(os.fspath(root)))
-    check_not_tmpfs(root)
-    _check_root_link(root)
-    if not os.path.isdir(root):
-        if not create:
-            return root  # a read-only root that holds nothing: nothing to check, nothing to serve
-        _create_root(root)
-    check_root(root)
-    check_not_tmpfs(root)
+    check_not_tmpfs(root)  # before anything is created there
+    try:
+        fd = _open_checked_root(root, create)
+    except FileNotFoundError:
+        return root  # (not created) a read-only root that holds nothing: nothing to check, nothing to serve
+    try:
+        st = os.fstat(fd)
+        check_not_tmpfs(root, st)
+        anchor_root(root, st)
+    finally:
+        os.close(fd)
     return root

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
-import sys
 import threading
 import time
 
@@ -23,7 +22,7 @@ from .layer_file import LayerEntry, UnsealedLayer, discard_layer, layer_file_byt
 from .leases import lease_alive, map_layer
 from .piece_writer import PieceWriter
 from .provisional import is_provisional
-from .locks import KeyLock
+from .locks import KeyLock, say
 from .manifest import Manifest, touch_use_time, write_manifest
 from .safety import VaultError
 from .verification import VerifiedMemo, record_damage
@@ -49,10 +48,6 @@ def claim_in_process(key: str) -> None:
 def unclaim_in_process(key: str) -> None:
     with _OPEN_KEYS_LOCK:
         _OPEN_KEYS.discard(key)
-
-
-def say(message: str) -> None:
-    print(f"hostmem: {message}", file=sys.stderr, flush=True)
 
 
 def still_needed(entries: dict[str, LayerEntry], expected: dict | None) -> int:

@@ -31,7 +31,7 @@ from .content_hash import stamp_of
 from .identity import CacheKey
 from .layer_file import LayerEntry, layer_file_name, read_layer_file
 from .leases import use_lease
-from .locks import KeyLock
+from .locks import KeyLock, describe_holders, lock_holders
 from .safety import VaultError, check_not_symlink, make_private_dir
 from .session import VaultSession, claim_in_process, say, unclaim_in_process
 from .verification import VerifiedMemo
@@ -99,8 +99,16 @@ def _lock_shared(cache: str, key: str) -> tuple[KeyLock, float]:
         return lock, 0.0
     say(f"LoRA merge cache {key[:12]} is in use by another process; waiting for it (lock {lock.path})")
     started = time.monotonic()
-    lock.acquire(exclusive=False)
+    _take_within(lock, exclusive=False)
     return lock, time.monotonic() - started
+
+
+def _take_within(lock: KeyLock, exclusive: bool = True) -> None:
+    """Take ``lock`` within the bounded wait; a :class:`VaultError` naming who holds it when
+    not (the ranks then merge in place, as they do when a share cannot be written)."""
+    if not lock.acquire_within(exclusive=exclusive):
+        raise VaultError(f"{lock.path}: still held by {describe_holders(lock_holders(lock.path))} after the wait "
+                         "(HOSTMEM_LOCK_TIMEOUT); not building this share")
 
 
 def open_share(vault, key: CacheKey | str, expected: dict, index: int, count: int) -> ShareSession:
@@ -117,7 +125,7 @@ def open_share(vault, key: CacheKey | str, expected: dict, index: int, count: in
         key_lock, waited = _lock_shared(vault.cache, hex_key)
         locks.append(key_lock)
         share_lock = KeyLock(share_lock_path(vault.cache, hex_key, index, count))
-        share_lock.acquire()
+        _take_within(share_lock)
         locks.append(share_lock)
         lease = use_lease(use_path(vault.cache, hex_key))  # under the key's lock, before any view
         folder = os.path.join(vault.cache, hex_key)

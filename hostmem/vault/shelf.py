@@ -6,7 +6,7 @@ record from the first root that holds a valid one (a read-only root baked into a
 included: its records were written when its combinations were) and writes new ones into
 the first writable root. A record is a hint: one that cannot be read (missing, damaged,
 another version, another user's, a link) is no record, and one that cannot be written
-is skipped; the work it would have spared is done again.
+is skipped, saying which file and why; the work it would have spared is done again.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 
 from .durable import durable_write, read_small
+from .locks import say
 from .safety import VaultError, check_folder_safe, make_private_dir
 
 __all__ = ["Shelf"]
@@ -50,9 +51,12 @@ class Shelf:
         if self.writable is None:
             return False
         folder = os.path.join(self.writable.cache, self.folder)
+        path = os.path.join(folder, f"{name}.json")
         try:
             make_private_dir(folder)
-            durable_write(os.path.join(folder, f"{name}.json"), json.dumps(record).encode())
-        except (OSError, VaultError):
+            durable_write(path, json.dumps(record, allow_nan=False).encode())
+        except (OSError, VaultError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            say(f"{path}: record not written ({why}); the next start does this work again")
             return False
         return True

@@ -27,59 +27,55 @@ from .content_hash import MEMO_NAME
 from .durable import free_bytes
 from .identity import CacheKey, adapter_identity, base_identity
 from .leases import use_lease
-from .locks import KeyLock, describe_holders, lock_holders
+from .locks import KeyLock, describe_holders, held_by_others, lock_holders, lock_wait_s, say
+from .checks import RootChanged
 from .safety import VaultError, check_folder_safe, make_private_dir, prepare_root, root_is_read_only
 from .readers import open_sealed
-from .session import VaultSession, claim_in_process, say, still_needed, unclaim_in_process
+from .session import VaultSession, claim_in_process, still_needed, unclaim_in_process
 from .space import SpaceCheck
 
-__all__ = ["Vault", "default_cache_root", "DEFAULT_HEADROOM", "MEMO_NAME"]
+__all__ = ["Vault", "default_cache_root", "alternate_key", "DEFAULT_HEADROOM", "MEMO_NAME"]
 
 DEFAULT_HEADROOM = 256 * 1024 * 1024
-DEFAULT_LOCK_WAIT_S = 1800.0  # see lock_wait_s
+ALTERNATES = 4  # copies of one combination built beside a key whose lock another user holds
 
 
-def lock_wait_s() -> float:
-    """How long a start waits for another process of this user's holding its key's lock
-    before it merges in place: ``HOSTMEM_LOCK_TIMEOUT`` seconds, else
-    :data:`DEFAULT_LOCK_WAIT_S` (a build of a large model takes minutes; one that holds
-    the lock much longer is stuck)."""
-    text = os.environ.get("HOSTMEM_LOCK_TIMEOUT", "")
-    try:
-        return max(0.0, float(text)) if text else DEFAULT_LOCK_WAIT_S
-    except ValueError:
-        raise VaultError(f"HOSTMEM_LOCK_TIMEOUT={text!r}: not a number of seconds") from None
+def alternate_key(hex_key: str, n: int) -> str:
+    """The ``n``-th key (64 hex digits) a combination is built under while another user
+    holds ``hex_key``'s lock: the same for every start of this user's, so they share it."""
+    import hashlib
+
+    return hashlib.sha256(f"{hex_key}/held-by-another-user/{n}".encode()).hexdigest()
 
 
-def _lock_key(cache: str, key: str, label: str) -> tuple[KeyLock | None, float, str | None]:
+def _lock_key(cache: str, key: str, label: str) -> tuple[KeyLock | None, float, str | None, bool]:
     """Take the key's exclusive lock, saying so when another process holds it:
-    ``(lock, seconds waited, None)``, or ``(None, seconds waited, why)`` when the start
-    must merge in place instead (a lock file it may not trust, a holder of another
-    user's, or one that held it past :func:`lock_wait_s`)."""
+    ``(lock, seconds waited, None, False)``, or ``(None, seconds waited, why, foreign)``
+    when it cannot: ``foreign`` where another user holds it (never work of ours: the
+    caller builds a copy of its own under another key at once), else a lock file it may
+    not trust, or one of ours that held it past :func:`~.locks.lock_wait_s`."""
     lock = KeyLock(lock_path(cache, key))
     try:
         if lock.acquire(blocking=False):
-            return lock, 0.0, None
+            return lock, 0.0, None, False
+    except RootChanged:
+        raise
     except VaultError as refused:
-        return None, 0.0, str(refused)
-    holders = describe_holders(lock_holders(lock.path))
-    if any(uid != os.geteuid() for _, uid in lock_holders(lock.path)):
-        return None, 0.0, f"its lock {lock.path} is held by {holders}, another user, who may not steer this cache"
+        return None, 0.0, str(refused), False
+    holders = lock_holders(lock.path)
+    if held_by_others(holders):
+        return None, 0.0, f"its lock {lock.path} is held by {describe_holders(holders)}, another user", True
     bound = lock_wait_s()
     say(f"{label} {key[:12]} is in use by another process (most likely building it); waiting up to {bound:.0f} s "
-        f"for it to finish (held by {holders}; lock {lock.path}), then using what it built")
+        f"for it to finish (held by {describe_holders(holders)}; lock {lock.path}), then using what it built")
     started = time.monotonic()
-    pause = 0.005
-    while not lock.acquire(blocking=False):
+    if not lock.acquire_within(bound):
         waited = time.monotonic() - started
-        if waited >= bound:
-            return None, waited, (f"its lock {lock.path} is still held by {describe_holders(lock_holders(lock.path))} "
-                                  f"after {waited:.0f} s (HOSTMEM_LOCK_TIMEOUT)")
-        time.sleep(min(pause, max(bound - waited, 0.001)))
-        pause = min(2 * pause, 0.25)
+        return None, waited, (f"its lock {lock.path} is still held by {describe_holders(lock_holders(lock.path))} "
+                              f"after {waited:.0f} s (HOSTMEM_LOCK_TIMEOUT)"), False
     waited = time.monotonic() - started
     say(f"{label} {key[:12]}: waited {waited:.1f} s; adopting it")
-    return lock, waited, None
+    return lock, waited, None, False
 
 
 class Vault:
@@ -101,6 +97,7 @@ class Vault:
         self.max_size = None if max_size is None else parse_size(max_size)
         self.headroom = parse_size(headroom)
         if not self.read_only:
+            _warn_if_others_can_read(self.root, self.cache)
             sweep_dead_temporaries(self.cache)
 
     @property
@@ -141,16 +138,31 @@ class Vault:
         if self.read_only:
             return self._open_read_only(key, hex_key, expected_layers)
         inputs = key.inputs if isinstance(key, CacheKey) else {}
-        sealed = open_sealed(self, hex_key, inputs, expected_layers)  # maps beside other readers, no waiting
-        if sealed is not None:
-            return sealed
+        for n in range(ALTERNATES + 1):
+            candidate = hex_key if n == 0 else alternate_key(hex_key, n)
+            sealed = open_sealed(self, candidate, inputs, expected_layers)  # maps beside other readers, no waiting
+            if sealed is not None:
+                return sealed
+            session = self._open_locked(key, candidate, inputs, expected_layers)
+            if isinstance(session, VaultSession):
+                return session
+            say(f"{self.label} {candidate[:12]}: {session}, who may not steer this cache; "
+                f"building a copy of this user's own beside it (key {alternate_key(hex_key, n + 1)[:12]}). Make the "
+                f"cache root private (`chmod -R go-rwx {self.root}`) so that nobody else can open its locks")
+        return self._in_place(key, hex_key, expected_layers, 0.0,
+                              f"the locks of {ALTERNATES + 1} copies of it are held by other users")
+
+    def _open_locked(self, key, hex_key: str, inputs: dict, expected_layers: dict | None) -> "VaultSession | str":
+        """The plain session of ``hex_key`` under its exclusive lock; why not where another
+        user holds that lock (the caller tries a copy of its own); a session merging in
+        place where a process of ours held it too long or the lock file is not trusted."""
         claim_in_process(hex_key)
         lock = None
         try:
-            lock, waited, why_not = _lock_key(self.cache, hex_key, self.label)
+            lock, waited, why_not, foreign = _lock_key(self.cache, hex_key, self.label)
             if lock is None:
                 unclaim_in_process(hex_key)
-                return self._in_place(key, hex_key, expected_layers, waited, why_not)
+                return why_not if foreign else self._in_place(key, hex_key, expected_layers, waited, why_not)
             lease = use_lease(use_path(self.cache, hex_key))  # under the key's lock, before any view
             folder = os.path.join(self.cache, hex_key)
             make_private_dir(folder)
@@ -158,7 +170,6 @@ class Vault:
             _tell(self.label, hex_key, adopted)
             needed = still_needed(adopted.entries, expected_layers)
             evicted = evict_lru(self.cache, hex_key, needed, self.max_size, self.headroom)
-            inputs = key.inputs if isinstance(key, CacheKey) else {}
             return VaultSession(self, hex_key, folder, (lock, lease), inputs, adopted, expected_layers, waited, evicted)
         except BaseException:
             if lock is not None:
@@ -188,6 +199,27 @@ class Vault:
             adopted = Adopted({}, None)
         inputs = key.inputs if isinstance(key, CacheKey) else {}
         return VaultSession(self, hex_key, folder, (None, None), inputs, adopted, expected_layers, 0.0, [])
+
+
+_WARNED_OPEN: set[str] = set()  # the roots this process said others can read
+
+
+def _warn_if_others_can_read(root: str, cache: str) -> None:
+    """Say once per root that others may read it: anyone who can open a lock file can hold
+    its flock (a start then waits a bounded time and works around it, at a cost). The
+    cache makes its folders 0700 and files 0600; an operator sharing an image may have
+    opened them (``chmod -R go+rX``)."""
+    if root in _WARNED_OPEN:
+        return
+    try:
+        open_to = [p for p in (root, cache) if os.stat(p).st_mode & 0o055]
+    except OSError:
+        return
+    if open_to:
+        _WARNED_OPEN.add(root)
+        say(f"{open_to[0]}: readable by other users (mode {os.stat(open_to[0]).st_mode & 0o7777:04o}), who can then "
+            f"hold the cache's locks; starts work around that, at a cost. Run `chmod -R go-rwx {root}` unless "
+            "others must read it.")
 
 
 def _tell(label: str, key: str, adopted: Adopted, read_only: bool = False) -> None:

@@ -19,7 +19,6 @@ as whether torch's bf16 addmm rounds once), which cost a start milliseconds to l
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import json
 import os
@@ -30,6 +29,7 @@ import warnings
 import torch
 
 from hostmem.vault.durable import durable_write
+from hostmem.vault.locks import describe_holders, flock_within, lock_holders
 from hostmem.vault.safety import VaultError, check_root, open_trusted, read_trusted
 
 from .precision import instruction_caps
@@ -134,8 +134,7 @@ class Wisdom:
             yield
             return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            self.writable = True
+            self.writable = _lock_within(fd, self.path + ".lock")
             yield
         finally:
             os.close(fd)  # releases the lock
@@ -168,6 +167,18 @@ class Wisdom:
         """Replace the file atomically: a reader sees the old wisdom or the new, never a torn one."""
         text = json.dumps({"version": _VERSION, ENTRIES: {}, **sections}, indent=1, sort_keys=True)
         durable_write(self.path, text.encode())
+
+
+def _lock_within(fd: int, path: str) -> bool:
+    """Take the wisdom lock within a bounded wait (:func:`~hostmem.vault.locks.flock_within`);
+    False, with a warning naming who holds it, when it is still held then: the kernels
+    are timed in this process and nothing is written."""
+    if flock_within(fd, path):
+        return True
+    warnings.warn(f"kernel wisdom not recorded: its lock {path} is held by {describe_holders(lock_holders(path))} "
+                  "past the wait (HOSTMEM_LOCK_TIMEOUT); the kernels are timed in this process. Make the cache root "
+                  "private (`chmod -R go-rwx` on it) so that nobody else can open its lock.", stacklevel=4)
+    return False
 
 
 def _warn_untrusted(refused: VaultError) -> None:

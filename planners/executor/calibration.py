@@ -14,12 +14,13 @@ executor's ``read_ahead: auto`` uses (:func:`saved_reader`).
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from hostmem.units import format_rate
 
-__all__ = ["MEASURED", "RECORD", "describe", "record_path", "read_record", "resolve_transfer", "save_record",
-           "saved_reader"]
+__all__ = ["MEASURED", "RECORD", "describe", "record_path", "read_calibration", "read_record", "resolve_transfer",
+           "save_record", "saved_reader"]
 
 MEASURED = "measured"
 RECORD = "calibration.json"
@@ -42,7 +43,7 @@ def record_path(config=None, root: str | None = None) -> str:
 def save_record(result: dict, path: str) -> str:
     """Write calibrate's ``result`` (its ``transfer`` rates, what was timed) to ``path``; return it."""
     from hostmem.vault.durable import durable_write
-    from hostmem.vault.safety import prepare_root
+    from hostmem.vault.safety import VaultError, prepare_root
 
     prepare_root(os.path.dirname(path))  # the user's own folder, not tmpfs, not writable by others
     import datetime  # only when a record is written: the plan reads records without it
@@ -50,27 +51,64 @@ def save_record(result: dict, path: str) -> str:
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     record = {"format": _FORMAT, "measured_at": when, "transfer": result["transfer"], "device": result.get("device"),
               "folders": result.get("folders", []), "h2d": result.get("h2d"), "read_ahead": result.get("read_ahead")}
-    durable_write(path, (json.dumps(record, indent=1) + "\n").encode())
+    try:
+        durable_write(path, (json.dumps(record, indent=1, allow_nan=False) + "\n").encode())
+    except (OSError, ValueError) as exc:  # a full disk; a rate that is no number
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise VaultError(f"{path}: the calibration could not be written ({why}); free room there or give "
+                         "another cache root (--root DIR), and run `hostmem calibrate --save` again") from None
     return path
 
 
-def read_record(path: str) -> dict | None:
-    """The record at ``path``, or None (none yet, not the user's own, or not a calibration)."""
+_SLOWEST, _FASTEST = 1e6, 1e14  # bytes/s: below 1 MB/s is no measurement (the config refuses it too), above 100 TB/s none either
+
+
+def _is_rate(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and _SLOWEST <= value <= _FASTEST)
+
+
+def _why_not(data) -> str | None:
+    """Why ``data`` is not a calibration (types, finite rates in range), or None: a record
+    is checked whoever wrote it."""
+    rates = data.get("transfer") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or data.get("format") != _FORMAT:
+        return f"not a record of {_FORMAT}"
+    if not isinstance(rates, dict) or "disk_read" not in rates:
+        return "no transfer rates (disk_read at least)"
+    bad = [k for k in _RATES if k in rates and not _is_rate(rates[k])]
+    if bad:
+        return (f"{', '.join(f'{k}={rates[k]!r}' for k in bad)}: not a rate in bytes/s between "
+                f"{_SLOWEST:.0e} and {_FASTEST:.0e}")
+    if not isinstance(data.get("measured_at", ""), str):
+        return "measured_at is not a time"
+    return None
+
+
+def read_calibration(path: str) -> tuple[dict | None, str | None]:
+    """``(the record at path, None)``, or ``(None, why there is none)``: None where none is
+    saved yet, else what is wrong (not the user's own, not a file, not a valid calibration)."""
     from hostmem.vault.durable import read_small
 
     try:
         st = os.lstat(path)
-        if st.st_uid != os.geteuid() or not os.path.isfile(path):
-            return None
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"{path} cannot be read ({exc.strerror or exc})"
+    if st.st_uid != os.geteuid() or not os.path.isfile(path):
+        return None, f"{path} is not a file of this user's (uid {st.st_uid}); remove it"
+    try:
         data = json.loads(read_small(path))
-        rates = data.get("transfer")
-        if data.get("format") != _FORMAT or not isinstance(rates, dict) or "disk_read" not in rates:
-            return None
-        if not all(isinstance(rates[k], (int, float)) and rates[k] >= 1e6 for k in _RATES if k in rates):
-            return None  # a rate below 1 MB/s is no measurement (the config refuses it too)
-        return data
-    except (OSError, ValueError, TypeError):
-        return None
+    except (OSError, ValueError) as exc:
+        return None, f"{path} cannot be read ({exc}); remove it"
+    why = _why_not(data)
+    return (data, None) if why is None else (None, f"{path} is not used ({why}); remove it or calibrate again")
+
+
+def read_record(path: str) -> dict | None:
+    """The record at ``path``, or None (none yet, not the user's own, or not a calibration)."""
+    return read_calibration(path)[0]
 
 
 def saved_reader(config=None) -> str | None:
@@ -90,10 +128,12 @@ def resolve_transfer(config):
     if transfer.source != MEASURED:
         return config
     path = record_path(config)
-    record = read_record(path)
+    record, why = read_calibration(path)
     if record is None:
         source = (f"measured: no calibration saved at {path} yet, the defaults stand until "
                   "`hostmem calibrate --save` runs on this machine")
+        if why is not None:
+            source = f"measured: {why}; the defaults stand until `hostmem calibrate --save` runs on this machine"
         return config._replace(transfer=transfer._replace(source=source))
     rates = {k: float(record["transfer"][k]) for k in _RATES if k in record["transfer"]}
     missing = [k for k in _RATES if k not in rates]

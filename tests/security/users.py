@@ -104,3 +104,55 @@ def snapshot(folder, leave_out=()) -> dict[str, tuple]:
                 content = None
             found[path] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid, st.st_size, content)
     return found
+
+
+@contextlib.contextmanager
+def flock_held_by_nobody(path, exclusive: bool = True):
+    """``nobody`` holds a flock on ``path`` (opened read-only, as anyone who can read a
+    file may) until the block ends; the holder is a forked child, ended on leaving."""
+    import fcntl
+
+    uid, gid = nobody()
+    ready_r, ready_w = os.pipe()
+    stop_r, stop_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.close(ready_r)
+            os.close(stop_w)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            fd = os.open(os.fspath(path), os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            os.write(ready_w, b"1")
+            os.read(stop_r, 1)  # until the parent closes its end
+            code = 0
+        except BaseException:
+            os.write(ready_w, traceback.format_exc().encode())
+        finally:
+            os._exit(code)
+    os.close(ready_w)
+    os.close(stop_r)
+    said = os.read(ready_r, 4096)
+    os.close(ready_r)
+    try:
+        assert said == b"1", f"nobody could not lock {path}:\n{said.decode()}"
+        yield pid
+    finally:
+        os.close(stop_w)
+        os.waitpid(pid, 0)
+
+
+def open_to_others(folder) -> None:
+    """What an operator does to share a cache (``chmod -R go+rX``): every folder and file
+    under ``folder`` readable by others, folders passable."""
+    for here, dirs, files in os.walk(os.fspath(folder)):
+        for name in [*dirs, ""]:
+            path = os.path.join(here, name)
+            os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) | 0o055)
+        for name in files:
+            path = os.path.join(here, name)
+            if not os.path.islink(path):
+                os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) | 0o044)

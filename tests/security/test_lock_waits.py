@@ -1,0 +1,127 @@
+"""No lock of the cache waits for ever on another user, and none sends a start to the in-place merge.
+
+An operator shares a cache (``chmod -R go+rX``); another user (``nobody``, for real)
+then opens its lock files read-only and holds a flock on them for as long as they like.
+Each start runs in a thread joined with a generous limit, so that a wait without end
+fails the test instead of hanging it; ``HOSTMEM_LOCK_TIMEOUT`` keeps the bounded waits
+short. Every weight served is ``torch.equal`` to what was built, and the start maps it
+from the cache (a sealed session, or a copy of this user's own), never in place.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from hostmem.vault import Vault
+from hostmem.vault.combinations import lock_path, use_path
+from hostmem.vault.store import alternate_key
+from lora_cache.kernels.wisdom import WISDOM_FILE, Wisdom
+from tests.hostmem.vault.test_vault import build, expected_of, key_for, layers
+
+from .users import flock_held_by_nobody, nobody, open_to_others, reachable_by_others
+
+HANG = 60.0  # far past every bounded wait here: a thread still running then waits for ever
+
+
+@pytest.fixture(autouse=True)
+def short_waits(monkeypatch):
+    monkeypatch.setenv("HOSTMEM_LOCK_TIMEOUT", "0.3")
+
+
+def _in_thread(fn):
+    """``fn()``'s result, run in a thread that must end (a wait without end fails here)."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    thread.start()
+    thread.join(HANG)
+    assert not thread.is_alive(), "the start waited for ever on another user's lock"
+    assert out, "the start raised (see the thread's traceback above)"
+    return out[0]
+
+
+def _shared_world(tmp_path, tag: str, sealed: bool = True):
+    nobody()
+    root = str(tmp_path / "root")
+    vault, key, tensors = Vault(root), key_for(tag), layers(count=2)
+    if sealed:
+        build(vault, key, tensors)
+    return vault, key, tensors
+
+
+def _serve(vault: Vault, key, tensors: dict):
+    """A start's gets: the session and how many layers it mapped from the cache."""
+    session = Vault(vault.root).open(key, expected_of(tensors))
+    served = 0
+    for name, tensor in tensors.items():
+        view = session.get(name, tuple(tensor.shape), tensor.dtype)
+        if view is not None:
+            assert torch.equal(view, tensor)
+            served += 1
+    return session, served
+
+
+def test_another_users_hold_on_the_use_lock_serves_the_sealed_combination_without_waiting_for_ever(tmp_path, capfd):
+    vault, key, tensors = _shared_world(tmp_path, "use-held")
+    with open(use_path(vault.cache, key.hex), "a"):
+        pass  # left by a start whose weights were dropped since; the operator's chmod opens it
+    open_to_others(vault.root)
+    with reachable_by_others(vault.root), flock_held_by_nobody(use_path(vault.cache, key.hex)):
+        session, served = _in_thread(lambda: _serve(vault, key, tensors))
+        session.close()
+    assert served == len(tensors) and session.last_error is None or "sealed and verified" in session.last_error
+    said = capfd.readouterr().err
+    assert f"(uid {nobody()[0]})" in said and "serving without it" in said
+    assert "readable by other users" in said and "chmod -R go-rwx" in said
+
+
+def test_another_users_hold_on_the_key_lock_serves_the_sealed_combination_not_in_place(tmp_path, capfd):
+    vault, key, tensors = _shared_world(tmp_path, "key-held-sealed")
+    open_to_others(vault.root)
+    _serve(vault, key, tensors)[0].close()  # a start after the chmod checks every layer again (their ctimes moved)
+    with open(lock_path(vault.cache, key.hex), "a"):
+        pass  # left by a start that was killed
+    os.chmod(lock_path(vault.cache, key.hex), 0o644)  # and opened by the operator's chmod
+    with reachable_by_others(vault.root), flock_held_by_nobody(lock_path(vault.cache, key.hex)):
+        session, served = _in_thread(lambda: _serve(vault, key, tensors))
+        session.close()
+    assert served == len(tensors) and session.key == key.hex
+    assert f"(uid {nobody()[0]}), another user; serving the sealed combination" in capfd.readouterr().err
+
+
+def test_another_users_hold_on_the_key_lock_builds_a_copy_of_this_users_own_not_in_place(tmp_path, capfd):
+    vault, key, tensors = _shared_world(tmp_path, "key-held-new", sealed=False)
+    with open(lock_path(vault.cache, key.hex), "a"):
+        pass
+    open_to_others(vault.root)
+    with reachable_by_others(vault.root), flock_held_by_nobody(lock_path(vault.cache, key.hex)):
+        stats = _in_thread(lambda: build(Vault(vault.root), key, tensors))
+        session, served = _in_thread(lambda: _serve(vault, key, tensors))
+        session.close()
+    assert stats["layers_written"] == len(tensors) and served == len(tensors)
+    assert session.key == alternate_key(key.hex, 1)
+    assert os.path.isdir(os.path.join(vault.cache, alternate_key(key.hex, 1)))
+    assert f"(uid {nobody()[0]})" in capfd.readouterr().err
+
+
+def test_another_users_hold_on_the_wisdom_lock_times_the_kernels_here_within_the_bound(tmp_path):
+    nobody()
+    root = str(tmp_path / "root")
+    os.mkdir(root, 0o700)
+    lock = os.path.join(root, WISDOM_FILE + ".lock")
+    with open(lock, "a"):
+        pass
+    open_to_others(root)
+    wisdom = Wisdom(root)
+
+    def record_one():
+        with wisdom.recording() as record:
+            return record("shape-class", lambda: {"kernel": "fp32"})
+
+    with reachable_by_others(root), flock_held_by_nobody(lock):
+        with pytest.warns(UserWarning, match=rf"kernel wisdom not recorded: .* \(uid {nobody()[0]}\)"):
+            assert _in_thread(record_one) == {"kernel": "fp32"}
+    assert not wisdom.writable and not os.path.exists(os.path.join(root, WISDOM_FILE))
