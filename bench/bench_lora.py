@@ -1,6 +1,7 @@
 """The LoRA merge cache against the in-place merge, side by side in one run.
 
-A synthetic bf16 DiT (48 layers by default) and a rank-64 adapter on every layer.
+A synthetic bf16 DiT (48 layers by default) and a rank-64 adapter on every layer whose
+update is a few bf16 steps of the weights (:data:`UP_SPREAD`), as a trained one's.
 Each scenario runs in its own fresh process, so no heap, page mapping or allocator
 state carries from one to the next; the parent only writes files and compares:
 
@@ -74,6 +75,10 @@ SHARDS = 4
 ROUNDS = 5  # raw writes, the write path, the arithmetic and the build, in turn, in a rotating order
 START_ROUNDS = 12  # timed rounds of one start of each kind: a start is ~1.5-2 s, its spread ~0.3 s, the goal 5%
 BUILD_ONLY_ROUNDS = 3  # --build-only: a run in under two minutes at 1 GiB
+# The update (up @ down, down's spread COLS**-0.5) spreads ~3 bf16 steps of a weight of
+# magnitude one (2**-7 each), as a trained LoRA's does: not below one step, where merging
+# would round it away (each entry sums RANK products: up's spread * RANK**0.5 / COLS**0.5).
+UP_SPREAD = 3 * 2.0**-7 * COLS**0.5 / RANK**0.5
 
 
 def write_model(folder: str, size: int) -> tuple[list[str], str]:
@@ -92,7 +97,7 @@ def write_model(folder: str, size: int) -> tuple[list[str], str]:
     for i in range(LAYERS):
         stem = f"diffusion_model.blocks.{i}.proj"
         adapter[f"{stem}.lora_down.weight"] = (torch.randn(RANK, COLS, generator=gen) / COLS**0.5).to(torch.bfloat16)
-        adapter[f"{stem}.lora_up.weight"] = (torch.randn(rows, RANK, generator=gen) * 0.01).to(torch.bfloat16)
+        adapter[f"{stem}.lora_up.weight"] = (torch.randn(rows, RANK, generator=gen) * UP_SPREAD).to(torch.bfloat16)
         adapter[f"{stem}.alpha"] = torch.tensor(float(RANK))
     adapter_path = os.path.join(folder, "turbo-r64.safetensors")
     save_file(adapter, adapter_path, fsync=True)
@@ -134,7 +139,7 @@ def _merge_measured(shards, adapter, root, private) -> dict:
     # without a root, the in-place path (the cache is on by default: it would build or hit
     # in the default root instead)
     with track_peak_anon() as peak:
-        # rounding="merge": the synthetic adapter is sub-ulp in places; the baselines merge every layer
+        # rounding="merge": the baselines merge every layer, whatever share of an update rounds away
         stats = lora_cache.merge(model, [adapter], cache_root=root, base_files=shards, progress=False,
                                  enabled=root is not None, rounding="merge")
     return {"growth": peak.growth_bytes, "peak": peak.peak_bytes, "stats": stats.to_dict()}
