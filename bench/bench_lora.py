@@ -75,9 +75,7 @@ SHARDS = 4
 ROUNDS = 5  # raw writes, the write path, the arithmetic and the build, in turn, in a rotating order
 START_ROUNDS = 12  # timed rounds of one start of each kind: a start is ~1.5-2 s, its spread ~0.3 s, the goal 5%
 BUILD_ONLY_ROUNDS = 3  # --build-only: a run in under two minutes at 1 GiB
-# The update (up @ down, down's spread COLS**-0.5) spreads ~3 bf16 steps of a weight of
-# magnitude one (2**-7 each), as a trained LoRA's does: not below one step, where merging
-# would round it away (each entry sums RANK products: up's spread * RANK**0.5 / COLS**0.5).
+# up's spread: the update (up @ down) then spreads ~3 bf16 steps of a weight of magnitude one
 UP_SPREAD = 3 * 2.0**-7 * COLS**0.5 / RANK**0.5
 
 
