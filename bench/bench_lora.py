@@ -1,7 +1,6 @@
 """The LoRA merge cache against the in-place merge, side by side in one run.
 
-A synthetic bf16 DiT (48 layers by default) and a rank-64 adapter on every layer whose
-update is a few bf16 steps of the weights (:data:`UP_SPREAD`), as a trained one's.
+A synthetic bf16 DiT (48 layers by default), a rank-64 adapter on every layer (updates of ~3 bf16 steps).
 Each scenario runs in its own fresh process, so no heap, page mapping or allocator
 state carries from one to the next; the parent only writes files and compares:
 
@@ -75,13 +74,11 @@ SHARDS = 4
 ROUNDS = 5  # raw writes, the write path, the arithmetic and the build, in turn, in a rotating order
 START_ROUNDS = 12  # timed rounds of one start of each kind: a start is ~1.5-2 s, its spread ~0.3 s, the goal 5%
 BUILD_ONLY_ROUNDS = 3  # --build-only: a run in under two minutes at 1 GiB
-# up's spread: the update (up @ down) then spreads ~3 bf16 steps of a weight of magnitude one
-UP_SPREAD = 3 * 2.0**-7 * COLS**0.5 / RANK**0.5
 
 
 def write_model(folder: str, size: int) -> tuple[list[str], str]:
     """A ``size``-byte bf16 checkpoint of LAYERS square-ish layers, and a rank-64 adapter."""
-    rows = max(64, size // (LAYERS * COLS * 2))
+    rows, spread = max(64, size // (LAYERS * COLS * 2)), 3 * 2.0**-7 * (COLS / RANK) ** 0.5  # up @ down: ~3 bf16 steps
     gen = torch.Generator().manual_seed(0)
     per_shard = -(-LAYERS // SHARDS)
     shards = []
@@ -95,7 +92,7 @@ def write_model(folder: str, size: int) -> tuple[list[str], str]:
     for i in range(LAYERS):
         stem = f"diffusion_model.blocks.{i}.proj"
         adapter[f"{stem}.lora_down.weight"] = (torch.randn(RANK, COLS, generator=gen) / COLS**0.5).to(torch.bfloat16)
-        adapter[f"{stem}.lora_up.weight"] = (torch.randn(rows, RANK, generator=gen) * UP_SPREAD).to(torch.bfloat16)
+        adapter[f"{stem}.lora_up.weight"] = (torch.randn(rows, RANK, generator=gen) * spread).to(torch.bfloat16)
         adapter[f"{stem}.alpha"] = torch.tensor(float(RANK))
     adapter_path = os.path.join(folder, "turbo-r64.safetensors")
     save_file(adapter, adapter_path, fsync=True)
