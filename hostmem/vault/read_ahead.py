@@ -26,6 +26,7 @@ cache whole would evict its first layers before the pass reaches them).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import functools
@@ -87,14 +88,25 @@ class _Worker:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._stopped = False
+        atexit.register(self.stop)
 
     def put(self, item) -> None:
         """Queue a tensor to advise, or an event to set once everything before it was advised."""
         self._queue.put(item)
         with self._lock:
-            if self._thread is None:
+            if self._thread is None and not self._stopped:
                 self._thread = threading.Thread(target=self._run, name="hostmem-vault-read-ahead", daemon=True)
                 self._thread.start()
+
+    def stop(self) -> None:
+        """At the interpreter's exit: end the thread before Python finalizes (a daemon thread
+        still holding a tensor then aborts the process), dropping what it was yet to advise."""
+        with self._lock:
+            self._stopped, thread = True, self._thread
+        self._queue.put(None)
+        if thread is not None:
+            thread.join(5.0)
 
     def _run(self) -> None:
         while True:
@@ -106,6 +118,8 @@ class _Worker:
                         self._thread = None
                         return
                 continue
+            if item is None or self._stopped:
+                return
             if isinstance(item, threading.Event):
                 item.set()
             else:
