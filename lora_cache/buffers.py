@@ -9,7 +9,7 @@ import torch
 
 from hostmem.safetensors.mapping import advise_huge_pages
 
-__all__ = ["Scratch", "compute_device", "host_buffer"]
+__all__ = ["PAGE", "RING_BYTES", "Scratch", "claim_after", "compute_device", "host_buffer", "ring_bytes"]
 
 
 def compute_device(weight: torch.Tensor | None = None) -> torch.device:
@@ -28,7 +28,14 @@ def compute_device(weight: torch.Tensor | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-_PAGE = 4096
+PAGE = 4096
+# The output buffer is a ring that holds several layers where they are small: a layer's
+# sum then overwrites bytes whose write ended a few layers ago, not the layer just before
+# (whose last piece, and the open, fallocate and first write of its file, the sum of a
+# one-layer buffer waited for). Measured on a 2-core virtual machine with 512 layers of
+# 2 MiB, each layer's sum waited ~5 ms for the one before (2.5 s of a 1 GiB build). A
+# fresh page costs ~5 ms per MiB to touch there, so the ring is no larger than it needs.
+RING_BYTES = 16 * 1024 * 1024
 
 
 class Scratch:
@@ -56,11 +63,12 @@ class Scratch:
             else:
                 self._bytes = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Return a view of ``shape`` and ``dtype`` over the buffer (its contents are garbage)."""
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, at: int = 0) -> torch.Tensor:
+        """Return a view of ``shape`` and ``dtype`` over the buffer from byte ``at`` (a page
+        boundary, or 0; its contents are garbage)."""
         nbytes = math.prod(shape) * dtype.itemsize
-        self.reserve(nbytes)
-        return self._bytes[:nbytes].view(dtype).view(shape)
+        self.reserve(at + nbytes)
+        return self._bytes[at : at + nbytes].view(dtype).view(shape)
 
     @property
     def nbytes(self) -> int:
@@ -70,7 +78,7 @@ class Scratch:
         self._bytes = torch.empty(0, dtype=torch.uint8, device=self.device)
 
 
-_HUGE_PAGE = 2 * 1024 * 1024
+_HUGEPAGE = 2 * 1024 * 1024
 
 
 def host_buffer(nbytes: int) -> torch.Tensor:
@@ -86,9 +94,31 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     """
     if nbytes <= 0:
         return torch.empty(0, dtype=torch.uint8)
-    length = -(-nbytes // _PAGE) * _PAGE + _HUGE_PAGE  # room to start on the boundary
+    length = -(-nbytes // PAGE) * PAGE + _HUGEPAGE  # room to start on the boundary
     mapping = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE)
     advise_huge_pages(mapping)  # a kernel without THP keeps 4 KiB pages: still correct
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
-    start = -whole.data_ptr() % _HUGE_PAGE
+    start = -whole.data_ptr() % _HUGEPAGE
     return whole[start : start + nbytes]
+
+
+def claim_after(earlier: list, end: int, at: int = 0) -> None:
+    """Wait until every layer in ``earlier`` has written its bytes that ``[at, at + end)`` of
+    the ring covers (a block may overwrite them then). Each of ``earlier`` is a handoff
+    whose bytes start at the ring's start, or ``(offset, handoff)``; a layer's bytes are
+    handed back in order from its start, so one below ``at`` is waited for up to the end."""
+    for layer in earlier:
+        offset, handoff = layer if isinstance(layer, tuple) else (0, layer)
+        if offset < at + end and at < offset + handoff.nbytes:
+            handoff.wait_released(at + end - offset)
+
+
+def ring_bytes(sizes: list[int]) -> int:
+    """The output buffer for layers of ``sizes`` bytes: the largest layer, or where every
+    layer is small (a quarter of :data:`RING_BYTES` at most), a ring of up to
+    :data:`RING_BYTES` that holds several of them (each starting on a page). The
+    anonymous memory a build adds stays one layer wide, or :data:`RING_BYTES`."""
+    largest = max(sizes, default=0)
+    if 4 * largest > RING_BYTES:
+        return largest
+    return max(largest, min(sum(-(-n // PAGE) * PAGE for n in sizes), RING_BYTES))

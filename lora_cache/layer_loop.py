@@ -28,6 +28,7 @@ from .adapters.checks import check_before_use
 from hostmem.vault.handoff import Handoff
 from .kernels import KernelPlan, block_workers, plan_for_targets
 from .layers import AddressSpace, LayerTarget, Snapshot, compute_merged, install, merge_in_place
+from .buffers import PAGE, claim_after as _claim_after, ring_bytes
 from .merge_math import Scratch, compute_device, scratch_bytes, sums_in_output
 
 __all__ = ["CacheBuildError", "MergeStats", "cyclic_gc_paused", "merge_layers"]
@@ -90,23 +91,30 @@ def _rounding_line(rounding: dict | None) -> str:
 
 
 class _Write(NamedTuple):
-    """A layer on its way to the vault: the put in flight and the handoff it reads."""
+    """A layer on its way to the vault: the put in flight, the handoff it reads, and where
+    in the output ring its bytes lie."""
 
     target: LayerTarget
     written: Future
     handoff: Handoff
+    offset: int = 0
+
+
+MAX_PENDING = 16  # layers written or sealed at once: each seal's fsync overlaps the others'
+SEALERS = 8  # seals at once: the filesystem commits the fsyncs that wait together in one journal commit
 
 
 class _LayerLoop:
     """One merge's per-layer work, with the buffers it reuses and the figures it keeps.
 
     Cache hits are taken first; the misses are then built through one output buffer
-    that a writer thread streams to the vault as it fills (see
-    :mod:`hostmem.vault.handoff`): the block workers sum layer i's row blocks into it in
-    order, the writer puts each finished piece on disk while the rest is summed (several
-    pieces at once, see :mod:`hostmem.vault.piece_writer`, the last ones of layer i
-    still on their way while layer i+1's first go out), and layer i+1's blocks reuse
-    each piece once it is written, and every piece before it. Before a layer is
+    (a ring of a few layers where they are small, :func:`ring_bytes`) that a writer
+    thread streams to the vault as it fills (see :mod:`hostmem.vault.handoff`): the
+    block workers sum layer i's row blocks into it in order, the writer puts each
+    finished piece on disk while the rest is summed (several pieces at once, see
+    :mod:`hostmem.vault.piece_writer`, the last ones of layer i still on their way
+    while layer i+1's first go out), and a later layer's blocks reuse each piece of
+    the ring once it is written, and every piece before it. Before a layer is
     summed, the kernel is asked to read the next one's base in (a cold page cache then
     overlaps with the sum too). The anonymous memory stays one layer wide (the output
     buffer, plus one fp32 block per worker for layers the chosen kernel sums in fp32).
@@ -118,8 +126,8 @@ class _LayerLoop:
     waited for the writer.)
 
     Gets all happen before the first put; puts run in order, each split in two (its
-    data, then its seal: see ``VaultSession.put_data``), one layer's seal running beside
-    the next one's data.
+    data, then its seal: see ``VaultSession.put_data``), the seals of several layers
+    running beside the next one's data.
 
     In place, each layer is summed straight into its own weight where that is writable
     (the private mapping safetensors hands torch, a heap tensor), else into a new tensor:
@@ -135,16 +143,23 @@ class _LayerLoop:
         self.work, self.out = Scratch(device or compute_device()), Scratch("cpu")
         self.on_devices: dict[torch.device, Scratch] = {}  # GPU-resident weights, merged in place
         self.workers = None
-        self.bar = tqdm(total=sum(t.nbytes for t in targets), unit="B", unit_scale=True, unit_divisor=1024,
-                        desc="lora merge", disable=None if progress is None else not progress, leave=False)
+        self.progress, self.total = progress, sum(t.nbytes for t in targets)
+        self.bar = None  # made once there is work to show: a start that only hits has none (and skips its lock)
 
     def record(self, target: LayerTarget, outcome: str) -> None:
         if outcome == "fallen_back" and not self.stats.fallen_back:
             warnings.warn(f"{_vault_reason(self.session)}. Merging in place instead.")
         setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
         self.stats.bytes += target.nbytes
-        self.bar.update(target.nbytes)
-        self.bar.set_postfix(hit=self.stats.hit, built=self.stats.built, fallback=self.stats.fallen_back, refresh=False)
+        if self.bar is not None:
+            self.bar.update(target.nbytes)
+            self.bar.set_postfix(hit=self.stats.hit, built=self.stats.built, fallback=self.stats.fallen_back,
+                                 refresh=False)
+
+    def show_progress(self) -> None:
+        """Start the progress bar, the bytes recorded so far (the hits) counted done."""
+        self.bar = tqdm(total=self.total, initial=self.stats.bytes, unit="B", unit_scale=True, unit_divisor=1024,
+                        desc="lora merge", disable=None if self.progress is None else not self.progress, leave=False)
 
     def work_for(self, target: LayerTarget) -> Scratch:
         """The scratch ``target`` is summed in: on the merge's device, or, where none was
@@ -189,7 +204,7 @@ class _LayerLoop:
         A failed put means every later one fails too (the session stops writing), so the
         writes behind it are awaited first, before the fallback merges.
         """
-        target, written, _ = pending.pop(0)
+        target, written, *_ = pending.pop(0)
         view = written.result()
         if view is not None:
             install(target, view, Snapshot(original=target.current))
@@ -216,7 +231,7 @@ class _LayerLoop:
         either way: pages are touched as layers fill them.
         """
         if output:
-            self.out.reserve(max((t.nbytes for t in targets), default=0))
+            self.out.reserve(ring_bytes([t.nbytes for t in targets]))
         in_scratch = [t for t in targets if self.work_for(t) is self.work and not self._sums_in_output(t)]
         self.work.reserve(max((scratch_bytes(tuple(t.current.shape), self.work.device, self.workers)
                                for t in in_scratch), default=0))
@@ -228,17 +243,21 @@ class _LayerLoop:
     def build(self, targets: list[LayerTarget]) -> None:
         """Compute and put every target, the writer streaming each layer as it is summed.
 
-        At most three layers are in flight: the one being summed, the one before it, whose
-        bytes the writer is putting on disk, and the one before that, being sealed (its
-        fsync, under load several milliseconds, would otherwise hold up the write of the
-        next layer, and with it the sum of the one after).
+        Up to :data:`MAX_PENDING` layers are in flight: the one being summed, those
+        before it whose bytes the writer is putting on disk, and those being sealed, on
+        :data:`SEALERS` threads (one fsync, under load several milliseconds, would
+        otherwise hold up the write of the next layer, and with it the sum of the one
+        after; fsyncs that wait together are committed together). Each layer takes the
+        next stretch of the output ring (:func:`ring_bytes`) that holds it.
         """
         if not targets:
             return
         self.reserve(targets, output=True)
         pending: list[_Write] = []
+        at = 0  # where the next layer starts in the ring
         # Leaving the executors waits for the work in flight, also when an error ends the loop.
-        with ThreadPoolExecutor(1, "lora-cache-seal") as sealer, ThreadPoolExecutor(1, "lora-cache-write") as writer:
+        with ThreadPoolExecutor(SEALERS, "lora-cache-seal") as sealer, \
+                ThreadPoolExecutor(1, "lora-cache-write") as writer:
             for i, target in enumerate(targets):
                 if not self.session.writable:  # a put failed: the rest merges in place
                     while pending:
@@ -247,34 +266,37 @@ class _LayerLoop:
                     continue
                 if i + 1 < len(targets):
                     _read_ahead(targets[i + 1].current)
-                pending.append(self.stream(target, (writer, sealer), [w.handoff for w in pending]))
-                if len(pending) > 2:
+                at = at if at + target.nbytes <= self.out.nbytes else 0
+                pending.append(self.stream(target, (writer, sealer), [(w.offset, w.handoff) for w in pending], at))
+                at += -(-target.nbytes // PAGE) * PAGE  # each layer on a page: its bytes go with O_DIRECT
+                if len(pending) > MAX_PENDING:
                     self.settle(pending)
             while pending:
                 self.settle(pending)
 
-    def stream(self, target: LayerTarget, threads, earlier: list[Handoff]) -> _Write:
-        """Sum ``target`` into the output buffer while the writer of ``threads`` (writer,
-        sealer) writes it, piece by piece; the sealer then seals it.
+    def stream(self, target: LayerTarget, threads, earlier: list[tuple[int, Handoff]], at: int = 0) -> _Write:
+        """Sum ``target`` into the output ring at byte ``at`` while the writer of ``threads``
+        (writer, sealer) writes it, piece by piece; the sealer then seals it.
 
         Each row block waits until the bytes it overwrites are written: the same bytes
-        of the ``earlier`` layers not yet sealed (the last pieces of either may still be
-        on their way). Returns once the sum is done; the put may still be running.
+        of the ``earlier`` layers (their offsets in the ring, their handoffs) not yet
+        sealed (the last pieces of any may still be on their way). Returns once the sum
+        is done; the put may still be running.
         """
         writer, sealer = threads
         base = target.current
-        out = self.out.take(tuple(base.shape), base.dtype)
+        out = self.out.take(tuple(base.shape), base.dtype, at)
         handoff = Handoff(target.nbytes)
         data = writer.submit(self.session.put_data, target.name, out, None, handoff)
         written = sealer.submit(_seal_when_written, self.session, data)
         try:
             compute_merged(target, out, self.work, self.workers, kernel=self.kernel(target),
-                           claim=functools.partial(_claim_after, earlier), publish=handoff.publish)
+                           claim=functools.partial(_claim_after, earlier, at=at), publish=handoff.publish)
         except BaseException:
             handoff.cancel()  # the put gives up and removes its temporary file
             raise
         handoff.publish(target.nbytes)
-        return _Write(target, written, handoff)
+        return _Write(target, written, handoff, at)
 
     def run(self, targets: list[LayerTarget]) -> MergeStats:
         start = time.monotonic()
@@ -289,14 +311,17 @@ class _LayerLoop:
             check_before_use(d for t in in_place + misses for d in t.deltas)
             for target, view in hits:
                 self.take_hit(target, view)
-            with block_workers(self.work.device) as self.workers, cyclic_gc_paused():
-                self.reserve(in_place, output=False)
-                for target in in_place:
-                    self.in_place(target)
-                self.build(misses)
+            if in_place or misses:  # a start that only hits starts no workers and no bar
+                self.show_progress()
+                with block_workers(self.work.device) as self.workers, cyclic_gc_paused():
+                    self.reserve(in_place, output=False)
+                    for target in in_place:
+                        self.in_place(target)
+                    self.build(misses)
         finally:
             self.workers = None
-            self.bar.close()
+            if self.bar is not None:
+                self.bar.close()
             for scratch in (self.work, self.out, *self.on_devices.values()):
                 scratch.release()
             _return_freed_memory()
@@ -337,11 +362,6 @@ def cyclic_gc_paused():
             gc.enable()
 
 
-def _claim_after(earlier: list[Handoff], end: int) -> None:
-    """Wait until every layer in ``earlier`` has written its bytes below ``end`` (a block of
-    the one reused buffer may overwrite them then)."""
-    for handoff in earlier:
-        handoff.wait_released(end)
 
 
 def _seal_when_written(session, data: Future):

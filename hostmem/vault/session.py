@@ -23,6 +23,7 @@ from .leases import lease_alive, map_layer
 from .piece_writer import PieceWriter
 from .provisional import is_provisional
 from .locks import KeyLock, say
+from .read_ahead import ReadAhead
 from .manifest import Manifest, touch_use_time, write_manifest
 from .safety import VaultError
 from .verification import VerifiedMemo, record_damage
@@ -72,6 +73,7 @@ def _new_stats(waited: float, evicted) -> dict:
         "needed_bytes": 0,
         "available_bytes": 0,
         "dropped": None,
+        "read_ahead_bytes": 0,
     }
 
 
@@ -112,6 +114,7 @@ class VaultSession:
         self._memo = adopted.memo or VerifiedMemo(folder)
         self._map_passing = False  # the last map failed for the process's sake, not the file's
         self._damaged = adopted.damaged
+        self._ahead = ReadAhead()  # each layer served read in, in use order, where the page cache holds it
         self._measure_space()
 
     def _measure_space(self) -> None:
@@ -145,7 +148,15 @@ class VaultSession:
             return None
         self.stats["layers_hit"] += 1
         self.stats["bytes_hit"] += entry.size
+        self._read_ahead(view)
         return view
+
+    def _read_ahead(self, view: torch.Tensor) -> None:
+        """Have ``view``'s pages read in behind the layers served before it, where the page
+        cache holds them (:mod:`hostmem.vault.read_ahead`)."""
+        if self._ahead.add(view):
+            with self._state:
+                self.stats["read_ahead_bytes"] += view.numel() * view.element_size()
 
     def _map(self, entry: LayerEntry) -> torch.Tensor | None:
         """Map a layer file read-only, if it still is what the manifest recorded."""
@@ -248,7 +259,8 @@ class VaultSession:
 
     def seal_put(self, layer: UnsealedLayer | None) -> torch.Tensor | None:
         """The second half of :meth:`put`: fsync and name the file :meth:`put_data` wrote,
-        record it and map it. Calls run in the order of their :meth:`put_data`."""
+        record it and map it. Several may run at once, on threads of the caller's (the
+        filesystem then commits their fsyncs together); each after its :meth:`put_data`."""
         if layer is None:
             return None
         name = layer.entry.name
@@ -272,6 +284,7 @@ class VaultSession:
             self._failed(name, exc)
             return None
         self._record_write(entry, self._write_seconds.pop(name, 0.0) + time.perf_counter() - started)
+        self._read_ahead(view)  # written around the page cache: read back now where it holds the layers
         return view
 
     def _end_pieces(self, name: str) -> Exception | None:

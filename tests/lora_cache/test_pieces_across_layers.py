@@ -123,3 +123,42 @@ def test_layers_of_mixed_sizes_built_through_one_buffer_equal_the_in_place_merge
     lora_cache.merge(model, [adapter], progress=False, enabled=False)
     for name, weight in model.named_parameters():
         assert torch.equal(cached[name], weight), name
+
+
+def test_a_block_of_the_ring_waits_only_for_the_layers_whose_bytes_it_overwrites():
+    from lora_cache.buffers import RING_BYTES, ring_bytes
+
+    below, beside, ahead = Handoff(2 * MiB), Handoff(2 * MiB), Handoff(2 * MiB)  # at 0, 2 and 4 MiB of the ring
+    earlier = [(0, below), (2 * MiB, beside), (4 * MiB, ahead)]
+    below.release()
+    claimed = threading.Event()
+    # a layer at 1 MiB: its first 2 MiB cover the tail of the one below and the head of the one beside
+    thread = threading.Thread(target=lambda: (_claim_after(earlier, 2 * MiB, at=1 * MiB), claimed.set()), daemon=True)
+    thread.start()
+    assert not claimed.wait(0.2), "a block overwrote bytes the layer beside had not written yet"
+    beside.release(MiB)  # exactly what it covers of that layer; the layer ahead is never waited for
+    assert claimed.wait(10)
+    thread.join(10)
+    assert ring_bytes([2 * MiB] * 100) == RING_BYTES  # small layers: several in the ring
+    assert ring_bytes([2 * MiB] * 3) == 6 * MiB  # no more than they add up to
+    assert ring_bytes([8 * MiB, MiB]) == 8 * MiB  # large ones: one layer wide, as ever
+
+
+def test_many_small_layers_built_through_the_ring_equal_the_in_place_merge(tmp_path):
+    gen = torch.Generator().manual_seed(11)
+    model = nn.Sequential(*(nn.Linear(1024, 256, bias=False) for _ in range(40)))  # 512 KiB each: the ring holds 32
+    tensors = {f"{i}.weight": torch.randn(256, 1024, generator=gen).to(torch.bfloat16) for i in range(40)}
+    path = write_safetensors(os.path.join(tmp_path, "base.safetensors"), tensors)
+    for name, tensor in load_readonly(path).items():
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner)._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+    changes = {str(i): lora_change(256, 1024, 8, seed=i, alpha=8) for i in range(40)}
+    changes = {m: {k: v.to(torch.bfloat16) if k in ("up", "down") else v for k, v in c.items()} for m, c in changes.items()}
+    adapter = write_adapter(tmp_path / "small.safetensors", "kohya", changes)
+    stats = lora_cache.merge(model, [adapter], cache_root=tmp_path / "cache", progress=False, rounding="merge")
+    assert stats.built == 40 and stats.fallen_back == 0
+    cached = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lora_cache.unmerge(model)
+    lora_cache.merge(model, [adapter], progress=False, enabled=False, rounding="merge")
+    for name, weight in model.named_parameters():
+        assert torch.equal(cached[name], weight), name
