@@ -1,7 +1,7 @@
 """LyCORIS's factored weight changes (LoHa, LoKr, LoCon's Tucker core), one row block at a time.
 
 Their change is no ``up @ down``, so the merge asks each for the rows of a row block
-(:meth:`Prepared.block`, fp32, the layer's flattened width) and adds them with the
+(:meth:`Prepared.add_to`, fp32, the layer's flattened width) and adds them with the
 term's scale, in the same blocks and order as every other term
 (:func:`lora_cache.merge_math.add_terms`): the in-place path, the cached path and a
 tensor-parallel part sum the same numbers. A layer's factors are made ready once
@@ -121,27 +121,44 @@ class Prepared:
 
     def block(self, rows: slice) -> torch.Tensor:
         """Rows ``rows`` of the weight's change, fp32 ``(rows, width)``: zeros outside the span."""
-        device = self.factors[0].device
         start, stop, step = rows.indices(self.shape[0])
-        wanted = torch.arange(start, stop, step, device=device)
+        wanted = torch.arange(start, stop, step, device=self.factors[0].device)
         low, high = self.span
         inside = (wanted >= low) & (wanted < high)
-        if bool(inside.all()):
-            return self._source_rows(wanted - low + self.rows_from)
-        out = torch.zeros(len(wanted), self.width, dtype=torch.float32, device=device)
+        out = torch.zeros(len(wanted), self.width, dtype=torch.float32, device=wanted.device)
         if bool(inside.any()):
-            out[inside] = self._source_rows(wanted[inside] - low + self.rows_from)
+            out[inside] = self._added(wanted[inside] - low + self.rows_from)
         return out
 
-    def _source_rows(self, index: torch.Tensor) -> torch.Tensor:
+    def add_to(self, flat: torch.Tensor, rows: slice, scale: float) -> None:
+        """``flat`` (the block of ``rows``, fp32, 2-D) += ``scale`` times its rows of the change."""
+        start, stop, step = rows.indices(self.shape[0])
+        low, high = self.span
+        if step == 1 and low <= start and stop <= high:  # the common case: no gather, no temporary block
+            self._add_rows(flat, slice(start - low + self.rows_from, stop - low + self.rows_from), scale)
+        else:
+            flat.add_(self.block(rows), alpha=scale)
+
+    def _added(self, index: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(len(index), self.width, dtype=torch.float32, device=self.factors[0].device)
+        self._add_rows(out, index, 1.0)
+        return out
+
+    def _add_rows(self, flat: torch.Tensor, index, scale: float) -> None:
+        """``flat += scale * `` the change's rows ``index`` (a slice, or a tensor of row numbers)."""
         f = self.factors
+
+        def take(tensor):
+            return tensor[index] if isinstance(index, slice) else tensor.index_select(0, index)
+
         if self.kind == DENSE:
-            return f[0].index_select(0, index)
-        if self.kind == TUCKER:
-            return f[0].index_select(0, index) @ f[1]
-        if self.kind == LOHA:
-            return (f[0].index_select(0, index) @ f[1]).mul_(f[2].index_select(0, index) @ f[3])
-        w1, w2 = f  # LoKr: row p is w1[p // b] (x) w2[p % b]
-        height = w2.shape[0]
-        left, right = w1.index_select(0, index // height), w2.index_select(0, index % height)
-        return (left.unsqueeze(2) * right.unsqueeze(1)).reshape(len(index), -1)
+            flat.add_(take(f[0]), alpha=scale)
+        elif self.kind == TUCKER:
+            flat.addmm_(take(f[0]), f[1], alpha=scale)
+        elif self.kind == LOHA:
+            flat.addcmul_(take(f[0]) @ f[1], take(f[2]) @ f[3], value=scale)
+        else:  # LoKr: row p is w1[p // b] (x) w2[p % b]
+            w1, w2 = f
+            rows = torch.arange(index.start, index.stop, device=w1.device) if isinstance(index, slice) else index
+            left, right = w1.index_select(0, rows // w2.shape[0]), w2.index_select(0, rows % w2.shape[0])
+            flat.view(flat.shape[0], left.shape[1], -1).addcmul_(left.unsqueeze(2), right.unsqueeze(1), value=scale)

@@ -177,7 +177,7 @@ class Term:
     def add_product(self, flat: torch.Tensor, rows: slice) -> None:
         """flat (a row block, 2-D) += scale * this term's pair or factored change on ``rows``."""
         if self.factors is not None:
-            flat.add_(self.factors.block(rows), alpha=self.scale)
+            self.factors.add_to(flat, rows, self.scale)
         else:
             flat.addmm_(self.up[rows], self.down, alpha=self.scale)
 

@@ -202,3 +202,18 @@ def test_a_factored_change_of_another_shape_is_refused_naming_both(tmp_path):
     with pytest.raises(KeyResolutionError, match=r"'lycoris_a.hada_w1_a' gives a change of shape \(64, 40\) but the "
                                                  r"model's 'a.weight' has shape \(64, 48\)"):
         lora_cache.merge(_base(tmp_path / "m"), [path], enabled=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU merge is tested above)")
+def test_a_merge_summed_on_the_gpu_is_the_cpu_merge_up_to_one_rounding(tmp_path):
+    """The GPU sums a layer in one block, with its own matrix kernels: the same change, rounded once."""
+    from lora_cache.keys import ModuleIndex, plan_deltas
+    from lora_cache.merge_math import Scratch, merged_weight
+
+    path = _write(tmp_path, _mixed(torch.Generator().manual_seed(10)))
+    index = ModuleIndex({"a.weight": (64, 48), "b.weight": (32, 48), "conv.weight": (16, 8, 3, 3)})
+    for name, deltas in plan_deltas([(read_adapter(path), lora_cache.Adapter(path))], index).items():
+        whole = torch.randn(*deltas[0].shape).to(torch.bfloat16)
+        on_cpu = merged_weight(whole, deltas, whole.clone(), Scratch(torch.device("cpu")))
+        on_gpu = merged_weight(whole, deltas, whole.clone(), Scratch(torch.device("cuda")))
+        torch.testing.assert_close(on_gpu.double(), on_cpu.double(), rtol=2**-7, atol=0, msg=name)
