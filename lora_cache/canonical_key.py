@@ -9,7 +9,8 @@ under three keys, and an image built ahead of time never served a diffusers serv
 The key now covers, per adapter, its content digest (the vault's ``adapter_identity``),
 the user's key rules, and the digest of its canonical form: for every target parameter
 (by its name in its component), each term's scale and diff scale, written exactly
-(``float.hex``), and its factors' shapes and dtypes. Two readers that place the same
+(``float.hex``), and its factors' shapes and dtypes (a LyCORIS factored term's kind, parts
+and placement: :mod:`lora_cache.lycoris_math`, so a LoHa never keys as a LoRA). Two readers that place the same
 file's values on the same parameters with the same scales produce the same merged
 bytes, and the same key; a reader that folds an alpha into the values (diffusers'
 converters rescale) shows as a different scale, and is keyed apart, as its bytes may
@@ -37,6 +38,9 @@ def _shape(tensor) -> list | None:
 def _term(delta: Delta) -> list:
     term = [float(delta.scale).hex(), _shape(delta.up), _shape(delta.down), float(delta.diff_scale).hex(),
             _shape(delta.diff)]
+    if delta.factors is not None:  # LoHa, LoKr, Tucker LoCon: the kind, each part, and where it lands
+        f = delta.factors
+        term += [f.kind, [[role, _shape(t)] for role, t in f.parts], list(f.shape), f.rows_from, f.span]
     if delta.magnitude is None:
         return term
     lycoris = [] if delta.dora == "peft" else [delta.dora, float(delta.dora_strength).hex()]  # dora_lycoris

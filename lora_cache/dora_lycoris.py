@@ -23,6 +23,8 @@ column's factor.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 __all__ = ["COLUMNS", "EPS", "PEFT", "ROWS", "add_decomposed", "axis_of", "column_scale"]
@@ -48,13 +50,15 @@ def column_scale(sumsq: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
     return (magnitude.flatten().to(sumsq) / norms).repeat_interleave(group)
 
 
-def add_decomposed(flat: torch.Tensor, up: torch.Tensor, down: torch.Tensor, scale: float, strength: float,
+def add_decomposed(flat: torch.Tensor, add_term: Callable[[torch.Tensor], None], strength: float,
                    row_magnitude: torch.Tensor | None, columns: torch.Tensor | None) -> None:
-    """``flat`` (a row block, fp32, 2-D) becomes ``P + s * (D - P)`` (see the module); ``up``:
-    the block's rows; ``row_magnitude`` the block's values on the row axis, else ``columns``
-    the layer's column factors (:func:`column_scale`)."""
+    """``flat`` (a row block, fp32, 2-D) becomes ``P + s * (D - P)`` (see the module);
+    ``add_term(flat)`` adds the block's rows of the scaled term (a LoRA pair's ``up @ down``,
+    or a LoHa's or LoKr's change: :mod:`lora_cache.lycoris_math`); ``row_magnitude`` the
+    block's values on the row axis, else ``columns`` the layer's column factors
+    (:func:`column_scale`)."""
     before = flat.clone()
-    flat.addmm_(up, down, alpha=scale)
+    add_term(flat)
     if row_magnitude is not None:
         flat.mul_((row_magnitude / (torch.linalg.vector_norm(before, dim=1) + EPS)).unsqueeze(1))
     else:

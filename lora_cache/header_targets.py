@@ -30,12 +30,13 @@ from hostmem.errors import HostmemError
 from hostmem.safetensors.header import SafetensorsError, read_header
 
 from .adapter_paths import adapter_file_in, peft_config_path
-from .adapters.formats import split_key
+from .adapters.formats import loha, lokr, split_key
 from .key_names import KeyResolutionError, KeyRule, ModuleIndex, resolve_stem
 
 __all__ = ["NeedsReader", "adapter_path_rules", "header_targets", "listed_adapters", "tensor_targets"]
 
 _FLOATS = ("F16", "BF16", "F32", "F64")
+_FACTORED = (*loha.PARTS, *lokr.PARTS, "mid")  # lora_cache.adapters.lycoris_parts.ROLES, without its imports
 
 
 class NeedsReader(HostmemError):
@@ -157,6 +158,8 @@ def _module(path: str, stem: str, rules: list[KeyRule], index: ModuleIndex) -> s
 
 def _changed_params(path: str, stem: str, module: str, parts: dict, index: ModuleIndex) -> list[str]:
     """The parameters of ``module`` a stem's parts change, each checked to fit as the merge checks it."""
+    if any(role in parts for role in _FACTORED):
+        raise NeedsReader(f"{path}: {stem!r} is a LyCORIS LoHa, LoKr or Tucker LoCon, whose factors the reader places")
     up, down = parts.get("up"), parts.get("down")
     if (up is None) != (down is None) or (up is None and ("up_b" in parts or "magnitude" in parts)):
         raise NeedsReader(f"{path}: {stem!r} lacks a matrix of its pair")

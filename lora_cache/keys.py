@@ -27,14 +27,17 @@ imports no torch and lives in :mod:`lora_cache.key_names`; this module adds the 
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, replace
 
 import torch
 
 from .adapters import Adapter, AdapterFile, ModuleChange
+from .adapters.lycoris_parts import LOHA_ROLES, LOKR_ROLES, ROLES as FACTORED, kind_of, rank_of, shape_of
 from .dora_lycoris import PEFT, axis_of
 from .key_names import KeyResolutionError, KeyRule, ModuleIndex, Target, resolve_stem
+from .lycoris_math import Factors
 from .merge_math import Delta, lora_scale
 
 __all__ = ["KeyResolutionError", "KeyRule", "ModuleIndex", "Placement", "Target", "plan_deltas", "resolve_adapter"]
@@ -59,6 +62,8 @@ class Placement:
 
 
 def _change_rows(change: ModuleChange) -> int | None:
+    if kind_of(change.parts):  # LoHa, LoKr, Tucker LoCon: the rows of the change they make
+        return shape_of(change.parts)[0]
     part = change.parts.get("up", change.parts.get("diff", change.parts.get("diff_b")))
     return None if part is None or part.dim() == 0 else int(part.shape[0])
 
@@ -213,26 +218,56 @@ def _magnitude(adapter: AdapterFile, change: ModuleChange, place: Placement, par
 def _dora_scale(adapter: AdapterFile, change: ModuleChange, place: Placement, param: str):
     """LyCORIS's ``dora_scale``: the axis its shape names, on the whole weight only."""
     key, scale = change.keys["dora_scale"], change.parts["dora_scale"]
-    if "up" not in change.parts or "magnitude" in change.parts:
+    factored = kind_of(change.parts) is not None
+    if ("up" not in change.parts and not factored) or "magnitude" in change.parts:
         raise KeyResolutionError(f"{adapter.path}: {key!r} needs a LoRA pair beside it and no lora_magnitude_vector "
                                  "(truncated or mixed adapter?)")
     if place.rows is not None or place.source is not None:
         raise KeyResolutionError(f"{adapter.path}: {key!r} is a DoRA scale placed on some rows of {param!r}; DoRA "
                                  "norms the weight it was trained on, so it merges only onto that weight whole")
-    return scale.flatten(), axis_of(scale, change.parts["up"].shape[0])
+    return scale.flatten(), axis_of(scale, shape_of(change.parts)[0] if factored else change.parts["up"].shape[0])
+
+
+def _factors(adapter: AdapterFile, change: ModuleChange, key: str, place: Placement, param: str,
+             index: ModuleIndex) -> Factors:
+    """A LoHa's, LoKr's or Tucker LoCon's parts as one factored change on ``param``
+    (:mod:`lora_cache.lycoris_math`): the rows ``place`` takes, landing on the rows it names."""
+    rows, width = shape_of(change.parts)
+    taken = (0, rows) if place.source is None else (place.source.start, place.source.stop)
+    expected = index.shapes.get(param)
+    span = None if place.rows is None else (place.rows.start, place.rows.stop)
+    height = taken[1] - taken[0] if span is None else (expected or (0,))[0]
+    if span is not None and (span[1] > height or span[1] - span[0] != taken[1] - taken[0]):
+        raise KeyResolutionError(
+            f"{adapter.path}: {key!r} has {taken[1] - taken[0]} rows but is placed on rows {span[0]}:{span[1]} of "
+            f"{param!r} ({height} rows); fix the rule's [start:stop]")
+    fits = expected is not None and expected[0] == height and math.prod(expected[1:]) == width
+    shape = tuple(expected) if fits else (height, width)  # a misfit: the shape check names both
+    parts = tuple((role, tensor) for role, tensor in sorted(change.parts.items())
+                  if role in FACTORED or role in ("up", "down"))
+    return Factors(kind_of(change.parts), parts, shape, taken[0], span)
 
 
 def _module_deltas(adapter: AdapterFile, spec: Adapter, place: Placement, index: ModuleIndex):
     """Yield ``(parameter, key, Delta)`` for the weight and bias changes of one placement."""
     change, module, strength = place.change, place.module, spec.strength
     parts = change.parts
+    factored = kind_of(parts)  # LoHa, LoKr, Tucker LoCon (lora_cache.lycoris_math), else None
     scale = 0.0
-    if "up" in parts:
+    if "up" in parts or factored:
         alpha = adapter.alpha(change, spec.alpha)  # the override, unless a converter folded it in already
         rslora = adapter.rslora_for(change) if spec.rslora is None else spec.rslora
         outside = "dora_scale" in parts  # LyCORIS's DoRA takes its strength outside the norm (dora_lycoris)
-        scale = lora_scale(1.0 if outside else strength, alpha, adapter.rank(change), rslora)
-    if "up" in parts or "diff" in parts:
+        rank = rank_of(parts) if factored else adapter.rank(change)  # None: a LoKr of whole halves, no alpha
+        scale = (1.0 if outside else strength) if rank is None else \
+            lora_scale(1.0 if outside else strength, alpha, rank, rslora)
+    if factored:
+        key, param = next(change.keys[r] for r in (*LOHA_ROLES, *LOKR_ROLES, "up") if r in parts), f"{module}.weight"
+        magnitude, dora = _magnitude(adapter, change, place, param)
+        yield param, key, Delta(f"{adapter.path}: {key!r}", scale=scale, magnitude=magnitude, dora=dora,
+                                dora_strength=strength if dora != PEFT else 1.0,
+                                factors=_factors(adapter, change, key, place, param, index))
+    elif "up" in parts or "diff" in parts:
         key = change.keys.get("up", change.keys.get("diff"))
         param = f"{module}.weight"
         up = None if "up" not in parts else _placed(adapter, key, parts["up"], place, param, index)

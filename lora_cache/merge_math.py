@@ -20,9 +20,12 @@ DoRA is merged as peft's ``merge_and_unload`` merges it: ``W' = m / ||W + s B A|
 so it fits the row blocks as they are. Several adapters apply in the order given, each
 DoRA term to what the terms before it made, as peft merges adapters one after another.
 
-Other variants whose merge is not ``W + scale * B @ A`` (LoHa, LoKr, ...) are refused
-with the key named (:mod:`lora_cache.adapters.formats.refused`): merging them as plain
-LoRA would be wrong without any error.
+LyCORIS's factored changes (LoHa, LoKr, LoCon's Tucker core) are terms of their own: each
+row block asks them for its rows of the change (:mod:`lora_cache.lycoris_math`), added with
+the term's scale where a pair's ``up @ down`` would be. Other variants whose merge is not a
+sum of such terms (IA3, OFT, ...) are refused with the key named
+(:mod:`lora_cache.adapters.formats.refused`): merging them as plain LoRA would be wrong
+without any error.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from hostmem.errors import InputError
 from .adapters.spec import UnsupportedAdapterError
 from .buffers import Scratch, compute_device, host_buffer
 from .dora_lycoris import COLUMNS, PEFT, add_decomposed, column_scale
+from .lycoris_math import Factors, Prepared
 
 __all__ = [
     "Accumulators",
@@ -87,6 +91,8 @@ class Delta:
     to it (see the module's docstring); ``dora`` says whose DoRA: peft's, or LyCORIS's
     ``dora_scale`` as ComfyUI merges it on its row or column axis, with ``dora_strength``
     (:mod:`lora_cache.dora_lycoris`; ``scale`` is then alpha / rank alone).
+    ``factors``: a LyCORIS factored change (LoHa, LoKr, Tucker LoCon) in place of ``up`` and
+    ``down``, scaled by ``scale`` (:mod:`lora_cache.lycoris_math`).
     ``source`` names the adapter file and key for error messages; ``values_check`` is the
     file's check of its values, run before they are first consumed
     (:func:`lora_cache.adapters.checks.check_before_use`).
@@ -102,15 +108,17 @@ class Delta:
     magnitude: torch.Tensor | None = None
     dora: str = PEFT
     dora_strength: float = 1.0
+    factors: Factors | None = None
 
     def check(self) -> None:
         """Refuse what ``up @ down`` cannot express, before any layer is merged."""
         axis = "input columns" if self.dora == COLUMNS else "rows"
-        fits = self.up is not None and (self.down.shape[1] if self.dora == COLUMNS else self.up.shape[0])
+        paired = self.up is not None or self.factors is not None
+        fits = paired and (self.shape[1] if self.dora == COLUMNS else self.shape[0])
         if self.magnitude is not None and self.magnitude.numel() != fits:
             raise UnsupportedAdapterError(
                 f"{self.source}: a DoRA magnitude vector of {self.magnitude.numel()} values does not fit the "
-                f"{'missing' if self.up is None else fits} {axis} of its LoRA pair; the file is damaged"
+                f"{fits or 'missing'} {axis} of its LoRA pair; the file is damaged"
             )
         if self.up is not None and self.up.dim() == 4 and tuple(self.up.shape[2:]) != (1, 1):
             raise UnsupportedAdapterError(
@@ -121,6 +129,8 @@ class Delta:
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the parameter this delta fits."""
+        if self.factors is not None:
+            return tuple(self.factors.shape)
         if self.up is not None:
             return (self.up.shape[0], *self.down.shape[1:])
         return tuple(self.diff.shape)
@@ -149,6 +159,7 @@ class Term:
     dora: str = PEFT
     dora_strength: float = 1.0
     columns: torch.Tensor | None = None  # fp32 (cols,): a column-axis DoRA's factors (column_scales)
+    factors: Prepared | None = None  # a LyCORIS factored change, fp32 on the device
 
     @classmethod
     def of(cls, delta: Delta, device: torch.device, fp32: bool = True, columns: torch.Tensor | None = None) -> "Term":
@@ -159,7 +170,16 @@ class Term:
             up, down = _as_matrix(delta.up, device, fp32), _as_matrix(delta.down, device, fp32)
         diff = None if delta.diff is None else delta.diff.to(device)
         magnitude = None if delta.magnitude is None else delta.magnitude.to(device=device, dtype=torch.float32)
-        return cls(up, down, delta.scale, diff, delta.diff_scale, magnitude, delta.dora, delta.dora_strength, columns)
+        factors = None if delta.factors is None else delta.factors.prepared(device)
+        return cls(up, down, delta.scale, diff, delta.diff_scale, magnitude, delta.dora, delta.dora_strength, columns,
+                   factors)
+
+    def add_product(self, flat: torch.Tensor, rows: slice) -> None:
+        """flat (a row block, 2-D) += scale * this term's pair or factored change on ``rows``."""
+        if self.factors is not None:
+            self.factors.add_to(flat, rows, self.scale)
+        else:
+            flat.addmm_(self.up[rows], self.down, alpha=self.scale)
 
 
 def row_blocks(shape: tuple[int, ...], device: torch.device) -> list[slice]:
@@ -259,11 +279,11 @@ def add_terms(block: torch.Tensor, terms: list[Term], rows: slice) -> None:
     LyCORIS one as :mod:`lora_cache.dora_lycoris` says)."""
     for term in terms:
         if term.magnitude is not None and term.dora != PEFT:
-            add_decomposed(block.view(block.shape[0], -1), term.up[rows], term.down, term.scale, term.dora_strength,
-                           None if term.dora == COLUMNS else term.magnitude[rows], term.columns)
+            add_decomposed(block.view(block.shape[0], -1), functools.partial(term.add_product, rows=rows),
+                           term.dora_strength, None if term.dora == COLUMNS else term.magnitude[rows], term.columns)
             continue
-        if term.up is not None:
-            block.view(block.shape[0], -1).addmm_(term.up[rows], term.down, alpha=term.scale)
+        if term.up is not None or term.factors is not None:
+            term.add_product(block.view(block.shape[0], -1), rows)
         if term.diff is not None:
             block.add_(term.diff[rows], alpha=term.diff_scale)
         if term.magnitude is not None:
@@ -287,7 +307,8 @@ def column_scales(base: torch.Tensor, deltas: list[Delta], device: torch.device)
         for rows in row_blocks(tuple(flat_base.shape), device):
             block = flat_base[rows].to(device=device, dtype=torch.float32, copy=True)  # never a view of the base
             add_terms(block, terms[:i], rows)
-            sumsq += block.addmm_(term.up[rows], term.down, alpha=term.scale).square().sum(dim=0)
+            term.add_product(block, rows)
+            sumsq += block.square().sum(dim=0)
         found[i] = column_scale(sumsq, term.magnitude)
         terms[i] = replace(term, columns=found[i])
     return found

@@ -84,6 +84,7 @@ def _sampled(delta: Delta, rows: slice, cols: slice) -> Delta:
         return tensor.reshape(tensor.shape[0], -1) if tensor.dim() > 1 else tensor.reshape(-1, 1)
 
     return replace(delta,
+                   factors=None if delta.factors is None else delta.factors.sampled(rows, cols),
                    up=None if delta.up is None else flat(delta.up)[rows],
                    down=None if delta.down is None else flat(delta.down)[:, cols],
                    diff=None if delta.diff is None else flat(delta.diff)[rows, cols],
@@ -180,7 +181,7 @@ def _share(share: float) -> str:
 def has_values(target: LayerTarget) -> bool:
     """False for a target planned from a conversion record (its factors are on the meta device)."""
     return all(t is None or t.device.type != "meta"
-               for d in target.deltas for t in (d.up, d.down, d.diff))
+               for d in target.deltas for t in (d.up, d.down, d.diff, *(d.factors.tensors() if d.factors else ())))
 
 
 @one_thread()  # blocks of a few KiB: a thread pool's wake-ups cost more than they compute

@@ -31,7 +31,8 @@ def unsupported_reason(target: LayerTarget) -> str | None:
     """Why ``target`` cannot be applied at run time (None when it can).
 
     A Linear's weight takes LoRA pairs and full deltas, its bias full deltas; anything
-    else (a conv kernel, a bare parameter of a custom module) is only ever merged.
+    else (a conv kernel, a bare parameter of a custom module, a LoHa or LoKr term) is only
+    ever merged.
     """
     if not isinstance(target.module, nn.Linear):
         return f"{target.name!r} belongs to a {type(target.module).__name__}, not an nn.Linear"
@@ -39,6 +40,9 @@ def unsupported_reason(target: LayerTarget) -> str | None:
         dora = [d.source for d in target.deltas if d.magnitude is not None]
         if dora:
             return f"{dora[0]}: a DoRA term (its rows are rescaled by the merged weight's norms)"
+        factored = [d for d in target.deltas if d.factors is not None]
+        if factored:
+            return f"{factored[0].source}: a {factored[0].factors.kind} term (its change is no LoRA pair)"
         bad = [d.source for d in target.deltas if d.up is not None and (d.up.dim() != 2 or d.down.dim() != 2)]
         return f"{bad[0]}: not a 2-D LoRA pair" if bad else None
     if target.attr == "bias":

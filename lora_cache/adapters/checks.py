@@ -20,6 +20,7 @@ import os
 import torch
 
 from hostmem.vault.content_hash import stamp_of
+from .lycoris_parts import ROLES, check_parts
 from .spec import AdapterError
 
 __all__ = ["FiniteCheck", "check_before_use", "check_change", "check_finite", "forget_checked"]
@@ -126,13 +127,15 @@ def _check_factor(path: str, key: str, tensor: torch.Tensor, role: str) -> None:
 
 def check_change(path: str, parts: dict[str, torch.Tensor], keys: dict[str, str]) -> None:
     """The parts of one module's change fit together; raise :class:`AdapterError` if not."""
+    if not ROLES.isdisjoint(parts):  # LoHa, LoKr, LoCon's Tucker core: their own parts
+        check_parts(path, parts, keys)
     up, down = parts.get("up"), parts.get("down")
     if (up is None) != (down is None):
         have, lacking = ("up", "down") if down is None else ("down", "up")
         raise AdapterError(f"{path}: {keys[have]!r} has no matching {lacking} matrix (truncated adapter?)")
     if "alpha" in parts:
         _check_alpha(path, keys["alpha"], parts["alpha"])
-    if "dora_scale" in parts and up is None:
+    if "dora_scale" in parts and up is None and ROLES.isdisjoint(parts):
         raise AdapterError(f"{path}: {keys['dora_scale']!r} has no LoRA pair beside it (truncated adapter?)")
     if "up_b" in parts and up is None:
         raise AdapterError(f"{path}: {keys['up_b']!r} has no lora_B.weight beside it (truncated adapter?)")
@@ -140,7 +143,7 @@ def check_change(path: str, parts: dict[str, torch.Tensor], keys: dict[str, str]
         if role in parts and not parts[role].is_floating_point():
             raise AdapterError(f"{path}: {keys[role]!r} is {parts[role].dtype}; a weight change is floating point")
     if up is None:
-        if "diff" not in parts and "diff_b" not in parts:
+        if "diff" not in parts and "diff_b" not in parts and ROLES.isdisjoint(parts):
             raise AdapterError(f"{path}: {keys['alpha']!r} has no lora_up/lora_down or diff beside it")
         return
     _check_factor(path, keys["up"], up, "up")

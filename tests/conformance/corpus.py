@@ -9,7 +9,9 @@ key scheme), says where its alpha is read from, and names its reference: ``diffu
 ``peft`` (``merge_and_unload``), ``diffusers-file`` (diffusers on a second file that
 states the override as its stored alpha: ``Adapter(alpha=...)`` must mean what storing
 that alpha means), ``math`` (``W + strength * delta``, where no library merges the
-layout) or ``refused`` (the message the refusal must carry). ``docs/gen_adapter_formats.py``
+layout), ``lycoris`` (the same, the delta by LyCORIS's definition written in the test),
+``comfyui`` (ComfyUI's ``weight_decompose``, written in the test) or ``refused`` (the
+message the refusal must carry). ``docs/gen_adapter_formats.py``
 turns the list into the table of docs/adapter-formats.md.
 """
 
@@ -25,6 +27,8 @@ import torch
 from hostmem.safetensors.mapping import save_file
 from tests.conformance.corpus_families import rows as family_rows
 from tests.conformance.corpus_flux_diffs import rows as flux_diff_rows
+from tests.conformance.corpus_lycoris import comfyui_decompose
+from tests.conformance.corpus_lycoris import rows as lycoris_rows
 
 RANK = 8
 _H3_DIM = 128  # tests.conformance.models.H3's hidden size
@@ -39,7 +43,7 @@ class Case:
     layout: str  # the layout, in the words its users know it by
     alpha_from: str  # where its alpha is read from
     write: Callable[[str, str], str]  # (folder, model folder) -> the adapter path
-    reference: str  # diffusers, diffusers-model, peft, diffusers-file, math, comfyui, refused
+    reference: str  # diffusers, diffusers-model, peft, diffusers-file, math, comfyui, lycoris, refused
     spec: dict = field(default_factory=dict)  # lora_cache.Adapter's options (alpha, strength)
     reference_write: Callable[[str, str], str] | None = None  # diffusers-file: the file diffusers loads
     expected: Callable[[str], dict] | None = None  # math: {param: delta at strength 1} from the file
@@ -177,19 +181,6 @@ def _peft_modules_to_save(folder: str, model_folder: str) -> str:
     return _peft_save(folder, model_folder, ["to_q"], modules_to_save=["proj_out"])
 
 
-def _lycoris_loha(folder: str, _model: str) -> str:
-    """A LyCORIS LoHa file (``hada_w1_a`` ...): its weight is a Hadamard product, not B @ A."""
-    gen, tensors = _gen(19), {}
-    stem = "lycoris_blocks_0_attn1_to_q"
-    for name, shape in (("hada_w1_a", (_WAN_DIM, 4)), ("hada_w1_b", (4, _WAN_DIM)), ("hada_w2_a", (_WAN_DIM, 4)),
-                        ("hada_w2_b", (4, _WAN_DIM))):
-        tensors[f"{stem}.{name}"] = torch.randn(*shape, generator=gen)
-    tensors[f"{stem}.alpha"] = torch.tensor(4.0)
-    path = os.path.join(folder, "loha.safetensors")
-    save_file(tensors, path)
-    return path
-
-
 def _qwen_older_spelling(folder: str, _model: str) -> str:
     """A QwenImage file in diffusers' older spelling: ``transformer.….lora.down.weight``."""
     gen, dim, tensors = _gen(23), 32, {}
@@ -277,8 +268,6 @@ CASES: list[Case] = [
     *(Case(**row) for row in flux_diff_rows()),  # tests/conformance/corpus_flux_diffs.py
     Case("wan-peft-modules-to-save", "wan", "peft `save_pretrained` folder, `modules_to_save`", "-",
          _peft_modules_to_save, "refused", refusal="modules_to_save"),
-    Case("wan-lycoris-loha", "wan", "LyCORIS LoHa (`hada_w1_a` ...)", "-", _lycoris_loha, "refused",
-         refusal="LoHa adapter"),
     Case("qwen-older-lora-down-spelling", "qwen", "diffusers' older spelling (`.lora.down.weight`)",
          "none (alpha = rank)", _qwen_older_spelling, "diffusers"),
     Case("h3-diffsynth-default-infix", "h3", "DiffSynth-Studio (`.lora_A.default.weight`)", "none (alpha = rank)",
@@ -294,17 +283,10 @@ _LYCORIS_WAN = {"blocks.0.attn1.to_q": (_WAN_DIM, _WAN_DIM), "blocks.1.ffn.net.0
 
 
 def comfyui_dora(weight, up, down, alpha, dora_scale, strength):
-    """ComfyUI's ``weight_decompose`` (comfy/weight_adapter/base.py), written from it in float64:
-    C = W + alpha / rank * up @ down; on the output axis (dora_scale's first size is the
-    weight's rows) each row normed on W, else each input channel normed on C over the rows
-    and the kernel; D = C * dora_scale / (norm + float32's eps); W + strength * (D - W)."""
-    w = weight.double()
-    c = w + alpha / down.shape[0] * (up.flatten(1).double() @ down.flatten(1).double()).reshape(w.shape)
-    if dora_scale.shape[0] == w.shape[0]:
-        norm = w.reshape(w.shape[0], -1).norm(dim=1).reshape(-1, *[1] * (w.dim() - 1))
-    else:
-        norm = c.transpose(0, 1).reshape(w.shape[1], -1).norm(dim=1).reshape(1, -1, *[1] * (w.dim() - 2))
-    return w + strength * (c * dora_scale.double() / (norm + torch.finfo(torch.float32).eps) - w)
+    """ComfyUI's ``weight_decompose`` (comfy/weight_adapter/base.py) of a LoRA pair, in float64:
+    the change is alpha / rank * up @ down (:func:`comfyui_decompose` says the rest)."""
+    change = alpha / down.shape[0] * (up.flatten(1).double() @ down.flatten(1).double())
+    return comfyui_decompose(weight, change, dora_scale, strength)
 
 
 def _lycoris_dora(on_out: bool) -> Callable[[str, str], str]:
@@ -370,6 +352,7 @@ CASES += [
          expected=_expected_beside),
     Case("wan-lycoris-full", "wan", "LyCORIS full (`lycoris_….diff`, `.diff_b`)", "none (a diff has none)",
          _lycoris_full, "math", spec={"strength": 0.6}, expected=_lycoris_full_expected),
+    *(Case(**row) for row in lycoris_rows()),  # tests/conformance/corpus_lycoris.py: LoHa, LoKr, Tucker, refusals
 ]
 
 
@@ -380,6 +363,7 @@ def describe(case: Case) -> dict:
             "diffusers-model": "diffusers model.load_lora_adapter + fuse",
             "diffusers-file": "diffusers on the file storing that alpha", "math": "the math: W + strength x delta",
             "comfyui": "ComfyUI's weight_decompose, written in the test",
+            "lycoris": "LyCORIS's definition (lycoris/functional), written in the test",
             "refused": "a refusal naming " + case.refusal}[case.reference]
     return {"layout": case.layout, "model": case.kind, "alpha": case.alpha_from, "outcome": outcome, "held to": held}
 

@@ -123,7 +123,7 @@ def _module(draw, stem):
     if alpha_shape is not None:
         parts["alpha"] = draw(_tensor(alpha_shape))
     if draw(st.integers(0, 9)) == 0:
-        parts[draw(st.sampled_from(["scale", "weight", "lora_mid"]))] = torch.ones(2)
+        parts[draw(st.sampled_from(["scale", "weight", "on_input"]))] = torch.ones(2)
     return {f"{stem}.{suffix}": tensor for suffix, tensor in parts.items()}
 
 
@@ -153,7 +153,7 @@ def test_any_file_is_a_good_read_or_an_adapter_error(tmp_path, tensors, ss_alpha
         try:
             read = read_adapter(path)
         except UnsupportedAdapterError:
-            assert any(k.endswith("lora_mid") for k in tensors)
+            assert any(k.endswith("on_input") for k in tensors)
             event("unsupported variant")
             return
         except AdapterError as exc:

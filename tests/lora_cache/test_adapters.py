@@ -337,8 +337,9 @@ def test_shape_mismatch_names_the_key_and_both_shapes(tmp_path):
 @pytest.mark.parametrize(
     "key, variant",
     [
-        ("lora_unet_blocks_0_attn_to_q.lokr_w1", "LoKr"),
-        ("lora_unet_blocks_0_attn_to_q.hada_w1_a", "LoHa"),
+        ("lora_unet_blocks_0_attn_to_q.on_input", "IA3"),
+        ("lycoris_blocks_0_attn_to_q.oft_blocks", "OFT or BOFT"),
+        ("lycoris_blocks_0_attn_to_q.a1.weight", "GLoRA"),
     ],
 )
 def test_unsupported_variants_are_refused_naming_the_key(tmp_path, key, variant):

@@ -35,6 +35,11 @@ _PAIR = {"lora_down.weight": (4, 8), "lora_up.weight": (8, 4)}
     ("transformer.blocks.0.attn1.to_q", {"lora_A.weight": (4, 8), "lora_B.weight": (8, 4)}, {}, "diffusers"),
     ("blocks.0.attn1.to_q", {"lora_A.weight": (4, 8), "lora_B.weight": (8, 4)}, {}, "peft"),
     ("lycoris_blocks_0_attn1_to_q", {**_PAIR, "dora_scale": (1, 8)}, {}, "lycoris"),
+    ("lora_unet_blocks_0_attn_to_q", {"hada_w1_a": (8, 4), "hada_w1_b": (4, 8), "hada_w2_a": (8, 4),
+                                      "hada_w2_b": (4, 8), "alpha": ()}, {}, "lycoris-loha"),
+    ("lycoris_blocks_0_attn1_to_q", {"lokr_w1": (2, 2), "lokr_w2_a": (4, 2), "lokr_w2_b": (2, 4)}, {}, "lycoris-lokr"),
+    ("lora_unet_conv_in", {"lora_down.weight": (4, 8, 1, 1), "lora_mid.weight": (4, 4, 3, 3),
+                           "lora_up.weight": (8, 4, 1, 1)}, {}, "lycoris-locon-tucker"),
     ("blocks.0.attn1.to_q", {"diff": (8, 8), "diff_b": (8,)}, {}, "full-diffs"),
     ("blocks.0.proj_lora1", {"down.weight": (4, 8), "up.weight": (8, 4)}, {}, "lora"),
 ])
@@ -48,8 +53,8 @@ def test_a_file_is_read_by_the_first_format_that_claims_it(tmp_path, stem, parts
 
 def test_a_refused_variant_wins_over_every_prefix_and_names_its_key(tmp_path):
     keys = {"lora_unet_x.lora_down.weight": (4, 8), "lora_unet_x.lora_up.weight": (8, 4),
-            "lora_unet_y.lokr_w1": (2, 2)}
+            "lora_unet_y.hada_w1_a": (2, 2), "lora_unet_y.on_input": ()}
     path = write_safetensors(tmp_path / "a.safetensors", {k: torch.ones(s) for k, s in keys.items()})
     assert formats.detect(keys, {}) is formats.refused
-    with pytest.raises(Exception, match=r"'lora_unet_y.lokr_w1' belongs to a LoKr adapter"):
+    with pytest.raises(Exception, match=r"'lora_unet_y.on_input' belongs to an adapter of a kind lora_cache does not merge, IA3"):
         read_adapter(path)

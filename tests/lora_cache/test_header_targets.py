@@ -105,7 +105,9 @@ def test_what_only_the_reader_can_tell_goes_to_the_reader(tmp_path):
         "a folder naming no file": _two_files(tmp_path / "two"),
         "peft's DoRA": write_adapter(tmp_path / "dora", "peft", {MODULES[0]: lora_change(32, 16, 4, 0)},
                                      config={"use_dora": True}),
-        "an unknown part": write_safetensors(tmp_path / "loha.safetensors", {
+        "an unknown part": write_safetensors(tmp_path / "ia3.safetensors", {
+            "lora_unet_blocks_0_attn_to_q.on_input": torch.ones(4, 16)}),
+        "a LoHa": write_safetensors(tmp_path / "loha.safetensors", {
             "lora_unet_blocks_0_attn_to_q.hada_w1_a": torch.ones(4, 16)}),
         "a key naming no module": write_adapter(tmp_path / "miss.safetensors", "kohya",
                                                 {"blocks.7.attn.to_q": lora_change(32, 16, 4, 0)}),
@@ -117,7 +119,7 @@ def test_what_only_the_reader_can_tell_goes_to_the_reader(tmp_path):
                                                          {MODULES[0]: lora_change(32, 16, 4, 0)}),
                                    "rules": [{"match": "^.*to_q$", "replace": "blocks.0.attn.qkv[0:32]"}]},
     }
-    reasons = {"a folder naming no file": "a folder without", "peft's DoRA": "DoRA", "an unknown part": "no part", "a key naming no module": "names no module",
+    reasons = {"a folder naming no file": "a folder without", "peft's DoRA": "DoRA", "an unknown part": "no part", "a LoHa": "LoHa, LoKr or Tucker LoCon", "a key naming no module": "names no module",
                "a pair of another size": "does not fit", "a lone down": "lacks a matrix",
                "rows of a fused weight": "rows of a fused weight"}
     for what, spec in cases.items():

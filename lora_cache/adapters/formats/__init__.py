@@ -5,8 +5,9 @@
 ``ROLES`` (the key suffixes it names, and what each part is) make the reader's one suffix
 table, :func:`split_key`. A new format is one new file here and one line in the list.
 
-The list is ordered from the most specific to the least: refused variants first (a LoHa
-file must never be read as plain LoRA), then the prefixes of the trainers and tools, and
+The list is ordered from the most specific to the least: refused variants first (an IA3
+file must never be read as plain LoRA), LyCORIS's factored kinds next (a LoHa under
+kohya's names is LyCORIS's, not kohya's), then the prefixes of the trainers and tools, and
 :mod:`.plain` last. :mod:`.kohya_flux` is not tried on its own: a kohya BFL Flux file is
 :mod:`.kohya`'s, read by kohya_flux's rules where diffusers' converter cannot take the
 model's sizes (:mod:`lora_cache.adapters.diffusers_format`). The converter itself is
@@ -15,13 +16,16 @@ chosen by the model, not the file (:mod:`lora_cache.adapters.for_model`).
 
 from __future__ import annotations
 
-from . import comfyui, diffusers, full_diffs, kohya, kohya_flux, lycoris, peft, plain, refused
+from . import comfyui, diffusers, full_diffs, kohya, kohya_flux, locon_tucker, loha, lokr, lycoris, peft, plain, refused
 from .base import Reading
 
 __all__ = ["FORMATS", "ROLES", "Reading", "detect", "known_parts", "split_key"]
 
 FORMATS = (
     refused,
+    loha,
+    lokr,
+    locon_tucker,
     kohya,
     comfyui,
     diffusers,

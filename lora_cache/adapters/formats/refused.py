@@ -1,11 +1,13 @@
-"""Adapter variants whose weight change is not ``W + scale * B @ A`` and that lora_cache does
-not merge: refused by name, with the key, never read as plain LoRA (which would merge a
-wrong weight without any error).
+"""Adapter variants whose weight change lora_cache does not merge: refused by name, with the
+key, the layout and what to do, never read as plain LoRA (which would merge a wrong weight
+without any error).
 
-LyCORIS's LoHa (a Hadamard product of two low-rank pairs) and LoKr (a Kronecker
-product), LoCon's Tucker core, IA3, OFT, norm adapters and peft's embedding LoRA. Listed
-first in :data:`~lora_cache.adapters.formats.FORMATS`, and checked on every key wherever
-keys are grouped (a converter's path included).
+LyCORIS's IA3 (a per-channel scale of the weight), OFT and BOFT (a rotation of it),
+GLoRA (a change that multiplies the weight itself), its norm adapters, and peft's
+embedding LoRA. Listed first in :data:`~lora_cache.adapters.formats.FORMATS`, and
+checked on every key wherever keys are grouped (a converter's path included). LyCORIS's
+LoHa, LoKr and LoCon's Tucker core are merged (:mod:`.loha`, :mod:`.lokr`,
+:mod:`.locon_tucker`).
 """
 
 from __future__ import annotations
@@ -15,38 +17,35 @@ __all__ = ["NAME", "ROLES", "VARIANTS", "claims", "read", "refuse", "variant_of"
 NAME = "refused"
 ROLES: tuple = ()
 
-# A key's last or second-to-last part -> the variant it marks.
+_MERGE_ELSEWHERE = ("merge it into the checkpoint with the tool that trained it (LyCORIS's merge script, peft's "
+                    "merge_and_unload) and load the merged checkpoint")
+_IA3 = "IA3 (a per-channel scale of the weight: <module>.weight with <module>.on_input)"
+_OFT = "OFT or BOFT (an orthogonal rotation of the weight: <module>.oft_blocks or .oft_diag)"
+_GLORA = "GLoRA (a change that multiplies the weight itself: <module>.a1/a2/b1/b2.weight)"
+# A key's last part -> the variant it marks.
 VARIANTS = {
-    "hada_w1_a": "LoHa",
-    "hada_w1_b": "LoHa",
-    "hada_w2_a": "LoHa",
-    "hada_w2_b": "LoHa",
-    "hada_t1": "LoHa",
-    "hada_t2": "LoHa",
-    "lokr_w1": "LoKr",
-    "lokr_w1_a": "LoKr",
-    "lokr_w1_b": "LoKr",
-    "lokr_w2": "LoKr",
-    "lokr_w2_a": "LoKr",
-    "lokr_w2_b": "LoKr",
-    "lokr_t2": "LoKr",
-    "lora_mid": "LoCon with a Tucker core (lora_mid)",
     "lora_embedding_A": "embedding LoRA",
     "lora_embedding_B": "embedding LoRA",
     "ia3_l": "IA3",
-    "oft_blocks": "OFT",
+    "on_input": _IA3,
+    "oft_blocks": _OFT,
+    "oft_diag": _OFT,
     "oft_r": "OFT",
     "w_norm": "norm adapter (w_norm)",
     "b_norm": "norm adapter (b_norm)",
 }
+# A key's last two parts -> the variant they mark (GLoRA's ``a1.weight``: a ``.weight`` key
+# alone marks nothing).
+_PAIRS = {(part, "weight"): _GLORA for part in ("a1", "a2", "b1", "b2")}
 
 
 def variant_of(key: str) -> str | None:
     """The refused variant ``key`` belongs to, or None (the marker is the key's suffix)."""
-    for part in key.split(".")[-2:]:
-        if part in VARIANTS:
-            return VARIANTS[part]
-    return None
+    parts = key.split(".")
+    found = VARIANTS.get(parts[-1]) or _PAIRS.get(tuple(parts[-2:]))
+    if found is None and len(parts) > 1:
+        found = VARIANTS.get(parts[-2])  # peft's lora_embedding_A.<adapter>
+    return found
 
 
 def refuse(path: str, key: str) -> None:
@@ -56,9 +55,8 @@ def refuse(path: str, key: str) -> None:
         from ..spec import UnsupportedAdapterError  # the plan's header reading lists formats without it
 
         raise UnsupportedAdapterError(
-            f"{path}: key {key!r} belongs to a {variant} adapter, which lora_cache does not "
-            "merge (its weights are not W + scale * B @ A); convert it to plain LoRA or apply "
-            "it at run time instead"
+            f"{path}: key {key!r} belongs to an adapter of a kind lora_cache does not merge, {variant}: its change "
+            f"is no sum of LoRA, LoHa or LoKr terms. To use it, {_MERGE_ELSEWHERE}, or convert it to plain LoRA"
         )
 
 
