@@ -25,6 +25,7 @@ import torch
 from hostmem.safetensors.mapping import save_file
 from tests.conformance.corpus_families import rows as family_rows
 from tests.conformance.corpus_flux_diffs import rows as flux_diff_rows
+from tests.conformance.corpus_last_mile import rows as last_mile_rows
 
 RANK = 8
 _H3_DIM = 128  # tests.conformance.models.H3's hidden size
@@ -275,6 +276,7 @@ CASES: list[Case] = [
          "`lora_alpha` (the bias scaled as B @ A)", _peft_lora_bias, "peft"),
     *(Case(**row) for row in family_rows()),  # tests/conformance/corpus_families.py
     *(Case(**row) for row in flux_diff_rows()),  # tests/conformance/corpus_flux_diffs.py
+    *(Case(**row) for row in last_mile_rows()),  # tests/conformance/corpus_last_mile.py
     Case("wan-peft-modules-to-save", "wan", "peft `save_pretrained` folder, `modules_to_save`", "-",
          _peft_modules_to_save, "refused", refusal="modules_to_save"),
     Case("wan-lycoris-loha", "wan", "LyCORIS LoHa (`hada_w1_a` ...)", "-", _lycoris_loha, "refused",
