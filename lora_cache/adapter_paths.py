@@ -2,7 +2,8 @@
 
 A path may be the adapter file or the folder its trainer wrote: peft's
 ``save_pretrained`` (``adapter_model.safetensors`` with its ``adapter_config.json``) or
-diffusers' ``save_lora_weights`` (``pytorch_lora_weights.safetensors``). The adapter
+diffusers' ``save_lora_weights`` (``pytorch_lora_weights.safetensors``), or their ``.bin``
+(``safe_serialization=False``). The adapter
 reader (:func:`lora_cache.adapters.read.resolve_file`) and the planner's header reading
 (:mod:`lora_cache.header_targets`) both ask here, so they read the same file.
 """
@@ -14,7 +15,8 @@ import os
 __all__ = ["FOLDER_FILES", "PEFT_FILES", "adapter_file_in", "peft_config_path"]
 
 # The file a trainer's folder holds: peft's save_pretrained, diffusers' save_lora_weights.
-FOLDER_FILES = ("adapter_model.safetensors", "pytorch_lora_weights.safetensors")
+FOLDER_FILES = ("adapter_model.safetensors", "pytorch_lora_weights.safetensors", "adapter_model.bin",
+                "pytorch_lora_weights.bin")
 # The files peft's save_pretrained writes beside its adapter_config.json: the config is theirs alone.
 PEFT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 

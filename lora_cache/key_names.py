@@ -136,6 +136,21 @@ class ModuleIndex:
             return name
         return self._unique([f"{c}.{name}" for c in self.components if f"{c}.{name}" in self.modules])
 
+    def find_parameter(self, name: str) -> str | None:
+        """The parameter ``name`` names (without its wrapper prefixes) where it is not a
+        module's ``weight`` but a bare parameter (Wan's ``scale_shift_table``, which
+        ComfyUI's ``modulation.diff`` changes): exactly, or inside exactly one component."""
+        while True:
+            if name in self.shapes and not name.endswith((".weight", ".bias")):
+                return name
+            inner = self._unique([f"{c}.{name}" for c in self.components if f"{c}.{name}" in self.shapes])
+            if inner is not None:
+                return inner
+            prefix = next((p for p in _DOTTED_PREFIXES if name.startswith(p)), None)
+            if prefix is None:
+                return None
+            name = name[len(prefix):]
+
     def find_kohya(self, underscored: str) -> str | None:
         """The module whose dotted name, with dots as underscores, is ``underscored``."""
         return self._unique(self._underscored.get(underscored, []))

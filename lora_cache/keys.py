@@ -144,6 +144,9 @@ def resolve_adapter(adapter: AdapterFile, spec: Adapter, index: ModuleIndex) -> 
             targets = resolve_stem(stem, rules, index)
         except KeyResolutionError as exc:
             raise KeyResolutionError(f"{adapter.path}: adapter key {first_key!r} {exc}") from None
+        if targets is None and set(change.parts) == {"diff"}:  # a full diff of a bare parameter
+            found = index.find_parameter(stem)
+            targets = None if found is None else [Target(found)]
         if targets is None:
             unmatched.append(first_key)
         else:
@@ -269,7 +272,7 @@ def _module_deltas(adapter: AdapterFile, spec: Adapter, place: Placement, index:
                                 factors=_factors(adapter, change, key, place, param, index))
     elif "up" in parts or "diff" in parts:
         key = change.keys.get("up", change.keys.get("diff"))
-        param = f"{module}.weight"
+        param = module if module in index.shapes else f"{module}.weight"  # a bare parameter: Wan's scale_shift_table
         up = None if "up" not in parts else _placed(adapter, key, parts["up"], place, param, index)
         diff = None if "diff" not in parts else _placed(adapter, key, parts["diff"], place, param, index)
         magnitude, dora = _magnitude(adapter, change, place, param)

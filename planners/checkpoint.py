@@ -15,7 +15,7 @@ from hostmem.safetensors.header import SafetensorsError, SafetensorsHeader, read
 
 from .sizes import ComponentSizes, group_layers, with_lora_target_bytes
 
-__all__ = ["checkpoint_files", "diffusers_class", "read_headers", "read_checkpoint"]
+__all__ = ["checkpoint_files", "diffusers_class", "diffusers_config", "read_headers", "read_checkpoint"]
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -32,15 +32,22 @@ def checkpoint_files(path: str) -> list[str]:
     return files
 
 
-def diffusers_class(checkpoint: str) -> str | None:
-    """The diffusers model class a checkpoint folder's ``config.json`` names (``_class_name``),
-    or None: no such file, not JSON, or no class named (a file's folder is looked in)."""
+def diffusers_config(checkpoint: str) -> dict | None:
+    """The ``config.json`` diffusers wrote beside a checkpoint (a file's folder is looked
+    in), or None: no such file, or not a JSON object."""
     folder = checkpoint if os.path.isdir(checkpoint) else os.path.dirname(checkpoint)
     try:
         with open(os.path.join(folder, "config.json"), encoding="utf-8") as handle:
-            name = json.load(handle).get("_class_name")
-    except (OSError, ValueError, AttributeError):
+            config = json.load(handle)
+    except (OSError, ValueError):
         return None
+    return config if isinstance(config, dict) else None
+
+
+def diffusers_class(checkpoint: str) -> str | None:
+    """The diffusers model class a checkpoint folder's ``config.json`` names (``_class_name``),
+    or None: no such file, not JSON, or no class named (a file's folder is looked in)."""
+    name = (diffusers_config(checkpoint) or {}).get("_class_name")
     return name if isinstance(name, str) and name.isidentifier() else None
 
 

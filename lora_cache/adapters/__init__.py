@@ -9,7 +9,7 @@ Every format names the same few parts of a module's change with its own suffixes
   without its adapter metadata (``lora_adapter_metadata`` in the header, the same fields
   per component), or ``.alpha`` keys (network alphas);
 - kohya / sd-scripts: ``lora_unet_<module_with_underscores>.lora_down.weight``,
-  ``.lora_up.weight`` and ``.alpha``, ``ss_network_alpha`` in the header;
+  ``.lora_up.weight`` and ``.alpha`` (``ss_network_alpha`` in the header is a record, not an alpha);
 - ComfyUI / lightx2v: ``diffusion_model.<module>.lora_down.weight``, ``.lora_up.weight``,
   ``.alpha``, and full deltas ``.diff`` (weight) and ``.diff_b`` (bias);
 - ai-toolkit: ``diffusion_model.<module>.lora_A/B.weight``, one alpha in the header

@@ -13,15 +13,20 @@ without any error, so every place is read:
 5. a plain header entry ``alpha``, ``lora_alpha`` or ``network_alpha`` (ai-toolkit and
    lightx2v write ``{"alpha": "4"}``; diffusers' MiniMax-H3 loader reads it): one alpha
    for every module;
-6. kohya's ``ss_network_alpha`` in the header, for modules without a ``.alpha`` tensor;
-7. none: alpha = r (scale 1, the peft and diffusers convention).
+6. none: alpha = r (scale 1, the peft, diffusers, kohya and ComfyUI convention).
+
+kohya's ``ss_network_alpha`` header entry is never an alpha: it records the training
+command (``--network_alpha``, or ``Dynamic`` after ``resize_lora.py --dynamic_method``),
+and every reference loader of kohya's files ignores it. kohya's own
+``create_network_from_weights`` takes a module without ``.alpha`` at alpha = its rank, as
+diffusers' converters (``default_alpha = rank``) and ComfyUI (scale 1 without an alpha) do;
+reading it would merge a file without ``.alpha`` keys at ``ss_network_alpha / rank``,
+a wrong weight without any error.
 
 Sources 2-5 each state the alpha the trainer used. Where two of them give a module
 different alphas the file contradicts itself, and which one was meant cannot be told:
-that is an :class:`AdapterError` naming both (an override settles it). ``ss_network_alpha``
-is a record of the training command, and kohya writes a ``.alpha`` per module anyway
-(conv layers get ``conv_alpha``), so it only fills in; it is never compared with a
-module's ``.alpha``, but the header's entries must agree among themselves.
+that is an :class:`AdapterError` naming both (an override settles it); the header's
+entries must agree among themselves.
 
 peft's ``rank_pattern`` and ``alpha_pattern`` are matched as peft matches them
 (``peft.utils.other.get_pattern_key``): ``re.match(r"(.*\.)?(PATTERN)$", name)``, first
@@ -80,7 +85,6 @@ class PeftConfig:
 
 _PEFT_WRAPPER = "base_model.model."
 _HEADER_ALPHAS = ("alpha", "lora_alpha", "network_alpha")  # plain header entries that state one alpha for all
-_KOHYA_ALPHA = "ss_network_alpha"
 
 
 def peft_name(stem: str) -> str:
@@ -159,7 +163,7 @@ def _header_number(path: str, header_metadata: dict, name: str) -> float | None:
 
 def _header_entries(path: str, header_metadata: dict) -> list[tuple[str, float]]:
     """Every alpha the header states, ``(entry, value)``; entries that disagree are an error."""
-    found = [(n, v) for n in (*_HEADER_ALPHAS, _KOHYA_ALPHA)
+    found = [(n, v) for n in _HEADER_ALPHAS
              if (v := _header_number(path, header_metadata, n)) is not None]
     for (first, a), (other, b) in zip(found, found[1:]):
         if not math.isclose(a, b, rel_tol=_AGREE):
@@ -173,14 +177,8 @@ def _header_entries(path: str, header_metadata: dict) -> list[tuple[str, float]]
 def header_alpha(path: str, header_metadata: dict) -> tuple[str, float] | None:
     """The plain header entry (``alpha``, ``lora_alpha``, ``network_alpha``) stating one
     alpha for every module, as ``(entry, value)``, or None."""
-    found = [(n, v) for n, v in _header_entries(path, header_metadata) if n != _KOHYA_ALPHA]
+    found = _header_entries(path, header_metadata)
     return found[0] if found else None
-
-
-def network_alpha(path: str, header_metadata: dict) -> float | None:
-    """kohya's ``ss_network_alpha`` (a string in the header), or None."""
-    found = dict(_header_entries(path, header_metadata))
-    return found.get(_KOHYA_ALPHA)
 
 
 @dataclass
@@ -190,7 +188,6 @@ class AlphaSources:
     path: str
     peft: PeftConfig | None = None  # adapter_config.json beside the file
     metadata: dict[str, PeftConfig] = field(default_factory=dict)  # diffusers', by component
-    kohya_alpha: float | None = None  # ss_network_alpha
     header: tuple[str, float] | None = None  # a plain header entry: (name, alpha), see header_alpha
 
     def _metadata_for(self, stem: str) -> tuple[str, str, PeftConfig] | None:
@@ -238,8 +235,6 @@ class AlphaSources:
                 )
         if stated:
             return stated[0][1], stated[0][0]
-        if self.kohya_alpha is not None:
-            return self.kohya_alpha, "header metadata 'ss_network_alpha'"
         return None, "none: alpha = rank"
 
     def check_rank(self, stem: str, key: str, rank: int) -> None:

@@ -2,17 +2,18 @@
 
 diffusers' converters for kohya, ComfyUI and lightx2v layouts fold a module's ``.alpha``
 into its matrices (``down * alpha / rank``) and drop the scalar; a module without one
-is left at alpha = rank. An alpha stated elsewhere (a header's ``alpha``,
-``ss_network_alpha``) or asked for (``Adapter(alpha=...)``) would then be applied
-after the fold, on top of it, or not at all. So before the converter runs:
+is left at alpha = rank. An alpha stated elsewhere (a header's ``alpha``; never
+``ss_network_alpha``, which no loader reads: :mod:`.alpha`) or asked for
+(``Adapter(alpha=...)``) would then be applied after the fold, on top of it, or not at
+all. So before the converter runs:
 
 - two stored alphas of one module that disagree are the same error as on this
   package's own path (:class:`~lora_cache.adapters.alpha.AlphaSources`);
 - with an override, every ``.alpha`` the converter gets is the override;
 - every module without a ``.alpha`` gets the file's one alpha (the override, else the
-  header's entry, else ``ss_network_alpha``), where the converter takes ``.alpha``
-  keys: always beside kohya's ``lora_down``, beside ``lora_A`` only when the file
-  already has ``.alpha`` keys (a layout the converter folds).
+  header's entry), where the converter takes ``.alpha`` keys: always beside kohya's
+  ``lora_down``, beside ``lora_A`` only when the file already has ``.alpha`` keys (a
+  layout the converter folds).
 
 After it ran, :func:`is_folded` tells whether it folded them (it was given alphas and
 gave none back); then no alpha applies afterwards (:attr:`AdapterFile.folded`), and
@@ -25,16 +26,15 @@ from __future__ import annotations
 
 import torch
 
-from .alpha import AlphaSources, diffusers_metadata, header_alpha, network_alpha
+from .alpha import AlphaSources, diffusers_metadata, header_alpha
 
 __all__ = ["folded_metadata", "for_converter", "is_folded"]
 
-_HEADER_ALPHAS = ("alpha", "lora_alpha", "network_alpha", "ss_network_alpha")
+_HEADER_ALPHAS = ("alpha", "lora_alpha", "network_alpha")
 
 
 def _sources(path: str, metadata: dict) -> AlphaSources:
-    return AlphaSources(path, None, diffusers_metadata(path, metadata), network_alpha(path, metadata),
-                        header_alpha(path, metadata))
+    return AlphaSources(path, None, diffusers_metadata(path, metadata), header_alpha(path, metadata))
 
 
 def _check_stored(sources: AlphaSources, modules: dict) -> None:
@@ -51,7 +51,7 @@ def for_converter(path: str, tensors: dict, modules: dict, metadata: dict, overr
     if override is None:
         _check_stored(sources, modules)
     header = sources.header
-    file_wide = override if override is not None else (header[1] if header else sources.kohya_alpha)
+    file_wide = override if override is not None else (header[1] if header else None)
     if file_wide is None:
         return tensors
     has_alphas = any(key.endswith(".alpha") for key in tensors)

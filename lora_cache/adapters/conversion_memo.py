@@ -35,7 +35,7 @@ from hostmem.vault.shelf import Shelf
 __all__ = ["ConversionMemo", "ValuesNeeded", "NoValues", "record_of", "skeleton_of"]
 
 RECORD_FORMAT = "lora-cache-adapter-conversion"
-RECORD_VERSION = 2  # 2: whether the converter folded the alphas, and the override it folded
+RECORD_VERSION = 3  # 2: the alphas folded, and the override; 3: "family-rules" (a file of original names)
 FOLDER = CONVERSIONS  # a folder hostmem cache prune looks after (hostmem.vault.records)
 
 
@@ -60,7 +60,8 @@ class NoValues:
 def record_of(kind: str, converter: str, tensors: dict[str, torch.Tensor] | None = None,
               folded: bool = False, left: dict[str, list[str]] | None = None) -> dict:
     """The record of one conversion: ``kind`` (``"diffusers"``: its tensors by name, shape
-    and dtype, alphas with their values; ``"kohya-flux"``: read by this package's parser),
+    and dtype, alphas with their values; ``"family-rules"``: read by this package's reader
+    with the family's original names, :mod:`lora_cache.adapters.family_rules`),
     the converter that the cache key names, whether it folded the alphas, and the keys it
     left unused (``dropped`` by it, ``others``: another component's), named again (or
     refused) on every start planned from it."""
@@ -100,7 +101,7 @@ def _valid(record) -> bool:
         return False
     if not isinstance(record.get("folded"), bool) or not _valid_left(record.get("left")):
         return False
-    if record.get("kind") == "kohya-flux":
+    if record.get("kind") in ("family-rules", "kohya-flux"):
         return True
     tensors = record.get("tensors")
     if record.get("kind") != "diffusers" or not isinstance(tensors, dict) or not tensors:

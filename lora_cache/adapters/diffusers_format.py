@@ -9,7 +9,7 @@ classmethod as a dict, and what comes back is grouped like any other file. Alpha
 held to one meaning on this path too (:mod:`lora_cache.adapters.alpha_fold`): the
 converters of kohya, ComfyUI and lightx2v layouts fold each module's ``.alpha`` into its
 matrices (scale 1 afterwards), so before they run every module gets its alpha (a
-header's ``alpha`` or ``ss_network_alpha``, or ``Adapter(alpha=...)`` in place of the
+header's ``alpha``, or ``Adapter(alpha=...)`` in place of the
 stored ones), and what was folded is never applied again. The converters
 get copies of the tensors (some scale them in place, which a read-only mapping refuses
 with a SIGSEGV): as much anonymous memory as the adapter, as diffusers' own loader
@@ -33,12 +33,13 @@ import torch
 
 from .accounting import dropped_bias_diffs, dropped_by_converter, dropped_dora_scales, left_over
 from .alpha_fold import folded_metadata, for_converter, is_folded
-from .checks import FiniteCheck
+from .checks import FiniteCheck, widened
 from .conversion_memo import ConversionMemo, NoValues, record_of, skeleton_of
 from .diffusers_keys import peft_keys
 from .full_diffs import diff_placer, full_diff_stems, place_full_diffs, without_full_diffs
-from .kohya_flux import read_kohya_flux, uncovered_stems
-from .read import AdapterFile, build_adapter_file, group_parts, open_adapter
+from .family_rules import family_of, rules_of, uses_original_names
+from .formats import split_key
+from .read import AdapterFile, build_adapter_file, group_parts, open_adapter, reading_of
 from .spec import AdapterError
 
 __all__ = ["diffusers_loader", "is_diffusers_model", "read_with_diffusers"]
@@ -58,6 +59,7 @@ def is_diffusers_model(module) -> bool:
     return diffusers is not None and isinstance(module, diffusers.ModelMixin)
 
 
+_SGM = re.compile(r"(?:^| )lora_unet_(?:input_blocks|middle_block|output_blocks)_")  # kohya SDXL's SGM names
 _INTO = re.compile(r"Load LoRA layers into \[`(\w+)`\]")
 
 
@@ -103,10 +105,15 @@ class ConversionRefused(AdapterError):
         self.reason = reason
 
 
-def _convert(loader, path: str, tensors: dict) -> tuple[dict, dict]:
-    """diffusers' conversion: ``(state dict in diffusers' keys, network alphas)``."""
+def _convert(loader, path: str, tensors: dict, model=None) -> tuple[dict, dict]:
+    """diffusers' conversion: ``(state dict in diffusers' keys, network alphas)``. A UNet's
+    config is passed as ``load_lora_weights`` passes it (``unet_config=self.unet.config``):
+    kohya SDXL files in SGM block names (``lora_unet_input_blocks_4_1_...``) are mapped
+    to diffusers' blocks by it, and without it they name blocks the UNet lacks."""
     wants_alphas = "return_alphas" in inspect.signature(loader.lora_state_dict).parameters
     kwargs = {"return_alphas": True} if wants_alphas else {}
+    if getattr(loader, "unet_name", None) and model is not None and hasattr(model, "config"):
+        kwargs["unet_config"] = model.config
     try:
         out = loader.lora_state_dict(dict(tensors), **kwargs)
     except Exception as exc:  # diffusers' converters also fail by assert (sizes they hard-code)
@@ -141,10 +148,12 @@ def _kept(path: str, state: dict, keep: tuple[str, ...], loader=None) -> dict:
     return kept
 
 
-def _left(path: str, loader, state: dict, fed: dict, modules: dict, keep: tuple[str, ...]) -> dict[str, list[str]]:
+def _left(path: str, loader, state: dict, fed: dict, modules: dict, keep: tuple[str, ...],
+          model=None) -> dict[str, list[str]]:
     """The keys a conversion leaves unused: ``dropped`` by the converter (the file's keys),
     ``others``: converted for a component not merged (see :mod:`lora_cache.adapters.accounting`)."""
-    dropped = dropped_by_converter(lambda probe: _convert(loader, path, probe)[0], fed, modules)
+    dropped = dropped_by_converter(lambda probe: _convert(loader, path, {k: widened(v) for k, v in probe.items()},
+                                                          model)[0], fed, modules)
     dropped += dropped_dora_scales(fed, state)
     dropped += dropped_bias_diffs(fed, state)
     others = [] if _unprefixed(state, loader, keep) else sorted(key for key in state if key.split(".", 1)[0] not in keep)
@@ -180,38 +189,75 @@ def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str
     fed = for_converter(path, without_full_diffs(tensors, modules, stems, model), modules, metadata, alpha)
     # diffusers' converters scale some matrices in place (Wan's: ``*=``): they get writable
     # copies, never views of the read-only mapping (a write there is a SIGSEGV).
-    writable = {k: v.clone() for k, v in fed.items()}
+    # Narrow floats (fp8) are widened first: torch's CPU kernels cannot scale them (diffusers' own
+    # loader fails there on a CPU), and the values are the same.
+    writable = {k: widened(v).clone() for k, v in fed.items()}
+    family = family_of(loader)
+    original = family is not None and uses_original_names(family, modules)
     try:
-        state, alphas = _convert(loader, path, writable) if writable else ({}, {})
-    except ConversionRefused as refused:
+        state, alphas = _convert(loader, path, writable, model) if writable else ({}, {})
         del writable
-        adapter = _kohya_fallback(path, loader, tensors, metadata, refused)
-        return adapter, record_of("kohya-flux", adapter.converter)
-    left = _left(path, loader, state, fed, modules, keep)
+        left = _left(path, loader, state, fed, modules, keep, model)
+        kept = _kept(path, {**state, **diffs}, keep, loader)  # the merge's components only: another's keys are named
+        kept = peft_keys(path, kept, {k: v for k, v in alphas.items() if k.split(".", 1)[0] in keep})
+        if original:  # what the converter made of the family's original names must be the model's
+            _check_converted(path, loader, kept, model)
+    except AdapterError as failed:  # ConversionRefused included
+        if not original:
+            raise
+        adapter = _read_with_family_rules(path, tensors, metadata, family, f"diffusers' {loader.__name__}."
+                                          f"lora_state_dict cannot convert it ({getattr(failed, 'reason', failed)})")
+        return adapter, record_of("family-rules", adapter.converter)
     _say_left(path, loader, left, keep, pipeline, strict)
-    kept = _kept(path, {**state, **diffs}, keep, loader)  # the merge's components only: another's keys are named above
-    kept = peft_keys(path, kept, {k: v for k, v in alphas.items() if k.split(".", 1)[0] in keep})
     folded = is_folded(fed, kept)
     adapter = build_adapter_file(path, kept, folded_metadata(metadata, folded), converter=converter,
                                  values_check=values_check, folded=folded)
     return adapter, record_of("diffusers", converter, kept, folded, left)
 
 
-def _kohya_fallback(path: str, loader, tensors: dict, metadata: dict, refused: ConversionRefused) -> AdapterFile:
-    """A kohya BFL Flux file diffusers' converter refused, read by this package's parser; else
-    the refusal, naming what neither reads."""
-    flux = any(base.__name__ == "FluxLoraLoaderMixin" for base in loader.__mro__)  # the mixin, or FluxPipeline
-    uncovered = uncovered_stems(tensors) if flux else None
-    if uncovered is None:
-        raise refused
-    why = f"diffusers' {loader.__name__}.lora_state_dict cannot convert it ({refused.reason})"
-    if uncovered:
-        raise AdapterError(
-            f"{path}: {why}, and lora_cache's kohya Flux parser does not know {len(uncovered)} of its module(s) "
-            f"({', '.join(uncovered[:5])}{', ...' if len(uncovered) > 5 else ''}); pass convert='native' with "
-            "key rules to read it without diffusers"
-        ) from None
-    return read_kohya_flux(path, tensors, metadata, why)
+_LAYOUTS = {"kohya": ("lora_unet_", "lora_te", "lora_transformer_"),
+            "ComfyUI": ("diffusion_model.", "model.diffusion_model."),
+            "diffusers": ("transformer.", "unet.", "text_encoder.", "text_encoder_2.")}
+
+
+def _mixed_layouts(tensors: dict) -> list[str]:
+    """The layouts a file mixes (kohya's, ComfyUI's and diffusers' prefixes), when more than one."""
+    found = [name for name, prefixes in _LAYOUTS.items() if any(key.startswith(prefixes) for key in tensors)]
+    return found if len(found) > 1 else []
+
+
+def _check_converted(path: str, loader, kept: dict, model) -> None:
+    """The converted factors multiply and name the denoiser's modules, else an
+    :class:`AdapterError` (diffusers' converters hard-code their family's widths, and pass
+    names they do not know through)."""
+    group_parts(path, kept)
+    if model is None:
+        return
+    denoiser, names = denoiser_name(loader), {name for name, _ in model.named_modules()}
+    components = set(getattr(loader, "_lora_loadable_modules", ())) - {denoiser}
+    for key in kept:
+        stem, role = split_key(key) or (key.rpartition(".")[0], "")
+        if role not in ("down", "up"):  # full diffs were placed by the single-file converter (full_diffs)
+            continue
+        first, _, rest = stem.partition(".")
+        if first in components:
+            continue
+        if (rest if first == denoiser else stem) not in names:
+            raise AdapterError(f"{path}: diffusers' conversion names {key!r}, which is no module of the model")
+
+
+def _read_with_family_rules(path: str, tensors: dict, metadata: dict, family, why: str) -> AdapterFile:
+    """The file read by this package's reader with the family's original names as key rules
+    (:mod:`lora_cache.adapters.family_rules`), saying so and ``why`` in one info line."""
+    import logging
+
+    logging.getLogger("lora_cache").info("%s: %s; reading it with lora_cache's own parser instead%s", path, why,
+                                         "" if family is None else f", {family.name}'s original names split by rows "
+                                         "at the model's own sizes")
+    if family is None:
+        return reading_of(path, tensors, metadata).build(values_check=FiniteCheck(path, tensors))
+    return reading_of(path, tensors, metadata).build(converter=family.converter,
+                                                     values_check=FiniteCheck(path, tensors), rules=rules_of(family))
 
 
 def _from_record(path: str, loader, tensors: dict, metadata: dict, record: dict, keep: tuple[str, ...],
@@ -219,8 +265,9 @@ def _from_record(path: str, loader, tensors: dict, metadata: dict, record: dict,
     """The adapter as its conversion record describes it: diffusers' keys with tensors on the
     meta device (values are needed only where a layer is computed: :class:`NoValues`), or
     the file read by this package's kohya Flux parser (views of the file, as any read)."""
-    if record["kind"] == "kohya-flux":
-        return read_kohya_flux(path, tensors, metadata, "diffusers' converter could not convert it when first read")
+    if record["kind"] in ("family-rules", "kohya-flux"):
+        return _read_with_family_rules(path, tensors, metadata, family_of(loader),
+                                       "diffusers' converter could not convert it when first read")
     _say_left(path, loader, record["left"], keep, pipeline, strict)  # as when it was converted
     folded = bool(record.get("folded"))
     return build_adapter_file(path, skeleton_of(record), folded_metadata(metadata, folded),
@@ -246,6 +293,12 @@ def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
     converter = f"diffusers {diffusers.__version__} {loader.__name__}.lora_state_dict"
     if any(key.endswith((".diff", ".diff_b")) for key in tensors):  # the merged bytes changed when these stopped dropping
         converter += f" + full diffs by {diff_placer(model)}"
+    if _SGM.search(" ".join(tensors)) and getattr(model, "config", None) is not None:  # mapped by the UNet's
+        converter += f" + SGM blocks at layers_per_block={model.config.get('layers_per_block')}"
+    mixed = _mixed_layouts(tensors)
+    if mixed:  # each converter takes its own layout and drops or breaks the other
+        return _read_with_family_rules(path, tensors, metadata, family_of(loader),
+                                       f"it mixes {' and '.join(mixed)} keys, which no converter of diffusers reads")
     name = memo.key(path, converter, keep, alpha) if memo is not None else None
     record = memo.load(name) if memo is not None else None
     if record is not None:

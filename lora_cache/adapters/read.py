@@ -20,7 +20,7 @@ import torch
 from hostmem.safetensors.mapping import SafetensorsError, open_readonly
 
 from ..adapter_paths import adapter_file_in, peft_config_path
-from .alpha import AlphaSources, PeftConfig, diffusers_metadata, header_alpha, network_alpha, peft_config_from
+from .alpha import AlphaSources, PeftConfig, diffusers_metadata, header_alpha, peft_config_from
 from .checks import FiniteCheck, check_change
 from .formats import Reading, detect, known_parts, split_key
 from .formats.refused import refuse
@@ -179,8 +179,7 @@ def build_adapter_file(path: str, tensors: dict[str, torch.Tensor], header_metad
     if values_check is None:
         values_check = FiniteCheck(path, tensors, memo=converter is None)
     metadata = diffusers_metadata(path, header_metadata)
-    sources = AlphaSources(path, config, metadata, network_alpha(path, header_metadata),
-                           header_alpha(path, header_metadata))
+    sources = AlphaSources(path, config, metadata, header_alpha(path, header_metadata))
     return AdapterFile(path, detect(tensors, header_metadata).NAME, modules, config, sources, converter,
                        values_check, tuple(rules), folded)
 
@@ -199,6 +198,8 @@ def open_adapter(path: str | os.PathLike):
     :class:`AdapterError` naming it whichever reader meets it.
     """
     path = resolve_file(os.fspath(path))
+    if path.endswith(PICKLED):
+        return path, _NoHeader(), _torch_file(path)
     try:
         mapped = open_readonly(path)
         tensors = {name: mapped.get_tensor(name) for name in mapped.keys()}
@@ -207,6 +208,37 @@ def open_adapter(path: str | os.PathLike):
     except OSError as exc:
         raise AdapterError(f"adapter {path}: cannot read it ({exc.strerror or exc})") from None
     return path, mapped, tensors
+
+
+PICKLED = (".bin", ".pt", ".pth")  # torch.save's files: peft's adapter_model.bin, older trainers' weights
+
+
+class _NoHeader:
+    """The header metadata of a file that has none (torch.save's)."""
+
+    @staticmethod
+    def metadata() -> dict:
+        return {}
+
+
+def _torch_file(path: str) -> dict[str, torch.Tensor]:
+    """A torch.save file's tensors, read as peft reads ``adapter_model.bin``: ``torch.load`` with
+    ``weights_only=True`` (nothing but tensors and plain containers is unpickled, so a file
+    cannot run code), its storages mapped where the file is a zip archive."""
+    import pickle
+    import zipfile
+
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+        raise AdapterError(f"adapter {path}: cannot read it as a torch.save file of tensors ({str(exc)[:200]}); "
+                           "convert it to .safetensors") from None
+    except OSError as exc:
+        raise AdapterError(f"adapter {path}: cannot read it ({exc.strerror or exc})") from None
+    if not isinstance(loaded, dict) or not all(isinstance(k, str) and torch.is_tensor(v) for k, v in loaded.items()):
+        raise AdapterError(f"adapter {path}: holds a {type(loaded).__name__}, not a dict of named tensors (a state "
+                           "dict); save the adapter's state dict, or convert it to .safetensors")
+    return loaded
 
 
 def read_adapter(path: str | os.PathLike, check_values: bool = True) -> AdapterFile:

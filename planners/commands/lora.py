@@ -3,7 +3,10 @@
 An image build step can run it so that the first start of a server already finds
 every merged layer on disk. It needs no model class: the checkpoint named by the
 config is mapped read-only into a tree of parameters named like its tensors, and the
-adapters are merged into it through the cache. A layer the cache cannot store is an
+adapters are merged into it through the cache. Where the checkpoint's ``config.json``
+names a diffusers model class, the adapters are read as the server's model reads them,
+through diffusers' converter for that class (:mod:`lora_cache.checkpoint_model`), so the
+build makes the key ``load_lora``, ``merge`` and ``set_adapters`` will look up. A layer the cache cannot store is an
 error here (a build that merged in place would have built nothing).
 
 For a tensor-parallel server, ``--shard NAME=DIM:INDEX:COUNT`` (repeated, one per
@@ -149,14 +152,17 @@ def _interrupted_line(exc: KeyboardInterrupt) -> str:
 
 def run_merge(args) -> int:
     from lora_cache import CacheBuildError, merge
+    from lora_cache.checkpoint_model import served_as
     from hostmem.vault.combinations import CACHE_DIR
-    from planners.checkpoint import checkpoint_files
+    from planners.checkpoint import checkpoint_files, diffusers_class, diffusers_config
     from planners.config import load_config
 
     config = load_config(args.config)
     _check_enabled(config)
     component = _merge_component(config)
     model, parts = _model(checkpoint_files(component.path), args.shard)
+    # read as the server's diffusers model (the class its config.json names) will read the adapters
+    model = served_as(model, diffusers_class(component.path), diffusers_config(component.path))
     roots = list(config.lora.cache.roots) or None  # None: the default root
     try:
         with _stoppable():

@@ -1,4 +1,4 @@
-"""kohya sd-scripts Flux adapters (BFL names, fused qkv, ``.alpha``, ``ss_network_alpha``) on a
+"""kohya sd-scripts Flux adapters (BFL names, fused qkv, ``.alpha``; ``ss_network_alpha`` no alpha) on a
 diffusers Flux model: through diffusers' own converter, and through this package's reader with
 fused-target rules, both held to diffusers' load_lora_weights + fuse_lora."""
 
@@ -79,12 +79,15 @@ def test_kohya_fused_qkv_through_the_native_reader_and_split_rules_equals_diffus
     _close(_merged(flux, native, tmp_path / "cache"), reference)
 
 
-def test_ss_network_alpha_fills_in_where_a_module_has_no_alpha(flux, tmp_path):
-    """kohya's ss_network_alpha counts for modules without ``.alpha``, on both paths: the same
-    merge as a file that writes it into every module."""
-    implicit = _kohya(tmp_path / "implicit.safetensors", None, network_alpha="8")
-    explicit = _kohya(tmp_path / "explicit.safetensors", {n: 8.0 for n in BFL}, network_alpha=None)
+def test_ss_network_alpha_is_no_alpha_on_either_path(flux, tmp_path):
+    """kohya's ss_network_alpha is a record of the training command: modules without ``.alpha``
+    merge at alpha = rank on both paths (diffusers' converter and kohya's
+    create_network_from_weights both default it to the rank), as a file that writes the rank
+    into every module does."""
+    implicit = _kohya(tmp_path / "implicit.safetensors", None, network_alpha="1")
+    explicit = _kohya(tmp_path / "explicit.safetensors", {n: float(RANK) for n in BFL}, network_alpha=None)
     reference = tm.weights(tm.diffusers_fused("flux", flux, explicit))
+    _close(tm.weights(tm.diffusers_fused("flux", flux, implicit)), reference)
     _close(_merged(flux, implicit, tmp_path / "cache"), reference)
     _close(_merged(flux, Adapter(implicit, convert="native", rules=RULES), tmp_path / "cache"), reference)
 
@@ -103,7 +106,7 @@ def test_the_converter_is_part_of_the_cache_key(flux, tmp_path):
 
 def test_a_file_neither_converter_reads_names_the_file_and_the_way_out(flux, tmp_path):
     """diffusers refuses linear1 at a tiny width; its parser fallback does not know Chroma's
-    distilled guidance layer: the error names the file, both, and the way out."""
+    distilled guidance layer: the error names the file, the key (it is in the file), and the way out."""
     gen = torch.Generator().manual_seed(1)
     odd = tmp_path / "odd.safetensors"
     save_file({"lora_unet_single_blocks_0_linear1.lora_down.weight": torch.randn(RANK, DIM, generator=gen),
@@ -111,10 +114,9 @@ def test_a_file_neither_converter_reads_names_the_file_and_the_way_out(flux, tmp
                "lora_unet_distilled_guidance_layer_in_proj.lora_down.weight": torch.randn(RANK, 64, generator=gen),
                "lora_unet_distilled_guidance_layer_in_proj.lora_up.weight": torch.randn(DIM, RANK, generator=gen)},
               odd)
-    refused = (r"odd.safetensors: diffusers' FluxLoraLoaderMixin.lora_state_dict cannot convert it .*, and "
-               r"lora_cache's kohya Flux parser does not know 1 of its module\(s\) "
-               r"\(lora_unet_distilled_guidance_layer_in_proj\); pass convert='native' with key rules")
-    with pytest.raises(lora_cache.AdapterError, match=refused):
+    refused = (r"(?s)odd.safetensors: 1 adapter key\(s\) match no module of the model:\s+"
+               r"lora_unet_distilled_guidance_layer_in_proj\.lora_down\.weight.*Add a key rule")
+    with pytest.raises(lora_cache.KeyResolutionError, match=refused):
         _merged(flux, os.fspath(odd), tmp_path / "cache")
     path = tmp_path / "linear1.safetensors"
     save_file({k: v for k, v in load_readonly(odd).items() if "linear1" in k}, path)

@@ -27,6 +27,7 @@ import torch
 from hostmem.safetensors.mapping import save_file
 from tests.conformance.corpus_families import rows as family_rows
 from tests.conformance.corpus_flux_diffs import rows as flux_diff_rows
+from tests.conformance.corpus_last_mile import rows as last_mile_rows
 from tests.conformance.corpus_lycoris import comfyui_decompose
 from tests.conformance.corpus_lycoris import rows as lycoris_rows
 
@@ -266,6 +267,7 @@ CASES: list[Case] = [
          "`lora_alpha` (the bias scaled as B @ A)", _peft_lora_bias, "peft"),
     *(Case(**row) for row in family_rows()),  # tests/conformance/corpus_families.py
     *(Case(**row) for row in flux_diff_rows()),  # tests/conformance/corpus_flux_diffs.py
+    *(Case(**row) for row in last_mile_rows()),  # tests/conformance/corpus_last_mile.py
     Case("wan-peft-modules-to-save", "wan", "peft `save_pretrained` folder, `modules_to_save`", "-",
          _peft_modules_to_save, "refused", refusal="modules_to_save"),
     Case("qwen-older-lora-down-spelling", "qwen", "diffusers' older spelling (`.lora.down.weight`)",

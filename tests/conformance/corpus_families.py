@@ -102,7 +102,9 @@ def diffusers_outcome() -> dict[str, str | None]:
     """The corpus files diffusers 0.42's own path does not merge: name -> ``None`` where it
     loads nothing (a warning only), else a regex of the error it raises
     (``test_kohya_converter.py`` holds each, so a diffusers that learns one is noticed)."""
-    out: dict[str, str | None] = dict.fromkeys(_UNREAD)
+    from tests.conformance.corpus_last_mile import DIFFUSERS_OUTCOME
+
+    out: dict[str, str | None] = {**dict.fromkeys(_UNREAD), **DIFFUSERS_OUTCOME}
     for kind in _KOHYA_NAMES:
         for variant in ("diffusers-file", "model-keys"):
             out[f"{kind}-kohya-converted-from-{variant}"] = "not found in the base model" if kind == "zimage" else None
@@ -220,13 +222,8 @@ _LAYOUTS = [  # (name, kind, layout, alpha from, stems -> (rows, cols), down, up
      "`.alpha`", {"diffusion_model.double_blocks.0.img_attn.proj": (32, 32),
                   "diffusion_model.double_blocks.0.txt_mlp.2": (32, 128),
                   "diffusion_model.single_blocks.0.linear2": (32, 32 + 128)}, *_KOHYA, 2.0),
-    ("flux-bfl-names-peft-factors", "flux", "BFL names with peft's factors "
-     "(`diffusion_model.double_blocks.0.img_attn.proj.lora_A`)", "-",
-     {"diffusion_model.double_blocks.0.img_attn.proj": (32, 32), "diffusion_model.single_blocks.0.linear2": (32, 160)},
-     "lora_A.weight", "lora_B.weight", None),
 ]
 _UNREAD = {  # layouts diffusers 0.42 loads nothing of (a warning only), refused here with the keys named
-    "flux-bfl-names-peft-factors": "match no module of the model",
     "wan-diffsynth-default-infix": r"match no module of the model:\s+blocks\.0\.cross_attn\.v\.lora_A\.default",
 }
 

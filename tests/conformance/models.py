@@ -76,8 +76,9 @@ def diffusers_fused(kind: str, model_folder, path: str, strength: float = 1.0):
     """diffusers' own path on a model: the file read by the loader's ``lora_state_dict`` (its
     header included), loaded with ``load_lora_adapter`` and fused."""
     model = load_model(kind, model_folder)
+    unet = {"unet_config": model.config} if kind == "unet" else {}  # as load_lora_weights passes it (SGM names)
     out = loader_class(kind).lora_state_dict(os.path.dirname(path), weight_name=os.path.basename(path),
-                                             return_lora_metadata=True)
+                                             return_lora_metadata=True, **unet)
     state, metadata = out[0], out[-1]
     alphas = out[1] if len(out) == 3 else None  # the UNet loaders hand kohya's alphas back beside the state
     model.load_lora_adapter(state, prefix="unet" if kind == "unet" else "transformer", network_alphas=alphas,
@@ -99,6 +100,7 @@ def diffusers_adapter_fused(kind: str, model_folder, folder: str, strength: floa
 def peft_merged(kind: str, model_folder, folder: str):
     from peft import PeftModel
 
+    folder = folder if os.path.isdir(folder) else os.path.dirname(folder)  # adapter_model.bin named by its path
     return PeftModel.from_pretrained(load_model(kind, model_folder), folder).merge_and_unload()
 
 

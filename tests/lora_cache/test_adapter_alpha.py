@@ -64,17 +64,21 @@ def test_the_folders_peft_and_diffusers_write_are_read(tmp_path):
         read_adapter(lone)
 
 
-def test_kohya_ss_network_alpha_fills_modules_without_their_own(tmp_path):
+@pytest.mark.parametrize("network_alpha", ["8.0", "1", "Dynamic"])
+def test_kohya_ss_network_alpha_is_a_record_never_an_alpha(tmp_path, network_alpha):
+    """kohya's create_network_from_weights, diffusers and ComfyUI all take a module without
+    ``.alpha`` at alpha = rank, whatever ``ss_network_alpha`` says (``Dynamic`` after
+    resize_lora.py's dynamic ranks)."""
     model = mapped_model(tmp_path)
     tensors = {}
     for module, alpha in (("blocks.0.attn.to_q", None), ("blocks.0.attn.to_k", 2.0)):
         parts = lora_change(64, 64, 4, 1, alpha=alpha)
         tensors.update({adapter_key("kohya", module, role): t for role, t in parts.items()})
     path = tmp_path / "k.safetensors"
-    save_file(tensors, path, metadata={"ss_network_alpha": "8.0", "ss_network_dim": "4"})
+    save_file(tensors, path, metadata={"ss_network_alpha": network_alpha, "ss_network_dim": "4"})
     assert _scales(model, [os.fspath(path)]) == {
-        "blocks.0.attn.to_q.weight": pytest.approx(8 / 4),  # ss_network_alpha
-        "blocks.0.attn.to_k.weight": pytest.approx(2 / 4),  # its own .alpha wins
+        "blocks.0.attn.to_q.weight": pytest.approx(1.0),  # alpha = rank
+        "blocks.0.attn.to_k.weight": pytest.approx(2 / 4),  # its own .alpha
     }
 
 
@@ -155,7 +159,6 @@ def test_a_header_alpha_entry_sets_the_scale(tmp_path, entry):
     ({"alpha": "4"}, 2.0, r"has alpha 2 from 'diffusion_model.blocks.0.attn.to_q.alpha' but 4 from header "
                           r"metadata 'alpha'"),
     ({"alpha": "4", "network_alpha": "8"}, None, r"header metadata alpha=4 but network_alpha=8"),
-    ({"lora_alpha": "4", "ss_network_alpha": "2"}, None, r"header metadata lora_alpha=4 but ss_network_alpha=2"),
     ({"alpha": "four"}, None, r"header metadata alpha='four' is not a number"),
 ])
 def test_header_alphas_that_disagree_name_both(tmp_path, header, alpha, message):
@@ -167,7 +170,7 @@ def test_header_alphas_that_disagree_name_both(tmp_path, header, alpha, message)
 
 def test_a_header_alpha_that_agrees_with_the_module_alpha_is_fine(tmp_path):
     model = mapped_model(tmp_path)
-    path = _ai_toolkit(tmp_path / "h.safetensors", {"alpha": "4", "ss_network_alpha": "4.0"}, alpha=4.0)
+    path = _ai_toolkit(tmp_path / "h.safetensors", {"alpha": "4", "ss_network_alpha": "2.0"}, alpha=4.0)
     assert _scales(model, [path]) == {"blocks.0.attn.to_q.weight": pytest.approx(0.5)}
 
 

@@ -7,7 +7,7 @@ converts double blocks 0-18 and single blocks 0-37 only: any other width or dept
 there. :data:`RULES` name the modules its converter names; a LoRA on a fused projection
 (``img_attn_qkv``, ``txt_attn_qkv``, ``linear1``) has its up matrix's rows split over the
 model's own weights, in order, each as wide as the weight is (:mod:`lora_cache.keys`), so
-any width and depth works. Alphas come from ``.alpha`` and ``ss_network_alpha`` by the
+any width and depth works. Alphas come from ``.alpha`` (else alpha = rank) by the
 precedence of :mod:`lora_cache.adapters.alpha`. Where both work the merge is diffusers'
 up to one rounding: diffusers folds alpha / rank into the down matrix in the adapter's
 dtype (and, for an up matrix that is block-diagonal over the split, keeps only its
