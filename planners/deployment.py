@@ -17,11 +17,11 @@ from hostmem.units import format_size
 from .budget import HostBudget, HostLimit, host_budget
 from .config import DeploymentConfig
 from .config.model import TransferConfig
-from .device_plan import DevicePlan, device_in_host_memory, plan_device
+from .device_plan import DevicePlan, Streamed, device_in_host_memory, plan_devices
 from .pin_plan import CostModel, MoveGroup, PinPlans, plan_pins
 from .providers import OfferRecord, apply_offer, collect_offers
 from .sizes import ComponentSizes, sum_residency
-from .verdict import Verdict, verdict
+from .verdict import Verdict, format_device, verdict
 
 __all__ = ["AlternativePlan", "DeploymentPlan", "OfferOutcome", "plan_deployment", "cost_model"]
 
@@ -85,25 +85,35 @@ def _committed(components: Mapping[str, ComponentSizes]) -> Residency:
 
 def _move_groups(config: DeploymentConfig, components, device: DevicePlan) -> list[MoveGroup]:
     groups = []
+    turns = config.alternating()
     for name, sizes in components.items():
         if sizes.offload == "layerwise":
-            streamed = set(device.streamed_layers)
+            streamed = set(device.part(name).streamed_layers)
             units = tuple(u for u in sizes.units if u.name in streamed)
-            groups.append(MoveGroup(name, units, config.workload.passes))
+            groups.append(MoveGroup(name, units, config.moves(name), turns if name in turns else ()))
         elif sizes.offload == "full":
             groups.append(MoveGroup(name, sizes.units, 1))
     return groups
 
 
-def _core(config, components, host: HostLimit, process_excess: int, build_reserve: int = 0):
-    streamed = config.streamed
-    device = plan_device(
-        components[streamed.name] if streamed else None,
-        config.device.vram, config.device.reserve, streamed.prefetch if streamed else 0,
-    )
+def plan_device_memory(config: DeploymentConfig, components: Mapping[str, ComponentSizes]) -> DevicePlan:
+    """Every component's device memory (:mod:`planners.device_plan`): streamed ones with
+    their windows, ``full`` ones in flight, ``none`` ones held whole."""
+    streamed = [Streamed(components[c.name], c.prefetch, config.moves(c.name)) for c in config.streamed_components]
+    held = {n: s.weights_bytes for n, s in components.items() if s.offload == "none"}
+    in_flight = {n: s.weights_bytes for n, s in components.items() if s.offload == "full"}
+    return plan_devices(streamed, held, in_flight, config.device.vram, config.device.reserve)
+
+
+def _core(config, components, host: HostLimit, process_excess: int, build_reserve: int = 0, ranks: int = 1):
+    """Budget, device plan and pin plans; with ``ranks`` above 1, one rank's: a ``1/ranks``
+    part of the host's limit and of its pin cap, with a whole reserve (:mod:`planners.rank_plan`)."""
+    device = plan_device_memory(config, components)
+    limit = host.bytes // ranks
     budget = host_budget(
-        host.bytes, config.host.reserve, config.host.max_pinned(host.bytes), _committed(components), process_excess,
-        build_reserve, config.host.reserve_source, device_in_host_memory(device) if host.is_unified else 0,
+        limit, config.host.reserve, config.host.max_pinned(host.bytes) // ranks, _committed(components),
+        process_excess, build_reserve, config.host.reserve_source,
+        device_in_host_memory(device) if host.is_unified else 0,
     )
     pins = plan_pins(_move_groups(config, components, device), budget, cost_model(config),
                      streamed.prefetch if streamed else 0)
@@ -133,6 +143,7 @@ def plan_deployment(
     merge_reason: str = "",
     alternatives=(),
     lora_merge: Mapping | None = None,
+    ranks: int = 1,
 ) -> DeploymentPlan:
     """Plan ``config`` over ``components`` on a host limited to ``host``.
 
@@ -144,28 +155,31 @@ def plan_deployment(
     ``alternatives`` are ``(label, merge, components)``: the same deployment with
     other residency (the in-place merge next to the cached one), planned beside it.
     ``merge_reason`` and ``lora_merge`` (what the merge did) are reported as given.
+    ``ranks`` above 1 plans one of that many alike ranks on the host (``components`` are
+    what one rank holds: :func:`planners.rank_plan.rank_components`), with the verdict
+    for the host as a whole and the rank's share in ``host_share``.
     """
     _check_components(config, components)
     components = dict(components)
-    budget, device, pins = _core(config, components, host, process_excess, build_reserve)
+    budget, device, pins = _core(config, components, host, process_excess, build_reserve, ranks)
     outcomes = []
     for record in collect_offers(providers, set(components)):
         before = components[record.component]
         after = apply_offer(before, record)
         changed = {**components, record.component: after}
-        b, d, p = _core(config, changed, host, process_excess, build_reserve)
+        b, d, p = _core(config, changed, host, process_excess, build_reserve, ranks)
         applied = before.residency.anonymous - after.residency.anonymous
-        outcomes.append(OfferOutcome(record, b.bytes, p.pinned_bytes, p.transfer_s_per_request, verdict(b, d).fits,
+        outcomes.append(OfferOutcome(record, b.bytes, p.pinned_bytes, p.transfer_s_per_request, verdict(b, d, ranks).fits,
                                      applied))
     others = []
     for label, other_merge, other in alternatives:
         _check_components(config, other)
-        b, d, p = _core(config, dict(other), host, process_excess, build_reserve)
+        b, d, p = _core(config, dict(other), host, process_excess, build_reserve, ranks)
         layers = {name: tuple(plan.pinned_layers) for name, plan in p.plans.items()}
-        other_verdict = verdict(b, d)
+        other_verdict = verdict(b, d, ranks)
         others.append(AlternativePlan(label, other_merge, b.bytes, b.committed, p.pinned_bytes, layers,
                                       p.transfer_s_per_request, other_verdict.over_limit_bytes, other_verdict.fits))
-    warnings = list(notes) + _host_warnings(host, budget, device, merge) + list(pins.warnings)
+    warnings = list(notes) + _host_warnings(host, budget, device, merge, config, components) + list(pins.warnings)
     plan = DeploymentPlan(
         deployment=config.deployment,
         mode=mode,
@@ -180,12 +194,35 @@ def plan_deployment(
         merge_reason=merge_reason,
         alternatives=tuple(others),
         lora_merge=None if lora_merge is None else dict(lora_merge),
-        verdict=verdict(budget, device),
+        verdict=verdict(budget, device, ranks),
         transfer=config.transfer,
     )
+    if ranks > 1:
+        from .rank_plan import rank_share
+
+        plan = plan._replace(host_share=rank_share(config, plan, ranks))
     from .executor.tier import with_executor_disk  # the executor's package imports this module
 
-    return with_executor_disk(plan, config.streamed.prefetch if config.streamed else 0)
+    return priced_by_disk(with_executor_disk(plan, config.streamed.prefetch if config.streamed else 0), plan)
+
+
+def priced_by_disk(plan: DeploymentPlan, before: DeploymentPlan) -> DeploymentPlan:
+    """``plan`` with each pin plan's time per request priced at the disk bytes it says it reads.
+
+    The executor's disk tier (:mod:`planners.executor.tier`) replaces the pin plan's disk
+    figure (what the kernel's LRU would read) with what the executor reads; the time per
+    request must be the time of those bytes, not of the LRU's: one source for both figures.
+    """
+    rate = plan.transfer.disk_read if plan.transfer is not None else None
+    if rate is None:
+        return plan
+    plans = dict(plan.pins.plans)
+    for name, p in plans.items():
+        old = before.pins.plans[name].disk_bytes_per_request
+        if p.disk_bytes_per_request != old:
+            plans[name] = p._replace(
+                transfer_s_per_request=p.transfer_s_per_request + (p.disk_bytes_per_request - old) / rate)
+    return plan._replace(pins=plan.pins._replace(plans=plans))
 
 
 # A machine sold as 32 GiB reports 31.2-31.6 GiB of MemTotal (firmware and the kernel keep
@@ -202,7 +239,41 @@ def _budget_advice(budget: HostBudget, merge: str) -> str:
     return "turn anonymous weights back into mapped ones (load them read-only, not copied) or raise host.limit"
 
 
-def _host_warnings(host: HostLimit, budget: HostBudget, device: DevicePlan, merge: str = "none") -> list[str]:
+def _zero_budget_line(budget: HostBudget, merge: str, config: DeploymentConfig | None) -> str:
+    """Why the budget is 0, naming the cause: the room (committed + reserve reach the limit)
+    or the pin cap (``max_pinned``, or pins already made up to it)."""
+    if budget.room > 0 and budget.pin_cap == 0:
+        where = f" ({config.origin.where('host.max_pinned')})" if config is not None else ""
+        if budget.max_pinned == 0:
+            return (f"host budget is 0: host.max_pinned is 0{where}, so nothing is pinned although "
+                    f"{format_size(budget.room)} is free; raise host.max_pinned (e.g. 75%) to pin")
+        return (f"host budget is 0: {format_size(budget.committed_pinned)} is pinned already, all that "
+                f"host.max_pinned ({format_size(budget.max_pinned)}{where}) allows; raise it to pin more")
+    return (f"host budget is 0: committed non-reclaimable {format_size(budget.committed)} and the reserve "
+            f"{format_size(budget.reserve)} reach the limit {format_size(budget.limit)}, so nothing is pinned: "
+            f"{_budget_advice(budget, merge)}")
+
+
+# A streamed component with more than this share of its bytes outside every block has a
+# block pattern that misses a family of blocks (Flux's single_transformer_blocks).
+_REST_SHARE = 0.2
+
+
+def _rest_warnings(components: Mapping[str, ComponentSizes]) -> list[str]:
+    out = []
+    for name, sizes in components.items():
+        rest = sizes.rest.nbytes if sizes.rest is not None else 0
+        if sizes.offload == "layerwise" and sizes.weights_bytes and rest > _REST_SHARE * sizes.weights_bytes:
+            out.append(
+                f"{format_size(rest)} of {name} ({rest / sizes.weights_bytes:.0%} of {format_size(sizes.weights_bytes)}) "
+                f"falls into (rest), outside every block: it never streams block by block. Its layers pattern "
+                "likely misses a family of blocks; list every family, e.g. Flux's "
+                "[\"transformer_blocks.{i}.\", \"single_transformer_blocks.{i}.\"]")
+    return out
+
+
+def _host_warnings(host: HostLimit, budget: HostBudget, device: DevicePlan, merge: str = "none",
+                   config: DeploymentConfig | None = None, components=None) -> list[str]:
     out = []
     over = budget.committed - budget.limit
     if over > 0:
@@ -211,11 +282,7 @@ def _host_warnings(host: HostLimit, budget: HostBudget, device: DevicePlan, merg
             f"{format_size(over)}: without swap this deployment is killed while it loads"
         )
     if budget.bytes == 0:
-        out.append(
-            f"host budget is 0: committed non-reclaimable {format_size(budget.committed)} and the reserve "
-            f"{format_size(budget.reserve)} reach the limit {format_size(budget.limit)}, so nothing is pinned: "
-            f"{_budget_advice(budget, merge)}"
-        )
+        out.append(_zero_budget_line(budget, merge, config))
     configured = host.source not in ("MemTotal", "cgroup", "MemAvailable")
     if configured and host.bytes > host.machine_bytes * (1 + _MEMTOTAL_SHORTFALL):
         out.append(
@@ -228,9 +295,11 @@ def _host_warnings(host: HostLimit, budget: HostBudget, device: DevicePlan, merg
             "no weight explains (a copied checkpoint, allocator caches); find it with hostmem inspect"
         )
     if not device.fits:
+        name, _ = device.peak
         out.append(
-            f"device: the rest of {device.component} ({format_size(device.rest_bytes)}) and the prefetch window "
-            f"({format_size(device.window_bytes)}) exceed the usable VRAM ({format_size(device.usable)}); "
-            "lower prefetch or raise device.vram"
+            f"device: the plan needs {format_device(device.peak_bytes)} of device memory at its peak"
+            f"{f' (while {name} runs)' if name else ''}, {format_device(device.shortfall)} more than device.vram "
+            f"{format_device(device.vram)}: stream that component block by block (offload: layerwise), lower "
+            "prefetch, or use a larger device"
         )
-    return out
+    return out + _rest_warnings(components or {})

@@ -10,7 +10,7 @@ from hostmem.procfs import Mount, filesystem_of, is_shmem_fs, read_mounts
 
 from .config import DeploymentConfig
 
-__all__ = ["cache_root_warnings"]
+__all__ = ["cache_root_warnings", "missing_adapter_warnings"]
 
 # Filesystems of the kernel's own: no folder a cache could keep its files in.
 _PSEUDO_FS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs",
@@ -81,3 +81,16 @@ def _root_problem(root: str, mounts: list[Mount]) -> str | None:
     except VaultError as exc:
         return f"every merge there fails: {exc}"
     return None
+
+
+def missing_adapter_warnings(config: DeploymentConfig) -> list[str]:
+    """A declared-size plan reads no adapter file, so a missing one stops nothing here; a
+    server will need it. Each missing file is named, with the key and line that name it.
+    (With weights on this machine the plan reads the adapters, and a missing one is an error.)"""
+    out = []
+    for i, adapter in enumerate(config.lora.adapters if config.lora else ()):
+        if not os.path.exists(adapter.path):
+            out.append(f"adapter {adapter.path} ({config.origin.where(f'lora.adapters[{i}].path')}) does not exist: "
+                       "this plan takes its targets from declared lora_targets, but a server loading this config "
+                       "will stop there; write the file or fix the path")
+    return out

@@ -36,6 +36,7 @@ from hostmem.residency_classes import Residency
 
 from .budget import host_budget
 from .config import DeploymentConfig
+from .config.parallel import local_world as config_local_world
 
 __all__ = ["RankNeed", "HostShare", "split_host_budget", "host_budget_of", "local_world", "share_for", "rank_need",
            "capped_config"]
@@ -93,17 +94,7 @@ def host_budget_of(config: DeploymentConfig, limit: int, ranks: Sequence[RankNee
 
 def local_world(environ: Mapping[str, str] = os.environ) -> tuple[int, int] | None:
     """``(LOCAL_RANK, LOCAL_WORLD_SIZE)`` as torchrun sets them, or None when absent."""
-    size, rank = environ.get("LOCAL_WORLD_SIZE"), environ.get("LOCAL_RANK")
-    if size is None:
-        return None
-    try:
-        size_i, rank_i = int(size), int(rank or 0)
-    except ValueError:
-        raise InputError(f"LOCAL_WORLD_SIZE={size!r}, LOCAL_RANK={rank!r}: expected whole numbers (torchrun sets "
-                         "them); unset them to plan for one rank") from None
-    if size_i < 1 or not 0 <= rank_i < size_i:
-        raise InputError(f"LOCAL_RANK={rank_i} is not within LOCAL_WORLD_SIZE={size_i}")
-    return rank_i, size_i
+    return config_local_world(environ)
 
 
 def _process_group_active() -> bool:

@@ -34,7 +34,7 @@ from .budget import HostBudget
 from .executor.roles import window_bytes
 from .sizes import REST, Layer
 
-__all__ = ["CostModel", "MoveGroup", "PinPlan", "PinPlans", "plan_pins"]
+__all__ = ["CostModel", "MoveGroup", "PinPlan", "PinPlans", "plan_pins", "thrash_line", "turns_line"]
 
 
 class CostModel(NamedTuple):
@@ -55,6 +55,7 @@ class MoveGroup(NamedTuple):
     component: str
     units: tuple[Layer, ...]
     moves: int
+    alternates: tuple[str, ...] = ()  # experts taking turns with this one (itself included): one page cache
 
 
 class PinPlan(NamedTuple):
@@ -72,6 +73,8 @@ class PinPlan(NamedTuple):
     transfer_s_per_request: float
     baseline_transfer_s_per_request: float
     kept_layers: tuple[str, ...] = ()  # the executor's kept set (planners.executor.roles), set by the planner
+    alternates: tuple[str, ...] = ()  # the experts it takes turns with, sharing the page cache
+    disk_once: bool = False  # its disk bytes are read once per request (its turn), not on every move
 
 
 class PinPlans(NamedTuple):
@@ -132,23 +135,53 @@ class _Outcome(NamedTuple):
     from_disk: tuple[int, ...]
     fits: tuple[bool, ...]
     room_after_pins: int
+    once: tuple[bool, ...] = ()  # per group: disk read once per request (an expert's turn)
+
+
+def _turns(needs: list[int], room: int) -> list[int]:
+    """Disk bytes per request of experts that take turns in one page cache too small for all.
+
+    During an expert's turn the cache holds it whole (it fits alone) and what is left of
+    the others: ``room - need``. So of expert ``i`` at most ``room - (the others' needs)``
+    survives the others' turns, and the rest is read back once, at the start of its turn.
+    """
+    total = sum(needs)
+    return [need - min(need, max(0, room - (total - need))) for need in needs]
 
 
 def _evaluate(groups, totals, pinned_bytes, pinned_need, net_cost, budget, cost) -> _Outcome:
-    """Transfer time per request of each group for one choice of pins."""
+    """Transfer time per request of each group for one choice of pins.
+
+    Groups get the room in order; experts that take turns get it together, at the first
+    of them: all of them fit, or each that fits alone reads back per request what the
+    others' turns evicted (:func:`_turns`), and one that does not fit alone thrashes.
+    """
     room = budget.room - net_cost
-    seconds, disk, fits, thrashing = [], [], [], False
+    n = len(groups)
+    seconds, disk, fits, once = [0.0] * n, [0] * n, [False] * n, [False] * n
+    thrashing, done = False, set()
     for g, group in enumerate(groups):
-        all_bytes, all_need = totals[g]
-        pageable, need = all_bytes - pinned_bytes[g], all_need - pinned_need[g]
-        fit = not thrashing and need <= room
-        room -= need if fit else 0
-        thrashing = thrashing or not fit
-        missed = 0 if fit else need
-        seconds.append(group.moves * cost.seconds(pinned_bytes[g], pageable, missed))
-        disk.append(group.moves * missed)
-        fits.append(fit)
-    return _Outcome(tuple(seconds), tuple(disk), tuple(fits), budget.room - net_cost)
+        if g in done:
+            continue
+        members = [g] if not group.alternates else [i for i in range(n) if groups[i].alternates == group.alternates]
+        done.update(members)
+        needs = [totals[i][1] - pinned_need[i] for i in members]
+        together = not thrashing and sum(needs) <= room
+        turns = _turns(needs, room) if not together and not thrashing and len(members) > 1 else [None] * len(members)
+        for i, need, turn in zip(members, needs, turns):
+            pageable = totals[i][0] - pinned_bytes[i]
+            moves = groups[i].moves
+            if together:
+                missed = 0
+            elif turn is not None and need <= room:
+                missed, once[i] = turn, True
+            else:
+                missed = moves * need
+            seconds[i] = moves * cost.seconds(pinned_bytes[i], pageable, 0) + missed / cost.disk_read
+            disk[i], fits[i] = missed, together
+        room -= sum(needs) if together else 0
+        thrashing = thrashing or not together
+    return _Outcome(tuple(seconds), tuple(disk), tuple(fits), budget.room - net_cost, tuple(once))
 
 
 def plan_pins(groups: list[MoveGroup], budget: HostBudget, cost: CostModel, prefetch: int = 0) -> PinPlans:
@@ -188,6 +221,8 @@ def _assemble(groups, chosen, best, outcomes, budget) -> PinPlans:
             disk_bytes_per_request=outcome.from_disk[g],
             transfer_s_per_request=outcome.seconds[g],
             baseline_transfer_s_per_request=baseline.seconds[g],
+            alternates=group.alternates,
+            disk_once=outcome.once[g],
         )
     warnings, notes = _warnings(groups, plans, outcome, budget, len(chosen), best, outcomes)
     return PinPlans(plans, budget.bytes, outcome.room_after_pins, len(chosen), tuple(warnings), tuple(notes))
@@ -214,12 +249,25 @@ def thrash_line(plan: PinPlan, budget, roles=None) -> tuple[str, bool]:
     return f"{head} (nothing is committed to give back: only a larger host or more VRAM avoids it)", False
 
 
+def turns_line(plan: PinPlan, plans, budget) -> tuple[str, bool]:
+    """The line of an expert whose turn reads back what the other experts' turns evicted."""
+    others = [plans[n] for n in plan.alternates if n != plan.component and n in plans]
+    need = plan.page_cache_bytes + sum(p.page_cache_bytes for p in others)
+    head = (f"{plan.component} reads {format_size(plan.disk_bytes_per_request)} from disk per request, once at the "
+            f"start of its turn: it takes turns with {', '.join(p.component for p in others)}, and their unpinned "
+            f"blocks together need {format_size(need)} of page cache, more than the host holds next to the pins")
+    if budget.committed > 0:
+        return (f"page-cache thrash: {head}. Give back the {format_size(budget.committed)} of committed "
+                "non-reclaimable memory, raise host.limit or keep more blocks on the device"), True
+    return f"{head} (nothing is committed to give back: only a larger host or more VRAM avoids it)", False
+
+
 def _warnings(groups, plans, outcome, budget, allowed, best, outcomes) -> tuple[list[str], list[str]]:
     out, notes = [], []
     for group in groups:
         plan = plans[group.component]
         if not plan.page_cache_fits and plan.page_cache_bytes:
-            line, is_warning = thrash_line(plan, budget)
+            line, is_warning = turns_line(plan, plans, budget) if plan.disk_once else thrash_line(plan, budget)
             (out if is_warning else notes).append(line)
     if best < allowed:
         saved = sum(outcomes[allowed].seconds) - sum(outcomes[best].seconds)

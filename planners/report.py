@@ -17,11 +17,12 @@ added but never renamed::
                            "lora_target_bytes", "layers", "offload", "source"}},
      "device_plan": {"component", "resident_layers": [..], "streamed_layers": [..], "vram_bytes",
                      "reserve_bytes", "rest_bytes", "window_bytes", "resident_bytes",
-                     "streamed_bytes", "fits"},
+                     "streamed_bytes", "fits", "kept_bytes", "peak_bytes", "peak_component",
+                     "shortfall_bytes", "components": {NAME: {"offload", ...}}},
      "pin_plans": {NAME: {"pinned_bytes", "pinned_layers": [..], "transfer_s_per_request",
                           "baseline_transfer_s_per_request", "net_cost_bytes", "moves_per_request",
                           "candidate_layers", "page_cache_bytes", "page_cache_fits",
-                          "disk_bytes_per_request", "kept_layers": [..]}},
+                          "disk_bytes_per_request", "kept_layers": [..], "disk_once", "alternates": [..]}},
      "transfer_s_per_request", "baseline_transfer_s_per_request",
      "transfer": null | {"pinned_h2d", "pageable_h2d", "disk_read", "source"},
      "offers": [{"provider", "component", "anonymous_bytes", "disk_bytes", "one_time_s", "note",
@@ -36,6 +37,11 @@ added but never renamed::
      "host_share": null | {"local_rank", "local_world_size", "source", "host_budget_bytes",
                            "share_bytes", "shares_bytes", "needs_bytes"}}
 
+``device_plan`` is every component's device memory (:mod:`planners.report_device`): its
+top-level layer lists are the first streamed component's, ``components`` has each one's.
+A ``host_share`` of a plan of several ranks (:mod:`planners.rank_plan`) adds the host's
+and each rank's figures to the live form. ``disk_once``: the component's disk bytes are
+read once per request, at its turn (experts that take turns), not on every move.
 ``fits`` is the plan's verdict (:mod:`planners.verdict`), ``verdict`` its line
 (``fits: no: committed 35.4 GiB > limit 32.0 GiB: killed while loading``) and
 ``over_limit_bytes`` what is committed beyond the host limit. A plan that does not fit
@@ -68,12 +74,11 @@ only then.
 
 from __future__ import annotations
 
-import re
-
 from hostmem.table import format_table
 from hostmem.units import format_rate, format_size
 
 from .deployment import DeploymentPlan
+from .report_device import compress_names, device_dict, device_lines
 from .report_host import host_lines
 from .sizes import REST
 
@@ -125,22 +130,6 @@ def _budget(plan: DeploymentPlan) -> dict:
     }
 
 
-def _device(plan: DeploymentPlan) -> dict:
-    d = plan.device
-    return {
-        "component": d.component,
-        "resident_layers": list(d.resident_layers),
-        "streamed_layers": list(d.streamed_layers),
-        "vram_bytes": d.vram,
-        "reserve_bytes": d.reserve,
-        "rest_bytes": d.rest_bytes,
-        "window_bytes": d.window_bytes,
-        "resident_bytes": d.resident_bytes,
-        "streamed_bytes": d.streamed_bytes,
-        "fits": d.fits,
-    }
-
-
 def _served(seconds: float, fits: bool) -> float | None:
     """A transfer time, or None for a plan that does not fit (it never serves a request)."""
     return seconds if fits else None
@@ -160,6 +149,8 @@ def _pins(plan: DeploymentPlan) -> dict:
             "page_cache_fits": p.page_cache_fits,
             "disk_bytes_per_request": p.disk_bytes_per_request,
             "kept_layers": list(p.kept_layers),  # the executor's kept set (planners.executor.roles)
+            "disk_once": p.disk_once,
+            "alternates": list(p.alternates),
         }
         for name, p in plan.pins.plans.items()
     }
@@ -188,7 +179,7 @@ def report_dict(plan: DeploymentPlan) -> dict:
         },
         "budget": _budget(plan),
         "components": _components(plan),
-        "device_plan": _device(plan),
+        "device_plan": device_dict(plan),
         "pin_plans": _pins(plan),
         "transfer_s_per_request": _served(plan.pins.transfer_s_per_request, plan.fits),
         "baseline_transfer_s_per_request": _served(plan.pins.baseline_transfer_s_per_request, plan.fits),
@@ -218,28 +209,6 @@ def report_dict(plan: DeploymentPlan) -> dict:
 # ---------------------------------------------------------------- text
 
 
-def compress_names(names) -> str:
-    """``blocks.0 .. blocks.33, blocks.40`` for long runs of numbered layer names."""
-    parts: list[list] = []  # [prefix, first, last]
-    for name in names:
-        found = re.fullmatch(r"(.*?)(\d+)", name)
-        if found and parts and parts[-1][0] == found.group(1) and parts[-1][2] == int(found.group(2)) - 1:
-            parts[-1][2] += 1
-        elif found:
-            parts.append([found.group(1), int(found.group(2)), int(found.group(2))])
-        else:
-            parts.append([name, None, None])
-    out = []
-    for prefix, first, last in parts:
-        if first is None:
-            out.append(prefix)
-        elif first == last:
-            out.append(f"{prefix}{first}")
-        else:
-            out.append(f"{prefix}{first}..{last}")
-    return ", ".join(out) if out else "none"
-
-
 def _seconds(value: float, fits: bool = True) -> str:
     """A transfer time; ``-`` for a plan that does not fit, which serves no request."""
     if not fits:
@@ -264,24 +233,6 @@ def _warning_lines(plan: DeploymentPlan) -> list[str]:
     if plan.warnings:
         return ["warnings:", *(f"  - {w}" for w in plan.warnings), *([f"  and {reads}"] if disk else [])]
     return [f"warnings: none, but {reads}"] if disk else ["warnings: none"]
-
-
-def _device_lines(plan: DeploymentPlan) -> list[str]:
-    d = plan.device
-    if d.component is None:
-        return ["device plan: no component streams block by block"]
-    total = len(d.resident_layers) + len(d.streamed_layers)
-    no_gpu = ["  (this machine has no GPU: this is the device plan of the host the config describes)"
-              ] if plan.host.gpus == 0 and d.vram else []
-    return [
-        f"device plan ({d.component}): VRAM {format_size(d.vram)} (the config's device.vram) - reserve "
-        f"{format_size(d.reserve)} - rest {format_size(d.rest_bytes)} - prefetch window {format_size(d.window_bytes)}",
-        *no_gpu,
-        f"  resident {len(d.resident_layers)} of {total} blocks ({format_size(d.resident_bytes)}): "
-        f"{compress_names(d.resident_layers)}",
-        f"  streamed {len(d.streamed_layers)} of {total} blocks ({format_size(d.streamed_bytes)}): "
-        f"{compress_names(d.streamed_layers)}",
-    ]
 
 
 def _pin_lines(plan: DeploymentPlan) -> list[str]:
@@ -387,7 +338,7 @@ def report_text(plan: DeploymentPlan) -> str:
         host_lines(plan),
         _component_lines(plan),
         _lora_merge_lines(plan),
-        _device_lines(plan),
+        device_lines(plan),
         _pin_lines(plan),
         _rate_lines(plan),
         _offer_lines(plan),

@@ -74,7 +74,23 @@ def _host_share_lines(share) -> list[str]:
     return [f"host share: local rank {share['local_rank']} of {share['local_world_size']} (from {share['source']}"
             f"{alike})",
             f"  {format_size(share['share_bytes'])} of the host budget {format_size(share['host_budget_bytes'])}, "
-            f"split by need ({', '.join(format_size(s) for s in share['shares_bytes'])}); pins capped at this share"]
+            f"split by need ({', '.join(format_size(s) for s in share['shares_bytes'])}); pins capped at this share",
+            *_rank_lines(share)]
+
+
+def _rank_lines(share) -> list[str]:
+    """A planned host's ranks (:mod:`planners.rank_plan`): each rank's part, and the host's sums."""
+    if "host_limit_bytes" not in share:
+        return []
+    n = share["local_world_size"]
+    parts = ", ".join(f"{name} {format_size(b)}" for name, b in share["parts_bytes"].items())
+    return [f"  each rank: limit {format_size(share['limit_per_rank_bytes'])} (host limit "
+            f"{format_size(share['host_limit_bytes'])} / {n}), reserve {format_size(share['reserve_per_rank_bytes'])}, "
+            f"committed {format_size(share['committed_per_rank_bytes'])}",
+            f"  host: committed {n} x {format_size(share['committed_per_rank_bytes'])} = "
+            f"{format_size(share['host_committed_bytes'])}, reserve {n} x {format_size(share['reserve_per_rank_bytes'])}"
+            f" = {format_size(share['host_reserve_bytes'])}",
+            *([f"  tensor parallel {share['tensor_parallel']}: each rank holds {parts} (its part)"] if parts else [])]
 
 
 def _device_rows(host, budget) -> list[tuple[str, str, str]]:

@@ -8,8 +8,11 @@ code of ``hostmem plan --check``. A plan does not fit when
   kernel kills the process while it loads (``over_limit_bytes`` is by how much);
 - committed memory and the reserve together exceed the limit: it loads, and is
   killed when the first request allocates what the reserve was meant to hold;
-- the streamed component's rest and prefetch window exceed the usable VRAM: the
-  device runs out of memory at the first request.
+- the device cannot hold what the plan puts there at its peak (the reserve, what is
+  kept on it, and the largest part in flight: a streamed component's window or a whole
+  ``offload: full`` component, :mod:`planners.device_plan`): it runs out of device
+  memory at the first request. The reason names the component in flight at the peak
+  and the shortfall, in decimal GB as vendors print device memory (GiB beside it).
 
 A plan that does not fit never serves a request, so it has no transfer time: the
 report shows none (JSON ``null``), and nothing compares it as if it ran.
@@ -24,7 +27,7 @@ from hostmem.units import format_size
 from .budget import HostBudget
 from .device_plan import DevicePlan
 
-__all__ = ["Verdict", "verdict"]
+__all__ = ["Verdict", "verdict", "format_device"]
 
 
 class Verdict(NamedTuple):
@@ -39,20 +42,55 @@ class Verdict(NamedTuple):
         return f"fits: yes: {self.within}" if self.fits else f"fits: no: {'; '.join(self.reasons)}"
 
 
-def verdict(budget: HostBudget, device: DevicePlan) -> Verdict:
-    """The verdict of a plan with ``budget`` on the host and ``device`` on the GPU."""
+def _device_reason(device: DevicePlan) -> str | None:
+    """Why the device cannot hold what the plan puts there, naming the component and the shortfall."""
+    if device.fits:
+        return None
+    if device.shortfall:
+        name, peak = device.peak
+        while_ = f"while {name} runs ({format_device(device.peak_bytes - device.kept_bytes)} in flight)" if name else ""
+        return (f"device: {format_device(peak)} needed {while_} > VRAM {format_device(device.vram)} "
+                f"(reserve {format_device(device.reserve)} + kept {format_device(device.kept_bytes - device.reserve)}"
+                f"): short by {format_device(device.shortfall)}, out of device memory at the first request")
+    part = next(p for p in device.parts if not p.rest_on_device)
+    return (f"device: the rest of {part.component} ({format_device(part.rest_bytes)}) + its prefetch window "
+            f"({format_device(part.window_bytes)}) do not fit the usable VRAM {format_device(device.usable)}: "
+            "out of device memory at the first request")
+
+
+def format_device(nbytes: int) -> str:
+    """Device memory as vendors print it (decimal GB, MB below one GB), the binary figure beside it."""
+    if nbytes < 1e6:
+        return format_size(nbytes)
+    decimal = f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.0f} MB"
+    return f"{decimal} ({format_size(nbytes)})"
+
+
+def verdict(budget: HostBudget, device: DevicePlan, ranks: int = 1) -> Verdict:
+    """The verdict of a plan with ``budget`` on the host and ``device`` on the GPU.
+
+    With ``ranks`` above 1, ``budget`` is one rank's (a ``1/ranks`` part of the host) and
+    the figures are said for the whole host: each rank's committed memory and reserve,
+    times the ranks, against the host's limit.
+    """
     reasons = []
-    over = max(0, budget.committed - budget.limit)
+    n = ranks
+    committed, reserve, limit = budget.committed * n, budget.reserve * n, budget.limit * n
+    if n > 1:
+        c, r = (f"committed {n} x {format_size(budget.committed)} = {format_size(committed)}",
+                f"reserve {n} x {format_size(budget.reserve)} = {format_size(reserve)}")
+        where = f"host limit {format_size(limit)} ({n} ranks)"
+    else:
+        c, r, where = f"committed {format_size(committed)}", f"reserve {format_size(reserve)}", f"limit {format_size(limit)}"
+    over = max(0, budget.committed - budget.limit) * n
     if over:
-        reasons.append(f"committed {format_size(budget.committed)} > limit {format_size(budget.limit)}: "
-                       "killed while loading")
+        reasons.append(f"{c} > {where}: killed while loading")
     elif budget.committed + budget.reserve > budget.limit:
-        reasons.append(f"committed {format_size(budget.committed)} + reserve {format_size(budget.reserve)} > limit "
-                       f"{format_size(budget.limit)}: killed at the first request")
-    if not device.fits:
-        reasons.append(f"device: rest {format_size(device.rest_bytes)} + prefetch window "
-                       f"{format_size(device.window_bytes)} > usable VRAM {format_size(device.usable)}: "
-                       "out of device memory at the first request")
-    within = (f"committed {format_size(budget.committed)} + reserve {format_size(budget.reserve)} within limit "
-              f"{format_size(budget.limit)}")
+        reasons.append(f"{c} + {r} > {where}: killed at the first request")
+    said = _device_reason(device)
+    if said:
+        reasons.append(said)
+    within = f"{c} + {r} within {where}"
+    if device.vram and not reasons:
+        within += f"; device peak {format_device(device.peak_bytes)} within VRAM {format_device(device.vram)}"
     return Verdict(not reasons, over, tuple(reasons), "" if reasons else within)

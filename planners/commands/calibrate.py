@@ -35,7 +35,9 @@ def register(subparsers) -> None:
     parser.add_argument("--path", action="append", default=[], metavar="DIR", help="another folder to time (repeatable)")
     parser.add_argument("--root", metavar="DIR", default=None,
                         help="cache root (default: lora.cache.root, else $HOSTMEM_CACHE_ROOT, else ~/.cache/hostmem)")
-    parser.add_argument("--size", type=size_option, default=size_option("256MiB"), help="bytes read per folder")
+    parser.add_argument("--size", type=size_option, default=None,
+                        help="bytes read per folder (default: the config's largest layer, from 64MiB to 1GiB, "
+                        "else 256MiB): a file smaller than this is not timed as the disk")
     parser.add_argument("--layer-size", type=size_option, default=None,
                         help="bytes per device copy (default: the config's largest layer, else 64MiB)")
     parser.add_argument("--device", default=None, help="the GPU to time copies to, e.g. cuda:0 (default: cuda:0 if any)")
@@ -98,27 +100,79 @@ def _device(args, use_device: bool) -> tuple[str | None, str | None]:
     return args.device or "cuda:0", None
 
 
+_MIN_PROBE, _MAX_PROBE = 64 << 20, 1 << 30
+
+
+def probe_bytes(args, config) -> int:
+    """Bytes read per folder: ``--size``, else a streamed layer's size (what the executor reads
+    from disk at a time), kept from 64 MiB to 1 GiB, else 256 MiB."""
+    if args.size:
+        return args.size
+    if config is not None:
+        layer = _layer_bytes(args, config)
+        return max(_MIN_PROBE, min(layer, _MAX_PROBE))
+    return size_option("256MiB")
+
+
+def _time_folders(folders, size: int) -> tuple[list, list[str]]:
+    """``(rates, notes)``: a checkpoint file smaller than ``size`` is too small to time the disk
+    (a read's fixed costs and the per-file read-ahead ramp dominate), so a probe of ``size``
+    is timed in its folder too, where it can be written, and only that counts as the disk."""
+    from planners.executor.rates import measure_folder
+
+    measured, notes = [], []
+    for folder, existing in folders:
+        m = measure_folder(folder, size, existing)
+        measured.append(m)
+        if m.probe or m.nbytes >= size:
+            continue
+        small = f"{folder}: its largest checkpoint file is {format_size(m.nbytes)}, too small to time the disk"
+        if os.access(folder, os.W_OK):
+            measured.append(measure_folder(folder, size, existing=False))
+            notes.append(f"{small}; timed a {format_size(size)} probe there instead")
+        else:
+            notes.append(f"{small}, and the folder is not writable for a probe: not used for disk_read")
+    return measured, notes
+
+
+def explain(measured) -> list[str]:
+    """Readings that look wrong, and what they likely mean."""
+    out = []
+    for m in measured:
+        if m.page_cache_read < m.disk_read:
+            out.append(
+                f"{m.folder}: the page cache read ({format_rate(m.page_cache_read)}) is slower than the disk read "
+                f"({format_rate(m.disk_read)}): the disk was likely served from a cache below this kernel (a "
+                "virtual disk's host cache, a controller's), or the machine was busy; the disk figure is then "
+                "optimistic. Run again on an idle machine, or with a larger --size")
+    return out
+
+
 def measure(args, use_device: bool = True) -> dict:
     """What ``hostmem calibrate`` prints, as a dict (rates in bytes per second)."""
     from planners.config import load_config
-    from planners.executor.rates import h2d_rates, measure_folder
+    from planners.executor.rates import h2d_rates
 
     config = load_config(args.config) if args.config else None
     folders = _folders(args, config)
     if not folders:
         raise InputError("nothing to time: the cache root does not exist; give a CONFIG or --path DIR")
-    measured = [measure_folder(folder, args.size, existing) for folder, existing in folders]
+    size = probe_bytes(args, config)
+    measured, notes = _time_folders(folders, size)
+    timed = [m for m in measured if m.probe or m.nbytes >= size] or measured
     device, note = _device(args, use_device)
-    transfer = {"disk_read": min(m.disk_read for m in measured)}
-    result = {"folders": [m._asdict() for m in measured], "device": device, "notes": [note] if note else []}
-    readers = min(measured, key=lambda m: m.disk_read).readers  # the slowest folder: where read-ahead matters
+    transfer = {"disk_read": min(m.disk_read for m in timed)}
+    folders_out = [{**m._asdict(), "used_for_disk_read": m in timed} for m in measured]
+    result = {"folders": folders_out, "device": device, "probe_bytes": size,
+              "notes": notes + explain(measured) + ([note] if note else [])}
+    readers = min(timed, key=lambda m: m.disk_read).readers  # the slowest folder: where read-ahead matters
     if readers:
         result["read_ahead"] = {"reader": min(readers, key=readers.get), "seconds": readers}
     if device is not None:
         layer = _layer_bytes(args, config)
         source = max(measured, key=lambda m: m.nbytes)
-        rates = h2d_rates(device, min(layer, source.nbytes), source.file) if not source.probe else None
-        if rates is None:  # the probe is gone: map a fresh one of layer size
+        rates = h2d_rates(device, layer, source.file) if not source.probe and source.nbytes >= layer else None
+        if rates is None:  # the probe is gone, or the file is smaller than a layer: map a probe of layer size
             from planners.executor.rates import _write_probe
 
             probe = _write_probe(source.folder, layer)
@@ -152,8 +206,9 @@ def run(args) -> int:
         return 0
     for folder in result["folders"]:
         what = "probe file" if folder["probe"] else os.path.basename(folder["file"])
+        unused = "" if folder["used_for_disk_read"] else " (too small: not the disk rate)"
         print(f"{folder['folder']}: disk {format_rate(folder['disk_read'])}, page cache "
-              f"{format_rate(folder['page_cache_read'])} ({format_size(folder['nbytes'])} of {what})")
+              f"{format_rate(folder['page_cache_read'])} ({format_size(folder['nbytes'])} of {what}){unused}")
     if "h2d" in result:
         h2d = result["h2d"]
         rates = ", ".join(f"{k.removesuffix('_h2d')} {format_rate(v)}" for k, v in h2d.items() if k != "layer_bytes")

@@ -29,6 +29,11 @@ def register(subparsers) -> None:
         "--check", action="store_true",
         help="exit 1 when the plan does not fit (0 when it does, 2 for a bad config): a gate for CI",
     )
+    parser.add_argument(
+        "--ranks", type=int, default=None, metavar="N",
+        help="plan N alike ranks on this host (default: parallel.ranks of the config, or torchrun's "
+        "LOCAL_WORLD_SIZE where set): each rank's share and a verdict for the host",
+    )
     parser.set_defaults(run=run, read_only=True)  # writes nothing: cli.main may skip the exit collection
 
 
@@ -65,29 +70,42 @@ def _without_cache(config, merge, sizes) -> tuple:
     return (("without the LoRA merge cache", "in-place", in_place),)
 
 
-def run(args) -> int:
+def build_plan(config, what_if: str | None = None, ranks: int | None = None, environ=None):
+    """The what-if plan ``hostmem plan`` prints for ``config`` (a ``DeploymentConfig``):
+    ``what_if`` the merge (None: the config's own), ``ranks`` as ``--ranks``. The demo's
+    verdicts come from here too, so they are the plan's."""
+    import os
+
     from planners.adapter_targets import check_adapter_files
     from planners.budget import read_host_limit
-    from planners.config import load_config
+    from planners.config.parallel import with_ranks
     from planners.deployment import plan_deployment
-    from planners.host_checks import cache_root_warnings
-    from planners.report import report_dict, report_text
+    from planners.host_checks import cache_root_warnings, missing_adapter_warnings
+    from planners.rank_plan import rank_components
     from planners.whatif import checkpoint_sizes, default_merge, merge_reason, what_if_components
 
-    config = load_config(args.config)
+    config = config._replace(parallel=with_ranks(config.parallel, ranks, os.environ if environ is None else environ))
     if any(c.path is not None for c in config.components.values()):
-        check_adapter_files(config)  # weights on this machine: so must the adapters be
-    merge = args.what_if or default_merge(config)
-    reason = f"asked for with --what-if {merge}" if args.what_if else merge_reason(config)
-    sizes = checkpoint_sizes(config)
+        check_adapter_files(config)  # weights on this machine: so must the adapters be (exit 2)
+    adapter_notes = missing_adapter_warnings(config)  # declared sizes: the plan reads no adapter, but says so
+    merge = what_if or default_merge(config)
+    reason = f"asked for with --what-if {merge}" if what_if else merge_reason(config)
+    sizes = rank_components(config, checkpoint_sizes(config))
     components, notes = what_if_components(config, merge, sizes)
     host = read_host_limit(config)
-    notes += cache_root_warnings(config)
-    plan = plan_deployment(
+    notes += cache_root_warnings(config) + adapter_notes
+    return plan_deployment(
         config, components, host, mode="what-if", merge=merge, notes=tuple(notes),
         providers=_providers(config, sizes, merge), merge_reason=reason,
-        alternatives=_without_cache(config, merge, sizes),
+        alternatives=_without_cache(config, merge, sizes), ranks=config.parallel.ranks,
     )
+
+
+def run(args) -> int:
+    from planners.config import load_config
+    from planners.report import report_dict, report_text
+
+    plan = build_plan(load_config(args.config), args.what_if, args.ranks)
     if args.json:
         import json  # here: the text report needs no JSON
 

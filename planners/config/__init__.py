@@ -41,6 +41,7 @@ from .model import (
     HostConfig,
     LoraCacheConfig,
     LoraConfig,
+    ParallelConfig,
     TransferConfig,
     WorkloadConfig,
 )

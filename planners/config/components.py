@@ -16,7 +16,7 @@ __all__ = ["parse_components"]
 _MAX_LAYERS = 10_000
 
 _COMPONENT_KEYS = (
-    "path", "offload", "layers", "prefetch", "size", "lora_targets", "dtype", "load",
+    "path", "offload", "layers", "prefetch", "size", "lora_targets", "dtype", "load", "steps",
 )
 
 
@@ -37,6 +37,9 @@ def _component(origin: ConfigOrigin, name: str, data: Any) -> ComponentConfig:
     pattern, count = _layers(s, offload, declared=path is None)
     target_bytes, target_patterns = _lora_targets(s, declared=path is None)
     size = s.size("size")
+    if s.has("steps") and offload != "layerwise":
+        raise origin.error(s.sub("steps"), "only a streamed component (offload: layerwise) runs a share of the steps; "
+                           "remove steps, or stream it")
     if size is not None and target_bytes is not None and target_bytes > size:
         raise origin.error(s.sub("lora_targets"), f"{s.get('lora_targets')!r} exceeds size {s.get('size')!r}")
     return ComponentConfig(
@@ -51,6 +54,7 @@ def _component(origin: ConfigOrigin, name: str, data: Any) -> ComponentConfig:
         dtype=s.choice("dtype", DTYPES, None) if s.has("dtype") else None,
         load=s.choice("load", LOAD_MODES, "mapped"),
         prefetch=s.integer("prefetch", 1, 0, maximum=_MAX_LAYERS),
+        steps=s.integer("steps", None, 1, maximum=10_000),
     )
 
 
@@ -91,6 +95,29 @@ def _lora_targets(s: Section, declared: bool) -> tuple[int | None, tuple[str, ..
     return s.size("lora_targets"), ()
 
 
+def check_experts(origin: ConfigOrigin, components: dict[str, ComponentConfig], steps: int) -> None:
+    """Experts that alternate (each with ``steps``: Wan 2.2's high- and low-noise DiTs)
+    split the request's ``workload.steps`` between them at a boundary step: their
+    steps must add up to it, or the plan would move weights no request moves."""
+    experts = [c for c in components.values() if c.steps is not None]
+    if not experts:
+        return
+    if len(experts) == 1:
+        raise origin.error(
+            f"components.{experts[0].name}.steps",
+            "only one component runs a share of the steps; name the experts that take turns (each with steps, "
+            "adding up to workload.steps), or remove steps to run it every step",
+        )
+    total = sum(c.steps for c in experts)
+    if total != steps:
+        named = " + ".join(f"{c.name} {c.steps}" for c in experts)
+        raise origin.error(
+            f"components.{experts[-1].name}.steps",
+            f"the experts' steps ({named} = {total}) do not add up to workload.steps ({steps}); each request "
+            "runs every step on exactly one expert, so split the steps at the boundary step",
+        )
+
+
 def parse_components(origin: ConfigOrigin, data: Any) -> dict[str, ComponentConfig]:
     if not isinstance(data, dict) or not data:
         raise origin.error("components", "missing or empty; name at least one component (dit, text_encoder, ...)")
@@ -99,10 +126,4 @@ def parse_components(origin: ConfigOrigin, data: Any) -> dict[str, ComponentConf
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_\-]*", name):
             raise origin.error(f"components.{name}", "a component name is a word such as dit or text_encoder")
         out[name] = _component(origin, name, body)
-    streamed = [c.name for c in out.values() if c.offload == "layerwise"]
-    if len(streamed) > 1:
-        raise origin.error(
-            f"components.{streamed[1]}.offload",
-            f"only one component may stream block by block ({', '.join(streamed)} do); set offload: full on the others",
-        )
     return out

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-from .components import parse_components
+from .components import check_experts, parse_components
 from .host import parse_device, parse_host, parse_transfer, parse_workload
 from .lora import parse_lora
 from .model import DeploymentConfig
+from .parallel import parse_parallel
 from .source import ConfigError, ConfigOrigin, Section, kind, load_yaml_with_lines
 
 __all__ = ["ENV_OVERRIDES", "parse_config", "load_config"]
@@ -36,7 +37,7 @@ def _apply_overrides(data: dict, environ: Mapping[str, str]) -> dict[str, str]:
     return used
 
 
-_TOP_KEYS = ("deployment", "host", "device", "transfer", "workload", "components", "lora")
+_TOP_KEYS = ("deployment", "host", "device", "transfer", "workload", "components", "lora", "parallel")
 
 
 def parse_config(text: str, path: str, environ: Mapping[str, str] | None = None) -> DeploymentConfig:
@@ -52,18 +53,22 @@ def parse_config(text: str, path: str, environ: Mapping[str, str] | None = None)
     if not isinstance(name, str):
         raise origin.error("deployment", f"expected a name, found {kind(name)}")
     components = parse_components(origin, data.get("components"))
+    host, device = parse_host(origin, data.get("host")), parse_device(origin, data.get("device"))
+    transfer, workload = parse_transfer(origin, data.get("transfer")), parse_workload(origin, data.get("workload"))
+    check_experts(origin, components, workload.steps)
     from ..executor.calibration import resolve_transfer  # measured rates: the last hostmem calibrate --save
     from ..reserve import resolve_reserve  # a measured reserve: the deployment's last warmup
 
     return resolve_transfer(resolve_reserve(DeploymentConfig(
         deployment=name,
-        host=parse_host(origin, data.get("host")),
-        device=parse_device(origin, data.get("device")),
-        transfer=parse_transfer(origin, data.get("transfer")),
-        workload=parse_workload(origin, data.get("workload")),
+        host=host,
+        device=device,
+        transfer=transfer,
+        workload=workload,
         components=components,
         lora=parse_lora(origin, data.get("lora"), components),
         origin=origin,
+        parallel=parse_parallel(origin, data.get("parallel"), components),
     )))
 
 

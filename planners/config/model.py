@@ -11,6 +11,7 @@ __all__ = [  # the choices (OFFLOAD_MODES, ...) are the parsers', not the packag
     "DeviceConfig",
     "TransferConfig",
     "WorkloadConfig",
+    "ParallelConfig",
     "ComponentConfig",
     "AdapterConfig",
     "LoraCacheConfig",
@@ -66,6 +67,16 @@ class WorkloadConfig(NamedTuple):
         return self.steps * self.passes_per_step
 
 
+class ParallelConfig(NamedTuple):
+    """The ranks on one host (``parallel:``, ``--ranks``, ``LOCAL_WORLD_SIZE``) and what they split."""
+
+    ranks: int = 1
+    tensor_parallel: int = 1
+    split: tuple[str, ...] = ()  # components divided among the tensor-parallel ranks
+    source: str = "default"  # "default", "config", "--ranks" or "LOCAL_WORLD_SIZE"
+    local_rank: int = 0
+
+
 class ComponentConfig(NamedTuple):
     """One component: a checkpoint (``path``) or declared sizes (``size``)."""
 
@@ -80,6 +91,7 @@ class ComponentConfig(NamedTuple):
     dtype: str | None = None
     load: str = "mapped"
     prefetch: int = 1
+    steps: int | None = None  # experts that take turns: the steps of a request this one runs (None: every step)
 
     @property
     def has_lora_targets(self) -> bool:
@@ -133,6 +145,25 @@ class DeploymentConfig(NamedTuple):
     components: Mapping[str, ComponentConfig]
     lora: LoraConfig | None
     origin: ConfigOrigin
+    parallel: ParallelConfig = ParallelConfig()
+
+    @property
+    def streamed_components(self) -> tuple[ComponentConfig, ...]:
+        """Every component streamed layer by layer, in config order."""
+        return tuple(c for c in self.components.values() if c.offload == "layerwise")
+
+    def moves(self, name: str) -> int:
+        """How often ``name`` moves per request: a streamed one every pass of the steps it runs
+        (an expert only its share), a fully offloaded one once."""
+        component = self.components[name]
+        if component.offload != "layerwise":
+            return 1
+        steps = component.steps if component.steps is not None else self.workload.steps
+        return steps * self.workload.passes_per_step
+
+    def alternating(self) -> tuple[str, ...]:
+        """The experts that take turns at a boundary step (each runs only its ``steps``)."""
+        return tuple(c.name for c in self.components.values() if c.steps is not None)
 
     @property
     def streamed(self) -> ComponentConfig | None:

@@ -31,12 +31,13 @@ from .progress import StatusLine
 from .room import check_room
 
 from .scenario import SCENARIOS
+from .verdicts import plan_verdicts, verdict_lines
 from .synthetic import SyntheticSet, write_synthetic_set
 
 __all__ = ["DemoError", "DemoSettings", "ScenarioResult", "DemoResult", "run_demo", "format_table"]
 
 SEED_DIT_BYTES = 61.7e9
-SEED = {"limit": 32 * 1024**3, "reserve": 4 * 1024**3, "vram": 12 * 1024**3, "device_reserve": 2 * 1024**3}
+SEED = {"limit": 32 * 1024**3, "reserve": 4 * 1024**3, "vram": 24 * 1024**3, "device_reserve": 2 * 1024**3}
 RUNTIME_MARGIN = 32 * 1024**2
 LABELS = {
     "base": "1 base, no LoRA",
@@ -84,6 +85,8 @@ class DemoResult:
     lora_target_bytes: int
     scenarios: list[ScenarioResult]
     cgroup: dict | None = None
+    verdicts: dict | None = None  # {scenario: {"merge", "fits", "verdict"}}: the plan's (planners.demo.verdicts)
+    config_path: str | None = None  # the config the demo wrote, where --workdir keeps it
 
     def to_dict(self) -> dict:
         """The ``--json`` contract: sizes in bytes, times in seconds."""
@@ -258,6 +261,8 @@ def run_demo(settings: DemoSettings) -> DemoResult:
         demo = DemoResult(limit, scaled_limit, runtime, files.dit_bytes, files.lora_target_bytes, results)
         if settings.cgroup:
             demo.cgroup = run_cgroup_pair(config_path, workdir, scaled_limit + runtime, settings)
+        demo.verdicts = plan_verdicts(config_path)
+        demo.config_path = config_path if settings.workdir else None
         return demo
     finally:
         if holder is not None:
@@ -320,43 +325,17 @@ def format_table(demo: DemoResult) -> str:
         "",
         *(f"  {name:<{width}}  {meaning}" for name, meaning in _COLUMNS),
         "",
-        *verdict_lines(demo),
+        *verdict_lines(demo, LABELS),
         "",
         standin_line(demo),
     ]
     return "\n".join(lines)
 
 
-def verdict_lines(demo: DemoResult) -> list[str]:
-    """One line per scenario: fits or killed, by a real memory cgroup where it ran, else by the peak."""
-    cgroup = demo.cgroup or {}
-    limit = format_size(demo.host_limit_bytes)
-    lines = [f"verdict on a {limit} host:"]
-    for s in demo.scenarios:
-        peak = format_size(s.peak_anon_bytes)
-        measured = cgroup.get(s.name)
-        if measured is not None:
-            real = f"a real {format_size(cgroup['limit_bytes'])} memory cgroup"
-            at = f"peak anon {format_size(measured['peak_anon_bytes'])}"
-            verdict = (f"killed by the kernel (OOM) under {real}, {at}" if measured["killed"]
-                       else f"fits: survived {real}, {at}" + ("" if s.budget_bytes else ", nothing left for pins"))
-        elif s.peak_anon_bytes > demo.host_limit_bytes:
-            verdict = f"killed (predicted): peak anon {peak} is over the limit"
-        else:
-            verdict = (f"fits: peak anon {peak} of {limit}, {format_size(s.budget_bytes)} left for pins"
-                       if s.budget_bytes else f"fits, barely: peak anon {peak} of {limit}, nothing left for pins")
-        lines.append(f"  {LABELS[s.name]}: {verdict}")
-    if "skipped" in cgroup:
-        lines.append(f"  (no real memory cgroup here: {cgroup['skipped']}; the verdicts compare the peak with the limit)")
-    elif not cgroup:
-        lines.append("  (the verdicts compare the peak with the limit; --cgroup runs scenarios 2 and 4 under a real one)")
-    return lines
-
-
 def standin_line(demo: DemoResult) -> str:
     """Say which figures of the report below are the demo's own stand-ins rather than measured."""
     vram = scaled(SEED["vram"], demo.dit_bytes)
-    return (f"stand-ins: the report's VRAM ({format_size(vram)}, the seed's 12 GiB GPU scaled as the limit is) and "
+    return (f"stand-ins: the report's VRAM ({format_size(vram)}, the seed's 24 GiB GPU scaled as the limit is) and "
             f"its transfer times (from the config's 24/8/3 GB/s) come from the demo's config, not from a GPU: "
             f"none is used")
 

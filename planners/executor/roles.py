@@ -62,9 +62,10 @@ class ComponentRoles(NamedTuple):
 def _candidates(plan: "DeploymentPlan", name: str) -> tuple[tuple[Layer, ...], tuple[str, ...]]:
     """The units of ``name`` that move, and those the device plan keeps on the device."""
     sizes = plan.components[name]
-    if name == plan.device.component:
-        streamed = set(plan.device.streamed_layers)
-        return tuple(u for u in sizes.units if u.name in streamed), tuple(plan.device.resident_layers)
+    part = plan.device.part(name)  # each streamed component has its own (several may stream)
+    if part is not None:
+        streamed = set(part.streamed_layers)
+        return tuple(u for u in sizes.units if u.name in streamed), tuple(part.resident_layers)
     return tuple(sizes.units), ()
 
 

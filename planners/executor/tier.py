@@ -22,7 +22,8 @@ def with_executor_disk(plan: "DeploymentPlan", prefetch: int) -> "DeploymentPlan
     """``plan`` with each component's kept set, and each layerwise component's disk bytes per
     request and its line, the executor's."""
     layerwise = {n for n, p in plan.pins.plans.items()
-                 if n in plan.components and plan.components[n].offload == "layerwise" and not p.page_cache_fits}
+                 if n in plan.components and plan.components[n].offload == "layerwise" and not p.page_cache_fits
+                 and not p.disk_once}  # experts taking turns: read back once per turn (planners.pin_plan)
     roles = plan_roles(plan, prefetch)
     plans = {n: p._replace(kept_layers=roles[n].kept) for n, p in plan.pins.plans.items()}
     if not layerwise:

@@ -26,7 +26,10 @@ device: {vram: 0}                   # 0: no GPU here, every layer streams
 transfer: {pinned_h2d: 24GB/s, pageable_h2d: 8GB/s, disk_read: 3GB/s}
 workload: {steps: 4, passes_per_step: 1}
 components:
-  dit: {path: flux-tiny/diffusion_pytorch_model.safetensors, layers: "transformer_blocks.{i}.", offload: layerwise}
+  dit:
+    path: flux-tiny/diffusion_pytorch_model.safetensors
+    layers: ["transformer_blocks.{i}.", "single_transformer_blocks.{i}."]   # both of Flux's block families
+    offload: layerwise
 lora:
   adapters: [{path: turbo.safetensors, strength: 1.0}]
   cache: {root: cache, enabled: true}
@@ -47,3 +50,12 @@ def make_doc_files(folder: str) -> None:
     with open(os.path.join(folder, "my-deployment.yaml"), "w") as handle:
         handle.write(DEPLOYMENT)
     shutil.copytree(os.path.join(REPO, "configs"), os.path.join(folder, "configs"))
+
+
+if __name__ == "__main__":  # ``python -m tests.docs.doc_files DIR``: the README's quick starts' files
+    import sys
+
+    target = sys.argv[1] if len(sys.argv) > 1 else "."
+    make_doc_files(target)
+    print(f"wrote transformer.safetensors, flux-tiny/, turbo.safetensors, style.safetensors, my-deployment.yaml "
+          f"and configs/ into {os.path.abspath(target)}")

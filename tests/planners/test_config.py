@@ -126,12 +126,6 @@ def test_a_missing_config_file_is_named(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
-def test_only_one_component_streams(write_config):
-    path = write_config(GOOD.replace("    offload: full\n", "    offload: layerwise\n    layers: 4\n"))
-    with pytest.raises(ConfigError, match=r":22: components.text_encoder.offload: only one component"):
-        load_config(path, environ={})
-
-
 def test_every_shipped_config_loads_and_plans_on_a_clean_clone(tmp_path, capsys):
     from planners.cli import main
 

@@ -84,11 +84,25 @@ def test_the_table_explains_itself(demo):
         assert column in header
         assert any(line.strip().startswith(column + "  ") for line in stdout.splitlines()), column
     assert "peak vs 2" not in stdout
-    verdicts = [line for line in stdout.splitlines() if line.startswith("  ") and (": fits" in line or ": killed" in line)]
+    verdicts = [line for line in stdout.splitlines() if line.startswith("  ") and ": fits: " in line]
     assert len(verdicts) == 4, verdicts
-    assert any(line.startswith("  2 in-place merge: killed") for line in verdicts)
-    assert any(line.startswith("  4 cached, 2nd start: fits") for line in verdicts)
-    assert "not from a GPU" in stdout and "(the config's device.vram)" in stdout
+    assert any(line.startswith("  2 in-place merge: fits: no: ") for line in verdicts)
+    assert any(line.startswith("  4 cached, 2nd start: fits: yes: ") for line in verdicts)
+    assert "fits, barely" not in stdout
+    assert "not from a GPU" in stdout and "(device.vram, decimal GB as vendors print it)" in stdout
+
+
+def test_the_demos_verdicts_are_hostmem_plan_what_if_on_its_config(demo, tmp_path_factory):
+    """The demo and the planner say the same of the same deployment: each scenario's verdict line
+    is the first line of ``hostmem plan --what-if MERGE`` on the config the demo wrote."""
+    data, stdout = demo
+    config = data["config_path"]
+    for name, said in data["verdicts"].items():
+        run = subprocess.run([sys.executable, "-m", "planners.cli", "plan", config, "--what-if", said["merge"], "--check"],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == (0 if said["fits"] else 1), run.stderr
+        assert run.stdout.splitlines()[0] == said["verdict"], name
+        assert f": {said['verdict']}" in stdout
 
 
 def test_disk_reads_are_named_where_the_warnings_are(demo):

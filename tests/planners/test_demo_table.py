@@ -1,5 +1,5 @@
-"""The demo's table text from given figures: a verdict per scenario in each of the ways it is
-reached (a real memory cgroup, or the peak against the limit), a legend line per column."""
+"""The demo's table text from given figures: the plan's verdict per scenario with what was
+measured beside it (a real memory cgroup, or the peak against the limit), a legend line per column."""
 
 from planners.demo.run import DemoResult, ScenarioResult, format_table
 
@@ -11,40 +11,60 @@ def _scenario(name, peak, budget):
                           "text_encoder": 0}, 12, 1.0)
 
 
-def _demo(cgroup=None):
-    scenarios = [_scenario("base", 150, 200), _scenario("in_place", 500, 0), _scenario("cached_miss", 170, 200),
+PLANNED = {  # what the plan of the demo's config says for each scenario's merge (planners.demo.verdicts)
+    "base": {"merge": "none", "fits": True, "verdict": "fits: yes: committed 0 B + reserve 100.0 MiB within limit 450.0 MiB"},
+    "in_place": {"merge": "in-place", "fits": False,
+                 "verdict": "fits: no: committed 380.0 MiB + reserve 100.0 MiB > limit 450.0 MiB: killed at the first request"},
+    "cached_miss": {"merge": "cached", "fits": True, "verdict": "fits: yes: committed 0 B + reserve 100.0 MiB within limit 450.0 MiB"},
+    "cached_hit": {"merge": "cached", "fits": True, "verdict": "fits: yes: committed 0 B + reserve 100.0 MiB within limit 450.0 MiB"},
+}
+
+
+def _demo(cgroup=None, in_place_peak=500):
+    scenarios = [_scenario("base", 150, 200), _scenario("in_place", in_place_peak, 0), _scenario("cached_miss", 170, 200),
                  _scenario("cached_hit", 152, 200)]
-    return DemoResult(450 * MIB, 280 * MIB, 170 * MIB, 512 * MIB, 320 * MIB, scenarios, cgroup)
+    return DemoResult(450 * MIB, 280 * MIB, 170 * MIB, 512 * MIB, 320 * MIB, scenarios, cgroup, PLANNED)
 
 
 def _verdicts(text):
     lines = text.splitlines()
     start = lines.index(next(line for line in lines if line.startswith("verdict on a 450.0 MiB host")))
-    return lines[start + 1:start + 5]
+    return lines[start + 1:start + 9]
 
 
-def test_without_a_cgroup_the_peak_decides_and_the_table_says_so():
+def test_each_verdict_is_the_plans_and_the_measurement_follows_it():
     text = format_table(_demo())
     assert _verdicts(text) == [
-        "  1 base, no LoRA: fits: peak anon 150.0 MiB of 450.0 MiB, 200.0 MiB left for pins",
-        "  2 in-place merge: killed (predicted): peak anon 500.0 MiB is over the limit",
-        "  3 cached, 1st start: fits: peak anon 170.0 MiB of 450.0 MiB, 200.0 MiB left for pins",
-        "  4 cached, 2nd start: fits: peak anon 152.0 MiB of 450.0 MiB, 200.0 MiB left for pins",
+        f"  1 base, no LoRA: {PLANNED['base']['verdict']}",
+        "      measured: peak anon 150.0 MiB of 450.0 MiB",
+        f"  2 in-place merge: {PLANNED['in_place']['verdict']}",
+        "      measured: peak anon 500.0 MiB of 450.0 MiB",
+        f"  3 cached, 1st start: {PLANNED['cached_miss']['verdict']}",
+        "      measured: peak anon 170.0 MiB of 450.0 MiB",
+        f"  4 cached, 2nd start: {PLANNED['cached_hit']['verdict']}",
+        "      measured: peak anon 152.0 MiB of 450.0 MiB",
     ]
-    assert "--cgroup runs scenarios 2 and 4 under a real one" in text
+    assert "--cgroup runs scenarios 2 and 4 under a real memory cgroup" in text
 
 
-def test_a_real_cgroup_decides_where_it_ran():
+def test_a_start_that_survived_what_the_plan_kills_at_the_first_request_is_explained():
+    verdicts = _verdicts(format_table(_demo(in_place_peak=420)))
+    assert verdicts[2].endswith("killed at the first request")  # the plan's word, never "fits, barely"
+    assert verdicts[3] == ("      measured: peak anon 420.0 MiB of 450.0 MiB (the start served no request, so it never "
+                           "allocated what the reserve holds for one)")
+
+
+def test_a_real_cgroup_is_the_measurement_where_it_ran():
     cgroup = {"limit_bytes": 450 * MIB, "in_place": {"killed": True, "oom_kills": 1, "peak_anon_bytes": 449 * MIB},
               "cached_hit": {"killed": False, "oom_kills": 0, "peak_anon_bytes": 153 * MIB}}
     verdicts = _verdicts(format_table(_demo(cgroup)))
-    assert verdicts[1] == "  2 in-place merge: killed by the kernel (OOM) under a real 450.0 MiB memory cgroup, peak anon 449.0 MiB"
-    assert verdicts[3] == "  4 cached, 2nd start: fits: survived a real 450.0 MiB memory cgroup, peak anon 153.0 MiB"
+    assert verdicts[3] == "      measured: killed by the kernel (OOM) under a real 450.0 MiB memory cgroup, peak anon 449.0 MiB"
+    assert verdicts[7] == "      measured: survived a real 450.0 MiB memory cgroup, peak anon 153.0 MiB"
 
 
 def test_a_cgroup_the_machine_refused_is_named():
     text = format_table(_demo({"skipped": "no cgroup v2 here"}))
-    assert "(no real memory cgroup here: no cgroup v2 here; the verdicts compare the peak with the limit)" in text
+    assert "(no real memory cgroup here: no cgroup v2 here; measured peaks only)" in text
 
 
 def test_every_column_has_its_legend_line_and_the_stand_ins_are_named():

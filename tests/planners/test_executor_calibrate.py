@@ -38,12 +38,42 @@ def test_calibrate_reads_a_configs_checkpoint_as_it_is_and_reports_json(tmp_path
         "deployment: c\nworkload: {steps: 1}\ncomponents:\n"
         f"  dit: {{path: {folder}, layers: \"blocks.{{i}}.\", offload: layerwise}}\n"
     )
-    assert main(["calibrate", str(tmp_path / "deploy.yaml"), "--root", str(tmp_path / "absent"), "--json"]) == 0
+    assert main(["calibrate", str(tmp_path / "deploy.yaml"), "--root", str(tmp_path / "absent"), "--json",
+                 "--size", f"{before.st_size}B"]) == 0
     result = json.loads(capsys.readouterr().out)
     (checkpoint,) = result["folders"]
     assert checkpoint["file"] == path and not checkpoint["probe"] and checkpoint["nbytes"] == before.st_size
     assert os.stat(path).st_mtime_ns == before.st_mtime_ns
-    assert result["transfer"]["disk_read"] == checkpoint["disk_read"] > 0
+    assert result["transfer"]["disk_read"] == checkpoint["disk_read"] > 0 and checkpoint["used_for_disk_read"]
+
+
+def test_a_checkpoint_smaller_than_the_probe_is_never_the_disk_rate(tmp_path, capsys):
+    """A 256 KiB file times a read's fixed costs, not the disk: a probe of the asked size is timed beside it."""
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "adapter.safetensors").write_bytes(os.urandom(256 << 10))
+    assert main(["calibrate", "--path", str(folder), "--root", str(tmp_path / "absent"), "--size", "8MiB",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    small, probe = result["folders"]
+    assert not small["probe"] and small["nbytes"] == 256 << 10 and not small["used_for_disk_read"]
+    assert probe["probe"] and probe["nbytes"] == 8 << 20 and probe["used_for_disk_read"]
+    assert result["transfer"]["disk_read"] == probe["disk_read"]
+    assert any("256.0 KiB, too small to time the disk; timed a 8.0 MiB probe there instead" in n
+               for n in result["notes"])
+    assert sorted(os.listdir(folder)) == ["adapter.safetensors"]  # the probe is gone
+
+
+def test_a_page_cache_slower_than_the_disk_is_explained():
+    from planners.commands.calibrate import explain
+    from planners.executor.rates import FolderRates
+
+    odd = FolderRates("/srv/models", "/srv/models/a.safetensors", 1 << 30, disk_read=6.9e9, page_cache_read=5.1e9,
+                      probe=False)
+    fine = odd._replace(disk_read=2.1e9)
+    (line,) = explain([odd, fine])
+    assert line.startswith("/srv/models: the page cache read (") and "slower than the disk read" in line
+    assert "a cache below this kernel" in line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")

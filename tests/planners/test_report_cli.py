@@ -69,7 +69,9 @@ def test_the_text_report_is_aligned_and_human(capsys):
     rows = [line for line in table if not line.lstrip().startswith(("dit pinned", "text_encoder pinned", "note:"))]
     assert len({len(r) for r in rows}) == 1, rows  # right-aligned columns end together
     assert re.search(r"budget for pins\s+24\.0 GiB", out)
-    assert "resident 34 of 208 blocks" in out and "layers.34..207" in out
+    # 24 GiB - 2 GiB reserve - the 14.0 GiB text encoder in flight (larger than the DiT's window): 8 GiB of
+    # 29 blocks of 61.7 GB / 208 = 0.276 GiB each
+    assert "dit: resident 29 of 208 blocks" in out and "layers.29..207" in out
     assert not re.search(r"\d{5,} ?B\b", out)  # no raw byte counts for people
     # The in-place plan beside it is killed while loading: no transfer time that looks better.
     compared = out.split("compared (")[1].split("\n\n")[0]
@@ -174,13 +176,19 @@ def test_layer_lists_are_compressed(names, text):
 
 
 def test_the_shipped_configs_warn_only_about_a_machine_smaller_than_their_host(capsys):
-    """demo and workstation plan clean here; the seed case's 32 GiB convention warns only on a smaller machine."""
+    """demo and workstation plan clean here; the seed case's 32 GiB convention warns only on a smaller machine.
+
+    demo and minimax name an adapter file a clean clone does not hold: the plan (declared
+    sizes, it reads no adapter) names it in a warning, and nothing else."""
     from hostmem.procfs import read_meminfo
 
     for name in ("demo.yaml", "workstation-24g.yaml", "minimax-h3-32g.yaml"):
         code, out, _ = _plan(capsys, os.path.join(REPO, "configs", name), "--json")
         assert code == 0
         warnings = json.loads(out)["warnings"]
+        missing = [w for w in warnings if w.startswith("adapter ") and "does not exist" in w]
+        assert all(".safetensors (" in w and f"{name}:" in w for w in missing), (name, missing)
+        warnings = [w for w in warnings if w not in missing]
         if name.startswith("minimax") and read_meminfo().total * 1.04 < 32 * 1024**3:
             assert len(warnings) == 1 and warnings[0].startswith("host limit 32.0 GiB is larger than this machine")
         else:

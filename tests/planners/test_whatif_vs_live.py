@@ -31,7 +31,7 @@ from .conftest import MiB, mapped_module, write_checkpoint
 CONFIG = """
 deployment: what-if-vs-live
 host: {limit: 2148MiB, reserve: 2GiB, max_pinned: 100%}
-device: {vram: 32MiB, reserve: 8MiB}
+device: {vram: 56MiB, reserve: 8MiB}  # the 32 MiB text encoder in flight, a DiT window, 3 blocks
 workload: {steps: 4}
 components:
   dit: {path: ckpt/dit, layers: "blocks.{i}.", offload: layerwise, prefetch: 1, lora_targets: ["blocks.*.w0.weight"]}

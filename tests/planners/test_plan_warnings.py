@@ -1,0 +1,62 @@
+"""Warnings that name the real cause: a block family left in (rest), a pin cap of 0, a
+missing adapter a declared-size plan does not read; and the executor's roles of a second
+streamed component."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from planners.cli import main
+from planners.commands.plan import build_plan
+from planners.config import load_config
+from planners.executor.roles import plan_roles
+
+from .conftest import MiB, write_checkpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _warnings(capsys, path) -> list[str]:
+    assert main(["plan", str(path), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["warnings"]
+
+
+def test_a_dit_whose_pattern_misses_a_block_family_warns_about_its_rest(tmp_path, capsys):
+    # 4 double blocks of 2 MiB the pattern names, and 6 MiB of single blocks it does not: 6 of 14 MiB in (rest)
+    write_checkpoint(tmp_path / "dit", 4, 2 * MiB, prefix="transformer_blocks", rest_bytes=6 * MiB)
+    config = tmp_path / "deploy.yaml"
+    config.write_text("deployment: flux\nhost: {limit: 4GiB, reserve: 1GiB}\nworkload: {steps: 4}\n"
+                      "components:\n  dit: {path: dit, layers: \"transformer_blocks.{i}.\", offload: layerwise}\n")
+    (warning,) = [w for w in _warnings(capsys, config) if "(rest)" in w]
+    assert warning.startswith("6.0 MiB of dit (43% of 14.0 MiB) falls into (rest), outside every block")
+    assert '"single_transformer_blocks.{i}."' in warning
+    config.write_text(config.read_text().replace('"transformer_blocks.{i}."',
+                                                 '["transformer_blocks.{i}.", "single_transformer_blocks.{i}."]'))
+    assert main(["plan", str(config), "--json"]) == 2  # a pattern that names nothing is an error, not a warning
+    capsys.readouterr()
+
+
+def test_a_pin_cap_of_zero_is_named_as_the_cause_of_a_zero_budget(write_config, capsys):
+    path = write_config("deployment: x\nworkload: {steps: 4}\nhost: {limit: 8GiB, reserve: 1GiB, max_pinned: 0}\n"
+                        "components:\n  dit: {size: 4GiB, layers: 8, offload: layerwise}\n")
+    (line,) = [w for w in _warnings(capsys, path) if w.startswith("host budget is 0")]
+    assert line.startswith("host budget is 0: host.max_pinned is 0 (") and "deploy.yaml:3)" in line
+    assert "7.0 GiB is free; raise host.max_pinned" in line and "reach the limit" not in line
+
+
+def test_a_declared_plan_names_an_adapter_file_it_does_not_have(write_config, capsys):
+    path = write_config("deployment: x\nworkload: {steps: 4}\nhost: {limit: 8GiB, reserve: 1GiB}\n"
+                        "components:\n  dit: {size: 4GiB, layers: 8, lora_targets: 1GiB, offload: layerwise}\n"
+                        "lora:\n  adapters: [{path: loras/turbo.safetensors}]\n")
+    (line,) = [w for w in _warnings(capsys, path) if w.startswith("adapter ")]
+    assert os.path.join("loras", "turbo.safetensors") in line and "deploy.yaml:7)" in line and "does not exist" in line
+
+
+def test_the_executor_moves_each_streamed_components_own_blocks():
+    plan = build_plan(load_config(os.path.join(REPO, "configs", "wan22-a14b-48g.yaml"), environ={}), environ={})
+    roles = plan_roles(plan, 1)
+    low = roles["dit_low"]
+    assert low.resident == plan.device.part("dit_low").resident_layers and len(low.resident) == 4
+    assert len(low.pinned) + len(low.kept) + len(low.released) == 36 and low.moves == 40
+    assert roles["dit_high"].resident == tuple(f"layers.{i}" for i in range(40))
