@@ -105,6 +105,11 @@ def plan_device_memory(config: DeploymentConfig, components: Mapping[str, Compon
     return plan_devices(streamed, held, in_flight, config.device.vram, config.device.reserve)
 
 
+def _prefetch(config: DeploymentConfig) -> int:
+    """The read-ahead depth the pins leave room for: the deepest of the streamed components'."""
+    return max((c.prefetch for c in config.streamed_components), default=0)
+
+
 def _core(config, components, host: HostLimit, process_excess: int, build_reserve: int = 0, ranks: int = 1):
     """Budget, device plan and pin plans; with ``ranks`` above 1, one rank's: a ``1/ranks``
     part of the host's limit and of its pin cap, with a whole reserve (:mod:`planners.rank_plan`)."""
@@ -115,8 +120,7 @@ def _core(config, components, host: HostLimit, process_excess: int, build_reserv
         process_excess, build_reserve, config.host.reserve_source,
         device_in_host_memory(device) if host.is_unified else 0,
     )
-    pins = plan_pins(_move_groups(config, components, device), budget, cost_model(config),
-                     streamed.prefetch if streamed else 0)
+    pins = plan_pins(_move_groups(config, components, device), budget, cost_model(config), _prefetch(config))
     return budget, device, pins
 
 
@@ -203,7 +207,7 @@ def plan_deployment(
         plan = plan._replace(host_share=rank_share(config, plan, ranks))
     from .executor.tier import with_executor_disk  # the executor's package imports this module
 
-    return priced_by_disk(with_executor_disk(plan, config.streamed.prefetch if config.streamed else 0), plan)
+    return priced_by_disk(with_executor_disk(plan, _prefetch(config)), plan)
 
 
 def priced_by_disk(plan: DeploymentPlan, before: DeploymentPlan) -> DeploymentPlan:
