@@ -149,15 +149,21 @@ def _wan_generate(pipe):
                     generator=torch.Generator().manual_seed(3)).frames
 
 
+@pytest.fixture(scope="module")
+def wan_folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wan")
+    torch.manual_seed(0)
+    WanTransformer3DModel(  # 4 blocks of about 0.2 MiB in fp32
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=4,
+        text_dim=16, freq_dim=32, ffn_dim=128, num_layers=4, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    ).save_pretrained(root / "wan")
+    return root
+
+
 @pytest.mark.parametrize("path", PATHS)
-def test_a_wan_pipeline_with_cfg_and_a_first_block_cache_under_the_executor(folder, path):
-    if not (folder / "wan").exists():
-        torch.manual_seed(0)
-        WanTransformer3DModel(  # 4 blocks of about 0.2 MiB in fp32
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=4,
-            text_dim=16, freq_dim=32, ffn_dim=128, num_layers=4, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32,
-        ).save_pretrained(folder / "wan")
+def test_a_wan_pipeline_with_cfg_and_a_first_block_cache_under_the_executor(wan_folder, path):
+    folder = wan_folder
     expected = _wan_generate(_wan(folder, True))
     assert not torch.equal(expected, _wan_generate(_wan(folder, False)))
     pipe = _wan(folder, True)
