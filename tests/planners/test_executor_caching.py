@@ -1,7 +1,8 @@
 """diffusers' own step caches under planners.execute: a tiny Flux pipeline with a first-block cache,
-pyramid attention broadcast or TaylorSeer (hooks that skip or replay blocks on most steps) gives,
-under the executor, the outputs of the same cache without it, bit for bit, on the host path and the
-device path's twin. And the offload hooks of diffusers and accelerate are refused by name."""
+pyramid attention broadcast or TaylorSeer (hooks that skip or replay blocks on most steps), and a
+tiny Wan pipeline with CFG and a first-block cache, give under the executor the outputs of the same
+cache without it, bit for bit, on the host path and the device path's twin. And the offload hooks
+of diffusers and accelerate are refused by name."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ import torch
 
 pytest.importorskip("diffusers", reason="the caching tests run the real diffusers")
 
-from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel  # noqa: E402
+from diffusers import (  # noqa: E402
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    WanPipeline,
+    WanTransformer3DModel,
+)
 from diffusers.hooks import (  # noqa: E402
     FirstBlockCacheConfig,
     PyramidAttentionBroadcastConfig,
@@ -50,7 +57,7 @@ def one_thread():
 def folder(tmp_path_factory):
     root = tmp_path_factory.mktemp("caching")
     torch.manual_seed(0)
-    FluxTransformer2DModel(  # 6 blocks of about 0.8 MiB in fp32
+    FluxTransformer2DModel(  # 6 blocks of about 2.3 MiB in fp32
         patch_size=1, in_channels=4, num_layers=6, num_single_layers=1, attention_head_dim=32, num_attention_heads=4,
         joint_attention_dim=64, pooled_projection_dim=64, axes_dims_rope=[8, 12, 12],
     ).save_pretrained(root / "transformer")
@@ -75,14 +82,14 @@ def _generate(pipe):
                     output_type="latent", generator=torch.Generator().manual_seed(3)).images
 
 
-def _plan(folder, transformer):
+def _plan(folder, transformer, sub="transformer", layers="transformer_blocks.{i}.", room=2 * MiB):
     reserve = read_status().rss_anon + 256 * MiB
     text = (
         "deployment: caching\n"
-        f"host: {{limit: {reserve + 2 * MiB}B, reserve: {reserve}B, max_pinned: 0B}}\n"
+        f"host: {{limit: {reserve + room}B, reserve: {reserve}B, max_pinned: 0B}}\n"
         "workload: {steps: 6}\n"
         "components:\n"
-        f"  dit: {{path: {folder / 'transformer'}, layers: \"transformer_blocks.{{i}}.\", offload: layerwise}}\n"
+        f"  dit: {{path: {folder / sub}, layers: \"{layers}\", offload: layerwise}}\n"
     )
     config = parse_config(text, os.fspath(folder / "deploy.yaml"), environ={})
     return plan_loaded(config, {"dit": transformer}, quiet=True)
@@ -124,3 +131,45 @@ def test_offload_hooks_are_refused_by_name_and_group_offloading_is_warned_about(
     offloaded = accelerate.cpu_offload(_pipe(folder, None).transformer, execution_device="cpu")
     with pytest.raises(ValueError, match="accelerate's .*remove_all_hooks"):
         execute(plan, {"dit": offloaded}).__enter__()
+
+
+def _wan(folder, cache: bool):
+    transformer = WanTransformer3DModel.from_pretrained(folder / "wan").eval()
+    if cache:
+        transformer.enable_cache(FirstBlockCacheConfig(threshold=0.5))
+    others = ("tokenizer", "text_encoder", "vae", "transformer_2", "boundary_ratio", "expand_timesteps")
+    return WanPipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(), **dict.fromkeys(others))
+
+
+def _wan_generate(pipe):
+    embeds = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():  # guidance 2: each step runs the transformer twice (CFG)
+        return pipe(prompt_embeds=embeds, negative_prompt_embeds=embeds * 0.5, num_inference_steps=6, height=16,
+                    width=16, num_frames=5, guidance_scale=2.0, output_type="latent",
+                    generator=torch.Generator().manual_seed(3)).frames
+
+
+@pytest.fixture(scope="module")
+def wan_folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wan")
+    torch.manual_seed(0)
+    WanTransformer3DModel(  # 4 blocks of about 0.2 MiB in fp32
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=32, in_channels=4, out_channels=4,
+        text_dim=16, freq_dim=32, ffn_dim=128, num_layers=4, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    ).save_pretrained(root / "wan")
+    return root
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_wan_pipeline_with_cfg_and_a_first_block_cache_under_the_executor(wan_folder, path):
+    folder = wan_folder
+    expected = _wan_generate(_wan(folder, True))
+    assert not torch.equal(expected, _wan_generate(_wan(folder, False)))
+    pipe = _wan(folder, True)
+    plan = _plan(folder, pipe.transformer, "wan", "blocks.{i}.", room=MiB // 4)
+    with execute(plan, {"dit": pipe.transformer}, prefetch=2, **PATHS[path]) as run:
+        got = _wan_generate(pipe)
+        stats = run.stats()
+    assert torch.equal(got, expected)
+    assert stats.roles["dit"]["released"] > 0 and len(stats.passes) == 12  # 6 steps, two passes each
