@@ -121,7 +121,17 @@ def _core(config, components, host: HostLimit, process_excess: int, build_reserv
         device_in_host_memory(device) if host.is_unified else 0,
     )
     pins = plan_pins(_move_groups(config, components, device), budget, cost_model(config), _prefetch(config))
-    return budget, device, pins
+    return budget, device, _as_run(config, host, components, budget, device, pins)
+
+
+def _as_run(config, host, components, budget, device, pins: PinPlans) -> PinPlans:
+    """``pins`` with the executor's disk figures (:mod:`planners.executor.tier`), each time
+    priced at them: every plan (this one, each offer's, each alternative's) alike."""
+    from .executor.tier import with_executor_disk  # the executor's package imports this module
+
+    bare = DeploymentPlan(config.deployment, "what-if", "none", host, budget, components, device, pins,
+                          transfer=config.transfer)
+    return priced_by_disk(with_executor_disk(bare, _prefetch(config)), bare).pins
 
 
 def _check_components(config: DeploymentConfig, components: Mapping[str, ComponentSizes]) -> None:
@@ -205,9 +215,7 @@ def plan_deployment(
         from .rank_plan import rank_share
 
         plan = plan._replace(host_share=rank_share(config, plan, ranks))
-    from .executor.tier import with_executor_disk  # the executor's package imports this module
-
-    return priced_by_disk(with_executor_disk(plan, _prefetch(config)), plan)
+    return plan
 
 
 def priced_by_disk(plan: DeploymentPlan, before: DeploymentPlan) -> DeploymentPlan:

@@ -89,3 +89,17 @@ def test_the_text_prints_the_plan_objects_figures(name, merge, plan):
     for line in disk:  # every disk figure a line says is the pin plan's
         component = line.split(" reads ")[0].split()[-1]
         assert f"reads {format_size(plan.pins.plans[component].disk_bytes_per_request)} from disk" in line, line
+
+
+@pytest.mark.parametrize("name", sorted({n for n, m, _ in PLANS if m == "in-place"}))
+def test_an_offer_is_priced_as_the_plan_it_would_give(name):
+    """The LoRA cache's offer beside an in-place plan is the cached plan: the same budget,
+    pins and time per request, whichever report shows it."""
+    plans = {m: p for n, m, p in PLANS if n == name}
+    (offer,) = plans["in-place"].offers
+    cached = plans["cached"]
+    assert (offer.budget_bytes, offer.pinned_bytes) == (cached.budget.bytes, cached.pins.pinned_bytes)
+    assert offer.transfer_s_per_request == pytest.approx(cached.pins.transfer_s_per_request, rel=1e-12)
+    (alternative,) = cached.alternatives
+    assert alternative.budget_bytes == plans["in-place"].budget.bytes
+    assert alternative.transfer_s_per_request == pytest.approx(plans["in-place"].pins.transfer_s_per_request)
