@@ -19,7 +19,7 @@ or step by step::
 
 from __future__ import annotations
 
-from hostmem.lazy import lazy_exports
+from hostmem.lazy import lazy_exports, moved_modules
 
 _NAMES_BY_MODULE = {
     "config": ("load_config", "parse_config", "ConfigError", "DeploymentConfig"),
@@ -36,3 +36,9 @@ _EXPORTS = {name: module for module, names in _NAMES_BY_MODULE.items() for name 
 __all__ = sorted(_EXPORTS)
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+# What the plan asks of the executor lives below the plan (the executor runs plans, so it
+# sits above them); the old paths answer with the same modules.
+moved_modules(__name__, {
+    "executor.roles": "layer_roles", "executor.tier": "executor_tier",
+    "executor.calibration": "calibration", "executor.guard": "offload_hooks",
+})

@@ -125,9 +125,9 @@ def _core(config, components, host: HostLimit, process_excess: int, build_reserv
 
 
 def _as_run(config, host, components, budget, device, pins: PinPlans) -> PinPlans:
-    """``pins`` with the executor's disk figures (:mod:`planners.executor.tier`), each time
+    """``pins`` with the executor's disk figures (:mod:`planners.executor_tier`), each time
     priced at them: every plan (this one, each offer's, each alternative's) alike."""
-    from .executor.tier import with_executor_disk  # the executor's package imports this module
+    from .executor_tier import with_executor_disk
 
     bare = DeploymentPlan(config.deployment, "what-if", "none", host, budget, components, device, pins,
                           transfer=config.transfer)
@@ -221,7 +221,7 @@ def plan_deployment(
 def priced_by_disk(plan: DeploymentPlan, before: DeploymentPlan) -> DeploymentPlan:
     """``plan`` with each pin plan's time per request priced at the disk bytes it says it reads.
 
-    The executor's disk tier (:mod:`planners.executor.tier`) replaces the pin plan's disk
+    The executor's disk tier (:mod:`planners.executor_tier`) replaces the pin plan's disk
     figure (what the kernel's LRU would read) with what the executor reads; the time per
     request must be the time of those bytes, not of the LRU's: one source for both figures.
     """

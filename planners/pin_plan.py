@@ -19,7 +19,7 @@ plan is the prefix of the greedy selection with the least transfer time per
 request, so it pins less when pinning more would push streamed layers to disk.
 
 Where the unpinned layers cannot all stay in page cache, the executor streams some of
-them through a read-ahead window (:func:`planners.executor.roles.window_bytes`): pins
+them through a read-ahead window (:func:`planners.layer_roles.window_bytes`): pins
 stop short of that window's room, or every streamed layer would be read twice (evicted
 while read ahead, read again when used). Where everything fits, no window is needed.
 """
@@ -31,7 +31,7 @@ from typing import NamedTuple
 from hostmem.units import format_size
 
 from .budget import HostBudget
-from .executor.roles import window_bytes
+from .layer_roles import window_bytes
 from .sizes import REST, Layer
 
 __all__ = ["CostModel", "MoveGroup", "PinPlan", "PinPlans", "plan_pins", "thrash_line", "turns_line"]
@@ -72,7 +72,7 @@ class PinPlan(NamedTuple):
     disk_bytes_per_request: int
     transfer_s_per_request: float
     baseline_transfer_s_per_request: float
-    kept_layers: tuple[str, ...] = ()  # the executor's kept set (planners.executor.roles), set by the planner
+    kept_layers: tuple[str, ...] = ()  # the executor's kept set (planners.layer_roles), set by the planner
     alternates: tuple[str, ...] = ()  # the experts it takes turns with, sharing the page cache
     disk_once: bool = False  # its disk bytes are read once per request (its turn), not on every move
 
@@ -235,7 +235,7 @@ def thrash_line(plan: PinPlan, budget, roles=None) -> tuple[str, bool]:
     that is advice. With none, the streamed weights are simply larger than what the
     host holds next to the pins the planner judged worth it: a fact of the host, shown
     beside the pin plans, which only a larger host or more VRAM changes. ``roles`` (the
-    executor's, :mod:`planners.executor.roles`) says how many blocks it keeps in page cache.
+    executor's, :mod:`planners.layer_roles`) says how many blocks it keeps in page cache.
     """
     kept = (f"; the executor keeps {len(roles.kept)} of {len(roles.kept) + len(roles.released)} in page cache "
             "and reads the others on every move") if roles is not None else ""

@@ -148,7 +148,7 @@ def _pins(plan: DeploymentPlan) -> dict:
             "page_cache_bytes": p.page_cache_bytes,
             "page_cache_fits": p.page_cache_fits,
             "disk_bytes_per_request": p.disk_bytes_per_request,
-            "kept_layers": list(p.kept_layers),  # the executor's kept set (planners.executor.roles)
+            "kept_layers": list(p.kept_layers),  # the executor's kept set (planners.layer_roles)
             "disk_once": p.disk_once,
             "alternates": list(p.alternates),
         }
@@ -264,7 +264,7 @@ def _rate_lines(plan: DeploymentPlan) -> list[str]:
     """The rates the transfer times were priced at, and where they came from."""
     if plan.transfer is None:
         return []
-    from .executor.calibration import describe
+    from .calibration import describe
 
     return [f"transfer rates: {describe(plan.transfer)}"]
 

@@ -36,7 +36,7 @@ from hostmem.errors import InputError
 from .budget import read_host_limit
 from .config import DeploymentConfig, load_config
 from .deployment import DeploymentPlan, plan_deployment
-from .executor.guard import offload_warnings
+from .offload_hooks import offload_warnings
 from .host_checks import cache_root_warnings
 from .host_share import capped_config, rank_need, share_for
 from .report import report_text

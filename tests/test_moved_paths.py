@@ -15,6 +15,7 @@ import pytest
 
 import hostmem  # noqa: F401 (registers its moved paths)
 import lora_cache  # noqa: F401 (registers its moved paths)
+import planners  # noqa: F401 (registers its moved paths)
 
 MOVED = {
     "lora_cache.switch": "lora_cache.settings",
@@ -29,6 +30,10 @@ MOVED = {
     "lora_cache.process_group": "lora_cache.ranks.process_group",
     "lora_cache.tp_shards": "lora_cache.ranks.tp_shards",
     "lora_cache.tp_shards.shard_math": "lora_cache.ranks.tp_shards.shard_math",
+    "planners.executor.roles": "planners.layer_roles",
+    "planners.executor.tier": "planners.executor_tier",
+    "planners.executor.calibration": "planners.calibration",
+    "planners.executor.guard": "planners.offload_hooks",
     "hostmem.safetensors_header": "hostmem.safetensors.header",
     "hostmem.safetensors_map": "hostmem.safetensors.mapping",
     "hostmem.dtypes": "hostmem.safetensors.dtypes",

@@ -6,7 +6,7 @@ pinned, pageable, mapped and mapped-then-registered memory. Prints the ``transfe
 block to put in the deployment config (rates the planner reads); without a GPU the
 device rates are left out, with a line saying they need one. ``--save`` also writes
 them to ``<cache root>/calibration.json``, which ``transfer: measured`` plans with
-(:mod:`planners.executor.calibration`).
+(:mod:`planners.calibration`).
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def measure(args, use_device: bool = True) -> dict:
         transfer.update(pinned_h2d=rates["pinned_h2d"], pageable_h2d=rates["pageable_h2d"])
     result["transfer"] = transfer
     if getattr(args, "save", False):
-        from planners.executor.calibration import record_path, save_record
+        from planners.calibration import record_path, save_record
 
         result["saved"] = save_record(result, record_path(root=cache_root(args, config)))
     return result

@@ -56,7 +56,7 @@ def parse_config(text: str, path: str, environ: Mapping[str, str] | None = None)
     host, device = parse_host(origin, data.get("host")), parse_device(origin, data.get("device"))
     transfer, workload = parse_transfer(origin, data.get("transfer")), parse_workload(origin, data.get("workload"))
     check_experts(origin, components, workload.steps)
-    from ..executor.calibration import resolve_transfer  # measured rates: the last hostmem calibrate --save
+    from ..calibration import resolve_transfer  # measured rates: the last hostmem calibrate --save
     from ..reserve import resolve_reserve  # a measured reserve: the deployment's last warmup
 
     return resolve_transfer(resolve_reserve(DeploymentConfig(

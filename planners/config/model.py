@@ -54,7 +54,7 @@ class TransferConfig(NamedTuple):
     pinned_h2d: float = 24e9
     pageable_h2d: float = 8e9
     disk_read: float = 3e9
-    source: str = "default"  # "default", "config", or "measured" (resolved by planners.executor.calibration)
+    source: str = "default"  # "default", "config", or "measured" (resolved by planners.calibration)
 
 
 class WorkloadConfig(NamedTuple):

@@ -20,7 +20,7 @@ SCENARIO_MERGES = {"base": "none", "in_place": "in-place", "cached_miss": "cache
 
 def plan_verdicts(config_path: str) -> dict[str, dict]:
     """``{scenario: {"merge", "fits", "verdict"}}`` from the plan of the demo's config."""
-    from planners.commands.plan import build_plan
+    from planners.plan_build import build_plan
     from planners.config import load_config
 
     config = load_config(config_path)

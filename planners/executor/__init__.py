@@ -7,7 +7,7 @@ layer), :mod:`.tier` (the plan's disk figures under the executor), :mod:`.readah
 planner can ask :mod:`.roles` what the executor will read without importing torch.
 """
 
-from .roles import ComponentRoles, disk_tier, plan_roles
+from ..layer_roles import ComponentRoles, disk_tier, plan_roles
 
 __all__ = ["ComponentRoles", "Executor", "disk_tier", "ExecutorStats", "PassStats", "execute", "plan_roles", "read_io_bytes"]
 

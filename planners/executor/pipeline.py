@@ -35,7 +35,7 @@ from typing import NamedTuple
 from .order import LearnedOrder
 from .pages import Intervals, free_pieces, page_cover
 from .readahead import FileHandles, advise, complete, drop_range, read_ahead
-from .roles import ComponentRoles
+from ..layer_roles import ComponentRoles
 from .snapshot import Snapshot, fingerprint, take_snapshot
 from .stats import PassStats
 

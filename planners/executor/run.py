@@ -23,13 +23,13 @@ from hostmem.errors import InputError
 from hostmem.pinning import Pinner
 
 from ..deployment import DeploymentPlan
-from .calibration import saved_reader
-from .guard import refuse_offload_hooks
+from ..calibration import saved_reader
+from ..offload_hooks import refuse_offload_hooks
 from .layout import MapIndex, layer_module, tensor_span
 from .pages import page_cover
 from .pipeline import Clock, LayerPipeline
 from .readahead import FileHandles, choose_reader, set_random
-from .roles import ComponentRoles, plan_roles
+from ..layer_roles import ComponentRoles, plan_roles
 from .snapshot import take_snapshot
 from .stats import ExecutorStats, PassStats, read_io_bytes
 

@@ -31,7 +31,7 @@ from diffusers.hooks import (  # noqa: E402
 from hostmem.procfs import read_status  # noqa: E402
 from planners.config import parse_config  # noqa: E402
 from planners.executor import execute  # noqa: E402
-from planners.executor.guard import offload_hooks, offload_warnings  # noqa: E402
+from planners.offload_hooks import offload_hooks, offload_warnings  # noqa: E402
 from planners.startup import plan_loaded  # noqa: E402
 
 MiB = 1 << 20

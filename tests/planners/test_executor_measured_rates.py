@@ -15,7 +15,7 @@ import pytest
 from planners.cli import main
 from planners.config import ConfigError, load_config
 from planners.config.model import TransferConfig
-from planners.executor.calibration import RECORD
+from planners.calibration import RECORD
 
 CONFIG = ("deployment: rates\nhost: {limit: 64GiB, reserve: 4GiB}\nworkload: {steps: 4}\n"
           "components:\n  dit: {size: 8GiB, layers: 16, offload: layerwise}\n")

@@ -18,7 +18,7 @@ from planners.cli import main
 from planners.config import parse_config
 from planners.deployment import plan_deployment
 from planners.executor import execute, plan_roles, read_io_bytes
-from planners.executor.calibration import RECORD
+from planners.calibration import RECORD
 from planners.executor.layout import MapIndex
 from planners.executor.readahead import DEFAULT_READER, READERS, FileHandles, drop_range, read_ahead, set_random
 from planners.executor.synthetic import load_synthetic_dit, write_synthetic_dit

@@ -8,9 +8,9 @@ import json
 import os
 
 from planners.cli import main
-from planners.commands.plan import build_plan
+from planners.plan_build import build_plan
 from planners.config import load_config
-from planners.executor.roles import plan_roles
+from planners.layer_roles import plan_roles
 
 from .conftest import MiB, write_checkpoint
 

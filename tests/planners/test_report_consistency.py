@@ -14,7 +14,7 @@ import os
 import pytest
 
 from hostmem.units import format_size
-from planners.commands.plan import build_plan
+from planners.plan_build import build_plan
 from planners.config import load_config
 from planners.report import report_dict, report_text
 from planners.verdict import format_device

@@ -14,7 +14,7 @@ import os
 from hostmem.vault import Vault
 from hostmem.vault.records import ROUNDING
 from hostmem.vault.shelf import Shelf
-from planners.executor.calibration import describe, read_calibration, record_path
+from planners.calibration import describe, read_calibration, record_path
 from planners.reserve import record_path as reserve_path
 from tests.planners.test_measured_reserve import deployment, one_request  # noqa: F401 (a fixture)
 

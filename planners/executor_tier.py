@@ -12,8 +12,8 @@ figures stay the pin plan's. Every pin plan carries the executor's kept set
 
 from __future__ import annotations
 
-from ..pin_plan import thrash_line
-from .roles import plan_roles
+from .pin_plan import thrash_line
+from .layer_roles import plan_roles
 
 __all__ = ["with_executor_disk"]
 

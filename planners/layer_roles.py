@@ -29,14 +29,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..sizes import REST, Layer
+from .sizes import REST, Layer
 
 __all__ = ["ComponentRoles", "disk_tier", "plan_roles", "read_ahead_bytes", "window_bytes"]
 
 _STREAM_SHARE = 16  # read ahead at most a sixteenth of the stream (and always the next layer)
 
 # ``plan`` below is a planners.deployment.DeploymentPlan, named and not imported: the
-# planner asks these roles for its disk figure (planners.executor.tier), so this module
+# planner asks these roles for its disk figure (planners.executor_tier), so this module
 # sits below planners.deployment.
 
 
