@@ -10,9 +10,9 @@ The key now covers, per adapter, its content digest (the vault's ``adapter_ident
 the user's key rules, and the digest of its canonical form: for every target parameter
 (by its name in its component), each term's scale and diff scale, written exactly
 (``float.hex``), and its factors' shapes and dtypes (a LyCORIS factored term's kind, parts
-and placement: :mod:`lora_cache.lycoris_math`, so a LoHa never keys as a LoRA). Two readers that place the same
-file's values on the same parameters with the same scales produce the same merged
-bytes, and the same key; a reader that folds an alpha into the values (diffusers'
+and placement, :mod:`lora_cache.lycoris_math`: a LoHa never keys as a LoRA). Two readers
+that place the same file's values on the same parameters with the same scales produce the
+same merged bytes, and the same key; a reader that folds an alpha into the values (diffusers'
 converters rescale) shows as a different scale, and is keyed apart, as its bytes may
 differ in the last bit. Row slices of a fused target come from the key rules, which the
 key names. The values themselves are the file's (its digest), so a hit planned from a

@@ -245,7 +245,7 @@ def read_adapter(path: str | os.PathLike, check_values: bool = True) -> AdapterF
     """Read an adapter file (or the folder peft or diffusers wrote) into its normalized form.
 
     Every key must be a LoRA part this merge understands; a key of an unsupported
-    variant (DoRA, LoHa, ...) or an unknown key is an error naming it, never skipped, and
+    variant (IA3, OFT, ...) or an unknown key is an error naming it, never skipped, and
     so is a NaN or an infinite value. ``check_values=False`` leaves that check (which
     reads every value) to the first use of the values: a merge runs it before the first
     layer it computes, so a start whose every layer is cached never reads them.

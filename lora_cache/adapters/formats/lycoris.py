@@ -7,7 +7,9 @@ lora_cache merges:
   ``wd_on_out`` (each output row), ``(1, in)`` otherwise (each input column);
 - the "full" algorithm's ``.diff`` / ``.diff_b`` (:mod:`.full_diffs`).
 
-LoHa and LoKr are refused by name (:mod:`.refused`).
+LoHa, LoKr and LoCon's Tucker core are formats of their own (:mod:`.loha`, :mod:`.lokr`,
+:mod:`.locon_tucker`, tried before kohya's, whose names they share); IA3, OFT and GLoRA
+are refused by name (:mod:`.refused`).
 """
 
 from __future__ import annotations
