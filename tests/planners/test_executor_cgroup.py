@@ -27,6 +27,11 @@ LAYERS, D = 32, 1024  # 4 MiB per layer in fp32: 128 MiB
 LIMIT, ROOM = 64 * MiB, 48 * MiB
 
 
+# Bytes read per pass in a real memory cgroup, against the plan: a second test process
+# beside it (pytest -n) takes the cores its read-ahead threads race the compute on.
+pytestmark = pytest.mark.alone
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     reason = can_nest_memory_cgroup()
