@@ -100,13 +100,25 @@ class _Walk:
         except FileNotFoundError:
             if not self.create:
                 raise
-            os.mkdir(name, 0o700 if last else 0o755, dir_fd=fd)
-            nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            os.fchmod(nxt, 0o700 if last else 0o755)  # the umask may have narrowed it, or widened nothing
+            return self._make(fd, name, last)
         except OSError as exc:
             if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
                 raise
             return self._link(fd, name, path, last)
+        self.stack.append((nxt, path))
+        self._check(nxt, path, last)
+        return []
+
+    def _make(self, fd: int, name: str, last: bool) -> list[str]:
+        """Create folder ``name`` (another process may make it first: it is then walked as
+        any folder found is) and enter it."""
+        try:
+            os.mkdir(name, 0o700 if last else 0o755, dir_fd=fd)
+        except FileExistsError:
+            return [name]  # made meanwhile (another start): walked, checked, as found
+        nxt = os.open(name, _DIR_FLAGS, dir_fd=fd)
+        os.fchmod(nxt, 0o700 if last else 0o755)  # exactly that, whatever the umask
+        path = os.path.join(self.stack[-1][1], name)
         self.stack.append((nxt, path))
         self._check(nxt, path, last)
         return []

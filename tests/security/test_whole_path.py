@@ -147,3 +147,25 @@ def test_a_root_in_another_users_folder_swapped_during_starts_and_cache_commands
             swapper.join()
     assert swapper.exitcode == 0
     assert snapshot(victim) == around
+
+
+def _open_fresh(root: str, barrier) -> None:
+    barrier.wait()
+    Vault(root)
+
+
+def test_starts_making_the_same_new_root_at_once_all_open_it(tmp_path):
+    """Ranks starting together on a root not made yet: the folders one makes while another
+    walks are walked and checked as found, not refused."""
+    context = multiprocessing.get_context("fork")
+    for attempt in range(3):
+        root = str(tmp_path / str(attempt) / "a" / "b" / "c" / "d" / "root")
+        barrier = context.Barrier(6)
+        starts = [context.Process(target=_open_fresh, args=(root, barrier)) for _ in range(6)]
+        for process in starts:
+            process.start()
+        for process in starts:
+            process.join(60)
+        assert [p.exitcode for p in starts] == [0] * 6
+    assert oct(os.stat(root).st_mode & 0o777) == "0o700"
+    assert oct(os.stat(os.path.dirname(root)).st_mode & 0o777) == "0o755"
