@@ -6,17 +6,23 @@ diffusers model and ``load_lora`` through diffusers' converter (and from a conve
 record on a hit). Keyed by the reader's name, the same bytes were built three times
 under three keys, and an image built ahead of time never served a diffusers server.
 
-The key now covers, per adapter, its content digest (the vault's ``adapter_identity``),
-the user's key rules, and the digest of its canonical form: for every target parameter
-(by its name in its component), each term's scale and diff scale, written exactly
-(``float.hex``), and its factors' shapes and dtypes (a LyCORIS factored term's kind, parts
-and placement, :mod:`lora_cache.lycoris_math`: a LoHa never keys as a LoRA). Two readers
-that place the same file's values on the same parameters with the same scales produce the
-same merged bytes, and the same key; a reader that folds an alpha into the values (diffusers'
-converters rescale) shows as a different scale, and is keyed apart, as its bytes may
-differ in the last bit. Row slices of a fused target come from the key rules, which the
-key names. The values themselves are the file's (its digest), so a hit planned from a
-conversion record (factors on the meta device) keys exactly as the first start did.
+The key covers, per adapter, its meaning: the digest of its canonical form (for every
+target parameter, by its name in its component, each term's scale and diff scale, written
+exactly with ``float.hex``, and its factors' shapes and dtypes; a LyCORIS factored term's
+kind, parts and placement, :mod:`lora_cache.lycoris_math`: a LoHa never keys as a LoRA)
+together with the values
+each term places (the up rows a fused target takes, a padded slice included). A peft
+folder and a kohya file of the same math are then one key, and the file's own content
+digest is recorded beside it for people and for ``hostmem cache prune``
+(``file_digest``), never keyed. The meaning is remembered by the file's content digest,
+its form, its reader and the key rules (:mod:`lora_cache.combination`), so a start
+planned from a conversion record (factors on the meta device) keys as the first start
+did; where it is not remembered and the values are not at hand, the key falls back to
+the file's content digest with the user's key rules and the form (a miss at worst). Two readers (or two layouts)
+that place the same values on the same parameters with the same scales produce the same
+merged bytes, and the same key; a reader that folds an alpha into the values (diffusers'
+converters rescale) shows as a different scale and different values, and is keyed apart,
+as its bytes may differ in the last bit.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Mapping
 
 from .merge_math import Delta
 
-__all__ = ["adapter_forms"]
+__all__ = ["adapter_forms", "adapter_meanings"]
 
 
 def _shape(tensor) -> list | None:
@@ -61,3 +67,49 @@ def adapter_forms(planned: Mapping[str, list[Delta]], paths: list[str]) -> list[
             forms.setdefault(_adapter_of(delta), []).append([name, _term(delta)])
     return [hashlib.sha256(json.dumps(forms[os.path.realpath(p)], separators=(",", ":")).encode()).hexdigest()
             for p in paths]
+
+
+# --- the meaning: the canonical form with its values, so one math from two layouts is one key
+
+
+def _values(tensor) -> str | None:
+    """The digest of a tensor's values as placed (its bytes, with the shape and dtype the
+    term names); None for no tensor. Raises :class:`LookupError` for a tensor without values
+    (planned from a conversion record: the meta device)."""
+    import torch
+
+    if tensor is None:
+        return None
+    if tensor.is_meta:
+        raise LookupError("no values")
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(memoryview(flat.numpy())).hexdigest()
+
+
+def _meaning_of(entries: list) -> str:
+    """``entries``: ``[name, term, delta]`` of one adapter; the digest of them with the values."""
+    described = [[name, term, [_values(getattr(delta, part)) for part in ("up", "down", "diff", "magnitude")]
+                  + ([[role, _values(t)] for role, t in delta.factors.parts] if delta.factors is not None else [])]
+                 for name, term, delta in entries]  # a LyCORIS term's values are its parts
+    return hashlib.sha256(json.dumps(described, separators=(",", ":")).encode()).hexdigest()
+
+
+def adapter_meanings(planned: Mapping[str, list[Delta]], paths: list[str], known: list[str | None]) -> list[str | None]:
+    """For each adapter of ``paths``, the digest of its canonical form with the values each
+    term places (``known[i]`` where the caller remembered it: its memo), or None where the
+    values are not at hand (planned from a conversion record, and not remembered)."""
+    entries: dict[str, list] = {os.path.realpath(p): [] for p in paths}
+    for name in sorted(planned):
+        for delta in planned[name]:
+            entries.setdefault(_adapter_of(delta), []).append([name, _term(delta), delta])
+    out = []
+    for path, remembered in zip(paths, known):
+        if remembered is not None:
+            out.append(remembered)
+            continue
+        found = entries[os.path.realpath(path)]
+        try:
+            out.append(_meaning_of(found) if found else None)  # no target: the file's digest tells them apart
+        except LookupError:
+            out.append(None)
+    return out

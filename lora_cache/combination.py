@@ -8,13 +8,18 @@ and none of them imports another for it.
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import torch
 
 from hostmem.vault import CacheKey, cache_key
+from hostmem.vault.records import CONVERSIONS
+from hostmem.vault.shelf import Shelf
 from hostmem.vault.safety import prepare_root, root_is_read_only
 
 from .adapters import Adapter, AdapterFile
-from .canonical_key import adapter_forms
+from .canonical_key import adapter_forms, adapter_meanings
 from .kernels import KernelPlan
 from .kernels.precision import fp32_matmul_precision
 from .merge_math import compute_device
@@ -43,12 +48,71 @@ def merge_policy(device: torch.device | str | None = None, kernels: KernelPlan |
             + ("" if narrowed == "ieee" else f"+fp32-matmul={narrowed}"))
 
 
+def _rules(spec: Adapter) -> list:
+    return [list(r.values()) if isinstance(r, dict) else list(r) for r in spec.rules]
+
+
 def _key_extras(spec: Adapter, form: str) -> dict:
-    """Inputs of the merged bytes that the adapter file's content hash does not cover: the
-    user's key rules and the canonical form's digest (:mod:`lora_cache.canonical_key`),
-    which holds every scale, whatever reader or config gave it, and names no reader."""
-    rules = [list(r.values()) if isinstance(r, dict) else list(r) for r in spec.rules]
-    return {"rules": rules, "form": form}
+    """Where an adapter's meaning is not known (see :func:`_identity`): the inputs of the
+    merged bytes that the file's content hash does not cover, the user's key rules and the
+    canonical form's digest (:mod:`lora_cache.canonical_key`)."""
+    return {"rules": _rules(spec), "form": form}
+
+
+_MEANINGS: dict[str, str] = {}  # memo name -> meaning, in this process
+_MEANING_FORMAT, _MEANING_VERSION = "lora-cache-adapter-meaning", 1
+
+
+def _meaning_name(file_digest: str, form: str, adapter: AdapterFile, spec: Adapter) -> str:
+    """What a meaning is remembered by: the file's content, its form (targets, scales,
+    shapes), its reader (a converter's values may differ from the file's) and the key rules
+    (which rows of a fused factor land where)."""
+    inputs = {"digest": file_digest, "form": form, "reader": adapter.key_extras, "rules": _rules(spec)}
+    return "meaning-" + hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _remembered(vault, names: list[str]) -> list[str | None]:
+    shelf = Shelf([vault], CONVERSIONS)
+    valid = (lambda r: isinstance(r, dict) and r.get("format") == _MEANING_FORMAT
+             and r.get("version") == _MEANING_VERSION and isinstance(r.get("meaning"), str))
+    out = []
+    for name in names:
+        if name not in _MEANINGS:
+            record = shelf.load(name, valid)
+            if record is not None:
+                _MEANINGS[name] = record["meaning"]
+        out.append(_MEANINGS.get(name))
+    return out
+
+
+def _remember(vault, name: str, file_digest: str, meaning: str) -> None:
+    """Keep a meaning in this process and, as a record of the file (pruned with it), in the
+    root (a hint: a root that cannot hold it costs the next start a hash of the values)."""
+    if _MEANINGS.get(name) == meaning:
+        return
+    _MEANINGS[name] = meaning
+    Shelf([vault], CONVERSIONS).store(name, {"format": _MEANING_FORMAT, "version": _MEANING_VERSION,
+                                             "digest": file_digest, "meaning": meaning})
+
+
+def _identities(vault, files, specs, planned) -> list[dict]:
+    """Each adapter's identity in the key: its meaning (``digest``; the file's content digest
+    beside it as ``file_digest``, which the key leaves out), its strength and alpha override;
+    where the meaning is neither remembered nor computable (values on the meta device), the
+    file's content digest with the key rules and the form."""
+    paths = [f.path for f in files]
+    forms = adapter_forms(planned, paths)
+    found = [vault.adapter_identity(f.path, s.strength, s.alpha) for f, s in zip(files, specs)]
+    names = [_meaning_name(i["digest"], form, f, s) for i, form, f, s in zip(found, forms, files, specs)]
+    meanings = adapter_meanings(planned, paths, _remembered(vault, names))
+    out = []
+    for identity, spec, form, name, meaning in zip(found, specs, forms, names, meanings):
+        if meaning is None:
+            out.append({**identity, **_key_extras(spec, form)})
+            continue
+        _remember(vault, name, identity["digest"], meaning)
+        out.append({**identity, "file_digest": identity["digest"], "digest": meaning})
+    return out
 
 
 def inputs_but_base(vault, files, specs, dtypes, device, kernels, sharding: str, rounding: str = "runtime", *,
@@ -59,9 +123,7 @@ def inputs_but_base(vault, files, specs, dtypes, device, kernels, sharding: str,
     A merge that merges lossy layers anyway (``rounding="merge"``) is keyed apart: a
     start under the default policy that plans from conversion records cannot measure,
     and must never find those layers merged (:mod:`lora_cache.rounding`)."""
-    forms = adapter_forms(planned, [f.path for f in files])
-    identities = [{**vault.adapter_identity(f.path, s.strength, s.alpha), **_key_extras(s, form)}
-                  for f, s, form in zip(files, specs, forms)]
+    identities = _identities(vault, files, specs, planned)
     target_dtype = ",".join(sorted({str(d).removeprefix("torch.") for d in dtypes}))
     policy = merge_policy(device, kernels) + (f"+{sharding}" if sharding else "")
     policy += "" if rounding == "runtime" else f"+rounding={rounding}"

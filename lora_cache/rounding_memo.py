@@ -76,7 +76,8 @@ class RoundingSplit:
         ``inputs``: the key's inputs besides the base, whose first adapter's digest the
         record names for ``prune``."""
         self._shelf = Shelf(vaults, ROUNDING)
-        self._digest = next((a.get("digest") for a in inputs[0] if isinstance(a.get("digest"), str)), None)
+        self._digest = next((a.get("file_digest", a.get("digest")) for a in inputs[0]  # the file's, not its meaning's
+                             if isinstance(a.get("file_digest", a.get("digest")), str)), None)
         if self._decided is None and key_hex is not None:
             record = self._shelf.load(key_hex, _valid(key_hex))
             if record is not None and set(record["lost"]) <= {t.name for t in self.targets}:

@@ -54,9 +54,9 @@ def input_digests(inputs: dict) -> set[str]:
 
     def walk(value) -> None:
         if isinstance(value, dict):
-            digest = value.get("digest")
-            if isinstance(digest, str):
-                found.add(digest)
+            for field in ("digest", "file_digest"):  # file_digest: an adapter keyed by its meaning
+                if isinstance(value.get(field), str):
+                    found.add(value[field])
             for item in value.values():
                 walk(item)
         elif isinstance(value, list):

@@ -75,3 +75,39 @@ def test_an_image_built_by_the_cli_serves_a_diffusers_pipeline(tmp_path, layout)
     changed = {p for p in after if before.get(p) != after[p]} | (before.keys() - after.keys())
     # nothing of the combination is written; only the record of diffusers' conversion is new
     assert all(os.sep + "conversions" + os.sep in p for p in changed), changed
+
+
+def test_one_math_in_two_layouts_is_one_key(tmp_path):
+    """A peft folder and a musubi-tuner file holding the same factors at the same scale (alpha =
+    rank) mean one merge: the second start finds every layer the first built; a file whose
+    values differ in one factor is another key."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    import lora_cache
+    from hostmem.safetensors.mapping import save_file
+
+    model = tm.save_model("wan", tmp_path / "model")
+    torch.manual_seed(2)
+    lora = LoraConfig(r=4, lora_alpha=4, target_modules=["attn1.to_q", "attn2.to_out.0"], init_lora_weights=False)
+    get_peft_model(tm.load_model("wan", model), lora).save_pretrained(tmp_path / "peft")
+    peft = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    names = {"attn1.to_q": "self_attn_q", "attn2.to_out.0": "cross_attn_o"}
+    musubi = {}
+    for key, value in peft.items():
+        module, factor = key.removeprefix("base_model.model.").rsplit(".lora_", 1)
+        block, _, name = module.removeprefix("blocks.").partition(".")
+        musubi[f"lora_unet_blocks_{block}_{names[name]}.{'lora_down' if factor.startswith('A') else 'lora_up'}"
+               ".weight"] = value
+    save_file(musubi, tmp_path / "musubi.safetensors")
+    changed = dict(musubi, **{k: v * 2 for k, v in musubi.items() if k.endswith("self_attn_q.lora_up.weight")})
+    save_file(changed, tmp_path / "other.safetensors")
+    cache = tmp_path / "cache"
+    first = lora_cache.load_lora(tm.load_model("wan", model), os.fspath(tmp_path / "peft"), 0.8, cache, progress=False)
+    same = lora_cache.load_lora(tm.load_model("wan", model), os.fspath(tmp_path / "musubi.safetensors"), 0.8, cache,
+                                progress=False)
+    other = lora_cache.load_lora(tm.load_model("wan", model), os.fspath(tmp_path / "other.safetensors"), 0.8, cache,
+                                 progress=False)
+    assert first.built == first.layers == 4
+    assert (same.cache_key, same.hit, same.built) == (first.cache_key, 4, 0)
+    assert other.cache_key != first.cache_key and other.built == 4
