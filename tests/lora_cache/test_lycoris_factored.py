@@ -100,6 +100,21 @@ def test_a_loha_and_a_lora_of_one_shape_are_keyed_apart(tmp_path):
     assert len(forms) == 3
 
 
+def test_two_lohas_of_one_shape_with_other_values_never_share_a_combination(tmp_path):
+    """The key covers what a file means, values included: a second LoHa with the first one's
+    shapes and alpha but other values is built, not served the first one's merged bytes."""
+    first = _write(tmp_path, {"a": _mixed(torch.Generator().manual_seed(3))["a"]}, "first.safetensors")
+    second = _write(tmp_path, {"a": _mixed(torch.Generator().manual_seed(4))["a"]}, "second.safetensors")
+    merged = {}
+    for path in (first, second):
+        model = _base(tmp_path / ("model-" + path.rsplit("/", 1)[-1]), torch.bfloat16)
+        stats = lora_cache.merge(model, [lora_cache.Adapter(path, 1.0)], cache_root=tmp_path / "cache",
+                                 progress=False, rounding="merge")
+        assert stats.built == 1 and stats.hit == 0, stats
+        merged[path] = model.state_dict()["a.weight"]
+    assert not torch.equal(merged[first], merged[second])
+
+
 def test_factored_changes_split_over_modules_and_land_on_rows_of_a_fused_weight(tmp_path):
     """A LoHa or LoKr trained on a fused projection splits by rows over separate modules (its
     row factors' rows in order), and one on a separate projection lands on rows of a fused
