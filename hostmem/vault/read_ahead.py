@@ -76,13 +76,15 @@ class ReadAhead:
             self._budget = self.bytes  # in use order: nothing after the first layer that does not fit
             return False
         self.bytes += nbytes
-        _worker().put(tensor)
+        _worker().put(_span(tensor))
         return True
 
 
 class _Worker:
-    """The process's one read-ahead thread: advises the layers put to it, in order. A
-    queued layer holds its tensor (and so its mapping) until it is advised."""
+    """The process's one read-ahead thread: advises the address ranges put to it, in order.
+    A queued range holds no reference to its mapping: a model dropped meanwhile unmaps it
+    at once (a folder it lies on can be unmounted), and advice on a range no longer mapped,
+    or mapped again to something else, is a hint that changes no byte."""
 
     def __init__(self):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -92,7 +94,7 @@ class _Worker:
         atexit.register(self.stop)
 
     def put(self, item) -> None:
-        """Queue a tensor to advise, or an event to set once everything before it was advised."""
+        """Queue a range to advise, or an event to set once everything before it was advised."""
         self._queue.put(item)
         with self._lock:
             if self._thread is None and not self._stopped:
@@ -101,7 +103,7 @@ class _Worker:
 
     def stop(self) -> None:
         """At the interpreter's exit: end the thread before Python finalizes (a daemon thread
-        still holding a tensor then aborts the process), dropping what it was yet to advise."""
+        still at work then can abort the process), dropping what it was yet to advise."""
         with self._lock:
             self._stopped, thread = True, self._thread
         self._queue.put(None)
@@ -123,8 +125,7 @@ class _Worker:
             if isinstance(item, threading.Event):
                 item.set()
             else:
-                will_need(item)
-            del item
+                _advise(*item)
 
 
 @functools.cache
@@ -147,10 +148,18 @@ def _madvise():
     return call
 
 
+def _span(tensor) -> tuple[int, int]:
+    """``(start, length)`` of ``tensor``'s whole pages."""
+    start = tensor.data_ptr() // _PAGE * _PAGE
+    return start, tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
+
+
+def _advise(start: int, length: int) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        _madvise()(ctypes.c_void_p(start), ctypes.c_size_t(length), mmap.MADV_WILLNEED)
+
+
 def will_need(tensor) -> None:
     """``MADV_WILLNEED`` over ``tensor``'s whole pages: the kernel starts reading a file
     mapping's pages in and returns (a hint: an error changes nothing, and is dropped)."""
-    start = tensor.data_ptr() // _PAGE * _PAGE
-    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
-    with contextlib.suppress(OSError, AttributeError):
-        _madvise()(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_WILLNEED)
+    _advise(*_span(tensor))

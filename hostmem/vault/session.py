@@ -114,7 +114,7 @@ class VaultSession:
         self._memo = adopted.memo or VerifiedMemo(folder)
         self._map_passing = False  # the last map failed for the process's sake, not the file's
         self._damaged = adopted.damaged
-        self._ahead = ReadAhead()  # each layer served read in, in use order, where the page cache holds it
+        self._ahead, self._written = ReadAhead(), []  # layers read in where the page cache holds them
         self._measure_space()
 
     def _measure_space(self) -> None:
@@ -151,9 +151,15 @@ class VaultSession:
         self._read_ahead(view)
         return view
 
+    def _read_back(self) -> None:
+        """Read the layers written back in, model order, after the build (during it, 1/4 slower)."""
+        order = {name: i for i, name in enumerate(self._expected or {})}
+        self._written.sort(key=lambda item: order.get(item[0], len(order)))
+        while self._written:  # the views then stay referenced by the read-ahead and the model only
+            self._read_ahead(self._written.pop(0)[1])
+
     def _read_ahead(self, view: torch.Tensor) -> None:
-        """Have ``view``'s pages read in behind the layers served before it, where the page
-        cache holds them (:mod:`hostmem.vault.read_ahead`)."""
+        """Read ``view`` in behind the layers before it, where the page cache holds them (:mod:`.read_ahead`)."""
         if self._ahead.add(view):
             with self._state:
                 self.stats["read_ahead_bytes"] += view.numel() * view.element_size()
@@ -284,7 +290,8 @@ class VaultSession:
             self._failed(name, exc)
             return None
         self._record_write(entry, self._write_seconds.pop(name, 0.0) + time.perf_counter() - started)
-        self._read_ahead(view)  # written around the page cache: read back now where it holds the layers
+        with self._state:
+            self._written.append((layer.entry.name, view))  # written around the page cache: read back at the close
         return view
 
     def _end_pieces(self, name: str) -> Exception | None:
@@ -350,6 +357,7 @@ class VaultSession:
             return
         self._closed = True
         self._stop_writer()
+        self._read_back()
         if self._lock is None:  # a read-only root: nothing was locked, nothing is written
             self._memo.dir.close()
             return
