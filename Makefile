@@ -26,7 +26,7 @@ $(RUNTIME_STAMP): $(PY) pyproject.toml
 	touch $(RUNTIME_STAMP)
 
 $(TEST_STAMP): $(RUNTIME_STAMP)
-	@echo "make: installing the test extra: pytest, pytest-xdist, hypothesis, sybil, diffusers, peft, transformers, accelerate ..."
+	@echo "make: installing the test extra: pytest, pytest-xdist, hypothesis, sybil, diffusers, peft, transformers, accelerate, lycoris-lora ..."
 	$(PIP) -e '.[test]'
 	@echo "make: $(VENV) is ready for the tests"
 	touch $(TEST_STAMP)

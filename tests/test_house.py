@@ -82,34 +82,8 @@ def _where(module: str, line: int) -> str:
 
 
 def _circles() -> list[list[str]]:
-    """Strongly connected groups of more than one module (Tarjan), each sorted."""
-    index, low, stack, on, groups = {}, {}, [], set(), []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w, _ in GRAPH[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            group = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                group.append(w)
-                if w == v:
-                    break
-            if len(group) > 1:
-                groups.append(sorted(group))
-
-    for v in sorted(GRAPH):
-        if v not in index:
-            visit(v)
-    return groups
+    """Strongly connected groups of more than one module, each sorted."""
+    return _room_circles({v: {w: [] for w, _ in edges} for v, edges in GRAPH.items()})
 
 
 def _is_package_of(importer: str, imported: str) -> bool:
@@ -191,7 +165,8 @@ def room_graph() -> dict[str, dict[str, list[str]]]:
 
 
 def _room_circles(rooms) -> list[list[str]]:
-    """Strongly connected groups of rooms (Tarjan, iterative), each sorted."""
+    """Strongly connected groups of more than one node of ``{node: {node it imports: ...}}``
+    (Tarjan, iterative), each sorted: modules at one scale, rooms at the other."""
     index, low, on, stack, groups = {}, {}, set(), [], []
     for start in sorted(rooms):
         if start in index:

@@ -13,6 +13,19 @@ from planners.checkpoint import checkpoint_files
 from tests.conftest import write_safetensors
 
 MiB = 1024 * 1024
+# The executor's two paths, as its tests run them: the host's (read-ahead advised, waited for
+# at the layer) and the device path's CPU twin (copies into a pool of buffers).
+EXECUTOR_PATHS = {"host": {"read_ahead": "madvise"}, "twin": {"device": "cpu"}}
+
+
+@pytest.fixture
+def one_thread():
+    """One compute thread: on busy cores a second one spins at every small matmul (100x
+    slower), and the executor's tests compare outputs, not speed."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def write_checkpoint(folder, layers: int, layer_bytes: int, prefix: str = "blocks", rest_bytes: int = 0,

@@ -33,6 +33,7 @@ from planners.config import parse_config  # noqa: E402
 from planners.executor import execute  # noqa: E402
 from planners.offload_hooks import offload_hooks, offload_warnings  # noqa: E402
 from planners.startup import plan_loaded  # noqa: E402
+from tests.planners.conftest import EXECUTOR_PATHS  # noqa: E402
 
 MiB = 1 << 20
 CACHES = {
@@ -42,15 +43,10 @@ CACHES = {
         current_timestep_callback=lambda: 500),
     "taylorseer": lambda: TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1),
 }
-PATHS = {"host": {"read_ahead": "madvise"}, "twin": {"device": "cpu"}}
+PATHS = EXECUTOR_PATHS
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

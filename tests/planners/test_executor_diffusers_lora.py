@@ -20,17 +20,13 @@ from planners.config import parse_config  # noqa: E402
 from planners.executor import execute  # noqa: E402
 from planners.startup import plan_loaded  # noqa: E402
 from tests.clients import tiny_models as tm  # noqa: E402
+from tests.planners.conftest import EXECUTOR_PATHS  # noqa: E402
 
 MiB = 1 << 20
-PATHS = {"host": {"read_ahead": "madvise"}, "twin": {"device": "cpu"}}
+PATHS = EXECUTOR_PATHS
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,12 @@ from planners.executor.synthetic import load_synthetic_dit, write_synthetic_dit
 from planners.executor.trial import synthetic_config
 from planners.startup import plan_loaded
 
-from .conftest import MiB
+from .conftest import EXECUTOR_PATHS, MiB
 
 LAYERS, D = 16, 256  # blocks of 256 KiB (fp32)
 ROOM = 2 * MiB  # page cache for half the layers: the rest are released after use
 FULL = list(range(LAYERS))
-PATHS = {"host": {"read_ahead": "madvise"}, "host-worker": {"read_ahead": "read"}, "twin": {"device": "cpu"}}
+PATHS = {**EXECUTOR_PATHS, "host-worker": {"read_ahead": "read"}}
 ORDERS = {
     "skip": [FULL, [0, 1, 14, 15], [0, 1, 14, 15], FULL],
     "first-block-cache": [FULL, [0], [0], FULL, [0]],
@@ -37,13 +37,7 @@ ORDERS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One compute thread: on busy cores a second one spins at every small matmul (100x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

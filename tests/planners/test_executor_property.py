@@ -21,10 +21,10 @@ from planners.executor.synthetic import load_synthetic_dit, write_synthetic_dit 
 from planners.executor.trial import synthetic_config  # noqa: E402
 from planners.startup import plan_loaded  # noqa: E402
 
-from .conftest import MiB  # noqa: E402
+from .conftest import EXECUTOR_PATHS, MiB  # noqa: E402
 
 LAYERS, D = 8, 128  # blocks of 64 KiB (fp32)
-PATHS = {"host": {"read_ahead": "madvise"}, "host-worker": {"read_ahead": "read"}, "twin": {"device": "cpu"}}
+PATHS = {**EXECUTOR_PATHS, "host-worker": {"read_ahead": "read"}}
 
 block = st.integers(0, LAYERS - 1)
 change = st.one_of(

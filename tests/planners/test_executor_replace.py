@@ -17,19 +17,14 @@ from planners.executor.synthetic import load_synthetic_dit, write_synthetic_dit
 from planners.executor.trial import synthetic_config
 from planners.startup import plan_loaded
 
-from .conftest import MiB
+from .conftest import EXECUTOR_PATHS, MiB
 
 LAYERS, D = 8, 256
 FULL = list(range(LAYERS))
-PATHS = {"host": {"read_ahead": "madvise"}, "twin": {"device": "cpu"}}
+PATHS = EXECUTOR_PATHS
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
