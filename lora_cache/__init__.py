@@ -58,6 +58,8 @@ moved_modules(__name__, {
     "switch": "settings",
     **{name: f"switching.{name}" for name in
        ("adapter_switch", "switch_state", "diffusers_switch", "forward_gate")},
+    "adapters.kohya_flux": "adapters.kohya_flux_compat",  # the format is adapters.formats.kohya_flux
+    "adapters.full_diffs": "adapters.diff_placement",  # the format is adapters.formats.full_diffs
     "switching.runtime_lora": "runtime_lora",  # below the merge and the switching, which both use it
     # the ranks' work, one room: a build shared by a host's ranks, tensor-parallel parts
     "shared_build": "ranks.shared_build", "shared_faults": "ranks.faults", "shared_fold": "ranks.fold",

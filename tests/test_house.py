@@ -222,6 +222,19 @@ def test_the_room_check_sees_a_circle_through_a_third():
         [["p.a", "p.b", "p.c"]]
 
 
+def test_no_module_shares_its_name_with_one_in_a_folder_below_it():
+    """``adapters/kohya_flux.py`` beside ``adapters/formats/kohya_flux.py``: a newcomer who
+    opens one cannot tell from the name which is the format and which calls it."""
+    clashes = []
+    for package in ("hostmem", "lora_cache", "planners"):
+        for folder in sorted(p for p in (ROOT / package).rglob("*") if p.is_dir() and (p / "__init__.py").exists()):
+            here = {p.name for p in folder.glob("*.py")} - {"__init__.py"}
+            below = [p for p in folder.rglob("*.py") if p.parent != folder and p.name in here]
+            clashes += [f"{(folder / p.name).relative_to(ROOT)} and {p.relative_to(ROOT)}" for p in below]
+    assert not clashes, "modules named as one in a folder below them (rename the one that calls the other):\n" + \
+        "\n".join(clashes)
+
+
 def test_no_module_over_the_line_limit():
     files = [p for package in (*LAYERS, "tests") for p in (ROOT / package).rglob("*.py")]
     long = sorted(

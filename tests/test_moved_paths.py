@@ -24,6 +24,8 @@ MOVED = {
     "lora_cache.diffusers_switch": "lora_cache.switching.diffusers_switch",
     "lora_cache.forward_gate": "lora_cache.switching.forward_gate",
     "lora_cache.switching.runtime_lora": "lora_cache.runtime_lora",
+    "lora_cache.adapters.kohya_flux": "lora_cache.adapters.kohya_flux_compat",
+    "lora_cache.adapters.full_diffs": "lora_cache.adapters.diff_placement",
     "lora_cache.shared_build": "lora_cache.ranks.shared_build",
     "lora_cache.shared_faults": "lora_cache.ranks.faults",
     "lora_cache.shared_fold": "lora_cache.ranks.fold",

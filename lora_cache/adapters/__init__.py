@@ -25,7 +25,7 @@ file peft wrote with it only. Alpha precedence, and what happens when two places
 disagree, is in :mod:`lora_cache.adapters.alpha`; where a converter folds alphas into
 the factors, :mod:`lora_cache.adapters.alpha_fold` keeps each applied once. Every key is
 used or named (:mod:`lora_cache.adapters.accounting`), full diffs included
-(:mod:`lora_cache.adapters.full_diffs`). For a diffusers model the keys
+(:mod:`lora_cache.adapters.diff_placement`). For a diffusers model the keys
 are converted by diffusers itself (:mod:`lora_cache.adapters.diffusers_format`), each
 conversion recorded by the file's content so that a start whose layers are all cached
 does not convert again (:mod:`lora_cache.adapters.conversion_memo`); a kohya Flux file

@@ -18,7 +18,7 @@ takes. So each conversion is recorded by the file's content
 from it without converting: a start whose every layer is cached reads and copies no
 value of the adapter. Where diffusers' kohya Flux converter cannot take the model's
 sizes (it hard-codes Flux-dev's), the file is read by this package's own parser
-(:mod:`lora_cache.adapters.kohya_flux`). diffusers is an optional extra: nothing here
+(:mod:`lora_cache.adapters.formats.kohya_flux`). diffusers is an optional extra: nothing here
 imports it unless a model is a diffusers model.
 """
 
@@ -36,7 +36,7 @@ from .alpha_fold import folded_metadata, for_converter, is_folded
 from .checks import FiniteCheck, widened
 from .conversion_memo import ConversionMemo, NoValues, record_of, skeleton_of
 from .diffusers_keys import peft_keys
-from .full_diffs import diff_placer, full_diff_stems, place_full_diffs, without_full_diffs
+from .diff_placement import diff_placer, full_diff_stems, place_full_diffs, without_full_diffs
 from .family_rules import family_of, rules_of, uses_original_names
 from .formats import split_key
 from .read import AdapterFile, build_adapter_file, group_parts, open_adapter, reading_of
@@ -282,7 +282,7 @@ def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
     one instead of the file's. With ``memo``, a conversion of the same content by the
     same converter (and override) recorded there is planned from without converting; a
     new conversion is recorded there. ``model``: the denoiser the file goes into (its
-    class's single-file converter names full diffs, :mod:`lora_cache.adapters.full_diffs`);
+    class's single-file converter names full diffs, :mod:`lora_cache.adapters.diff_placement`);
     ``strict``: keys the conversion leaves unused are an error, else one warning.
     """
     import diffusers

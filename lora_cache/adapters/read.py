@@ -60,7 +60,7 @@ class AdapterFile:
     ``values_check`` refuses NaN and infinite values in the file, run before the values
     are first consumed (see :mod:`lora_cache.adapters.checks`); ``rules`` are key rules
     the reader adds after the user's (a format's module names, see
-    :mod:`lora_cache.adapters.kohya_flux`), named in the key by ``converter``.
+    :mod:`lora_cache.adapters.formats.kohya_flux`), named in the key by ``converter``.
     """
 
     path: str

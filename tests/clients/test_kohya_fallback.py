@@ -17,7 +17,7 @@ diffusers = pytest.importorskip("diffusers", reason="the kohya Flux fallback is 
 import lora_cache  # noqa: E402
 from hostmem.safetensors.mapping import load_readonly, save_file  # noqa: E402
 from lora_cache import Adapter  # noqa: E402
-from lora_cache.adapters.kohya_flux import read_kohya_flux  # noqa: E402
+from lora_cache.adapters.kohya_flux_compat import read_kohya_flux  # noqa: E402
 from lora_cache.adapters.read import open_adapter  # noqa: E402
 from lora_cache.keys import ModuleIndex, plan_deltas  # noqa: E402
 from tests.clients import tiny_models as tm  # noqa: E402

@@ -27,7 +27,7 @@ The table is BFL's module names, written once: :data:`RULES` spell them as kohya
 (``lora_unet_double_blocks_0_img_attn_qkv``), :data:`BFL_RULES` as ComfyUI keys a BFL
 checkpoint (``diffusion_model.double_blocks.0.img_attn.qkv``, the qk norms by their whole
 parameter name ``...img_attn.norm.query_norm.scale``), for the full diffs of a ComfyUI
-Flux file (:mod:`lora_cache.adapters.full_diffs`), split by rows as the factors are.
+Flux file (:mod:`lora_cache.adapters.diff_placement`), split by rows as the factors are.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def _comfyui(where: str, bfl: str) -> str:
 def _tables() -> dict[str, tuple]:
     """``RULES``, kohya's spelling, and ``BFL_RULES``: ComfyUI's keys of a BFL Flux checkpoint
     (``diffusion_model.`` and the BFL name), norms' scales included, the rules its full diffs
-    are placed by (:mod:`lora_cache.adapters.full_diffs`). Built on first use: a plan lists
+    are placed by (:mod:`lora_cache.adapters.diff_placement`). Built on first use: a plan lists
     the formats' suffixes without them."""
     return {"RULES": _rules(_DOUBLE, _SINGLE, _OUTSIDE_BLOCKS, _kohya),
             "BFL_RULES": _rules(_DOUBLE | _DOUBLE_NORMS, _SINGLE | _SINGLE_NORMS, _OUTSIDE_BLOCKS, _comfyui)}

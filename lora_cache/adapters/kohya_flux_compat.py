@@ -1,6 +1,7 @@
-"""The kohya Flux (BFL names) parser as the rest of the package calls it: the format itself
-is :mod:`lora_cache.adapters.formats.kohya_flux`; this keeps its old import path and reads
-a file's tensors with it."""
+"""The kohya Flux (BFL names) parser's old functions: the format itself is
+:mod:`lora_cache.adapters.formats.kohya_flux`; this reads a file's tensors with it, as
+callers of the old path ``lora_cache.adapters.kohya_flux`` (which answers with this
+module) did. Its own name, so that no two files of one package share one."""
 
 from __future__ import annotations
 
