@@ -10,10 +10,12 @@ machine has no ``nobody``.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import pwd
 import stat
+import tempfile
 import traceback
 
 import pytest
@@ -58,20 +60,27 @@ def as_nobody(step, *args) -> None:
 @contextlib.contextmanager
 def reachable_by_others(folder):
     """Let other users pass through ``folder``'s parents (``o+x``, no listing, no writing),
-    as they pass through ``/`` to ``/tmp`` on a real host; every mode is put back after."""
+    as they pass through ``/`` to ``/tmp`` on a real host; every mode is put back after.
+
+    The parents above a test's own folder are the run's, shared by every worker of a
+    parallel run (pytest -n): one worker putting a mode back while another's ``nobody``
+    passes through would fail the other, so the sections take turns (a lock in the run's
+    temp folder)."""
     changed = []
-    path = os.path.abspath(os.fspath(folder))
-    while path != os.path.dirname(path):
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-        if not mode & stat.S_IXOTH:
-            os.chmod(path, mode | stat.S_IXOTH)
-            changed.append((path, mode))
-        path = os.path.dirname(path)
-    try:
-        yield
-    finally:
-        for path, mode in changed:
-            os.chmod(path, mode)
+    with open(os.path.join(tempfile.gettempdir(), "hostmem-reachable.lock"), "a") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)
+        path = os.path.abspath(os.fspath(folder))
+        while path != os.path.dirname(path):
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+            if not mode & stat.S_IXOTH:
+                os.chmod(path, mode | stat.S_IXOTH)
+                changed.append((path, mode))
+            path = os.path.dirname(path)
+        try:
+            yield
+        finally:
+            for path, mode in changed:
+                os.chmod(path, mode)
 
 
 def shared_folder(tmp_path) -> str:
