@@ -88,20 +88,11 @@ def _why_not(data) -> str | None:
 def read_calibration(path: str) -> tuple[dict | None, str | None]:
     """``(the record at path, None)``, or ``(None, why there is none)``: None where none is
     saved yet, else what is wrong (not the user's own, not a file, not a valid calibration)."""
-    from hostmem.vault.durable import read_small
+    from .record_file import read_own_json
 
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None, None
-    except OSError as exc:
-        return None, f"{path} cannot be read ({exc.strerror or exc})"
-    if st.st_uid != os.geteuid() or not os.path.isfile(path):
-        return None, f"{path} is not a file of this user's (uid {st.st_uid}); remove it"
-    try:
-        data = json.loads(read_small(path))
-    except (OSError, ValueError) as exc:
-        return None, f"{path} cannot be read ({exc}); remove it"
+    data, unread = read_own_json(path)
+    if data is None:
+        return None, unread
     why = _why_not(data)
     return (data, None) if why is None else (None, f"{path} is not used ({why}); remove it or calibrate again")
 

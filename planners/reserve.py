@@ -118,21 +118,12 @@ def _why_not(data, config) -> str | None:
 def read_reserve(config) -> tuple[MeasuredReserve | None, str | None]:
     """``(the deployment's last measurement, None)``, or ``(None, why there is none)``:
     none yet, or a record that is not the user's own, not a file, or not valid."""
-    from hostmem.vault.durable import read_small
+    from .record_file import read_own_json
 
     path = record_path(config)
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None, None
-    except OSError as exc:
-        return None, f"{path} cannot be read ({exc.strerror or exc})"
-    if st.st_uid != os.geteuid() or not os.path.isfile(path):
-        return None, f"{path} is not a file of this user's (uid {st.st_uid}); remove it"
-    try:
-        data = json.loads(read_small(path))
-    except (OSError, ValueError) as exc:
-        return None, f"{path} cannot be read ({exc}); remove it"
+    data, unread = read_own_json(path)
+    if data is None:
+        return None, unread
     why = _why_not(data, config)
     if why is not None:
         return None, f"{path} is not used ({why}); remove it, or run the warmup again"
