@@ -44,8 +44,6 @@ CACHES = {
     "taylorseer": lambda: TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1),
 }
 PATHS = EXECUTOR_PATHS
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

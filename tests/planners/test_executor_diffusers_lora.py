@@ -24,8 +24,6 @@ from tests.planners.conftest import EXECUTOR_PATHS  # noqa: E402
 
 MiB = 1 << 20
 PATHS = EXECUTOR_PATHS
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 

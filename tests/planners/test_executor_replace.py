@@ -22,8 +22,6 @@ from .conftest import EXECUTOR_PATHS, MiB
 LAYERS, D = 8, 256
 FULL = list(range(LAYERS))
 PATHS = EXECUTOR_PATHS
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
