@@ -88,3 +88,24 @@ def write_config(tmp_path):
         return os.fspath(path)
 
     return write
+
+
+@pytest.fixture(scope="module")
+def flux_folder(tmp_path_factory):
+    """The tiny Flux transformer of the step-cache tests, written once per module
+    (``tests/planners/tiny_pipelines.py``)."""
+    from tests.planners.tiny_pipelines import write_flux
+
+    root = tmp_path_factory.mktemp("flux")
+    write_flux(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def wan_folder(tmp_path_factory):
+    """The tiny Wan transformer of the step-cache tests, written once per module."""
+    from tests.planners.tiny_pipelines import write_wan
+
+    root = tmp_path_factory.mktemp("wan")
+    write_wan(root)
+    return root
