@@ -1,0 +1,92 @@
+"""cache-dit under planners.execute, as servers run it: DBCache computes the first and last
+block and, on most steps, replays the residual of the middle ones instead of running them;
+DBPrune skips a different subset of blocks at each step. A tiny Flux pipeline under either and
+a tiny Wan pipeline with CFG under DBCache give under the executor the outputs of the same cache
+without it, bit for bit, on the host path and the device path's twin; cache-dit's own record
+says it skipped."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+cache_dit = pytest.importorskip("cache_dit", reason="the cache-dit tests run the real cache-dit")
+
+from planners.executor import execute  # noqa: E402
+from tests.planners.conftest import EXECUTOR_PATHS  # noqa: E402
+from tests.planners.tiny_pipelines import (  # noqa: E402
+    STEPS,
+    flux_generate,
+    flux_pipe,
+    layer_plan,
+    wan_generate,
+    wan_pipe,
+    wan_plan,
+)
+
+PATHS = EXECUTOR_PATHS
+# After one warm-up step: DBCache computes the first and the last block and replays the middle
+# ones once the first block's residual changed by less than the threshold; DBPrune computes the
+# first and skips each later block whose own residual changed by less than it.
+CACHES = {
+    "dbcache": lambda: cache_dit.DBCacheConfig(Fn_compute_blocks=1, Bn_compute_blocks=1, max_warmup_steps=1,
+                                               residual_diff_threshold=0.8, num_inference_steps=STEPS),
+    "dbprune": lambda: cache_dit.DBPruneConfig(Fn_compute_blocks=1, Bn_compute_blocks=0, max_warmup_steps=1,
+                                               residual_diff_threshold=0.3, num_inference_steps=STEPS),
+}
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@contextlib.contextmanager
+def cached(pipe, cache: str):
+    """cache-dit's ``cache`` on ``pipe``. cache-dit wraps the pipeline's class ``__call__``; it
+    is undone on leaving, so that no other test's pipeline runs through it."""
+    cache_dit.enable_cache(pipe, cache_config=CACHES[cache]())
+    try:
+        yield pipe
+    finally:
+        cache_dit.disable_cache(pipe)
+
+
+def _skipped(pipe) -> tuple[int, int]:
+    """Steps (and CFG steps) of the last call whose middle blocks cache-dit replayed, by its own record."""
+    (stats, *_) = cache_dit.summary(pipe, logging=False)
+    return len(stats.cached_steps), len(stats.cfg_cached_steps)
+
+
+def _cached_and_executed(pipe, cache, generate, plan_of, path):
+    """The outputs of ``pipe`` under ``cache`` without the executor and under it, each with how
+    many steps cache-dit skipped, and the executor's stats."""
+    with cached(pipe, cache):
+        expected = generate(pipe)
+        skipped = _skipped(pipe)
+        with execute(plan_of(pipe.transformer), {"dit": pipe.transformer}, prefetch=2, **PATHS[path]) as run:
+            got = generate(pipe)
+            stats = run.stats()
+        return expected, skipped, got, _skipped(pipe), stats
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_flux_pipeline_under_cache_dit_gives_its_outputs_under_the_executor(flux_folder, cache, path):
+    uncached = flux_generate(flux_pipe(flux_folder))
+    expected, skipped, got, skipped_under, stats = _cached_and_executed(
+        flux_pipe(flux_folder), cache, flux_generate, lambda transformer: layer_plan(flux_folder, transformer), path)
+    assert skipped[0] >= 2 and skipped_under == skipped  # the middle blocks were skipped on some steps
+    assert not torch.equal(expected, uncached)
+    assert torch.equal(got, expected)
+    assert stats.roles["dit"]["released"] > 0 and len(stats.passes) == STEPS
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_wan_pipeline_with_cfg_under_dbcache_gives_its_outputs_under_the_executor(wan_folder, path):
+    uncached = wan_generate(wan_pipe(wan_folder))
+    expected, skipped, got, skipped_under, stats = _cached_and_executed(
+        wan_pipe(wan_folder), "dbcache", wan_generate, lambda transformer: wan_plan(wan_folder, transformer), path)
+    assert min(skipped) >= 2 and skipped_under == skipped  # both the conditional and the CFG passes skipped
+    assert not torch.equal(expected, uncached)
+    assert torch.equal(got, expected)
+    assert stats.roles["dit"]["released"] > 0 and len(stats.passes) == 2 * STEPS
+
