@@ -3,7 +3,8 @@ block and, on most steps, replays the residual of the middle ones instead of run
 DBPrune skips a different subset of blocks at each step. A tiny Flux pipeline under either and
 a tiny Wan pipeline with CFG under DBCache give under the executor the outputs of the same cache
 without it, bit for bit, on the host path and the device path's twin; cache-dit's own record
-says it skipped."""
+says it skipped. And cache-dit's layer-wise offload, which moves weights itself, is refused by
+name."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 cache_dit = pytest.importorskip("cache_dit", reason="the cache-dit tests run the real cache-dit")
 
 from planners.executor import execute  # noqa: E402
+from planners.offload_hooks import offload_hooks, offload_warnings  # noqa: E402
 from tests.planners.conftest import EXECUTOR_PATHS  # noqa: E402
 from tests.planners.tiny_pipelines import (  # noqa: E402
     STEPS,
@@ -90,3 +92,27 @@ def test_a_wan_pipeline_with_cfg_under_dbcache_gives_its_outputs_under_the_execu
     assert torch.equal(got, expected)
     assert stats.roles["dit"]["released"] > 0 and len(stats.passes) == 2 * STEPS
 
+
+def _layerwise_offload(pipe):
+    """cache-dit's layer-wise offload of the pipeline's transformer, as a server with a GPU calls
+    it. Without one its pinned host mirror cannot be made: the same call, with the same hooks and
+    handle, then offloads to the meta device and leaves the weights where they are until a pass."""
+    if torch.cuda.is_available():
+        return cache_dit.layerwise_cpu_offload(pipe, onload_device="cuda")
+    return cache_dit.layerwise_offload(pipe, onload_device="cpu", offload_device="meta", eager_offload=False)
+
+
+def test_cache_dits_layerwise_offload_is_refused_by_name_and_warned_about(flux_folder):
+    plan = layer_plan(flux_folder, flux_pipe(flux_folder).transformer)
+    pipe = flux_pipe(flux_folder)
+    _layerwise_offload(pipe)
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in pipe.transformer.modules())
+    assert hooks > 0 and offload_hooks(pipe.transformer) == ["(the module itself): cache-dit's layerwise_offload"]
+    with pytest.raises(ValueError, match="cache-dit's layerwise_offload.*cache_dit.remove_layerwise_offload"):
+        execute(plan, {"dit": pipe.transformer}).__enter__()
+    assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in pipe.transformer.modules()) == hooks
+    (warning,) = offload_warnings({"dit": pipe.transformer})
+    assert warning.startswith("dit carries cache-dit's layer-wise offload") and "anonymous" in warning
+    assert warning in layer_plan(flux_folder, pipe.transformer).warnings
+    assert cache_dit.remove_layerwise_offload(pipe, offload=False) == 1  # as the refusal says
+    assert offload_hooks(pipe.transformer) == [] and offload_warnings({"dit": pipe.transformer}) == []
