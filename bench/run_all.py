@@ -74,6 +74,13 @@ BENCHES = (
      "model in page cache (the compute bound); the disk bound is the executor's bytes read at the "
      "checkpoint's sequential read rate, measured in the same run. Needs a memory cgroup this process "
      "may nest under its own."),
+    ("bench_offloading.py", "Executor beside diffusers' group offloading, accelerate's disk_offload and a whole load",
+     "The executor's synthetic model and memory cgroup (half the model in page cache), each way in a fresh child "
+     "that sets up before it joins the group: diffusers' group offloading at block level to disk and accelerate's "
+     "disk_offload with the CPU as their device (their copies written at setup, counted in their start, their "
+     "page cache then dropped), and the whole model as anonymous memory (what model CPU offload holds on the "
+     "host), which the group's OOM killer ends. Peak anonymous memory is the group's, sampled every 1 ms by "
+     "hostmem's peak tracker. Needs a memory cgroup this process may nest under its own."),
     ("bench_cli.py", "Light commands: start-up against `python -c pass`", ""),
 )
 
