@@ -38,9 +38,16 @@ Release: ``MADV_DONTNEED`` unmaps the layer's pages from this process (a read-on
 mapping loses nothing: the page cache still holds the bytes), then
 ``POSIX_FADV_DONTNEED`` drops them from the page cache. A private writable mapping
 (what diffusers' loader leaves) may hold a page a write made anonymous, which
-``MADV_DONTNEED`` would silently revert to the file's bytes: such a range is released
-with ``MADV_PAGEOUT`` instead, which reclaims only the file's own pages. Only whole pages
-inside the layer are released, never a neighbour's.
+``MADV_DONTNEED`` would silently revert to the file's bytes: such a range is first
+looked up in /proc/self/pagemap (one read of 8 bytes a page), and where any page of it is
+a private copy (present and not the file's, or swapped) it is released with
+``MADV_PAGEOUT``, which reclaims only the file's own pages. A range without one is
+released as a read-only one is: ``MADV_PAGEOUT`` walks and reclaims page by page, and
+on a 2 GiB model it cost 0.09 s a pass where the two calls cost 0.01 s. The lookup and
+the release run on the thread that runs the layers, right after the layer's forward: a
+write to that layer's weights from the model's own code has either happened (and is
+seen) or comes after the release (and copies the file's bytes, as any write would).
+Only whole pages inside the layer are released, never a neighbour's.
 """
 
 from __future__ import annotations
@@ -56,7 +63,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from hostmem.errors import InputError
-from hostmem.procfs import PAGE_SIZE
+from hostmem.pagemap import PagemapReader
+from hostmem.procfs import PAGE_SIZE, ProcReadError
 
 from .layout import FileRange, inner_pages
 
@@ -90,6 +98,7 @@ class FileHandles:
         self._buffer: bytearray | None = None
         self._pool: ThreadPoolExecutor | None = None
         self.inflight: dict[FileRange, list] = {}  # parallel: pieces queued, not yet waited for
+        self._pagemap: PagemapReader | None = None  # private writable mappings' releases look here first
 
     def fd(self, path: str) -> int:
         with self._lock:
@@ -106,6 +115,14 @@ class FileHandles:
             self._buffer = bytearray(_CHUNK)  # touched once here, reused for every read
         return memoryview(self._buffer)
 
+    def private_copies(self, address: int, length: int) -> int:
+        """Pages of ``[address, address + length)`` a write made this process's own (see the module doc)."""
+        with self._lock:
+            if self._pagemap is None:
+                self._pagemap = PagemapReader()
+            pagemap = self._pagemap
+        return pagemap.private_copies(address, address + length)
+
     def pool(self) -> ThreadPoolExecutor:
         """The reader threads of ``parallel`` (made on first use)."""
         with self._lock:
@@ -119,6 +136,9 @@ class FileHandles:
                 os.close(fd)
             self._fds.clear()
             self._buffer = None
+            if self._pagemap is not None:
+                self._pagemap.close()
+                self._pagemap = None
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
@@ -237,9 +257,17 @@ def _hugepage(address: int, length: int) -> None:
             raise OSError(code, f"madvise(MADV_HUGEPAGE) of {length} bytes at {address:#x}: {os.strerror(code)}")
 
 
+def _may_hold_copies(handles: FileHandles, address: int, length: int) -> bool:
+    """Whether a write may have made a page of the range anonymous (yes where pagemap cannot tell)."""
+    try:
+        return handles.private_copies(address, length) > 0
+    except ProcReadError:
+        return True
+
+
 def _drop(r: FileRange, handles: FileHandles, address: int, length: int) -> int:
-    if r.writable:
-        _madvise(address, length, _MADV_PAGEOUT, "MADV_PAGEOUT")
+    if r.writable and _may_hold_copies(handles, address, length):
+        _madvise(address, length, _MADV_PAGEOUT, "MADV_PAGEOUT")  # keeps what a write made anonymous
         return length
     _madvise(address, length, mmap.MADV_DONTNEED, "MADV_DONTNEED")
     os.posix_fadvise(handles.fd(r.path), r.offset + (address - r.address), length, os.POSIX_FADV_DONTNEED)
