@@ -65,4 +65,7 @@ moved_modules(__name__, {
     "shared_build": "ranks.shared_build", "shared_faults": "ranks.faults", "shared_fold": "ranks.fold",
     "process_group": "ranks.process_group", "tp_shards": "ranks.tp_shards",
     **{f"tp_shards.{name}": f"ranks.tp_shards.{name}" for name in ("spec", "plan", "full_base", "shard_math")},
+    # the merge's stages, each in its room (read, key, build, place)
+    "adapter_paths": "adapters.paths", "key_names": "adapters.key_names",
+    "checkpoint_model": "adapters.checkpoint_model",
 })

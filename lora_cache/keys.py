@@ -21,7 +21,7 @@ rounded once, as the separate weight it stands for; the padding costs rows x ran
 
 Resolution works on names and shapes only (``{parameter name: shape}``), so the same code
 serves a loaded model and a checkpoint's headers (the planner's provider). That part
-imports no torch and lives in :mod:`lora_cache.key_names`; this module adds the tensors
+imports no torch and lives in :mod:`lora_cache.adapters.key_names`; this module adds the tensors
 (placements on rows, deltas, shape checks).
 """
 
@@ -36,7 +36,7 @@ import torch
 from .adapters import Adapter, AdapterFile, ModuleChange
 from .adapters.lycoris_parts import LOHA_ROLES, LOKR_ROLES, ROLES as FACTORED, kind_of, rank_of, shape_of
 from .dora_lycoris import PEFT, axis_of
-from .key_names import KeyResolutionError, KeyRule, ModuleIndex, Target, resolve_stem
+from .adapters.key_names import KeyResolutionError, KeyRule, ModuleIndex, Target, resolve_stem
 from .lycoris_math import Factors
 from .merge_math import Delta, lora_scale
 

@@ -29,7 +29,7 @@ from hostmem.vault.content_hash import CONTENT_HASH_MEMO, MEMO_NAME, file_digest
 from hostmem.vault.records import CONVERSIONS
 from hostmem.vault.shelf import Shelf
 
-from .adapter_paths import adapter_file_in
+from .adapters.paths import adapter_file_in
 from .header_targets import NeedsReader, adapter_path_rules, header_targets, listed_adapters, tensor_targets
 
 __all__ = ["loader_for", "recorded_targets"]

@@ -19,7 +19,7 @@ import torch
 
 from hostmem.safetensors.mapping import SafetensorsError, open_readonly
 
-from ..adapter_paths import adapter_file_in, peft_config_path
+from .paths import adapter_file_in, peft_config_path
 from .alpha import AlphaSources, PeftConfig, diffusers_metadata, header_alpha, peft_config_from
 from .checks import FiniteCheck, check_change
 from .formats import Reading, detect, known_parts, split_key

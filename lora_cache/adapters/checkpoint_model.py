@@ -29,7 +29,7 @@ def served_as(tree, class_name: str | None, config: dict | None):
     try:
         from diffusers.configuration_utils import FrozenDict
 
-        from .adapters.diffusers_format import diffusers_loader
+        from .diffusers_format import diffusers_loader
     except ImportError:  # diffusers is an optional extra: without it the server reads as this package does
         return tree
     tree.__class__ = type(class_name, (type(tree),), {"__doc__": f"A mapped checkpoint of a {class_name}."})
