@@ -68,4 +68,5 @@ moved_modules(__name__, {
     # the merge's stages, each in its room (read, key, build, place)
     "adapter_paths": "adapters.paths", "key_names": "adapters.key_names",
     "checkpoint_model": "adapters.checkpoint_model",
+    "lycoris_math": "terms.lycoris_math", "dora_lycoris": "terms.dora_lycoris",
 })

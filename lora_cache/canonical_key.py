@@ -9,7 +9,7 @@ under three keys, and an image built ahead of time never served a diffusers serv
 The key covers, per adapter, its meaning: the digest of its canonical form (for every
 target parameter, by its name in its component, each term's scale and diff scale, written
 exactly with ``float.hex``, and its factors' shapes and dtypes; a LyCORIS factored term's
-kind, parts and placement, :mod:`lora_cache.lycoris_math`: a LoHa never keys as a LoRA)
+kind, parts and placement, :mod:`lora_cache.terms.lycoris_math`: a LoHa never keys as a LoRA)
 together with the values
 each term places (the up rows a fused target takes, a padded slice included). A peft
 folder and a kohya file of the same math are then one key, and the file's own content
@@ -32,7 +32,7 @@ import json
 import os
 from typing import Mapping
 
-from .merge_math import Delta
+from .terms.delta import Delta
 
 __all__ = ["adapter_forms", "adapter_meanings"]
 

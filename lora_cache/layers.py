@@ -31,7 +31,8 @@ from hostmem.procfs import PAGE_SIZE, Vma
 from hostmem.slots import MappedAreas
 from hostmem.safetensors.mapping import open_readonly
 
-from .merge_math import FP32_ROWS, Delta, Scratch, merged_weight
+from .merge_math import FP32_ROWS, Scratch, merged_weight
+from .terms.delta import Delta
 
 
 class WeightPart(Protocol):

@@ -45,8 +45,9 @@ import torch
 from hostmem.torch_threads import one_thread
 
 from .layers import LayerTarget
-from .dora_lycoris import COLUMNS
-from .merge_math import Delta, Term, UnsupportedAdapterError, add_terms, column_scales
+from .terms.dora_lycoris import COLUMNS
+from .merge_math import Term, UnsupportedAdapterError, add_terms, column_scales
+from .terms.delta import Delta
 
 __all__ = ["POLICIES", "SAMPLE_ROWS", "THRESHOLD", "RoundingCheck", "RoundingLossError", "check_policy", "decide",
            "has_values", "is_stand_in", "lost_share", "measure", "split_lossy"]

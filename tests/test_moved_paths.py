@@ -35,6 +35,8 @@ MOVED = {
     "lora_cache.adapter_paths": "lora_cache.adapters.paths",
     "lora_cache.key_names": "lora_cache.adapters.key_names",
     "lora_cache.checkpoint_model": "lora_cache.adapters.checkpoint_model",
+    "lora_cache.lycoris_math": "lora_cache.terms.lycoris_math",
+    "lora_cache.dora_lycoris": "lora_cache.terms.dora_lycoris",
     "planners.executor.roles": "planners.layer_roles",
     "planners.executor.tier": "planners.executor_tier",
     "planners.executor.calibration": "planners.calibration",

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from ...dora_lycoris import COLUMNS
+from ...terms.dora_lycoris import COLUMNS
 from ...merge_math import (BF16_ADDMM, FP32_ROWS, Accumulators, Delta, Scratch, Term, UnsupportedAdapterError, add_terms,
                           one_pass_applies, row_blocks)
 
@@ -32,7 +32,7 @@ __all__ = ["shard_merged"]
 
 def _refuse_dora_apart(deltas: list[Delta], shard: "Shard") -> None:
     """A DoRA term norms whole rows (peft's; LyCORIS's row axis) or whole columns over every
-    row (LyCORIS's input axis, :mod:`lora_cache.dora_lycoris`): a part that lacks them
+    row (LyCORIS's input axis, :mod:`lora_cache.terms.dora_lycoris`): a part that lacks them
     cannot be merged alone without normalising by the wrong norms."""
     for delta in deltas:
         if delta.magnitude is not None and (shard.dim == 1 or delta.dora == COLUMNS):

@@ -54,7 +54,7 @@ def add_decomposed(flat: torch.Tensor, add_term: Callable[[torch.Tensor], None],
                    row_magnitude: torch.Tensor | None, columns: torch.Tensor | None) -> None:
     """``flat`` (a row block, fp32, 2-D) becomes ``P + s * (D - P)`` (see the module);
     ``add_term(flat)`` adds the block's rows of the scaled term (a LoRA pair's ``up @ down``,
-    or a LoHa's or LoKr's change: :mod:`lora_cache.lycoris_math`); ``row_magnitude`` the
+    or a LoHa's or LoKr's change: :mod:`lora_cache.terms.lycoris_math`); ``row_magnitude`` the
     block's values on the row axis, else ``columns`` the layer's column factors
     (:func:`column_scale`)."""
     before = flat.clone()
