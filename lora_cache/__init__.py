@@ -41,7 +41,7 @@ _EXPORTS = {
     "Adapter": "adapters",
     "read_adapter": "adapters",
     "AdapterError": "adapters",
-    "KeyResolutionError": "keys",
+    "KeyResolutionError": "targets.keys",
     "load_lora": "diffusers_entry",
     "UnsupportedAdapterError": "merge_math",
     "set_adapters": "switching.adapter_switch",
@@ -69,4 +69,6 @@ moved_modules(__name__, {
     "adapter_paths": "adapters.paths", "key_names": "adapters.key_names",
     "checkpoint_model": "adapters.checkpoint_model",
     "lycoris_math": "terms.lycoris_math", "dora_lycoris": "terms.dora_lycoris",
+    "keys": "targets.keys", "header_targets": "targets.header_targets",
+    "planned_conversion": "targets.planned_conversion",
 })

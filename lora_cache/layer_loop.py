@@ -27,7 +27,8 @@ from hostmem.units import format_rate, format_size
 from .adapters.checks import check_before_use
 from hostmem.vault.handoff import Handoff
 from .kernels import KernelPlan, block_workers, plan_for_targets
-from .layers import AddressSpace, LayerTarget, Snapshot, compute_merged, install, merge_in_place
+from .layers import Snapshot, compute_merged, install, merge_in_place
+from .targets.layer_target import AddressSpace, LayerTarget
 from .buffers import PAGE, claim_after as _claim_after, ring_bytes
 from .merge_math import Scratch, compute_device, scratch_bytes, sums_in_output
 

@@ -26,9 +26,10 @@ from .base_shards import base_positions, base_shards
 from .combination import MERGE_POLICY, combination_key, inputs_but_base, kernel_roots, merge_policy
 from .kernels import KernelPlan, plan_for_targets
 from .kernels.precision import fp32_matmul_precision
-from .keys import ModuleIndex, plan_deltas
+from .targets.keys import ModuleIndex, plan_deltas
 from .layer_loop import CacheBuildError, MergeStats, cyclic_gc_paused, merge_layers
-from .layers import AddressSpace, LayerTarget, components_of, is_merged, keep_base, named_parameters, unmerge
+from .layers import is_merged, keep_base, unmerge
+from .targets.layer_target import AddressSpace, LayerTarget, components_of, named_parameters
 from .merge_math import compute_device
 from .rounding import check_policy, decide, has_values, is_stand_in, say, split_lossy
 from .rounding_memo import RoundingSplit

@@ -44,7 +44,7 @@ import torch
 
 from hostmem.torch_threads import one_thread
 
-from .layers import LayerTarget
+from .targets.layer_target import LayerTarget
 from .terms.dora_lycoris import COLUMNS
 from .merge_math import Term, UnsupportedAdapterError, add_terms, column_scales
 from .terms.delta import Delta

@@ -27,7 +27,7 @@ import math
 from hostmem.vault.records import ROUNDING
 from hostmem.vault.shelf import Shelf
 
-from .layers import LayerTarget
+from .targets.layer_target import LayerTarget
 from .rounding import SAMPLE_COLUMNS, SAMPLE_ROWS, THRESHOLD, RoundingCheck, decide, measure
 
 __all__ = ["MEASURE", "RoundingSplit"]

@@ -20,7 +20,7 @@ from torch import nn
 
 from hostmem.errors import InputError
 from .adapters.checks import check_before_use
-from .layers import LayerTarget
+from .targets.layer_target import LayerTarget
 
 __all__ = ["CHILD", "RuntimeLoRA", "apply_runtime", "remove_runtime", "runtime_bytes", "unsupported_reason"]
 

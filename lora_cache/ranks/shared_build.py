@@ -67,7 +67,7 @@ from ..base_shards import base_shards
 from ..combination import combination_key, inputs_but_base
 from ..kernels.workers import cpu_count, workers_at_most
 from ..layer_loop import CacheBuildError, MergeStats, merge_layers
-from ..layers import AddressSpace, LayerTarget
+from ..targets.layer_target import AddressSpace, LayerTarget
 from .process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
 from .faults import PeerWatch, RankDiedError, cannot_store, storing, this_process, warn_in_place
 from hostmem.vault import Vault, VaultError

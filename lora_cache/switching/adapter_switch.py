@@ -42,7 +42,8 @@ from ..adapters.checks import check_before_use
 from ..adapters.conversion_memo import ValuesNeeded
 from ..combination import kernel_roots
 from ..kernels import plan_for_targets
-from ..layers import LayerTarget, components_of, is_merged
+from ..layers import is_merged
+from ..targets.layer_target import LayerTarget, components_of
 from ..layers import keep_base, unmerge as unmerge_layers
 from ..rounding import say, split_lossy
 from ..orchestrate import CacheBuildError, cache_roots, merge, merge_layers, open_combination, plan_targets

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import lora_cache
-from lora_cache.keys import KeyResolutionError
+from lora_cache.targets.keys import KeyResolutionError
 from tests.conftest import mapped_model
 
 peft = pytest.importorskip("peft", reason="the peft comparisons need peft (pip install hostmem[test])")

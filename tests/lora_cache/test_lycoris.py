@@ -15,7 +15,7 @@ from torch import nn
 import lora_cache
 from hostmem.safetensors.mapping import load_readonly
 from lora_cache import read_adapter
-from lora_cache.keys import KeyResolutionError
+from lora_cache.targets.keys import KeyResolutionError
 from tests.conformance.corpus import comfyui_dora  # ComfyUI's weight_decompose, written from it
 from tests.conftest import mapped_model, write_safetensors
 

@@ -19,7 +19,8 @@ from torch import nn
 
 from ...buffers import compute_device
 from ...kernels import KernelPlan, plan_kernels
-from ...layers import AddressSpace, LayerTarget, Snapshot, install, unmerge
+from ...layers import Snapshot, install, unmerge
+from ...targets.layer_target import AddressSpace, LayerTarget
 from .full_base import WholeWeights
 from .spec import Shard
 

@@ -29,9 +29,9 @@ from collections.abc import Iterable
 from hostmem.errors import HostmemError
 from hostmem.safetensors.header import SafetensorsError, read_header
 
-from .adapters.paths import adapter_file_in, peft_config_path
-from .adapters.formats import loha, lokr, split_key
-from .adapters.key_names import KeyResolutionError, KeyRule, ModuleIndex, resolve_stem
+from ..adapters.paths import adapter_file_in, peft_config_path
+from ..adapters.formats import loha, lokr, split_key
+from ..adapters.key_names import KeyResolutionError, KeyRule, ModuleIndex, resolve_stem
 
 __all__ = ["NeedsReader", "adapter_path_rules", "header_targets", "listed_adapters", "tensor_targets"]
 

@@ -33,12 +33,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .adapters import Adapter, AdapterFile, ModuleChange
-from .adapters.lycoris_parts import LOHA_ROLES, LOKR_ROLES, ROLES as FACTORED, kind_of, rank_of, shape_of
-from .terms.dora_lycoris import PEFT, axis_of
-from .adapters.key_names import KeyResolutionError, KeyRule, ModuleIndex, Target, resolve_stem
-from .terms.lycoris_math import Factors
-from .terms.delta import Delta, lora_scale
+from ..adapters import Adapter, AdapterFile, ModuleChange
+from ..adapters.lycoris_parts import LOHA_ROLES, LOKR_ROLES, ROLES as FACTORED, kind_of, rank_of, shape_of
+from ..terms.dora_lycoris import PEFT, axis_of
+from ..adapters.key_names import KeyResolutionError, KeyRule, ModuleIndex, Target, resolve_stem
+from ..terms.lycoris_math import Factors
+from ..terms.delta import Delta, lora_scale
 
 __all__ = ["KeyResolutionError", "KeyRule", "ModuleIndex", "Placement", "Target", "plan_deltas", "resolve_adapter"]
 
