@@ -43,7 +43,7 @@ _EXPORTS = {
     "AdapterError": "adapters",
     "KeyResolutionError": "targets.keys",
     "load_lora": "diffusers_entry",
-    "UnsupportedAdapterError": "merge_math",
+    "UnsupportedAdapterError": "compute.merge_math",
     "set_adapters": "switching.adapter_switch",
     "swap_ready": "switching.adapter_switch",
     "set_pipeline_adapters": "switching.diffusers_switch",
@@ -71,4 +71,6 @@ moved_modules(__name__, {
     "lycoris_math": "terms.lycoris_math", "dora_lycoris": "terms.dora_lycoris",
     "keys": "targets.keys", "header_targets": "targets.header_targets",
     "planned_conversion": "targets.planned_conversion",
+    "canonical_key": "key.canonical_key", "combination": "key.combination", "base_shards": "key.base_shards",
+    "merge_math": "compute.merge_math", "buffers": "compute.buffers",
 })

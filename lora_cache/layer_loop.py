@@ -29,8 +29,8 @@ from hostmem.vault.handoff import Handoff
 from .kernels import KernelPlan, block_workers, plan_for_targets
 from .layers import Snapshot, compute_merged, install, merge_in_place
 from .targets.layer_target import AddressSpace, LayerTarget
-from .buffers import PAGE, claim_after as _claim_after, ring_bytes
-from .merge_math import Scratch, compute_device, scratch_bytes, sums_in_output
+from .compute.buffers import PAGE, claim_after as _claim_after, ring_bytes
+from .compute.merge_math import Scratch, compute_device, scratch_bytes, sums_in_output
 
 __all__ = ["CacheBuildError", "MergeStats", "cyclic_gc_paused", "merge_layers"]
 

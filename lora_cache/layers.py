@@ -28,7 +28,7 @@ from hostmem.errors import HostmemError
 from hostmem.pinning import replaced
 from hostmem.safetensors.mapping import open_readonly
 
-from .merge_math import FP32_ROWS, Scratch, merged_weight
+from .compute.merge_math import FP32_ROWS, Scratch, merged_weight
 from .targets.layer_target import AddressSpace, LayerTarget, components_of, named_parameters
 
 __all__ = [
@@ -75,7 +75,7 @@ def compute_merged(target: LayerTarget, out: torch.Tensor, scratch: Scratch, wor
 
     ``workers`` is a thread pool for the row blocks, ``kernel`` the one chosen for this
     layer (see :mod:`lora_cache.kernels`); ``claim`` and ``publish`` let a caller stream
-    ``out`` while it is computed (see :func:`lora_cache.merge_math.merged_weight`).
+    ``out`` while it is computed (see :func:`lora_cache.compute.merge_math.merged_weight`).
     """
     if target.shard is not None:  # the deltas are the whole weight's: sum as the whole layer is
         return target.shard.merged(target.current.detach(), target.deltas, out, scratch, workers, claim, publish,

@@ -133,7 +133,8 @@ def _read_targets(infos: dict, holder: dict, adapters, root: str | None, loader=
     from .adapters.for_model import read_adapters
     from .targets.keys import ModuleIndex, plan_deltas
     from .kernels import plan_kernels
-    from .combination import combination_key
+    from .kernels.policy import merge_policy
+    from .key.combination import key_of
     from hostmem.vault import Vault
 
     specs = as_adapters(adapters)
@@ -145,8 +146,8 @@ def _read_targets(infos: dict, holder: dict, adapters, root: str | None, loader=
         shards = sorted({holder[name] for name in planned})  # the key covers the shards holding targets
         layers = ((infos[name].shape, infos[name].torch_dtype, deltas) for name, deltas in planned.items())
         kernels = plan_kernels(layers, None, vault.root)  # the key names the kernels a build would use
-        key = combination_key(vault, files, specs, shards, {infos[n].torch_dtype for n in planned}, None, kernels,
-                              planned=planned).hex
+        key = key_of(vault, files, specs, shards, {infos[n].torch_dtype for n in planned}, merge_policy(None, kernels),
+                     planned=planned).hex
         cached = any(c.key == key and c.complete for c in vault.combinations())
     return tuple(planned), key, cached
 

@@ -46,7 +46,7 @@ from hostmem.torch_threads import one_thread
 
 from .targets.layer_target import LayerTarget
 from .terms.dora_lycoris import COLUMNS
-from .merge_math import Term, UnsupportedAdapterError, add_terms, column_scales
+from .compute.merge_math import Term, UnsupportedAdapterError, add_terms, column_scales
 from .terms.delta import Delta
 
 __all__ = ["POLICIES", "SAMPLE_ROWS", "THRESHOLD", "RoundingCheck", "RoundingLossError", "check_policy", "decide",

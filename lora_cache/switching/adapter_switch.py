@@ -40,7 +40,7 @@ from hostmem.errors import InputError
 from ..adapters import Adapter, as_adapters
 from ..adapters.checks import check_before_use
 from ..adapters.conversion_memo import ValuesNeeded
-from ..combination import kernel_roots
+from ..key.combination import kernel_roots
 from ..kernels import plan_for_targets
 from ..layers import is_merged
 from ..targets.layer_target import LayerTarget, components_of

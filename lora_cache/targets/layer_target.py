@@ -31,8 +31,8 @@ class WeightPart(Protocol):
 
     def merged(self, base: torch.Tensor, deltas: list[Delta], out: torch.Tensor, scratch, workers=None,
                claim=None, publish=None, kernel: str = ...) -> torch.Tensor:
-        """``scratch``: a :class:`lora_cache.build.buffers.Scratch`; ``kernel``: the layer's
-        (default :data:`lora_cache.build.merge_math.FP32_ROWS`)."""
+        """``scratch``: a :class:`lora_cache.compute.buffers.Scratch`; ``kernel``: the layer's
+        (default :data:`lora_cache.compute.merge_math.FP32_ROWS`)."""
 
 
 @dataclass(eq=False)

@@ -7,5 +7,5 @@
 - :mod:`.dora_lycoris`: LyCORIS's DoRA, its axis and its decomposed sum, as ComfyUI merges it.
 
 Part of the read stage: the key (:mod:`lora_cache.key`) covers these terms and the build
-(:mod:`lora_cache.build`) sums them; nothing here knows either.
+(:mod:`lora_cache.compute`) sums them; nothing here knows either.
 """

@@ -4,7 +4,7 @@ Every reader ends here: a LoRA pair, a full diff, a DoRA magnitude, a LyCORIS fa
 change (:mod:`lora_cache.terms.lycoris_math`), each a :class:`Delta` whose ``scale`` is
 final (strength x alpha / rank, :func:`lora_scale`, made once where the adapter's keys
 are laid on the model: :mod:`lora_cache.targets.keys`). The combination's key
-(:mod:`lora_cache.key`) covers these terms and the build (:mod:`lora_cache.build`) sums
+(:mod:`lora_cache.key`) covers these terms and the build (:mod:`lora_cache.compute`) sums
 them; neither computes a scale again.
 """
 

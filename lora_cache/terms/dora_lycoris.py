@@ -14,7 +14,7 @@ where ``norm`` is, on the column axis, each input column's norm of ``C`` over al
 The row axis differs from LyCORIS's own trainer (which norms ``C``) and from peft's
 DoRA; ComfyUI is followed because the house serves what ComfyUI serves for a file of
 its layout, and the difference is stated in docs/adapter-formats.md. peft's DoRA (its
-``lora_magnitude_vector``, strength inside the scale) is :mod:`lora_cache.merge_math`'s.
+``lora_magnitude_vector``, strength inside the scale) is :mod:`lora_cache.compute.merge_math`'s.
 
 The column axis needs the whole layer's column norms before any row block is merged:
 :func:`column_scale` turns the sums of squares a first pass gathers into each flattened

@@ -148,7 +148,7 @@ def test_a_magnitude_vector_of_input_columns_is_never_normed_by_rows(tmp_path):
 def test_a_dora_term_on_a_part_that_lacks_its_norms_is_refused(dora, dim):
     """A tensor-parallel part without the rows or columns a DoRA term's norms span is never
     merged alone (its norms would be a part's)."""
-    from lora_cache.merge_math import Delta, Scratch
+    from lora_cache.compute.merge_math import Delta, Scratch
     from lora_cache.ranks.tp_shards import Shard
     from lora_cache.ranks.tp_shards.shard_math import shard_merged
 

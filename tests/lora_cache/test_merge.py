@@ -9,7 +9,7 @@ import torch
 
 import lora_cache
 from hostmem import account
-from lora_cache.merge_math import (
+from lora_cache.compute.merge_math import (
     BF16_ADDMM,
     FP32_ROWS,
     Delta,

@@ -40,7 +40,7 @@ else:                      # safetensors' own loader: a private, writable mappin
 from types import SimpleNamespace
 from lora_cache.kernels import plan_for_targets
 from lora_cache.kernels.workers import worker_count
-from lora_cache.merge_math import BF16_ADDMM, scratch_bytes
+from lora_cache.compute.merge_math import BF16_ADDMM, scratch_bytes
 from lora_cache.orchestrate import plan_targets
 targets = plan_targets(model, [adapter])[0]
 cpu, largest = torch.device("cpu"), max(targets, key=lambda t: t.nbytes)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ...buffers import compute_device
+from ...compute.buffers import compute_device
 from ...kernels import KernelPlan, plan_kernels
 from ...layers import Snapshot, install, unmerge
 from ...targets.layer_target import AddressSpace, LayerTarget

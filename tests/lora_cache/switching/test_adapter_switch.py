@@ -71,7 +71,7 @@ def switch(k):
 from types import SimpleNamespace
 from lora_cache.kernels import plan_for_targets
 from lora_cache.kernels.workers import worker_count
-from lora_cache.merge_math import BF16_ADDMM, scratch_bytes
+from lora_cache.compute.merge_math import BF16_ADDMM, scratch_bytes
 from lora_cache.orchestrate import plan_targets
 targets = plan_targets(model, [a])[0]
 kernel = plan_for_targets(targets, "cpu", os.path.join(folder, "root")).kernel_for(

@@ -39,11 +39,11 @@ from typing import Callable
 
 import torch
 
-from .adapters.spec import UnsupportedAdapterError
+from ..adapters.spec import UnsupportedAdapterError
 from .buffers import Scratch, compute_device, host_buffer
-from .terms.delta import Delta, lora_scale
-from .terms.dora_lycoris import COLUMNS, PEFT, add_decomposed, column_scale
-from .terms.lycoris_math import Prepared
+from ..terms.delta import Delta, lora_scale
+from ..terms.dora_lycoris import COLUMNS, PEFT, add_decomposed, column_scale
+from ..terms.lycoris_math import Prepared
 
 __all__ = [
     "Accumulators",
