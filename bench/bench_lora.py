@@ -110,7 +110,7 @@ def _touch(tensors: list[torch.Tensor]) -> None:
 
 
 def _load(shards: list[str], private: bool):
-    from lora_cache.layers import checkpoint_module, module_tree
+    from lora_cache.placement.layers import checkpoint_module, module_tree
 
     if not private:
         return checkpoint_module(shards)
@@ -161,7 +161,7 @@ def _start(shards, adapter, root) -> dict:
     stats = None
     if adapter:
         import lora_cache
-        from lora_cache.layers import module_tree
+        from lora_cache.placement.layers import module_tree
 
         model = module_tree(named)
         stats = lora_cache.merge(model, [adapter], root, base_files=shards, progress=False, rounding="merge").to_dict()
@@ -251,7 +251,7 @@ def _arithmetic(shards: list[str], adapter: str, root: str) -> dict:
     """The build's arithmetic alone: every layer summed in fp32 and cast into the output
     buffer as the build does it (same scratch, same block workers), nothing written."""
     from lora_cache.kernels import block_workers, plan_for_targets
-    from lora_cache.layers import checkpoint_module, compute_merged
+    from lora_cache.placement.layers import checkpoint_module, compute_merged
     from lora_cache.compute.merge_math import Scratch
     from lora_cache.orchestrate import plan_targets
 

@@ -30,12 +30,12 @@ from .kernels.policy import MERGE_POLICY, merge_policy
 from .kernels.precision import fp32_matmul_precision
 from .targets.keys import ModuleIndex, plan_deltas
 from .layer_loop import CacheBuildError, MergeStats, cyclic_gc_paused, merge_layers
-from .layers import is_merged, keep_base, unmerge
+from .placement.layers import is_merged, keep_base, unmerge
 from .targets.layer_target import AddressSpace, LayerTarget, components_of, named_parameters
 from .compute.merge_math import compute_device
-from .rounding import check_policy, decide, has_values, is_stand_in, say, split_lossy
-from .rounding_memo import RoundingSplit
-from .runtime_lora import apply_runtime
+from .placement.rounding import check_policy, decide, has_values, is_stand_in, say, split_lossy
+from .placement.rounding_memo import RoundingSplit
+from .placement.runtime_lora import apply_runtime
 from .ranks.process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
 from .settings import DISABLE_ENV, cache_disabled_by_env
 from .ranks.tp_shards import check_shards, full_shapes, shape_notes, split_shards
@@ -163,7 +163,7 @@ def open_combination(planned, specs, cache_root=None, *, max_size=None, base_fil
     (:mod:`lora_cache.switching.adapter_switch`): ``session.complete`` says whether every layer is
     held, and :func:`merge_layers` takes the session. ``sharding``: the targets are
     tensor-parallel parts merged apart (see :func:`combination_key`). ``rounding``: the
-    rounding policy (:mod:`lora_cache.rounding`); ``at_runtime``: names of targets kept
+    rounding policy (:mod:`lora_cache.placement.rounding`); ``at_runtime``: names of targets kept
     at run time, part of the key's inputs but never expected in the vault; ``form``: the
     deltas by layer name the key covers (default: the host targets'; a tensor-parallel
     rank's are the whole model's, as a single-process merge's).
@@ -185,7 +185,7 @@ def _open_in(targets: list[LayerTarget], combination: Combination, roots: list[s
     as :func:`~hostmem.vault.roots.cache_roots` gave them: :func:`merge` resolves its
     ``cache_root`` once and walks it with that list. ``lossy``: where given, it decides
     ``at_runtime`` once the key is known, from the combination's record where there is one
-    (:mod:`lora_cache.rounding_memo`)."""
+    (:mod:`lora_cache.placement.rounding_memo`)."""
     host = _host(targets)
     space = AddressSpace()
     shards = base_shards(host, base_files, space)
@@ -260,7 +260,7 @@ def merge(
     whole merged layer's file, columns from a file of their own whose key names the
     sharding (see :mod:`lora_cache.ranks.tp_shards`; ``stats.shard_keys`` lists those keys).
     ``rounding``: what to do with a layer whose merged weight would lose a material share
-    of its update to rounding (:mod:`lora_cache.rounding`): ``"runtime"`` keeps its terms
+    of its update to rounding (:mod:`lora_cache.placement.rounding`): ``"runtime"`` keeps its terms
     at run time on the base, ``"merge"`` merges anyway, ``"refuse"`` raises; any loss is
     said in one line and recorded in ``stats.rounding``.
 
@@ -340,7 +340,7 @@ def merge(
 
 def _merge_planned(model, specs, planned, session, *, rounding: str = "runtime", **options) -> MergeStats:
     """:func:`merge_layers` of the targets to merge, then the lossy ones hooked at run time
-    (``planned``: :func:`lora_cache.rounding.split_lossy`'s three). When the targets were
+    (``planned``: :func:`lora_cache.placement.rounding.split_lossy`'s three). When the targets were
     planned from conversion records (no values) and a layer must be computed, it stops
     before any weight changes: the adapters are then converted, the targets planned and
     measured again, and merged with the same key and kernels (a lossy layer is never

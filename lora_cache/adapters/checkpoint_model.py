@@ -2,7 +2,7 @@
 diffusers model will be.
 
 ``hostmem lora merge`` builds a cache without the model's class: the checkpoint's tensors
-become parameters of a module tree named like them (:func:`lora_cache.layers.checkpoint_module`).
+become parameters of a module tree named like them (:func:`lora_cache.placement.layers.checkpoint_module`).
 Read against that tree, an adapter went through this package's own reader, while the
 server's ``load_lora`` (of a pipeline or a model), ``merge`` and ``set_adapters`` of the
 diffusers model read it through diffusers' converter for the model's class

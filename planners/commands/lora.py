@@ -89,7 +89,7 @@ def _model(paths: list[str], shard_args: list[str]):
     parameter as the part a tensor-parallel rank holds (a view of the mapped whole), and
     the ``shards=`` spec that says so (None without). A bad ``--shard`` names itself."""
     from hostmem.safetensors.mapping import open_readonly
-    from lora_cache.layers import checkpoint_module, module_tree
+    from lora_cache.placement.layers import checkpoint_module, module_tree
     from lora_cache.ranks.tp_shards import ShardSpecError, check_shards, parse_shard_args
 
     if not shard_args:

@@ -11,7 +11,7 @@ import torch
 import lora_cache
 from lora_cache.kernels import WISDOM_FILE, machine, measure_kernels, plan_kernels, shape_class, worker_count
 from lora_cache.kernels.wisdom import entry_key
-from lora_cache.layers import checkpoint_module
+from lora_cache.placement.layers import checkpoint_module
 from lora_cache.compute.merge_math import BF16_ADDMM, FP32_ROWS, Delta, Scratch, merged_weight, one_pass_applies
 from tests.conftest import run_python, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, write_adapter

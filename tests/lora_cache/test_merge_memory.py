@@ -26,7 +26,7 @@ import torch, lora_cache
 from hostmem import account
 from hostmem.peak import track_peak_anon
 from hostmem.procfs import read_status
-from lora_cache.layers import checkpoint_module, module_tree
+from lora_cache.placement.layers import checkpoint_module, module_tree
 from safetensors import safe_open
 
 base, adapter, root, loader = sys.argv[1], sys.argv[2], sys.argv[3] or None, sys.argv[4]

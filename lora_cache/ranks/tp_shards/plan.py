@@ -19,7 +19,7 @@ from torch import nn
 
 from ...compute.buffers import compute_device
 from ...kernels import KernelPlan, plan_kernels
-from ...layers import Snapshot, install, unmerge
+from ...placement.layers import Snapshot, install, unmerge
 from ...targets.layer_target import AddressSpace, LayerTarget
 from .full_base import WholeWeights
 from .spec import Shard

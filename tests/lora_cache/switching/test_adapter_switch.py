@@ -13,7 +13,7 @@ import lora_cache
 from lora_cache.switching import adapter_switch
 from lora_cache.switching.forward_gate import NotASafePoint
 from lora_cache.orchestrate import plan_targets
-from lora_cache.runtime_lora import apply_runtime
+from lora_cache.placement.runtime_lora import apply_runtime
 from tests.conftest import run_python, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter
 from tests.lora_cache.switching.test_runtime_lora import fresh_merge, stack_adapter, stack_model

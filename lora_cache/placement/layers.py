@@ -28,8 +28,8 @@ from hostmem.errors import HostmemError
 from hostmem.pinning import replaced
 from hostmem.safetensors.mapping import open_readonly
 
-from .compute.merge_math import FP32_ROWS, Scratch, merged_weight
-from .targets.layer_target import AddressSpace, LayerTarget, components_of, named_parameters
+from ..compute.merge_math import FP32_ROWS, Scratch, merged_weight
+from ..targets.layer_target import AddressSpace, LayerTarget, components_of, named_parameters
 
 __all__ = [
     "AddressSpace",
@@ -99,7 +99,7 @@ def _remember(target: LayerTarget, snapshot: Snapshot) -> None:
 
 def keep_base(target: LayerTarget) -> None:
     """Record that ``target`` is served on its base as it is (its terms added at run time,
-    :mod:`lora_cache.rounding`): the model counts as merged, and unmerge reinstalls it."""
+    :mod:`lora_cache.placement.rounding`): the model counts as merged, and unmerge reinstalls it."""
     _remember(target, Snapshot(original=target.current))
 
 
