@@ -106,7 +106,7 @@ def _peft(folder: str, lora: str) -> float:
 # The steps one meaning per adapter file added to a start: the converter's probe (every key
 # accounted for), the canonical form's digest (one key per meaning), the rounding measure.
 CANONICAL_STEPS = (("lora_cache.adapters.diffusers_format", "dropped_by_converter"),
-                   ("lora_cache.combination", "adapter_forms"), ("lora_cache.rounding_memo", "measure"))
+                   ("lora_cache.key.combination", "adapter_forms"), ("lora_cache.placement.rounding_memo", "measure"))
 PHASES: dict[str, float] = {}
 
 

@@ -100,7 +100,7 @@ def _private_model(shards: list[str]):
     """The model as safetensors' own loader hands it over: views of a private, writable mapping."""
     from safetensors import safe_open
 
-    from lora_cache.layers import module_tree
+    from lora_cache.placement.layers import module_tree
 
     named = []
     for path in shards:
@@ -116,7 +116,7 @@ def start(kind: str, shards: list[str], adapter: str, root: str) -> dict:
     imported = time.perf_counter()
     if kind != "none":  # what a server with LoRA imports at its own import
         from lora_cache import merge
-        from lora_cache.layers import module_tree
+        from lora_cache.placement.layers import module_tree
     import_s = time.perf_counter() - imported
     gc.collect()
     modules = set(sys.modules)

@@ -44,7 +44,7 @@ import lora_cache  # noqa: E402
 from bench_lora import scenario  # noqa: E402
 from common import report, set_workdir_for_machine  # noqa: E402
 from hostmem.units import format_rate, format_size, parse_size  # noqa: E402
-from lora_cache.layers import checkpoint_module  # noqa: E402
+from lora_cache.placement.layers import checkpoint_module  # noqa: E402
 from hostmem.vault import fold  # noqa: E402
 from hostmem.vault.content_hash import CONTENT_HASH_MEMO, file_digest, hash_name  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402

@@ -110,7 +110,7 @@ def _touch(tensors: list[torch.Tensor]) -> None:
 
 
 def _load(shards: list[str], private: bool):
-    from lora_cache.layers import checkpoint_module, module_tree
+    from lora_cache.placement.layers import checkpoint_module, module_tree
 
     if not private:
         return checkpoint_module(shards)
@@ -161,7 +161,7 @@ def _start(shards, adapter, root) -> dict:
     stats = None
     if adapter:
         import lora_cache
-        from lora_cache.layers import module_tree
+        from lora_cache.placement.layers import module_tree
 
         model = module_tree(named)
         stats = lora_cache.merge(model, [adapter], root, base_files=shards, progress=False, rounding="merge").to_dict()
@@ -227,7 +227,7 @@ def _write_path(shards: list[str], root: str) -> dict:
     """The cache's write path alone: every base layer, copied into the merge's page-aligned
     output buffer (untimed, as the build's cast), put into a fresh combination, then sealed."""
     from hostmem.safetensors.mapping import load_readonly
-    from lora_cache.merge_math import Scratch
+    from lora_cache.compute.merge_math import Scratch
     from hostmem.vault import Vault
 
     named = [item for path in shards for item in load_readonly(path).items()]
@@ -251,8 +251,8 @@ def _arithmetic(shards: list[str], adapter: str, root: str) -> dict:
     """The build's arithmetic alone: every layer summed in fp32 and cast into the output
     buffer as the build does it (same scratch, same block workers), nothing written."""
     from lora_cache.kernels import block_workers, plan_for_targets
-    from lora_cache.layers import checkpoint_module, compute_merged
-    from lora_cache.merge_math import Scratch
+    from lora_cache.placement.layers import checkpoint_module, compute_merged
+    from lora_cache.compute.merge_math import Scratch
     from lora_cache.orchestrate import plan_targets
 
     targets, _ = plan_targets(checkpoint_module(shards), [adapter])

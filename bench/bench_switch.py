@@ -101,7 +101,7 @@ def _hostmem(folder: str, paths: dict) -> dict:
     import hostmem
     import lora_cache
     from lora_cache.orchestrate import plan_targets
-    from lora_cache.runtime_lora import apply_runtime, remove_runtime
+    from lora_cache.placement.runtime_lora import apply_runtime, remove_runtime
 
     model, root = _load(folder), os.path.join(folder, "cache")
     combos = {k: [(paths[a], s) for a, s in v] for k, v in COMBINATIONS.items()}

@@ -35,6 +35,7 @@ class _MovedModules:
 
     def __init__(self, table: dict[str, str]):
         self.table = table
+        self.specs: dict = {}  # new name -> the new module's own spec, kept across the import
 
     def find_spec(self, name: str, path=None, target=None):
         if name not in self.table:
@@ -42,10 +43,16 @@ class _MovedModules:
         return importlib.machinery.ModuleSpec(name, self)
 
     def create_module(self, spec):
-        return importlib.import_module(self.table[spec.name])
+        module = importlib.import_module(self.table[spec.name])
+        self.specs[module.__name__] = module.__spec__
+        return module
 
     def exec_module(self, module) -> None:
-        """Nothing to run: the new module ran when it was imported."""
+        """Nothing to run: the new module ran when it was imported. The import system has
+        just set its ``__spec__`` to the old path's; the new one is put back, or a relative
+        import inside a function of the module would resolve against the old path's
+        package and warn (``__package__ != __spec__.parent``)."""
+        module.__spec__ = self.specs[module.__name__]
 
 
 def moved_modules(package: str, moved: dict[str, str]) -> None:

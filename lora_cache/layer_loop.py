@@ -27,9 +27,10 @@ from hostmem.units import format_rate, format_size
 from .adapters.checks import check_before_use
 from hostmem.vault.handoff import Handoff
 from .kernels import KernelPlan, block_workers, plan_for_targets
-from .layers import AddressSpace, LayerTarget, Snapshot, compute_merged, install, merge_in_place
-from .buffers import PAGE, claim_after as _claim_after, ring_bytes
-from .merge_math import Scratch, compute_device, scratch_bytes, sums_in_output
+from .placement.layers import Snapshot, compute_merged, install, merge_in_place
+from .targets.layer_target import AddressSpace, LayerTarget
+from .compute.buffers import PAGE, claim_after as _claim_after, ring_bytes
+from .compute.merge_math import Scratch, compute_device, scratch_bytes, sums_in_output
 
 __all__ = ["CacheBuildError", "MergeStats", "cyclic_gc_paused", "merge_layers"]
 
@@ -56,7 +57,7 @@ class MergeStats:
     adapters: list[str] = field(default_factory=list)
     shard_keys: dict[str, str] = field(default_factory=dict)  # tensor-parallel shards merged apart: sharding -> key
     at_runtime: int = 0  # layers whose terms are added at run time: merging would round their update away
-    rounding: dict | None = None  # lora_cache.rounding.RoundingCheck.to_dict(): policy, threshold, shares lost
+    rounding: dict | None = None  # lora_cache.placement.rounding.RoundingCheck.to_dict(): policy, threshold, shares lost
 
     @property
     def rate(self) -> float:

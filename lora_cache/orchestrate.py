@@ -11,6 +11,7 @@ the anonymous high-water mark stays one layer wide.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import warnings
@@ -22,17 +23,19 @@ from hostmem.errors import InputError
 
 from .adapters import AdapterFile, as_adapters, read_adapters
 from .adapters.conversion_memo import ValuesNeeded
-from .base_shards import base_positions, base_shards
-from .combination import MERGE_POLICY, combination_key, inputs_but_base, kernel_roots, merge_policy
+from .key.base_shards import base_positions, base_shards
+from .key.combination import Combination, kernel_roots, key_of
 from .kernels import KernelPlan, plan_for_targets
+from .kernels.policy import MERGE_POLICY, merge_policy
 from .kernels.precision import fp32_matmul_precision
-from .keys import ModuleIndex, plan_deltas
+from .targets.keys import ModuleIndex, plan_deltas
 from .layer_loop import CacheBuildError, MergeStats, cyclic_gc_paused, merge_layers
-from .layers import AddressSpace, LayerTarget, components_of, is_merged, keep_base, named_parameters, unmerge
-from .merge_math import compute_device
-from .rounding import check_policy, decide, has_values, is_stand_in, say, split_lossy
-from .rounding_memo import RoundingSplit
-from .runtime_lora import apply_runtime
+from .placement.layers import is_merged, keep_base, unmerge
+from .targets.layer_target import AddressSpace, LayerTarget, components_of, named_parameters
+from .compute.merge_math import compute_device
+from .placement.rounding import check_policy, decide, has_values, is_stand_in, say, split_lossy
+from .placement.rounding_memo import RoundingSplit
+from .placement.runtime_lora import apply_runtime
 from .ranks.process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
 from .settings import DISABLE_ENV, cache_disabled_by_env
 from .ranks.tp_shards import check_shards, full_shapes, shape_notes, split_shards
@@ -111,6 +114,20 @@ def _planned(targets: list[LayerTarget]) -> dict:
     return {t.name: t.deltas for t in targets}
 
 
+def _host(targets: list[LayerTarget]) -> list[LayerTarget]:
+    """The targets the vault holds: the host's (a GPU-resident weight merges where it lies)."""
+    return [t for t in targets if t.current.device.type == "cpu"]
+
+
+def combination_key(vault, files, specs, shards: list[str], dtypes, device=None, kernels: KernelPlan | None = None,
+                    sharding: str = "", *, planned):
+    """The vault key of merging ``files`` (as ``specs`` ask) into the checkpoint ``shards``
+    as :func:`merge` keys it, summed on ``device`` (default: the compute device) by
+    ``kernels`` (see :func:`merge_policy`); ``sharding`` names a tensor-parallel part;
+    ``planned`` the targets' deltas by layer name."""
+    return key_of(vault, files, specs, shards, dtypes, merge_policy(device, kernels, sharding), planned=planned)
+
+
 def why_in_place(enabled: bool) -> str | None:
     """Why the cache is off for this merge, in words for the stats and the report; None when on."""
     if not enabled:
@@ -146,33 +163,35 @@ def open_combination(planned, specs, cache_root=None, *, max_size=None, base_fil
     (:mod:`lora_cache.switching.adapter_switch`): ``session.complete`` says whether every layer is
     held, and :func:`merge_layers` takes the session. ``sharding``: the targets are
     tensor-parallel parts merged apart (see :func:`combination_key`). ``rounding``: the
-    rounding policy (:mod:`lora_cache.rounding`); ``at_runtime``: names of targets kept
+    rounding policy (:mod:`lora_cache.placement.rounding`); ``at_runtime``: names of targets kept
     at run time, part of the key's inputs but never expected in the vault; ``form``: the
     deltas by layer name the key covers (default: the host targets'; a tensor-parallel
     rank's are the whole model's, as a single-process merge's).
     """
-    return _open_in(planned, specs, cache_roots(cache_root), max_size=max_size, base_files=base_files, device=device,
-                    kernels=kernels, sharding=sharding, rounding=rounding, at_runtime=at_runtime, form=form)
-
-
-def _open_in(planned, specs, roots: list[str], *, max_size=None, base_files=None, device=None,
-             kernels: KernelPlan | None = None, sharding: str = "", rounding: str = "runtime",
-             at_runtime: frozenset[str] = frozenset(), form: dict | None = None,
-             lossy: RoundingSplit | None = None) -> OpenCombination:
-    """:func:`open_combination` in ``roots`` as :func:`~hostmem.vault.roots.cache_roots` gave
-    them: :func:`merge` resolves its ``cache_root`` once and walks it with that list.
-    ``lossy``: where given, it decides ``at_runtime`` once the key is known, from the
-    combination's record where there is one (:mod:`lora_cache.rounding_memo`)."""
     targets, files = planned
-    host = [t for t in targets if t.current.device.type == "cpu"]
+    roots = cache_roots(cache_root)
+    host = _host(targets)
     if kernels is None:
         kernels = plan_for_targets(targets, device, kernel_roots(roots))
+    combination = Combination(files, specs, frozenset(t.current.dtype for t in host),
+                              merge_policy(device, kernels, sharding, rounding), _planned(host) if form is None else form)
+    return _open_in(targets, combination, roots, max_size=max_size, base_files=base_files, at_runtime=at_runtime)
+
+
+def _open_in(targets: list[LayerTarget], combination: Combination, roots: list[str], *, max_size=None,
+             base_files=None, at_runtime: frozenset[str] = frozenset(),
+             lossy: RoundingSplit | None = None) -> OpenCombination:
+    """:func:`open_combination` of ``combination`` (gathered once by the caller) in ``roots``
+    as :func:`~hostmem.vault.roots.cache_roots` gave them: :func:`merge` resolves its
+    ``cache_root`` once and walks it with that list. ``lossy``: where given, it decides
+    ``at_runtime`` once the key is known, from the combination's record where there is one
+    (:mod:`lora_cache.placement.rounding_memo`)."""
+    host = _host(targets)
     space = AddressSpace()
     shards = base_shards(host, base_files, space)
     vaults = [Vault(root, max_size) for root in roots]
     keyer = next((v for v in vaults if not v.read_only), vaults[0])  # its memo spares the next start a rehash
-    rest = inputs_but_base(keyer, files, specs, {t.current.dtype for t in host}, device, kernels, sharding, rounding,
-                           planned=_planned(host) if form is None else form)
+    rest = combination.inputs_but_base(keyer)
 
     def expected_layers(key_hex: str | None) -> tuple[list[LayerTarget], dict]:
         kept = at_runtime if lossy is None else lossy.kept_apart(vaults, key_hex, rest)
@@ -224,7 +243,7 @@ def merge(
     shards when the weights are not mapped from them (every shard will do: the key
     covers the ones holding the merged weights, see :func:`base_shards`). ``device`` is
     where the sum runs (default: where each weight lies, so the CPU for every weight the
-    cache holds, on a GPU host too; see :func:`lora_cache.buffers.compute_device`); it is
+    cache holds, on a GPU host too; see :func:`lora_cache.compute.buffers.compute_device`); it is
     part of the key.
     ``fallback=False`` raises instead of merging in place when the cache cannot store a
     layer (for ahead-of-time builds). The merged weights are views of the cache's files;
@@ -241,7 +260,7 @@ def merge(
     whole merged layer's file, columns from a file of their own whose key names the
     sharding (see :mod:`lora_cache.ranks.tp_shards`; ``stats.shard_keys`` lists those keys).
     ``rounding``: what to do with a layer whose merged weight would lose a material share
-    of its update to rounding (:mod:`lora_cache.rounding`): ``"runtime"`` keeps its terms
+    of its update to rounding (:mod:`lora_cache.placement.rounding`): ``"runtime"`` keeps its terms
     at run time on the base, ``"merge"`` merges anyway, ``"refuse"`` raises; any loss is
     said in one line and recorded in ``stats.rounding``.
 
@@ -261,28 +280,30 @@ def merge(
     group = distributed_group()
     memo_roots = roots if shards is None and group is None else None
     targets, files = plan_targets(model, specs, shards, memo_roots)
-    form = _planned([t for t in targets if t.current.device.type == "cpu"])  # what the key covers
+    form = _planned(_host(targets))  # what the key covers
     split = split_shards(targets, roots is not None, base_files) if shards is not None else None
     if split is not None:  # tensor-parallel parts: whole layers for rows, the columns merged apart after
         targets = split.targets
-    key, root, cache_targets = None, None, [t for t in targets if t.current.device.type == "cpu"]
+    key, root, cache_targets = None, None, _host(targets)
     session_cm = contextlib.nullcontext()
     timings = kernel_roots(roots)  # each checked before the timings are written in it
     kernels = (split.choose_kernels(device, timings) if split is not None  # timed once per machine
                else plan_for_targets(targets, device, timings))
     keyed = targets  # the key covers every target, whichever way it is then served
+    # keyed once, here: the opening and a shared build take this one value and never re-key
+    combination = Combination(files, specs, frozenset(t.current.dtype for t in cache_targets),
+                              merge_policy(device, kernels, "", rounding), form)
     lossy = RoundingSplit(targets, rounding)  # decided from the combination's record where one is opened
     shares = None
     if roots and cache_targets:
         if group is not None:  # the ranks of a host first build the misses together
             from .ranks.shared_build import build_shares
 
-            shares = build_shares(cache_targets, files, specs, roots, max_size, base_files, device, kernels,
-                                  progress, rank_timeout, lossy.kept_apart_measured(), form)
+            shares = build_shares(cache_targets, combination, roots, max_size, base_files, device, kernels,
+                                  progress, rank_timeout, lossy.kept_apart_measured())
         if shares is None or shares.in_place is None:  # else the host's ranks merge in place, warned once each
             whole = shards is None and group is None  # one process, whole layers: the record decides
-            key, root, session_cm = _open_in((keyed, files), specs, roots, max_size=max_size, base_files=base_files,
-                                             device=device, kernels=kernels, rounding=rounding, form=form,
+            key, root, session_cm = _open_in(keyed, combination, roots, max_size=max_size, base_files=base_files,
                                              lossy=lossy if whole else None,
                                              at_runtime=frozenset() if whole else lossy.kept_apart_measured())
     targets, at_runtime, check = lossy.decided()
@@ -310,8 +331,8 @@ def merge(
         shares.account(stats)
     if split is not None:
         split.finish(model, stats, functools.partial(
-            _merge_apart, files=files, specs=specs, roots=roots, open_options=dict(
-                max_size=max_size, base_files=base_files, device=device, kernels=kernels),
+            _merge_apart, combination=combination, policy=functools.partial(merge_policy, device, kernels),
+            roots=roots, open_options=dict(max_size=max_size, base_files=base_files),
             loop_options=dict(device=device, progress=progress, fallback=fallback, kernels=kernels,
                               unmergeable=unmergeable)))
     return stats
@@ -319,7 +340,7 @@ def merge(
 
 def _merge_planned(model, specs, planned, session, *, rounding: str = "runtime", **options) -> MergeStats:
     """:func:`merge_layers` of the targets to merge, then the lossy ones hooked at run time
-    (``planned``: :func:`lora_cache.rounding.split_lossy`'s three). When the targets were
+    (``planned``: :func:`lora_cache.placement.rounding.split_lossy`'s three). When the targets were
     planned from conversion records (no values) and a layer must be computed, it stops
     before any weight changes: the adapters are then converted, the targets planned and
     measured again, and merged with the same key and kernels (a lossy layer is never
@@ -349,10 +370,15 @@ def _merge_planned(model, specs, planned, session, *, rounding: str = "runtime",
     return stats
 
 
-def _merge_apart(targets, sharding: str, *, files, specs, roots, open_options, loop_options) -> MergeStats:
+def _merge_apart(targets, sharding: str, *, combination: Combination, policy, roots, open_options,
+                 loop_options) -> MergeStats:
     """Merge tensor-parallel parts that are not a view of a whole layer through a
-    combination of their own, whose key names the ``sharding``."""
-    key, root, session_cm = _open_in((targets, files), specs, roots, sharding=sharding, **open_options)
+    combination of their own, whose key names the ``sharding`` (``policy(sharding)``) and
+    covers these parts' form."""
+    host = _host(targets)
+    apart = dataclasses.replace(combination, dtypes=frozenset(t.current.dtype for t in host),
+                                policy=policy(sharding), planned=_planned(host))
+    key, root, session_cm = _open_in(targets, apart, roots, **open_options)
     with session_cm as session:
         stats = merge_layers(targets, session, **loop_options)
     stats.cache_key, stats.cache_root = session.key, session.vault.root

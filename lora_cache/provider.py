@@ -21,7 +21,7 @@ from hostmem.providers import OFFER_FIELDS
 from hostmem.safetensors.header import read_header
 from hostmem.units import format_rate, format_size
 
-from .header_targets import NeedsReader, header_targets
+from .targets.header_targets import NeedsReader, header_targets
 from .settings import cache_disabled_by_env
 
 __all__ = ["LoraCacheOffer", "LoraCacheProvider", "TargetLayers", "target_layers", "DEFAULT_BUILD_RATE"]
@@ -67,14 +67,14 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
     """Resolve ``adapters`` against a checkpoint's headers (no weight is read).
 
     The common layouts are read from the adapters' headers, without torch
-    (:mod:`lora_cache.header_targets`); the rest, and a lookup in ``cache_root`` (an
+    (:mod:`lora_cache.targets.header_targets`); the rest, and a lookup in ``cache_root`` (an
     existing cache folder: is this exact combination built there? its key covers the
     adapters' values), go through the merge's own reader. For a diffusers model
     (``model_class``, the ``_class_name`` of its folder's config.json) a file only
     diffusers' converter maps is read as the merge reads it: from its conversion record
     under ``memo_roots`` (the merge's cache roots; None: the default root, as for the
     merge; ``()``: none) without torch, else by the converter
-    (:mod:`lora_cache.planned_conversion`). ``headers``: the shards' headers when the
+    (:mod:`lora_cache.targets.planned_conversion`). ``headers``: the shards' headers when the
     caller has read them already (``read_header`` of each of ``shard_paths``, in order).
     """
     infos, holder = {}, {}
@@ -114,7 +114,7 @@ def _converted_targets(adapters, shapes: dict, model_class: str, memo_roots):
     conversion records' names (no torch), else the loader to convert with (names None)."""
     from hostmem.vault.combinations import default_cache_root
 
-    from .planned_conversion import loader_for, recorded_targets
+    from .targets.planned_conversion import loader_for, recorded_targets
 
     roots = [os.path.expanduser(os.fspath(r)) for r in ((default_cache_root(),) if memo_roots is None else memo_roots)]
     found = recorded_targets(adapters, shapes, [r for r in roots if os.path.isdir(r)])
@@ -131,9 +131,10 @@ def _read_targets(infos: dict, holder: dict, adapters, root: str | None, loader=
     ``loader``, files diffusers reads go through its converter, as into a diffusers model."""
     from .adapters import as_adapters, read_adapter
     from .adapters.for_model import read_adapters
-    from .keys import ModuleIndex, plan_deltas
+    from .targets.keys import ModuleIndex, plan_deltas
     from .kernels import plan_kernels
-    from .combination import combination_key
+    from .kernels.policy import merge_policy
+    from .key.combination import key_of
     from hostmem.vault import Vault
 
     specs = as_adapters(adapters)
@@ -145,8 +146,8 @@ def _read_targets(infos: dict, holder: dict, adapters, root: str | None, loader=
         shards = sorted({holder[name] for name in planned})  # the key covers the shards holding targets
         layers = ((infos[name].shape, infos[name].torch_dtype, deltas) for name, deltas in planned.items())
         kernels = plan_kernels(layers, None, vault.root)  # the key names the kernels a build would use
-        key = combination_key(vault, files, specs, shards, {infos[n].torch_dtype for n in planned}, None, kernels,
-                              planned=planned).hex
+        key = key_of(vault, files, specs, shards, {infos[n].torch_dtype for n in planned}, merge_policy(None, kernels),
+                     planned=planned).hex
         cached = any(c.key == key and c.complete for c in vault.combinations())
     return tuple(planned), key, cached
 

@@ -4,7 +4,7 @@ A config that gives the merged component by path need not declare ``lora_targets
 the adapter files say which modules they change, and the checkpoint's headers say
 how many bytes each of those weights holds. The names are resolved by the same code
 the merge runs (:func:`lora_cache.provider.target_layers`, through the one resolver of
-:mod:`lora_cache.key_names`), so ``--what-if in-place`` predicts the bytes a merge will
+:mod:`lora_cache.adapters.key_names`), so ``--what-if in-place`` predicts the bytes a merge will
 actually write. The common layouts are read from the adapters' headers without torch;
 an adapter only the full reader can take (a peft config asking for DoRA, a rule on rows
 of a fused weight, a malformed key) is read with torch, and the plan says so. For a

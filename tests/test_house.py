@@ -283,3 +283,58 @@ def test_the_layout_page_names_every_room():
     folders = sorted({p.parent for package in ("hostmem", "lora_cache", "planners") for p in (ROOT / package).rglob("*.py")})
     missing = [str(f.relative_to(ROOT)) for f in folders if f"{f.name}/" not in tree]
     assert not missing, "package folders the tree of docs/layout.md does not name:\n" + "\n".join(missing)
+
+
+# The merge's stages, in the order a layer goes through them, each with its rooms. A stage's
+# room imports rooms of its own stage or of earlier ones, never a later stage's, and never
+# the rooms that drive the stages (orchestrate, the layer loop, ranks/, switching/): data
+# flows forward, calls come from above. Opening (a hit, a shared build or a build) is the
+# driver's, and sealing is hostmem.vault's, so neither has a room here.
+STAGES = (
+    ("read", ("lora_cache.adapters", "lora_cache.terms", "lora_cache.targets")),
+    ("key", ("lora_cache.key",)),
+    ("build", ("lora_cache.compute", "lora_cache.kernels")),
+    ("place", ("lora_cache.placement",)),
+)
+STAGE_OF = {room: i for i, (_, rooms) in enumerate(STAGES) for room in rooms}
+MAX_TOP_LEVEL = 8  # lora_cache's own modules beside its rooms, __init__ included
+
+
+def test_no_stage_imports_a_later_stage_or_a_driver():
+    wrong = []
+    for room, imported in room_graph().items():
+        if room not in STAGE_OF:
+            continue
+        for other, where in imported.items():
+            if not other.startswith("lora_cache."):
+                continue
+            later = other in STAGE_OF and STAGE_OF[other] > STAGE_OF[room]
+            if later or other not in STAGE_OF:
+                what = f"the later stage {STAGES[STAGE_OF[other]][0]!r}" if later else "a room that drives the stages"
+                wrong.append(f"{room} ({STAGES[STAGE_OF[room]][0]}) imports {other}, {what}: {', '.join(where[:2])}")
+    assert not wrong, "stages that reach forward or up (hand the value down instead):\n" + "\n".join(wrong)
+
+
+def test_every_stage_room_is_a_room():
+    """A stage's room renamed or removed must not leave the stage check passing on nothing."""
+    missing = [room for room in STAGE_OF if MODULES.get(room, ROOT).name != "__init__.py"]
+    assert not missing, f"stage rooms that are not packages: {missing}"
+
+
+def test_lora_cache_top_level_stays_small():
+    """A newcomer opening lora_cache/ sees the rooms and the few modules that drive them."""
+    top = sorted(p.name for p in (ROOT / "lora_cache").glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL, f"{len(top)} modules at lora_cache's top level (at most {MAX_TOP_LEVEL}; " \
+        f"move the rest into the stage they serve): {', '.join(top)}"
+
+
+def test_the_face_and_the_layout_page_list_the_stages_in_order():
+    """``lora_cache/__init__`` and docs/layout.md name every stage's rooms, in the stages' order."""
+    import lora_cache
+
+    page = (ROOT / "docs" / "layout.md").read_text().split("## The merge, stage by stage", 1)[1].split("\n## ", 1)[0]
+    for text, name in ((lora_cache.__doc__, "lora_cache/__init__.py"), (page, "docs/layout.md")):
+        found = [text.find(f"{room.split('.')[-1]}/") if text is page else text.find(f":mod:`.{room.split('.')[-1]}`")
+                 for _, rooms in STAGES for room in rooms]
+        assert -1 not in found, f"{name} does not name every stage room: {found}"
+        assert found == sorted(found), f"{name} names the stage rooms out of order"

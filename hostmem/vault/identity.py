@@ -38,7 +38,7 @@ FORMAT_VERSION = 4  # 4: input digests name their algorithm (BLAKE3); 3: inputs 
 # Fields that say where a file's content came from; its digest stands for them, so the
 # same file at another path (or copied, or touched) hits the same cache.
 # Recorded for people and for prune, never keyed: where a file is, and an adapter's file
-# content digest where its identity's digest is of its meaning (lora_cache.canonical_key).
+# content digest where its identity's digest is of its meaning (lora_cache.key.canonical_key).
 _LOCATION_FIELDS = frozenset({"path", "size", "mtime_ns", "file_digest"})
 
 

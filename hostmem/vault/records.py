@@ -33,7 +33,7 @@ __all__ = ["CONVERSIONS", "ROUNDING", "RECORD_FOLDERS", "FRESH_SECONDS", "StaleR
            "records_under", "stale_records"]
 
 CONVERSIONS = "conversions"  # lora_cache.adapters.conversion_memo's
-ROUNDING = "rounding"  # lora_cache.rounding_memo's
+ROUNDING = "rounding"  # lora_cache.placement.rounding_memo's
 RECORD_FOLDERS = (CONVERSIONS, ROUNDING)  # folders of records under the cache folder
 FRESH_SECONDS = 3600
 _LARGEST = 64 * 1024 * 1024  # a record larger than this is not one

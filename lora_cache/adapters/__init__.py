@@ -30,8 +30,11 @@ are converted by diffusers itself (:mod:`lora_cache.adapters.diffusers_format`),
 conversion recorded by the file's content so that a start whose layers are all cached
 does not convert again (:mod:`lora_cache.adapters.conversion_memo`); a kohya Flux file
 whose sizes diffusers' converter cannot take is read by this package's parser
-(:mod:`lora_cache.adapters.formats.kohya_flux`). Which model module a key names is decided in
-:mod:`lora_cache.keys`.
+(:mod:`lora_cache.adapters.formats.kohya_flux`). Which file a path names is
+:mod:`lora_cache.adapters.paths`; which module a key's stem names, by names alone,
+:mod:`lora_cache.adapters.key_names` (the tensors are laid on the model's parameters in
+:mod:`lora_cache.targets`); :mod:`lora_cache.adapters.checkpoint_model` reads a mapped
+checkpoint as the server's diffusers model will be read.
 """
 
 from __future__ import annotations

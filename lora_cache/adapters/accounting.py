@@ -1,7 +1,7 @@
 """Every key of an adapter file accounted for, through diffusers' converters too.
 
 This package's reader refuses a key it does not understand, and the key resolution
-names the keys that match no module (:func:`lora_cache.keys.resolve_adapter`). A
+names the keys that match no module (:func:`lora_cache.targets.keys.resolve_adapter`). A
 converter of diffusers' can drop keys on its own (Wan's drops norm diffs and
 ``time_projection`` keys, logging at DEBUG), and a file may change a component the
 model lacks (a kohya SD file's ``lora_te_`` keys, merged into a pipeline without its

@@ -59,7 +59,7 @@ class PeftConfig:
     rank_pattern: dict = field(default_factory=dict)
     alpha_pattern: dict = field(default_factory=dict)
     use_rslora: bool = False
-    use_dora: bool = False  # every LoRA pair then has a magnitude vector (lora_cache.keys checks)
+    use_dora: bool = False  # every LoRA pair then has a magnitude vector (lora_cache.targets.keys checks)
 
     @staticmethod
     def _lookup(patterns: dict, stem: str):

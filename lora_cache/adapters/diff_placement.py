@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 
-from ..key_names import KeyRule, ModuleIndex
+from .key_names import KeyRule, ModuleIndex
 from .formats.kohya_flux import BFL_RULES, RULES
 from .spec import AdapterError
 

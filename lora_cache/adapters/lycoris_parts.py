@@ -2,7 +2,7 @@
 module's parts make, whether they fit together, its rank and the weight they change.
 
 Read as LyCORIS writes them (``lycoris/modules/loha.py``, ``lokr.py``, ``locon.py``) and as
-ComfyUI loads them (``comfy/weight_adapter``): the merge math is :mod:`lora_cache.lycoris_math`.
+ComfyUI loads them (``comfy/weight_adapter``): the merge math is :mod:`lora_cache.terms.lycoris_math`.
 A part missing, of the wrong number of dimensions or of a size the others do not multiply
 with is refused here, naming the key, before anything is merged.
 
@@ -27,7 +27,7 @@ __all__ = ["LOHA_ROLES", "LOKR_ROLES", "ROLES", "TUCKER_ROLES", "check_parts", "
 
 TUCKER_ROLES = ("mid",)  # lora_mid.weight, beside lora_up / lora_down
 ROLES = frozenset((*LOHA_ROLES, *LOKR_ROLES, *TUCKER_ROLES))
-_KINDS = {"hada": "LoHa", "lokr": "LoKr", "mid": "LoCon with a Tucker core"}  # lora_cache.lycoris_math's names
+_KINDS = {"hada": "LoHa", "lokr": "LoKr", "mid": "LoCon with a Tucker core"}  # lora_cache.terms.lycoris_math's names
 _BESIDE = {"alpha", "dora_scale", "diff_b"}  # parts a factored change may have beside its factors
 
 

@@ -4,7 +4,7 @@ Every format names the same few parts of a module's change with its own suffixes
 format is a module of :mod:`lora_cache.adapters.formats`, tried from one list there.
 :func:`read_adapter` reads a file with the first that claims it, which strips the
 suffixes and groups the parts by key stem. Which model module a
-stem names is decided in :mod:`lora_cache.keys`. Tensors stay views of a read-only
+stem names is decided in :mod:`lora_cache.targets.keys`. Tensors stay views of a read-only
 mapping of the file.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from hostmem.safetensors.mapping import SafetensorsError, open_readonly
 
-from ..adapter_paths import adapter_file_in, peft_config_path
+from .paths import adapter_file_in, peft_config_path
 from .alpha import AlphaSources, PeftConfig, diffusers_metadata, header_alpha, peft_config_from
 from .checks import FiniteCheck, check_change
 from .formats import Reading, detect, known_parts, split_key

@@ -1,9 +1,9 @@
 """How each layer is summed: the kernels' candidates, timed on this machine and remembered.
 
 :func:`plan_kernels` picks, per shape class, the fastest kernel of
-:mod:`lora_cache.merge_math` as measured here (remembered in ``<root>/kernel_wisdom.json``
+:mod:`lora_cache.compute.merge_math` as measured here (remembered in ``<root>/kernel_wisdom.json``
 under the CPU model and flags, torch's version, the dtype, the class and the thread
-count); the cache key names the choice (see ``orchestrate.merge_policy``), so no start
+count); the cache key names the choice (:func:`.policy.merge_policy`), so no start
 is served bytes its own kernel would not have produced. :func:`block_workers` are the
 threads the row blocks run on.
 """

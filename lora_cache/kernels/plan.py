@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..buffers import Scratch, compute_device, host_buffer
-from ..merge_math import (BF16_ADDMM, FP32_ROWS, Delta, _bf16_addmm_rounds_once, merged_weight, one_pass_kind,
+from ..compute.buffers import Scratch, compute_device, host_buffer
+from ..compute.merge_math import (BF16_ADDMM, FP32_ROWS, Delta, _bf16_addmm_rounds_once, merged_weight, one_pass_kind,
                           row_blocks)
 from .wisdom import ENTRIES, FACTS, Wisdom, entry_key, machine
 from .workers import block_workers, worker_count
@@ -29,7 +29,7 @@ def _bucket(n: int) -> int:
 
 def shape_class(shape: tuple[int, ...], dtype: torch.dtype, deltas: list[Delta], device) -> str | None:
     """The class a layer's kernel is timed and remembered under; None where only
-    :data:`~lora_cache.merge_math.FP32_ROWS` applies to a layer of this kind (nothing to
+    :data:`~lora_cache.compute.merge_math.FP32_ROWS` applies to a layer of this kind (nothing to
     choose). Where torch's bf16 addmm does not round as the merge must, no plan holds a
     class (:func:`plan_kernels`), so every layer is summed by FP32_ROWS."""
     if not one_pass_kind(dtype, len(shape), deltas, device):
@@ -114,7 +114,7 @@ def plan_kernels(layers, device=None, root=None) -> KernelPlan:
     triples): as remembered in ``root``'s wisdom (or this process's), else timed now on
     the class's largest layer (a fraction of a second per class, once per machine) and
     remembered. ``device``: where the sum runs. ``root`` may be a list of roots
-    (``lora_cache.combination.kernel_roots``): read-only ones first, whose recorded
+    (``lora_cache.key.combination.kernel_roots``): read-only ones first, whose recorded
     choices win (the keys of what they hold were made with them), and the root that
     keeps new timings last."""
     device = torch.device(device) if device is not None else compute_device()
@@ -140,7 +140,7 @@ def plan_kernels(layers, device=None, root=None) -> KernelPlan:
 
 def addmm_rounds_once(wisdom: Wisdom | _Wisdoms, threads: int) -> bool:
     """Whether torch's bf16 addmm rounds once on this machine, as the merge must (see
-    :func:`lora_cache.merge_math.one_pass_applies`), remembered in ``wisdom``'s facts.
+    :func:`lora_cache.compute.merge_math.one_pass_applies`), remembered in ``wisdom``'s facts.
 
     Finding out takes a bf16 addmm, and a process's first one costs milliseconds (the
     math library sets itself up): a start served wholly from the cache would pay that for

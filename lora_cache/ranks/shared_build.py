@@ -63,11 +63,11 @@ from torch import nn
 from hostmem.errors import InputError
 from hostmem.units import format_size
 
-from ..base_shards import base_shards
-from ..combination import combination_key, inputs_but_base
+from ..key.base_shards import base_shards
+from ..key.combination import Combination
 from ..kernels.workers import cpu_count, workers_at_most
 from ..layer_loop import CacheBuildError, MergeStats, merge_layers
-from ..layers import AddressSpace, LayerTarget
+from ..targets.layer_target import AddressSpace, LayerTarget
 from .process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
 from .faults import PeerWatch, RankDiedError, cannot_store, storing, this_process, warn_in_place
 from hostmem.vault import Vault, VaultError
@@ -219,19 +219,7 @@ def _keyer(vaults: list[Vault]) -> Vault:
     return next((v for v in vaults if not v.read_only), vaults[0])
 
 
-def _form(targets, form: dict | None) -> dict:
-    """The deltas by layer name the key covers: ``merge``'s (the whole model's), else the targets'."""
-    return form if form is not None else {t.name: t.deltas for t in targets}
-
-
-def _key_of(vaults: list[Vault], targets, files, specs, base_files, device, kernels, form=None):
-    shards = base_shards(targets, base_files, AddressSpace())
-    return combination_key(_keyer(vaults), files, specs, shards, {t.current.dtype for t in targets}, device, kernels,
-                           planned=_form(targets, form))
-
-
-def _key_or_fold(vaults, targets, files, specs, base_files, device, kernels, index: int, count: int,
-                 timeout: float, form: dict | None = None):
+def _key_or_fold(vaults, targets, combination: Combination, base_files, index: int, count: int, timeout: float):
     """``(key, None)`` with every input hashed first, together; or ``(provisional key,
     SharedFold)`` where the ranks hash the base beside their shares
     (:mod:`lora_cache.shared_fold`). A collective."""
@@ -240,14 +228,14 @@ def _key_or_fold(vaults, targets, files, specs, base_files, device, kernels, ind
     memo_file = _keyer(vaults).memo_file
     shards = base_shards(targets, base_files, AddressSpace())
     if fold_pays(len(shards), count, os.cpu_count() or 1):  # the same on every rank of the host
-        _hash_inputs(sorted({os.path.realpath(os.fspath(f.path)) for f in files}), index, count, memo_file, timeout)
-        rest = inputs_but_base(_keyer(vaults), files, specs, {t.current.dtype for t in targets}, device, kernels,
-                               "", planned=_form(targets, form))
+        _hash_inputs(sorted({os.path.realpath(os.fspath(f.path)) for f in combination.files}), index, count,
+                     memo_file, timeout)
+        rest = combination.inputs_but_base(_keyer(vaults))
         fold = plan_shared_fold(vaults, shards, rest, index, count, _split_files, timeout)
         if fold is not None:
             return fold.key, fold
-    _hash_inputs(_input_files(targets, files, base_files), index, count, memo_file, timeout)
-    return _key_of(vaults, targets, files, specs, base_files, device, kernels, form), None  # from the digests
+    _hash_inputs(_input_files(targets, combination.files, base_files), index, count, memo_file, timeout)
+    return combination.key(_keyer(vaults), shards), None  # from the digests
 
 
 def _input_files(targets, files, base_files) -> list[str]:
@@ -309,17 +297,19 @@ def _agree(dist, vaults: list[Vault], key, expected: dict, leader: bool, no_room
     return anywhere, build_here, set(first["missing"]) if build_here else set(), first["no_room"]
 
 
-def build_shares(targets: list[LayerTarget], files, specs, roots: list[str], max_size, base_files, device,
-                 kernels, progress=None, timeout: float = DEFAULT_TIMEOUT,
-                 at_runtime: frozenset[str] = frozenset(), form: dict | None = None) -> ShareOutcome | None:
+def build_shares(targets: list[LayerTarget], combination: Combination, roots: list[str], max_size, base_files,
+                 device, kernels, progress=None, timeout: float = DEFAULT_TIMEOUT,
+                 at_runtime: frozenset[str] = frozenset()) -> ShareOutcome | None:
     """Build the missing layers of this combination across the ranks of this host (a
     collective: every rank of the world calls it). None when there is no process group,
     or nothing to build anywhere; else what this rank built (see the module's docstring),
     whose ``in_place`` says why the host could not store it (``merge`` then merges in
     place). ``timeout``: the seconds a rank waits for the others at each gather.
+    ``combination``: what the key covers, gathered once by ``merge`` (the adapters, their
+    strengths, the policy, the whole model's form): the ranks key from it, never re-key.
+    ``device`` and ``kernels``: where and how this rank sums its share.
     ``at_runtime``: targets the key covers that are served at run time, never built
-    (:mod:`lora_cache.rounding`); ``form``: the deltas by layer name the key covers
-    (``merge``'s; default: the targets').
+    (:mod:`lora_cache.placement.rounding`).
     """
     dist = distributed_group()
     if dist is None or not roots or not targets:
@@ -331,22 +321,19 @@ def build_shares(targets: list[LayerTarget], files, specs, roots: list[str], max
         with watching(watch.check), watch.naming_the_dead("a shared LoRA merge build"):
             met = gather_on_host(this_process(), timeout=timeout, what="start a shared LoRA merge build")
             ranks = [rank for rank, _ in met]
-            return _build_together(dist, targets, files, specs, [Vault(root, max_size) for root in roots],
+            return _build_together(dist, targets, combination, [Vault(root, max_size) for root in roots],
                                    base_files, device, kernels, progress, timeout, ranks.index(dist.get_rank()),
-                                   len(ranks), (at_runtime, form))
+                                   len(ranks), at_runtime)
     except RankDiedError as exc:  # every surviving rank names it and merges in place
         return warn_in_place(ShareOutcome(0, 1), str(exc).rstrip("."))
 
 
-def _build_together(dist, targets, files, specs, vaults, base_files, device, kernels, progress, timeout: float,
-                    index: int, count: int, keyed: tuple) -> ShareOutcome | None:
-    """:func:`build_shares` once the host's ranks have met: share ``index`` of ``count``
-    (``keyed``: its ``at_runtime`` and ``form``)."""
+def _build_together(dist, targets, combination, vaults, base_files, device, kernels, progress, timeout: float,
+                    index: int, count: int, at_runtime: frozenset[str]) -> ShareOutcome | None:
+    """:func:`build_shares` once the host's ranks have met: share ``index`` of ``count``."""
     from hostmem.host_ledger import gather_on_host
 
-    at_runtime, form = keyed
-    key, fold = _key_or_fold(vaults, targets, files, specs, base_files, device, kernels, index, count, timeout,
-                             form)
+    key, fold = _key_or_fold(vaults, targets, combination, base_files, index, count, timeout)
     expected = {t.name: (tuple(t.current.shape), t.current.dtype) for t in targets if t.name not in at_runtime}
     # the lowest rank marks a provisional folder before any rank can write a share there (the others wait below)
     no_room = storing(fold.mark, key)[1] if fold is not None and index == 0 else None

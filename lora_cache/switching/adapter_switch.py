@@ -4,7 +4,7 @@
 
 - a combination the vault holds whole is installed by re-pointing every affected
   parameter at its mapped layer files: no merge, no copy, no anonymous memory;
-- a missing one is served at once at run time (:mod:`lora_cache.runtime_lora`: the base
+- a missing one is served at once at run time (:mod:`lora_cache.placement.runtime_lora`: the base
   stays mapped and untouched, each targeted Linear adds its adapter terms to its
   output) while a background thread builds it into the vault, one layer at a time, as
   ``hostmem lora merge`` does: into stand-in modules that share the base's mapped
@@ -40,14 +40,15 @@ from hostmem.errors import InputError
 from ..adapters import Adapter, as_adapters
 from ..adapters.checks import check_before_use
 from ..adapters.conversion_memo import ValuesNeeded
-from ..combination import kernel_roots
+from ..key.combination import kernel_roots
 from ..kernels import plan_for_targets
-from ..layers import LayerTarget, components_of, is_merged
-from ..layers import keep_base, unmerge as unmerge_layers
-from ..rounding import say, split_lossy
+from ..placement.layers import is_merged
+from ..targets.layer_target import LayerTarget, components_of
+from ..placement.layers import keep_base, unmerge as unmerge_layers
+from ..placement.rounding import say, split_lossy
 from ..orchestrate import CacheBuildError, cache_roots, merge, merge_layers, open_combination, plan_targets
 from ..ranks.process_group import DEFAULT_TIMEOUT, check_rank_timeout
-from ..runtime_lora import apply_runtime, remove_runtime, runtime_bytes, unsupported_reason
+from ..placement.runtime_lora import apply_runtime, remove_runtime, runtime_bytes, unsupported_reason
 from .switch_state import Pending, SwitchState
 
 __all__ = ["SwitchResult", "set_adapters", "swap_ready", "serving", "build_reserve_bytes", "unmerge"]
@@ -178,7 +179,7 @@ def _stand_ins(targets: list[LayerTarget]) -> list[LayerTarget]:
 
 def _open(targets, files, specs, opts, kernels, lossy=()):
     """The vault session of this combination, keyed exactly as :func:`lora_cache.merge` keys it
-    (``lossy``: targets kept at run time, in the key, never expected: :mod:`lora_cache.rounding`)."""
+    (``lossy``: targets kept at run time, in the key, never expected: :mod:`lora_cache.placement.rounding`)."""
     return open_combination(([*targets, *lossy], files), specs, opts["cache_root"], max_size=opts["max_size"],
                             base_files=opts["base_files"], device=opts["device"], kernels=kernels,
                             at_runtime=frozenset(t.name for t in lossy)).session
@@ -255,13 +256,13 @@ def _to_base(state: SwitchState, strict: bool = True) -> int:
 def unmerge(model, strict: bool = True) -> int:
     """``lora_cache.unmerge``: back to the base, bit for bit; how many layers went back.
 
-    :func:`lora_cache.layers.unmerge` for a model merged by :func:`lora_cache.merge`. On a
+    :func:`lora_cache.placement.layers.unmerge` for a model merged by :func:`lora_cache.merge`. On a
     model :func:`set_adapters` switches, the run-time terms of a combination still being
     built come off too, and its swap is dropped (before, they stayed, and the swap later
     installed the adapter again), at a safe point as a switch is.
     """
     state = _existing_state(model)
-    if state is None:  # layers a merge kept at run time (lora_cache.rounding) come off too
+    if state is None:  # layers a merge kept at run time (lora_cache.placement.rounding) come off too
         remove_runtime(model)
         return unmerge_layers(model, strict)
     with state.gate.exclusive():

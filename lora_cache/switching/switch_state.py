@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from ..adapters import Adapter, AdapterFile
 from .forward_gate import ForwardGate
-from ..layers import LayerTarget
+from ..targets.layer_target import LayerTarget
 
 __all__ = ["Pending", "SwitchState"]
 

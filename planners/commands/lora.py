@@ -5,7 +5,7 @@ every merged layer on disk. It needs no model class: the checkpoint named by the
 config is mapped read-only into a tree of parameters named like its tensors, and the
 adapters are merged into it through the cache. Where the checkpoint's ``config.json``
 names a diffusers model class, the adapters are read as the server's model reads them,
-through diffusers' converter for that class (:mod:`lora_cache.checkpoint_model`), so the
+through diffusers' converter for that class (:mod:`lora_cache.adapters.checkpoint_model`), so the
 build makes the key ``load_lora``, ``merge`` and ``set_adapters`` will look up. A layer the cache cannot store is an
 error here (a build that merged in place would have built nothing).
 
@@ -89,7 +89,7 @@ def _model(paths: list[str], shard_args: list[str]):
     parameter as the part a tensor-parallel rank holds (a view of the mapped whole), and
     the ``shards=`` spec that says so (None without). A bad ``--shard`` names itself."""
     from hostmem.safetensors.mapping import open_readonly
-    from lora_cache.layers import checkpoint_module, module_tree
+    from lora_cache.placement.layers import checkpoint_module, module_tree
     from lora_cache.ranks.tp_shards import ShardSpecError, check_shards, parse_shard_args
 
     if not shard_args:
@@ -152,7 +152,7 @@ def _interrupted_line(exc: KeyboardInterrupt) -> str:
 
 def run_merge(args) -> int:
     from lora_cache import CacheBuildError, merge
-    from lora_cache.checkpoint_model import served_as
+    from lora_cache.adapters.checkpoint_model import served_as
     from hostmem.vault.combinations import CACHE_DIR
     from planners.checkpoint import checkpoint_files, diffusers_class, diffusers_config
     from planners.config import load_config

@@ -23,7 +23,7 @@ SCENARIOS = ("base", "in_place", "cached_miss", "cached_hit")
 
 def _load(paths: list[str], readonly: bool):
     """A module tree over the checkpoint: read-only mapped, or safetensors' own mapping."""
-    from lora_cache.layers import checkpoint_module, module_tree
+    from lora_cache.placement.layers import checkpoint_module, module_tree
 
     if readonly:
         return checkpoint_module(paths)

@@ -19,7 +19,7 @@ from hostmem.safetensors.mapping import load_readonly, save_file  # noqa: E402
 from lora_cache import Adapter  # noqa: E402
 from lora_cache.adapters.kohya_flux_compat import read_kohya_flux  # noqa: E402
 from lora_cache.adapters.read import open_adapter  # noqa: E402
-from lora_cache.keys import ModuleIndex, plan_deltas  # noqa: E402
+from lora_cache.targets.keys import ModuleIndex, plan_deltas  # noqa: E402
 from tests.clients import tiny_models as tm  # noqa: E402
 
 RANK = 4

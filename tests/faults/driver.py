@@ -37,7 +37,7 @@ for _name in ("write", "pwrite", "fsync", "rename", "replace"):
     setattr(os, _name, _on_cue(getattr(os, _name)))
 
 import lora_cache  # noqa: E402  (after the cue is set: nothing of the vault may write before it)
-from lora_cache.layers import checkpoint_module  # noqa: E402
+from lora_cache.placement.layers import checkpoint_module  # noqa: E402
 
 
 def build(base: str, adapter: str, root: str):

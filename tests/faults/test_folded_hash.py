@@ -24,7 +24,7 @@ from hostmem.vault import fold
 from hostmem.vault.fold import BuildCursor, FoldedSession
 from hostmem.vault.manifest import read_manifest
 from hostmem.vault.provisional import MARKER_NAME
-from lora_cache.layers import checkpoint_module
+from lora_cache.placement.layers import checkpoint_module
 from lora_cache.orchestrate import merge_layers, open_combination, plan_targets
 from tests.faults.world import (LAYERS, assert_same, build_in_child, combination_folder, flip_byte_keeping_times,
                                 leftovers, make_world, reference, start)
@@ -251,7 +251,7 @@ def test_a_base_that_changes_while_it_is_hashed_fails_the_start_and_leaves_nothi
 _MERGE_IN_CHILD = """
 import json, sys
 import lora_cache
-from lora_cache.layers import checkpoint_module
+from lora_cache.placement.layers import checkpoint_module
 model = checkpoint_module([sys.argv[1]])
 stats = lora_cache.merge(model, [sys.argv[2]], cache_root=sys.argv[3], progress=False)
 print(json.dumps({"built": stats.built, "hit": stats.hit, "key": stats.cache_key}))

@@ -22,7 +22,7 @@ import pytest
 import lora_cache
 from hostmem.vault import Vault
 from hostmem.vault.content_hash import CONTENT_HASH_MEMO
-from lora_cache.layers import checkpoint_module
+from lora_cache.placement.layers import checkpoint_module
 from tests.faults.test_folded_hash import markers
 from tests.faults.test_full_disk_rekey import fill, small_disk
 from tests.faults.world import COLS, LAYERS, ROWS, assert_same, leftovers, make_world, reference, start, weights

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 import lora_cache
-from lora_cache.layers import checkpoint_module
+from lora_cache.placement.layers import checkpoint_module
 from tests.conftest import write_safetensors
 from tests.lora_cache.test_adapters import lora_change, write_adapter
 

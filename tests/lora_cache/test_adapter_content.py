@@ -144,7 +144,7 @@ def _adapter_tensors(draw):
 def test_any_file_is_a_good_read_or_an_adapter_error(tmp_path, tensors, ss_alpha):
     """Random keys, shapes, dtypes, alphas: every outcome is a usable read or an AdapterError."""
     from hostmem.safetensors.mapping import save_file
-    from lora_cache.merge_math import UnsupportedAdapterError
+    from lora_cache.compute.merge_math import UnsupportedAdapterError
 
     forget_checked()
     with tempfile.TemporaryDirectory(dir=tmp_path) as folder:

@@ -17,7 +17,7 @@ import torch
 import lora_cache
 from lora_cache import AdapterError
 from lora_cache.adapters import forget_checked
-from lora_cache.runtime_lora import CHILD, apply_runtime
+from lora_cache.placement.runtime_lora import CHILD, apply_runtime
 from lora_cache.orchestrate import plan_targets
 from tests.conftest import drop_page_cache, run_python, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter
@@ -29,7 +29,7 @@ _START = r"""
 import json, sys, warnings
 warnings.filterwarnings("ignore")
 import lora_cache
-from lora_cache.layers import checkpoint_module
+from lora_cache.placement.layers import checkpoint_module
 
 base, adapter, root = sys.argv[1:4]
 stats = lora_cache.merge(checkpoint_module([base]), [adapter], cache_root=root, progress=False)

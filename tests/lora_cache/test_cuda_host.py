@@ -39,7 +39,7 @@ def test_host_weights_are_summed_on_the_cpu_unless_a_device_is_named(tmp_path):
 _NO_CUDA_START = r"""
 import json, sys
 import torch, lora_cache
-from lora_cache.layers import checkpoint_module
+from lora_cache.placement.layers import checkpoint_module
 model = checkpoint_module([sys.argv[1]])
 stats = lora_cache.merge(model, [sys.argv[2]], cache_root=sys.argv[3], progress=False)
 print(json.dumps({"built": stats.built, "cuda_started": torch.cuda.is_initialized()}))

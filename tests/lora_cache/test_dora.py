@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import lora_cache
-from lora_cache.keys import KeyResolutionError
+from lora_cache.targets.keys import KeyResolutionError
 from tests.conftest import mapped_model
 
 peft = pytest.importorskip("peft", reason="the peft comparisons need peft (pip install hostmem[test])")
@@ -94,6 +94,6 @@ def test_dora_is_not_applied_at_run_time_and_never_onto_part_of_a_fused_weight(t
     whole = nn.ModuleDict({"a": nn.Linear(48, 64), "b": nn.Linear(64, 32)})
     with pytest.raises(ValueError, match=r"cannot apply .*a DoRA term"):
         from lora_cache.orchestrate import plan_targets
-        from lora_cache.runtime_lora import apply_runtime
+        from lora_cache.placement.runtime_lora import apply_runtime
 
         apply_runtime(plan_targets(whole, [path])[0])

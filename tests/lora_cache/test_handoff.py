@@ -11,7 +11,7 @@ import torch
 
 from hostmem.vault.handoff import Handoff, HandoffCancelled
 from lora_cache.kernels import block_workers
-from lora_cache.merge_math import BF16_ADDMM, FP32_ROWS, Delta, Scratch, host_buffer, merged_weight, sums_in_output
+from lora_cache.compute.merge_math import BF16_ADDMM, FP32_ROWS, Delta, Scratch, host_buffer, merged_weight, sums_in_output
 from hostmem.vault import Vault, cache_key
 from hostmem.vault.durable import TMP_PREFIX
 from hostmem.vault.layer_file import data_crc32

@@ -1,7 +1,7 @@
 """Adapter targets from headers alone against the merge's own reader (differential).
 
-The header reading (lora_cache.header_targets) and the merge's reader and planner
-(lora_cache.adapters + lora_cache.keys) must name the same checkpoint weights for
+The header reading (lora_cache.targets.header_targets) and the merge's reader and planner
+(lora_cache.adapters + lora_cache.targets.keys) must name the same checkpoint weights for
 every layout the fast path takes, and hand everything else to the reader.
 """
 
@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from lora_cache.header_targets import NeedsReader, header_targets
+from lora_cache.targets.header_targets import NeedsReader, header_targets
 from lora_cache.provider import _read_targets, target_layers
 from hostmem.safetensors.header import read_header
 from tests.conftest import write_safetensors

@@ -11,8 +11,8 @@ import torch
 import lora_cache
 from lora_cache.kernels import WISDOM_FILE, machine, measure_kernels, plan_kernels, shape_class, worker_count
 from lora_cache.kernels.wisdom import entry_key
-from lora_cache.layers import checkpoint_module
-from lora_cache.merge_math import BF16_ADDMM, FP32_ROWS, Delta, Scratch, merged_weight, one_pass_applies
+from lora_cache.placement.layers import checkpoint_module
+from lora_cache.compute.merge_math import BF16_ADDMM, FP32_ROWS, Delta, Scratch, merged_weight, one_pass_applies
 from tests.conftest import run_python, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, write_adapter
 
@@ -125,7 +125,7 @@ def test_a_different_choice_is_a_different_combination(tmp_path):
 _PLAN = r"""
 import sys, torch
 from lora_cache.kernels import plan_kernels
-from lora_cache.merge_math import Delta
+from lora_cache.compute.merge_math import Delta
 layer = ((1024, 768), torch.bfloat16, [Delta("a", torch.zeros(1024, 8, dtype=torch.bfloat16),
                                              torch.zeros(8, 768, dtype=torch.bfloat16))])
 print(plan_kernels([layer], "cpu", sys.argv[1]).describe())
@@ -150,7 +150,7 @@ def test_processes_that_time_at_once_agree(tmp_path):
 _READ_ONLY_PLAN = r"""
 import sys, torch
 from lora_cache.kernels import plan_kernels
-from lora_cache.merge_math import Delta
+from lora_cache.compute.merge_math import Delta
 def layer(cols):
     return ((1024, cols), torch.bfloat16, [Delta("a", torch.zeros(1024, 8, dtype=torch.bfloat16),
                                                 torch.zeros(8, cols, dtype=torch.bfloat16))])
@@ -187,7 +187,7 @@ def test_a_root_that_cannot_be_written_is_read_and_its_new_choices_stay_in_the_p
 _PLAN_AND_COUNT = r"""
 import sys, torch
 from lora_cache.kernels import plan_kernels
-from lora_cache.merge_math import Delta, _bf16_addmm_rounds_once
+from lora_cache.compute.merge_math import Delta, _bf16_addmm_rounds_once
 layer = ((1024, 768), torch.bfloat16, [Delta("a", torch.zeros(1024, 8, dtype=torch.bfloat16),
                                              torch.zeros(8, 768, dtype=torch.bfloat16))])
 print(plan_kernels([layer], "cpu", sys.argv[1]).describe(), _bf16_addmm_rounds_once.cache_info().currsize)
@@ -199,7 +199,7 @@ def test_how_bf16_addmm_rounds_is_learned_once_and_read_back_by_later_starts(tmp
     and the wisdom keeps the answer, so a later start plans without any bf16 addmm."""
     from lora_cache.kernels.plan import ROUNDS_ONCE
     from lora_cache.kernels.wisdom import FACTS
-    from lora_cache.merge_math import _bf16_addmm_rounds_once
+    from lora_cache.compute.merge_math import _bf16_addmm_rounds_once
 
     first = run_python(_PLAN_AND_COUNT, str(tmp_path))
     assert first.returncode == 0, first.stderr

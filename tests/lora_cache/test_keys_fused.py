@@ -137,7 +137,7 @@ def test_a_part_that_does_not_exist_says_what_a_part_is(tmp_path, part):
 
 
 def test_the_modules_named_in_a_hint_are_real_names_not_the_root():
-    from lora_cache.keys import ModuleIndex
+    from lora_cache.targets.keys import ModuleIndex
 
     index = ModuleIndex({"scale": (1,), "blocks.0.proj.weight": (4, 4), "blocks.1.proj.weight": (4, 4)})
     assert index.examples() == ["blocks.0.proj", "blocks.1.proj"]

@@ -15,7 +15,7 @@ from torch import nn
 import lora_cache
 from hostmem.safetensors.mapping import load_readonly
 from lora_cache import read_adapter
-from lora_cache.keys import KeyResolutionError
+from lora_cache.targets.keys import KeyResolutionError
 from tests.conformance.corpus import comfyui_dora  # ComfyUI's weight_decompose, written from it
 from tests.conftest import mapped_model, write_safetensors
 
@@ -148,7 +148,7 @@ def test_a_magnitude_vector_of_input_columns_is_never_normed_by_rows(tmp_path):
 def test_a_dora_term_on_a_part_that_lacks_its_norms_is_refused(dora, dim):
     """A tensor-parallel part without the rows or columns a DoRA term's norms span is never
     merged alone (its norms would be a part's)."""
-    from lora_cache.merge_math import Delta, Scratch
+    from lora_cache.compute.merge_math import Delta, Scratch
     from lora_cache.ranks.tp_shards import Shard
     from lora_cache.ranks.tp_shards.shard_math import shard_merged
 

@@ -85,7 +85,7 @@ def test_cached_and_in_place_merges_give_the_same_bytes(tmp_path):
 def test_a_loha_and_a_lora_of_one_shape_are_keyed_apart(tmp_path):
     """The canonical form names the kind and every part: a LoHa never keys as a LoRA whose
     factors have its shapes, nor as a LoKr."""
-    from lora_cache.canonical_key import adapter_forms
+    from lora_cache.key.canonical_key import adapter_forms
 
     gen = torch.Generator().manual_seed(2)
     loha = _write(tmp_path, {"a": _mixed(gen)["a"]}, "loha.safetensors")
@@ -118,7 +118,7 @@ def test_two_lohas_of_one_shape_with_other_values_never_share_a_combination(tmp_
 def test_factored_changes_split_over_modules_and_land_on_rows_of_a_fused_weight(tmp_path):
     """A LoHa or LoKr trained on a fused projection splits by rows over separate modules (its
     row factors' rows in order), and one on a separate projection lands on rows of a fused
-    weight, as a LoRA pair does (lora_cache.keys)."""
+    weight, as a LoRA pair does (lora_cache.targets.keys)."""
     modules = _mixed(torch.Generator().manual_seed(3))
     path = _write(tmp_path, {"a": modules["a"], "b": modules["b"]})
     torch.manual_seed(0)
@@ -137,8 +137,8 @@ def test_factored_changes_split_over_modules_and_land_on_rows_of_a_fused_weight(
 def test_a_tensor_parallel_part_is_that_part_of_the_whole_merge(tmp_path, dim):
     """A part of a LoHa's, LoKr's or Tucker LoCon's layer is summed as the whole layer is:
     the same bytes."""
-    from lora_cache.keys import ModuleIndex, plan_deltas
-    from lora_cache.merge_math import Scratch, merged_weight
+    from lora_cache.targets.keys import ModuleIndex, plan_deltas
+    from lora_cache.compute.merge_math import Scratch, merged_weight
     from lora_cache.tp_shards import Shard
     from lora_cache.tp_shards.shard_math import shard_merged
 
@@ -222,8 +222,8 @@ def test_a_factored_change_of_another_shape_is_refused_naming_both(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU merge is tested above)")
 def test_a_merge_summed_on_the_gpu_is_the_cpu_merge_up_to_one_rounding(tmp_path):
     """The GPU sums a layer in one block, with its own matrix kernels: the same change, rounded once."""
-    from lora_cache.keys import ModuleIndex, plan_deltas
-    from lora_cache.merge_math import Scratch, merged_weight
+    from lora_cache.targets.keys import ModuleIndex, plan_deltas
+    from lora_cache.compute.merge_math import Scratch, merged_weight
 
     path = _write(tmp_path, _mixed(torch.Generator().manual_seed(10)))
     index = ModuleIndex({"a.weight": (64, 48), "b.weight": (32, 48), "conv.weight": (16, 8, 3, 3)})

@@ -9,7 +9,7 @@ import torch
 
 import lora_cache
 from hostmem import account
-from lora_cache.merge_math import (
+from lora_cache.compute.merge_math import (
     BF16_ADDMM,
     FP32_ROWS,
     Delta,
@@ -337,7 +337,7 @@ def test_an_in_place_merge_never_copies_an_untouched_private_mapping_and_sums_a_
     from safetensors import safe_open
 
     from hostmem.pagemap import PagemapReader
-    from lora_cache.layers import module_tree
+    from lora_cache.placement.layers import module_tree
 
     torch.manual_seed(0)
     layers = {f"blocks.{i}.proj.weight": torch.randn(256, 512).to(torch.bfloat16) for i in range(2)}

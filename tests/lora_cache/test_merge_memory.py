@@ -26,7 +26,7 @@ import torch, lora_cache
 from hostmem import account
 from hostmem.peak import track_peak_anon
 from hostmem.procfs import read_status
-from lora_cache.layers import checkpoint_module, module_tree
+from lora_cache.placement.layers import checkpoint_module, module_tree
 from safetensors import safe_open
 
 base, adapter, root, loader = sys.argv[1], sys.argv[2], sys.argv[3] or None, sys.argv[4]
@@ -40,7 +40,7 @@ else:                      # safetensors' own loader: a private, writable mappin
 from types import SimpleNamespace
 from lora_cache.kernels import plan_for_targets
 from lora_cache.kernels.workers import worker_count
-from lora_cache.merge_math import BF16_ADDMM, scratch_bytes
+from lora_cache.compute.merge_math import BF16_ADDMM, scratch_bytes
 from lora_cache.orchestrate import plan_targets
 targets = plan_targets(model, [adapter])[0]
 cpu, largest = torch.device("cpu"), max(targets, key=lambda t: t.nbytes)

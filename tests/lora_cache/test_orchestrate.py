@@ -17,7 +17,7 @@ import torch
 
 import lora_cache
 from lora_cache.adapters import as_adapter, read_adapter
-from lora_cache.layers import AddressSpace, checkpoint_module, module_tree
+from lora_cache.placement.layers import AddressSpace, checkpoint_module, module_tree
 from lora_cache.orchestrate import MERGE_POLICY, combination_key, plan_targets
 from lora_cache.settings import DISABLE_ENV
 from hostmem.vault import Vault, VaultSession
@@ -84,7 +84,7 @@ def test_a_build_that_mixes_one_pass_and_fp32_layers_writes_what_an_in_place_mer
 _FAILING_MID_BUILD = r"""
 import os, resource, signal, sys, warnings
 import torch, lora_cache
-from lora_cache.layers import checkpoint_module
+from lora_cache.placement.layers import checkpoint_module
 base, adapter, root = sys.argv[1:4]
 model = checkpoint_module([base])
 lora_cache.merge(model, [adapter], progress=False, enabled=False)  # in place: the reference
@@ -342,7 +342,7 @@ def _sharded_config(tmp_path) -> tuple[str, list[str]]:
 _SERVER_START = """
     import json, sys
     import lora_cache
-    from lora_cache.layers import checkpoint_module
+    from lora_cache.placement.layers import checkpoint_module
     shards, adapter, root = sys.argv[1].split(","), sys.argv[2], sys.argv[3]
     model = checkpoint_module(shards)  # the whole checkpoint mapped, as a server loads it; no base_files
     print(json.dumps(lora_cache.merge(model, [(adapter, 0.8)], cache_root=root, progress=False).to_dict()))

@@ -20,7 +20,7 @@ from hostmem.vault.handoff import Handoff
 from hostmem.vault.piece_writer import PIECE_BYTES, PieceWriter
 from hostmem.vault.shares import open_share
 from lora_cache.layer_loop import _claim_after
-from lora_cache.merge_math import host_buffer
+from lora_cache.compute.merge_math import host_buffer
 from tests.conftest import write_safetensors
 from tests.hostmem.vault.test_piece_writer import _Crc
 from tests.lora_cache.test_adapters import lora_change, write_adapter
@@ -126,7 +126,7 @@ def test_layers_of_mixed_sizes_built_through_one_buffer_equal_the_in_place_merge
 
 
 def test_a_block_of_the_ring_waits_only_for_the_layers_whose_bytes_it_overwrites():
-    from lora_cache.buffers import RING_BYTES, ring_bytes
+    from lora_cache.compute.buffers import RING_BYTES, ring_bytes
 
     below, beside, ahead = Handoff(2 * MiB), Handoff(2 * MiB), Handoff(2 * MiB)  # at 0, 2 and 4 MiB of the ring
     earlier = [(0, below), (2 * MiB, beside), (4 * MiB, ahead)]

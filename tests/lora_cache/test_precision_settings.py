@@ -18,7 +18,7 @@ from tests.lora_cache.test_adapters import lora_change, write_adapter
 _START = r"""
 import json, sys, warnings, torch
 import lora_cache
-from lora_cache.layers import checkpoint_module
+from lora_cache.placement.layers import checkpoint_module
 base, adapter, root, setting = sys.argv[1:5]
 if setting != "default":
     torch.backends.mkldnn.matmul.fp32_precision = setting

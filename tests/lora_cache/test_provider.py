@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import lora_cache
-from lora_cache.layers import checkpoint_module
+from lora_cache.placement.layers import checkpoint_module
 from lora_cache.settings import DISABLE_ENV
 from lora_cache.provider import LoraCacheProvider, target_layers
 from tests.conftest import run_python, write_safetensors

@@ -17,7 +17,7 @@ import torch
 
 import lora_cache
 from hostmem.vault import VaultError
-from lora_cache.layers import checkpoint_module
+from lora_cache.placement.layers import checkpoint_module
 from tests.conftest import run_python, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, write_adapter
 

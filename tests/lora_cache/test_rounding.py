@@ -15,7 +15,7 @@ from hostmem.safetensors.mapping import load_readonly
 from lora_cache.orchestrate import plan_targets
 from planners.cli import main
 from planners.report import _lora_merge_lines
-from lora_cache.rounding import THRESHOLD, RoundingLossError, lost_share
+from lora_cache.placement.rounding import THRESHOLD, RoundingLossError, lost_share
 from tests.conftest import write_safetensors
 from tests.lora_cache.test_adapters import write_adapter
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lora_cache
-from lora_cache.rounding_memo import MEASURE
+from lora_cache.placement.rounding_memo import MEASURE
 from planners.cli import main
 from tests.lora_cache.test_rounding import (BF16_EPS, DIM, adapter, base_model, fp32_reference, relative_error,
                                             write_config)

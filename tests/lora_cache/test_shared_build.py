@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 import lora_cache
 from lora_cache.kernels.workers import block_workers, cpu_count, worker_count
-from lora_cache.layers import LayerTarget, checkpoint_module
+from lora_cache.placement.layers import LayerTarget, checkpoint_module
 from lora_cache.ranks.shared_build import _split_files, share_of_cores, rank_threads, split_by_bytes
 from tests.conftest import write_safetensors
 from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter

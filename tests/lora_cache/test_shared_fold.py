@@ -12,7 +12,7 @@ import lora_cache
 from hostmem.vault.content_hash import CONTENT_HASH_MEMO, load_memo_file
 from hostmem.vault.provisional import MARKER_NAME
 from hostmem.vault.store import MEMO_NAME
-from lora_cache.layers import checkpoint_module
+from lora_cache.placement.layers import checkpoint_module
 from lora_cache.ranks.fold import fold_pays
 from tests.lora_cache.test_shared_build import SHAPES, _rank_main, inputs, spawn_ranks  # noqa: F401 (a fixture)
 

@@ -17,8 +17,8 @@ import lora_cache
 from hostmem.safetensors.mapping import open_readonly
 from hostmem.slots import MappedAreas
 from lora_cache import KeyResolutionError
-from lora_cache.layers import checkpoint_module, module_tree
-from lora_cache.merge_math import BF16_ADDMM, FP32_ROWS, Delta, Scratch, merged_weight
+from lora_cache.placement.layers import checkpoint_module, module_tree
+from lora_cache.compute.merge_math import BF16_ADDMM, FP32_ROWS, Delta, Scratch, merged_weight
 from lora_cache.ranks.tp_shards import Shard, ShardSpecError
 from lora_cache.ranks.tp_shards.shard_math import shard_merged
 from tests.conftest import write_safetensors

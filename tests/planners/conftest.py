@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from lora_cache.layers import checkpoint_module
+from lora_cache.placement.layers import checkpoint_module
 from planners.checkpoint import checkpoint_files
 from tests.conftest import write_safetensors
 

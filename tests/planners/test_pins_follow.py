@@ -13,7 +13,7 @@ import lora_cache
 from hostmem.pinning import MlockBackend, Pinner
 from hostmem.procfs import read_status
 from hostmem.slots import MappedAreas
-from lora_cache.layers import module_tree
+from lora_cache.placement.layers import module_tree
 from planners.checkpoint import checkpoint_files
 from planners.config import load_config
 from planners.pin_apply import apply_pin_plan

@@ -1,6 +1,6 @@
 """``hostmem plan`` by path with adapters and no ``lora_targets``: no torch, same figures.
 
-The plan reads the adapters' headers (lora_cache.header_targets); the same config
+The plan reads the adapters' headers (lora_cache.targets.header_targets); the same config
 planned with the merge's own reader (imports torch) must give the same report, figure
 for figure, and that run says in a warning that it read the targets with torch.
 """
@@ -23,7 +23,7 @@ PROBE = r"""
 import json, sys
 if sys.argv[1] == "reader":  # the merge's own reader: the header path hands every adapter to it
     import lora_cache.provider as provider
-    from lora_cache.header_targets import NeedsReader
+    from lora_cache.targets.header_targets import NeedsReader
     def refuse(adapters, shapes):
         raise NeedsReader("read with the reader for the comparison")
     provider.header_targets = refuse

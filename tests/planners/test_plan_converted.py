@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("diffusers", reason="diffusers' converters are what these files need (pip install hostmem[test])")
 
-from lora_cache.planned_conversion import RECORD_FORMAT, RECORD_VERSION  # noqa: E402
+from lora_cache.targets.planned_conversion import RECORD_FORMAT, RECORD_VERSION  # noqa: E402
 from lora_cache.provider import target_layers  # noqa: E402
 from planners.checkpoint import checkpoint_files, diffusers_class  # noqa: E402
 from tests.conformance.corpus import CASES  # noqa: E402

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 import hostmem
 import lora_cache
-from lora_cache.layers import module_tree
+from lora_cache.placement.layers import module_tree
 from planners.budget import read_host_limit
 from planners.checkpoint import checkpoint_files
 from planners.config import load_config
@@ -135,7 +135,7 @@ warnings.filterwarnings("ignore")
 import lora_cache
 from hostmem.procfs import read_status
 from lora_cache.kernels import plan_for_targets
-from lora_cache.layers import module_tree
+from lora_cache.placement.layers import module_tree
 from lora_cache.orchestrate import plan_targets
 from tests.planners.test_whatif_vs_live import safetensors_module
 

@@ -2,7 +2,7 @@
 ``.lora_up.weight`` and ``.alpha`` (``lora_te_`` / ``lora_te1_`` / ``lora_te2_`` for text
 encoders, ``lora_transformer_`` for DiTs), ``ss_network_alpha`` in the header (a record of
 the training command, never read as an alpha: :mod:`lora_cache.adapters.alpha`). Which model
-module an underscored stem names is decided in :mod:`lora_cache.keys`; a kohya Flux file
+module an underscored stem names is decided in :mod:`lora_cache.targets.keys`; a kohya Flux file
 with the BFL names is :mod:`.kohya_flux`."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ diffusers' ``_convert_kohya_flux_lora_to_diffusers`` splits a single block's ``l
 converts double blocks 0-18 and single blocks 0-37 only: any other width or depth fails
 there. :data:`RULES` name the modules its converter names; a LoRA on a fused projection
 (``img_attn_qkv``, ``txt_attn_qkv``, ``linear1``) has its up matrix's rows split over the
-model's own weights, in order, each as wide as the weight is (:mod:`lora_cache.keys`), so
+model's own weights, in order, each as wide as the weight is (:mod:`lora_cache.targets.keys`), so
 any width and depth works. Alphas come from ``.alpha`` (else alpha = rank) by the
 precedence of :mod:`lora_cache.adapters.alpha`. Where both work the merge is diffusers'
 up to one rounding: diffusers folds alpha / rank into the down matrix in the adapter's

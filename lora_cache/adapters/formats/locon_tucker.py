@@ -2,7 +2,7 @@
 ``<module>.lora_down.weight`` (rank, in, 1, 1), ``.lora_mid.weight`` (rank, rank, kh, kw),
 ``.lora_up.weight`` (out, rank, 1, 1), ``.alpha``, under kohya's names or LyCORIS's.
 diffusers' converters drop or misread the core, so lora_cache's reader takes such a file;
-merged as ``up @ (mid x down)`` (:mod:`lora_cache.lycoris_math`)."""
+merged as ``up @ (mid x down)`` (:mod:`lora_cache.terms.lycoris_math`)."""
 
 from __future__ import annotations
 

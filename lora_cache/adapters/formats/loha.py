@@ -2,7 +2,7 @@
 (a Hadamard product of two low-rank pairs), ``.hada_t1`` / ``.hada_t2`` (Tucker cores of a
 conv), ``.alpha`` and ``.dora_scale``, under kohya's names (``lora_unet_``, ``lora_te_``) or
 LyCORIS's (``lycoris_``). Read by lora_cache's reader, on a diffusers model too (diffusers'
-converters do not take them); merged with LyCORIS's math (:mod:`lora_cache.lycoris_math`)."""
+converters do not take them); merged with LyCORIS's math (:mod:`lora_cache.terms.lycoris_math`)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 (or ``.lokr_w2_a`` / ``.lokr_w2_b``, with a Tucker core ``.lokr_t2`` on a conv): a Kronecker
 product of the two, with ``.alpha`` and ``.dora_scale``, under kohya's names or LyCORIS's.
 Read by lora_cache's reader, on a diffusers model too; merged with LyCORIS's math
-(:mod:`lora_cache.lycoris_math`), alpha / rank applying only where a half is stored as a
+(:mod:`lora_cache.terms.lycoris_math`), alpha / rank applying only where a half is stored as a
 pair (:mod:`lora_cache.adapters.lycoris_parts`)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """peft's files: ``base_model.model.<module>.lora_A.weight`` (down), ``.lora_B.weight`` (up),
 ``.lora_B.bias`` (``lora_bias``), ``.lora_magnitude_vector`` (DoRA, merged as peft merges
-it: :mod:`lora_cache.merge_math`), and the ``.lora_A.default.weight`` infix
+it: :mod:`lora_cache.compute.merge_math`), and the ``.lora_A.default.weight`` infix
 DiffSynth-Studio writes. Rank and alpha come from the ``adapter_config.json`` peft wrote
 beside the file (:mod:`lora_cache.adapters.alpha`)."""
 

@@ -17,7 +17,7 @@ import torch
 from hostmem.safetensors.header import read_header
 from hostmem.safetensors.mapping import open_readonly
 
-from ...layers import AddressSpace
+from ...targets.layer_target import AddressSpace
 from .spec import Shard, ShardSpecError
 
 __all__ = ["WholeWeights"]

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ...buffers import compute_device
+from ...compute.buffers import compute_device
 from ...kernels import KernelPlan, plan_kernels
-from ...layers import AddressSpace, LayerTarget, Snapshot, install, unmerge
+from ...placement.layers import Snapshot, install, unmerge
+from ...targets.layer_target import AddressSpace, LayerTarget
 from .full_base import WholeWeights
 from .spec import Shard
 

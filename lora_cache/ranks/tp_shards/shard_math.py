@@ -5,7 +5,7 @@ always: a matrix kernel may order a rank's products differently for another widt
 height (the tail tiles), so ``B[rows] @ A`` or ``B @ A[:, cols]`` of a shard alone
 differed from the whole layer's product in the last bit of many elements here (fp32,
 3072 x 3072, rank 64). So a shard is summed exactly as the whole layer is: in the whole
-layer's row blocks (:func:`lora_cache.merge_math.row_blocks` of its full shape), each
+layer's row blocks (:func:`lora_cache.compute.merge_math.row_blocks` of its full shape), each
 block at full width, the same matrix products on the same shapes, by the same kernel,
 with the shard's base set into its place (the columns outside it hold zeros: each
 element's sum depends on its own base element only). Only the shard's part of each
@@ -19,8 +19,8 @@ from typing import Callable
 
 import torch
 
-from ...dora_lycoris import COLUMNS
-from ...merge_math import (BF16_ADDMM, FP32_ROWS, Accumulators, Delta, Scratch, Term, UnsupportedAdapterError, add_terms,
+from ...terms.dora_lycoris import COLUMNS
+from ...compute.merge_math import (BF16_ADDMM, FP32_ROWS, Accumulators, Delta, Scratch, Term, UnsupportedAdapterError, add_terms,
                           one_pass_applies, row_blocks)
 
 # ``shard`` below is a :class:`lora_cache.ranks.tp_shards.spec.Shard`, named and not imported: the
@@ -32,7 +32,7 @@ __all__ = ["shard_merged"]
 
 def _refuse_dora_apart(deltas: list[Delta], shard: "Shard") -> None:
     """A DoRA term norms whole rows (peft's; LyCORIS's row axis) or whole columns over every
-    row (LyCORIS's input axis, :mod:`lora_cache.dora_lycoris`): a part that lacks them
+    row (LyCORIS's input axis, :mod:`lora_cache.terms.dora_lycoris`): a part that lacks them
     cannot be merged alone without normalising by the wrong norms."""
     for delta in deltas:
         if delta.magnitude is not None and (shard.dim == 1 or delta.dora == COLUMNS):
@@ -50,7 +50,7 @@ def shard_merged(base: torch.Tensor, deltas: list[Delta], shard: "Shard", out: t
 
     ``base`` is the part the rank holds, ``deltas`` the whole layer's (made for the full
     shape), ``kernel`` the one the whole layer is summed by. ``claim`` and ``publish``
-    stream ``out`` as :func:`lora_cache.merge_math.merged_weight` does; ``out`` may be
+    stream ``out`` as :func:`lora_cache.compute.merge_math.merged_weight` does; ``out`` may be
     ``base`` (each block reads its rows of ``base`` before it writes them).
     """
     full = tuple(deltas[0].shape)

@@ -15,7 +15,7 @@ from hostmem.vault.durable import TMP_PREFIX
 from hostmem.vault.handoff import Handoff, HandoffCancelled
 from hostmem.vault.layer_file import read_layer_file, write_layer
 from hostmem.vault.piece_writer import IN_FLIGHT, PIECE_BYTES, _Released, write_pieces
-from lora_cache.merge_math import host_buffer
+from lora_cache.compute.merge_math import host_buffer
 
 MiB = 1024 * 1024
 

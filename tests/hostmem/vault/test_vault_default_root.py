@@ -22,7 +22,7 @@ def test_merge_without_a_root_uses_the_default_root(tmp_path, monkeypatch):
 @pytest.mark.parametrize("how", ["enabled=False", "HOSTMEM_DISABLE_LORA_MERGE_CACHE=1"])
 def test_merging_in_place_is_asked_for_and_the_stats_say_so(tmp_path, monkeypatch, how):
     import lora_cache
-    from lora_cache.layers import checkpoint_module
+    from lora_cache.placement.layers import checkpoint_module
 
     world = make_world(tmp_path)
     monkeypatch.setenv("HOSTMEM_CACHE_ROOT", world.path("default"))

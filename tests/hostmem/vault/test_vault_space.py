@@ -88,7 +88,7 @@ SERVER = textwrap.dedent(
     """
     import sys
     import lora_cache
-    from lora_cache.layers import checkpoint_module
+    from lora_cache.placement.layers import checkpoint_module
     model = checkpoint_module([sys.argv[1]])
     stats = lora_cache.merge(model, [sys.argv[2]], cache_root=sys.argv[3], progress=False)
     print(stats.cache_key, flush=True)  # its session is closed; the merged weights are mapped views
@@ -137,7 +137,7 @@ def test_a_combination_a_running_server_still_maps_is_never_evicted_nor_removed(
 
 
 def test_views_alive_in_this_process_hold_their_combination_until_they_are_gone(tmp_path):
-    from lora_cache.layers import checkpoint_module
+    from lora_cache.placement.layers import checkpoint_module
 
     base, adapter = served_model(tmp_path)
     root = tmp_path / "root"

@@ -12,7 +12,7 @@ from tests.faults.world import LAYERS, combination_folder, make_world, start
 COUNTING_START = """
 import sys
 import lora_cache, hostmem.vault.verification as v
-from lora_cache.layers import checkpoint_module
+from lora_cache.placement.layers import checkpoint_module
 read = []
 real = v.data_crc32
 v.data_crc32 = lambda path: read.append(path) or real(path)

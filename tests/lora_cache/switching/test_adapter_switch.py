@@ -13,7 +13,7 @@ import lora_cache
 from lora_cache.switching import adapter_switch
 from lora_cache.switching.forward_gate import NotASafePoint
 from lora_cache.orchestrate import plan_targets
-from lora_cache.runtime_lora import apply_runtime
+from lora_cache.placement.runtime_lora import apply_runtime
 from tests.conftest import run_python, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter
 from tests.lora_cache.switching.test_runtime_lora import fresh_merge, stack_adapter, stack_model
@@ -71,7 +71,7 @@ def switch(k):
 from types import SimpleNamespace
 from lora_cache.kernels import plan_for_targets
 from lora_cache.kernels.workers import worker_count
-from lora_cache.merge_math import BF16_ADDMM, scratch_bytes
+from lora_cache.compute.merge_math import BF16_ADDMM, scratch_bytes
 from lora_cache.orchestrate import plan_targets
 targets = plan_targets(model, [a])[0]
 kernel = plan_for_targets(targets, "cpu", os.path.join(folder, "root")).kernel_for(

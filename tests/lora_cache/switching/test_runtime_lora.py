@@ -12,9 +12,9 @@ from torch import nn
 import lora_cache
 from hostmem import account
 from hostmem.safetensors.mapping import load_readonly
-from lora_cache.layers import AddressSpace
+from lora_cache.placement.layers import AddressSpace
 from lora_cache.orchestrate import plan_targets
-from lora_cache.runtime_lora import CHILD, apply_runtime, remove_runtime, runtime_bytes
+from lora_cache.placement.runtime_lora import CHILD, apply_runtime, remove_runtime, runtime_bytes
 from tests.conftest import write_safetensors
 from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter
 

@@ -2,7 +2,7 @@
 diffusers model will be.
 
 ``hostmem lora merge`` builds a cache without the model's class: the checkpoint's tensors
-become parameters of a module tree named like them (:func:`lora_cache.layers.checkpoint_module`).
+become parameters of a module tree named like them (:func:`lora_cache.placement.layers.checkpoint_module`).
 Read against that tree, an adapter went through this package's own reader, while the
 server's ``load_lora`` (of a pipeline or a model), ``merge`` and ``set_adapters`` of the
 diffusers model read it through diffusers' converter for the model's class
@@ -29,7 +29,7 @@ def served_as(tree, class_name: str | None, config: dict | None):
     try:
         from diffusers.configuration_utils import FrozenDict
 
-        from .adapters.diffusers_format import diffusers_loader
+        from .diffusers_format import diffusers_loader
     except ImportError:  # diffusers is an optional extra: without it the server reads as this package does
         return tree
     tree.__class__ = type(class_name, (type(tree),), {"__doc__": f"A mapped checkpoint of a {class_name}."})

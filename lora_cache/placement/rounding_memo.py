@@ -1,12 +1,12 @@
 """Which layers of a combination lose their update to rounding, measured once and recorded.
 
-Whether a layer is lossy (:mod:`lora_cache.rounding`) depends on its base weight, its
+Whether a layer is lossy (:mod:`lora_cache.placement.rounding`) depends on its base weight, its
 terms and the policy, all of which the combination's key covers (the content of the
 base and of the adapters, strengths, alphas, rules, the policy). So each combination is
 measured once: the shares lost are recorded under
 ``<root>/lora_merge_cache/rounding/<key>.json`` when every layer was measured with its
 values, and a later start on that key decides from the record
-(:func:`lora_cache.rounding.decide`) instead of measuring every layer again, which was
+(:func:`lora_cache.placement.rounding.decide`) instead of measuring every layer again, which was
 most of what a cache hit cost after the imports. The record names the combination's key
 and an input's digest, so ``hostmem cache prune`` removes it once no combination left
 uses that input (:mod:`hostmem.vault.records`). A record of another measure (another
@@ -27,7 +27,7 @@ import math
 from hostmem.vault.records import ROUNDING
 from hostmem.vault.shelf import Shelf
 
-from .layers import LayerTarget
+from ..targets.layer_target import LayerTarget
 from .rounding import SAMPLE_COLUMNS, SAMPLE_ROWS, THRESHOLD, RoundingCheck, decide, measure
 
 __all__ = ["MEASURE", "RoundingSplit"]

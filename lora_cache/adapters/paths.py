@@ -5,7 +5,7 @@ A path may be the adapter file or the folder its trainer wrote: peft's
 diffusers' ``save_lora_weights`` (``pytorch_lora_weights.safetensors``), or their ``.bin``
 (``safe_serialization=False``). The adapter
 reader (:func:`lora_cache.adapters.read.resolve_file`) and the planner's header reading
-(:mod:`lora_cache.header_targets`) both ask here, so they read the same file.
+(:mod:`lora_cache.targets.header_targets`) both ask here, so they read the same file.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import os
 from hostmem.errors import InputError
 from hostmem.safetensors.header import read_header
 
-from .layers import AddressSpace, LayerTarget
+from ..targets.layer_target import AddressSpace, LayerTarget
 
 __all__ = ["base_positions", "base_shards", "mapped_file"]
 

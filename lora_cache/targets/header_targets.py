@@ -4,11 +4,11 @@ A plan needs the names of the weights a merge will write, and their bytes, not t
 adapter's values. For the common layouts (peft and diffusers ``lora_A/B``, kohya
 ``lora_unet_``, ComfyUI and lightx2v ``diffusion_model.``) the adapter's safetensors
 header says it all: each key splits into a stem and a part (:func:`lora_cache.adapters.formats.split_key`, the formats' one suffix table),
-each stem names a module by the resolver the merge uses (:func:`lora_cache.key_names.resolve_stem`),
+each stem names a module by the resolver the merge uses (:func:`lora_cache.adapters.key_names.resolve_stem`),
 and the parts' shapes say which weight or bias changes and whether it fits.
 
 A folder a trainer wrote names its file as it does for the reader
-(:mod:`lora_cache.adapter_paths`); peft's ``adapter_config.json`` changes no name (its
+(:mod:`lora_cache.adapters.paths`); peft's ``adapter_config.json`` changes no name (its
 ranks and alphas scale values), so it is only read to see that it parses and asks for
 neither DoRA nor saved modules. Anything this reading cannot decide as the full reader
 would is handed back with the reason (:class:`NeedsReader`), and the caller reads the
@@ -29,9 +29,9 @@ from collections.abc import Iterable
 from hostmem.errors import HostmemError
 from hostmem.safetensors.header import SafetensorsError, read_header
 
-from .adapter_paths import adapter_file_in, peft_config_path
-from .adapters.formats import loha, lokr, split_key
-from .key_names import KeyResolutionError, KeyRule, ModuleIndex, resolve_stem
+from ..adapters.paths import adapter_file_in, peft_config_path
+from ..adapters.formats import loha, lokr, split_key
+from ..adapters.key_names import KeyResolutionError, KeyRule, ModuleIndex, resolve_stem
 
 __all__ = ["NeedsReader", "adapter_path_rules", "header_targets", "listed_adapters", "tensor_targets"]
 

@@ -10,7 +10,7 @@ A plan of such a model (its folder's ``config.json`` names the class:
 - from a conversion record (:mod:`lora_cache.adapters.conversion_memo`) a merge left
   under one of the cache roots, found by the file's content digest and the installed
   diffusers' version: the record's names and shapes go through the header reading
-  (:func:`lora_cache.header_targets.tensor_targets`), and neither torch nor diffusers is
+  (:func:`lora_cache.targets.header_targets.tensor_targets`), and neither torch nor diffusers is
   imported. The record is read as every record is (:class:`hostmem.vault.shelf.Shelf`:
   a folder and file of ours, never a link); one this reading cannot take is no record.
 - else by converting the file with diffusers, as the merge would (torch imported), and
@@ -29,7 +29,7 @@ from hostmem.vault.content_hash import CONTENT_HASH_MEMO, MEMO_NAME, file_digest
 from hostmem.vault.records import CONVERSIONS
 from hostmem.vault.shelf import Shelf
 
-from .adapter_paths import adapter_file_in
+from ..adapters.paths import adapter_file_in
 from .header_targets import NeedsReader, adapter_path_rules, header_targets, listed_adapters, tensor_targets
 
 __all__ = ["loader_for", "recorded_targets"]
@@ -48,7 +48,7 @@ def loader_for(class_name: str):
     """The loader mixin whose converter a merge into a ``class_name`` model uses, or None
     (diffusers missing, or it loads no LoRA into that class). Imports diffusers."""
     try:
-        from .adapters.diffusers_format import diffusers_loader
+        from ..adapters.diffusers_format import diffusers_loader
     except ImportError:
         return None
     try:

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hostmem.errors import InputError
-from .adapters.checks import check_before_use
-from .layers import LayerTarget
+from ..adapters.checks import check_before_use
+from ..targets.layer_target import LayerTarget
 
 __all__ = ["CHILD", "RuntimeLoRA", "apply_runtime", "remove_runtime", "runtime_bytes", "unsupported_reason"]
 

@@ -23,7 +23,7 @@ step (0.1) LoRAs are tuned with, well above the measure's noise on its sampled r
 (under 1% from half an ulp up). Lossy layers are handled by a policy (:data:`POLICIES`):
 
 - ``runtime`` (the default, so that no LoRA is weakened without a word): those layers
-  are not merged; their terms are added at run time (:mod:`lora_cache.runtime_lora`) on
+  are not merged; their terms are added at run time (:mod:`lora_cache.placement.runtime_lora`) on
   the base, which stays the mapped checkpoint (no anonymous copy). A layer run time
   cannot express (not an ``nn.Linear``) is merged anyway, and the line says so;
 - ``merge``: merged anyway (what ``fuse_lora`` and ``merge_and_unload`` do), said once;
@@ -44,9 +44,10 @@ import torch
 
 from hostmem.torch_threads import one_thread
 
-from .layers import LayerTarget
-from .dora_lycoris import COLUMNS
-from .merge_math import Delta, Term, UnsupportedAdapterError, add_terms, column_scales
+from ..targets.layer_target import LayerTarget
+from ..terms.dora_lycoris import COLUMNS
+from ..compute.merge_math import Term, UnsupportedAdapterError, add_terms, column_scales
+from ..terms.delta import Delta
 
 __all__ = ["POLICIES", "SAMPLE_ROWS", "THRESHOLD", "RoundingCheck", "RoundingLossError", "check_policy", "decide",
            "has_values", "is_stand_in", "lost_share", "measure", "split_lossy"]
@@ -138,7 +139,7 @@ class RoundingCheck:
     lost: dict[str, float] = field(default_factory=dict)
     at_runtime: list[str] = field(default_factory=list)
     merged_anyway: dict[str, str] = field(default_factory=dict)
-    recorded: bool = False  # the shares came from the combination's record (lora_cache.rounding_memo)
+    recorded: bool = False  # the shares came from the combination's record (lora_cache.placement.rounding_memo)
 
     def summary(self) -> str:
         """Which layers lose how much: the worst few by name, with their shares."""
@@ -169,7 +170,7 @@ class RoundingCheck:
 
 def is_stand_in(target: LayerTarget) -> bool:
     """Whether ``target`` lies in a checkpoint's module tree (``hostmem lora merge`` builds
-    without the model's class: :func:`lora_cache.layers.checkpoint_module`), not in a model:
+    without the model's class: :func:`lora_cache.placement.layers.checkpoint_module`), not in a model:
     its lossy layers are left unbuilt, for the server's start to keep at run time."""
     return type(target.module) is torch.nn.Module
 
@@ -207,7 +208,7 @@ def measure(targets: list[LayerTarget]) -> tuple[dict[str, float], int, bool]:
 def decide(targets: list[LayerTarget], lost: dict[str, float], measured: int,
            policy: str = "runtime") -> tuple[list[LayerTarget], list[LayerTarget], RoundingCheck]:
     """``(to merge, to keep at run time, what was found)`` for ``targets`` whose lossy ones
-    lose ``lost`` (:func:`measure`'s, or a record of it: :mod:`lora_cache.rounding_memo`).
+    lose ``lost`` (:func:`measure`'s, or a record of it: :mod:`lora_cache.placement.rounding_memo`).
     A lossy layer run time cannot express in this model is merged anyway, said so;
     ``refuse`` raises :class:`RoundingLossError` naming the layers."""
     from .runtime_lora import unsupported_reason

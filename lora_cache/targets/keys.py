@@ -21,7 +21,7 @@ rounded once, as the separate weight it stands for; the padding costs rows x ran
 
 Resolution works on names and shapes only (``{parameter name: shape}``), so the same code
 serves a loaded model and a checkpoint's headers (the planner's provider). That part
-imports no torch and lives in :mod:`lora_cache.key_names`; this module adds the tensors
+imports no torch and lives in :mod:`lora_cache.adapters.key_names`; this module adds the tensors
 (placements on rows, deltas, shape checks).
 """
 
@@ -33,12 +33,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .adapters import Adapter, AdapterFile, ModuleChange
-from .adapters.lycoris_parts import LOHA_ROLES, LOKR_ROLES, ROLES as FACTORED, kind_of, rank_of, shape_of
-from .dora_lycoris import PEFT, axis_of
-from .key_names import KeyResolutionError, KeyRule, ModuleIndex, Target, resolve_stem
-from .lycoris_math import Factors
-from .merge_math import Delta, lora_scale
+from ..adapters import Adapter, AdapterFile, ModuleChange
+from ..adapters.lycoris_parts import LOHA_ROLES, LOKR_ROLES, ROLES as FACTORED, kind_of, rank_of, shape_of
+from ..terms.dora_lycoris import PEFT, axis_of
+from ..adapters.key_names import KeyResolutionError, KeyRule, ModuleIndex, Target, resolve_stem
+from ..terms.lycoris_math import Factors
+from ..terms.delta import Delta, lora_scale
 
 __all__ = ["KeyResolutionError", "KeyRule", "ModuleIndex", "Placement", "Target", "plan_deltas", "resolve_adapter"]
 
@@ -193,7 +193,7 @@ def _placed(adapter: AdapterFile, key: str, tensor: torch.Tensor, place: Placeme
 
 def _magnitude(adapter: AdapterFile, change: ModuleChange, place: Placement, param: str):
     """``(magnitude, whose DoRA)`` of a change: peft's ``lora_magnitude_vector`` or LyCORIS's
-    ``dora_scale`` (:mod:`lora_cache.dora_lycoris`), None for plain LoRA; refused on part of
+    ``dora_scale`` (:mod:`lora_cache.terms.dora_lycoris`), None for plain LoRA; refused on part of
     a fused weight, whose other rows it would rescale to nothing."""
     if "dora_scale" in change.parts:
         return _dora_scale(adapter, change, place, param)
@@ -234,7 +234,7 @@ def _dora_scale(adapter: AdapterFile, change: ModuleChange, place: Placement, pa
 def _factors(adapter: AdapterFile, change: ModuleChange, key: str, place: Placement, param: str,
              index: ModuleIndex) -> Factors:
     """A LoHa's, LoKr's or Tucker LoCon's parts as one factored change on ``param``
-    (:mod:`lora_cache.lycoris_math`): the rows ``place`` takes, landing on the rows it names."""
+    (:mod:`lora_cache.terms.lycoris_math`): the rows ``place`` takes, landing on the rows it names."""
     rows, width = shape_of(change.parts)
     taken = (0, rows) if place.source is None else (place.source.start, place.source.stop)
     expected = index.shapes.get(param)
@@ -255,7 +255,7 @@ def _module_deltas(adapter: AdapterFile, spec: Adapter, place: Placement, index:
     """Yield ``(parameter, key, Delta)`` for the weight and bias changes of one placement."""
     change, module, strength = place.change, place.module, spec.strength
     parts = change.parts
-    factored = kind_of(parts)  # LoHa, LoKr, Tucker LoCon (lora_cache.lycoris_math), else None
+    factored = kind_of(parts)  # LoHa, LoKr, Tucker LoCon (lora_cache.terms.lycoris_math), else None
     scale = 0.0
     if "up" in parts or factored:
         alpha = adapter.alpha(change, spec.alpha)  # the override, unless a converter folded it in already

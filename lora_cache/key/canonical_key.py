@@ -9,13 +9,13 @@ under three keys, and an image built ahead of time never served a diffusers serv
 The key covers, per adapter, its meaning: the digest of its canonical form (for every
 target parameter, by its name in its component, each term's scale and diff scale, written
 exactly with ``float.hex``, and its factors' shapes and dtypes; a LyCORIS factored term's
-kind, parts and placement, :mod:`lora_cache.lycoris_math`: a LoHa never keys as a LoRA)
+kind, parts and placement, :mod:`lora_cache.terms.lycoris_math`: a LoHa never keys as a LoRA)
 together with the values
 each term places (the up rows a fused target takes, a padded slice included). A peft
 folder and a kohya file of the same math are then one key, and the file's own content
 digest is recorded beside it for people and for ``hostmem cache prune``
 (``file_digest``), never keyed. The meaning is remembered by the file's content digest,
-its form, its reader and the key rules (:mod:`lora_cache.combination`), so a start
+its form, its reader and the key rules (:mod:`lora_cache.key.combination`), so a start
 planned from a conversion record (factors on the meta device) keys as the first start
 did; where it is not remembered and the values are not at hand, the key falls back to
 the file's content digest with the user's key rules and the form (a miss at worst). Two readers (or two layouts)
@@ -32,7 +32,7 @@ import json
 import os
 from typing import Mapping
 
-from .merge_math import Delta
+from ..terms.delta import Delta
 
 __all__ = ["adapter_forms", "adapter_meanings"]
 

@@ -1,51 +1,28 @@
-"""A combination: the merge policy and the vault key of adapters merged into a base.
+"""A combination: the vault key of adapters merged into a base.
 
 What decides the merged bytes, and so the key they are cached under. ``merge``
-(:mod:`lora_cache.orchestrate`), the shared build (:mod:`lora_cache.ranks.shared_build`) and the
-provider's offer (:mod:`lora_cache.provider`) all key a combination here, so they agree,
-and none of them imports another for it.
+(:mod:`lora_cache.orchestrate`) gathers it once (:class:`Combination`) and hands it to the
+opening and to the shared build (:mod:`lora_cache.ranks.shared_build`); the provider's offer
+(:mod:`lora_cache.provider`) keys here too, so they agree, and none of them imports another
+for it. How the build sums (the merge policy) is the build's to say
+(:mod:`lora_cache.kernels.policy`): it comes in as a string.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-
-import torch
+from dataclasses import dataclass, field
 
 from hostmem.vault import CacheKey, cache_key
 from hostmem.vault.records import CONVERSIONS
 from hostmem.vault.shelf import Shelf
 from hostmem.vault.safety import prepare_root, root_is_read_only
 
-from .adapters import Adapter, AdapterFile
+from ..adapters import Adapter, AdapterFile
 from .canonical_key import adapter_forms, adapter_meanings
-from .kernels import KernelPlan
-from .kernels.precision import fp32_matmul_precision
-from .merge_math import compute_device
 
-__all__ = [
-    "MERGE_POLICY", "merge_policy", "kernel_roots", "inputs_but_base", "combination_key",
-]
-
-MERGE_POLICY = "fp32-sum-in-row-blocks-in-adapter-order-cast-once-v3"  # change when merged bytes would change
-
-
-def merge_policy(device: torch.device | str | None = None, kernels: KernelPlan | None = None) -> str:
-    """The merge policy as the key records it: :data:`MERGE_POLICY` on the compute device's
-    type, the kernel chosen for each shape class that has a choice, and how torch runs
-    fp32 matmuls on that device where this process lets it narrow them (TF32, bf16).
-
-    The same fp32 sum can round differently on a GPU (its addmm) and on the CPU, the
-    CPU's kernels differ in the last bit of a few elements, and a narrowed fp32 matmul
-    rounds an fp32 adapter's factors, so a cache built one way is never served to starts
-    that would merge another (see :mod:`lora_cache.kernels`).
-    """
-    device = torch.device(device) if device is not None else compute_device()
-    chosen = kernels.describe() if kernels is not None else ""
-    narrowed = fp32_matmul_precision(device.type)
-    return (f"{MERGE_POLICY}@{device.type}" + (f"+{chosen}" if chosen else "")
-            + ("" if narrowed == "ieee" else f"+fp32-matmul={narrowed}"))
+__all__ = ["Combination", "kernel_roots", "inputs_but_base", "key_of"]
 
 
 def _rules(spec: Adapter) -> list:
@@ -55,7 +32,7 @@ def _rules(spec: Adapter) -> list:
 def _key_extras(spec: Adapter, form: str) -> dict:
     """Where an adapter's meaning is not known (see :func:`_identity`): the inputs of the
     merged bytes that the file's content hash does not cover, the user's key rules and the
-    canonical form's digest (:mod:`lora_cache.canonical_key`)."""
+    canonical form's digest (:mod:`lora_cache.key.canonical_key`)."""
     return {"rules": _rules(spec), "form": form}
 
 
@@ -115,33 +92,46 @@ def _identities(vault, files, specs, planned) -> list[dict]:
     return out
 
 
-def inputs_but_base(vault, files, specs, dtypes, device, kernels, sharding: str, rounding: str = "runtime", *,
-                    planned) -> tuple[list[dict], str, str]:
+def inputs_but_base(vault, files, specs, dtypes, policy: str, *, planned) -> tuple[list[dict], str, str]:
     """``(adapter identities, target dtype, merge policy)``: the key's inputs besides the base.
-    ``planned``: ``{layer name: deltas}`` of every target, the canonical form the key covers.
-
-    A merge that merges lossy layers anyway (``rounding="merge"``) is keyed apart: a
-    start under the default policy that plans from conversion records cannot measure,
-    and must never find those layers merged (:mod:`lora_cache.rounding`)."""
+    ``planned``: ``{layer name: deltas}`` of every target, the canonical form the key covers;
+    ``policy``: how the build sums, as it says it (:func:`lora_cache.kernels.policy.merge_policy`)."""
     identities = _identities(vault, files, specs, planned)
     target_dtype = ",".join(sorted({str(d).removeprefix("torch.") for d in dtypes}))
-    policy = merge_policy(device, kernels) + (f"+{sharding}" if sharding else "")
-    policy += "" if rounding == "runtime" else f"+rounding={rounding}"
     return identities, target_dtype, policy
 
 
-def combination_key(
-    vault, files: list[AdapterFile], specs: list[Adapter], shards: list[str], dtypes, device=None, kernels=None,
-    sharding: str = "", *, planned,
-) -> CacheKey:
+def key_of(vault, files: list[AdapterFile], specs: list[Adapter], shards: list[str], dtypes, policy: str, *,
+           planned) -> CacheKey:
     """The vault key of merging ``files`` (as ``specs`` ask) into the checkpoint ``shards``
-    (the ones holding the targets: :func:`lora_cache.base_shards.base_shards`), summed on
-    ``device`` (default: the compute device) by ``kernels`` (see :func:`merge_policy`).
-    ``sharding`` names the tensor-parallel part the layers are
-    (:meth:`lora_cache.ranks.tp_shards.Shard.describe`); ``planned`` the targets' deltas by layer
-    name (:mod:`lora_cache.canonical_key`)."""
-    rest = inputs_but_base(vault, files, specs, dtypes, device, kernels, sharding, planned=planned)
-    return cache_key(vault.base_identity(shards), *rest)
+    (the ones holding the targets: :func:`lora_cache.key.base_shards.base_shards`) by
+    ``policy``; ``planned`` the targets' deltas by layer name (:mod:`lora_cache.key.canonical_key`)."""
+    return cache_key(vault.base_identity(shards), *inputs_but_base(vault, files, specs, dtypes, policy,
+                                                                   planned=planned))
+
+
+@dataclass(frozen=True)
+class Combination:
+    """What a combination's key covers besides the base, gathered once by the merge and
+    handed down: the adapters read (``files``) as the user asked for them (``specs``: each
+    one's strength, alpha and key rules), the target dtypes, the policy the build sums by,
+    and the canonical form (``planned``: each target's deltas, their scales final). The
+    opening and a shared build key from this one value; neither goes back to the adapters,
+    the strengths or the build for it."""
+
+    files: list
+    specs: list
+    dtypes: frozenset
+    policy: str
+    planned: dict = field(repr=False)
+
+    def inputs_but_base(self, vault) -> tuple[list[dict], str, str]:
+        """:func:`inputs_but_base` of this combination, with ``vault``'s memo of digests."""
+        return inputs_but_base(vault, self.files, self.specs, self.dtypes, self.policy, planned=self.planned)
+
+    def key(self, vault, shards: list[str]) -> CacheKey:
+        """The vault key of this combination on the checkpoint ``shards``."""
+        return key_of(vault, self.files, self.specs, shards, self.dtypes, self.policy, planned=self.planned)
 
 
 def kernel_roots(roots: list[str] | None) -> list[str]:

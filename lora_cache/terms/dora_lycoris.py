@@ -14,7 +14,7 @@ where ``norm`` is, on the column axis, each input column's norm of ``C`` over al
 The row axis differs from LyCORIS's own trainer (which norms ``C``) and from peft's
 DoRA; ComfyUI is followed because the house serves what ComfyUI serves for a file of
 its layout, and the difference is stated in docs/adapter-formats.md. peft's DoRA (its
-``lora_magnitude_vector``, strength inside the scale) is :mod:`lora_cache.merge_math`'s.
+``lora_magnitude_vector``, strength inside the scale) is :mod:`lora_cache.compute.merge_math`'s.
 
 The column axis needs the whole layer's column norms before any row block is merged:
 :func:`column_scale` turns the sums of squares a first pass gathers into each flattened
@@ -54,7 +54,7 @@ def add_decomposed(flat: torch.Tensor, add_term: Callable[[torch.Tensor], None],
                    row_magnitude: torch.Tensor | None, columns: torch.Tensor | None) -> None:
     """``flat`` (a row block, fp32, 2-D) becomes ``P + s * (D - P)`` (see the module);
     ``add_term(flat)`` adds the block's rows of the scaled term (a LoRA pair's ``up @ down``,
-    or a LoHa's or LoKr's change: :mod:`lora_cache.lycoris_math`); ``row_magnitude`` the
+    or a LoHa's or LoKr's change: :mod:`lora_cache.terms.lycoris_math`); ``row_magnitude`` the
     block's values on the row axis, else ``columns`` the layer's column factors
     (:func:`column_scale`)."""
     before = flat.clone()

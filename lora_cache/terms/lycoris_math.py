@@ -3,7 +3,7 @@
 Their change is no ``up @ down``, so the merge asks each for the rows of a row block
 (:meth:`Prepared.add_to`, fp32, the layer's flattened width) and adds them with the
 term's scale, in the same blocks and order as every other term
-(:func:`lora_cache.merge_math.add_terms`): the in-place path, the cached path and a
+(:func:`lora_cache.compute.merge_math.add_terms`): the in-place path, the cached path and a
 tensor-parallel part sum the same numbers. A layer's factors are made ready once
 (:meth:`Factors.prepared`: fp32 on the compute device, a Tucker core contracted), never
 as a whole-layer delta. The definitions, as LyCORIS (``lycoris/functional``) and ComfyUI

@@ -3,9 +3,9 @@
 A key is a stem plus a suffix naming its part (``.lora_A.weight``, ``.lora_down.weight``,
 ``.alpha``, ``.diff`` ...: the formats' one table, :func:`lora_cache.adapters.formats.split_key`);
 the stem names a module the way its trainer saw it (:func:`resolve_stem`, see
-:mod:`lora_cache.keys` for the rules). Both work on names and shapes only and import no
-torch, so the merge (through :mod:`lora_cache.keys` and the adapter reader) and the
-planner's header-only path (:mod:`lora_cache.header_targets`) share one resolver.
+:mod:`lora_cache.targets.keys` for the rules). Both work on names and shapes only and import no
+torch, so the merge (through :mod:`lora_cache.targets.keys` and the adapter reader) and the
+planner's header-only path (:mod:`lora_cache.targets.header_targets`) share one resolver.
 """
 
 from __future__ import annotations

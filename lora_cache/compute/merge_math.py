@@ -21,7 +21,7 @@ so it fits the row blocks as they are. Several adapters apply in the order given
 DoRA term to what the terms before it made, as peft merges adapters one after another.
 
 LyCORIS's factored changes (LoHa, LoKr, LoCon's Tucker core) are terms of their own: each
-row block asks them for its rows of the change (:mod:`lora_cache.lycoris_math`), added with
+row block asks them for its rows of the change (:mod:`lora_cache.terms.lycoris_math`), added with
 the term's scale where a pair's ``up @ down`` would be. Other variants whose merge is not a
 sum of such terms (IA3, OFT, ...) are refused with the key named
 (:mod:`lora_cache.adapters.formats.refused`): merging them as plain LoRA would be wrong
@@ -34,16 +34,16 @@ import functools
 import math
 import queue
 from concurrent.futures import Executor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from hostmem.errors import InputError
-from .adapters.spec import UnsupportedAdapterError
+from ..adapters.spec import UnsupportedAdapterError
 from .buffers import Scratch, compute_device, host_buffer
-from .dora_lycoris import COLUMNS, PEFT, add_decomposed, column_scale
-from .lycoris_math import Factors, Prepared
+from ..terms.delta import Delta, lora_scale
+from ..terms.dora_lycoris import COLUMNS, PEFT, add_decomposed, column_scale
+from ..terms.lycoris_math import Prepared
 
 __all__ = [
     "Accumulators",
@@ -69,71 +69,6 @@ __all__ = [
 
 FP32_ROWS = "fp32-rows"  # fp32 accumulator per row block, terms in order, one cast: every case
 BF16_ADDMM = "bf16-addmm"  # torch's bf16 addmm into the output, fp32 inside, one rounding
-
-
-def lora_scale(strength: float, alpha: float | None, rank: int, rslora: bool = False) -> float:
-    """Return the factor of ``up @ down``: strength x alpha / rank (or / sqrt(rank) for rsLoRA).
-
-    ``alpha`` defaults to the rank, so an adapter that stores none is scaled by its strength.
-    """
-    if rank <= 0:
-        raise InputError(f"LoRA rank must be positive, got {rank}")
-    alpha = float(rank) if alpha is None else float(alpha)
-    return float(strength) * alpha / (math.sqrt(rank) if rslora else rank)
-
-
-@dataclass(frozen=True)
-class Delta:
-    """One adapter's change to one parameter: ``scale * up @ down`` and/or ``diff_scale * diff``.
-
-    ``up`` is (out, rank) or (out, rank, 1, 1); ``down`` is (rank, in) or (rank, in, kh, kw).
-    ``magnitude`` (DoRA, shape (out,)): the rows of ``W + scale * up @ down`` are rescaled
-    to it (see the module's docstring); ``dora`` says whose DoRA: peft's, or LyCORIS's
-    ``dora_scale`` as ComfyUI merges it on its row or column axis, with ``dora_strength``
-    (:mod:`lora_cache.dora_lycoris`; ``scale`` is then alpha / rank alone).
-    ``factors``: a LyCORIS factored change (LoHa, LoKr, Tucker LoCon) in place of ``up`` and
-    ``down``, scaled by ``scale`` (:mod:`lora_cache.lycoris_math`).
-    ``source`` names the adapter file and key for error messages; ``values_check`` is the
-    file's check of its values, run before they are first consumed
-    (:func:`lora_cache.adapters.checks.check_before_use`).
-    """
-
-    source: str
-    up: torch.Tensor | None = None
-    down: torch.Tensor | None = None
-    scale: float = 1.0
-    diff: torch.Tensor | None = None
-    diff_scale: float = 1.0
-    values_check: Callable[[], None] | None = field(default=None, repr=False, compare=False)
-    magnitude: torch.Tensor | None = None
-    dora: str = PEFT
-    dora_strength: float = 1.0
-    factors: Factors | None = None
-
-    def check(self) -> None:
-        """Refuse what ``up @ down`` cannot express, before any layer is merged."""
-        axis = "input columns" if self.dora == COLUMNS else "rows"
-        paired = self.up is not None or self.factors is not None
-        fits = paired and (self.shape[1] if self.dora == COLUMNS else self.shape[0])
-        if self.magnitude is not None and self.magnitude.numel() != fits:
-            raise UnsupportedAdapterError(
-                f"{self.source}: a DoRA magnitude vector of {self.magnitude.numel()} values does not fit the "
-                f"{fits or 'missing'} {axis} of its LoRA pair; the file is damaged"
-            )
-        if self.up is not None and self.up.dim() == 4 and tuple(self.up.shape[2:]) != (1, 1):
-            raise UnsupportedAdapterError(
-                f"{self.source}: conv LoRA with a {tuple(self.up.shape[2:])} up kernel is not "
-                "supported (only 1x1 up kernels merge as B @ A)"
-            )
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The shape of the parameter this delta fits."""
-        if self.factors is not None:
-            return tuple(self.factors.shape)
-        if self.up is not None:
-            return (self.up.shape[0], *self.down.shape[1:])
-        return tuple(self.diff.shape)
 
 
 # Rows summed per block on the CPU: the block's fp32 accumulator (about this many bytes)
@@ -276,7 +211,7 @@ def _sum_block(acc: torch.Tensor, base: torch.Tensor, terms: list[Term], rows: s
 def add_terms(block: torch.Tensor, terms: list[Term], rows: slice) -> None:
     """block += every term's ``rows``, in the order given (block: one row block); a DoRA
     term then rescales each row to its magnitude over the row's norm, as peft does (a
-    LyCORIS one as :mod:`lora_cache.dora_lycoris` says)."""
+    LyCORIS one as :mod:`lora_cache.terms.dora_lycoris` says)."""
     for term in terms:
         if term.magnitude is not None and term.dora != PEFT:
             add_decomposed(block.view(block.shape[0], -1), functools.partial(term.add_product, rows=rows),
