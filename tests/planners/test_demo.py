@@ -2,7 +2,9 @@
 
 Below about 500 MiB of DiT the Python runtime (~170 MiB of anonymous memory, which does
 not scale with the model) dominates every peak; at 512 MiB the relations of the full-size
-demo hold on the contract's own fields.
+demo hold on the contract's own fields. The one run is started with a relative --workdir
+and --json (a relative workdir used to be joined twice): one run serves the relations and
+the relative paths.
 """
 
 import json
@@ -13,18 +15,36 @@ import pytest
 
 from hostmem.cgroup_sandbox import can_nest_memory_cgroup
 
+from .test_demo_workdir import _hostmem
+
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("demo")
-    out = folder / "demo.json"
-    args = [sys.executable, "-m", "planners.cli", "demo", "--scale", "512MiB", "--workdir", str(folder / "work"),
-            "--json", str(out)]
+def demo_folder(tmp_path_factory):
+    """The folder the demo runs in: its files under ``out/demo``, its figures in ``figures.json``."""
+    return tmp_path_factory.mktemp("demo")
+
+
+@pytest.fixture(scope="module")
+def demo(demo_folder):
+    args = ["demo", "--scale", "512MiB", "--workdir", "out/demo", "--json", "figures.json"]
     if can_nest_memory_cgroup() is None:
         args.append("--cgroup")
-    run = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    run = _hostmem(demo_folder, *args)
     assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(out.read_text()), run.stdout
+    assert "Traceback" not in run.stderr
+    return json.loads((demo_folder / "figures.json").read_text()), run.stdout
+
+
+def test_a_relative_workdir_holds_the_files_and_its_config_plans(demo, demo_folder):
+    data, _ = demo
+    work = demo_folder / "out" / "demo"
+    assert (work / "demo.yaml").is_file() and not (work / "out").exists()
+    assert [s["name"] for s in data["scenarios"]] == ["base", "in_place", "cached_miss", "cached_hit"]
+    for merge in ("in-place", "cached"):  # the demo's own config, planned by path from the relative folder
+        plan = _hostmem(demo_folder, "plan", "out/demo/demo.yaml", "--check", "--json", "--what-if", merge,
+                        timeout=120)
+        assert plan.returncode in (0, 1), plan.stderr
+        assert json.loads(plan.stdout)["fits"] is (plan.returncode == 0)
 
 
 def _by_name(data):
