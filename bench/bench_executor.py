@@ -68,8 +68,15 @@ def _in_group(checkpoint: str, mode: str, room: int, *extra: str) -> dict:
     return result
 
 
-def _warm(result: dict, key: str) -> float:
+def warm(result: dict, key: str) -> float:
+    """The median of ``key`` over a trial's warm passes (after the first)."""
     return statistics.median(p[key] for p in result["passes"][1:])
+
+
+def synthetic_checkpoint(args) -> str:
+    """The synthetic model of ``args.size_bytes`` in :data:`LAYERS` blocks, written under ``args.workdir``."""
+    d = int(math.sqrt(args.size_bytes / LAYERS / 2))
+    return write_synthetic_dit(os.path.join(args.workdir, "dit.safetensors"), LAYERS, d)
 
 
 def main() -> None:
@@ -80,8 +87,7 @@ def main() -> None:
     tmp = workdir(args)
     runs = {}
     try:
-        d = int(math.sqrt(args.size_bytes / LAYERS / 2))
-        checkpoint = write_synthetic_dit(os.path.join(args.workdir, "dit.safetensors"), LAYERS, d)
+        checkpoint = synthetic_checkpoint(args)
         room = os.path.getsize(checkpoint) // 2
         for loader in LOADERS:
             runs[loader] = {mode: _in_group(checkpoint, mode, room, "--loader", loader) for mode in ("executor", "kernel")}
@@ -95,8 +101,8 @@ def main() -> None:
 
 
 def _floors(executor, kernel, t_c, disk_rate) -> dict:
-    t_ex, t_k = _warm(executor, "seconds"), _warm(kernel, "seconds")
-    r_ex, r_k = _warm(executor, "read_bytes"), _warm(kernel, "read_bytes")
+    t_ex, t_k = warm(executor, "seconds"), warm(kernel, "seconds")
+    r_ex, r_k = warm(executor, "read_bytes"), warm(kernel, "read_bytes")
     predicted = executor["predicted_read_bytes"]
     return {
         "time_vs_kernel": (t_ex / t_k, 0.8),
@@ -111,8 +117,8 @@ def _mark(value: float, goal: float) -> str:
 
 
 def _loader_lines(loader, executor, kernel, cached, floors, disk_rate) -> list[str]:
-    t_ex, t_k = _warm(executor, "seconds"), _warm(kernel, "seconds")
-    r_ex, r_k = _warm(executor, "read_bytes"), _warm(kernel, "read_bytes")
+    t_ex, t_k = warm(executor, "seconds"), warm(kernel, "seconds")
+    r_ex, r_k = warm(executor, "read_bytes"), warm(kernel, "read_bytes")
     roles = executor["executor"]["roles"]["dit"]
     f = {k: (v, _mark(v, goal)) for k, (v, goal) in floors.items()}
     return [
@@ -127,19 +133,19 @@ def _loader_lines(loader, executor, kernel, cached, floors, disk_rate) -> list[s
         f"bytes read {f['read_vs_kernel'][0]:.2f}x (goal <= 0.7){f['read_vs_kernel'][1]}",
         f"    executor/bound: {f['time_vs_bound'][0]:.2f}x (goal <= 1.25){f['time_vs_bound'][1]}; disk bound "
         f"{r_ex / disk_rate:.3f} s/pass ({format_size(r_ex)} at {format_size(disk_rate)}/s), compute bound "
-        f"{_warm(cached, 'seconds'):.3f} s/pass (model in page cache, this mapping)",
+        f"{warm(cached, 'seconds'):.3f} s/pass (model in page cache, this mapping)",
         f"  OOM kills: executor {executor['oom_kills']}, kernel {kernel['oom_kills']}; group limit hits: executor "
         f"{executor['passes'][-1]['cgroup']['limit_hits']}, kernel {kernel['passes'][-1]['cgroup']['limit_hits']}",
     ]
 
 
 def _pinned_lines(pinned) -> tuple[list[str], float]:
-    r_p, predicted = _warm(pinned, "read_bytes"), pinned["predicted_read_bytes"]
+    r_p, predicted = warm(pinned, "read_bytes"), pinned["predicted_read_bytes"]
     off = abs(r_p - predicted) / predicted if predicted else 0.0
     roles = pinned["executor"]["roles"]["dit"]
     return [f"max_pinned 75% (hostmem mapping): pinned {roles['pinned']} blocks ({format_size(pinned['pinned_bytes'])}), "
             f"window {format_size(pinned['window_bytes'])} left, kept {roles['kept']}, released {roles['released']}; "
-            f"{_warm(pinned, 'seconds'):.3f} s/pass, read {format_size(r_p)}/pass (plan: {format_size(predicted)}, "
+            f"{warm(pinned, 'seconds'):.3f} s/pass, read {format_size(r_p)}/pass (plan: {format_size(predicted)}, "
             f"off by {off:.1%}, goal <= 10%){_mark(off, 0.1)}; group limit hits "
             f"{pinned['passes'][-1]['cgroup']['limit_hits']}"], off
 
@@ -150,11 +156,11 @@ def _report(runs, pinned, disk_rate, size) -> None:
     summary = {"model_bytes": size, "room_bytes": size // 2, "layers": LAYERS, "passes": PASSES,
                "disk_read_rate": disk_rate, "mappings": {}}
     for loader, run in runs.items():
-        floors = _floors(run["executor"], run["kernel"], _warm(run["cached"], "seconds"), disk_rate)
+        floors = _floors(run["executor"], run["kernel"], warm(run["cached"], "seconds"), disk_rate)
         lines += _loader_lines(loader, run["executor"], run["kernel"], run["cached"], floors, disk_rate)
         summary["mappings"][loader] = {
-            "seconds_per_pass": {m: _warm(r, "seconds") for m, r in run.items()},
-            "read_bytes_per_pass": {**{m: _warm(r, "read_bytes") for m, r in run.items()},
+            "seconds_per_pass": {m: warm(r, "seconds") for m, r in run.items()},
+            "read_bytes_per_pass": {**{m: warm(r, "read_bytes") for m, r in run.items()},
                                     "plan": run["executor"]["predicted_read_bytes"]},
             "roles": run["executor"]["executor"]["roles"]["dit"], "reader": run["executor"]["executor"]["reader"],
             "ratios": {k: v for k, (v, _) in floors.items()}, "start_s": run["executor"]["start_s"],
@@ -162,8 +168,8 @@ def _report(runs, pinned, disk_rate, size) -> None:
         }
     pinned_lines, off = _pinned_lines(pinned)
     lines += pinned_lines
-    summary["max_pinned_75"] = {"read_bytes_per_pass": _warm(pinned, "read_bytes"), "seconds_per_pass":
-                                _warm(pinned, "seconds"), "plan": pinned["predicted_read_bytes"], "read_vs_plan": off,
+    summary["max_pinned_75"] = {"read_bytes_per_pass": warm(pinned, "read_bytes"), "seconds_per_pass":
+                                warm(pinned, "seconds"), "plan": pinned["predicted_read_bytes"], "read_vs_plan": off,
                                 "pinned_bytes": pinned["pinned_bytes"], "window_bytes": pinned["window_bytes"],
                                 "roles": pinned["executor"]["roles"]["dit"],
                                 "limit_hits": pinned["passes"][-1]["cgroup"]["limit_hits"]}

@@ -29,19 +29,16 @@ from __future__ import annotations
 
 import glob
 import json
-import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 
 from common import bench_args, format_size, report, workdir  # noqa: E402  (common puts the repo on sys.path)
 
-from bench_executor import LAYERS, PASSES, anon_margin  # noqa: E402
+from bench_executor import LAYERS, PASSES, anon_margin, synthetic_checkpoint, warm  # noqa: E402
 from hostmem.cgroup_sandbox import can_nest_memory_cgroup, memory_cgroup  # noqa: E402
 from hostmem.peak import PeakTracker  # noqa: E402
-from planners.executor.synthetic import write_synthetic_dit  # noqa: E402
 
 WAYS = {
     "executor": "executor (hostmem mapping)",
@@ -85,10 +82,6 @@ def run_way(checkpoint: str, mode: str, room: int) -> dict:
     return {**result, **peak, "oom_kills": kills, "limit_bytes": group.limit_bytes}
 
 
-def _warm(result: dict, key: str) -> float:
-    return statistics.median(p[key] for p in result["passes"][1:])
-
-
 def main() -> None:
     args = bench_args(__doc__.splitlines()[0], "2GiB", "256MiB")
     reason = can_nest_memory_cgroup()
@@ -96,8 +89,7 @@ def main() -> None:
         raise SystemExit(f"bench_offloading needs a nested memory cgroup: {reason}")
     tmp = workdir(args)
     try:
-        d = int(math.sqrt(args.size_bytes / LAYERS / 2))
-        checkpoint = write_synthetic_dit(os.path.join(args.workdir, "dit.safetensors"), LAYERS, d)
+        checkpoint = synthetic_checkpoint(args)
         size = os.path.getsize(checkpoint)
         runs = {mode: run_way(checkpoint, mode, size // 2) for mode in WAYS}
     finally:
@@ -112,7 +104,7 @@ def _figures(run: dict) -> dict | None:
     """A finished way's figures (None for one the OOM killer ended)."""
     if "passes" not in run:
         return None
-    return {"seconds_per_pass": _warm(run, "seconds"), "read_bytes_per_pass": _warm(run, "read_bytes"),
+    return {"seconds_per_pass": warm(run, "seconds"), "read_bytes_per_pass": warm(run, "read_bytes"),
             "start_s": run["setup_s"] + run["start_s"], "copy_bytes": run["copy_bytes"]}
 
 
