@@ -1,5 +1,6 @@
 """The /proc and cgroup readers on this machine's real files."""
 
+import mmap
 import os
 import subprocess
 import sys
@@ -22,12 +23,16 @@ MiB = 1024 * 1024
 
 
 def test_status_sees_anonymous_growth():
-    before = read_status()
-    t = torch.empty(64 * MiB, dtype=torch.uint8).fill_(1)
-    after = read_status()
-    assert after.rss_anon - before.rss_anon >= 60 * MiB
-    assert after.vm_hwm >= after.vm_rss
-    del t
+    # a mapping of its own: an allocator may hand back memory an earlier test left resident
+    area = mmap.mmap(-1, 64 * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        before = read_status()
+        torch.frombuffer(area, dtype=torch.uint8).fill_(1)
+        after = read_status()
+        assert after.rss_anon - before.rss_anon >= 60 * MiB
+        assert after.vm_hwm >= after.vm_rss
+    finally:
+        area.close()
 
 
 def test_status_of_another_process_and_of_a_missing_one():

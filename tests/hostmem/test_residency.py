@@ -1,6 +1,7 @@
 """The classifier against real mappings: file pages, copy-on-write pages, heap, mlock, tmpfs."""
 
 import ctypes
+import mmap
 import os
 import signal
 import tempfile
@@ -79,10 +80,16 @@ def test_torch_empty_filled_is_anonymous():
 
 
 def test_untouched_allocation_is_not_resident():
-    t = torch.empty(64 * MiB, dtype=torch.uint8)  # large: its own mmap, never touched
-    result = _classify(t)
-    assert result.not_resident >= t.nbytes - 2 * PAGE_SIZE
-    assert result.anonymous <= 2 * PAGE_SIZE
+    # a mapping of its own, never touched (an allocator may reuse what another test left resident)
+    area = mmap.mmap(-1, 64 * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        t = torch.frombuffer(area, dtype=torch.uint8)
+        result = _classify(t)
+        assert result.not_resident >= t.nbytes - 2 * PAGE_SIZE
+        assert result.anonymous <= 2 * PAGE_SIZE
+        del t
+    finally:
+        area.close()
 
 
 def test_mlocked_tensor_is_pinned():
