@@ -41,9 +41,9 @@ import subprocess
 import sys
 import time
 
-import torch
+import torch  # noqa: F401  (imported before any clock, as a server has it)
 
-from common import bench_args, format_size, report, save_file, workdir  # noqa: E402 (sets sys.path)
+from common import bench_args, format_size, report, stream_pass, workdir, write_lora_model  # noqa: E402 (sets sys.path)
 
 COLS = 1024
 RANK = 16
@@ -60,40 +60,11 @@ def models(size: int) -> list[tuple[int, int]]:
 
 def write_model(folder: str, size: int, layers: int) -> tuple[list[str], str]:
     """A ``size``-byte bf16 checkpoint of ``layers`` layers of COLS columns, and a rank-16 adapter."""
-    os.makedirs(folder, exist_ok=True)
     rows = max(8, size // (layers * COLS * 2))
-    gen = torch.Generator().manual_seed(0)
-    per_shard = -(-layers // SHARDS)
-    shards = []
-    for shard in range(SHARDS):
-        names = range(shard * per_shard, min(layers, (shard + 1) * per_shard))
-        tensors = {f"blocks.{i}.proj.weight": torch.randn(rows, COLS, generator=gen).to(torch.bfloat16) for i in names}
-        shards.append(os.path.join(folder, f"dit-{shard + 1:05d}-of-{SHARDS:05d}.safetensors"))
-        save_file(tensors, shards[-1], writeback=True, fsync=True)
-        del tensors
-    # delta = up @ down: each entry the sum of RANK products, so its spread is up's * down's * RANK**0.5
-    spread = UPDATE_ULPS * 2.0**-7
-    up_spread = spread / RANK**0.5 * COLS**0.5
-    adapter = {}
-    for i in range(layers):
-        stem = f"diffusion_model.blocks.{i}.proj"
-        adapter[f"{stem}.lora_down.weight"] = (torch.randn(RANK, COLS, generator=gen) / COLS**0.5).to(torch.bfloat16)
-        adapter[f"{stem}.lora_up.weight"] = (torch.randn(rows, RANK, generator=gen) * up_spread).to(torch.bfloat16)
-        adapter[f"{stem}.alpha"] = torch.tensor(float(RANK))
-    adapter_path = os.path.join(folder, "lora-r16.safetensors")
-    save_file(adapter, adapter_path, fsync=True)
-    return shards, adapter_path
+    return write_lora_model(folder, layers, rows, COLS, RANK, "lora-r16.safetensors", SHARDS, UPDATE_ULPS)
 
 
 # ----------------------------------------------------------------- one start (a child process)
-
-
-def _pass(tensors: list[torch.Tensor]) -> int:
-    """One pass over every weight into a staging buffer, as streaming them to a GPU reads them."""
-    staging = torch.empty(max(t.numel() for t in tensors), dtype=tensors[0].dtype)
-    for tensor in tensors:
-        staging[: tensor.numel()].view(tensor.shape).copy_(tensor)
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _private_model(shards: list[str]):
@@ -132,7 +103,7 @@ def start(kind: str, shards: list[str], adapter: str, root: str) -> dict:
         tensors = [p for _, p in model.named_parameters()]
     ready = time.perf_counter()
     started_with = sorted(set(sys.modules) - modules)  # imported inside the clock
-    nbytes = _pass(tensors)
+    nbytes = stream_pass(tensors)
     passed = time.perf_counter()
     return {"start_s": ready - started, "pass_s": passed - ready, "pass_bytes": nbytes, "import_s": import_s,
             "stats": stats, "modules_in_start": started_with}

@@ -61,9 +61,9 @@ import subprocess
 import sys
 import time
 
-import torch
+import torch  # noqa: F401  (imported before any clock, as a server has it)
 
-from common import bench_args, format_size, report, save_file, workdir  # noqa: E402 (sets sys.path)
+from common import bench_args, format_size, report, stream_pass, workdir, write_lora_model  # noqa: E402 (sets sys.path)
 from lora_baselines import first_starts, peft_start  # noqa: E402
 from lora_summary import start_verdict, summarize, summarize_build  # noqa: E402
 
@@ -77,36 +77,12 @@ BUILD_ONLY_ROUNDS = 3  # --build-only: a run in under two minutes at 1 GiB
 
 
 def write_model(folder: str, size: int) -> tuple[list[str], str]:
-    """A ``size``-byte bf16 checkpoint of LAYERS square-ish layers, and a rank-64 adapter."""
-    rows, spread = max(64, size // (LAYERS * COLS * 2)), 3 * 2.0**-7 * (COLS / RANK) ** 0.5  # up @ down: ~3 bf16 steps
-    gen = torch.Generator().manual_seed(0)
-    per_shard = -(-LAYERS // SHARDS)
-    shards = []
-    for shard in range(SHARDS):
-        names = range(shard * per_shard, min(LAYERS, (shard + 1) * per_shard))
-        tensors = {f"blocks.{i}.proj.weight": torch.randn(rows, COLS, generator=gen).to(torch.bfloat16) for i in names}
-        shards.append(os.path.join(folder, f"dit-{shard + 1:05d}-of-{SHARDS:05d}.safetensors"))
-        save_file(tensors, shards[-1], writeback=True, fsync=True)  # on disk before any clock: no writeback later
-        del tensors
-    adapter = {}
-    for i in range(LAYERS):
-        stem = f"diffusion_model.blocks.{i}.proj"
-        adapter[f"{stem}.lora_down.weight"] = (torch.randn(RANK, COLS, generator=gen) / COLS**0.5).to(torch.bfloat16)
-        adapter[f"{stem}.lora_up.weight"] = (torch.randn(rows, RANK, generator=gen) * spread).to(torch.bfloat16)
-        adapter[f"{stem}.alpha"] = torch.tensor(float(RANK))
-    adapter_path = os.path.join(folder, "turbo-r64.safetensors")
-    save_file(adapter, adapter_path, fsync=True)
-    return shards, adapter_path
+    """A ``size``-byte bf16 checkpoint of LAYERS square-ish layers, and a rank-64 adapter (~3 bf16 steps)."""
+    rows = max(64, size // (LAYERS * COLS * 2))
+    return write_lora_model(folder, LAYERS, rows, COLS, RANK, "turbo-r64.safetensors", SHARDS)
 
 
 # ----------------------------------------------------------------- scenarios (child processes)
-
-
-def _touch(tensors: list[torch.Tensor]) -> None:
-    """One pass over every weight into a staging buffer, as streaming them to a GPU reads them."""
-    staging = torch.empty(max(t.numel() for t in tensors), dtype=tensors[0].dtype)
-    for tensor in tensors:
-        staging[: tensor.numel()].view(tensor.shape).copy_(tensor)
 
 
 def _load(shards: list[str], private: bool):
@@ -166,7 +142,7 @@ def _start(shards, adapter, root) -> dict:
         model = module_tree(named)
         stats = lora_cache.merge(model, [adapter], root, base_files=shards, progress=False, rounding="merge").to_dict()
         named = list(model.named_parameters())
-    _touch([t for _, t in named])
+    stream_pass([t for _, t in named])
     return {"ready_at": time.time(), "in_process_s": time.perf_counter() - started, "stats": stats,
             "full_collections": gc.get_stats()[2]["collections"] - full_collections}
 

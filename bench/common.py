@@ -63,6 +63,46 @@ def write_layered_checkpoint(folder: str, total_bytes: int, tensors: int, shards
     return paths
 
 
+def write_lora_model(folder: str, layers: int, rows: int, cols: int, rank: int, adapter_name: str,
+                     shards: int = 4, ulps: float = 3) -> tuple[list[str], str]:
+    """A bf16 checkpoint of ``layers`` layers of ``rows`` x ``cols`` (``blocks.{i}.proj.weight``,
+    in ``shards`` files), and a rank-``rank`` kohya-style adapter on every layer whose update is
+    about ``ulps`` bf16 steps of a weight of magnitude one: none rounds away, so a merge is
+    measured doing its work. ``(shard paths, adapter path)``.
+
+    Each entry of up @ down sums ``rank`` products, so its spread is up's * down's * rank**0.5:
+    down is drawn at 1/cols**0.5, up at the rest.
+    """
+    os.makedirs(folder, exist_ok=True)
+    up_spread = ulps * 2.0**-7 / rank**0.5 * cols**0.5
+    gen = torch.Generator().manual_seed(0)
+    per_shard, paths = -(-layers // shards), []
+    for shard in range(shards):
+        names = range(shard * per_shard, min(layers, (shard + 1) * per_shard))
+        tensors = {f"blocks.{i}.proj.weight": torch.randn(rows, cols, generator=gen).to(torch.bfloat16) for i in names}
+        paths.append(os.path.join(folder, f"dit-{shard + 1:05d}-of-{shards:05d}.safetensors"))
+        save_file(tensors, paths[-1], writeback=True, fsync=True)  # on disk before any clock: no writeback later
+        del tensors
+    adapter = {}
+    for i in range(layers):
+        stem = f"diffusion_model.blocks.{i}.proj"
+        adapter[f"{stem}.lora_down.weight"] = (torch.randn(rank, cols, generator=gen) / cols**0.5).to(torch.bfloat16)
+        adapter[f"{stem}.lora_up.weight"] = (torch.randn(rows, rank, generator=gen) * up_spread).to(torch.bfloat16)
+        adapter[f"{stem}.alpha"] = torch.tensor(float(rank))
+    adapter_path = os.path.join(folder, adapter_name)
+    save_file(adapter, adapter_path, fsync=True)
+    return paths, adapter_path
+
+
+def stream_pass(tensors: list[torch.Tensor]) -> int:
+    """One pass over every weight into one staging buffer, as streaming them to a GPU reads
+    them; the bytes passed."""
+    staging = torch.empty(max(t.numel() for t in tensors), dtype=tensors[0].dtype)
+    for tensor in tensors:
+        staging[: tensor.numel()].view(tensor.shape).copy_(tensor)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def timed(fn, *args, **kwargs):
     start = time.perf_counter()
     result = fn(*args, **kwargs)
