@@ -30,7 +30,7 @@ class FileRange(NamedTuple):
     offset: int
     length: int
     address: int
-    writable: bool  # a private writable mapping (diffusers' loader): released with MADV_PAGEOUT only
+    writable: bool  # a private writable mapping (diffusers' loader): a written page is released with MADV_PAGEOUT only
 
 
 class LayerLayout(NamedTuple):
