@@ -106,3 +106,18 @@ def peft_merged(kind: str, model_folder, folder: str):
 
 def weights(model) -> dict[str, torch.Tensor]:
     return tm.weights(model)
+
+
+def start_and_digest(kind: str, model_folder: str, cache: str, spec: dict) -> dict:
+    """One server start: the model loaded, ``load_lora`` through the cache at ``cache``;
+    its stats and a digest of every weight after (what a fresh-process test compares)."""
+    import hashlib
+
+    import lora_cache
+
+    model = load_model(kind, model_folder)
+    stats = lora_cache.load_lora(model, lora_cache.Adapter(**spec), cache_root=cache, progress=False)
+    digest = hashlib.sha256()
+    for name, weight in sorted(weights(model).items()):
+        digest.update(name.encode() + weight.contiguous().view(torch.uint8).numpy().tobytes())
+    return {"layers": stats.layers, "hit": stats.hit, "built": stats.built, "digest": digest.hexdigest()}

@@ -15,6 +15,7 @@ import lora_cache  # noqa: E402
 from lora_cache import Adapter  # noqa: E402
 from tests.conformance import models  # noqa: E402
 from tests.conformance.corpus import CASES, Case  # noqa: E402
+from tests.fresh_fork import fresh_call  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -82,19 +83,6 @@ def test_set_adapters_reads_the_anchored_peft_patterns_as_merge_does(model_folde
         torch.testing.assert_close(merged[name], ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()), msg=name)
 
 
-_START = """
-import hashlib, json, sys
-import torch
-import lora_cache
-from tests.conformance import models
-kind, model_folder, cache, spec = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
-model = models.load_model(kind, model_folder)
-stats = lora_cache.load_lora(model, lora_cache.Adapter(**spec), cache_root=cache, progress=False)
-digest = hashlib.sha256()
-for name, weight in sorted(models.weights(model).items()):
-    digest.update(name.encode() + weight.contiguous().view(torch.uint8).numpy().tobytes())
-print(json.dumps({"layers": stats.layers, "hit": stats.hit, "built": stats.built, "digest": digest.hexdigest()}))
-"""
 _FRESH = ["h3-ai-toolkit-header-alpha", "wan-lightx2v-alpha-override", "wan-comfyui-full-diffs", "unet-peft-conv-dora",
           "wan-lycoris-dora-input-axis", "flux-comfyui-full-diffs"]
 
@@ -104,21 +92,11 @@ _FRESH = ["h3-ai-toolkit-header-alpha", "wan-lightx2v-alpha-override", "wan-comf
 def test_a_start_in_a_fresh_process_hits_what_the_first_built(name, model_folders, tmp_path):
     """The reading a first start recorded (alphas folded, full diffs placed) plans a second
     start in another process: every layer a hit, the same bytes."""
-    import json
-    import subprocess
-    import sys
-
     case = next(c for c in CASES if c.name == name)
     os.makedirs(tmp_path / "reference")
-    spec = json.dumps({"path": case.write(os.fspath(tmp_path), model_folders[case.kind]), **case.spec})
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    runs = []
-    for _ in range(2):
-        done = subprocess.run([sys.executable, "-c", _START, case.kind, model_folders[case.kind],
-                               os.fspath(tmp_path / "cache"), spec], capture_output=True, text=True, env=env)
-        assert done.returncode == 0, done.stderr[-2000:]
-        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    spec = {"path": case.write(os.fspath(tmp_path), model_folders[case.kind]), **case.spec}
+    args = (case.kind, os.fspath(model_folders[case.kind]), os.fspath(tmp_path / "cache"), spec)
+    runs = [fresh_call(models.start_and_digest, *args) for _ in range(2)]
     first, second = runs
     assert first["built"] == first["layers"] > 0
     assert second["hit"] == second["layers"] == first["layers"] and second["built"] == 0
