@@ -82,7 +82,10 @@ def test_a_model_twice_the_cgroup_runs_inside_it_reading_only_what_does_not_fit(
     first, *warm = report["passes"]
     assert first["read_bytes"] >= model * 0.9  # read ahead: every layer comes from disk once
     for one in warm:  # released layers were really dropped: read again, and only they
-        assert abs(one["read_bytes"] - predicted) <= 0.1 * predicted
+        # On a model this small a warm pass's reads move by up to about one window from pass to
+        # pass (over eight passes: 92-100 MiB against 92 planned; with 75% pins, 76-88 against 88,
+        # the group at its limit): 10% and one window. A layer read twice stays far outside.
+        assert abs(one["read_bytes"] - predicted) <= 0.1 * predicted + window
         assert one["read_bytes"] <= 0.8 * model
     for one in stats["passes"][1:]:
         assert one["released_bytes"] >= predicted - roles["released"] * 2 * 4096  # whole pages inside each layer
@@ -111,5 +114,7 @@ def test_pins_at_75_percent_leave_the_window_and_a_warm_pass_reads_what_the_plan
     assert report["pinned_bytes"] + report["window_bytes"] <= ROOM  # the window's room left by the pins
     assert report["kept"] == report["planned_kept"]  # the executor keeps what the plan says
     predicted = report["predicted_read_bytes"]
-    for one in report["passes"][1:]:
-        assert abs(one["read_bytes"] - predicted) <= 0.1 * predicted, (one["read_bytes"], predicted)
+    for one in report["passes"][1:]:  # 10% and one window (see the test above)
+        assert abs(one["read_bytes"] - predicted) <= 0.1 * predicted + report["window_bytes"], \
+            (one["read_bytes"], predicted)
+        assert one["read_bytes"] <= 1.5 * predicted  # a released layer read once, not twice
