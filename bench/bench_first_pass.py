@@ -37,13 +37,14 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
 import torch  # noqa: F401  (imported before any clock, as a server has it)
 
-from common import bench_args, format_size, report, stream_pass, workdir, write_lora_model  # noqa: E402 (sets sys.path)
+from common import (  # noqa: E402 (sets sys.path)
+    bench_args, child_scenario, drop_from_page_cache, format_size, report, stream_pass, workdir, write_lora_model,
+)
 
 COLS = 1024
 RANK = 16
@@ -131,25 +132,12 @@ def read_rate(paths: list[str]) -> float:
 
 
 def scenario(kind: str, **spec) -> dict:
-    # Bytecode cached as an installed package has it (see bench_lora's ``scenario``).
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    done = subprocess.run([sys.executable, __file__, "--scenario", kind, json.dumps(spec)],
-                          capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise SystemExit(f"scenario {kind} failed:\n{done.stderr}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_scenario(__file__, kind, spec)
 
 
 def files_under(folder: str) -> list[str]:
     return [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names
             if os.path.isfile(os.path.join(d, f)) and not os.path.islink(os.path.join(d, f))]
-
-
-def drop_from_page_cache(paths: list[str]) -> None:
-    """Evict the files' pages, so that the next start reads them from the disk."""
-    for path in paths:
-        with open(path, "rb", buffering=0) as handle:
-            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def empty_cache(root: str) -> None:

@@ -57,13 +57,14 @@ import json
 import mmap
 import os
 import shutil
-import subprocess
 import sys
 import time
 
 import torch  # noqa: F401  (imported before any clock, as a server has it)
 
-from common import bench_args, format_size, report, stream_pass, workdir, write_lora_model  # noqa: E402 (sets sys.path)
+from common import (  # noqa: E402 (sets sys.path)
+    bench_args, child_scenario, drop_from_page_cache, format_size, report, stream_pass, workdir, write_lora_model,
+)
 from lora_baselines import first_starts, peft_start  # noqa: E402
 from lora_summary import start_verdict, summarize, summarize_build  # noqa: E402
 
@@ -283,22 +284,7 @@ def run_scenario(argv: list[str]) -> None:
 
 
 def scenario(name: str, **spec) -> dict:
-    # Starts are measured as an installed package has them, with its modules' bytecode
-    # cached (an install compiles it): a shell that forbids writing it would charge every
-    # start with compiling lora_cache from source.
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    done = subprocess.run([sys.executable, __file__, "--scenario", name, json.dumps(spec)],
-                          capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise SystemExit(f"scenario {name} failed:\n{done.stderr}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def drop_from_page_cache(paths: list[str]) -> None:
-    """Evict the files' pages, so that the next reader brings them in its own way."""
-    for path in paths:
-        with open(path, "rb", buffering=0) as handle:
-            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return child_scenario(__file__, name, spec)
 
 
 def disk_writes(folder: str) -> tuple[int, int] | None:

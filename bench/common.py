@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -101,6 +102,27 @@ def stream_pass(tensors: list[torch.Tensor]) -> int:
     for tensor in tensors:
         staging[: tensor.numel()].view(tensor.shape).copy_(tensor)
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def drop_from_page_cache(paths: list[str]) -> None:
+    """Evict the files' pages, so that the next reader brings them in from the disk."""
+    for path in paths:
+        with open(path, "rb", buffering=0) as handle:
+            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def child_scenario(script: str, name: str, spec: dict) -> dict:
+    """Run ``script --scenario name SPEC`` in a fresh interpreter; the JSON of its last line.
+
+    Starts are measured as an installed package has them, with its modules' bytecode cached
+    (an install compiles it): a shell that forbids writing it would charge every start with
+    compiling the project from source."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    done = subprocess.run([sys.executable, script, "--scenario", name, json.dumps(spec)],
+                          capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"scenario {name} failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def timed(fn, *args, **kwargs):
