@@ -18,6 +18,19 @@ MiB = 1024 * 1024
 EXECUTOR_PATHS = {"host": {"read_ahead": "madvise"}, "twin": {"device": "cpu"}}
 
 
+def synthetic_plan(checkpoint, room: int):
+    """The plan of the synthetic model at ``checkpoint`` (``planners.executor.synthetic``) on a
+    host whose page cache holds ``room`` bytes beside this process."""
+    from hostmem.procfs import read_status
+    from planners.executor.synthetic import load_synthetic_dit
+    from planners.executor.trial import synthetic_config
+    from planners.startup import plan_loaded
+
+    reserve = read_status().rss_anon + 256 * MiB
+    config = synthetic_config(os.fspath(checkpoint), reserve + room, reserve, 0, 3)
+    return plan_loaded(config, {"dit": load_synthetic_dit(checkpoint)}, quiet=True)
+
+
 @pytest.fixture
 def one_thread():
     """One compute thread: on busy cores a second one spins at every small matmul (100x

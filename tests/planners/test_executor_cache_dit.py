@@ -22,6 +22,7 @@ from tests.planners.tiny_pipelines import (  # noqa: E402
     STEPS,
     flux_generate,
     flux_pipe,
+    generate_under_executor,
     layer_plan,
     wan_generate,
     wan_pipe,
@@ -64,9 +65,7 @@ def _cached_and_executed(pipe, cache, generate, plan_of, path):
     with cached(pipe, cache):
         expected = generate(pipe)
         skipped = _skipped(pipe)
-        with execute(plan_of(pipe.transformer), {"dit": pipe.transformer}, prefetch=2, **PATHS[path]) as run:
-            got = generate(pipe)
-            stats = run.stats()
+        got, stats = generate_under_executor(pipe, plan_of(pipe.transformer), generate, path)
         return expected, skipped, got, _skipped(pipe), stats
 
 

@@ -25,6 +25,7 @@ from tests.planners.conftest import EXECUTOR_PATHS  # noqa: E402
 from tests.planners.tiny_pipelines import (  # noqa: E402
     flux_generate,
     flux_pipe,
+    generate_under_executor,
     layer_plan,
     wan_generate,
     wan_pipe,
@@ -62,10 +63,7 @@ def test_a_step_cache_under_the_executor_gives_the_cached_outputs(flux_folder, u
     expected = flux_generate(_pipe(flux_folder, cache))
     assert not torch.equal(expected, uncached)  # the cache did skip or replay something
     pipe = _pipe(flux_folder, cache)
-    plan = layer_plan(flux_folder, pipe.transformer)
-    with execute(plan, {"dit": pipe.transformer}, prefetch=2, **PATHS[path]) as run:
-        got = flux_generate(pipe)
-        stats = run.stats()
+    got, stats = generate_under_executor(pipe, layer_plan(flux_folder, pipe.transformer), flux_generate, path)
     assert torch.equal(got, expected)
     assert stats.roles["dit"]["released"] > 0 and len(stats.passes) == 6
 
@@ -103,9 +101,6 @@ def test_a_wan_pipeline_with_cfg_and_a_first_block_cache_under_the_executor(wan_
     expected = wan_generate(_wan(folder, True))
     assert not torch.equal(expected, wan_generate(_wan(folder, False)))
     pipe = _wan(folder, True)
-    plan = wan_plan(folder, pipe.transformer)
-    with execute(plan, {"dit": pipe.transformer}, prefetch=2, **PATHS[path]) as run:
-        got = wan_generate(pipe)
-        stats = run.stats()
+    got, stats = generate_under_executor(pipe, wan_plan(folder, pipe.transformer), wan_generate, path)
     assert torch.equal(got, expected)
     assert stats.roles["dit"]["released"] > 0 and len(stats.passes) == 12  # 6 steps, two passes each

@@ -19,7 +19,7 @@ from planners.executor.synthetic import load_synthetic_dit, write_synthetic_dit
 from planners.executor.trial import synthetic_config
 from planners.startup import plan_loaded
 
-from .conftest import EXECUTOR_PATHS, MiB
+from .conftest import EXECUTOR_PATHS, MiB, synthetic_plan
 
 LAYERS, D = 16, 256  # blocks of 256 KiB (fp32)
 ROOM = 2 * MiB  # page cache for half the layers: the rest are released after use
@@ -47,9 +47,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plan(checkpoint):
-    reserve = read_status().rss_anon + 256 * MiB
-    config = synthetic_config(os.fspath(checkpoint), reserve + ROOM, reserve, 0, 3)
-    made = plan_loaded(config, {"dit": load_synthetic_dit(checkpoint)}, quiet=True)
+    made = synthetic_plan(checkpoint, ROOM)
     assert not made.pins.plans["dit"].page_cache_fits
     return made
 

@@ -6,7 +6,6 @@ path and on the device path's CPU twin."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -15,13 +14,10 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from hostmem.procfs import read_status  # noqa: E402
 from planners.executor import execute  # noqa: E402
 from planners.executor.synthetic import load_synthetic_dit, write_synthetic_dit  # noqa: E402
-from planners.executor.trial import synthetic_config  # noqa: E402
-from planners.startup import plan_loaded  # noqa: E402
 
-from .conftest import EXECUTOR_PATHS, MiB  # noqa: E402
+from .conftest import EXECUTOR_PATHS, synthetic_plan  # noqa: E402
 
 LAYERS, D = 8, 128  # blocks of 64 KiB (fp32)
 PATHS = {**EXECUTOR_PATHS, "host-worker": {"read_ahead": "read"}}
@@ -43,9 +39,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plan(checkpoint):
-    reserve = read_status().rss_anon + 256 * MiB
-    config = synthetic_config(os.fspath(checkpoint), reserve + 256 * 1024, reserve, 0, 3)
-    return plan_loaded(config, {"dit": load_synthetic_dit(checkpoint)}, quiet=True)
+    return synthetic_plan(checkpoint, 256 * 1024)
 
 
 def _apply(model, originals, change) -> None:

@@ -17,7 +17,10 @@ from diffusers import (
 
 from hostmem.procfs import read_status
 from planners.config import parse_config
+from planners.executor import execute
 from planners.startup import plan_loaded
+
+from .conftest import EXECUTOR_PATHS
 
 MiB = 1 << 20
 STEPS = 6
@@ -92,3 +95,10 @@ def layer_plan(folder, transformer, sub="transformer", layers="transformer_block
 def wan_plan(folder, transformer):
     """:func:`layer_plan` for the tiny Wan: its 4 blocks through a quarter MiB."""
     return layer_plan(folder, transformer, "wan", "blocks.{i}.", room=MiB // 4)
+
+
+def generate_under_executor(pipe, plan, generate, path: str):
+    """``generate(pipe)`` with the pipeline's transformer under the executor, reading two
+    layers ahead on ``path`` (a key of ``EXECUTOR_PATHS``): the output and the executor's stats."""
+    with execute(plan, {"dit": pipe.transformer}, prefetch=2, **EXECUTOR_PATHS[path]) as run:
+        return generate(pipe), run.stats()
