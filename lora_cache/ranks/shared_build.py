@@ -82,6 +82,7 @@ from hostmem.vault.shares import open_share, vouch_for
 __all__ = ["DEFAULT_TIMEOUT", "ShareOutcome", "build_shares", "check_rank_timeout", "split_by_bytes", "probe",
            "rank_threads"]
 
+
 @dataclass
 class ShareOutcome:
     """What this rank built of a shared build: share ``index`` of ``count``."""
