@@ -19,7 +19,7 @@ import torch
 from hostmem.errors import InputError
 from hostmem.procfs import PAGE_SIZE, read_maps
 
-__all__ = ["FileRange", "LayerLayout", "MapIndex", "inner_pages", "layer_layout", "layer_module", "module_tensors",
+__all__ = ["FileRange", "LayerLayout", "MapIndex", "inner_pages", "outer_pages", "layer_layout", "layer_module", "module_tensors",
            "tensor_span"]
 
 
@@ -168,3 +168,10 @@ def inner_pages(r: FileRange) -> tuple[int, int]:
     start = r.address + (-r.address) % PAGE_SIZE
     end = (r.address + r.length) - (r.address + r.length) % PAGE_SIZE
     return start, max(0, end - start)
+
+
+def outer_pages(r: FileRange) -> tuple[int, int]:
+    """``(address, length)`` of every page ``r`` touches, the partial ones at its ends too."""
+    start = r.address - r.address % PAGE_SIZE
+    end = r.address + r.length + (-(r.address + r.length)) % PAGE_SIZE
+    return start, end - start

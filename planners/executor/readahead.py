@@ -66,7 +66,7 @@ from hostmem.errors import InputError
 from hostmem.pagemap import PagemapReader
 from hostmem.procfs import PAGE_SIZE, ProcReadError
 
-from .layout import FileRange, inner_pages
+from .layout import FileRange, inner_pages, outer_pages
 
 __all__ = ["FileHandles", "advise", "set_random", "complete", "read_ahead", "release", "choose_reader", "READERS",
            "DEFAULT_READER", "drop_range", "time_readers"]
@@ -231,17 +231,21 @@ def read_ahead(ranges, handles: FileHandles, how: str) -> int:
 
 
 def set_random(ranges, on: bool) -> None:
-    """``MADV_RANDOM`` and ``MADV_HUGEPAGE`` (``on``), or ``MADV_NORMAL``, on the whole pages
-    inside ``ranges``.
+    """``MADV_RANDOM`` and ``MADV_HUGEPAGE`` (``on``), or ``MADV_NORMAL``, on every page
+    ``ranges`` touch, the partial pages at their ends included.
 
     A kept or released layer is read by the executor alone: the kernel's own read-around
     on a fault (up to ``read_ahead_kb`` past it) would read layers the plan has not made
     room for, and the group would reach its limit (the more so with several reader
     threads faulting at once). The hugepage advice makes each fault read a 2 MiB folio,
     where a plain private mapping would read 4 KiB (see the module doc); it is left on.
+    A layer starts and ends mid-page: a fault in an end page left without the advice
+    reads around it (``read_ahead_kb``, 8 MiB on a virtual disk) in 4 KiB folios, into
+    the layers beside it, which then stay small (on safetensors' mapping, 0.27-0.30 s a
+    pass against 0.18-0.22 s with the ends advised too).
     """
     for r in ranges:
-        address, length = inner_pages(r)
+        address, length = outer_pages(r)
         if on:
             _madvise(address, length, mmap.MADV_RANDOM, "MADV_RANDOM")
             _hugepage(address, length)

@@ -12,14 +12,14 @@ import os
 import pytest
 import torch
 
-from hostmem.procfs import read_status
+from hostmem.procfs import read_smaps, read_status
 from planners.budget import HostLimit
 from planners.cli import main
 from planners.config import parse_config
 from planners.deployment import plan_deployment
 from planners.executor import execute, plan_roles, read_io_bytes
 from planners.calibration import RECORD
-from planners.executor.layout import MapIndex
+from planners.executor.layout import MapIndex, outer_pages
 from planners.executor.readahead import DEFAULT_READER, READERS, FileHandles, drop_range, read_ahead, set_random
 from planners.executor.synthetic import load_synthetic_dit, write_synthetic_dit
 from planners.executor.trial import synthetic_config
@@ -150,6 +150,37 @@ def test_auto_reads_the_calibration_record_once_and_chooses_alike_at_no_cost(mod
             assert run.stats().reader == saved["reader"]
     with execute(plan, {"dit": dit}, read_ahead="read") as run:  # a reader named is the one used
         assert run.stats().reader == "read"
+
+
+def _flags_over(start: int, end: int) -> list[frozenset]:
+    """VmFlags of every area of this process that overlaps ``[start, end)``; the areas must cover it."""
+    areas = sorted((v for v in read_smaps() if v.start < end and v.end > start), key=lambda v: v.start)
+    at = start
+    for vma in areas:
+        assert vma.start <= at, f"no area maps {at:#x}"
+        at = vma.end
+    assert at >= end, f"no area maps {at:#x}"
+    return [vma.vm_flags for vma in areas]
+
+
+@pytest.mark.parametrize("loader", ["safetensors", "hostmem"])
+def test_the_advice_covers_a_layers_partial_pages_at_its_ends(tmp_path, loader):
+    """A layer starts and ends mid-page (the file's header is not page-sized): a fault in such a
+    page, left without ``MADV_HUGEPAGE`` and ``MADV_RANDOM``, reads around it (``read_ahead_kb``,
+    8 MiB on a virtual disk) in 4 KiB folios, into the layers beside it; on safetensors' private
+    mapping that cost a third of every pass. Every page a layer touches gets both advices."""
+    path = write_synthetic_dit(tmp_path / "dit.safetensors", 3, 512, torch.float32)
+    dit = load_synthetic_dit(path, loader)
+    weight = dit.blocks[1].proj.weight
+    layer = MapIndex().find(weight.data_ptr(), weight.numel() * weight.element_size())
+    start, length = outer_pages(layer)
+    assert layer.address % 4096 and (layer.address, layer.length) != (start, length)  # it has partial pages
+    set_random([layer], True)
+    try:
+        assert all({"hg", "rr"} <= flags for flags in _flags_over(start, start + length))
+    finally:
+        set_random([layer], False)
+    assert not any("rr" in flags for flags in _flags_over(start, start + length))
 
 
 def drop_range_file(path) -> None:
