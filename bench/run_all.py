@@ -72,7 +72,8 @@ BENCHES = (
      "A synthetic bf16 model mapped read-only, run in a nested memory cgroup that leaves it half the "
      "model in page cache: under the executor, left to the kernel's fault-driven reads, and with the "
      "model in page cache (the compute bound); the disk bound is the executor's bytes read at the "
-     "checkpoint's sequential read rate, measured in the same run. Needs a memory cgroup this process "
+     "checkpoint's sequential read rate, measured just before and just after each mapping's executor "
+     "trial (the mean of the two). Needs a memory cgroup this process "
      "may nest under its own."),
     ("bench_offloading.py", "Executor beside diffusers' group offloading, accelerate's disk_offload and a whole load",
      "The executor's synthetic model and memory cgroup (half the model in page cache), each way in a fresh child "
