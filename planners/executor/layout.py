@@ -171,7 +171,10 @@ def inner_pages(r: FileRange) -> tuple[int, int]:
 
 
 def outer_pages(r: FileRange) -> tuple[int, int]:
-    """``(address, length)`` of every page ``r`` touches, the partial ones at its ends too."""
+    """``(address, length)`` of every page ``r`` touches, the partial ones at its ends too
+    (none for an empty range)."""
     start = r.address - r.address % PAGE_SIZE
+    if r.length <= 0:
+        return start, 0
     end = r.address + r.length + (-(r.address + r.length)) % PAGE_SIZE
     return start, end - start

@@ -19,7 +19,7 @@ from planners.config import parse_config
 from planners.deployment import plan_deployment
 from planners.executor import execute, plan_roles, read_io_bytes
 from planners.calibration import RECORD
-from planners.executor.layout import MapIndex, outer_pages
+from planners.executor.layout import FileRange, MapIndex, inner_pages, outer_pages
 from planners.executor.readahead import DEFAULT_READER, READERS, FileHandles, drop_range, read_ahead, set_random
 from planners.executor.synthetic import load_synthetic_dit, write_synthetic_dit
 from planners.executor.trial import synthetic_config
@@ -161,6 +161,21 @@ def _flags_over(start: int, end: int) -> list[frozenset]:
         at = vma.end
     assert at >= end, f"no area maps {at:#x}"
     return [vma.vm_flags for vma in areas]
+
+
+@pytest.mark.parametrize("address, length", [(3 * 4096 + 5, 10), (2 * 4096, 4096), (2 * 4096, 4096 + 1),
+                                             (3 * 4096 - 1, 2), (3 * 4096 + 5, 0)])
+def test_a_ranges_outer_pages_hold_it_and_its_inner_pages(address, length):
+    r = FileRange("dit.safetensors", 0, length, address, False)
+    outer, outer_len = outer_pages(r)
+    inner, inner_len = inner_pages(r)
+    assert outer % 4096 == 0 and outer_len % 4096 == 0
+    if length:
+        assert outer <= address and address + length <= outer + outer_len < address + length + 4096
+        assert outer_len == 4096 * (-(-(address + length) // 4096) - address // 4096)
+    else:
+        assert outer_len == 0
+    assert not inner_len or outer <= inner and inner + inner_len <= outer + outer_len
 
 
 @pytest.mark.parametrize("loader", ["safetensors", "hostmem"])
