@@ -9,6 +9,7 @@ these for the callers that know them from there.
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import mmap
 import os
@@ -76,15 +77,30 @@ DIRECT_ALIGN = 4096  # O_DIRECT needs address, offset and length in whole logica
 _DIRECT_CHUNK = 64 * 1024 * 1024
 
 
-def _write_direct(path: str, data: memoryview, offset: int) -> int:
-    """Write ``data`` (whole, aligned pages) at ``offset`` of ``path`` with O_DIRECT.
+def _open_direct(open_fd: int, path: str) -> int:
+    """A second descriptor of the file open as ``open_fd``, with O_DIRECT: reopened through
+    ``/proc/self/fd`` (the very file, whatever its path names by now, and no walk of the
+    path's folders), else by ``path`` where /proc is not there. A descriptor not open for
+    writing gets the error a write through it would."""
+    if fcntl.fcntl(open_fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+        raise OSError(errno.EBADF, f"{path}: not open for writing", path)
+    flags = os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC
+    try:
+        return os.open(f"/proc/self/fd/{open_fd}", flags)
+    except FileNotFoundError:
+        return os.open(path, flags | os.O_NOFOLLOW)
+
+
+def _write_direct(open_fd: int, path: str, data: memoryview, offset: int) -> int:
+    """Write ``data`` (whole, aligned pages) at ``offset`` of the file open as ``open_fd``
+    (``path``) with O_DIRECT.
 
     Returns the bytes written: all of them, or fewer (0 at first) where the filesystem
     refuses O_DIRECT or these alignments (EINVAL), so the caller writes the rest its
     usual way. Any other error (no space, file too large, I/O) is raised.
     """
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = _open_direct(open_fd, path)
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return 0
@@ -120,7 +136,7 @@ def write_uncached(fd: int, path: str, data, offset: int, address: int) -> None:
     if address % DIRECT_ALIGN == 0 and offset % DIRECT_ALIGN == 0:
         body = len(data) - len(data) % DIRECT_ALIGN
     if body:
-        body = _write_direct(path, data[:body], offset)
+        body = _write_direct(fd, path, data[:body], offset)
     write_all(fd, data[body:], offset + body, writeback=True)
 
 

@@ -225,12 +225,22 @@ class FolderFd:
         self.path = path
         self._fd: int | None = None
         self._closer = None
+        self._lock = _thread.allocate_lock()  # a build's writer and its seals take descriptors at once
 
     def _open(self) -> int:
         self.close()
         self._fd = open_folder(self.path)
         self._closer = weakref.finalize(self, os.close, self._fd)
         return self._fd
+
+    def dup(self) -> int:
+        """A descriptor of the folder of the caller's own (it closes it): a copy of the one
+        kept, or of the folder opened anew where the one kept was removed since."""
+        with self._lock:
+            fd = self._fd if self._fd is not None else self._open()
+            if not os.fstat(fd).st_nlink:  # removed (dropped and made again): open what is there now
+                fd = self._open()
+            return os.dup(fd)
 
     def run(self, fn):
         fd = self._fd if self._fd is not None else self._open()

@@ -15,6 +15,7 @@ name (``.tmp-<pid>-<random>``) is for people only.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -71,9 +72,23 @@ def _same_file(fd: int, path: str, dir_fd: int | None = None) -> bool:
     return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
-def open_tmp(folder: str, suffix: str = "") -> tuple[int, str]:
+@contextlib.contextmanager
+def _folder_of(path: str, dir_fd: int | None):
+    """``(descriptor of path's folder, path's last name)``: ``dir_fd`` where the caller holds
+    the folder open (walked from the root's descriptor when it opened it), else the folder
+    walked now (:func:`~.anchor.in_folder`)."""
+    if dir_fd is not None:
+        yield dir_fd, os.path.basename(path)
+        return
+    with in_folder(path) as found:
+        yield found
+
+
+def open_tmp(folder: str, suffix: str = "", dir_fd: int | None = None) -> tuple[int, str]:
     """Create a new 0600 temporary file in ``folder``, never through a symlink, and hold
     its writer's lock (see the module docstring) until :func:`seal` or ``os.close``.
+    ``dir_fd``: ``folder``'s descriptor, where the caller holds it open (a build's
+    session, for its many layers), instead of a walk from the root for each file.
 
     A sweep may take the lock in the instant between creating the file and locking it;
     it removes the file while holding the lock, so once ours is granted the name is
@@ -82,7 +97,7 @@ def open_tmp(folder: str, suffix: str = "") -> tuple[int, str]:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     while True:
         path = tmp_path_in(folder, suffix)
-        with in_folder(path) as (folder_fd, name):  # the folder walked from the root's descriptor
+        with _folder_of(path, dir_fd) as (folder_fd, name):  # the folder walked from the root's descriptor
             fd = os.open(name, flags, 0o600, dir_fd=folder_fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
@@ -90,7 +105,7 @@ def open_tmp(folder: str, suffix: str = "") -> tuple[int, str]:
                     return fd, path
             except BaseException:
                 os.close(fd)
-                discard(path)
+                discard(path, dir_fd)
                 raise
             os.close(fd)
 
@@ -135,20 +150,24 @@ def remove_if_abandoned(path: str) -> bool:
         os.close(fd)
 
 
-def seal(fd: int, tmp: str, final: str, sync_dir: bool = True) -> None:
+def seal(fd: int, tmp: str, final: str, sync_dir: bool = True, dir_fd: int | None = None) -> None:
     """fsync, rename into place, close and fsync the folder: the file is now durable.
 
     The rename comes before the close, so the writer's lock covers the temporary name
     for as long as it exists. ``sync_dir=False`` leaves the folder's fsync to a later
     seal in the same folder (the manifest's): the file's data is on disk before its
     name, so a crash in between can lose the name, never serve a torn file. On any
-    failure the temporary file is removed, so nothing partial stays behind.
+    failure the temporary file is removed, so nothing partial stays behind. ``dir_fd``:
+    the folder of both names, held open by the caller (see :func:`open_tmp`).
     """
     try:
         os.fsync(fd)
-        rename_in(tmp, final)  # both names in their folders' descriptors: no link on the way followed
+        if dir_fd is not None and os.path.dirname(tmp) == os.path.dirname(final):
+            os.rename(os.path.basename(tmp), os.path.basename(final), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        else:
+            rename_in(tmp, final)  # both names in their folders' descriptors: no link on the way followed
     except BaseException:
-        discard(tmp)
+        discard(tmp, dir_fd)
         os.close(fd)
         raise
     os.close(fd)
@@ -156,10 +175,14 @@ def seal(fd: int, tmp: str, final: str, sync_dir: bool = True) -> None:
         fsync_dir(os.path.dirname(final))
 
 
-def discard(path: str) -> None:
-    """Remove a file if it is there (cleanup must not raise over the real error)."""
+def discard(path: str, dir_fd: int | None = None) -> None:
+    """Remove a file if it is there (cleanup must not raise over the real error); relative
+    to ``dir_fd``, its folder's descriptor, where the caller holds one."""
     try:
-        unlink_in(path)
+        if dir_fd is not None:
+            os.unlink(os.path.basename(path), dir_fd=dir_fd)
+        else:
+            unlink_in(path)
     except (OSError, VaultError):
         pass
 

@@ -216,11 +216,12 @@ def _cpu_contiguous(merged: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
-class UnsealedLayer(namedtuple("UnsealedLayer", "fd tmp final entry header")):
+class UnsealedLayer(namedtuple("UnsealedLayer", "fd tmp final entry header dir_fd", defaults=(None,))):
     """A layer file whose data is written (or on its way), under its temporary name, its
     descriptor open (``fd``): what :func:`seal_layer` completes with ``header``, makes
     durable and names ``final`` (or :func:`discard_layer` removes). Never served: only
-    a sealed file has its final name."""
+    a sealed file has its final name. ``dir_fd``: its folder's descriptor, where the
+    writer holds one (the writer's to close), else None (the folder walked for each step)."""
 
     __slots__ = ()
 
@@ -233,7 +234,7 @@ def write_layer(folder: str, name: str, merged: torch.Tensor, crc32: int | None 
 
 
 def write_layer_data(folder: str, name: str, merged: torch.Tensor, crc32: int | None = None,
-                     handoff: Handoff | None = None, writer=None) -> UnsealedLayer:
+                     handoff: Handoff | None = None, writer=None, dir_fd: int | None = None) -> UnsealedLayer:
     """Write ``merged``'s layer file of ``name`` in ``folder`` under a temporary name, unsealed.
 
     The data goes in first (its whole pages with O_DIRECT when ``merged`` starts on a
@@ -246,8 +247,9 @@ def write_layer_data(folder: str, name: str, merged: torch.Tensor, crc32: int | 
     pieces until this one's last is on disk. With a ``handoff`` (see :mod:`hostmem.vault.handoff`),
     ``merged`` is a contiguous CPU buffer still being computed: its bytes are written as
     they are published; with a ``writer`` too, its pieces may still be on their way when
-    this returns (see :func:`_write_streamed`). On any error the temporary file is
-    removed and the error is raised.
+    this returns (see :func:`_write_streamed`). ``dir_fd``: ``folder``'s descriptor, held
+    by the caller for its many layers (:func:`~hostmem.vault.durable.open_tmp`). On any
+    error the temporary file is removed and the error is raised.
     """
     from hostmem.safetensors.mapping import DTYPE_NAMES, tensor_bytes
 
@@ -261,7 +263,7 @@ def write_layer_data(folder: str, name: str, merged: torch.Tensor, crc32: int | 
     shape = tuple(tensor.shape)
     data = tensor_bytes(tensor)
     header = _header_bytes(name, dtype, shape, len(data), _hex(0))  # same length as the real one
-    fd, tmp = open_tmp(folder, _SUFFIX)
+    fd, tmp = open_tmp(folder, _SUFFIX, dir_fd)
     try:
         _reserve(fd, len(header) + len(data))
         if handoff is None and crc32 is not None:
@@ -271,14 +273,14 @@ def write_layer_data(folder: str, name: str, merged: torch.Tensor, crc32: int | 
                                     writer if handoff is not None else None)
         header = _header_bytes(name, dtype, shape, len(data), _hex(crc32))
     except BaseException:
-        discard(tmp)  # before the close: the writer's lock covers the temporary name while it exists
+        discard(tmp, dir_fd)  # before the close: the writer's lock covers the temporary name while it exists
         os.close(fd)
         raise
     final = os.path.join(folder, layer_file_name(name))
     entry = LayerEntry(name=name, file=os.path.basename(final), size=len(header) + len(data),
                        header_sha256=hashlib.sha256(header).hexdigest(), crc32=_hex(crc32), dtype=dtype, shape=shape,
                        data_offset=len(header))
-    return UnsealedLayer(fd, tmp, final, entry, header)
+    return UnsealedLayer(fd, tmp, final, entry, header, dir_fd)
 
 
 def seal_layer(layer: UnsealedLayer) -> LayerEntry:
@@ -290,13 +292,14 @@ def seal_layer(layer: UnsealedLayer) -> LayerEntry:
     except BaseException:
         discard_layer(layer)
         raise
-    seal(layer.fd, layer.tmp, layer.final, sync_dir=False)  # the manifest's seal fsyncs the folder once
+    # the manifest's seal fsyncs the folder once
+    seal(layer.fd, layer.tmp, layer.final, sync_dir=False, dir_fd=layer.dir_fd)
     return layer.entry
 
 
 def discard_layer(layer: UnsealedLayer) -> None:
     """Remove and close a layer file that will not be sealed."""
-    discard(layer.tmp)
+    discard(layer.tmp, layer.dir_fd)
     os.close(layer.fd)
 
 

@@ -252,11 +252,19 @@ class VaultSession:
         if handoff is not None and self._writer is None:
             self._writer = PieceWriter()
         writer = self._writer if handoff is not None else None
-        try:
-            layer = write_layer_data(self.folder, name, merged, crc32, handoff, writer)
+        dir_fd = None
+        try:  # in the key folder's descriptor, opened from the root's once a session, not walked per layer
+            dir_fd = self._memo.dir.dup()
+            layer = write_layer_data(self.folder, name, merged, crc32, handoff, writer, dir_fd)
         except (OSError, VaultError, SafetensorsError) as exc:
+            if dir_fd is not None:
+                os.close(dir_fd)
             self._failed(name, exc)
             return None
+        except BaseException:
+            if dir_fd is not None:
+                os.close(dir_fd)
+            raise
         finally:
             if writer is not None and writer.started is not None:
                 self._pieces[name], writer.started = writer.started, None
@@ -269,6 +277,13 @@ class VaultSession:
         filesystem then commits their fsyncs together); each after its :meth:`put_data`."""
         if layer is None:
             return None
+        try:
+            return self._seal_put(layer)
+        finally:
+            if layer.dir_fd is not None:
+                os.close(layer.dir_fd)
+
+    def _seal_put(self, layer: UnsealedLayer) -> torch.Tensor | None:
         name = layer.entry.name
         problem = self._end_pieces(name)
         if problem is not None and not self._seal_failed:
@@ -284,7 +299,7 @@ class VaultSession:
         started = time.perf_counter()
         try:
             entry = seal_layer(layer)
-            view, _ = map_layer(os.path.join(self.folder, entry.file), name, self._lease)
+            view, _ = map_layer(os.path.join(self.folder, entry.file), name, self._lease, dir_fd=layer.dir_fd)
         except (OSError, VaultError, SafetensorsError) as exc:
             self._seal_failed = True
             self._failed(name, exc)

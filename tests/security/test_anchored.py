@@ -178,3 +178,36 @@ def test_a_folder_swapped_between_its_check_and_the_open_below_it_is_refused_not
         lock_is_held(os.path.join(real, "planted.lock"), shared_too=True)
     assert _read(aged) == []
     assert snapshot(outside) == around
+
+
+def test_a_key_folder_swapped_for_a_link_during_a_build_gets_no_layer_outside(tmp_path):
+    """A build opens its key folder from the root's descriptor once a session and writes,
+    seals and maps every layer in that descriptor (512 small layers walked the path 5-6
+    times each). Swapped for a link between two layers, the folder it checked takes the
+    layers after the swap too, bit for bit; nothing outside is written; the seal, which
+    walks the names again, is refused or names the folder it checked."""
+    _can_exchange(tmp_path)
+    key, good, evil = key_for("mid-build"), layers(count=4, seed=1), layers(count=4, seed=2)
+    vault = Vault(str(tmp_path / "root"))
+    outside = tmp_path / "outside"
+    build(Vault(str(outside)), key, evil)
+    real, link = os.path.join(vault.cache, key.hex), os.path.join(vault.cache, ".swap")
+    names = list(good)
+    session = vault.open(key, expected_of(good))
+    try:
+        assert session.put(names[0], good[names[0]]) is not None, session.last_error
+        os.symlink(os.path.join(outside, "lora_merge_cache", key.hex), link)
+        around = snapshot(outside)
+        _exchange(real, link)  # the key's name is now the link; the folder being built is ".swap"
+        for name in names[1:]:
+            view = session.put(name, good[name])
+            assert view is not None, session.last_error
+            assert torch.equal(view, good[name])
+    finally:
+        try:
+            session.close()
+        except VaultError:  # the seal walked the key's name and met the link
+            pass
+    assert snapshot(outside) == around
+    built = [n for n in os.listdir(link) if n.endswith(".safetensors") and not n.startswith(".tmp-")]
+    assert len(built) == len(names)  # every layer, before and after the swap, in the folder checked
