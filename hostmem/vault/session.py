@@ -57,24 +57,11 @@ def still_needed(entries: dict[str, LayerEntry], expected: dict | None) -> int:
 
 
 def _new_stats(waited: float, evicted) -> dict:
-    return {
-        "layers_hit": 0,
-        "layers_missed": 0,
-        "layers_written": 0,
-        "layers_failed": 0,
-        "layers_resumed": 0,
-        "bytes_hit": 0,
-        "bytes_written": 0,
-        "seconds": 0.0,
-        "rate": 0.0,
-        "lock_wait_seconds": waited,
-        "evicted": [c.key for c in evicted],
-        "evicted_bytes": sum(c.bytes for c in evicted),
-        "needed_bytes": 0,
-        "available_bytes": 0,
-        "dropped": None,
-        "read_ahead_bytes": 0,
-    }
+    counts = ("layers_hit", "layers_missed", "layers_written", "layers_failed", "layers_resumed", "bytes_hit",
+              "bytes_written")
+    return {**dict.fromkeys(counts, 0), "seconds": 0.0, "rate": 0.0, "lock_wait_seconds": waited,
+            "evicted": [c.key for c in evicted], "evicted_bytes": sum(c.bytes for c in evicted), "needed_bytes": 0,
+            "available_bytes": 0, "dropped": None, "read_ahead_bytes": 0}
 
 
 class VaultSession:
@@ -256,15 +243,13 @@ class VaultSession:
         try:  # in the key folder's descriptor, opened from the root's once a session, not walked per layer
             dir_fd = self._memo.dir.dup()
             layer = write_layer_data(self.folder, name, merged, crc32, handoff, writer, dir_fd)
-        except (OSError, VaultError, SafetensorsError) as exc:
+        except BaseException as exc:
             if dir_fd is not None:
                 os.close(dir_fd)
+            if not isinstance(exc, (OSError, VaultError, SafetensorsError)):
+                raise
             self._failed(name, exc)
             return None
-        except BaseException:
-            if dir_fd is not None:
-                os.close(dir_fd)
-            raise
         finally:
             if writer is not None and writer.started is not None:
                 self._pieces[name], writer.started = writer.started, None
