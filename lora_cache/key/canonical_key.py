@@ -53,18 +53,24 @@ def _term(delta: Delta) -> list:
     return [*term, "dora", _shape(delta.magnitude), *lycoris]
 
 
-def _adapter_of(delta: Delta) -> str:
-    """The adapter file a delta came from (its source is ``"<path>: '<key>'"``)."""
-    return os.path.realpath(delta.source.rsplit(": ", 1)[0])
+def _adapter_of(delta: Delta, resolved: dict[str, str]) -> str:
+    """The adapter file a delta came from (its source is ``"<path>: '<key>'"``), resolved once
+    a file into ``resolved`` (``realpath`` walks every folder of the path: once a layer, it
+    cost a start thousands of ``lstat`` calls)."""
+    path = delta.source.rsplit(": ", 1)[0]
+    if path not in resolved:
+        resolved[path] = os.path.realpath(path)
+    return resolved[path]
 
 
 def adapter_forms(planned: Mapping[str, list[Delta]], paths: list[str]) -> list[str]:
     """For each adapter of ``paths`` (in order), the digest of its canonical form in ``planned``
     (``{parameter name: deltas}``, the names as the vault stores the layers)."""
     forms: dict[str, list] = {os.path.realpath(p): [] for p in paths}
+    resolved: dict[str, str] = {}
     for name in sorted(planned):
         for delta in planned[name]:
-            forms.setdefault(_adapter_of(delta), []).append([name, _term(delta)])
+            forms.setdefault(_adapter_of(delta, resolved), []).append([name, _term(delta)])
     return [hashlib.sha256(json.dumps(forms[os.path.realpath(p)], separators=(",", ":")).encode()).hexdigest()
             for p in paths]
 
@@ -99,9 +105,10 @@ def adapter_meanings(planned: Mapping[str, list[Delta]], paths: list[str], known
     term places (``known[i]`` where the caller remembered it: its memo), or None where the
     values are not at hand (planned from a conversion record, and not remembered)."""
     entries: dict[str, list] = {os.path.realpath(p): [] for p in paths}
+    resolved: dict[str, str] = {}
     for name in sorted(planned):
         for delta in planned[name]:
-            entries.setdefault(_adapter_of(delta), []).append([name, _term(delta), delta])
+            entries.setdefault(_adapter_of(delta, resolved), []).append([name, _term(delta), delta])
     out = []
     for path, remembered in zip(paths, known):
         if remembered is not None:

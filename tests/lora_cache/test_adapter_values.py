@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch
 import lora_cache
 from lora_cache import AdapterError
 from lora_cache.adapters import forget_checked
+from lora_cache.placement.layers import checkpoint_module
 from lora_cache.placement.runtime_lora import CHILD, apply_runtime
 from lora_cache.orchestrate import plan_targets
 from tests.conftest import drop_page_cache, run_python, write_safetensors
@@ -95,3 +97,27 @@ def test_a_nan_in_an_adapter_is_refused_before_anything_is_applied_at_run_time(t
     with pytest.raises(AdapterError, match=_NAMED):
         apply_runtime(targets)
     assert not any(CHILD in dict(m.named_children()) for m in model.modules())
+
+
+def test_an_adapter_named_through_a_link_keys_as_its_own_file_does(tmp_path):
+    """The hub's snapshots name files through links into its blobs: the combination is the
+    file's, so a start through the link and one by the file's own path share a key (the
+    second hits every layer) and give the same weights. Each delta's source is resolved
+    once a file, not once a layer."""
+    gen = torch.Generator().manual_seed(1)
+    base = write_safetensors(tmp_path / "base.safetensors",
+                             {f"blocks.{i}.proj.weight": torch.randn(64, 128, generator=gen) for i in range(4)})
+    adapter = write_adapter(tmp_path / "blob.safetensors", "comfyui",
+                            {f"blocks.{i}.proj": lora_change(64, 128, 4, i) for i in range(4)})
+    (tmp_path / "snapshots").mkdir()
+    link = tmp_path / "snapshots" / "adapter.safetensors"
+    os.symlink(adapter, link)
+    root = tmp_path / "cache"
+    first = checkpoint_module([base])
+    stats = lora_cache.merge(first, [str(link)], cache_root=root, progress=False)
+    assert (stats.hit, stats.built) == (0, 4)
+    second = checkpoint_module([base])
+    stats = lora_cache.merge(second, [adapter], cache_root=root, progress=False)
+    assert (stats.hit, stats.built) == (4, 0)
+    for (name, built), (_, hit) in zip(first.named_parameters(), second.named_parameters()):
+        assert torch.equal(built, hit), name
