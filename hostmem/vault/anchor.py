@@ -243,13 +243,16 @@ class FolderFd:
             return os.dup(fd)
 
     def run(self, fn):
-        fd = self._fd if self._fd is not None else self._open()
+        with self._lock:
+            fd = self._fd if self._fd is not None else self._open()
         try:
             return fn(fd)
         except FileNotFoundError:
             if os.fstat(fd).st_nlink:
                 raise  # the folder is there: the file is not
-        return fn(self._open())
+        with self._lock:
+            fd = self._open()
+        return fn(fd)
 
     def close(self) -> None:
         if self._closer is not None:

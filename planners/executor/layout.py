@@ -19,8 +19,8 @@ import torch
 from hostmem.errors import InputError
 from hostmem.procfs import PAGE_SIZE, read_maps
 
-__all__ = ["FileRange", "LayerLayout", "MapIndex", "inner_pages", "outer_pages", "layer_layout", "layer_module", "module_tensors",
-           "tensor_span"]
+__all__ = ["FileRange", "LayerLayout", "MapIndex", "inner_pages", "outer_pages", "layer_layout", "layer_module",
+           "module_tensors", "tensor_span"]
 
 
 class FileRange(NamedTuple):
