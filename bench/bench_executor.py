@@ -143,6 +143,8 @@ def _loader_lines(loader, executor, kernel, cached, floors, rates) -> list[str]:
         f"{r_ex / disk_rate:.3f} s/pass ({format_size(r_ex)} at {format_size(disk_rate)}/s, the mean of "
         f"{format_size(rates[0])}/s before and {format_size(rates[1])}/s after), compute bound "
         f"{warm(cached, 'seconds'):.3f} s/pass (model in page cache, this mapping)",
+        f"    the pass's own thread ran (CPU) {warm(executor, 'cpu_seconds'):.3f} s/pass under the executor, "
+        f"{warm(cached, 'cpu_seconds'):.3f} s/pass with the model in page cache: the rest of a pass is waiting",
         f"  OOM kills: executor {executor['oom_kills']}, kernel {kernel['oom_kills']}; group limit hits: executor "
         f"{executor['passes'][-1]['cgroup']['limit_hits']}, kernel {kernel['passes'][-1]['cgroup']['limit_hits']}",
     ]
@@ -171,6 +173,7 @@ def _report(runs, pinned, disk_rates, size) -> None:
         summary["mappings"][loader] = {
             "disk_read_rate": disk_rate, "disk_read_rates_before_after": list(disk_rates[loader]),
             "seconds_per_pass": {m: warm(r, "seconds") for m, r in run.items()},
+            "cpu_seconds_per_pass": {m: warm(r, "cpu_seconds") for m, r in run.items()},
             "read_bytes_per_pass": {**{m: warm(r, "read_bytes") for m, r in run.items()},
                                     "plan": run["executor"]["predicted_read_bytes"]},
             "roles": run["executor"]["executor"]["roles"]["dit"], "reader": run["executor"]["executor"]["reader"],

@@ -10,11 +10,12 @@ forward passes, under the executor or left to the kernel's own fault-driven read
 the compute bound). The other ways to offload (``--mode group``, ``disk``, ``whole``:
 :mod:`planners.executor.offload_ways`) set up in place of the plan, their copies on
 disk in a folder beside the checkpoint, removed at the end. It prints one JSON object:
-per pass seconds and disk bytes (/proc/self/io), the group's counters after each pass,
-whether every output equals the reference bit for bit (``--check``: every pass against
-the fully loaded copy; ``--check-first``: the first against a plain run of the mapped
-model), the first output's digest, the seconds from a loaded model to the first pass,
-and what the executor measured.
+per pass seconds, the CPU seconds of the thread that ran it and disk bytes
+(/proc/self/io), the group's counters after each pass, whether every output equals
+the reference bit for bit (``--check``: every pass against the fully loaded copy;
+``--check-first``: the first against a plain run of the mapped model), the first
+output's digest, the seconds from a loaded model to the first pass, and what the
+executor measured.
 """
 
 from __future__ import annotations
@@ -145,10 +146,11 @@ def _passes(args, model, inputs, ex, version, reference) -> tuple[list, bool, st
             ex.__enter__()  # pins, hooks, the reader's choice: what a server waits for at start
         start_s = time.perf_counter() - began
         for i, x in enumerate(inputs):
-            read0, t0 = read_io_bytes(), time.perf_counter()
+            read0, t0, c0 = read_io_bytes(), time.perf_counter(), time.thread_time()
             out = model(x)
             seconds, read = time.perf_counter() - t0, read_io_bytes() - read0
-            entry = {"seconds": seconds, "read_bytes": read, "rss_anon": _rss_anon()}
+            entry = {"seconds": seconds, "cpu_seconds": time.thread_time() - c0, "read_bytes": read,
+                     "rss_anon": _rss_anon()}
             if version is not None:
                 entry["cgroup"] = cgroup_counters(args.join, version)
             passes.append(entry)

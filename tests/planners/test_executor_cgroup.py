@@ -79,6 +79,7 @@ def test_a_model_twice_the_cgroup_runs_inside_it_reading_only_what_does_not_fit(
         assert group["cache"] <= kept + window + folios, f"pass {n}: page cache {group['cache']} beyond the plan"
         assert group["anon"] < layer, f"pass {n}: anonymous growth {group['anon']} is not under one layer"
         assert one["rss_anon"] - report["anon_before"] < layer
+        assert 0 < one["cpu_seconds"] <= one["seconds"] + 0.005  # the pass's own thread: never more than the pass
     first, *warm = report["passes"]
     assert first["read_bytes"] >= model * 0.9  # read ahead: every layer comes from disk once
     for one in warm:  # released layers were really dropped: read again, and only they
