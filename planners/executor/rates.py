@@ -6,7 +6,8 @@
 - page cache: the same file read again, now cached;
 - read-ahead: each of the executor's readers on a window of 32 MiB layers of that file,
   mapped read-only (pages dropped first): the fastest is what ``read_ahead: auto`` uses
-  once ``--save`` has written it (:mod:`.readahead`);
+  once ``--save`` has written it (:mod:`.readahead`); :func:`reader_rate` times one
+  reader over a whole file, the rate the executor re-reads released layers at;
 - host to device (a CUDA host): copies of a layer-sized buffer from pinned memory
   (``cudaHostAlloc``), from anonymous pageable memory, from a read-only file mapping,
   and from that mapping registered in place with ``cudaHostRegister`` (read-only).
@@ -18,6 +19,7 @@ a server using it re-reads them).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import time
@@ -25,7 +27,7 @@ from typing import NamedTuple
 
 from hostmem.errors import InputError
 
-__all__ = ["FolderRates", "measure_file", "measure_folder", "h2d_rates", "time_file_readers", "CHUNK"]
+__all__ = ["FolderRates", "measure_file", "measure_folder", "h2d_rates", "reader_rate", "time_file_readers", "CHUNK"]
 
 CHUNK = 8 << 20
 
@@ -108,13 +110,14 @@ def measure_folder(folder: str, nbytes: int, existing: bool = False) -> FolderRa
 _WINDOW = 64 << 20  # two layers of 32 MiB: a read-ahead window
 
 
-def time_file_readers(path: str, nbytes: int) -> dict[str, float]:
-    """Seconds per reader to read the first ``nbytes`` of ``path`` as a read-ahead window of
-    32 MiB layers (:func:`.readahead.time_readers`), on a read-only mapping made here."""
+@contextlib.contextmanager
+def _window(path: str, nbytes: int):
+    """The first ``nbytes`` of ``path`` mapped read-only here, as 32 MiB layers advised as the
+    executor advises a released layer (:func:`.readahead.set_random`): ``(ranges, handles)``."""
     import ctypes
 
     from .layout import FileRange
-    from .readahead import FileHandles, set_random, time_readers
+    from .readahead import FileHandles, set_random
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
@@ -130,10 +133,40 @@ def time_file_readers(path: str, nbytes: int) -> dict[str, float]:
         ranges = [FileRange(path, at, min(32 << 20, nbytes - at), address + at, False)
                   for at in range(0, nbytes, 32 << 20)]
         set_random(ranges, True)
-        return time_readers(ranges, handles)
+        yield ranges, handles
     finally:
         handles.close()
         libc.munmap(address, nbytes)
+
+
+def time_file_readers(path: str, nbytes: int) -> dict[str, float]:
+    """Seconds per reader to read the first ``nbytes`` of ``path`` as a read-ahead window of
+    32 MiB layers (:func:`.readahead.time_readers`), on a read-only mapping made here."""
+    from .readahead import time_readers
+
+    with _window(path, nbytes) as (ranges, handles):
+        return time_readers(ranges, handles)
+
+
+def reader_rate(path: str, how: str = "parallel", nbytes: int | None = None) -> float:
+    """Bytes per second at which reader ``how`` reads the first ``nbytes`` of ``path`` (all of
+    it by default) back into the page cache, as the executor re-reads its released layers:
+    32 MiB layers, pages dropped first, the better of two. The file's pages are dropped
+    after, its partial last page too."""
+    from .readahead import time_reader
+
+    size = os.path.getsize(path) if nbytes is None else min(nbytes, os.path.getsize(path))
+    if size <= 0:
+        raise InputError(f"{path}: empty file; nothing to time a read of")
+    try:
+        with _window(path, size) as (ranges, handles):
+            return size / min(time_reader(how, ranges, handles) for _ in range(2))
+    finally:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _time_copy(dst, src, repeats: int = 3) -> float:

@@ -69,7 +69,7 @@ from hostmem.procfs import PAGE_SIZE, ProcReadError
 from .layout import FileRange, inner_pages, outer_pages
 
 __all__ = ["FileHandles", "advise", "set_random", "complete", "read_ahead", "release", "choose_reader", "READERS",
-           "DEFAULT_READER", "drop_range", "time_readers"]
+           "DEFAULT_READER", "drop_range", "time_reader", "time_readers"]
 
 READERS = ("madvise", "fadvise", "read", "fault", "parallel")
 DEFAULT_READER = "parallel"  # auto without a calibration record: see the module doc
@@ -304,11 +304,13 @@ def release(ranges, handles: FileHandles, back: bool = False) -> int:
     return sum(drop_range(r, handles, back) for r in ranges)
 
 
-def _timed(how: str, sample: list[FileRange], handles: FileHandles) -> float:
+def time_reader(how: str, sample: list[FileRange], handles: FileHandles) -> float:
+    """Seconds for reader ``how`` to read ``sample`` (its pages dropped first) as a window:
+    every layer's reads started, then waited for in turn."""
     for r in sample:
         drop_range(r, handles)
     began = time.perf_counter()
-    advise(sample, handles, how)  # as a window: every layer's reads started, then waited for in turn
+    advise(sample, handles, how)
     complete(sample, handles, how)
     return time.perf_counter() - began
 
@@ -336,7 +338,7 @@ def time_readers(sample, handles: FileHandles) -> dict[str, float]:
     times: dict[str, float] = {h: float("inf") for h in READERS}
     for _ in range(3):  # the best of three, in turn: a shared disk only ever makes a read slower
         for h in READERS:
-            times[h] = min(times[h], _timed(h, sample, handles))
+            times[h] = min(times[h], time_reader(h, sample, handles))
     for r in sample:
         drop_range(r, handles)
     return times
