@@ -14,7 +14,9 @@ from hostmem.safetensors.header import read_header
 
 from ..targets.layer_target import AddressSpace, LayerTarget
 
-__all__ = ["base_positions", "base_shards", "mapped_file"]
+__all__ = ["base_positions", "base_shards", "changed_in_memory", "mapped_file"]
+
+_COMPARE = 8 << 20  # bytes compared at a time against the file
 
 
 def mapped_file(target: LayerTarget, space: AddressSpace) -> str | None:
@@ -24,6 +26,54 @@ def mapped_file(target: LayerTarget, space: AddressSpace) -> str | None:
     if path is None or not path.startswith("/") or path.endswith(" (deleted)"):
         return None
     return path
+
+
+def changed_in_memory(targets: list[LayerTarget], space: AddressSpace) -> list[str]:
+    """Names of the targets whose bytes are no longer their checkpoint's, though they are
+    still views of its mapping.
+
+    A private file mapping (safetensors' own loader, diffusers' default load) is
+    writable: a write copies the page (diffusers' ``fuse_lora`` sums into the weight
+    where it lies; so does any ``param.data`` edit), and the weight keeps naming the
+    file. The key names a base by its file, so such a weight would be served the file's
+    merge, its change lost, or its merge built under the clean file's key for every
+    later start. A read-only mapping cannot change, and a weight none of whose pages was
+    copied is the file's; where pages were copied (a neighbour's write copies a page it
+    shares), the weight's bytes are compared with the file's at the same offsets. A file
+    that cannot be read to compare counts as changed.
+    """
+    changed = []
+    for target in targets:
+        tensor = target.current
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            continue
+        area = space.area_of(tensor)
+        path = mapped_file(target, space)
+        if path is None or area.is_shared or "w" not in area.perms or not space.private_copies(tensor):
+            continue
+        if not _same_as_file(tensor, path, area.offset + tensor.data_ptr() - area.start):
+            changed.append(target.name)
+    return changed
+
+
+def _same_as_file(tensor, path: str, offset: int) -> bool:
+    from hostmem.safetensors.mapping import tensor_bytes
+
+    held = tensor_bytes(tensor)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        for at in range(0, len(held), _COMPARE):
+            want = held[at : at + _COMPARE]
+            if os.pread(fd, len(want), offset + at) != want:
+                return False
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _dotted_suffixes(name: str) -> list[str]:

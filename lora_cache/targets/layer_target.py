@@ -115,9 +115,14 @@ class AddressSpace:
         area = self.area_of(tensor) if tensor.device.type == "cpu" else None
         if area is None or area.is_shared or not area.inode:
             return True
+        return 2 * self.private_copies(tensor) * PAGE_SIZE >= tensor.numel() * tensor.element_size()
+
+    def private_copies(self, tensor: torch.Tensor) -> int:
+        """Pages under ``tensor`` that are this process's own copies (``/proc/self/pagemap``):
+        in a private file mapping, the pages a write copied."""
         if self._pagemap is None:
             from hostmem.pagemap import PagemapReader  # a merge served from the cache never asks
 
             self._pagemap = PagemapReader()
-        start, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        return 2 * self._pagemap.private_copies(start, start + nbytes) * PAGE_SIZE >= nbytes
+        start = tensor.data_ptr()
+        return self._pagemap.private_copies(start, start + tensor.numel() * tensor.element_size())
