@@ -35,7 +35,7 @@ from hostmem.vault.shelf import Shelf
 __all__ = ["ConversionMemo", "ValuesNeeded", "NoValues", "record_of", "skeleton_of"]
 
 RECORD_FORMAT = "lora-cache-adapter-conversion"
-RECORD_VERSION = 3  # 2: the alphas folded, and the override; 3: "family-rules" (a file of original names)
+RECORD_VERSION = 4  # 2: the alphas folded, and the override; 3: "family-rules" (a file of original names); 4: diff_b kept
 FOLDER = CONVERSIONS  # a folder hostmem cache prune looks after (hostmem.vault.records)
 
 

@@ -200,6 +200,7 @@ def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str
         left = _left(path, loader, state, fed, modules, keep, model)
         kept = _kept(path, {**state, **diffs}, keep, loader)  # the merge's components only: another's keys are named
         kept = peft_keys(path, kept, {k: v for k, v in alphas.items() if k.split(".", 1)[0] in keep})
+        kept = _diffs_kept_diffs(fed, kept)
         if original:  # what the converter made of the family's original names must be the model's
             _check_converted(path, loader, kept, model)
     except AdapterError as failed:  # ConversionRefused included
@@ -213,6 +214,24 @@ def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str
     adapter = build_adapter_file(path, kept, folded_metadata(metadata, folded), converter=converter,
                                  values_check=values_check, folded=folded)
     return adapter, record_of("diffusers", converter, kept, folded, left)
+
+
+def _diffs_kept_diffs(fed: dict, kept: dict) -> dict:
+    """``kept`` with the ``lora_B.bias`` a converter made of the file's ``diff_b`` named a
+    ``diff_b`` again.
+
+    diffusers' Wan converter turns a ``diff_b`` beside a module's factors into peft's
+    ``lora_B.bias``, which peft scales by alpha / rank as it scales ``B @ A``; the
+    converter folds a stored alpha into the factors, so that the bias is added as the file
+    gives it, as ComfyUI adds it. An alpha given outside the file (``Adapter(alpha=)``, the
+    header's) is not folded, and would scale the bias too (2x at alpha 16 on rank 8). A
+    file that has no ``lora_B.bias`` of its own and has ``diff_b`` gets every bias the
+    converter made back as a difference: added at the adapter's strength alone.
+    """
+    if any(key.endswith("lora_B.bias") for key in fed) or not any(key.endswith(".diff_b") for key in fed):
+        return kept
+    return {(key.removesuffix("lora_B.bias") + "diff_b" if key.endswith(".lora_B.bias") else key): value
+            for key, value in kept.items()}
 
 
 _LAYOUTS = {"kohya": ("lora_unet_", "lora_te", "lora_transformer_"),
