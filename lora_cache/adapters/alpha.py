@@ -181,6 +181,12 @@ def header_alpha(path: str, header_metadata: dict) -> tuple[str, float] | None:
     return found[0] if found else None
 
 
+# the components diffusers' save_lora_weights prefixes keys and metadata with: a stem under one
+# of them is never another one's, although the header holds that one's metadata alone
+_COMPONENTS = frozenset({"transformer", "transformer_2", "unet", "prior", "decoder", "text_encoder",
+                         "text_encoder_2", "text_encoder_3"})
+
+
 @dataclass
 class AlphaSources:
     """Every place of one file that may state alphas and ranks (see the module docstring)."""
@@ -197,10 +203,10 @@ class AlphaSources:
                 return prefix, stem[len(prefix) + 1 :], config
         if "" in self.metadata:
             return "", stem, self.metadata[""]
-        if len(self.metadata) == 1:  # one component's metadata, stems written without its prefix
-            prefix, config = next(iter(self.metadata.items()))
+        if len(self.metadata) == 1 and stem.split(".", 1)[0] not in _COMPONENTS:
+            prefix, config = next(iter(self.metadata.items()))  # one component's, stems written without its prefix
             return prefix, stem, config
-        return None
+        return None  # another component's stem: diffusers' save_lora_weights writes metadata per component
 
     def configs_for(self, stem: str) -> list[tuple[str, str, PeftConfig]]:
         """``(source name, stem as the config names it, config)`` in precedence order."""

@@ -49,6 +49,25 @@ def test_diffusers_metadata_alpha_sets_the_scale(tmp_path):
     }
 
 
+def test_one_components_metadata_is_never_another_components(tmp_path):
+    """diffusers' save_lora_weights writes metadata per component: a file whose header holds
+    the text encoder's alone (lora_alpha 32 at r 8) leaves the transformer at alpha = r."""
+    model = mapped_model(tmp_path)
+    changes = {"blocks.0.attn.to_q": lora_change(64, 64, 8, 1)}
+    def written(name: str, prefix: str, component: str) -> str:
+        path = os.fspath(tmp_path / name)
+        save_file({f"{prefix}blocks.0.attn.to_q.lora_{ab}.weight": changes["blocks.0.attn.to_q"][part]
+                   for ab, part in (("A", "down"), ("B", "up"))}, path, metadata={
+                       "format": "pt", "lora_adapter_metadata": json.dumps(
+                           {f"{component}.r": 8, f"{component}.lora_alpha": 32})})
+        return path
+
+    other = written("te-meta.safetensors", "transformer.", "text_encoder")
+    assert _scales(model, [other]) == {"blocks.0.attn.to_q.weight": pytest.approx(1.0)}
+    unprefixed = written("bare.safetensors", "", "transformer")  # one group, its stems without the prefix
+    assert _scales(model, [unprefixed]) == {"blocks.0.attn.to_q.weight": pytest.approx(4.0)}
+
+
 def test_the_folders_peft_and_diffusers_write_are_read(tmp_path):
     changes = {"blocks.0.attn.to_q": lora_change(64, 64, 8, 1)}
     folder = tmp_path / "diffusers"
