@@ -114,6 +114,10 @@ def peft_config_from(where: str, raw: dict) -> PeftConfig:
     """Read the scale fields of a peft config (``adapter_config.json`` or diffusers metadata)."""
     if not isinstance(raw, dict):
         raise AdapterError(f"{where}: expected a JSON object, found {type(raw).__name__}")
+    if raw.get("fan_in_fan_out"):  # peft transposes B @ A onto such weights; a square one would take it as is
+        raise AdapterError(f"{where}: fan_in_fan_out is set: the adapter targets weights stored as (in, out) "
+                           "(transformers' Conv1D, GPT-2's), which lora_cache does not merge; merge it with "
+                           "peft's merge_and_unload")
     return PeftConfig(
         r=_number(where, "r", raw.get("r"), whole=True),
         lora_alpha=_number(where, "lora_alpha", raw.get("lora_alpha")),

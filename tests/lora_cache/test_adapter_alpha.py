@@ -68,6 +68,16 @@ def test_one_components_metadata_is_never_another_components(tmp_path):
     assert _scales(model, [unprefixed]) == {"blocks.0.attn.to_q.weight": pytest.approx(4.0)}
 
 
+def test_an_adapter_for_weights_stored_transposed_is_refused(tmp_path):
+    """peft's fan_in_fan_out (transformers' Conv1D stores a weight as (in, out)): peft merges
+    its update transposed; a square weight would take it untransposed without a word."""
+    model = mapped_model(tmp_path)
+    changes = {"blocks.0.attn.to_q": lora_change(64, 64, 8, 1)}
+    folder = write_adapter(tmp_path / "peft", "peft", changes, config={"fan_in_fan_out": True})
+    with pytest.raises(AdapterError, match=r"adapter_config.json: fan_in_fan_out is set.*merge_and_unload"):
+        _scales(model, [folder])
+
+
 def test_the_folders_peft_and_diffusers_write_are_read(tmp_path):
     changes = {"blocks.0.attn.to_q": lora_change(64, 64, 8, 1)}
     folder = tmp_path / "diffusers"
