@@ -37,8 +37,10 @@ def fingerprint(module: torch.nn.Module) -> tuple:
 
     An in-place write through ``tensor.data`` changes none of them; the pipeline never
     carries a device copy over a pass boundary for that reason (see :mod:`.pipeline`).
+    A tensor made under ``torch.inference_mode()`` keeps no version (asking raises): -1.
     """
-    return tuple((id(m), kind, name, id(t), t.data_ptr(), t._version) for m, kind, name, t in held_tensors(module))
+    return tuple((id(m), kind, name, id(t), t.data_ptr(), -1 if t.is_inference() else t._version)
+                 for m, kind, name, t in held_tensors(module))
 
 
 class Snapshot(NamedTuple):

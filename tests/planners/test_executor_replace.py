@@ -122,3 +122,31 @@ def test_remap_between_passes_points_layers_at_the_mapping(checkpoint, path):
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert model.blocks[3].proj.weight.data_ptr() != anonymous  # mapped now, and stays so after exit
     assert stats.passes[-1].released_bytes > stats.passes[0].released_bytes  # the remapped layers are released too
+
+
+def _replaced_in_inference_mode(model, i):
+    """A weight fused into a new tensor under ``torch.inference_mode()``: an inference tensor,
+    which keeps no version counter."""
+    if i == 1:
+        proj = model.blocks[3].proj
+        proj.weight = torch.nn.Parameter(proj.weight * 0.5, requires_grad=False)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_passes_and_replacements_under_inference_mode(checkpoint, path):
+    """What many servers run under in place of ``no_grad``: tensors made there have no version."""
+    def passes(model, step):
+        outs = []
+        with torch.inference_mode():
+            for i, order in enumerate([FULL, FULL[::-1], FULL]):
+                step(model, i)
+                outs.append(model(_x(), order=order))
+        return outs
+
+    expected = passes(load_synthetic_dit(checkpoint), _replaced_in_inference_mode)
+    model = load_synthetic_dit(checkpoint)
+    with execute(_plan(checkpoint, model), {"dit": model}, prefetch=2, **PATHS[path]) as run:
+        got = passes(model, lambda m, i: (run.settle(), _replaced_in_inference_mode(m, i)))
+    assert model.blocks[3].proj.weight.is_inference()
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert not torch.equal(expected[0], expected[2])  # the replacement did change the output
