@@ -30,7 +30,7 @@ class FileRange(NamedTuple):
     offset: int
     length: int
     address: int
-    writable: bool  # a private writable mapping (diffusers' loader): a written page is released with MADV_PAGEOUT only
+    private: bool  # a private mapping (diffusers' loader's): a page a write copied is released with MADV_PAGEOUT only
 
 
 class LayerLayout(NamedTuple):
@@ -86,7 +86,7 @@ class _Area(NamedTuple):
     end: int
     offset: int
     path: str
-    writable: bool
+    private: bool
 
 
 def _joined(areas) -> list[_Area]:
@@ -94,9 +94,9 @@ def _joined(areas) -> list[_Area]:
     it, and a tensor across the split is still one file range."""
     out: list[_Area] = []
     for vma in areas:
-        area = _Area(vma.start, vma.end, vma.offset, vma.path, vma.perms[1] == "w")
+        area = _Area(vma.start, vma.end, vma.offset, vma.path, vma.perms[3:4] == "p")  # written, or writable once
         last = out[-1] if out else None
-        if last and last.end == area.start and last.path == area.path and last.writable == area.writable \
+        if last and last.end == area.start and last.path == area.path and last.private == area.private \
                 and last.offset + (last.end - last.start) == area.offset:
             out[-1] = last._replace(end=area.end)
         else:
@@ -124,7 +124,7 @@ class MapIndex:
         path = area.path[: -len(" (deleted)")] if area.path.endswith(" (deleted)") else area.path
         if not os.path.isfile(path):
             return None
-        return FileRange(path, area.offset + address - area.start, length, address, area.writable)
+        return FileRange(path, area.offset + address - area.start, length, address, area.private)
 
     def mapping_start(self, address: int) -> int:
         """Where the file mapping holding ``address`` begins: no release may reach below it
@@ -139,7 +139,7 @@ def _merge(ranges: list[FileRange]) -> tuple[FileRange, ...]:
     for r in sorted(ranges, key=lambda r: (r.path, r.offset)):
         last = out[-1] if out else None
         if last and last.path == r.path and last.offset + last.length >= r.offset \
-                and last.address + (r.offset - last.offset) == r.address and last.writable == r.writable:
+                and last.address + (r.offset - last.offset) == r.address and last.private == r.private:
             end = max(last.offset + last.length, r.offset + r.length)
             out[-1] = last._replace(length=end - last.offset)
         else:

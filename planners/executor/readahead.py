@@ -36,8 +36,9 @@ costs one small file read: identical runs make the identical choice.
 
 Release: ``MADV_DONTNEED`` unmaps the layer's pages from this process (a read-only
 mapping loses nothing: the page cache still holds the bytes), then
-``POSIX_FADV_DONTNEED`` drops them from the page cache. A private writable mapping
-(what diffusers' loader leaves) may hold a page a write made anonymous, which
+``POSIX_FADV_DONTNEED`` drops them from the page cache. A private mapping (what
+diffusers' loader leaves; one made read-only since by ``mprotect`` too, whose earlier
+writes stay) may hold a page a write made anonymous, which
 ``MADV_DONTNEED`` would silently revert to the file's bytes: such a range is first
 looked up in /proc/self/pagemap (one read of 8 bytes a page), and where any page of it is
 a private copy (present and not the file's, or swapped) it is released with
@@ -98,7 +99,7 @@ class FileHandles:
         self._buffer: bytearray | None = None
         self._pool: ThreadPoolExecutor | None = None
         self.inflight: dict[FileRange, list] = {}  # parallel: pieces queued, not yet waited for
-        self._pagemap: PagemapReader | None = None  # private writable mappings' releases look here first
+        self._pagemap: PagemapReader | None = None  # private mappings' releases look here first
 
     def fd(self, path: str) -> int:
         with self._lock:
@@ -249,8 +250,10 @@ def set_random(ranges, on: bool) -> None:
         if on:
             _madvise(address, length, mmap.MADV_RANDOM, "MADV_RANDOM")
             _hugepage(address, length)
-        else:
-            _madvise(address, length, mmap.MADV_NORMAL, "MADV_NORMAL")
+        elif length and _libc.madvise(address, length, mmap.MADV_NORMAL) != 0:
+            code = ctypes.get_errno()
+            if code != errno.ENOMEM:  # ENOMEM: no longer mapped (the model let its mapping go): nothing to undo
+                raise OSError(code, f"madvise(MADV_NORMAL) of {length} bytes at {address:#x}: {os.strerror(code)}")
 
 
 def _hugepage(address: int, length: int) -> None:
@@ -270,7 +273,7 @@ def _may_hold_copies(handles: FileHandles, address: int, length: int) -> bool:
 
 
 def _drop(r: FileRange, handles: FileHandles, address: int, length: int) -> int:
-    if r.writable and _may_hold_copies(handles, address, length):
+    if r.private and _may_hold_copies(handles, address, length):
         _madvise(address, length, _MADV_PAGEOUT, "MADV_PAGEOUT")  # keeps what a write made anonymous
         return length
     _madvise(address, length, mmap.MADV_DONTNEED, "MADV_DONTNEED")

@@ -13,7 +13,9 @@ waited, next to the plan's prediction.
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping
 
@@ -67,6 +69,11 @@ def _check_sizes(plan: DeploymentPlan, name: str, root: torch.nn.Module, layers)
             )
 
 
+# every module a live executor runs, and which: a second executor on any of them is refused
+_RUNNING: "weakref.WeakKeyDictionary[torch.nn.Module, Executor]" = weakref.WeakKeyDictionary()
+_RUNNING_LOCK = threading.Lock()
+
+
 class Executor:
     """Runs ``plan`` on ``components``; see the module doc. Use :func:`execute`."""
 
@@ -91,6 +98,7 @@ class Executor:
         self._pass_start: dict[str, tuple[float, int]] = {}
         self._stats: ExecutorStats | None = None
         self._clock = Clock()
+        self._claimed: list[torch.nn.Module] = []
 
     # ------------------------------------------------------------------ entry
     def __enter__(self) -> "Executor":
@@ -131,7 +139,23 @@ class Executor:
                     ranges += [found] if found is not None else []
         return page_cover(ranges)
 
+    def _claim(self) -> None:
+        """Every module of the components is this executor's until it closes. Two executors on
+        one module would hook its layers twice, and the second's device copies would stand in
+        for the first's (wrong outputs, and weights left on freed buffers at exit): refused."""
+        modules = [m for root in self.components.values() for m in root.modules()]
+        with _RUNNING_LOCK:
+            for name, root in self.components.items():
+                busy = next((m for m in root.modules() if _RUNNING.get(m, self) is not self), None)
+                if busy is not None:
+                    raise InputError(f"{name!r}: its {type(busy).__name__} is already run by another executor "
+                                     "(a `with execute(...)` block not left yet); leave that one first")
+            for module in modules:
+                _RUNNING[module] = self
+            self._claimed = modules
+
     def _start(self) -> None:
+        self._claim()
         refuse_offload_hooks(self.components)
         self.roles = plan_roles(self.plan, self.prefetch)
         maps = MapIndex()
@@ -258,29 +282,48 @@ class Executor:
             self._worker.submit(int).result()  # one worker thread: every job before this one is done
 
     def close(self) -> None:
-        """Remove every hook; drain reads; put host tensors back; unpin; close files."""
+        """Remove every hook; drain reads; put host tensors back; unpin; close files. Each step
+        runs even where one before it failed (the first error is raised after all of them)."""
+        failed: list[BaseException] = []
+
+        def step(fn, *args) -> None:
+            try:
+                fn(*args)
+            except Exception as exc:  # noqa: BLE001 (raised after the other steps)
+                failed.append(exc)
+
         for handle in self._hooks:
-            handle.remove()
+            step(handle.remove)
         self._hooks.clear()
         for pipe in self.pipelines.values():
-            pipe.drain()
+            step(pipe.drain)
         if self._worker is not None:
-            self._worker.shutdown(wait=True)
+            step(self._worker.shutdown, True)
             self._worker = None
         for ranges in self._random:
-            set_random(ranges, False)
+            step(set_random, ranges, False)
         self._random.clear()
+        step(self._put_back)
+        copiers = {id(p.copier): p.copier for p in self.pipelines.values() if p.copier is not None}
+        for copier in copiers.values():
+            step(copier.close)
+        if self._pinner is not None:
+            for key in [k for k in self._pinner.keys() if isinstance(k, tuple) and k[:1] == ("executor",)]:
+                step(self._pinner.unpin, key)
+        step(self._handles.close)
+        with _RUNNING_LOCK:
+            for module in self._claimed:
+                if _RUNNING.get(module) is self:
+                    del _RUNNING[module]
+            self._claimed = []
+        if failed:
+            raise failed[0]
+
+    def _put_back(self) -> None:
         for table, key, tensor, placed in reversed(self._placed):
             if table.get(key) is placed:  # a weight replaced since is the caller's: it stays
                 table[key] = tensor
         self._placed.clear()
-        copiers = {id(p.copier): p.copier for p in self.pipelines.values() if p.copier is not None}
-        for copier in copiers.values():
-            copier.close()
-        if self._pinner is not None:
-            for key in [k for k in self._pinner.keys() if isinstance(k, tuple) and k[:1] == ("executor",)]:
-                self._pinner.unpin(key)
-        self._handles.close()
 
 
 def execute(plan: DeploymentPlan, components: Mapping[str, torch.nn.Module], **options) -> Executor:

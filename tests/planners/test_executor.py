@@ -170,8 +170,10 @@ def test_parallel_reader_brings_a_layer_in_from_several_threads_and_closes_them(
     assert not [t for t in threading.enumerate() if t.name.startswith("hostmem-fault")]
 
 
-def test_release_of_a_private_writable_mapping_keeps_a_written_page(tmp_path):
-    """MADV_DONTNEED would revert a copied-on-write page to the file; the release must not."""
+@pytest.mark.parametrize("protected", [False, True], ids=["writable", "made-read-only-after"])
+def test_release_of_a_private_mapping_keeps_a_written_page(tmp_path, protected):
+    """MADV_DONTNEED would revert a copied-on-write page to the file; the release must not,
+    also where the mapping was made read-only after the write (mprotect: the copy stays)."""
     path = tmp_path / "w.bin"
     path.write_bytes(b"\0" * (8 * PAGE_SIZE))
     with open(path, "r+b") as handle:
@@ -179,8 +181,12 @@ def test_release_of_a_private_writable_mapping_keeps_a_written_page(tmp_path):
     try:
         area[3 * PAGE_SIZE] = 7  # this page is anonymous now
         address = ctypes.addressof(ctypes.c_char.from_buffer(area))
+        if protected:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            assert libc.mprotect(address, 8 * PAGE_SIZE, mmap.PROT_READ) == 0, ctypes.get_errno()
         found = MapIndex().find(address, 8 * PAGE_SIZE)
-        assert found is not None and found.writable
+        assert found is not None and found.private
         handles = FileHandles()
         try:
             assert drop_range(found, handles) == 8 * PAGE_SIZE

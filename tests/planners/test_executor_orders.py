@@ -243,3 +243,49 @@ def test_a_forward_that_raises_leaves_the_host_weights_in_place(checkpoint, plan
         got = _run(model, [FULL])
     _same(got, expected)
     assert all(a is b for a, b in zip(model.parameters(), weights))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_second_executor_on_a_module_another_runs_is_refused(checkpoint, plan, path):
+    """Two would hook the same layers, and the second's device copies would stand in for the
+    first's: refused while the first runs, the first's passes untouched; fine once it is left."""
+    from hostmem.errors import InputError
+
+    expected = _run(load_synthetic_dit(checkpoint), [FULL, FULL])
+    model = load_synthetic_dit(checkpoint)
+    with execute(plan, {"dit": model}, prefetch=2, **PATHS[path]):
+        with pytest.raises(InputError, match=r"'dit': its SyntheticDiT is already run by another executor"):
+            with execute(plan, {"dit": model}, prefetch=2, **PATHS[path]):
+                pass
+        with pytest.raises(InputError, match=r"'dit': its _Block is already run"):  # a part of it, under another name
+            with execute(plan, {"dit": model.blocks[3]}, prefetch=2, **PATHS[path]):
+                pass
+        got = _run(model, [FULL])
+    got += _under(plan, model, PATHS[path], [FULL])[0]
+    _same(got, expected)
+
+
+def test_a_checkpoint_let_go_while_running_leaves_nothing_at_exit(checkpoint, plan, tmp_path):
+    """Every weight replaced from another file (``load_state_dict(assign=True)``) and the first
+    mapping unmapped before exit: advice can no longer be undone there, and every other step
+    of the exit still runs (threads ended, descriptors closed)."""
+    import gc
+    import threading
+
+    from hostmem.safetensors.mapping import load_readonly
+
+    other = write_synthetic_dit(tmp_path / "other.safetensors", LAYERS, D, torch.float32, seed=1)
+    expected = _run(load_synthetic_dit(other), [FULL])
+    model = load_synthetic_dit(checkpoint)
+    with execute(plan, {"dit": model}, prefetch=2, read_ahead="madvise"):
+        _run(model, [FULL])
+        model.load_state_dict(load_readonly(other), assign=True)
+        gc.collect()
+        got = _run(model, [FULL])
+        gc.collect()
+        assert os.fspath(checkpoint) not in open("/proc/self/maps").read()
+    _same(got, expected)
+    assert not [t for t in threading.enumerate() if t.name.startswith("hostmem-readahead")]
+    fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+           if os.path.exists(f"/proc/self/fd/{fd}")]
+    assert os.fspath(checkpoint) not in fds

@@ -219,7 +219,7 @@ def test_the_readers_read_a_load_file_mapping_in_large_pieces(tmp_path, loader):
     dit = load_synthetic_dit(path, loader)
     weight = dit.blocks[1].proj.weight
     layer = MapIndex().find(weight.data_ptr(), weight.numel() * weight.element_size())
-    assert layer.writable == (loader == "safetensors")  # load_file's mapping is private and writable
+    assert layer.private == (loader == "safetensors")  # load_file's mapping is private (and writable)
     handles = FileHandles()
     set_random([layer], True)
     try:
