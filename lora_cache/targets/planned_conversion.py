@@ -37,7 +37,7 @@ __all__ = ["loader_for", "recorded_targets"]
 # What lora_cache.adapters.conversion_memo writes (tests/lora_cache/test_planned_conversion.py
 # holds the two together; that module imports torch, so the names are not imported from it).
 RECORD_FORMAT = "lora-cache-adapter-conversion"
-RECORD_VERSION = 3
+RECORD_VERSION = 4
 _DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64"}  # torch's names -> the header's
 
 _Tensor = namedtuple("_Tensor", "shape dtype")
