@@ -88,12 +88,18 @@ class VerifiedMemo:
             known = self._disk.get(entry.file)
         return known is not None and list(known[0]) == stamp and known[1] == entry.crc32
 
-    def record(self, entry: LayerEntry) -> LayerEntry:
-        """``entry``'s file now matches its checksum (just written, or just read); return the
-        entry with its stamp (where the file cannot be stat'ed, as it was)."""
+    def stamp_now(self, file: str) -> list[int] | None:
+        """The stamp ``file`` has now, or None where it cannot be stat'ed."""
         try:
-            stamp = stamp_of(self._lstat(entry.file))
+            return stamp_of(self._lstat(file))
         except OSError:
+            return None
+
+    def record(self, entry: LayerEntry, stamp: list[int] | None = None) -> LayerEntry:
+        """``entry``'s file matches its checksum at ``stamp`` (default: now, for a file just
+        written); return the entry with its stamp (where the file cannot be stat'ed, as it was)."""
+        stamp = stamp if stamp is not None else self.stamp_now(entry.file)
+        if stamp is None:
             return entry
         with _PROCESS_LOCK:
             _PROCESS[_ident(stamp)] = (stamp, entry.crc32)
@@ -156,15 +162,24 @@ def check_layers(folder: str, entries: dict[str, LayerEntry], memo: VerifiedMemo
         return {}
     from concurrent.futures import ThreadPoolExecutor  # not at import: `hostmem cache` starts light
 
+    def checked(entry: LayerEntry) -> tuple[str | None, list[int] | None]:
+        """The problem, and the stamp the file had when its read began: what a pass vouches
+        for. One that changed while it was read (a write behind the read) vouches for nothing."""
+        before = memo.stamp_now(entry.file)
+        problem = _problem(folder, entry)
+        if problem is None and (before is None or memo.stamp_now(entry.file) != before):
+            problem = f"{os.path.join(folder, entry.file)}: changed while it was verified (layer {entry.name!r})"
+        return problem, before
+
     with ThreadPoolExecutor(min(_threads(), len(todo)), "hostmem-vault-verify") as pool:
-        problems = list(pool.map(lambda e: _problem(folder, e), todo))
+        results = list(pool.map(checked, todo))
     memo.reread += len(todo)
     failed = {}
-    for entry, problem in zip(todo, problems):
+    for entry, (problem, stamp) in zip(todo, results):
         if problem:
             failed[entry.name] = problem
         else:
-            memo.record(entry)
+            memo.record(entry, stamp)
     return failed
 
 

@@ -150,3 +150,39 @@ def test_a_recorded_offset_that_does_not_fit_its_layer_drops_the_combination(tmp
     with vault.open(key, expected_of(tensors)) as session:
         assert "data offset" in session.stats["dropped"] and data["layers"][0]["name"] in session.stats["dropped"]
         assert not session.layers
+
+
+def test_a_write_behind_the_verifying_read_is_never_vouched_for(tmp_path, monkeypatch):
+    """A layer re-read for its checksum (its stamp changed) while a writer changes bytes the
+    read has passed: the read finds the checksum right, but what is on disk after it is not
+    what was read. Vouched for, every later start would serve it unread: it fails its check
+    and is rebuilt, and the next start reads it again."""
+    from hostmem.vault import verification
+
+    vault, key, tensors = Vault(tmp_path / "root"), key_for("behind"), layers(torch.float32)
+    build(vault, key, tensors)
+    name = next(iter(tensors))
+    folder = folder_of(vault, key)
+    path = os.path.join(folder, layer_file_name(name))
+    os.utime(path)  # a new stamp, the same bytes: the next start reads it
+    problem = verification._problem
+
+    def read_then_written(where, entry):
+        found = problem(where, entry)  # the whole read, the bytes as they were
+        if entry.name == name:
+            with open(os.path.join(where, entry.file), "r+b") as handle:  # behind the read: the last byte
+                handle.seek(-1, os.SEEK_END)
+                last = handle.read(1)
+                handle.seek(-1, os.SEEK_END)
+                handle.write(bytes([last[0] ^ 0xFF]))
+        return found
+
+    monkeypatch.setattr(verification, "_problem", read_then_written)
+    with vault.open(key, expected_of(tensors)) as session:
+        assert session.stats["layers_failed_check"] == [name]
+        assert session.get(name, SHAPE, torch.float32) is None
+        assert session.put(name, tensors[name]) is not None
+    monkeypatch.setattr(verification, "_problem", problem)
+    with vault.open(key, expected_of(tensors)) as session:
+        assert session.stats["layers_failed_check"] == []
+        assert torch.equal(session.get(name, SHAPE, torch.float32), tensors[name])
