@@ -302,10 +302,10 @@ CONTENT_HASH_MEMO = ContentHashMemo()
 
 def load_memo_file(memo_file: str) -> dict:
     """Read the on-disk memo; a missing or damaged one is simply empty (it is a hint)."""
-    from .safety import read_trusted  # here: safety needs the procfs readers, a hash does not
+    from .safety import parse_json, read_trusted  # here: safety needs the procfs readers, a hash does not
 
     try:
-        data = json.loads(read_trusted(memo_file))  # only a file of ours, in a folder only we write
+        data = parse_json(read_trusted(memo_file))  # only a file of ours, in a folder only we write
         if data.get("hash") != hash_name():
             return {}
         return {k: (e["stamp"], e["digest"]) for k, e in data["files"].items()}

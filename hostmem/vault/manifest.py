@@ -40,7 +40,7 @@ import time
 from ..errors import HostmemError
 from .anchor import in_folder
 from .durable import durable_write
-from .safety import VaultError, read_trusted
+from .safety import VaultError, parse_json, read_trusted
 from .layer_file import LayerEntry
 
 __all__ = ["MANIFEST_NAME", "MANIFEST_FORMAT", "Manifest", "read_manifest", "write_manifest", "ManifestError",
@@ -135,10 +135,10 @@ def read_manifest(folder: str) -> Manifest | None:
     another key's name is another combination's weights (a :class:`ManifestError`)."""
     path = os.path.join(folder, MANIFEST_NAME)
     try:
-        data = json.loads(read_trusted(path))
+        data = parse_json(read_trusted(path))
     except FileNotFoundError:
         return None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:  # not text, not JSON, nested too deeply
         raise ManifestError(f"{path}: not JSON ({exc})") from None
     manifest = Manifest.from_dict(data, path)
     if manifest.key != os.path.basename(os.path.normpath(folder)):

@@ -35,10 +35,10 @@ PROVISIONAL_WHY = "a provisional build (made while its base was being hashed, ne
 
 
 def _marker(folder: str) -> dict:
-    from .safety import read_trusted  # here: safety builds on the modules this one is beside
+    from .safety import parse_json, read_trusted  # here: safety builds on the modules this one is beside
 
     try:
-        data = json.loads(read_trusted(os.path.join(folder, MARKER_NAME)))
+        data = parse_json(read_trusted(os.path.join(folder, MARKER_NAME)))
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}

@@ -19,7 +19,6 @@ written for may be being built right now, without a manifest yet to name its inp
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from .anchor import open_folder
 from .combinations import Combination
 from .durable import TMP_PREFIX
-from .safety import check_folder_safe, read_trusted
+from .safety import check_folder_safe, parse_json, read_trusted
 
 __all__ = ["CONVERSIONS", "ROUNDING", "RECORD_FOLDERS", "FRESH_SECONDS", "StaleRecord", "check_record_folders", "input_digests",
            "records_under", "stale_records"]
@@ -71,7 +70,7 @@ def _why_stale(path: str, size: int, live: set[str]) -> str | None:
     if size > _LARGEST:
         return "not a record: too large"
     try:
-        record = json.loads(read_trusted(path, _LARGEST))  # never a FIFO, a link, or another user's file
+        record = parse_json(read_trusted(path, _LARGEST))  # never a FIFO, a link, or another user's file
     except (OSError, ValueError):
         return "unreadable"
     digest = record.get("digest") if isinstance(record, dict) else None

@@ -27,6 +27,7 @@ from .checks import VaultError, check_file_safe, check_folder_private, check_not
 from .path_walk import walk_to
 
 __all__ = [
+    "parse_json",
     "VaultError",
     "nearest_existing",
     "prepare_root",
@@ -99,6 +100,17 @@ def open_trusted(path: str, flags: int = os.O_RDONLY, mode: int = 0o600, dir_fd:
     ``FileNotFoundError`` passes (with ``O_CREAT`` in ``flags`` a missing file is
     created ``mode``)."""
     return open_in(path, flags, mode, dir_fd)
+
+
+def parse_json(data: bytes | str):
+    """``json.loads``, where nesting too deep for the parser (a damaged or planted file) is a
+    ``JSONDecodeError`` as any other broken JSON, never a ``RecursionError`` that stops a start."""
+    import json
+
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply", "", 0) from None
 
 
 def read_trusted(path: str, limit: int = 64 * 1024 * 1024, dir_fd: int | None = None) -> bytes:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from .durable import durable_write, read_small
 from .locks import say
-from .safety import VaultError, check_folder_safe, make_private_dir
+from .safety import VaultError, check_folder_safe, make_private_dir, parse_json
 
 __all__ = ["Shelf"]
 
@@ -38,7 +38,7 @@ class Shelf:
             folder = os.path.join(vault.cache, self.folder)
             try:
                 check_folder_safe(folder)
-                record = json.loads(read_small(os.path.join(folder, f"{name}.json")))
+                record = parse_json(read_small(os.path.join(folder, f"{name}.json")))
             except (OSError, VaultError, ValueError):
                 continue
             if valid(record):

@@ -29,7 +29,7 @@ from .content_hash import stamp_of
 from .durable import discard, durable_write
 from .layer_file import LayerEntry, data_crc32, layer_problem
 from .anchor import FolderFd
-from .safety import read_trusted
+from .safety import parse_json, read_trusted
 
 __all__ = ["VERIFIED_NAME", "DAMAGE_NAME", "VerifiedMemo", "check_layers", "read_damage", "record_damage"]
 
@@ -126,7 +126,7 @@ class VerifiedMemo:
 
 def _load(path: str) -> dict[str, tuple[list[int], str]]:
     try:
-        data = json.loads(read_trusted(path))
+        data = parse_json(read_trusted(path))
         return {f: (list(e["stamp"]), str(e["crc32"])) for f, e in data.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
@@ -187,11 +187,11 @@ def read_damage(folder: str) -> list[str] | None:
     """The problems recorded for this folder (by `hostmem cache verify`, or a reader that
     could not map a layer), or None."""
     try:
-        data = json.loads(read_trusted(os.path.join(folder, DAMAGE_NAME)))
+        data = parse_json(read_trusted(os.path.join(folder, DAMAGE_NAME)))
         return [str(p) for p in data.get("problems", [])] or ["recorded as damaged"]
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, TypeError):
         return ["recorded as damaged (its record is unreadable)"]
 
 

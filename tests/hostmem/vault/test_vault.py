@@ -236,6 +236,27 @@ def test_a_damaged_manifest_drops_the_combination(tmp_path):
         assert "not JSON" in session.stats["dropped"] and not session.layers
 
 
+@pytest.mark.parametrize("file, text", [
+    ("manifest.json", "[" * 100_000 + "]" * 100_000),  # nested past the parser's recursion limit
+    ("damage.json", '{"problems": 5}'),  # JSON of another shape
+    ("verified.json", "[" * 100_000 + "]" * 100_000),
+])
+def test_a_small_file_of_the_cache_damaged_in_any_shape_never_stops_a_start(tmp_path, file, text):
+    """Whatever a damaged or planted file holds, a start drops or rebuilds what it vouched for
+    and goes on, with the layers it serves verified: never a traceback."""
+    vault, key, tensors = Vault(tmp_path / "root"), key_for(f"shape-{file}"), layers()
+    build(vault, key, tensors)
+    with open(os.path.join(folder_of(vault, key), file), "w") as handle:
+        handle.write(text)
+    with vault.open(key, expected_of(tensors)) as session:
+        served = {n: session.get(n, SHAPE, t.dtype) for n, t in tensors.items()}
+        if file == "manifest.json":
+            assert "not JSON" in session.stats["dropped"] and not session.layers
+        else:  # hints: a damage record has every layer read again; the memo's own stamps stand in the manifest
+            assert session.stats["layers_verified"] == (len(tensors) if file == "damage.json" else 0)
+            assert all(torch.equal(served[n], tensors[n]) for n in tensors)
+
+
 def test_the_root_is_created_private(tmp_path):
     root = tmp_path / "a" / "root"
     vault = Vault(root)
