@@ -23,7 +23,7 @@ from hostmem.errors import InputError
 
 from .adapters import AdapterFile, as_adapters, read_adapters
 from .adapters.conversion_memo import ValuesNeeded
-from .key.base_shards import base_positions, base_shards, changed_in_memory
+from .key.base_shards import base_positions, base_shards, changed_in_memory, replaced_files
 from .key.combination import Combination, kernel_roots, key_of
 from .kernels import KernelPlan, plan_for_targets
 from .kernels.policy import MERGE_POLICY, merge_policy
@@ -137,12 +137,19 @@ def why_in_place(enabled: bool) -> str | None:
     return None
 
 
-def _changed_in_memory(names: list[str]) -> str:
-    """Why a merge whose base was changed in memory runs in place, in words."""
-    return (f"{len(names)} weight(s) differ from the checkpoint file they are mapped from ({', '.join(names[:3])}"
-            f"{', ...' if len(names) > 3 else ''}): changed in memory since loading, as by a LoRA fused in place; "
-            "the cache knows a base by its file, so this merge is summed in place, on top of what the model holds "
-            "(reload the model, or unfuse, to use the cache)")
+def _unkeyed_base(host: list[LayerTarget]) -> str | None:
+    """Why these weights cannot be keyed by the checkpoint they are views of, in words (the
+    merge is then summed in place, on top of what the model holds), or None."""
+    space = AddressSpace()
+    for names, what in ((replaced_files(host, space), "are views of a checkpoint file removed or replaced since "
+                         "they were loaded"),
+                        (changed_in_memory(host, space), "differ from the checkpoint file they are mapped from: "
+                         "changed in memory since loading, as by a LoRA fused in place")):
+        if names:
+            return (f"{len(names)} weight(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) {what}; "
+                    "the cache knows a base by its file, so this merge is summed in place, on top of what the "
+                    "model holds (reload the model to use the cache)")
+    return None
 
 
 class OpenCombination(NamedTuple):
@@ -288,8 +295,8 @@ def merge(
     group = distributed_group()
     memo_roots = roots if shards is None and group is None else None
     targets, files = plan_targets(model, specs, shards, memo_roots)
-    if roots is not None and (changed := changed_in_memory(_host(targets), AddressSpace())):
-        off, roots = _changed_in_memory(changed), None
+    if roots is not None and (unkeyed := _unkeyed_base(_host(targets))):
+        off, roots = unkeyed, None
         warnings.warn(off, stacklevel=3)
     form = _planned(_host(targets))  # what the key covers
     split = split_shards(targets, roots is not None, base_files) if shards is not None else None

@@ -14,7 +14,7 @@ from hostmem.safetensors.header import read_header
 
 from ..targets.layer_target import AddressSpace, LayerTarget
 
-__all__ = ["base_positions", "base_shards", "changed_in_memory", "mapped_file"]
+__all__ = ["base_positions", "base_shards", "changed_in_memory", "mapped_file", "replaced_files"]
 
 _COMPARE = 8 << 20  # bytes compared at a time against the file
 
@@ -54,6 +54,29 @@ def changed_in_memory(targets: list[LayerTarget], space: AddressSpace) -> list[s
         if not _same_as_file(tensor, path, area.offset + tensor.data_ptr() - area.start):
             changed.append(target.name)
     return changed
+
+
+def replaced_files(targets: list[LayerTarget], space: AddressSpace) -> list[str]:
+    """Names of the targets that are views of a file no longer at its path: removed, or
+    replaced (a new checkpoint renamed over it, as downloaders and rsync land one). The key
+    would hash whatever is at the path now (given as ``base_files``): another file's merge
+    under its key, served to every later start on it."""
+    replaced = []
+    for target in targets:
+        tensor = target.current
+        area = space.area_of(tensor) if tensor.device.type == "cpu" else None
+        if area is None or not area.is_file or not (area.path or "").startswith("/"):
+            continue
+        path = area.path
+        gone = path.endswith(" (deleted)")
+        if not gone:
+            try:
+                gone = os.stat(path).st_ino != area.inode
+            except OSError:
+                gone = True
+        if gone:
+            replaced.append(target.name)
+    return replaced
 
 
 def _same_as_file(tensor, path: str, offset: int) -> bool:

@@ -430,8 +430,8 @@ def test_a_base_changed_in_memory_merges_in_place_and_is_never_keyed_by_its_file
         changed = _fuse_in_place(_privately_mapped(base, copy.deepcopy(model)))
         for model_, is_changed in ((changed, True), (clean, False))[:: 1 if first_changed else -1]:
             if is_changed:
-                with pytest.warns(UserWarning, match=r"1 weight\(s\) differ from the checkpoint file .*"
-                                  r"blocks\.0\.attn\.to_q\.weight.*summed in place") as caught:
+                with pytest.warns(UserWarning, match=r"1 weight\(s\) \(blocks\.0\.attn\.to_q\.weight\) differ "
+                                  r"from the checkpoint file .*summed in place") as caught:
                     stats = merged(model_, root)
                 assert stats.cache_key is None and stats.in_place == 6 and "differ" in stats.cache_off
                 assert len([w for w in caught if "differ" in str(w.message)]) == 1
@@ -467,3 +467,32 @@ def test_a_neighbours_write_copies_a_shared_page_and_the_weight_beside_it_stays_
     assert changed_in_memory(targets, space) == ["a.weight"]
     owners["a"].weight.data[-1] -= 1.0  # the same bytes again, though the page stays a copy
     assert changed_in_memory(targets, AddressSpace()) == []
+
+
+@pytest.mark.parametrize("base_files", [False, True], ids=["mapped", "base-files-named"])
+def test_a_checkpoint_replaced_after_loading_is_never_the_key_of_the_weights_loaded_before(tmp_path, base_files):
+    """The weights are views of the file mapped at load; a new checkpoint renamed over its
+    path meanwhile (as downloaders and rsync land one) would key their merge by the new
+    file, served to every later start on it. Merged in place, with one warning; a start on
+    the new checkpoint builds its own."""
+    from hostmem.safetensors.mapping import load_readonly
+
+    model, adapter = _setup(tmp_path)
+    base = tmp_path / "base.safetensors"
+    heap = copy.deepcopy(model)  # the weights as loaded, summed in place: what the merge must give
+    lora_cache.merge(heap, [adapter], enabled=False, progress=False)
+    expected = {n: p.detach().clone() for n, p in heap.named_parameters()}
+    newer = {k: v + 1 for k, v in load_readonly(os.fspath(base)).items()}
+    write_safetensors(tmp_path / "landing.safetensors", newer)
+    os.rename(tmp_path / "landing.safetensors", base)
+    root = tmp_path / "cache"
+    with pytest.warns(UserWarning, match=r"6 weight\(s\) .* are views of a checkpoint file removed or replaced"):
+        stats = lora_cache.merge(model, [adapter], cache_root=root, progress=False,
+                                 base_files=[os.fspath(base)] if base_files else None)
+    assert stats.cache_key is None and stats.in_place == 6
+    assert all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
+    fresh = copy.deepcopy(model)
+    for name, tensor in load_readonly(os.fspath(base)).items():
+        owner, _, attr = name.rpartition(".")
+        fresh.get_submodule(owner)._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
+    assert lora_cache.merge(fresh, [adapter], cache_root=root, progress=False).built == 6
