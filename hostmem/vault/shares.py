@@ -53,14 +53,10 @@ class ShareSession(VaultSession):
 
     def written(self) -> list[dict]:
         """What this session wrote, for the ranks that did not: each layer's entry and the
-        stamp its file had once written (see :func:`vouch_for`)."""
-        done = []
-        for name, entry in self.layers.items():
-            if name not in self._found:
-                with contextlib.suppress(OSError):
-                    done.append({"entry": entry.to_dict(),
-                                 "stamp": stamp_of(lstat_in(os.path.join(self.folder, entry.file)))})
-        return done
+        stamp its file had when it was written and checksummed (see :func:`vouch_for`); a
+        file changed since then no longer has it, and is read again on adoption."""
+        return [{"entry": entry.to_dict(), "stamp": list(entry.stamp)}
+                for name, entry in self.layers.items() if name not in self._found and entry.stamp is not None]
 
     def close(self) -> None:
         self._close_shared(self._release_share_lock)

@@ -82,6 +82,29 @@ def test_a_changed_file_is_not_vouched_for_and_is_verified_on_adoption(tmp_path)
         assert session.complete and session.stats["layers_verified"] == 1
 
 
+def test_a_file_changed_before_the_share_closes_is_not_vouched_for(tmp_path):
+    """A share vouches for each layer at the stamp it was written and checksummed at, not at
+    the one it has when the share closes: bytes changed in between are read on adoption,
+    found wrong, and rebuilt, never served."""
+    vault, key, tensors = Vault(tmp_path / "root"), key_for("before-close"), layers(count=2)
+    name = sorted(tensors)[0]
+    with open_share(vault, key, expected_of(tensors), 0, 1) as session:
+        for n, tensor in tensors.items():
+            assert session.put(n, tensor) is not None
+        path = os.path.join(vault.cache, key.hex, session.layers[name].file)
+        with open(path, "r+b") as handle:  # a byte of the data changed behind the writer
+            handle.seek(-1, os.SEEK_END)
+            last = handle.read(1)
+            handle.seek(-1, os.SEEK_END)
+            handle.write(bytes([last[0] ^ 0xFF]))
+        written = session.written()
+    assert vouch_for(vault, key.hex, written) == 1  # the other layer only
+    _forget_this_process_verified()
+    with vault.open(key, expected_of(tensors)) as session:
+        assert session.stats["layers_failed_check"] == [name]
+        assert session.get(name, tuple(tensors[name].shape), tensors[name].dtype) is None
+
+
 def test_a_share_index_out_of_range_is_refused_and_leaves_the_key_free(tmp_path):
     vault, key = Vault(tmp_path / "root"), key_for("bad")
     with pytest.raises(VaultError, match="share 2 of 2: the index must be in 0..1"):
