@@ -9,6 +9,7 @@ user's hold, which never means work of ours in progress, from a process of ours.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -155,10 +156,14 @@ def lock_is_held(path: str, shared_too: bool) -> bool:
     return False
 
 
+HIDDEN = -1  # the uid of a holder /proc/locks names in this pid namespace whose /proc entry hides it
+
+
 def lock_holders(path: str) -> list[tuple[int, int | None]]:
     """``(pid, uid)`` of each process holding a flock on ``path``, as ``/proc/locks`` names
-    them (the uid None where the process is gone or hidden); empty where none is known.
-    For messages only: who holds a key's lock, so that a person can act on it."""
+    them; empty where none is known. The uid is :data:`HIDDEN` where ``/proc/PID`` cannot
+    be seen (``hidepid``: a process of this user's is always seen, so it is another
+    user's, or one gone since), None where the pid is none of this namespace's (0)."""
     try:
         inode = os.lstat(path).st_ino
         with open("/proc/locks") as handle:
@@ -176,9 +181,9 @@ def lock_holders(path: str) -> list[tuple[int, int | None]]:
             continue
         if where.rsplit(":", 1)[-1] == str(inode):
             try:
-                uid = os.stat(f"/proc/{pid}").st_uid
+                uid = os.stat(f"/proc/{pid}").st_uid if pid > 0 else None
             except OSError:
-                uid = None
+                uid = HIDDEN
             found.append((pid, uid))
     return found
 
@@ -196,15 +201,21 @@ def flock_within(fd: int, path: str, exclusive: bool = True) -> bool:
             return True
         except BlockingIOError:
             waited = time.monotonic() - started
-            if waited >= bound or (waited >= short and held_by_others(lock_holders(path))):
+            if waited >= bound:
+                return False
+            if waited >= short and held_by_others(lock_holders(path)):
+                with contextlib.suppress(BlockingIOError):  # a hidden holder may be one that just ended
+                    fcntl.flock(fd, mode)
+                    return True
                 return False
             time.sleep(min(pause, max(bound - waited, 0.001)))
             pause = min(2 * pause, 0.25)
 
 
 def held_by_others(holders: list[tuple[int, int | None]]) -> bool:
-    """Whether every known holder is another user's process: never work of ours in
-    progress, so waiting for it is waiting for ever."""
+    """Whether every known holder is another user's process (one ``/proc`` hides from this
+    user counts: this user's own are never hidden): never work of ours in progress, so
+    waiting for it is waiting for ever."""
     return bool(holders) and all(uid is not None and uid != os.geteuid() for _, uid in holders)
 
 
@@ -212,4 +223,7 @@ def describe_holders(holders: list[tuple[int, int | None]]) -> str:
     """``"pid 123 (uid 0)"``, joined; ``"a process this one cannot see"`` where none is known."""
     if not holders:
         return "a process this one cannot see (another container or host)"
-    return ", ".join(f"pid {pid} (uid {'?' if uid is None else uid})" for pid, uid in holders)
+    def who(uid: int | None) -> str:
+        return "another user's, hidden by /proc" if uid == HIDDEN else f"uid {'?' if uid is None else uid}"
+
+    return ", ".join(f"pid {pid} ({who(uid)})" for pid, uid in holders)

@@ -125,3 +125,70 @@ def test_another_users_hold_on_the_wisdom_lock_times_the_kernels_here_within_the
         with pytest.warns(UserWarning, match=rf"kernel wisdom not recorded: .* \(uid {nobody()[0]}\)"):
             assert _in_thread(record_one) == {"kernel": "fp32"}
     assert not wisdom.writable and not os.path.exists(os.path.join(root, WISDOM_FILE))
+
+
+_OWNER = 4242  # the cache's owner in the test below: a user with no other process on the machine
+
+
+def _start_under_hidepid(root: str, key, tensors: dict, said_to) -> None:
+    """In a forked child: a private mount namespace whose /proc hides other users'
+    processes (``hidepid=2``), then a start as the cache's owner; what it did, to ``said_to``."""
+    import ctypes
+    import json
+    import subprocess
+
+    code = 1
+    try:
+        if ctypes.CDLL(None, use_errno=True).unshare(0x00020000) != 0:  # CLONE_NEWNS
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+        for cmd in (["mount", "--make-rprivate", "/"], ["mount", "-t", "proc", "-o", "hidepid=2", "proc", "/proc"]):
+            subprocess.run(cmd, check=True, capture_output=True)
+        os.setgroups([])
+        os.setgid(_OWNER)
+        os.setuid(_OWNER)
+        built = build(Vault(root), key, tensors)["layers_written"]
+        session, served = _serve(Vault(root), key, tensors)
+        session.close()
+        os.write(said_to, json.dumps({"key": session.key, "built": built, "served": served,
+                                      "error": session.last_error}).encode())
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 (said to the parent, which skips or fails)
+        os.write(said_to, json.dumps({"failed": f"{type(exc).__name__}: {exc}"}).encode())
+    finally:
+        os._exit(code)
+
+
+def test_another_users_hold_hidden_by_proc_is_known_as_anothers_and_never_waited_for(tmp_path):
+    """On a host whose /proc hides other users' processes (``hidepid=2``), the holder of a
+    key's lock has no /proc entry this user can see. This user's own processes are always
+    seen, so the holder is another user's: the start builds a copy of its own at once, as
+    where /proc shows it, not after the whole bounded wait and never in place."""
+    import json
+
+    uid, _ = nobody()
+    root = str(tmp_path / "root")
+    os.makedirs(os.path.join(root, "lora_merge_cache"))
+    key, tensors = key_for("hidden-holder"), layers(count=2)
+    with open(lock_path(os.path.join(root, "lora_merge_cache"), key.hex), "a"):
+        pass
+    for here, dirs, files in os.walk(root):
+        for name in [here, *(os.path.join(here, f) for f in files)]:
+            os.chown(name, _OWNER, _OWNER)
+    open_to_others(root)  # the operator's chmod: nobody can open the lock
+    with reachable_by_others(root, opened=True), \
+            flock_held_by_nobody(lock_path(os.path.join(root, "lora_merge_cache"), key.hex)):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            _start_under_hidepid(root, key, tensors, write)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            said = json.loads(pipe.read().decode() or "{}")
+        os.waitpid(pid, 0)
+    if "failed" in said and ("unshare" in said["failed"] or "mount" in said["failed"]):
+        pytest.skip(f"no private mount namespace with hidepid here: {said['failed']}")
+    assert said.get("key") == alternate_key(key.hex, 1), said
+    assert said["error"] is None or "sealed and verified" in said["error"]  # served from the copy it built
+    assert said["built"] == said["served"] == len(tensors)
+    assert uid != _OWNER

@@ -58,9 +58,11 @@ def as_nobody(step, *args) -> None:
 
 
 @contextlib.contextmanager
-def reachable_by_others(folder):
+def reachable_by_others(folder, opened: bool = False):
     """Let other users pass through ``folder``'s parents (``o+x``, no listing, no writing),
     as they pass through ``/`` to ``/tmp`` on a real host; every mode is put back after.
+    ``opened``: they may also open them (``o+r``), as a cache root's owner walks every
+    folder from ``/`` down by descriptor.
 
     The parents above a test's own folder are the run's, shared by every worker of a
     parallel run (pytest -n): one worker putting a mode back while another's ``nobody``
@@ -72,8 +74,9 @@ def reachable_by_others(folder):
         path = os.path.abspath(os.fspath(folder))
         while path != os.path.dirname(path):
             mode = stat.S_IMODE(os.stat(path).st_mode)
-            if not mode & stat.S_IXOTH:
-                os.chmod(path, mode | stat.S_IXOTH)
+            wanted = stat.S_IXOTH | (stat.S_IROTH if opened else 0)
+            if mode & wanted != wanted:
+                os.chmod(path, mode | wanted)
                 changed.append((path, mode))
             path = os.path.dirname(path)
         try:
