@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from .anchor import listdir_in, lstat_in, unlink_in
 from .durable import TMP_PREFIX
 from .layer_file import data_crc32, is_layer_file_name, layer_problem, read_layer_file
-from .locks import KeyLock
+from .locks import KeyLock, lock_is_held
 from .manifest import MANIFEST_NAME, ManifestError, read_manifest
 from .provisional import MARKER_NAME, PROVISIONAL_WHY
 from .records import StaleRecord, stale_records
@@ -104,8 +104,9 @@ def _verify_files(folder: str, report: VerifyReport) -> None:
             continue  # gone since the listing (a writer's temporary renamed)
         if stat.S_ISLNK(found.st_mode):
             report.problems.append(f"{path}: a symlink (the cache refuses them)")
-        elif name.startswith(TMP_PREFIX):
-            report.problems.append(f"{path}: leftover temporary file of a writer that died")
+        elif name.startswith(TMP_PREFIX):  # never a layer: no damage of the combination's
+            report.notes.append(f"{path}: leftover temporary file of a writer that died (the next build here "
+                                "removes it)")
         elif name in entries:
             continue
         elif is_layer_file_name(name):  # sealed by a session that died before its manifest
@@ -170,10 +171,22 @@ def verify_combination(cache: str, key: str) -> VerifyReport:
     return report
 
 
+def _shares_building(cache: str, key: str) -> bool:
+    """Whether a share of a shared build is writing ``key`` (its ``<key>.lock.<i>of<n>`` held:
+    a share holds the key's lock shared, as a verify does, so that lock cannot tell)."""
+    prefix = os.path.basename(lock_path(cache, key)) + "."
+    return any(lock_is_held(os.path.join(cache, name), shared_too=True)
+               for name in listdir_in(cache) if name.startswith(prefix) and "of" in name)
+
+
 def _verify_locked(cache: str, key: str, folder: str, report: VerifyReport) -> None:
     lock = KeyLock(lock_path(cache, key))
     existed = os.path.lexists(lock.path)
     if not lock.acquire(exclusive=False, blocking=False):
+        report.state = "in use"
+        return
+    if _shares_building(cache, key):  # one opening after this writes temporaries (notes) and sealed layers
+        lock.release() if existed else lock.release_and_remove_if_alone()
         report.state = "in use"
         return
     try:

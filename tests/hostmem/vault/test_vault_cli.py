@@ -113,6 +113,42 @@ def test_verify_finds_a_flipped_byte_that_adoption_does_not_look_for(tmp_path, c
     assert code == 0 and [c["state"] for c in json.loads(out)["combinations"]] == ["ok"]
 
 
+def test_a_dead_writers_temporary_file_is_a_note_never_damage_that_prune_acts_on(tmp_path, capsys):
+    """A start killed while it rewrote a small file of a sealed combination leaves a temporary
+    beside its intact layers: verify names it, and neither it nor prune calls them damaged."""
+    from hostmem.vault.durable import TMP_PREFIX
+
+    root = str(tmp_path / "root")
+    key = build(root, "leftover", tmp_path)
+    folder = os.path.join(root, "lora_merge_cache", key.hex)
+    with open(os.path.join(folder, f"{TMP_PREFIX}4242-0badf00d"), "wb") as handle:
+        handle.write(b"{")
+    code, out, _ = cli(capsys, "cache", "verify", "--root", root)
+    assert code == 0 and f"{key.short}  ok" in out and "leftover temporary file" in out
+    assert not os.path.exists(os.path.join(folder, "damage.json"))
+    code, out, _ = cli(capsys, "cache", "prune", "--root", root)
+    assert code == 0 and key.short not in out and os.path.isdir(folder)
+
+
+def test_verify_calls_a_combination_a_shared_build_is_writing_in_use_and_records_nothing(tmp_path, capsys):
+    """A share holds the key's lock shared while it writes, as verify does: its own lock tells."""
+    from hostmem.vault.combinations import lock_path
+
+    root = str(tmp_path / "root")
+    key = build(root, "sharing", tmp_path)
+    cache = os.path.join(root, "lora_merge_cache")
+    share = KeyLock(f"{lock_path(cache, key.hex)}.0of2")
+    assert share.acquire()
+    try:
+        code, out, _ = cli(capsys, "cache", "verify", "--root", root)
+        assert f"{key.short}  in use" in out
+        assert not os.path.exists(os.path.join(cache, key.hex, "damage.json"))
+    finally:
+        share.release(remove=True)
+    code, out, _ = cli(capsys, "cache", "verify", "--root", root)
+    assert code == 0 and f"{key.short}  ok" in out
+
+
 def test_prune_removes_interrupted_builds_and_then_lru_beyond_max_size(tmp_path, capsys):
     root = str(tmp_path / "root")
     old, new = build(root, "old", tmp_path), build(root, "new", tmp_path)
