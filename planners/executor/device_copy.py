@@ -36,7 +36,7 @@ import torch
 from .layout import tensor_span
 from .snapshot import fingerprint, held_tensors
 
-__all__ = ["DeviceCopier", "Loaded", "alignment", "host_bytes", "slot_bytes"]
+__all__ = ["DeviceCopier", "Loaded", "alignment", "host_bytes", "slot_bytes", "standing_in"]
 
 _ALIGN = 256  # a device buffer's tensors start at this alignment
 _PAGE = 4096  # the CPU twin keeps each tensor's address modulo a page
@@ -190,8 +190,8 @@ class DeviceCopier:
         saved = {}
         for (module, kind, name), view in loaded.views.items():
             table = module._parameters if kind == "p" else module._buffers
-            saved[(module, kind, name)] = table[name]
-            table[name] = torch.nn.Parameter(view, requires_grad=False) if kind == "p" else view
+            saved[(module, kind, name)] = held = table[name]
+            table[name] = standing_in(held, view, kind)
         return saved
 
     def detach(self, loaded: Loaded, saved: dict) -> None:
@@ -212,6 +212,18 @@ class DeviceCopier:
         self.stream.synchronize()
         self.buffers.clear()
         self.staging.clear()
+
+
+def standing_in(held: torch.Tensor, view: torch.Tensor, kind: str) -> torch.Tensor:
+    """The device view as the tensor it stands in for: a parameter, or a buffer, of the same
+    class with the same attributes (a quantized weight's class reads its quantization from
+    them: diffusers' GGUFParameter keeps ``quant_type``, and without it computes on the raw
+    bytes as if they were weights)."""
+    if type(held) in (torch.nn.Parameter, torch.Tensor):
+        return torch.nn.Parameter(view, requires_grad=False) if kind == "p" else view
+    standing = view.as_subclass(type(held))
+    standing.__dict__.update(held.__dict__)
+    return standing
 
 
 def _is_view_of(held: torch.Tensor | None, view: torch.Tensor) -> bool:

@@ -207,6 +207,8 @@ class Executor:
 
     def _place_on_device(self, layouts) -> None:
         """Resident layers and each component's tensors outside its layers go to the device."""
+        from .device_copy import standing_in
+
         for name, roles in self.roles.items():
             root = self.components[name]
             inside = {id(m) for k, l in layouts[name].items() if k not in roles.resident for m in l.module.modules()}
@@ -218,8 +220,7 @@ class Executor:
                         if tensor is None or tensor.device.type != "cpu":
                             continue
                         moved = tensor.detach().to(self.device)
-                        placed = torch.nn.Parameter(moved, requires_grad=False) if table is module._parameters \
-                            else moved
+                        placed = standing_in(tensor, moved, "p" if table is module._parameters else "b")
                         table[key] = placed
                         self._placed.append((table, key, tensor, placed))
 

@@ -289,3 +289,39 @@ def test_a_checkpoint_let_go_while_running_leaves_nothing_at_exit(checkpoint, pl
     fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
            if os.path.exists(f"/proc/self/fd/{fd}")]
     assert os.fspath(checkpoint) not in fds
+
+
+class _ScaledParameter(torch.nn.Parameter):
+    """A weight whose class carries what it means (as diffusers' GGUFParameter carries
+    ``quant_type``): the forward reads ``scale`` from it, and without it uses the bytes as is."""
+
+    def __new__(cls, data, scale):
+        made = torch.Tensor._make_subclass(cls, data, False)
+        made.scale = scale
+        return made
+
+
+class _ScaledLinear(torch.nn.Module):
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = _ScaledParameter(weight.detach(), 0.5)  # the mapped bytes: a view, no copy
+
+    def forward(self, h):
+        return torch.nn.functional.linear(h, self.weight.as_subclass(torch.Tensor)) * getattr(self.weight, "scale", 1.0)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_parameter_of_a_subclass_keeps_its_class_and_attributes_in_the_forward(checkpoint, plan, path):
+    def scaled(model):
+        for block in model.blocks:
+            block.proj = _ScaledLinear(block.proj.weight)
+        return model
+
+    expected = _run(scaled(load_synthetic_dit(checkpoint)), [FULL, FULL[::-1]])
+    model = scaled(load_synthetic_dit(checkpoint))
+    seen = []
+    hook = model.blocks[5].proj.register_forward_pre_hook(lambda m, a: seen.append(type(m.weight)))
+    got, _ = _under(plan, model, PATHS[path], [FULL, FULL[::-1]], own_hooks=1)
+    hook.remove()
+    _same(got, expected)
+    assert seen == [_ScaledParameter] * 2 and type(model.blocks[5].proj.weight) is _ScaledParameter
