@@ -190,16 +190,22 @@ class DeviceCopier:
         saved = {}
         for (module, kind, name), view in loaded.views.items():
             table = module._parameters if kind == "p" else module._buffers
-            saved[(module, kind, name)] = held = table[name]
-            table[name] = standing_in(held, view, kind)
+            saved[(module, kind, name)] = table[name]
+            table[name] = standing_in(table[name], view, kind)
+        saved[_VERSION] = _version_of(loaded)
         return saved
 
     def detach(self, loaded: Loaded, saved: dict) -> None:
         """Put the host tensors back (where the forward left the views) and free the buffer once
         the forward is done with it."""
+        saved = dict(saved)
+        written = saved.pop(_VERSION) != _version_of(loaded)  # the views share their buffer's version
         for (module, kind, name), tensor in saved.items():
             table = module._parameters if kind == "p" else module._buffers
-            if name in table and table[name] is not tensor and _is_view_of(table[name], loaded.views[(module, kind, name)]):
+            held = table.get(name)
+            if held is not None and held is not tensor and _is_view_of(held, loaded.views[(module, kind, name)]):
+                if written and not _same_bits(held, tensor):
+                    _written_back(loaded.layout, f"{type(module).__name__}.{name}", tensor, held)
                 table[name] = tensor
         if loaded.buffer is not None and self.cuda:
             loaded.buffer.record_stream(self._current())  # freed with the Loaded: not before the forward ends
@@ -212,6 +218,37 @@ class DeviceCopier:
         self.stream.synchronize()
         self.buffers.clear()
         self.staging.clear()
+
+
+_VERSION = "version"  # the entry of attach's saved tensors that holds the buffer's version
+
+
+def _version_of(loaded: Loaded) -> int | None:
+    """The version the views of the load's buffer share (bumped by any write into one of
+    them); None where there is none to ask (no views, or inference tensors)."""
+    view = next(iter(loaded.views.values()), None)
+    return None if view is None or view.is_inference() else view._version
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` (a device view) holds the bytes of ``b`` (its host tensor): NaNs alike."""
+    flat = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
+    return torch.equal(*flat)
+
+
+def _written_back(layout, what: str, host: torch.Tensor, written: torch.Tensor) -> None:
+    """A forward wrote into its own parameter or buffer (a step counter, running statistics):
+    the write goes back to the host tensor, as it would have gone there without the
+    executor. Into a read-only mapping of the checkpoint it cannot (the model alone would
+    fault on it): that is an error that says so, never a write dropped."""
+    start, length = tensor_span(host)
+    for r in layout.ranges:
+        if not r.private and r.address < start + length and start < r.address + r.length:
+            raise RuntimeError(f"{layout.name}: its forward wrote into {what}, a read-only mapping of "
+                               f"{r.path}; copy that tensor into memory of its own (or load the checkpoint "
+                               "writable) to run such a layer")
+    with torch.no_grad():
+        host.copy_(written.to(host.device))
 
 
 def standing_in(held: torch.Tensor, view: torch.Tensor, kind: str) -> torch.Tensor:

@@ -74,6 +74,12 @@ _RUNNING: "weakref.WeakKeyDictionary[torch.nn.Module, Executor]" = weakref.WeakK
 _RUNNING_LOCK = threading.Lock()
 
 
+def _state(tensor: torch.Tensor) -> tuple:
+    """What tells a tensor changed in place or re-pointed (``.data =``): its storage, dtype,
+    shape and version (none for an inference tensor)."""
+    return (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), None if tensor.is_inference() else tensor._version)
+
+
 class Executor:
     """Runs ``plan`` on ``components``; see the module doc. Use :func:`execute`."""
 
@@ -91,7 +97,7 @@ class Executor:
         self.roles: dict[str, ComponentRoles] = {}
         self.pipelines: dict[str, LayerPipeline] = {}
         self._hooks: list = []
-        self._placed: list = []  # (table, name, host tensor) put back on exit
+        self._placed: list = []  # (table, name, host tensor, placed, its state) put back on exit
         self._handles = FileHandles()
         self._random: list = []  # ranges advised MADV_RANDOM, set back on exit
         self._worker: ThreadPoolExecutor | None = None
@@ -222,7 +228,7 @@ class Executor:
                         moved = tensor.detach().to(self.device)
                         placed = standing_in(tensor, moved, "p" if table is module._parameters else "b")
                         table[key] = placed
-                        self._placed.append((table, key, tensor, placed))
+                        self._placed.append((table, key, tensor, placed, _state(placed)))
 
     # ------------------------------------------------------------------ hooks
     def _hook(self, name: str, pipe: LayerPipeline) -> None:
@@ -321,9 +327,20 @@ class Executor:
             raise failed[0]
 
     def _put_back(self) -> None:
-        for table, key, tensor, placed in reversed(self._placed):
-            if table.get(key) is placed:  # a weight replaced since is the caller's: it stays
+        """The host tensors back where the device's stood. A weight replaced since is the
+        caller's and stays; one changed through the placed tensor (``param.data = ...``, as
+        ``module.to(dtype)`` and peft's safe merge do, or a write into it) comes back to
+        the host as it is now, never reverted to what it was at entry."""
+        from .device_copy import standing_in
+
+        for table, key, tensor, placed, state in reversed(self._placed):
+            if table.get(key) is not placed:
+                continue
+            if _state(placed) == state:
                 table[key] = tensor
+            else:
+                now = placed.detach().to("cpu")
+                table[key] = standing_in(tensor, now, "p" if isinstance(tensor, torch.nn.Parameter) else "b")
         self._placed.clear()
 
 

@@ -18,9 +18,9 @@ MiB = 1024 * 1024
 EXECUTOR_PATHS = {"host": {"read_ahead": "madvise"}, "twin": {"device": "cpu"}}
 
 
-def synthetic_plan(checkpoint, room: int):
-    """The plan of the synthetic model at ``checkpoint`` (``planners.executor.synthetic``) on a
-    host whose page cache holds ``room`` bytes beside this process."""
+def synthetic_plan(checkpoint, room: int, model=None):
+    """The plan of the synthetic model at ``checkpoint`` (``planners.executor.synthetic``), or
+    of ``model`` made from it, on a host whose page cache holds ``room`` bytes beside this process."""
     from hostmem.procfs import read_status
     from planners.executor.synthetic import load_synthetic_dit
     from planners.executor.trial import synthetic_config
@@ -28,7 +28,7 @@ def synthetic_plan(checkpoint, room: int):
 
     reserve = read_status().rss_anon + 256 * MiB
     config = synthetic_config(os.fspath(checkpoint), reserve + room, reserve, 0, 3)
-    return plan_loaded(config, {"dit": load_synthetic_dit(checkpoint)}, quiet=True)
+    return plan_loaded(config, {"dit": model if model is not None else load_synthetic_dit(checkpoint)}, quiet=True)
 
 
 @pytest.fixture

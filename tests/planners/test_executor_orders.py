@@ -325,3 +325,36 @@ def test_a_parameter_of_a_subclass_keeps_its_class_and_attributes_in_the_forward
     hook.remove()
     _same(got, expected)
     assert seen == [_ScaledParameter] * 2 and type(model.blocks[5].proj.weight) is _ScaledParameter
+
+
+class _Counting(torch.nn.Module):
+    """A block whose forward updates its own state in place (a step counter; running
+    statistics do the same), kept in anonymous memory as a model keeps its buffers."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.proj = block.proj
+        self.register_buffer("calls", torch.zeros(1))
+
+    def forward(self, h):
+        self.calls += 1
+        return h + torch.tanh(self.proj(h)) * self.calls
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_what_a_forward_writes_into_its_own_buffers_stays_written(checkpoint, path):
+    """On the device path a layer computes from copies of its tensors: a write there goes
+    back to the host tensor, as it would without the executor."""
+    def counting(model):
+        for i in range(LAYERS):
+            model.blocks[i] = _Counting(model.blocks[i])
+        return model
+
+    passes = [FULL, FULL[::-1], [0, 1, 2]]
+    expected_model = counting(load_synthetic_dit(checkpoint))
+    expected = _run(expected_model, passes)
+    model = counting(load_synthetic_dit(checkpoint))
+    got, _ = _under(synthetic_plan(checkpoint, ROOM, model), model, PATHS[path], passes)
+    _same(got, expected)
+    assert [float(b.calls) for b in model.blocks] == [float(b.calls) for b in expected_model.blocks]
+    assert float(model.blocks[0].calls) == 3 and float(model.blocks[5].calls) == 2

@@ -150,3 +150,28 @@ def test_passes_and_replacements_under_inference_mode(checkpoint, path):
     assert model.blocks[3].proj.weight.is_inference()
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert not torch.equal(expected[0], expected[2])  # the replacement did change the output
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_weights_outside_the_layers_changed_through_their_parameter_stay_changed_after_exit(checkpoint, path):
+    """On the device path the weights outside the layers are placed on the device at entry and
+    put back at exit: one changed through its parameter meanwhile (``.data =``, as peft's safe
+    merge and ``module.to(dtype)`` do) comes back as it is now, never as it was at entry."""
+    def doubled(model):
+        model.head.weight.data = model.head.weight.data * 2.0
+
+    reference = load_synthetic_dit(checkpoint)
+    doubled(reference)
+    model = load_synthetic_dit(checkpoint)
+    with execute(_plan(checkpoint, model), {"dit": model}, prefetch=2, **PATHS[path]):
+        with torch.no_grad():
+            model(_x())
+        doubled(model)
+    assert torch.equal(model.head.weight, reference.head.weight)
+    with torch.no_grad():
+        assert torch.equal(model(_x()), reference(_x()))
+    with execute(_plan(checkpoint, model), {"dit": model}, prefetch=2, **PATHS[path]):
+        model.to(torch.float64)
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    with torch.no_grad():
+        assert torch.equal(model(_x().double()), reference.to(torch.float64)(_x().double()))
