@@ -13,6 +13,7 @@ waited, next to the plan's prediction.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
@@ -105,6 +106,10 @@ class Executor:
         self._stats: ExecutorStats | None = None
         self._clock = Clock()
         self._claimed: list[torch.nn.Module] = []
+        # on the device path, passes of one component from two threads take turns: a layer's
+        # copy is attached to its module, which both would use (a second thread's pre-hook
+        # gave the first's slot back while it computed from it)
+        self._turns: dict[str, threading.RLock] = {}
 
     # ------------------------------------------------------------------ entry
     def __enter__(self) -> "Executor":
@@ -252,6 +257,8 @@ class Executor:
             pipe.boundary()
 
     def _pass_begin(self, name: str) -> None:
+        if self.device is not None:  # the device path: one pass of a component at a time (see _turns)
+            self._turns.setdefault(name, threading.RLock()).acquire()
         self._boundary()
         index = sum(1 for p in self._stats.passes if p.component == name)
         roles = self.roles[name]
@@ -262,6 +269,15 @@ class Executor:
         self.pipelines[name].begin()
 
     def _pass_end(self, name: str) -> None:
+        try:
+            self._end_pass(name)
+        finally:
+            turn = self._turns.get(name)
+            if turn is not None:
+                with contextlib.suppress(RuntimeError):  # not this thread's: its pre-hook failed before taking it
+                    turn.release()
+
+    def _end_pass(self, name: str) -> None:
         pipe = self.pipelines[name]
         pipe.end()
         self._boundary()

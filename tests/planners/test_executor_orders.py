@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -358,3 +359,57 @@ def test_what_a_forward_writes_into_its_own_buffers_stays_written(checkpoint, pa
     _same(got, expected)
     assert [float(b.calls) for b in model.blocks] == [float(b.calls) for b in expected_model.blocks]
     assert float(model.blocks[0].calls) == 3 and float(model.blocks[5].calls) == 2
+
+
+class _Waiting(torch.nn.Module):
+    """Block 3: in thread ``a`` it takes its weight, then waits (at most a second) for the
+    other thread to reach block 4 before it computes with it."""
+
+    def __init__(self, block, reached):
+        super().__init__()
+        self.proj, self.reached = block.proj, reached
+
+    def forward(self, h):
+        import threading
+
+        weight = self.proj.weight
+        if threading.current_thread().name == "a":
+            self.reached.wait(1.0)
+        return h + torch.tanh(torch.nn.functional.linear(h, weight))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_passes_from_two_threads_each_compute_with_their_own_layers(checkpoint, plan, path):
+    """A server's two requests at once on one model: on the device path a layer's copy is
+    attached to the module both threads run, so their passes take turns; on the host path
+    they run as they would without the executor."""
+    import threading
+
+    inputs = {"a": torch.randn(3, 64, generator=torch.Generator().manual_seed(1)),
+              "b": torch.randn(3, 64, generator=torch.Generator().manual_seed(2))}
+    reference = load_synthetic_dit(checkpoint)
+    with torch.no_grad():
+        expected = {k: reference(x) for k, x in inputs.items()}
+    model = load_synthetic_dit(checkpoint)
+    reached = threading.Event()
+    model.blocks[3] = _Waiting(model.blocks[3], reached)
+    hook = model.blocks[4].register_forward_pre_hook(
+        lambda m, a: reached.set() if threading.current_thread().name == "b" else None)
+    got = {}
+
+    def run(name):
+        with torch.no_grad():
+            got[name] = model(inputs[name])
+
+    with execute(plan, {"dit": model}, prefetch=2, **PATHS[path]):
+        first = threading.Thread(target=run, args=("a",), name="a")
+        first.start()
+        time.sleep(0.1)  # a is in block 3 by now (or soon): b starts its pass beside it
+        second = threading.Thread(target=run, args=("b",), name="b")
+        second.start()
+        first.join(30)
+        second.join(30)
+    hook.remove()
+    assert set(got) == {"a", "b"}
+    for name in inputs:
+        assert torch.equal(got[name], expected[name]), name
