@@ -40,6 +40,7 @@ from .safety import VaultError, check_not_symlink
 
 __all__ = [
     "LayerEntry",
+    "view_matches",
     "layer_file_name",
     "layer_file_bytes",
     "is_layer_file_name",
@@ -390,6 +391,14 @@ def layer_problem(folder: str, entry: LayerEntry) -> str | None:
     if found.header_sha256 != entry.header_sha256 or found.name != entry.name:
         return f"{path}: header differs from the one the manifest recorded"
     return None
+
+
+def view_matches(view, entry: LayerEntry) -> bool:
+    """Whether a mapped layer's bytes still have the checksum its entry recorded at the seal."""
+    from hostmem.crc32 import crc32_of
+    from hostmem.safetensors.mapping import tensor_bytes
+
+    return _hex(crc32_of(tensor_bytes(view))) == entry.crc32
 
 
 def data_crc32(path: str) -> str:

@@ -18,7 +18,8 @@ from hostmem.safetensors.mapping import SafetensorsError
 from .handoff import Handoff
 from .adoption import drop_folder, shape_dtype_problem
 from .durable import remove_tree
-from .layer_file import LayerEntry, UnsealedLayer, discard_layer, layer_file_bytes, seal_layer, write_layer_data
+from .layer_file import (LayerEntry, UnsealedLayer, discard_layer, layer_file_bytes, seal_layer, view_matches,
+                         write_layer_data)
 from .leases import lease_alive, map_layer
 from .piece_writer import PieceWriter
 from .provisional import is_provisional
@@ -167,6 +168,9 @@ class VaultSession:
             return view  # unchanged since it was verified: mapped at its recorded offset, no header read
         if header.file_size != entry.size or header.header_sha256 != entry.header_sha256:
             self._map_problem = f"{path}: size or header changed since it was sealed"
+            return None
+        if not view_matches(view, entry):  # changed since it was checked at open: its bytes are read
+            self._map_problem = f"{path}: content changed since it was verified"
             return None
         return view
 

@@ -186,3 +186,20 @@ def test_a_write_behind_the_verifying_read_is_never_vouched_for(tmp_path, monkey
     with vault.open(key, expected_of(tensors)) as session:
         assert session.stats["layers_failed_check"] == []
         assert torch.equal(session.get(name, SHAPE, torch.float32), tensors[name])
+
+
+def test_a_layer_whose_bytes_change_after_open_is_read_before_it_is_served(tmp_path):
+    """Verified at open, one byte of its data changed before get (same size, same header):
+    its stamp no longer matches, so its bytes are checksummed again, and it is not served."""
+    vault, key, tensors = Vault(tmp_path / "root"), key_for("late-bytes"), layers(torch.float32)
+    build(vault, key, tensors)
+    name = next(iter(tensors))
+    path = os.path.join(folder_of(vault, key), layer_file_name(name))
+    with vault.open(key, expected_of(tensors)) as session:
+        with open(path, "r+b") as handle:
+            handle.seek(-1, os.SEEK_END)
+            last = handle.read(1)
+            handle.seek(-1, os.SEEK_END)
+            handle.write(bytes([last[0] ^ 0xFF]))
+        assert session.get(name, SHAPE, torch.float32) is None
+        assert "content changed since it was verified" in (session.stats["dropped"] or "")
