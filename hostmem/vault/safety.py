@@ -164,8 +164,8 @@ def make_private_dir(path: str) -> None:
         pass
     except VaultError:
         raise
-    except FileNotFoundError:
-        raise _vanished(path) from None
+    except FileNotFoundError as exc:  # its folder gone meanwhile; or there, on a filesystem that makes none (/proc)
+        raise (_cannot_create(path, exc) if os.path.isdir(os.path.dirname(path)) else _vanished(path)) from None
     except OSError as exc:
         raise _cannot_create(path, exc) from None
     try:

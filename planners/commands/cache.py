@@ -76,25 +76,35 @@ def _check_given_root(root: str) -> None:
     raise InputError(f"--root {root}: no such folder; check the path (the default root is $HOSTMEM_CACHE_ROOT, else ~/.cache/hostmem)")
 
 
-def _when(stamp: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M", time.localtime(stamp)) if stamp else "-"
+def _when(stamp) -> str:
+    """A manifest's time as a person reads it; "?" for one no clock has (hand-edited: NaN, 1e300)."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime(stamp)) if stamp else "-"
+    except (OverflowError, ValueError, TypeError, OSError):
+        return "?"
 
 
-def _inputs_summary(inputs: dict) -> str:
-    """One line a person can recognise a combination by."""
+def _inputs_summary(inputs) -> str:
+    """One line a person can recognise a combination by ("?" for what a hand-edited
+    manifest no longer says)."""
     import os
 
-    shards = (inputs.get("base") or {}).get("shards") or []
-    base = os.path.basename(shards[0]["path"]) if shards else "?"
-    if len(shards) > 1:
-        base += f" (+{len(shards) - 1} shards)"
-    adapters = ", ".join(
-        f"{os.path.basename(a.get('path', '?'))} x{a.get('strength')}"
-        + (f" alpha={a['alpha_override']}" if a.get("alpha_override") is not None else "")
-        for a in inputs.get("adapters") or []
-    )
     if not inputs:
         return "-"
+    if not isinstance(inputs, dict):
+        return "?"
+    base_record = inputs.get("base")
+    shards = base_record.get("shards") if isinstance(base_record, dict) else None
+    shards = [s for s in shards if isinstance(s, dict)] if isinstance(shards, list) else []
+    base = os.path.basename(str(shards[0].get("path", "?"))) if shards else "?"
+    if len(shards) > 1:
+        base += f" (+{len(shards) - 1} shards)"
+    adapters = inputs.get("adapters")
+    adapters = ", ".join(
+        f"{os.path.basename(str(a.get('path', '?')))} x{a.get('strength')}"
+        + (f" alpha={a['alpha_override']}" if a.get("alpha_override") is not None else "")
+        for a in (adapters if isinstance(adapters, list) else []) if isinstance(a, dict)
+    )
     return f"{base} + [{adapters}] -> {inputs.get('target_dtype')}, {inputs.get('merge_policy')}"
 
 

@@ -55,6 +55,34 @@ def test_ls_shows_each_combination_in_text_and_json(tmp_path, capsys):
     assert combo["inputs"]["adapters"][0]["strength"] == 0.8
 
 
+@pytest.mark.parametrize("edit", [
+    {"inputs": {"base": "a text where a record was"}},
+    {"inputs": {"base": {"shards": [{"size": 1}]}, "adapters": ["a text"]}},
+    {"inputs": ["a list"]},
+    {"last_used": 1e300, "created": float("nan")},
+])
+def test_ls_of_a_hand_edited_manifest_says_what_it_can(tmp_path, capsys, edit):
+    """What ls shows of a manifest a person edited is "?" where it no longer says, never a traceback."""
+    root = str(tmp_path / "root")
+    key = build(root, "edited", tmp_path)
+    path = os.path.join(root, "lora_merge_cache", key.hex, "manifest.json")
+    with open(path) as handle:
+        manifest = json.load(handle)
+    manifest.update(edit)
+    with open(path, "w") as handle:
+        json.dump(manifest, handle)
+    code, out, err = cli(capsys, "cache", "ls", "--root", root)
+    assert code == 0 and key.short in out and "Traceback" not in err
+
+
+def test_a_root_on_a_filesystem_that_makes_no_folders_says_so(tmp_path):
+    """/proc refuses a new folder with ENOENT: said as such, not as a folder removed meanwhile."""
+    from hostmem.vault import VaultError
+
+    with pytest.raises(VaultError, match=r"/proc/lora_merge_cache: cannot create .* /proc does not accept"):
+        Vault("/proc")
+
+
 def test_ls_of_a_root_never_used_creates_nothing(tmp_path, capsys):
     root = tmp_path / "empty-root"
     root.mkdir()
