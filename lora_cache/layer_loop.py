@@ -288,9 +288,9 @@ class _LayerLoop:
         base = target.current
         out = self.out.take(tuple(base.shape), base.dtype, at)
         handoff = Handoff(target.nbytes)
-        data = writer.submit(self.session.put_data, target.name, out, None, handoff)
-        written = sealer.submit(_seal_when_written, self.session, data)
-        try:
+        try:  # from the submit on: an interrupt anywhere after it must not leave the writer waiting for ever
+            data = writer.submit(self.session.put_data, target.name, out, None, handoff)
+            written = sealer.submit(_seal_when_written, self.session, data)
             compute_merged(target, out, self.work, self.workers, kernel=self.kernel(target),
                            claim=functools.partial(_claim_after, earlier, at=at), publish=handoff.publish)
         except BaseException:
