@@ -131,10 +131,10 @@ def _check_alpha(path: str, key: str, alpha: torch.Tensor) -> None:
 def _check_factor(path: str, key: str, tensor: torch.Tensor, role: str) -> None:
     if not tensor.is_floating_point():
         raise AdapterError(f"{path}: {key!r} is {tensor.dtype}; LoRA matrices are floating point")
-    if tensor.dim() not in (2, 4):
+    if tensor.dim() not in (2, 3, 4, 5):
         raise AdapterError(
             f"{path}: {key!r} is {tensor.dim()}-D {tuple(tensor.shape)}; a LoRA {role} matrix is 2-D "
-            "(linear) or 4-D (conv). Is the file a LoRA of another kind?"
+            "(linear) or 3-D to 5-D (a 1-D, 2-D or 3-D conv). Is the file a LoRA of another kind?"
         )
 
 

@@ -183,9 +183,9 @@ def _changed_params(path: str, stem: str, module: str, parts: dict, index: Modul
 
 
 def _product_shape(path: str, stem: str, up: tuple, down: tuple, magnitude) -> tuple[int, ...]:
-    """The shape of ``up @ down`` (linear, or conv with a 1x1 up kernel)."""
-    fits = (len(up) in (2, 4) and len(down) in (2, 4) and down[0] > 0 and up[1] == down[0]
-            and (len(up) == 2 or tuple(up[2:]) == (1, 1)))
+    """The shape of ``up @ down`` (linear, or a 1-D, 2-D or 3-D conv with a 1x1 up kernel)."""
+    fits = (len(up) in (2, 3, 4, 5) and len(down) in (2, 3, 4, 5) and down[0] > 0 and up[1] == down[0]
+            and all(k == 1 for k in up[2:]))
     if fits and magnitude is not None and math.prod(magnitude.shape) != up[0]:
         fits = False
     if not fits:

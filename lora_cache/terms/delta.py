@@ -74,7 +74,7 @@ class Delta:
                 f"{self.source}: a DoRA magnitude vector of {self.magnitude.numel()} values does not fit the "
                 f"{fits or 'missing'} {axis} of its LoRA pair; the file is damaged"
             )
-        if self.up is not None and self.up.dim() == 4 and tuple(self.up.shape[2:]) != (1, 1):
+        if self.up is not None and any(k != 1 for k in self.up.shape[2:]):
             raise UnsupportedAdapterError(
                 f"{self.source}: conv LoRA with a {tuple(self.up.shape[2:])} up kernel is not "
                 "supported (only 1x1 up kernels merge as B @ A)"
