@@ -115,6 +115,8 @@ def _open_to_probe(path: str) -> int:
     exclusive flock only on a file open for writing), else for reading."""
     flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     with in_folder(path) as (folder_fd, name):
+        if not stat.S_ISREG(os.stat(name, dir_fd=folder_fd, follow_symlinks=False).st_mode):
+            raise OSError(errno.EINVAL, f"{path}: not a regular file; left alone")  # a device is never opened
         try:
             return os.open(name, os.O_RDWR | flags, dir_fd=folder_fd)
         except OSError as exc:

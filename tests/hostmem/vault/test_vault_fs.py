@@ -90,3 +90,26 @@ def test_a_buffer_off_a_page_boundary_is_written_through_the_page_cache(tmp_path
     assert os.path.getsize(path) == PAGE + len(expected)
     with open(path, "rb") as handle:
         assert handle.read()[PAGE:] == expected
+
+
+def test_a_temporary_name_that_is_no_regular_file_is_never_opened_by_the_cleanup(tmp_path):
+    """The cleanup of dead writers' temporary files opens one to take its lock: a FIFO (or a
+    device node) under such a name is left alone unopened, as the cache never opens what is
+    not a regular file (asked of Python's audit hook in a fresh interpreter)."""
+    import json
+
+    from tests.conftest import run_python
+
+    fifo = tmp_path / ".tmp-4242-0badf00d"
+    os.mkfifo(fifo)
+    done = run_python("""
+        import json, os, sys
+        from hostmem.vault.durable import remove_if_abandoned
+        opened = []
+        sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" else None)
+        gone = remove_if_abandoned(sys.argv[1])
+        print(json.dumps({"gone": gone, "opened": [p for p in opened if ".tmp-" in p]}))
+    """, os.fspath(fifo))
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said == {"gone": False, "opened": []} and fifo.exists()
