@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from .anchor import listdir_in, lstat_in, unlink_in
 from .durable import TMP_PREFIX
 from .layer_file import data_crc32, is_layer_file_name, layer_problem, read_layer_file
-from .locks import KeyLock, lock_is_held
+from .locks import KeyLock, describe_holders, held_by_others, lock_holders, lock_is_held
 from .manifest import MANIFEST_NAME, ManifestError, read_manifest
 from .provisional import MARKER_NAME, PROVISIONAL_WHY
 from .records import StaleRecord, stale_records
@@ -331,9 +331,16 @@ def remove(cache: str, key_prefix: str) -> Combination:
     key = resolve_key(cache, key_prefix)
     combo = scan_combination(cache, key)
     if not remove_if_unused(cache, key):
+        holders = [h for path in (lock_path(cache, key), use_path(cache, key)) for h in lock_holders(path)]
+        if held_by_others(holders):  # never work of this user's: no process of ours to stop
+            raise VaultError(
+                f"{combo.path}: its lock is held by {describe_holders(holders)}, another user, who can open "
+                f"the cache's files; make the cache root private (`chmod -R go-rwx {os.path.dirname(cache)}`), "
+                f"ask them to stop, or remove {lock_path(cache, key)} and {use_path(cache, key)}, then run this again"
+            )
         raise VaultError(
             f"{combo.path}: in use (a process is building it, or serves weights from it: its lock "
-            f"{lock_path(cache, key)} or {use_path(cache, key)} is held); stop that process or unmerge "
-            "its model, then run this again"
+            f"{lock_path(cache, key)} or {use_path(cache, key)} is held by {describe_holders(holders)}); stop "
+            "that process or unmerge its model, then run this again"
         )
     return combo

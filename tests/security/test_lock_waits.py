@@ -192,3 +192,17 @@ def test_another_users_hold_hidden_by_proc_is_known_as_anothers_and_never_waited
     assert said["error"] is None or "sealed and verified" in said["error"]  # served from the copy it built
     assert said["built"] == said["served"] == len(tensors)
     assert uid != _OWNER
+
+
+def test_removing_a_combination_another_user_holds_names_them_and_what_to_do(tmp_path):
+    from hostmem.vault import VaultError
+    from hostmem.vault.admin import remove
+
+    vault, key, tensors = _shared_world(tmp_path, "rm-held")
+    with open(lock_path(vault.cache, key.hex), "a"):
+        pass
+    open_to_others(vault.root)
+    with reachable_by_others(vault.root), flock_held_by_nobody(lock_path(vault.cache, key.hex)):
+        with pytest.raises(VaultError, match=rf"held by pid \d+ \(uid {nobody()[0]}\), another user.*chmod -R go-rwx"):
+            remove(vault.cache, key.hex)
+    assert os.path.isdir(os.path.join(vault.cache, key.hex))
