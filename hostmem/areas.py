@@ -153,7 +153,11 @@ class AreaSnapshot:
         if vma.is_locked:
             return AreaKind.LOCKED
         if path.startswith(_SHMEM_NAMES):
-            return AreaKind.SHMEM_SHARED
+            if vma.is_shared:
+                return AreaKind.SHMEM_SHARED
+            # private: /dev/zero's is anonymous memory; a memfd's, as a private tmpfs file's, its
+            # pages are the file's until a write copies them
+            return AreaKind.ANON if path.startswith("/dev/zero") else AreaKind.SHMEM_FILE
         if vma.is_file and path.startswith("/"):
             if self._on_shmem_fs(path):
                 return AreaKind.SHMEM_SHARED if vma.is_shared else AreaKind.SHMEM_FILE

@@ -167,14 +167,16 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
         raise SafetensorsError(f"{path}: permission denied (make it readable by this user)") from None
     except OSError as exc:
         raise SafetensorsError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    try:
-        parsed = json.loads(raw, object_pairs_hook=_no_duplicates)
+    try:  # UTF-8, as the format says (json.loads of bytes would also take UTF-16 and UTF-32)
+        parsed = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SafetensorsError(f"{path}: header is not JSON ({exc})") from None
     except _DuplicateKey as exc:
         raise SafetensorsError(f"{path}: header names {exc.args[0]!r} twice (corrupt header)") from None
     except RecursionError:
         raise SafetensorsError(f"{path}: header nests too deeply to be a safetensors header") from None
+    except ValueError as exc:  # a number past what Python parses (an integer of thousands of digits)
+        raise SafetensorsError(f"{path}: header is not a safetensors header ({exc})") from None
     if not isinstance(parsed, dict):
         raise SafetensorsError(f"{path}: header is not a JSON object")
     metadata = _metadata(path, parsed.pop("__metadata__", None))

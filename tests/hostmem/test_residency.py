@@ -214,3 +214,37 @@ def test_ranges_across_chunk_boundaries_add_up(monkeypatch):
     assert sum(r.total for r in chunked) == 15 * MiB
     touched = sum(r.anonymous for r in chunked)  # the filled 5 MiB, to the end of its last page
     assert 5 * MiB - 123 <= touched < 5 * MiB - 123 + PAGE_SIZE
+
+
+def test_private_memfd_and_dev_zero_mappings_count_copied_pages_as_anonymous():
+    """A private mapping of a memfd is a private tmpfs file's (its pages shmem until a write
+    copies them); one of /dev/zero is anonymous memory. Only a shared one is shmem throughout."""
+    pages = 256
+    fd = os.memfd_create("hostmem-test")
+    try:
+        os.ftruncate(fd, pages * PAGE_SIZE)
+        os.write(fd, b"a" * pages * PAGE_SIZE)
+        area = mmap.mmap(fd, pages * PAGE_SIZE, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    zero_fd = os.open("/dev/zero", os.O_RDWR)
+    try:
+        zero = mmap.mmap(zero_fd, pages * PAGE_SIZE, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(zero_fd)
+    try:
+        start = ctypes.addressof(ctypes.c_char.from_buffer(area))
+        sum(area[i * PAGE_SIZE] for i in range(pages))  # every page read: the file's
+        area[: pages * PAGE_SIZE // 2] = b"b" * (pages * PAGE_SIZE // 2)  # half written: copies
+        found = classify_range(start, start + pages * PAGE_SIZE)
+        assert (found.anonymous, found.shmem) == (pages * PAGE_SIZE // 2, pages * PAGE_SIZE // 2)
+        zero[:] = b"z" * (pages * PAGE_SIZE)
+        start = ctypes.addressof(ctypes.c_char.from_buffer(zero))
+        found = classify_range(start, start + pages * PAGE_SIZE)
+        assert (found.anonymous, found.shmem) == (pages * PAGE_SIZE, 0)
+    finally:
+        import gc
+
+        gc.collect()
+        area.close()
+        zero.close()

@@ -80,6 +80,19 @@ def test_a_duplicate_name_and_deep_nesting_are_refused(tmp_path):
         read_header(deep)
 
 
+def test_a_header_of_another_encoding_or_an_endless_number_is_refused(tmp_path):
+    """The format's header is UTF-8 JSON: UTF-16 is refused (json would take it from bytes),
+    and an integer past what Python parses is a SafetensorsError, not a bare ValueError."""
+    body = json.dumps({"w": entry()})
+    utf16 = write(tmp_path / "utf16.safetensors", None, bytes(8), raw=body.encode("utf-16"))
+    with pytest.raises(SafetensorsError, match="not JSON"):
+        read_header(utf16)
+    endless = write(tmp_path / "endless.safetensors", None, bytes(8),
+                    raw=b'{"w": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 8]}}')
+    with pytest.raises(SafetensorsError, match="endless.safetensors: header is not a safetensors header"):
+        read_header(endless)
+
+
 def _raises_only_safetensors_error(path: str) -> None:
     try:
         read_header(path)
