@@ -46,6 +46,7 @@ from ..placement.layers import is_merged
 from ..targets.layer_target import LayerTarget, components_of
 from ..placement.layers import keep_base, unmerge as unmerge_layers
 from ..placement.rounding import say, split_lossy
+from .identity import combination_identity
 from ..orchestrate import CacheBuildError, cache_roots, merge, merge_layers, open_combination, plan_targets
 from ..ranks.process_group import DEFAULT_TIMEOUT, check_rank_timeout
 from ..placement.runtime_lora import apply_runtime, remove_runtime, runtime_bytes, unsupported_reason
@@ -150,14 +151,6 @@ def _state_of(model, options: dict | None = None) -> SwitchState:
         root.register_forward_pre_hook(_Enter(state))
         root.register_forward_hook(_Leave(state), always_call=True)
     return state
-
-
-def _identity(specs: list[Adapter], cache_root: tuple[str, ...], shards: dict | None = None) -> tuple:
-    """What tells two combinations apart in this process (the vault key does across them)."""
-    parts = None if shards is None else repr(shards)  # checked by plan_targets, after this
-    return (cache_root, parts) + tuple(
-        (os.path.realpath(s.path), float(s.strength), s.alpha, repr(s.rules), s.strict, s.rslora) for s in specs
-    )
 
 
 def _stand_ins(targets: list[LayerTarget]) -> list[LayerTarget]:
@@ -325,7 +318,7 @@ def set_adapters(
                "shards": shards, "rank_timeout": check_rank_timeout(rank_timeout)}
     state = _state_of(model, options)
     specs = as_adapters(adapters)
-    identity = _identity(specs, cache_root, shards)
+    identity = combination_identity(specs, cache_root, shards)
     with state.gate.exclusive():
         held = is_merged(model) or state.pending is not None  # not taken off by lora_cache.unmerge since
         if identity == state.identity and (held if specs else not is_merged(model)):

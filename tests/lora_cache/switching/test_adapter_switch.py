@@ -388,3 +388,22 @@ def test_open_combination_opens_the_session_merge_keys_and_fills(tmp_path):
     with opened.session as session:
         assert session.complete and len(session.layers) == 2
     assert (opened.key, opened.root) == (stats.cache_key, stats.cache_root)
+
+
+def test_an_adapter_rewritten_at_the_same_path_is_another_combination(tmp_path):
+    """A switch to the combination already served is a no-op, but an adapter file rewritten
+    at the same path (a new training checkpoint saved over the old) is another adapter: the
+    switch serves its merge, equal to a fresh merge of the new file."""
+    dim, depth = 64, 3
+    model = stack_model(tmp_path, dim, depth)
+    path = stack_adapter(tmp_path / "a.safetensors", dim, depth, seed=1)
+    first = lora_cache.set_adapters(model, [path], cache_root=tmp_path / "cache", background=False)
+    assert first.mode != "unchanged"
+    assert lora_cache.set_adapters(model, [path], cache_root=tmp_path / "cache", background=False).mode == "unchanged"
+    os.unlink(path)
+    stack_adapter(tmp_path / "a.safetensors", dim, depth, seed=2)  # the same path, other values
+    again = lora_cache.set_adapters(model, [path], cache_root=tmp_path / "cache", background=False)
+    assert again.mode != "unchanged"
+    expected = fresh_merge(tmp_path / "fresh", [path], dim, depth, torch.float32)
+    for name, weight in expected.state_dict().items():
+        assert torch.equal(model.state_dict()[name], weight), name
