@@ -31,6 +31,7 @@ from .kernels.precision import fp32_matmul_precision
 from .targets.keys import ModuleIndex, plan_deltas
 from .layer_loop import CacheBuildError, MergeStats, cyclic_gc_paused, merge_layers
 from .placement.layers import is_merged, keep_base, unmerge
+from .placement.runtime_lora import remove_runtime
 from .targets.layer_target import AddressSpace, LayerTarget, components_of, named_parameters
 from .compute.merge_math import compute_device
 from .placement.rounding import check_policy, decide, has_values, is_stand_in, say, split_lossy
@@ -334,6 +335,7 @@ def merge(
                                    device=device, progress=progress, fallback=fallback, kernels=kernels,
                                    unmergeable=unmergeable)
     except BaseException as exc:
+        remove_runtime(model)  # the terms of lossy layers kept at run time come off too
         unmerge(model, strict=False)  # a failed merge leaves the model as it found it, where it kept the base
         if isinstance(exc, KeyboardInterrupt) and session is not None:
             exc.sealed_layers = len(session.layers)  # sealed by the session's close: the next start resumes

@@ -288,3 +288,25 @@ def test_two_ranks_share_the_whole_layers_build_keep_their_own_columns_and_hit_a
         second = r["second"]["stats"]
         assert second["built"] == 0 and second["hit"] == second["layers"] and r["second"]["differ"] == []
         assert "not the start of part" in r["wrong"], r.get("wrong")
+
+
+def test_a_rank_merge_that_fails_after_a_lossy_layer_was_kept_at_run_time_leaves_the_model_as_it_was(tmp_path):
+    """The columns kept apart are merged last; a term refused there (DoRA on a column part)
+    fails the merge after a lossy whole layer got its run-time terms: those come off too."""
+    from tests.lora_cache.test_dora import _base, _dora_adapter
+
+    model = _base(tmp_path, torch.bfloat16)
+    dora, _ = _dora_adapter(tmp_path)
+    gen = torch.Generator().manual_seed(3)
+    lossy = write_adapter(tmp_path / "turbo.safetensors", "kohya",
+                          {"c": {"up": torch.randn(32, 4, generator=gen) * 1e-2,
+                                 "down": torch.randn(4, 32, generator=gen) * 1e-3, "alpha": torch.tensor(4.0)}})
+    half = model.b.weight.detach().narrow(1, 0, 32)  # this rank's columns of b
+    model.b._parameters["weight"] = torch.nn.Parameter(half, requires_grad=False)
+    x = torch.randn(2, 32).bfloat16()
+    before = model.c(x).clone()
+    with pytest.raises(lora_cache.UnsupportedAdapterError, match="DoRA term on a part of the weight"):
+        lora_cache.merge(model, [lossy, dora], cache_root=tmp_path / "cache", progress=False,
+                         shards={"b.weight": (1, 0, 2)})
+    assert not lora_cache.is_merged(model)
+    assert list(model.c.named_children()) == [] and torch.equal(model.c(x), before)

@@ -20,6 +20,7 @@ from torch import nn
 from ...compute.buffers import compute_device
 from ...kernels import KernelPlan, plan_kernels
 from ...placement.layers import Snapshot, install, unmerge
+from ...placement.runtime_lora import remove_runtime
 from ...targets.layer_target import AddressSpace, LayerTarget
 from .full_base import WholeWeights
 from .spec import Shard
@@ -63,6 +64,7 @@ class ShardPlan:
             for shard, group in self.apart.items():
                 _add(stats, merge_apart(group, shard.describe()), shard.describe())
         except BaseException:
+            remove_runtime(model)  # the terms of lossy layers kept at run time come off too
             unmerge(model, strict=False)
             raise
 
