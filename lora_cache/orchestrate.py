@@ -138,6 +138,19 @@ def why_in_place(enabled: bool) -> str | None:
     return None
 
 
+def _refuse_parts_at_runtime(lossy: RoundingSplit) -> None:
+    """A tensor-parallel rank's part of a lossy layer is summed in its whole layer on a
+    stand-in module: the run-time terms ``rounding='runtime'`` would keep for it have no
+    module of the model to run on (they were listed and never hooked: the update dropped)."""
+    parts = [t.name for t in lossy.decided()[1] if is_stand_in(t)]
+    if parts:
+        raise InputError(
+            f"{len(parts)} layer(s) of this tensor-parallel rank ({', '.join(parts[:3])}"
+            f"{', ...' if len(parts) > 3 else ''}) would lose a material share of their update to rounding (rounding='runtime' keeps such a layer's "
+            "terms at run time, which a part of a weight cannot carry); pass rounding='merge' to merge them "
+            "rounded, as diffusers' fuse_lora does. Nothing was merged")
+
+
 def _unkeyed_base(host: list[LayerTarget]) -> str | None:
     """Why these weights cannot be keyed by the checkpoint they are views of, in words (the
     merge is then summed in place, on top of what the model holds), or None."""
@@ -313,6 +326,8 @@ def merge(
     combination = Combination(files, specs, frozenset(t.current.dtype for t in cache_targets),
                               merge_policy(device, kernels, "", rounding), form)
     lossy = RoundingSplit(targets, rounding)  # decided from the combination's record where one is opened
+    if split is not None:
+        _refuse_parts_at_runtime(lossy)
     shares = None
     if roots and cache_targets:
         if group is not None:  # the ranks of a host first build the misses together

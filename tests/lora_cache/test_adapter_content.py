@@ -27,8 +27,8 @@ def _pair(up, down, alpha=None, stem="diffusion_model.blocks.0.attn.to_q") -> di
     (_pair(torch.ones(8, 2), torch.ones(2, 8), alpha=torch.ones(0)),
      r"'diffusion_model.blocks.0.attn.to_q.alpha' has 0 values \(shape \(0,\)\); an alpha is one number"),
     (_pair(torch.ones(8, 0), torch.ones(0, 8)), r"'diffusion_model.blocks.0.attn.to_q.lora_down.weight' has rank 0"),
-    (_pair(torch.ones(8, 2, 3), torch.ones(2, 8)),
-     r"'diffusion_model.blocks.0.attn.to_q.lora_up.weight' is 3-D \(8, 2, 3\); a LoRA up matrix is 2-D"),
+    (_pair(torch.ones(8, 2, 1, 1, 1, 3), torch.ones(2, 8)),
+     r"'diffusion_model.blocks.0.attn.to_q.lora_up.weight' is 6-D \(8, 2, 1, 1, 1, 3\); a LoRA up matrix is 2-D"),
     (_pair(torch.ones(8, 2, dtype=torch.int32), torch.ones(2, 8)),
      r"'diffusion_model.blocks.0.attn.to_q.lora_up.weight' is torch.int32; LoRA matrices are floating point"),
 ])

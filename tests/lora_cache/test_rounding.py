@@ -106,10 +106,10 @@ def test_next_start_hits_the_merged_layers_and_keeps_the_lossy_one_at_run_time(t
 def test_merge_policy_merges_anyway_and_says_so(tmp_path):
     model = base_model(tmp_path)
     path, _ = adapter(tmp_path)
-    with pytest.warns(UserWarning, match=r"1 merged anyway \(asked for\)"):
+    with pytest.warns(UserWarning, match=r"1 merged anyway \(rounding='merge'\)"):
         stats = lora_cache.merge(model, [path], cache_root=tmp_path / "cache", rounding="merge")
     assert stats.at_runtime == 0 and stats.built == 2
-    assert stats.rounding["merged_anyway"] == {"turbo.weight": "asked for"}
+    assert stats.rounding["merged_anyway"] == {"turbo.weight": "rounding='merge'"}
 
 
 def test_refuse_policy_refuses_before_any_weight_changes(tmp_path):

@@ -310,3 +310,44 @@ def test_a_rank_merge_that_fails_after_a_lossy_layer_was_kept_at_run_time_leaves
                          shards={"b.weight": (1, 0, 2)})
     assert not lora_cache.is_merged(model)
     assert list(model.c.named_children()) == [] and torch.equal(model.c(x), before)
+
+
+def test_a_lossy_layer_on_a_rank_is_refused_or_merged_as_rounding_merge_merges_it(tmp_path):
+    """A rank holds a part of a layer whose update rounds away in bf16: a part cannot carry
+    run-time terms (it was listed at run time and never hooked: the update dropped without
+    a word). Refused under the default policy; with ``rounding="merge"`` its part of that merge."""
+    from hostmem.errors import InputError
+
+    from torch import nn
+
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.rand(128, 64, generator=gen) + 1).bfloat16()  # in [1, 2): one bf16 step is 2**-7
+    base = write_safetensors(tmp_path / "base.safetensors", {"proj.weight": weight})
+    up = torch.randn(128, 4, generator=gen) * 1e-2
+    down = torch.randn(4, 64, generator=gen) * 2.0**-10  # about a tenth of a step: lossy
+    adapter = write_adapter(tmp_path / "small.safetensors", "kohya",
+                            {"proj": {"up": up, "down": down, "alpha": torch.tensor(4.0)}})
+
+    def model(rows=None):
+        tensor = open_readonly(base).get_tensor("proj.weight")
+        holder = nn.Module()
+        holder.proj = nn.Linear(64, 128, bias=False)
+        part = tensor if rows is None else tensor.narrow(0, rows * 64, 64)
+        holder.proj._parameters["weight"] = nn.Parameter(part, requires_grad=False)
+        return holder
+
+    single = model()
+    lora_cache.merge(single, [adapter], cache_root=tmp_path / "c1", rounding="merge", progress=False)
+    for rank in (0, 1):
+        part = model(rows=rank)
+        before = part.proj.weight
+        with pytest.raises(InputError, match=r"1 layer\(s\) of this tensor-parallel rank \(proj.weight\).*"
+                                             r"rounding='merge'.*Nothing was merged"):
+            lora_cache.merge(part, [adapter], cache_root=tmp_path / "c2", progress=False,
+                             shards={"proj.weight": (0, rank, 2)})
+        assert part.proj.weight is before and not lora_cache.is_merged(part)
+        with pytest.warns(UserWarning, match="merged anyway"):
+            stats = lora_cache.merge(part, [adapter], cache_root=tmp_path / "c2", progress=False,
+                                     shards={"proj.weight": (0, rank, 2)}, rounding="merge")
+        assert stats.rounding["policy"] == "merge" and stats.at_runtime == 0
+        assert torch.equal(part.proj.weight, single.proj.weight.narrow(0, rank * 64, 64))
