@@ -187,7 +187,9 @@ def plan_device(sizes: ComponentSizes | None, vram: int, reserve: int, prefetch:
 def device_in_host_memory(device: DevicePlan) -> int:
     """What the device plan allocates on the device at its peak: the reserve, what is kept
     there and the largest part in flight. On a unified-memory host that is host memory
-    (:mod:`planners.unified_memory`); nothing without a device budget."""
+    (:mod:`planners.unified_memory`), capped by a device budget where one is given; with
+    none (``device.vram: 0``, "no separate VRAM") all of it: the device reserve, each
+    full component copied on while it runs and the streamed window are host memory too."""
     if not device.vram:
-        return 0
+        return device.peak_bytes
     return min(device.vram, device.peak_bytes)

@@ -78,12 +78,12 @@ def test_this_machine_is_read_through_the_same_code():
     assert read_unified_memory() == unified_memory_at("/", platform.machine())
 
 
-def _plan(tmp_path, unified: bool, limit: str = "16GiB"):
+def _plan(tmp_path, unified: bool, limit: str = "16GiB", device: str = "{vram: 8GiB, reserve: 1GiB}", more: str = ""):
     config_path = tmp_path / "deploy.yaml"
     config_path.write_text(
-        f"deployment: spark\nhost: {{limit: {limit}, reserve: 2GiB}}\ndevice: {{vram: 8GiB, reserve: 1GiB}}\n"
+        f"deployment: spark\nhost: {{limit: {limit}, reserve: 2GiB}}\ndevice: {device}\n"
         "workload: {steps: 4}\ncomponents:\n"
-        "  dit: {size: 12GiB, layers: 24, dtype: bf16, offload: layerwise, prefetch: 1}\n")
+        "  dit: {size: 12GiB, layers: 24, dtype: bf16, offload: layerwise, prefetch: 1}\n" + more)
     config = load_config(str(config_path))
     components, notes = what_if_components(config, "none")
     host = resolve_host_limit(config.host.limit, 128 * GiB, None)._replace(
@@ -123,3 +123,18 @@ def test_the_plan_command_reports_this_machine(capsys):
     assert main(["plan", os.path.join(repo, "configs", "workstation-24g.yaml"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["host"]["unified_memory"] == read_unified_memory()._asdict()
+
+
+def test_without_a_device_budget_a_unified_host_counts_all_the_device_plan_asks(tmp_path):
+    """``device.vram: 0`` ("no separate VRAM", as a GB10 has none): the device reserve, the
+    text encoder copied onto the device while it runs and the streamed window are host
+    memory all the same, counted against the host limit (they counted nothing: "fits"
+    while the plan's own device peak was more than the limit left)."""
+    text_encoder = "  text_encoder: {size: 6GiB, layers: 24, dtype: bf16, offload: full}\n"
+    plan = _plan(tmp_path, True, limit="24GiB", device="{vram: 0, reserve: 4GiB}", more=text_encoder)
+    assert plan.device.peak_bytes >= 4 * GiB + 6 * GiB  # the reserve and the text encoder while it runs
+    assert plan.budget.committed_device == plan.device.peak_bytes
+    assert plan.pins.pinned_bytes <= plan.budget.room
+    refused = _plan(tmp_path, True, limit="11GiB", device="{vram: 0, reserve: 4GiB}", more=text_encoder)
+    assert not refused.fits and refused.verdict.line.startswith("fits: no")
+    assert _plan(tmp_path, False, limit="11GiB", device="{vram: 0, reserve: 4GiB}", more=text_encoder).fits
