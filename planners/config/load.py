@@ -59,7 +59,7 @@ def parse_config(text: str, path: str, environ: Mapping[str, str] | None = None)
     from ..calibration import resolve_transfer  # measured rates: the last hostmem calibrate --save
     from ..reserve import resolve_reserve  # a measured reserve: the deployment's last warmup
 
-    return resolve_transfer(resolve_reserve(DeploymentConfig(
+    config = DeploymentConfig(
         deployment=name,
         host=host,
         device=device,
@@ -69,7 +69,23 @@ def parse_config(text: str, path: str, environ: Mapping[str, str] | None = None)
         lora=parse_lora(origin, data.get("lora"), components),
         origin=origin,
         parallel=parse_parallel(origin, data.get("parallel"), components),
-    )))
+    )
+    _one_merge_target(origin, config)
+    return resolve_transfer(resolve_reserve(config))
+
+
+def _one_merge_target(origin: ConfigOrigin, config) -> None:
+    """``lora_targets`` on a component the merge does not write into would be charged
+    nothing (a Wan 2.2 pair of adapters for both experts: the second expert's dropped)."""
+    target = config.merge_target
+    for component in config.components.values():
+        if component.has_lora_targets and component is not target:
+            chosen = f"into {target.name!r}" if target is not None else "into no component"
+            raise origin.error(
+                f"components.{component.name}.lora_targets",
+                f"the plan charges a LoRA merge {chosen} (lora.component, else the first component with "
+                f"lora_targets) and never into {component.name!r}: remove its lora_targets, or plan each "
+                "component's merge in a config of its own")
 
 
 def load_config(path: str | os.PathLike, environ: Mapping[str, str] | None = None) -> DeploymentConfig:

@@ -63,6 +63,11 @@ def test_a_good_config_parses_into_bytes_and_fractions(write_config):
         ("    offload: full\n", "    offload: sometimes\n", "components.text_encoder.offload", 22, "layerwise, full"),
         ("    size: 15GB\n", "    path: no/such/folder\n", "components.text_encoder.path", 21, "does not exist"),
         ("  passes_per_step: 2\n", "  passes_per_step: 2\n  steps: 5\n", "workload.steps", 14, "given twice"),
+        # a merge is charged into one component: another's lora_targets would be charged nothing
+        ("    size: 15GB\n", "    size: 15GB\n    lora_targets: 5GB\n", "components.text_encoder.lora_targets", 22,
+         "never into 'text_encoder'"),
+        ("    offload: full\n", "    offload: full\nlora:\n  component: text_encoder\n", "components.dit.lora_targets",
+         18, "charges a LoRA merge into 'text_encoder'"),
     ],
 )
 def test_errors_name_file_key_and_line(write_config, old, new, key, line, words):
