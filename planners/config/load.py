@@ -30,8 +30,10 @@ def _apply_overrides(data: dict, environ: Mapping[str, str]) -> dict[str, str]:
         if value is None or value.strip() == "":
             continue
         section, name = key.split(".")
-        if not isinstance(data.get(section), dict):
+        if data.get(section) is None:  # absent: made for the override
             data[section] = {}
+        elif not isinstance(data[section], dict):  # a bad section stays, for its own error at its line
+            continue
         data[section][name] = value.strip()
         used[key] = variable
     return used

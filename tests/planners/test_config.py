@@ -113,6 +113,21 @@ def test_environment_overrides_documented_keys_only(write_config):
                                   "HOSTMEM_DEVICE_VRAM"}
 
 
+@pytest.mark.parametrize("old, new, variable, key", [
+    ("host:\n  limit: 32GiB\n", "host: 8GiB\nhostx:\n  limit: 32GiB\n", "HOSTMEM_MAX_PINNED", "host"),
+    ("device:\n  vram: 12GiB\n", "device: 24GB\ndevicex:\n  vram: 12GiB\n", "HOSTMEM_DEVICE_VRAM", "device"),
+])
+def test_an_override_never_hides_a_bad_section(write_config, old, new, variable, key):
+    """A ``host:`` written as a size is an error at its line, with or without an override of
+    one of its keys (the override replaced it with a section of its own, planned on auto)."""
+    text = GOOD.replace(old, new)
+    text = text.replace("hostx:\n  limit: 32GiB\n  reserve: 4GiB\n  max_pinned: 75%\n", "")
+    text = text.replace("devicex:\n  vram: 12GiB\n  reserve: 2GiB\n", "")
+    for environ in ({}, {variable: "50%" if "PINNED" in variable else "16GB"}):
+        with pytest.raises(ConfigError, match=rf":\d+: {key}: expected a mapping"):
+            load_config(write_config(text), environ=environ)
+
+
 def test_a_bad_override_names_the_variable(write_config):
     path = write_config(GOOD)
     with pytest.raises(ConfigError) as caught:
