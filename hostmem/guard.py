@@ -9,7 +9,8 @@ What is counted. A server started by a shell script does its work in a child, so
 default the whole tree is counted: where the machine allows it, the command runs in
 a memory cgroup of its own, nested under the guard's (exact: each page once, and a
 daemon that re-parents away stays in the group), and each sample is that group's
-anonymous figure; elsewhere a tree scan sums RssAnon of every live descendant.
+anonymous figure; elsewhere a tree scan sums every live descendant's proportional share
+(Pss_Anon: a page a fork left shared counts once).
 ``children=False`` counts the command's own process only.
 
 The JSON form is a contract CI jobs parse; keys may be added, never renamed::

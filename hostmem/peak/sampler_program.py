@@ -21,7 +21,8 @@ Each sample reads ``/proc/PID/statm`` (kept open, one ``pread``): anonymous byte
 are resident minus shared, the counters /proc/PID/status prints as RssAnon, at a
 fifth of its cost; with ``shmem=1`` it reads status for RssAnon + RssShmem. With
 ``children=1`` the sum covers every descendant found by a tree scan (by ppid, every
-``rescan`` seconds). With ``cgroup=FOLDER`` a sample is the group's own anonymous
+``rescan`` seconds), each process's proportional share (``Pss_Anon`` from smaps_rollup)
+while there are several: pages a fork left shared count once. With ``cgroup=FOLDER`` a sample is the group's own anonymous
 figure from memory.stat instead (``total_rss`` in v1, ``anon`` in v2, plus the
 shmem figure with ``shmem=1``): every process in the group, each page once; the
 processes counted are those seen in its cgroup.procs.
@@ -45,6 +46,7 @@ class Sampling:
         self.page = os.sysconf("SC_PAGE_SIZE")
         self.own_pid = os.getpid()
         self.fds = {}
+        self.rollups = {}  # pid -> /proc/PID/smaps_rollup, opened once several processes are summed
         self.processes = 0
         self.unrelated = set()
         self.seen = set()
@@ -104,16 +106,40 @@ class Sampling:
                 total += int(data[at + len(key) + 2 : data.index(b"\n", at + 1)])
         return total
 
+    def read_shares(self, pid):
+        """Proportional anonymous bytes of ``pid`` (``Pss_Anon``, with ``Pss_Shmem`` where
+        asked, from smaps_rollup): a page a fork left shared counts once over its sharers.
+        None where the file or the field cannot be read."""
+        fd = self.rollups.get(pid)
+        try:
+            if fd is None:
+                fd = self.rollups[pid] = os.open(f"/proc/{pid}/smaps_rollup", os.O_RDONLY)
+            data = os.pread(fd, 4096, 0)
+        except OSError:
+            return None
+        if b"Pss_Anon:" not in data:  # a kernel without it (before 5.7)
+            return None
+        return self.status_field(data, b"Pss_Anon:") + (self.status_field(data, b"Pss_Shmem:") if self.shmem else 0)
+
     def sample(self):
-        """Read every tracked process (or the group) once and fold the sum into the figures."""
+        """Read every tracked process (or the group) once and fold the sum into the figures.
+
+        Several processes (a tree scan) are summed by proportional shares where the kernel
+        gives them: a fork's child shares its parent's pages until it writes them, and
+        each process's resident count holds them whole (a test that forks a child of a
+        400 MiB process grew by 400 MiB without allocating a byte)."""
         now = time.monotonic()
         anon = 0
+        shares = len(self.fds) > 1 and self.group is None
         for pid, fd in list(self.fds.items()):
             got = self.read_pid(pid, fd)
             if got is None:
                 os.close(self.fds.pop(pid))
+                if pid in self.rollups:
+                    os.close(self.rollups.pop(pid))
                 continue
-            anon += got[0]
+            share = self.read_shares(pid) if shares else None
+            anon += got[0] if share is None else share
             if pid == self.root and got[1] > self.rss_peak:
                 self.rss_peak = got[1]
         if self.group is not None:

@@ -293,3 +293,41 @@ def test_ci_a_small_file_backed_model_stays_near_zero_anonymous_growth(small_mod
     assert total != 0
     assert os.path.getsize(small_model) >= 64 * MiB
     assert peak_anon.growth_bytes < 8 * MiB
+
+
+FORK_TESTS = textwrap.dedent(
+    """
+    import os, time
+    import pytest
+
+    HELD = bytearray(128 << 20)  # written before the test: the process's own, not the test's
+
+    @pytest.mark.limit_peak_anon("32MiB")
+    def test_a_fork_that_touches_nothing_grows_nothing():
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(0.3)  # the child's pages are the parent's, shared until written
+            os._exit(0)
+        os.waitpid(pid, 0)
+
+    @pytest.mark.limit_peak_anon("32MiB")
+    def test_a_fork_that_writes_its_copy_grows_by_it():
+        pid = os.fork()
+        if pid == 0:
+            HELD[::4096] = b"x" * len(HELD[::4096])  # every page written: a copy of its own
+            time.sleep(0.3)
+            os._exit(0)
+        os.waitpid(pid, 0)
+    """
+)
+
+
+def test_a_forked_child_counts_what_it_copies_never_what_it_shares(pytester):
+    """The tree scan sums each process's proportional share: a child forked from a 128 MiB
+    process shares those pages until it writes them (summed whole, they failed a test
+    that allocated nothing)."""
+    pytester.makepyfile(test_fork=FORK_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "ignore", "-rA")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*PASSED*test_a_fork_that_touches_nothing_grows_nothing*",
+                                 "*FAILED*test_a_fork_that_writes_its_copy_grows_by_it*"])
