@@ -13,7 +13,8 @@ The marker fails a test whose anonymous memory grew too much while its body ran:
 
 Growth is the peak minus the figure at the start of the test body: RssAnon of the
 pytest process and of every process the test starts (a tree scan of its
-descendants; ``children=False`` counts the pytest process alone), sampled every
+descendants, each one's proportional share, Pss_Anon, while there are several: a
+page a fork left shared counts once; ``children=False`` counts the pytest process alone), sampled every
 millisecond from a separate process, see :mod:`hostmem.peak`. ``absolute=True`` (or
 ``--peak-anon-absolute`` for every marker that does not say) compares the peak
 itself instead. Other keywords: ``include_shmem=True`` counts RssShmem too,

@@ -140,7 +140,8 @@ class PeakTracker:
 
     ``interval_s``: time between samples (default 1 ms, enough for a 20 ms spike).
     ``children``: add every descendant's figure to the sample (a tree scan: found by
-    ppid every 5 ms; a grandchild whose parent died before a scan saw it is lost).
+    ppid every 5 ms; a grandchild whose parent died before a scan saw it is lost),
+    each process's proportional share while there are several (pages forks share, once).
     ``group``: a memory cgroup (:class:`hostmem.cgroup_sandbox.MemoryCgroup`) that
     ``pid`` runs in; each sample is then the group's own anonymous figure, which
     counts every process in it once per page, re-parented daemons included.
