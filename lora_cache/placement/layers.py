@@ -137,7 +137,8 @@ def unmerge(model, strict: bool = True) -> int:
     """Restore every merged parameter of ``model``; return how many were restored.
 
     Bit for bit: a cached merge reinstalls the original parameter (its base never
-    changed), an in-place merge copies the snapshot's bytes back. A parameter merged in
+    changed; cast or moved as the model was since, ``model.to(...)``), an in-place merge
+    copies the snapshot's bytes back. A parameter merged in
     place without a snapshot cannot be restored: it is left merged (the model still
     counts as merged) and, with ``strict``, :class:`UnmergeError` says which and how to
     merge so that unmerge works, once the others are restored.
@@ -155,8 +156,12 @@ def unmerge(model, strict: bool = True) -> int:
                         module._parameters[attr].copy_(snapshot.copy)
                     restored += 1
                 else:
-                    merged, module._parameters[attr] = module._parameters[attr], snapshot.original
-                    replaced(merged, snapshot.original)  # a pin on the merged weight follows it back
+                    merged, base = module._parameters[attr], snapshot.original
+                    if (base.dtype, base.device) != (merged.dtype, merged.device):  # moved or cast since
+                        base = nn.Parameter(base.detach().to(device=merged.device, dtype=merged.dtype),
+                                            requires_grad=merged.requires_grad)  # the base as the model now has it
+                    module._parameters[attr] = base
+                    replaced(merged, base)  # a pin on the merged weight follows it back
                     restored += 1
     if lost and strict:
         raise UnmergeError(

@@ -127,3 +127,16 @@ def test_a_checkpoint_replaced_after_loading_is_never_the_key_of_the_weights_loa
         owner, _, attr = name.rpartition(".")
         fresh.get_submodule(owner)._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)
     assert lora_cache.merge(fresh, [adapter], cache_root=root, progress=False).built == 6
+
+
+def test_unmerge_after_the_model_was_cast_gives_the_base_as_the_model_now_has_it(tmp_path):
+    """Merged in fp32, cast to bf16 with ``model.to``, unmerged: every weight comes back in
+    bf16 (the base cast, as ``model.to`` casts an unmerged model), never an fp32 weight
+    beside bf16 ones that the next forward refuses."""
+    model, adapter = _setup(tmp_path, dtype=torch.float32)
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    lora_cache.merge(model, [adapter], cache_root=tmp_path / "cache", progress=False)
+    model.to(torch.bfloat16)
+    assert lora_cache.unmerge(model) == 6
+    for name, weight in model.named_parameters():
+        assert weight.dtype == torch.bfloat16 and torch.equal(weight, base[name].to(torch.bfloat16)), name
