@@ -58,18 +58,20 @@ def rank_components(config: DeploymentConfig, sizes: Mapping[str, ComponentSizes
 def rank_share(config: DeploymentConfig, plan, ranks: int) -> dict:
     """The rank's part of the host, in the form of a live ``HostShare.to_dict()`` and more:
     the host's budget and limit, each rank's reserve and committed memory, the parts' sizes."""
-    from .host_share import rank_need
+    from .host_share import rank_need, split_host_budget
 
     b = plan.budget
     need = rank_need(plan).need
     p = config.parallel
+    shares = split_host_budget(b.bytes * ranks, [need] * ranks)  # by need, as live ranks split it
+    local = p.local_rank if p.local_rank < ranks else 0
     return {
-        "local_rank": p.local_rank if p.local_rank < ranks else 0,
+        "local_rank": local,
         "local_world_size": ranks,
         "source": f"{p.source}: ranks taken to be alike" if p.source != "default" else "config",
         "host_budget_bytes": b.bytes * ranks,
-        "share_bytes": b.bytes,
-        "shares_bytes": [b.bytes] * ranks,
+        "share_bytes": shares[local],
+        "shares_bytes": shares,
         "needs_bytes": [need] * ranks,
         "host_limit_bytes": plan.host.bytes,
         "limit_per_rank_bytes": b.limit,
