@@ -127,7 +127,10 @@ class DevicePlan(NamedTuple):
 
 
 def _window(stream: Streamed) -> int:
-    return (stream.prefetch + 1) * max((layer.nbytes for layer in stream.sizes.layers), default=0)
+    """The layers on their way at once: the one computing and ``prefetch`` ahead, at the
+    largest layer's size each; never more than every layer at once."""
+    sizes = [layer.nbytes for layer in stream.sizes.layers]
+    return min((stream.prefetch + 1) * max(sizes, default=0), sum(sizes))
 
 
 def _rest(sizes: ComponentSizes) -> int:

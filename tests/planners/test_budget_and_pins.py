@@ -173,6 +173,14 @@ def test_the_device_plan_keeps_whole_layers_under_the_cap():
     assert not host_only.resident_layers and len(host_only.streamed_layers) == 16 and host_only.fits
 
 
+def test_a_window_larger_than_the_model_holds_the_model_once():
+    """``prefetch`` past the layer count puts every layer on its way at once, never more."""
+    sizes = from_declared("dit", "layerwise", 16 * 100 * MiB, 16)
+    plan = plan_device(sizes, vram=1000 * MiB, reserve=200 * MiB, prefetch=30)
+    assert plan.window_bytes == 16 * 100 * MiB and not plan.fits
+    assert plan_device(sizes, vram=2 * GiB, reserve=200 * MiB, prefetch=30).window_bytes <= 16 * 100 * MiB
+
+
 def test_auto_limit_is_the_tighter_of_memtotal_and_the_cgroup():
     assert resolve_host_limit(None, 64 * GiB, 16 * GiB) == HostLimit(16 * GiB, "cgroup", 64 * GiB, 16 * GiB)
     assert resolve_host_limit(None, 64 * GiB, None).source == "MemTotal"
