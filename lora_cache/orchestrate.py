@@ -146,9 +146,9 @@ def _refuse_parts_at_runtime(lossy: RoundingSplit) -> None:
     if parts:
         raise InputError(
             f"{len(parts)} layer(s) of this tensor-parallel rank ({', '.join(parts[:3])}"
-            f"{', ...' if len(parts) > 3 else ''}) would lose a material share of their update to rounding (rounding='runtime' keeps such a layer's "
-            "terms at run time, which a part of a weight cannot carry); pass rounding='merge' to merge them "
-            "rounded, as diffusers' fuse_lora does. Nothing was merged")
+            f"{', ...' if len(parts) > 3 else ''}) would lose a material share of their update to rounding "
+            "(rounding='runtime' keeps such a layer's terms at run time, which a part of a weight cannot carry); "
+            "pass rounding='merge' to merge them rounded, as diffusers' fuse_lora does. Nothing was merged")
 
 
 def _unkeyed_base(host: list[LayerTarget]) -> str | None:

@@ -22,8 +22,8 @@ are resident minus shared, the counters /proc/PID/status prints as RssAnon, at a
 fifth of its cost; with ``shmem=1`` it reads status for RssAnon + RssShmem. With
 ``children=1`` the sum covers every descendant found by a tree scan (by ppid, every
 ``rescan`` seconds), each process's proportional share (``Pss_Anon`` from smaps_rollup)
-while there are several: pages a fork left shared count once. With ``cgroup=FOLDER`` a sample is the group's own anonymous
-figure from memory.stat instead (``total_rss`` in v1, ``anon`` in v2, plus the
+while there are several: pages a fork left shared count once. With ``cgroup=FOLDER`` a
+sample is the group's own anonymous figure from memory.stat instead (``total_rss`` in v1, ``anon`` in v2, plus the
 shmem figure with ``shmem=1``): every process in the group, each page once; the
 processes counted are those seen in its cgroup.procs.
 """

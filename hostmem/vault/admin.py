@@ -185,11 +185,10 @@ def _verify_locked(cache: str, key: str, folder: str, report: VerifyReport) -> N
     if not lock.acquire(exclusive=False, blocking=False):
         report.state = "in use"
         return
-    if _shares_building(cache, key):  # one opening after this writes temporaries (notes) and sealed layers
-        lock.release() if existed else lock.release_and_remove_if_alone()
-        report.state = "in use"
-        return
     try:
+        if _shares_building(cache, key):  # one opening after this writes temporaries (notes) and sealed layers
+            report.state = "in use"
+            return
         _verify_files(folder, report)
         record_damage(folder, report.problems)  # kept, so no start trusts what failed here
     finally:

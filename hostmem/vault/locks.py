@@ -223,6 +223,7 @@ def describe_holders(holders: list[tuple[int, int | None]]) -> str:
     """``"pid 123 (uid 0)"``, joined; ``"a process this one cannot see"`` where none is known."""
     if not holders:
         return "a process this one cannot see (another container or host)"
+
     def who(uid: int | None) -> str:
         return "another user's, hidden by /proc" if uid == HIDDEN else f"uid {'?' if uid is None else uid}"
 

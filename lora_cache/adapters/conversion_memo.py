@@ -35,7 +35,9 @@ from hostmem.vault.shelf import Shelf
 __all__ = ["ConversionMemo", "ValuesNeeded", "NoValues", "record_of", "skeleton_of"]
 
 RECORD_FORMAT = "lora-cache-adapter-conversion"
-RECORD_VERSION = 4  # 2: the alphas folded, and the override; 3: "family-rules" (a file of original names); 4: diff_b kept
+# 2: the alphas folded, and the override; 3: "family-rules" (a file of original names);
+# 4: a diff_b the converter made peft's lora_B.bias is a diff_b again
+RECORD_VERSION = 4
 FOLDER = CONVERSIONS  # a folder hostmem cache prune looks after (hostmem.vault.records)
 
 

@@ -61,20 +61,18 @@ def replaced_files(targets: list[LayerTarget], space: AddressSpace) -> list[str]
     replaced (a new checkpoint renamed over it, as downloaders and rsync land one). The key
     would hash whatever is at the path now (given as ``base_files``): another file's merge
     under its key, served to every later start on it."""
-    replaced = []
+    replaced, inodes = [], {}  # path -> the inode there now: one stat a file, not one a layer
     for target in targets:
         tensor = target.current
         area = space.area_of(tensor) if tensor.device.type == "cpu" else None
         if area is None or not area.is_file or not (area.path or "").startswith("/"):
             continue
-        path = area.path
-        gone = path.endswith(" (deleted)")
-        if not gone:
+        if area.path not in inodes:
             try:
-                gone = os.stat(path).st_ino != area.inode
+                inodes[area.path] = None if area.path.endswith(" (deleted)") else os.stat(area.path).st_ino
             except OSError:
-                gone = True
-        if gone:
+                inodes[area.path] = None
+        if inodes[area.path] != area.inode:
             replaced.append(target.name)
     return replaced
 

@@ -228,7 +228,8 @@ def decide(targets: list[LayerTarget], lost: dict[str, float], measured: int,
             check.at_runtime.append(target.name)
         else:
             to_merge.append(target)
-            check.merged_anyway[target.name] = "rounding='merge'" if policy == "merge" else "not expressible at run time"
+            why = "rounding='merge'" if policy == "merge" else "not expressible at run time"
+            check.merged_anyway[target.name] = why
     if check.lost and policy == "refuse":
         raise RoundingLossError(
             f"lora merge refused (rounding='refuse'): {check.summary()}; nothing was merged. Pass "
