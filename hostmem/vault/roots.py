@@ -3,8 +3,9 @@
 Every provider that stores through the vault (the LoRA merge cache, checkpoint remap's
 spill) takes ``cache_root`` the same way: one path, an ordered list of them, or None for
 the default root (``$HOSTMEM_CACHE_ROOT``, else ``~/.cache/hostmem``). A read-only root
-(a cache baked into an image) is asked first and serves a combination it holds complete
-and verified; a miss builds in the first writable root, and with none writable the first
+(a cache baked into an image) serves a combination it holds complete and verified, and
+so does a writable root where it is sealed: the first root in the list that holds it
+serves it; a miss builds in the first writable root, and with none writable the first
 read-only root serves what it has while every put answers None with the reason. Kept
 here, below the providers, so that they resolve roots alike and imports point down.
 """
@@ -36,22 +37,35 @@ def cache_roots(cache_root) -> list[str]:
 
 
 def open_in_roots(vaults: list, key: CacheKey, expected: dict):
-    """``(vault, session)``: the first read-only root holding the combination complete and
-    verified, else the first writable root, else (none writable) the first read-only one,
-    whose session serves what it has and answers every put with why it cannot."""
+    """``(vault, session)``: the first root, in order, holding the combination complete and
+    verified (a read-only one, or a writable one where it is sealed: served without its
+    lock, as :func:`~.readers.open_sealed` serves it), else the first writable root to
+    build in, else (none writable) the first read-only one, whose session serves what it
+    has and answers every put with why it cannot.
+
+    So a root listed after the first writable one is looked in too: a cache image that
+    ``hostmem lora build`` wrote into one root serves a server whose list puts another,
+    empty, writable root before it (ccache's secondary storage, read before building)."""
+    from .readers import open_sealed
+
     fallback = None
     for vault in vaults:
-        if not vault.read_only:
-            break
-        session = vault.open(key, expected)
-        if session.complete:
+        if vault.read_only:
+            session = vault.open(key, expected)
+            if session.complete:
+                if fallback is not None:
+                    fallback[1].close()
+                return vault, session
+            if fallback is None and session.layers:
+                fallback = (vault, session)
+            else:
+                session.close()
+            continue
+        sealed = open_sealed(vault, key.hex, key.inputs, expected)
+        if sealed is not None:
             if fallback is not None:
                 fallback[1].close()
-            return vault, session
-        if fallback is None and session.layers:
-            fallback = (vault, session)
-        else:
-            session.close()
+            return vault, sealed
     writable = next((v for v in vaults if not v.read_only), None)
     if writable is not None:
         if fallback is not None:

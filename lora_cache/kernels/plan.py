@@ -114,7 +114,7 @@ def plan_kernels(layers, device=None, root=None) -> KernelPlan:
     triples): as remembered in ``root``'s wisdom (or this process's), else timed now on
     the class's largest layer (a fraction of a second per class, once per machine) and
     remembered. ``device``: where the sum runs. ``root`` may be a list of roots
-    (``lora_cache.key.combination.kernel_roots``): read-only ones first, whose recorded
+    (``lora_cache.key.combination.kernel_roots``): the others first, whose recorded
     choices win (the keys of what they hold were made with them), and the root that
     keeps new timings last."""
     device = torch.device(device) if device is not None else compute_device()

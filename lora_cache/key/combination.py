@@ -135,22 +135,27 @@ class Combination:
 
 
 def kernel_roots(roots: list[str] | None) -> list[str]:
-    """The roots whose kernel timings a combination's key is made with: the read-only
-    roots listed before the first writable one (their recorded choices win: the keys of
-    what they hold were made with them), then that writable root, which keeps new
-    timings (none without roots; without a writable root, new timings stay in this
-    process). Every entry point asks here (``merge``, ``set_adapters``), so they choose
-    the same kernels, and so the same key.
+    """The roots whose kernel timings a combination's key is made with, in the order
+    their recorded choices are asked: every root but the first writable one, in list
+    order (their recorded choices win: the keys of what they hold were made with them,
+    so a server whose own root comes first still makes the key of an image
+    ``hostmem lora build`` wrote into a root after it), then that writable root, which
+    keeps new timings (none without roots; without a writable root, new timings stay in
+    this process). Every entry point asks here (``merge``, ``set_adapters``), so they
+    choose the same kernels, and so the same key.
 
     Each root is checked first as its vault will check it: a refused root (a link to
     tmpfs, another user's folder) is refused before the timings and their lock are
     written in it.
     """
-    chosen = []
+    others, keeper = [], None
     for root in roots or []:
         read_only = root_is_read_only(root)
         prepare_root(root, create=not read_only)
-        chosen.append(root)
-        if not read_only:
-            return chosen
-    return [*chosen, None] if chosen else []
+        if read_only or keeper is not None:
+            others.append(root)
+        else:
+            keeper = root
+    if keeper is None:
+        return [*others, None] if others else []
+    return [*others, keeper]

@@ -64,6 +64,17 @@ def test_a_damaged_read_only_root_is_not_served_and_the_writable_root_builds(tmp
     assert layer in seen and "content checksum" in seen and "read-only root" in seen, seen
 
 
+def test_a_build_in_a_writable_root_listed_after_another_is_served_and_nothing_is_built_again(tmp_path):
+    world = make_world(tmp_path)
+    expected = reference(world.base, world.adapter)
+    start(world.base, world.adapter, world.path("image"))  # what `hostmem lora build --root image` leaves
+    first = world.path("local")  # a server's own writable root, listed first and empty
+    served, stats = start(world.base, world.adapter, [first, world.path("image")])
+    assert_same(served, expected)
+    assert (stats.hit, stats.built) == (LAYERS, 0) and stats.cache_root == world.path("image"), stats
+    assert not os.path.exists(os.path.join(first, "lora_merge_cache", stats.cache_key))
+
+
 def test_only_a_read_only_root_without_the_combination_merges_in_place_with_one_warning(tmp_path, read_only_copy):
     world = make_world(tmp_path)
     os.mkdir(world.path("empty"))

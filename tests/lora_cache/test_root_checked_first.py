@@ -95,6 +95,26 @@ def test_merge_and_set_adapters_choose_kernels_from_a_read_only_roots_wisdom(tmp
     assert _start(tmp_path, "switch", baked) == "cached"
 
 
+def test_a_server_whose_own_root_comes_first_makes_the_key_of_an_image_in_a_root_after_it(tmp_path):
+    """An image built by ``hostmem lora build`` into a root that a server lists after its
+    own (writable, empty) root: the image's recorded kernel choices make the key, so the
+    server finds the image instead of timing anew, keying otherwise and building again."""
+    scratch = tmp_path / "scratch"
+    _start(tmp_path, "merge", str(scratch))
+    wisdom = json.loads((scratch / "kernel_wisdom.json").read_text())
+    facts = wisdom["facts"]
+    if not any(f.get("rounds_once") for f in facts.values()):
+        pytest.skip("torch's bf16 addmm does not round once here: there is no kernel to choose")
+    image = tmp_path / "image"
+    image.mkdir()
+    (image / "kernel_wisdom.json").write_text(json.dumps(
+        {**wisdom, "entries": {}, "facts": {k: {"rounds_once": False} for k in facts}}))
+    built = _start(tmp_path, "merge", str(image))
+    own = tmp_path / "own"
+    assert _start(tmp_path, "merge", str(own), str(image)) == built
+    assert not (own / "lora_merge_cache" / built).exists()  # served from the image, not built again
+
+
 def test_set_adapters_takes_an_ordered_list_of_roots_as_merge_does(tmp_path):
     from tests.lora_cache.switching.test_runtime_lora import stack_adapter, stack_model
 
