@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from .pagemap import SCAN_PRESENT, SCAN_SWAPPED, PagemapReader
+from .procfs.mounts import SHMEM_NAMES as _SHMEM_NAMES
 from .procfs import PAGE_SIZE, Mount, ProcReadError, Vma, is_shmem_fs, read_maps, read_mounts, read_smaps, read_status
 from .residency_classes import CLASSES, Residency
 
@@ -25,7 +26,6 @@ PINNED_ANON = len(CLASSES)
 CODES = len(CLASSES) + 1
 
 _DEVICE_PREFIXES = ("/dev/nvidia", "/dev/dri/", "/dev/kfd")
-_SHMEM_NAMES = ("/SYSV", "/memfd:", "/dev/zero", "[anon_shmem")
 CHUNK_PAGES = 1 << 18  # 1 GiB of 4 KiB pages per pagemap read: bounded memory per chunk
 
 

@@ -210,6 +210,8 @@ def run_guarded(
         _track(tracker, proc, command, group)
         waited = held.wait(proc, lambda signum: _signal_all(proc, group, signum), lambda: _kill_all(proc, group))
         tracker.stop()
+        if held.received is not None:  # what it started got the signal too: let it end before "kept running"
+            _let_the_group_end(group, grace_s)
         left = _move_out(group)
     return GuardResult(
         command=command,
@@ -303,6 +305,14 @@ def _kill_all(proc: subprocess.Popen, group: MemoryCgroup | None) -> int:
     if group is not None:
         killed += group.kill_all()
     return killed
+
+
+def _let_the_group_end(group: MemoryCgroup | None, grace_s: float) -> None:
+    """Wait up to ``grace_s`` for every process left in ``group`` to end (after a signal
+    passed on to all of them, the command may end before what it started)."""
+    deadline = time.monotonic() + grace_s
+    while group is not None and group.pids() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def _move_out(group: MemoryCgroup | None) -> list[int]:

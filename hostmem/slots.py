@@ -21,6 +21,7 @@ from .pinning import replaced
 from .procfs import Vma
 from .procfs.files import proc_path, read_text
 from .procfs.maps import parse_maps_line
+from .procfs.mounts import SHMEM_NAMES, is_shmem_fs, read_mounts
 
 __all__ = ["TensorSlot", "tensor_slots", "model_components", "iter_module_slots", "MappedAreas"]
 
@@ -102,6 +103,7 @@ class MappedAreas:
         self._starts = [int(start, 16) for start, _ in ranges]
         self._ends = [int(end, 16) for _, end in ranges]
         self._parsed: dict[int, Vma] = {}
+        self._mounts = None  # read on the first question about a file's filesystem
 
     def area_at(self, address: int) -> Vma | None:
         i = bisect.bisect_right(self._starts, address) - 1
@@ -123,6 +125,30 @@ class MappedAreas:
         if area is None or "w" in area.perms or not (area.path or "").startswith("/"):
             return None
         return area.path
+
+    def read_only_page_cache(self, tensor: torch.Tensor) -> str | None:
+        """:meth:`read_only_file`, where that file's pages are page cache the kernel can
+        drop: not a file on tmpfs or /dev/shm, nor a memfd or SysV segment, whose pages
+        are shmem (held in memory until the file goes)."""
+        path = self.read_only_file(tensor)
+        return path if path is not None and self._page_cache(path) else None
+
+    def copy_on_write_page_cache(self, tensor: torch.Tensor) -> str | None:
+        """The file ``tensor`` is a view of a private, writable mapping of (as safetensors
+        maps a file: a write copies the page), where that file's pages are page cache; or None."""
+        area = self.area_of(tensor)
+        if area is None or not area.perms.startswith("rw") or area.perms[3:4] != "p":
+            return None
+        path = area.path or ""
+        return path if path.startswith("/") and self._page_cache(path) else None
+
+    def _page_cache(self, path: str) -> bool:
+        if path.startswith(SHMEM_NAMES):
+            return False
+        if self._mounts is None:
+            self._mounts = read_mounts()
+        plain = path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
+        return not is_shmem_fs(plain, self._mounts)
 
 
 def iter_module_slots(model) -> Iterator[tuple[str, TensorSlot]]:

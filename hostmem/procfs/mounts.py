@@ -7,10 +7,12 @@ from typing import NamedTuple
 
 from .files import proc_path, read_text
 
-__all__ = ["Mount", "SHMEM_FS_TYPES", "read_mounts", "parse_mountinfo", "filesystem_of", "is_shmem_fs"]
+__all__ = ["Mount", "SHMEM_FS_TYPES", "SHMEM_NAMES", "read_mounts", "parse_mountinfo", "filesystem_of", "is_shmem_fs"]
 
 # Filesystems whose file pages are shmem: held in RAM, never reclaimable without swap.
 SHMEM_FS_TYPES = frozenset({"tmpfs", "devtmpfs", "hugetlbfs", "ramfs", "shm"})
+# Mapped areas whose pages are shmem (or, /dev/zero's private one, anonymous) by their name alone.
+SHMEM_NAMES = ("/SYSV", "/memfd:", "/dev/zero", "[anon_shmem")
 
 
 class Mount(NamedTuple):

@@ -7,7 +7,13 @@ checkpoint's. :func:`remap` compares each parameter and buffer with the checkpoi
 tensor of the same name, shape and dtype, byte for byte, and where they are equal
 points the model at a read-only mapping of that tensor (``MAP_SHARED``/``PROT_READ``:
 page cache the kernel can drop, and a stray write faults instead of copying the page);
-the anonymous copy is then freed. What differs stays as it is and is reported by
+the anonymous copy is then freed. A buffer is state a model may write (BatchNorm's
+running statistics in training, a step counter): one equal to its checkpoint tensor
+becomes a view of the file mapped private and writable instead, as safetensors maps
+it, page cache until a write copies a page (a read-only view would fault on the write).
+Views of a read-only mapping of a file on tmpfs or /dev/shm are not "already mapped":
+their pages are shmem, never given back, so they are compared and remapped too. What
+differs stays as it is and is reported by
 reason: ``cast`` (the checkpoint holds it in another dtype: diffusers keeps
 ``_keep_in_fp32_modules`` in fp32 over a bf16 checkpoint, for one), ``changed`` (same
 dtype and shape, other bytes: a fused or merged weight), ``missing`` (no checkpoint
@@ -38,19 +44,22 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from .files import checkpoint_files, expand_files
+from .files import CheckpointNotFound, checkpoint_files, expand_files
+from ..pagemap import PagemapReader
 from ..safetensors.header import read_header
-from ..safetensors.mapping import open_readonly
+from ..safetensors.mapping import CopyOnWriteSafetensors, open_readonly
 from .same_bytes import same_bytes
 from ..slots import MappedAreas, TensorSlot, iter_module_slots, model_components
 from ..torch_threads import one_thread
 from ..units import format_size
 
-__all__ = ["RemapReport", "remap", "REASONS", "CheckpointIndex", "component_files"]
+__all__ = ["RemapReport", "remap", "REASONS", "CheckpointIndex", "ComponentShards", "component_files"]
 
 REASONS = ("cast", "changed", "missing", "device", "layout")
 _SAMPLE_NAMES = 5  # names kept per reason, for the report
@@ -73,6 +82,7 @@ class RemapReport:
     left_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
     left_names: dict[str, list[str]] = field(default_factory=lambda: {r: [] for r in REASONS})
     files: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # component -> why its checkpoint was not found
     seconds: float = 0.0
 
     def leave(self, reason: str, name: str, nbytes: int) -> None:
@@ -100,6 +110,7 @@ class RemapReport:
             "left_bytes": dict(self.left_bytes),
             "left_names": {k: list(v) for k, v in self.left_names.items()},
             "files": list(self.files),
+            "skipped": dict(self.skipped),
             "seconds": self.seconds,
         }
 
@@ -111,6 +122,7 @@ class RemapReport:
             f"{len(self.files)} file(s), {format_size(self.already_mapped_bytes)} already mapped read-only; "
             f"{self._spill_text()}"
             f"left {format_size(self.total_left_bytes)}{': ' + left if left else ''}; {self.seconds:.2f} s"
+            + "".join(f"; component {name!r} skipped ({why})" for name, why in self.skipped.items())
         )
 
 
@@ -155,7 +167,7 @@ class CheckpointIndex:
     def __init__(self, files: list[str]):
         self.exact: dict[str, list[_Source]] = {}
         self.ending: dict[str, list[_Source]] = {}
-        self._mapped: dict[str, object] = {}  # path -> ReadOnlySafetensors, mapped on first use
+        self._mapped: dict[tuple[str, bool], object] = {}  # (path, private) -> its mapping, made on first use
         self._by_parent: dict[tuple[str, str], list[_Source]] | None = None  # built on first siblings()
         for path in files:
             for name, info in read_header(path).tensors.items():
@@ -164,11 +176,13 @@ class CheckpointIndex:
                 for suffix in _dotted_suffixes(name)[1:]:
                     self.ending.setdefault(suffix, []).append(source)
 
-    def view(self, source: _Source) -> torch.Tensor:
-        """A read-only view of ``source`` (its file is mapped once, on first use)."""
-        if source.path not in self._mapped:
-            self._mapped[source.path] = open_readonly(source.path)
-        return self._mapped[source.path].get_tensor(source.name)
+    def view(self, source: _Source, copy_on_write: bool = False) -> torch.Tensor:
+        """A read-only view of ``source`` (its file is mapped once, on first use), or with
+        ``copy_on_write`` one of the file mapped private and writable (for a buffer)."""
+        at = (source.path, copy_on_write)
+        if at not in self._mapped:
+            self._mapped[at] = CopyOnWriteSafetensors(source.path) if copy_on_write else open_readonly(source.path)
+        return self._mapped[at].get_tensor(source.name)
 
     def candidates(self, name: str, shape: tuple[int, ...]) -> list[_Source]:
         found = list(self.exact.get(name, []))
@@ -217,7 +231,8 @@ def _remap_slot(slot: TensorSlot, index: CheckpointIndex, areas: MappedAreas, re
         return "device"
     if slot.nbytes == 0:
         return None
-    if areas.read_only_file(tensor) is not None:
+    state = any(kind == "_buffers" for _, kind, _ in slot.places)  # a model may write it: never read-only
+    if areas.read_only_page_cache(tensor) is not None or (state and _unwritten_copy_on_write(areas, tensor)):
         report.already_mapped_bytes += slot.nbytes
         return None
     if not _is_plain(tensor):
@@ -230,7 +245,7 @@ def _remap_slot(slot: TensorSlot, index: CheckpointIndex, areas: MappedAreas, re
         return "cast"
     detached = tensor.detach()
     for source in same_dtype:
-        view = index.view(source)
+        view = index.view(source, copy_on_write=state)
         if same_bytes(detached, view):
             slot.replace(view)
             report.remapped += 1
@@ -239,19 +254,56 @@ def _remap_slot(slot: TensorSlot, index: CheckpointIndex, areas: MappedAreas, re
     return "changed"
 
 
+def _unwritten_copy_on_write(areas: MappedAreas, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view of a private file mapping (a buffer remapped before)
+    none of whose pages under it a write has copied."""
+    if areas.copy_on_write_page_cache(tensor) is None:
+        return False
+    start = tensor.untyped_storage().data_ptr()
+    try:
+        with PagemapReader() as pagemap:
+            return pagemap.private_copies(start, start + tensor.untyped_storage().nbytes()) == 0
+    except OSError:  # pagemap unreadable: compare it again, as any other tensor
+        return False
+
+
 def _return_freed_memory() -> None:
     """Ask glibc to hand freed heap blocks back to the kernel (no-op elsewhere)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def component_files(model, files) -> dict[str, list[str]]:
-    """The shards per component: ``files`` for all, or each component's own."""
+class ComponentShards(NamedTuple):
+    """Each component's shards, and the components left out with why (no checkpoint found)."""
+
+    shards: dict[str, list[str]]
+    skipped: dict[str, str]
+
+
+def component_files(model, files) -> ComponentShards:
+    """The shards per component: ``files`` for all, a ``{component: files}`` dict (the
+    others found from their own config), or each component's own. A component whose
+    checkpoint cannot be found is left out, with why, while another one's is found (a
+    pipeline with a module built in memory); when none is, the first reason is raised."""
     components = model_components(model)
-    if files is not None:
+    if files is not None and not isinstance(files, Mapping):
         shards = expand_files(files)
-        return {name: shards for name in components}
-    return {name: checkpoint_files(module, name) for name, module in components.items()}
+        return ComponentShards({name: shards for name in components}, {})
+    given = dict(files or {})
+    unknown = sorted(set(given) - set(components))
+    if unknown:
+        raise CheckpointNotFound(f"files= names {', '.join(map(repr, unknown))}, which the model has no component "
+                                 f"of: its components are {', '.join(map(repr, components)) or 'none'}")
+    found, skipped, first = {}, {}, None
+    for name, module in components.items():
+        try:
+            found[name] = expand_files(given[name]) if name in given else checkpoint_files(module, name)
+        except CheckpointNotFound as exc:
+            first = first or exc
+            skipped[name] = str(exc)
+    if first is not None and not found:
+        raise first
+    return ComponentShards(found, skipped)
 
 
 @torch.no_grad()
@@ -259,10 +311,13 @@ def remap(model, files=None, *, spill: bool = False, cache_root=None, max_size=N
     """Point every weight of ``model`` that equals its checkpoint tensor at a read-only mapping of it.
 
     ``model`` is a module, a dict of named modules or a pipeline (its module
-    components); ``files`` is a shard, a folder or a list of them, for every component
-    (default: each component's own checkpoint, found from its config; see
-    :func:`hostmem.remapping.files.checkpoint_files`). Returns a :class:`RemapReport`:
-    bytes remapped, spilled, and left per reason (with a few names each), files and time.
+    components); ``files`` is a shard, a folder or a list of them, for every component,
+    or a dict of them by component (default: each component's own checkpoint, found from
+    its config; see :func:`hostmem.remapping.files.checkpoint_files`). A component whose
+    checkpoint cannot be found is left as it is, named in ``skipped`` with why, while the
+    others are remapped (none found: :class:`~hostmem.remapping.files.CheckpointNotFound`).
+    Returns a :class:`RemapReport`: bytes remapped, spilled, and left per reason (with a
+    few names each), the components skipped, files and time.
 
     With ``spill=True`` the weights left as ``cast`` or ``changed`` and the parameters no
     checkpoint tensor holds (fused, computed) are written once to
@@ -308,12 +363,15 @@ def _remap_all(model, files, report: RemapReport, spill: bool) -> list:
     from .origin import origin_of
     from .spill import Pending
 
-    shards_of = component_files(model, files)
+    shards_of, skipped = component_files(model, files)
+    report.skipped = dict(skipped)
     indexes: dict[tuple[str, ...], CheckpointIndex] = {}
     areas = MappedAreas()
     pending = []
     with one_thread():  # memory-bound: one thread, and no barrier stalls on a busy host
         for component, slot in iter_module_slots(model):
+            if component in skipped:
+                continue
             shards = tuple(shards_of[component])
             if shards not in indexes:
                 indexes[shards] = CheckpointIndex(list(shards))

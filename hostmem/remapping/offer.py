@@ -62,12 +62,12 @@ def remap_sizes(module, files=None) -> RemapSizes:
     """Size remap and its spill for ``module`` from its checkpoint's headers and residency."""
     from ..vault.layer_file import layer_file_bytes
 
-    shards = component_files(module, files)[""]
+    shards = component_files(module, files).shards[""]
     index, areas = CheckpointIndex(shards), MappedAreas()
     same, cast, disk = [], [], 0
     for _, slot in iter_module_slots(module):
         tensor = slot.tensor
-        if tensor.device.type != "cpu" or slot.nbytes == 0 or areas.read_only_file(tensor) is not None:
+        if tensor.device.type != "cpu" or slot.nbytes == 0 or areas.read_only_page_cache(tensor) is not None:
             continue
         candidates = index.candidates(slot.name, tuple(tensor.shape))
         if not candidates and not spillable("missing", slot):

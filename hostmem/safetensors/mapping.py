@@ -31,6 +31,7 @@ __all__ = [
     "SafetensorsError",
     "read_header",
     "ReadOnlySafetensors",
+    "CopyOnWriteSafetensors",
     "open_readonly",
     "load_readonly",
     "save_file",
@@ -64,13 +65,15 @@ class ReadOnlySafetensors:
     the point (it would otherwise copy the page).
     """
 
+    _FLAGS, _PROT = mmap.MAP_SHARED, mmap.PROT_READ
+
     def __init__(self, path: str | os.PathLike):
         self.header = read_header(path)
         self.path = self.header.path
         with open(self.path, "rb") as handle:
             if self.header.file_size == 0:
                 raise SafetensorsError(f"{self.path}: empty file")
-            self._map = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            self._map = mmap.mmap(handle.fileno(), 0, flags=self._FLAGS, prot=self._PROT)
         advise_huge_pages(self._map)
         guard_foreign_writers()  # read-only weights handed out: catch writers
 
@@ -95,6 +98,18 @@ class ReadOnlySafetensors:
             flat = torch.frombuffer(self._map, dtype=torch.uint8, count=info.nbytes, offset=start)
         return flat.view(info.torch_dtype).reshape(info.shape)
 
+
+
+class CopyOnWriteSafetensors(ReadOnlySafetensors):
+    """A safetensors file mapped private and writable, as safetensors' own loader maps it:
+    a page is the file's (page cache) until a write copies it (anonymous from then on).
+
+    For state a model writes (a buffer: running statistics, a counter), where a
+    read-only view would fault on the write; never for weights, whose stray writes
+    should fault (:class:`ReadOnlySafetensors`).
+    """
+
+    _FLAGS, _PROT = mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE
 
 
 def open_readonly(path: str | os.PathLike) -> ReadOnlySafetensors:

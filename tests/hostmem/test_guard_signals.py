@@ -22,7 +22,7 @@ import time
 import psutil
 import pytest
 
-from tests.hostmem.test_guard_tree import MODES, leftover_groups
+from tests.hostmem.test_guard_tree import MODES, leftover_groups, needs_cgroup
 from tests.hostmem.test_peak import process_state, wait_for
 
 # The command: a shell script whose python child writes each signal it gets into a
@@ -244,3 +244,22 @@ def test_ctrl_c_to_a_tracked_process_and_its_sampler_leaves_no_sampler_error():
     assert err.strip().splitlines()[-1] == "KeyboardInterrupt"
     assert "peak sampler" not in err and "PeakTrackerError" not in err
     wait_for(lambda: process_state(sampler) in (None, "Z"), f"sampler {sampler} ended with its tracker")
+
+
+@needs_cgroup  # only the cgroup says what was left running
+def test_what_the_command_started_ends_on_the_signal_passed_on_and_is_not_called_left_running(tmp_path):
+    """The shell ends at once on SIGTERM; its python child takes 0.3 s. The guard waits
+    for the child to end (it got the signal too) before naming anything "kept running"."""
+    (tmp_path / "child.py").write_text(CHILD)
+    ready = tmp_path / "ready"
+    command = ["sh", "-c", '"$0" "$1" "$2" "$3" & wait', sys.executable, str(tmp_path / "child.py"),
+               str(tmp_path / "signals.log"), str(ready)]
+    guard = subprocess.Popen([sys.executable, "-c", DRIVER, "cgroup", "10", *command], stderr=subprocess.PIPE,
+                             text=True)
+    wait_for(lambda: ready.exists() or guard.poll() is not None, "the command's child ready")
+    guard.send_signal(signal.SIGTERM)
+    err = guard.communicate(timeout=60)[1]
+    assert guard.returncode == 128 + signal.SIGTERM, err
+    assert "kept running" not in assert_one_clean_line(err, "SIGTERM"), err
+    assert signals_seen(tmp_path) == ["SIGTERM"]
+    assert leftover_groups() == []

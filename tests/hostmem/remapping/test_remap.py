@@ -54,7 +54,8 @@ def test_remap_points_equal_weights_at_the_checkpoint_and_frees_the_copies(tmp_p
     mapped = {n for n, t in model.named_parameters(remove_duplicate=False) if areas.read_only_file(t) == path}
     assert mapped == {"a.weight", "a.bias", "b.weight", "b.bias"}
     assert model.a.weight is model.b.weight  # the tie survives: one tensor, both places
-    assert areas.read_only_file(model.scale) == path
+    state = areas.area_of(model.scale)  # a buffer: the file mapped private and writable, as safetensors maps it
+    assert areas.read_only_file(model.scale) is None and state.path == path and "w" in state.perms
     assert report.remapped == 4 and report.left_bytes["missing"] == 256 * 4  # the non-persistent buffer
     assert report.left_names["missing"] == ["cache"]
     assert _anonymous(model) <= 256 * 4 + 4096  # what remains anonymous: the buffer (its page)
@@ -125,6 +126,21 @@ def test_a_model_that_records_no_checkpoint_gets_an_error_saying_what_to_pass(tm
         hostmem.remap(model, files=tmp_path / "empty")
 
 
+def test_a_pipeline_component_without_a_checkpoint_is_skipped_and_named_the_others_remapped(tmp_path):
+    model, path = _model_and_checkpoint(tmp_path)
+    model.config = {"_name_or_path": str(tmp_path)}
+    head = nn.Linear(8, 8)  # built in memory: no checkpoint anywhere
+    report = hostmem.remap({"dit": model, "head": head})
+    assert report.remapped == 4 and list(report.skipped) == ["head"] and "pass files=" in report.skipped["head"]
+    assert "component 'head' skipped" in str(report) and report.to_dict()["skipped"] == report.skipped
+    (tmp_path / "other").mkdir()
+    other, other_path = _model_and_checkpoint(tmp_path / "other")
+    again = hostmem.remap({"dit": other, "head": head}, files={"dit": other_path})  # files by component
+    assert again.remapped == 4 and list(again.skipped) == ["head"]
+    with pytest.raises(CheckpointNotFound, match="no component of: its components are 'dit'"):
+        hostmem.remap({"dit": other}, files={"vae": other_path})
+
+
 def test_the_planner_is_offered_the_remap_until_it_is_done(tmp_path):
     from hostmem.remapping.offer import RemapProvider
     from planners.providers import Offer, OfferRecord, Provider, collect_offers, remap_providers
@@ -142,3 +158,43 @@ def test_the_planner_is_offered_the_remap_until_it_is_done(tmp_path):
 
     hostmem.remap(model)
     assert RemapProvider.from_model("dit", model).offer() is None
+
+
+def test_buffers_a_model_writes_are_remapped_copy_on_write_and_a_training_pass_writes_them(tmp_path):
+    """BatchNorm updates its running statistics in place in training: a read-only view
+    would kill the process (SIGSEGV). The remapped buffers take the write as safetensors'
+    own mapping does: the pages written turn anonymous, the rest stay the file's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16))
+    path = write_safetensors(tmp_path / "bn.safetensors", {k: v.clone() for k, v in model.state_dict().items()})
+    twin = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16))
+    twin.load_state_dict(model.state_dict())
+    report = hostmem.remap(model, files=path)
+    assert report.remapped == 7 and report.total_left_bytes == 0, report
+    assert MappedAreas().read_only_file(model[0].weight) == path  # weights stay read-only
+    x = torch.randn(8, 16)
+    model.train(), twin.train()
+    assert torch.equal(model(x), twin(x))
+    assert torch.equal(model[1].running_mean, twin[1].running_mean) and int(model[1].num_batches_tracked) == 1
+    assert torch.equal(model.eval()(x), twin.eval()(x))
+
+
+def test_weights_mapped_from_a_copy_on_tmpfs_are_not_already_mapped_and_move_to_the_checkpoint(tmp_path):
+    """A tmpfs file's pages are shmem, never given back: a model mapped from such a copy
+    (a checkpoint staged in /dev/shm) is pointed at the checkpoint on disk."""
+    if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+        pytest.skip("no writable /dev/shm on this machine")
+    model, path = _model_and_checkpoint(tmp_path)
+    staged = os.path.join("/dev/shm", f"hostmem-test-{os.getpid()}.safetensors")
+    with open(path, "rb") as src, open(staged, "wb") as dst:
+        dst.write(src.read())
+    try:
+        model.load_state_dict(hostmem.load_readonly(staged), strict=False, assign=True)
+        model.b.weight = model.a.weight
+        assert MappedAreas().read_only_file(model.a.weight) == staged
+        report = hostmem.remap(model, files=path)
+        assert report.already_mapped_bytes == 0 and report.remapped == 4, report
+        assert MappedAreas().read_only_file(model.a.weight) == path
+        assert hostmem.account(model).totals.shmem == 0
+    finally:
+        os.unlink(staged)
