@@ -220,7 +220,7 @@ def _open_in(targets: list[LayerTarget], combination: Combination, roots: list[s
     shards = base_shards(host, base_files, space)
     vaults = [Vault(root, max_size) for root in roots]
     keyer = next((v for v in vaults if not v.read_only), vaults[0])  # its memo spares the next start a rehash
-    rest = combination.inputs_but_base(keyer)
+    rest = combination.inputs_but_base(vaults)  # meanings recorded in any root (an image's) make the key
 
     def expected_layers(key_hex: str | None) -> tuple[list[LayerTarget], dict]:
         kept = at_runtime if lossy is None else lossy.kept_apart(vaults, key_hex, rest)

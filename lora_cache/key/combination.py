@@ -48,8 +48,16 @@ def _meaning_name(file_digest: str, form: str, adapter: AdapterFile, spec: Adapt
     return "meaning-" + hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _remembered(vault, names: list[str]) -> list[str | None]:
-    shelf = Shelf([vault], CONVERSIONS)
+def _in_roots(vaults) -> tuple:
+    """``(keyer, vaults)`` of one vault or a start's roots in order: the keyer (the first
+    writable, whose memo of digests the key is computed with, as ``merge``'s) and every
+    root, whose records of adapters' meanings are read (an image's included)."""
+    vaults = list(vaults) if isinstance(vaults, (list, tuple)) else [vaults]
+    return next((v for v in vaults if not v.read_only), vaults[0]), vaults
+
+
+def _remembered(vaults: list, names: list[str]) -> list[str | None]:
+    shelf = Shelf(vaults, CONVERSIONS)
     valid = (lambda r: isinstance(r, dict) and r.get("format") == _MEANING_FORMAT
              and r.get("version") == _MEANING_VERSION and isinstance(r.get("meaning"), str))
     out = []
@@ -62,52 +70,57 @@ def _remembered(vault, names: list[str]) -> list[str | None]:
     return out
 
 
-def _remember(vault, name: str, file_digest: str, meaning: str) -> None:
+def _remember(vaults: list, name: str, file_digest: str, meaning: str) -> None:
     """Keep a meaning in this process and, as a record of the file (pruned with it), in the
     root (a hint: a root that cannot hold it costs the next start a hash of the values)."""
     if _MEANINGS.get(name) == meaning:
         return
     _MEANINGS[name] = meaning
-    Shelf([vault], CONVERSIONS).store(name, {"format": _MEANING_FORMAT, "version": _MEANING_VERSION,
+    Shelf(vaults, CONVERSIONS).store(name, {"format": _MEANING_FORMAT, "version": _MEANING_VERSION,
                                              "digest": file_digest, "meaning": meaning})
 
 
-def _identities(vault, files, specs, planned) -> list[dict]:
+def _identities(roots, files, specs, planned) -> list[dict]:
     """Each adapter's identity in the key: its meaning (``digest``; the file's content digest
     beside it as ``file_digest``, which the key leaves out), its strength and alpha override;
     where the meaning is neither remembered nor computable (values on the meta device), the
-    file's content digest with the key rules and the form."""
+    file's content digest with the key rules and the form. ``roots``: a vault, or the
+    start's roots in order (meanings are read from every one: an image's records name
+    what its combinations were keyed by)."""
+    vault, vaults = _in_roots(roots)
     paths = [f.path for f in files]
     forms = adapter_forms(planned, paths)
     found = [vault.adapter_identity(f.path, s.strength, s.alpha) for f, s in zip(files, specs)]
     names = [_meaning_name(i["digest"], form, f, s) for i, form, f, s in zip(found, forms, files, specs)]
-    meanings = adapter_meanings(planned, paths, _remembered(vault, names))
+    meanings = adapter_meanings(planned, paths, _remembered(vaults, names))
     out = []
     for identity, spec, form, name, meaning in zip(found, specs, forms, names, meanings):
         if meaning is None:
             out.append({**identity, **_key_extras(spec, form)})
             continue
-        _remember(vault, name, identity["digest"], meaning)
+        _remember(vaults, name, identity["digest"], meaning)
         out.append({**identity, "file_digest": identity["digest"], "digest": meaning})
     return out
 
 
-def inputs_but_base(vault, files, specs, dtypes, policy: str, *, planned) -> tuple[list[dict], str, str]:
-    """``(adapter identities, target dtype, merge policy)``: the key's inputs besides the base.
+def inputs_but_base(roots, files, specs, dtypes, policy: str, *, planned) -> tuple[list[dict], str, str]:
+    """``(adapter identities, target dtype, merge policy)``: the key's inputs besides the base
+    (``roots``: a vault, or the start's roots in order; see :func:`_identities`).
     ``planned``: ``{layer name: deltas}`` of every target, the canonical form the key covers;
     ``policy``: how the build sums, as it says it (:func:`lora_cache.kernels.policy.merge_policy`)."""
-    identities = _identities(vault, files, specs, planned)
+    identities = _identities(roots, files, specs, planned)
     target_dtype = ",".join(sorted({str(d).removeprefix("torch.") for d in dtypes}))
     return identities, target_dtype, policy
 
 
-def key_of(vault, files: list[AdapterFile], specs: list[Adapter], shards: list[str], dtypes, policy: str, *,
+def key_of(roots, files: list[AdapterFile], specs: list[Adapter], shards: list[str], dtypes, policy: str, *,
            planned) -> CacheKey:
     """The vault key of merging ``files`` (as ``specs`` ask) into the checkpoint ``shards``
     (the ones holding the targets: :func:`lora_cache.key.base_shards.base_shards`) by
-    ``policy``; ``planned`` the targets' deltas by layer name (:mod:`lora_cache.key.canonical_key`)."""
-    return cache_key(vault.base_identity(shards), *inputs_but_base(vault, files, specs, dtypes, policy,
-                                                                   planned=planned))
+    ``policy``; ``planned`` the targets' deltas by layer name (:mod:`lora_cache.key.canonical_key`);
+    ``roots``: a vault, or the start's roots in order (:func:`_identities`)."""
+    return cache_key(_in_roots(roots)[0].base_identity(shards), *inputs_but_base(roots, files, specs, dtypes, policy,
+                                                                                 planned=planned))
 
 
 @dataclass(frozen=True)
@@ -125,13 +138,13 @@ class Combination:
     policy: str
     planned: dict = field(repr=False)
 
-    def inputs_but_base(self, vault) -> tuple[list[dict], str, str]:
-        """:func:`inputs_but_base` of this combination, with ``vault``'s memo of digests."""
-        return inputs_but_base(vault, self.files, self.specs, self.dtypes, self.policy, planned=self.planned)
+    def inputs_but_base(self, roots) -> tuple[list[dict], str, str]:
+        """:func:`inputs_but_base` of this combination (``roots``: a vault or the start's roots)."""
+        return inputs_but_base(roots, self.files, self.specs, self.dtypes, self.policy, planned=self.planned)
 
-    def key(self, vault, shards: list[str]) -> CacheKey:
-        """The vault key of this combination on the checkpoint ``shards``."""
-        return key_of(vault, self.files, self.specs, shards, self.dtypes, self.policy, planned=self.planned)
+    def key(self, roots, shards: list[str]) -> CacheKey:
+        """The vault key of this combination on the checkpoint ``shards`` (``roots``: a vault or the start's roots)."""
+        return key_of(roots, self.files, self.specs, shards, self.dtypes, self.policy, planned=self.planned)
 
 
 def kernel_roots(roots: list[str] | None) -> list[str]:

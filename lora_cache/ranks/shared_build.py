@@ -231,12 +231,12 @@ def _key_or_fold(vaults, targets, combination: Combination, base_files, index: i
     if fold_pays(len(shards), count, os.cpu_count() or 1):  # the same on every rank of the host
         _hash_inputs(sorted({os.path.realpath(os.fspath(f.path)) for f in combination.files}), index, count,
                      memo_file, timeout)
-        rest = combination.inputs_but_base(_keyer(vaults))
+        rest = combination.inputs_but_base(vaults)
         fold = plan_shared_fold(vaults, shards, rest, index, count, _split_files, timeout)
         if fold is not None:
             return fold.key, fold
     _hash_inputs(_input_files(targets, combination.files, base_files), index, count, memo_file, timeout)
-    return combination.key(_keyer(vaults), shards), None  # from the digests
+    return combination.key(vaults, shards), None  # from the digests
 
 
 def _input_files(targets, files, base_files) -> list[str]:

@@ -77,6 +77,40 @@ def test_an_image_built_by_the_cli_serves_a_diffusers_pipeline(tmp_path, layout)
     assert all(os.sep + "conversions" + os.sep in p for p in changed), changed
 
 
+SERVE = """
+import json, sys
+import torch
+import planners
+from tests.clients import tiny_models as tm
+
+model = tm.load_model("flux", sys.argv[1], torch.bfloat16)
+print(json.dumps(planners.start(sys.argv[2], {"dit": model}, quiet=True, pin=False).merge_stats.to_dict()))
+"""
+
+
+def test_an_image_baked_read_only_serves_a_server_that_lists_its_own_root_after_it(tmp_path, read_only_copy):
+    """The image's records name what its combination was keyed by (the adapter's meaning,
+    read through diffusers' converter): a server whose values the converter's record spares
+    from loading finds them there, not only in its own writable root."""
+    model = tm.save_model("flux", tmp_path / "model", torch.bfloat16)
+    adapter = os.path.join(tm.write_adapters("flux", model, tmp_path / "adapters")["diffusers_meta"],
+                           "pytorch_lora_weights.safetensors")
+    config = _config(tmp_path, model, adapter)
+    cli = subprocess.run([sys.executable, "-m", "planners.cli", "lora", "merge", config, "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    built = json.loads(cli.stdout)
+    image = read_only_copy(str(tmp_path / "cache"))
+    served_config = tmp_path / "server.yaml"
+    served_config.write_text(open(config).read().replace(f"root: {tmp_path / 'cache'}",
+                                                         f"roots: [{image}, {tmp_path / 'own'}]"))
+    start = run_python(SERVE, model, str(served_config), timeout=300)
+    assert start.returncode == 0, start.stderr
+    served = json.loads(start.stdout.splitlines()[-1])
+    assert (served["cache_key"], served["hit"], served["built"]) == (built["cache_key"], built["layers"], 0), served
+    assert served["cache_root"] == image
+
+
 def test_one_math_in_two_layouts_is_one_key(tmp_path):
     """A peft folder and a musubi-tuner file holding the same factors at the same scale (alpha =
     rank) mean one merge: the second start finds every layer the first built; a file whose
