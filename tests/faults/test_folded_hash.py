@@ -218,6 +218,32 @@ def test_an_interrupted_folded_build_keeps_its_layers_for_the_next_start_to_resu
     assert not markers(root) and stats.cache_key == os.path.basename(combination_folder(root))
 
 
+def test_an_interrupt_while_the_seal_waits_for_the_hash_keeps_every_layer_and_the_next_start_resumes(
+        tmp_path, monkeypatch):
+    """Ctrl-C (or a SIGTERM turned into one) while the seal waits for the hasher to finish
+    the base: every layer stays, marked resumable, and the next start takes them up, also
+    when the hasher finished meanwhile and the base's digest is now known."""
+    world = make_world(tmp_path)
+    expected, root = reference(world.base, world.adapter), world.path("root")
+    finish = fold.BaseHasher.result
+
+    def interrupted(self):
+        finish(self)  # the digest is memoised: the next start knows the key at once
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fold.BaseHasher, "result", interrupted)
+    model, planned, session = open_folded(world, root)
+    with pytest.raises(KeyboardInterrupt), session:
+        merge_layers(session.in_file_order(planned[0]), session, progress=False, fallback=False)
+    lora_cache.unmerge(model, strict=False)
+    monkeypatch.setattr(fold.BaseHasher, "result", finish)
+    assert CONTENT_HASH_MEMO.known(world.base)[1] is not None
+    served, stats = fresh_start(world.base, world.adapter, root)
+    assert_same(served, expected)
+    assert (stats.hit, stats.built) == (LAYERS, 0)
+    assert not markers(root) and stats.cache_key == os.path.basename(combination_folder(root))
+
+
 def test_the_hasher_waits_for_the_build_within_its_window():
     cursor, reached = BuildCursor(window=100), []
     waiter = threading.Thread(target=lambda: (cursor.wait(500), reached.append(True)))
