@@ -23,6 +23,7 @@ from .durable import TMP_PREFIX, free_bytes, remove_if_abandoned, remove_tree
 from .locks import KeyLock, lock_is_held
 from .safety import VaultError, make_private_dir
 from .manifest import ManifestError, last_used, read_manifest
+from .content_hash import MEMO_NAME
 from .provisional import is_provisional, is_resumable, never_resumed
 from .verification import DAMAGE_NAME, read_damage
 
@@ -302,6 +303,6 @@ def sweep_dead_temporaries(cache: str) -> int:
         if not held:
             removed += _sweep_folder(folder)
             if is_key(name) and is_provisional(folder) and (  # its builder died
-                    not is_resumable(folder) or never_resumed(folder)):
+                    not is_resumable(folder) or never_resumed(folder, os.path.join(cache, MEMO_NAME))):
                 remove_if_unused(cache, name)
     return removed

@@ -34,7 +34,7 @@ from .identity import (CacheKey, base_identity_of, cache_key, key_inputs, provis
 from .combinations import lock_path
 from .locks import KeyLock, describe_holders, lock_holders, lock_is_held
 from .manifest import read_manifest
-from .provisional import is_resumable, mark_provisional
+from .provisional import mark_provisional
 from .rekey import rekey
 from .session import say
 
@@ -179,20 +179,12 @@ def plan_fold(vaults: list, shard_paths: list[str], adapters: list[dict], target
     if writable is None or not shard_paths:
         return None
     shards, inputs = _shards_and_inputs(writable, shard_paths, (adapters, target_dtype, merge_policy))
-    if all(known is not None for _, _, known in shards) and not _left_to_resume(writable, shards, inputs):
+    if all(known is not None for _, _, known in shards):
         return None
     for vault in vaults:
         if any(c.complete and same_but_base_digests(c.inputs, inputs) for c in vault.combinations()):
             return None
     return Fold(writable, vaults, shards, inputs, (adapters, target_dtype, merge_policy))
-
-
-def _left_to_resume(writable, shards: list, inputs: dict) -> bool:
-    """Whether a build of these inputs stopped before its re-key (interrupted while its
-    hasher finished) left its sealed layers under the provisional key: the digests known
-    now, the start folds again to take them up (and re-keys at once)."""
-    key = provisional_key(inputs, [stamp for _, stamp, _ in shards])
-    return is_resumable(os.path.join(writable.cache, key.hex))
 
 
 def _shards_and_inputs(writable, shard_paths: list[str], rest: tuple) -> tuple[list, dict]:
@@ -272,22 +264,33 @@ class FoldedSession:
         the rest of the base would hold the exit up. Its sealed layers are re-keyed where
         the hash was done already, else kept, marked resumable
         (:func:`hostmem.vault.provisional.is_resumable`)."""
-        if self._failed:
-            self._cursor.stop()
-            self._hasher.join()
-            if self._hasher.error is not None or None in self._hasher.digests:
-                _keep_for_resume(session, self._fold.paths)
-                return
-        self._cursor.release()
-        try:
-            digests = self._hasher.result()
-        except BaseException as exc:
-            if exc is self._hasher.error:  # the base changed while it was hashed: what was built from it goes
-                remove_tree(session.folder)
-            else:  # interrupted while it waited for the hash (a signal): the sealed layers stay, resumable
-                self._cursor.stop()
-                _keep_for_resume(session, self._fold.paths)
-            raise
+        if not self._failed:
+            self._cursor.release()
+            try:
+                digests = self._hasher.result()
+            except BaseException as exc:
+                if exc is self._hasher.error:  # the base changed while it was hashed: what was built from it goes
+                    remove_tree(session.folder)
+                    raise
+                self._settle(session)  # interrupted while it waited for the hash (a signal)
+                raise
+            self._rekey(session, digests)
+            return
+        self._settle(session)
+
+    def _settle(self, session) -> None:
+        """A build that stops before the hash is done: its hasher stops where it is, and
+        the sealed layers take their real key where it had finished (a provisional folder
+        whose base is known would be swept as never resumed), else stay, resumable."""
+        self._cursor.stop()
+        self._hasher.join()
+        if self._hasher.error is not None or None in self._hasher.digests:
+            _keep_for_resume(session, self._fold.paths)
+        else:
+            self._rekey(session, self._hasher.digests)
+
+    def _rekey(self, session, digests: list[str]) -> None:
+        """Name the sealed combination by its real key, now that the base's digests are known."""
         real = self._fold.real_key(digests)
         self.vault = rekey(session.vault, session.key, real, self._fold.vaults)
         self.key = real.hex

@@ -72,14 +72,23 @@ def unmark_provisional(folder: str) -> None:
     fsync_dir(folder)
 
 
-def never_resumed(folder: str) -> bool:
-    """A resumable folder no start will take up again: a shard its marker names is gone.
-    Otherwise a start on the same inputs takes it up, whether the base's digests are
-    known by then or not (:func:`hostmem.vault.fold.plan_fold` folds again to resume it:
-    a build interrupted while its hasher finished leaves the digests memoised), and
-    ``prune`` or the LRU eviction removes it where none comes. ``memo_file`` is unused
-    (kept for the callers' signature)."""
+def never_resumed(folder: str, memo_file: str) -> bool:
+    """A resumable folder no start will take up again: a start builds under a provisional
+    key only while its base's digests are not known, and the memo knows every shard the
+    marker names at the stamp it has now (or a shard is gone). Its builder died: the
+    dead-writer sweep removes it, as it removes any other provisional folder."""
+    from .content_hash import load_memo_file, stamp_of  # here: only a sweep that found one asks
+
     paths = _marker(folder).get("base")
     if not isinstance(paths, list) or not paths:
         return False
-    return not all(os.path.exists(str(path)) for path in paths)
+    known = load_memo_file(memo_file)
+    for path in paths:
+        try:
+            stamp = stamp_of(os.stat(str(path)))
+        except OSError:
+            return True  # a shard gone: no start has that base
+        entry = known.get(f"{stamp[0]}:{stamp[1]}")
+        if entry is None or list(entry[0]) != stamp:
+            return False  # still to be hashed: the next start on it folds, and resumes this
+    return True
