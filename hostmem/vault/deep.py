@@ -26,12 +26,18 @@ __all__ = ["recorded_inputs", "deep_check"]
 
 def recorded_inputs(inputs: dict) -> list[tuple[str, str]]:
     """``(path, digest)`` of every input file a combination's manifest records: the base's
-    shards, then the adapters."""
+    shards, then the adapters. An adapter keyed by its meaning (the merge it means, read
+    through its converter) records its file's own content digest as ``file_digest``
+    beside it: that is the one the file's bytes are compared with."""
     base = inputs.get("base") if isinstance(inputs, dict) else None
     files = list(base.get("shards") or []) if isinstance(base, dict) else []
     files += list(inputs.get("adapters") or []) if isinstance(inputs, dict) else []
-    return [(str(f["path"]), str(f["digest"])) for f in files
-            if isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("digest"), str)]
+    out = []
+    for f in files:
+        digest = f.get("file_digest", f.get("digest")) if isinstance(f, dict) else None
+        if isinstance(f.get("path") if isinstance(f, dict) else None, str) and isinstance(digest, str):
+            out.append((str(f["path"]), digest))
+    return out
 
 
 def deep_check(inputs: dict, memo_file: str | None, read: dict[str, str]) -> tuple[list[str], list[str]]:
