@@ -63,9 +63,10 @@ def register(subparsers) -> None:
 
 
 def _merge_component(config):
-    """The component the adapters go into: lora.component, else ``dit``, else the streamed one."""
-    chosen = config.components.get(config.lora.component) if config.lora.component else None
-    chosen = chosen or config.components.get("dit") or config.streamed
+    """The component the adapters go into: the one a server's start merges into
+    (``config.merge_target``: lora.component, else the one declaring ``lora_targets``, else
+    the streamed one with a checkpoint), else ``dit``."""
+    chosen = config.merge_target or config.components.get("dit")
     if chosen is None:
         raise InputError(f"{config.origin.path}: no component to merge into; set lora.component")
     if not chosen.path:

@@ -246,3 +246,19 @@ def test_bad_adapter_entries_name_the_key(write_config, old, new, key):
     with pytest.raises(ConfigError) as info:
         load_config(write_config(text), environ={})
     assert key in str(info.value)
+
+
+def test_hostmem_lora_merge_builds_into_the_component_a_server_merges_into(write_config, tmp_path):
+    """Two streamed experts (Wan 2.2), the LoRA declared on the second: the CLI's build and
+    the server's start agree on ``merge_target``, not on the component named first."""
+    from planners.commands.lora import _merge_component
+
+    ckpt = tmp_path / "ckpt.safetensors"
+    ckpt.write_bytes(b"")
+    text = ("deployment: experts\nhost: {limit: 64GiB, reserve: 4GiB}\nworkload: {steps: 4}\n"
+            "components:\n"
+            f"  dit_high: {{path: {ckpt}, layers: \"blocks.{{{{i}}}}.\", offload: layerwise}}\n"
+            f"  dit_low: {{path: {ckpt}, layers: \"blocks.{{{{i}}}}.\", lora_targets: 1GiB, offload: layerwise}}\n"
+            f"lora: {{adapters: [{{path: {ckpt}}}]}}\n")
+    config = load_config(write_config(text), environ={})
+    assert config.merge_target.name == "dit_low" and _merge_component(config) is config.merge_target
