@@ -17,9 +17,6 @@ import os
 from hostmem.errors import InputError
 from hostmem.units import format_rate, format_size, size_option
 
-_DEFAULT_ROOT = "~/.cache/hostmem"
-
-
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "calibrate",
@@ -48,9 +45,13 @@ def register(subparsers) -> None:
 
 
 def cache_root(args, config) -> str:
-    """``--root``, else the config's ``lora.cache.root``, else ``$HOSTMEM_CACHE_ROOT``, else the default."""
+    """``--root``, else the config's ``lora.cache.root``, else the default root, as the
+    plan that reads the record finds it (``$HOSTMEM_CACHE_ROOT``, else ``$XDG_CACHE_HOME/hostmem``,
+    else ``~/.cache/hostmem``)."""
+    from hostmem.vault.combinations import default_cache_root
+
     root = args.root or (config.lora.cache.root if config is not None and config.lora is not None else None)
-    return os.path.expanduser(root or os.environ.get("HOSTMEM_CACHE_ROOT") or _DEFAULT_ROOT)
+    return os.path.expanduser(root or default_cache_root())
 
 
 def _folders(args, config) -> list[tuple[str, bool]]:

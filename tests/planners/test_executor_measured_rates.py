@@ -81,3 +81,17 @@ def test_a_record_not_a_calibration_is_not_used(tmp_path, root, capsys):
 def test_transfer_with_another_word_is_refused_naming_the_choices(tmp_path, root):
     with pytest.raises(ConfigError, match="write measured"):
         load_config(_write(tmp_path, "transfer: measure\n"))
+
+
+def test_calibrate_saves_where_the_plan_reads_with_xdg_cache_home_set(tmp_path, monkeypatch):
+    """No --root, no config root, no HOSTMEM_CACHE_ROOT: ``hostmem calibrate --save`` and a
+    plan with ``transfer: measured`` both take ``$XDG_CACHE_HOME/hostmem``."""
+    import argparse
+
+    from planners.calibration import record_path
+    from planners.commands.calibrate import cache_root
+
+    monkeypatch.delenv("HOSTMEM_CACHE_ROOT", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    saved = os.path.join(cache_root(argparse.Namespace(root=None), None), "calibration.json")
+    assert saved == record_path() == str(tmp_path / "xdg" / "hostmem" / "calibration.json")
