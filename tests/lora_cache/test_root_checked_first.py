@@ -72,13 +72,10 @@ def _start(folder, how: str, *roots: str) -> str:
     return done.stdout.split()[-1]
 
 
-def test_merge_and_set_adapters_choose_kernels_from_a_read_only_roots_wisdom(tmp_path, read_only_copy):
-    """A read-only root (a cache baked into an image) keeps the kernel choices its keys
-    were made with: merge and set_adapters both read them, so both find what it holds.
-
-    The image here was built where torch's bf16 addmm was recorded as not rounding once
-    (no kernel to choose: every layer summed in fp32 rows), so a start that timed its
-    kernels anew on this machine would name the bf16 kernel in its key, and miss."""
+def _image_of_other_choices(tmp_path):
+    """A root whose kernel wisdom records torch's bf16 addmm as not rounding once (no kernel
+    to choose: every layer summed in fp32 rows), where this machine's own timing would name
+    the bf16 kernel in the key; skips where the bf16 addmm does not round once here."""
     scratch = tmp_path / "scratch"
     _start(tmp_path, "merge", str(scratch))
     wisdom = json.loads((scratch / "kernel_wisdom.json").read_text())
@@ -89,6 +86,17 @@ def test_merge_and_set_adapters_choose_kernels_from_a_read_only_roots_wisdom(tmp
     image.mkdir()
     (image / "kernel_wisdom.json").write_text(json.dumps(
         {**wisdom, "entries": {}, "facts": {k: {"rounds_once": False} for k in facts}}))
+    return image
+
+
+def test_merge_and_set_adapters_choose_kernels_from_a_read_only_roots_wisdom(tmp_path, read_only_copy):
+    """A read-only root (a cache baked into an image) keeps the kernel choices its keys
+    were made with: merge and set_adapters both read them, so both find what it holds.
+
+    The image here was built where torch's bf16 addmm was recorded as not rounding once
+    (no kernel to choose: every layer summed in fp32 rows), so a start that timed its
+    kernels anew on this machine would name the bf16 kernel in its key, and miss."""
+    image = _image_of_other_choices(tmp_path)
     built = _start(tmp_path, "merge", str(image))  # the image's build, under its own choices
     baked = read_only_copy(str(image))
     assert _start(tmp_path, "merge", baked) == built
@@ -99,16 +107,7 @@ def test_a_server_whose_own_root_comes_first_makes_the_key_of_an_image_in_a_root
     """An image built by ``hostmem lora build`` into a root that a server lists after its
     own (writable, empty) root: the image's recorded kernel choices make the key, so the
     server finds the image instead of timing anew, keying otherwise and building again."""
-    scratch = tmp_path / "scratch"
-    _start(tmp_path, "merge", str(scratch))
-    wisdom = json.loads((scratch / "kernel_wisdom.json").read_text())
-    facts = wisdom["facts"]
-    if not any(f.get("rounds_once") for f in facts.values()):
-        pytest.skip("torch's bf16 addmm does not round once here: there is no kernel to choose")
-    image = tmp_path / "image"
-    image.mkdir()
-    (image / "kernel_wisdom.json").write_text(json.dumps(
-        {**wisdom, "entries": {}, "facts": {k: {"rounds_once": False} for k in facts}}))
+    image = _image_of_other_choices(tmp_path)
     built = _start(tmp_path, "merge", str(image))
     own = tmp_path / "own"
     assert _start(tmp_path, "merge", str(own), str(image)) == built
