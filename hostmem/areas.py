@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from .pagemap import SCAN_PRESENT, SCAN_SWAPPED, PagemapReader
+from .procfs.maps import strip_deleted
 from .procfs.mounts import SHMEM_NAMES as _SHMEM_NAMES
 from .procfs import PAGE_SIZE, Mount, ProcReadError, Vma, is_shmem_fs, read_maps, read_mounts, read_smaps, read_status
 from .residency_classes import CLASSES, Residency
@@ -27,10 +28,6 @@ CODES = len(CLASSES) + 1
 
 _DEVICE_PREFIXES = ("/dev/nvidia", "/dev/dri/", "/dev/kfd")
 CHUNK_PAGES = 1 << 18  # 1 GiB of 4 KiB pages per pagemap read: bounded memory per chunk
-
-
-def _strip_deleted(path: str) -> str:
-    return path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
 
 
 class AreaKind:
@@ -140,7 +137,7 @@ class AreaSnapshot:
     def _on_shmem_fs(self, path: str) -> bool:
         cached = self._fs_cache.get(path)
         if cached is None:
-            cached = self._fs_cache[path] = is_shmem_fs(_strip_deleted(path), self._mounts)
+            cached = self._fs_cache[path] = is_shmem_fs(strip_deleted(path), self._mounts)
         return cached
 
     def area_kind(self, vma: Vma) -> str:

@@ -20,7 +20,7 @@ from torch import nn
 from .pinning import replaced
 from .procfs import Vma
 from .procfs.files import proc_path, read_text
-from .procfs.maps import parse_maps_line
+from .procfs.maps import parse_maps_line, strip_deleted
 from .procfs.mounts import SHMEM_NAMES, is_shmem_fs, read_mounts
 
 __all__ = ["TensorSlot", "tensor_slots", "model_components", "iter_module_slots", "MappedAreas"]
@@ -147,8 +147,7 @@ class MappedAreas:
             return False
         if self._mounts is None:
             self._mounts = read_mounts()
-        plain = path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
-        return not is_shmem_fs(plain, self._mounts)
+        return not is_shmem_fs(strip_deleted(path), self._mounts)
 
 
 def iter_module_slots(model) -> Iterator[tuple[str, TensorSlot]]:

@@ -42,7 +42,7 @@ from .settings import DISABLE_ENV, cache_disabled_by_env
 from .ranks.tp_shards import check_shards, full_shapes, shape_notes, split_shards
 from hostmem.vault import Vault, cache_key
 from hostmem.vault.fold import FoldedSession, plan_fold, wait_for_a_folded_build
-from hostmem.vault.roots import cache_roots, open_in_roots
+from hostmem.vault.roots import cache_roots, keyer, open_in_roots
 
 __all__ = [
     "CacheBuildError",
@@ -219,7 +219,6 @@ def _open_in(targets: list[LayerTarget], combination: Combination, roots: list[s
     space = AddressSpace()
     shards = base_shards(host, base_files, space)
     vaults = [Vault(root, max_size) for root in roots]
-    keyer = next((v for v in vaults if not v.read_only), vaults[0])  # its memo spares the next start a rehash
     rest = combination.inputs_but_base(vaults)  # meanings recorded in any root (an image's) make the key
 
     def expected_layers(key_hex: str | None) -> tuple[list[LayerTarget], dict]:
@@ -234,7 +233,7 @@ def _open_in(targets: list[LayerTarget], combination: Combination, roots: list[s
         if session is not None:
             return OpenCombination(session.key, session.vault.root, session)
     wait_for_a_folded_build(vaults, shards, rest)  # one building it still: it names it by the real key soon
-    key = cache_key(keyer.base_identity(shards), *rest)  # from the memo where another start hashed it meanwhile
+    key = cache_key(keyer(vaults).base_identity(shards), *rest)  # from the memo where another start hashed it meanwhile
     vault, session = open_in_roots(vaults, key, expected_layers(key.hex)[1])
     return OpenCombination(key.hex, vault.root, session)
 

@@ -7,7 +7,12 @@ from dataclasses import dataclass, field
 
 from .files import proc_path, read_text
 
-__all__ = ["Vma", "parse_maps_line", "read_maps", "read_smaps"]
+__all__ = ["Vma", "parse_maps_line", "read_maps", "read_smaps", "strip_deleted"]
+
+
+def strip_deleted(path: str) -> str:
+    """A mapped file's path without the `` (deleted)`` maps appends once it is unlinked."""
+    return path[: -len(" (deleted)")] if path.endswith(" (deleted)") else path
 
 
 @dataclass(frozen=True)

@@ -159,13 +159,13 @@ def spill(pending: list[Pending], report, cache_root=None, max_size=None) -> lis
     root, and why some could not be spilled); returns the weights that stay as they were.
     """
     from ..vault import Vault, cache_roots, open_in_roots
+    from ..vault.roots import keyer
 
     if not pending:
         return []
     vaults = [Vault(root, max_size, label=LABEL) for root in cache_roots(cache_root)]
-    keyer = next((v for v in vaults if not v.read_only), vaults[0])  # its memo spares the next start a rehash
     units = spill_units(pending)
-    key = _spill_key(keyer, units)
+    key = _spill_key(keyer(vaults), units)  # its memo spares the next start a rehash
     expected = {u.label: (tuple(u.tensor.shape), u.tensor.dtype) for u in units}
     vault, session = open_in_roots(vaults, key, expected)
     left = []

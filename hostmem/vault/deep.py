@@ -33,10 +33,10 @@ def recorded_inputs(inputs: dict) -> list[tuple[str, str]]:
     files = list(base.get("shards") or []) if isinstance(base, dict) else []
     files += list(inputs.get("adapters") or []) if isinstance(inputs, dict) else []
     out = []
-    for f in files:
-        digest = f.get("file_digest", f.get("digest")) if isinstance(f, dict) else None
-        if isinstance(f.get("path") if isinstance(f, dict) else None, str) and isinstance(digest, str):
-            out.append((str(f["path"]), digest))
+    for f in (f for f in files if isinstance(f, dict)):
+        path, digest = f.get("path"), f.get("file_digest", f.get("digest"))
+        if isinstance(path, str) and isinstance(digest, str):
+            out.append((path, digest))
     return out
 
 

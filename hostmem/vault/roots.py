@@ -18,7 +18,7 @@ from ..errors import InputError
 from .combinations import default_cache_root
 from .identity import CacheKey
 
-__all__ = ["cache_roots", "open_in_roots"]
+__all__ = ["cache_roots", "keyer", "open_in_roots"]
 
 
 def cache_roots(cache_root) -> list[str]:
@@ -34,6 +34,12 @@ def cache_roots(cache_root) -> list[str]:
         raise InputError("cache_root: an empty list of cache roots; give at least one "
                          "(a LoRA merge may instead take enabled=False to merge in place)")
     return [os.path.abspath(os.path.expanduser(os.fspath(r))) for r in listed]
+
+
+def keyer(vaults: list):
+    """The vault of a start's roots whose memo of input digests its keys are computed with:
+    the first writable one (which keeps what is hashed for the next start), else the first."""
+    return next((v for v in vaults if not v.read_only), vaults[0])
 
 
 def open_in_roots(vaults: list, key: CacheKey, expected: dict):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from hostmem.vault import CacheKey, cache_key
 from hostmem.vault.records import CONVERSIONS
+from hostmem.vault.roots import keyer
 from hostmem.vault.shelf import Shelf
 from hostmem.vault.safety import prepare_root, root_is_read_only
 
@@ -53,7 +54,7 @@ def _in_roots(vaults) -> tuple:
     writable, whose memo of digests the key is computed with, as ``merge``'s) and every
     root, whose records of adapters' meanings are read (an image's included)."""
     vaults = list(vaults) if isinstance(vaults, (list, tuple)) else [vaults]
-    return next((v for v in vaults if not v.read_only), vaults[0]), vaults
+    return keyer(vaults), vaults
 
 
 def _remembered(vaults: list, names: list[str]) -> list[str | None]:

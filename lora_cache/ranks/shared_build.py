@@ -76,6 +76,7 @@ from hostmem.vault.content_hash import CONTENT_HASH_MEMO, file_digest
 from hostmem.vault.durable import remove_tree
 from hostmem.vault.layer_file import layer_file_name
 from hostmem.vault.manifest import ManifestError, read_manifest
+from hostmem.vault.roots import keyer
 from hostmem.vault.session import say
 from hostmem.vault.shares import open_share, vouch_for
 
@@ -215,18 +216,13 @@ def _same_key(host: list[tuple[int, dict]], key: str) -> None:
         )
 
 
-def _keyer(vaults: list[Vault]) -> Vault:
-    """The vault whose memo of input digests the key is computed with (as ``merge``'s)."""
-    return next((v for v in vaults if not v.read_only), vaults[0])
-
-
 def _key_or_fold(vaults, targets, combination: Combination, base_files, index: int, count: int, timeout: float):
     """``(key, None)`` with every input hashed first, together; or ``(provisional key,
     SharedFold)`` where the ranks hash the base beside their shares
     (:mod:`lora_cache.shared_fold`). A collective."""
     from .fold import fold_pays, plan_shared_fold
 
-    memo_file = _keyer(vaults).memo_file
+    memo_file = keyer(vaults).memo_file
     shards = base_shards(targets, base_files, AddressSpace())
     if fold_pays(len(shards), count, os.cpu_count() or 1):  # the same on every rank of the host
         _hash_inputs(sorted({os.path.realpath(os.fspath(f.path)) for f in combination.files}), index, count,

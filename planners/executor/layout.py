@@ -18,6 +18,7 @@ import torch
 
 from hostmem.errors import InputError
 from hostmem.procfs import PAGE_SIZE, read_maps
+from hostmem.procfs.maps import strip_deleted
 
 __all__ = ["FileRange", "LayerLayout", "MapIndex", "inner_pages", "outer_pages", "layer_layout", "layer_module",
            "module_tensors", "tensor_span"]
@@ -121,7 +122,7 @@ class MapIndex:
         area = self._area(address)
         if area is None or address + length > area.end:
             return None  # anonymous, or across two areas: not one file range
-        path = area.path[: -len(" (deleted)")] if area.path.endswith(" (deleted)") else area.path
+        path = strip_deleted(area.path)
         if not os.path.isfile(path):
             return None
         return FileRange(path, area.offset + address - area.start, length, address, area.private)
