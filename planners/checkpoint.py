@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from hostmem.safetensors.header import SafetensorsError, SafetensorsHeader, read_header
 
@@ -18,18 +19,51 @@ from .sizes import ComponentSizes, group_layers, with_lora_target_bytes
 __all__ = ["checkpoint_files", "diffusers_class", "diffusers_config", "read_headers", "read_checkpoint"]
 
 
-def checkpoint_files(path: str) -> list[str]:
-    """The ``.safetensors`` files of ``path`` (a file, or a folder's files in name order)."""
+# diffusers' and transformers' weight files: ``NAME[.VARIANT][-00001-of-00003].safetensors``
+_WEIGHTS = re.compile(
+    r"^(?:diffusion_pytorch_model|model)(?:\.(?P<variant>[A-Za-z0-9_]+))?(?:-\d+-of-\d+)?\.safetensors$"
+)
+
+
+def _variant(name: str) -> str | None:
+    """The variant a weight file's name carries (``fp16`` of ``model.fp16.safetensors``), ``""``
+    for a plain weights file of those names, None for any other name."""
+    match = _WEIGHTS.match(name)
+    return None if match is None else (match["variant"] or "")
+
+
+def checkpoint_files(path: str, variant: str | None = None) -> list[str]:
+    """The ``.safetensors`` files of ``path`` (a file, or a folder's files in name order).
+
+    A folder of diffusers' weights that also holds a variant of them
+    (``diffusion_pytorch_model.fp16.safetensors`` beside ``diffusion_pytorch_model.safetensors``)
+    gives what diffusers' ``from_pretrained`` loads: the plain files, or with ``variant``
+    (``"fp16"``) that variant's files.
+    """
     if os.path.isfile(path):
         return [path]
     if not os.path.isdir(path):
         raise SafetensorsError(f"{path}: no such file or folder")
-    files = sorted(
-        os.path.join(path, name) for name in os.listdir(path) if name.endswith(".safetensors")
-    )
-    if not files:
+    names = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
+    if not names:
         raise SafetensorsError(f"{path}: no .safetensors files in this folder")
-    return files
+    variants = {name: _variant(name) for name in names}
+    found = sorted({v for v in variants.values() if v})
+    if variant:
+        names = [name for name in names if variants[name] == variant]
+        if not names:
+            have = f"its variants: {', '.join(found)}" if found else "it holds no variant files"
+            raise SafetensorsError(
+                f"{path}: no weights of variant {variant!r} in this folder ({have}); fix the component's variant"
+            )
+    elif found and "" in variants.values():  # the plain weights and their variants: diffusers loads the plain ones
+        names = [name for name in names if variants[name] is None or variants[name] == ""]
+    elif len(found) > 1 and None not in variants.values():
+        raise SafetensorsError(
+            f"{path}: this folder holds the weights in {len(found)} variants ({', '.join(found)}) and no plain "
+            "ones; set the component's variant to the one the server loads"
+        )
+    return [os.path.join(path, name) for name in names]
 
 
 def diffusers_config(checkpoint: str) -> dict | None:
@@ -51,9 +85,10 @@ def diffusers_class(checkpoint: str) -> str | None:
     return name if isinstance(name, str) and name.isidentifier() else None
 
 
-def read_headers(path: str) -> list[SafetensorsHeader]:
-    """Headers of every file of the checkpoint; a tensor in two files is an error."""
-    headers = [read_header(f) for f in checkpoint_files(path)]
+def read_headers(path: str, variant: str | None = None) -> list[SafetensorsHeader]:
+    """Headers of every file of the checkpoint (``variant``: see :func:`checkpoint_files`);
+    a tensor in two files is an error."""
+    headers = [read_header(f) for f in checkpoint_files(path, variant)]
     seen: dict[str, str] = {}
     for header in headers:
         for name in header.tensors:

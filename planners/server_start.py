@@ -87,12 +87,12 @@ def _merge(config: DeploymentConfig, components: dict, progress: bool | None):
     import lora_cache
 
     name = _merge_into(config)
-    base = config.components[name].path
+    base = config.components[name]
     base_files = None
-    if base is not None:
+    if base.path is not None:
         from .checkpoint import checkpoint_files
 
-        base_files = checkpoint_files(base)
+        base_files = checkpoint_files(base.path, base.variant)
     return lora_cache.merge(
         components[name], config_adapters(config), list(lora.cache.roots) or None,
         enabled=lora.cache.enabled, max_size=lora.cache.max_size, base_files=base_files, progress=progress,

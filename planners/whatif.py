@@ -106,7 +106,7 @@ def component_sizes(config: DeploymentConfig, component: ComponentConfig) -> Com
         )
     from .checkpoint import read_checkpoint, read_headers  # here: declared sizes read no header
 
-    headers = read_headers(component.path)  # once: the sizes and the adapters' targets both read them
+    headers = read_headers(component.path, component.variant)  # once: the sizes and the adapters' targets both read them
     sizes = read_checkpoint(
         component.name, component.offload, component.path, component.layer_pattern,
         component.lora_target_patterns, component.lora_target_bytes, component.dtype, headers=headers,

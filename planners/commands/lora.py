@@ -43,7 +43,9 @@ def register(subparsers) -> None:
         "merge",
         help="merge the config's adapters into its checkpoint, through the cache",
         description="Build the LoRA merge cache of a deployment config (lora.adapters into the "
-        "component lora.component, else the one named dit, else the streamed one).",
+        "component a server's start merges into: lora.component, else the one declaring lora_targets, "
+        "else the streamed one), from the weights the server loads (components.NAME.variant) at the "
+        "dtype it holds them in (components.NAME.dtype).",
     )
     merge.add_argument("config", help="deployment config (YAML)")
     merge.add_argument("--json", action="store_true", help="print the build's figures as JSON (sizes in bytes)")
@@ -85,18 +87,29 @@ def _adapters(lora):
             for a in lora.adapters]
 
 
-def _model(paths: list[str], shard_args: list[str]):
+def _model(paths: list[str], shard_args: list[str], cast: dict):
     """The checkpoint as a tree of read-only mapped parameters; with ``--shard``, each named
     parameter as the part a tensor-parallel rank holds (a view of the mapped whole), and
-    the ``shards=`` spec that says so (None without). A bad ``--shard`` names itself."""
+    the ``shards=`` spec that says so (None without). A bad ``--shard`` names itself.
+    ``cast``: the weights the server holds in another dtype than the checkpoint's, {name:
+    dtype}; each is a copy in that dtype (of the rank's part, with ``--shard``)."""
     from hostmem.safetensors.mapping import open_readonly
-    from lora_cache.placement.layers import checkpoint_module, module_tree
-    from lora_cache.ranks.tp_shards import ShardSpecError, check_shards, parse_shard_args
+    from lora_cache.placement.layers import module_tree
+    from lora_cache.ranks.tp_shards import parse_shard_args
 
-    if not shard_args:
-        return checkpoint_module(paths), None
-    spec = parse_shard_args(shard_args)
     tensors = {name: m.get_tensor(name) for m in map(open_readonly, paths) for name in m.keys()}
+    spec = parse_shard_args(shard_args) if shard_args else None
+    if spec is not None:
+        _take_parts(tensors, spec)
+    for name, dtype in cast.items():
+        tensors[name] = tensors[name].to(dtype)
+    return module_tree(tensors.items()), spec
+
+
+def _take_parts(tensors: dict, spec) -> None:
+    """Each ``--shard`` parameter of ``tensors`` replaced by the part the rank holds."""
+    from lora_cache.ranks.tp_shards import ShardSpecError, check_shards
+
     try:
         held = check_shards(spec, {name: tuple(t.shape) for name, t in tensors.items()})
     except ShardSpecError as exc:
@@ -108,7 +121,51 @@ def _model(paths: list[str], shard_args: list[str]):
                 f"along dim {shard.dim} in the checkpoint, which does not split into {shard.count} equal parts"
             )
         tensors[name] = shard.part(tensors[name])
-    return module_tree(tensors.items()), spec
+
+
+_CASTS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _served_casts(config, component, headers) -> tuple[dict, str]:
+    """The LoRA targets the server holds in ``components.<name>.dtype`` where the checkpoint
+    stores another dtype, {name: torch dtype} (the merge is keyed by the dtype it rounds
+    to, so a build at the checkpoint's dtype is never found by a server that casts at
+    load), and a line saying what the build is for. A cast needs room for a copy of
+    each target: refused up front where the host has not that much available."""
+    import psutil
+    import torch
+
+    from hostmem.units import format_size
+    from planners.adapter_targets import adapter_spec
+    from planners.checkpoint import diffusers_class
+    from lora_cache.provider import target_layers
+
+    infos = {name: info for header in headers for name, info in header.tensors.items()}
+    names_of = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+    stored = sorted({names_of[info.dtype] for info in infos.values() if info.dtype in names_of}) or ["?"]
+    served = config.components[component.name].dtype
+    if served is None:
+        return {}, (f"built for the checkpoint's {'/'.join(stored)} weights; a server that loads {component.name} in "
+                    f"another dtype needs components.{component.name}.dtype set to it")
+    if served not in _CASTS:
+        return {}, (f"built for the checkpoint's {'/'.join(stored)} weights: components.{component.name}.dtype "
+                    f"{served} is not a cast this command makes")
+    dtype = getattr(torch, _CASTS[served])
+    roots = list(config.lora.cache.roots) or None
+    names = target_layers([h.path for h in headers], [adapter_spec(a) for a in config.lora.adapters],
+                          model_class=diffusers_class(component.path), memo_roots=roots, headers=headers).names
+    torch_of = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    cast = {name: dtype for name in names if torch_of.get(infos[name].dtype, dtype) != dtype}
+    need = sum(infos[n].nbytes // torch_of[infos[n].dtype].itemsize * dtype.itemsize for n in cast)
+    have = psutil.virtual_memory().available
+    if need > have:
+        raise InputError(
+            f"casting {len(cast)} LoRA target(s) of {component.name} to {served} (components.{component.name}.dtype) "
+            f"holds {format_size(need)} in memory and {format_size(have)} is available; build on a host with more "
+            "memory, as the server holds them too"
+        )
+    return cast, f"built for {served} weights (components.{component.name}.dtype)" + (
+        f", {len(cast)} target(s) cast from the checkpoint's {'/'.join(stored)}" if cast else "")
 
 
 def _check_enabled(config) -> None:
@@ -155,13 +212,16 @@ def run_merge(args) -> int:
     from lora_cache import CacheBuildError, merge
     from lora_cache.adapters.checkpoint_model import served_as
     from hostmem.vault.combinations import CACHE_DIR
-    from planners.checkpoint import checkpoint_files, diffusers_class, diffusers_config
+    from planners.checkpoint import diffusers_class, diffusers_config, read_headers
     from planners.config import load_config
 
     config = load_config(args.config)
     _check_enabled(config)
     component = _merge_component(config)
-    model, parts = _model(checkpoint_files(component.path), args.shard)
+    headers = read_headers(component.path, component.variant)  # refuses a tensor in two files
+    cast, built_for = _served_casts(config, component, headers)
+    files = [header.path for header in headers]
+    model, parts = _model(files, args.shard, cast)
     # read as the server's diffusers model (the class its config.json names) will read the adapters
     model = served_as(model, diffusers_class(component.path), diffusers_config(component.path))
     roots = list(config.lora.cache.roots) or None  # None: the default root
@@ -176,6 +236,7 @@ def run_merge(args) -> int:
                 fallback=False,
                 shards=parts,
                 rounding=args.rounding,
+                base_files=files,
             )
     except CacheBuildError as exc:
         print(f"hostmem: error: {exc}", file=sys.stderr)
@@ -184,11 +245,13 @@ def run_merge(args) -> int:
         print(_interrupted_line(exc), file=sys.stderr)
         return 130
     if args.json:
-        json.dump({"config": config.origin.path, "component": component.name, **stats.to_dict()}, sys.stdout)
+        json.dump({"config": config.origin.path, "component": component.name, "built_for": built_for,
+                   **stats.to_dict()}, sys.stdout)
         sys.stdout.write("\n")
     else:
         print(f"{config.deployment}: {component.name} <- {', '.join(stats.adapters)}")
         print(stats)
+        print(built_for)
         print(f"cache: {os.path.join(stats.cache_root, CACHE_DIR, stats.cache_key)}")
         for sharding, key in stats.shard_keys.items():
             print(f"cache of {sharding}: {os.path.join(stats.cache_root, CACHE_DIR, key)}")

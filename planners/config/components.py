@@ -16,7 +16,7 @@ __all__ = ["parse_components"]
 _MAX_LAYERS = 10_000
 
 _COMPONENT_KEYS = (
-    "path", "offload", "layers", "prefetch", "size", "lora_targets", "dtype", "load", "steps",
+    "path", "offload", "layers", "prefetch", "size", "lora_targets", "dtype", "variant", "load", "steps",
 )
 
 
@@ -52,10 +52,25 @@ def _component(origin: ConfigOrigin, name: str, data: Any) -> ComponentConfig:
         lora_target_bytes=target_bytes,
         lora_target_patterns=target_patterns,
         dtype=s.choice("dtype", DTYPES, None) if s.has("dtype") else None,
+        variant=_variant(s, path),
         load=s.choice("load", LOAD_MODES, "mapped"),
         prefetch=s.integer("prefetch", 1, 0, maximum=_MAX_LAYERS),
         steps=s.integer("steps", None, 1, maximum=10_000),
     )
+
+
+def _variant(s: Section, path: str | None) -> str | None:
+    """``variant``: which weights of a diffusers folder the server loads (``fp16`` for
+    ``diffusion_pytorch_model.fp16.safetensors``), as ``from_pretrained(variant=...)``."""
+    value = s.get("variant")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9_]+", value):
+        raise s.origin.error(s.sub("variant"), f"{value!r} is not a variant name; write one such as fp16 or bf16")
+    if path is None or not os.path.isdir(path):
+        raise s.origin.error(s.sub("variant"), "a variant names files of a checkpoint folder; give path a folder, "
+                             "or remove variant")
+    return value
 
 
 def _layers(s: Section, offload: str, declared: bool) -> tuple[str | tuple[str, ...] | None, int | None]:

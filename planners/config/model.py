@@ -89,6 +89,7 @@ class ComponentConfig(NamedTuple):
     lora_target_bytes: int | None = None
     lora_target_patterns: tuple[str, ...] = ()
     dtype: str | None = None
+    variant: str | None = None  # the checkpoint folder's weights variant the server loads ("fp16"), as diffusers'
     load: str = "mapped"
     prefetch: int = 1
     steps: int | None = None  # experts that take turns: the steps of a request this one runs (None: every step)
