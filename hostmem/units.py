@@ -16,7 +16,7 @@ import re
 
 from .errors import InputError
 
-__all__ = ["parse_size", "size_option", "MAX_SIZE", "format_size", "parse_rate", "format_rate", "parse_fraction"]
+__all__ = ["parse_size", "size_option", "MAX_SIZE", "FLOAT32_MAX", "format_size", "parse_rate", "format_rate", "parse_fraction"]
 
 _MULTIPLIERS = {
     "": 1,
@@ -35,6 +35,8 @@ _DIGITS_MAX = 30  # more digits than any size can have: refused before float() s
 # The largest size accepted: offsets in safetensors and /proc are 64-bit, and a larger
 # figure in a config is a typo that would overflow the plan's arithmetic downstream.
 MAX_SIZE = (1 << 63) - 1
+# the largest float32: a LoRA scale beyond it cannot be computed in the float32 the merge sums in
+FLOAT32_MAX = 3.4028234663852886e38
 _EXAMPLES = "expected e.g. '32GiB', '512MiB', '61.7GB' or a whole number of bytes"
 
 

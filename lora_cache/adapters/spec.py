@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from hostmem.errors import HostmemError
+from hostmem.units import FLOAT32_MAX
 
 __all__ = ["Adapter", "AdapterError", "UnsupportedAdapterError", "as_adapter", "as_adapters"]
 
@@ -36,6 +37,9 @@ def _finite(path: str, what: str, value) -> float:
         raise AdapterError(f"adapter {path}: {what} {value!r} is not a number") from None
     if not math.isfinite(number):
         raise AdapterError(f"adapter {path}: {what} is {value!r}; give a finite number (1.0 applies it fully)")
+    if abs(number) > FLOAT32_MAX:
+        raise AdapterError(f"adapter {path}: {what} {number:g} is beyond float32's range ({FLOAT32_MAX:.1e}), which "
+                           "the merge computes in; give a number of sensible size (1.0 applies it fully)")
     return number
 
 

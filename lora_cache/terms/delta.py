@@ -17,8 +17,9 @@ from typing import Callable
 import torch
 
 from hostmem.errors import InputError
+from hostmem.units import FLOAT32_MAX
 
-from ..adapters.spec import UnsupportedAdapterError
+from ..adapters.spec import AdapterError, UnsupportedAdapterError
 from .dora_lycoris import COLUMNS, PEFT
 from .lycoris_math import Factors
 
@@ -66,6 +67,13 @@ class Delta:
 
     def check(self) -> None:
         """Refuse what ``up @ down`` cannot express, before any layer is merged."""
+        for name in ("scale", "diff_scale", "dora_strength"):
+            value = getattr(self, name)
+            if not abs(value) <= FLOAT32_MAX:  # NaN too
+                raise AdapterError(
+                    f"{self.source}: its {name.replace('_', ' ')} {value:g} (strength x alpha / rank) is beyond "
+                    f"float32's range ({FLOAT32_MAX:.1e}), which the merge computes in; check the strength and the alpha"
+                )
         axis = "input columns" if self.dora == COLUMNS else "rows"
         paired = self.up is not None or self.factors is not None
         fits = paired and (self.shape[1] if self.dora == COLUMNS else self.shape[0])

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple
 
 import yaml
 
 from hostmem.errors import HostmemError
-from hostmem.units import parse_size
+from hostmem.units import FLOAT32_MAX, parse_size
 
 __all__ = ["ConfigError", "ConfigOrigin", "Section", "load_yaml_with_lines", "kind", "resolve_path"]
 
@@ -187,10 +188,14 @@ class Section:
         return value
 
     def number(self, name: str, default: float | None) -> float | None:
-        """A finite number (``strength: 0.8``); NaN, infinities and bools are refused."""
+        """A finite number within float32's range, which the merge computes in (``strength:
+        0.8``, ``1e-3``: YAML 1.1 reads an exponent without a dot as a string, JSON and YAML
+        1.2 as a number, and so does this); NaN, infinities and bools are refused."""
         value = self.get(name, default)
         if value is None:
             return None
+        if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+            value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.origin.error(self.sub(name), f"{_short(value)} is not a number")
         try:
@@ -199,6 +204,9 @@ class Section:
             number = float("inf")
         if not math.isfinite(number):
             raise self.origin.error(self.sub(name), f"{_short(value)} is not a finite number")
+        if abs(number) > FLOAT32_MAX:
+            raise self.origin.error(self.sub(name), f"{number:g} is beyond float32's range ({FLOAT32_MAX:.1e}), which "
+                                    "the merge computes in; give a number of sensible size")
         return number
 
     def choice(self, name: str, choices: tuple[str, ...], default: str | None) -> str:
@@ -213,6 +221,10 @@ class Section:
         if not self.has(name):
             raise self.origin.error(self.sub(name), f"missing; {advice}")
         return self.data[name]
+
+
+# a number with an exponent and no dot ("1e-3"), which YAML 1.1 leaves a string
+_EXPONENT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def _short(value: Any) -> str:

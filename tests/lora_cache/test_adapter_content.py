@@ -84,6 +84,23 @@ def test_non_finite_strength_or_alpha_in_an_adapter_entry(spec, message):
         Adapter("a.safetensors", strength=float("nan"))
 
 
+def test_a_scale_beyond_float32_is_refused_before_any_layer_is_merged(tmp_path):
+    """strength x alpha / rank beyond float32 (each within it) cannot be summed: refused, naming
+    the adapter's key, where it crashed with a conversion overflow inside the merge."""
+    import lora_cache
+    from lora_cache.placement.layers import checkpoint_module
+
+    base = tmp_path / "base.safetensors"
+    write_safetensors(base, {"blocks.0.attn.to_q.weight": torch.ones(8, 8)})
+    write_safetensors(tmp_path / "a.safetensors", _pair(torch.ones(8, 2), torch.ones(2, 8)))
+    huge = Adapter(os.fspath(tmp_path / "a.safetensors"), strength=1e30, alpha=1e30)  # each alone is fine
+    with pytest.raises(AdapterError, match=r"lora_up.weight': its scale 5e\+59 .*beyond float32's range"):
+        lora_cache.merge(checkpoint_module([os.fspath(base)]), [huge], cache_root=os.fspath(tmp_path / "cache"),
+                         progress=False)
+    with pytest.raises(AdapterError, match="strength 1e\\+300 is beyond float32's range"):
+        Adapter("a.safetensors", strength=1e300)
+
+
 # ----------------------------------------------------------------- random files
 
 _PREFIXES = ["diffusion_model.", "transformer.", "base_model.model.", "lora_unet_"]
