@@ -208,10 +208,10 @@ def _interrupted_line(exc: KeyboardInterrupt) -> str:
     )
 
 
-def run_merge(args) -> int:
-    from lora_cache import CacheBuildError, merge
+def _build(args):
+    """Read the config and build its merge: ``(stats, config, component, built_for)``."""
+    from lora_cache import merge
     from lora_cache.adapters.checkpoint_model import served_as
-    from hostmem.vault.combinations import CACHE_DIR
     from planners.checkpoint import diffusers_class, diffusers_config, read_headers
     from planners.config import load_config
 
@@ -224,26 +224,38 @@ def run_merge(args) -> int:
     model, parts = _model(files, args.shard, cast)
     # read as the server's diffusers model (the class its config.json names) will read the adapters
     model = served_as(model, diffusers_class(component.path), diffusers_config(component.path))
-    roots = list(config.lora.cache.roots) or None  # None: the default root
+    stats = merge(  # keyed as a server's start is: on the mapped shards that hold the targets
+        model,
+        _adapters(config.lora),
+        cache_root=list(config.lora.cache.roots) or None,  # None: the default root
+        max_size=config.lora.cache.max_size,
+        progress=False if (args.no_progress or args.json) else None,
+        fallback=False,
+        shards=parts,
+        rounding=args.rounding,
+        base_files=files,
+    )
+    return stats, config, component, built_for
+
+
+def run_merge(args) -> int:
     try:
-        with _stoppable():
-            stats = merge(  # keyed as a server's start is: on the mapped shards that hold the targets
-                model,
-                _adapters(config.lora),
-                cache_root=roots,
-                max_size=config.lora.cache.max_size,
-                progress=False if (args.no_progress or args.json) else None,
-                fallback=False,
-                shards=parts,
-                rounding=args.rounding,
-                base_files=files,
-            )
-    except CacheBuildError as exc:
-        print(f"hostmem: error: {exc}", file=sys.stderr)
-        return 1
+        with _stoppable():  # from the first import on: a signal never ends the command without its line
+            return _run(args)
     except KeyboardInterrupt as exc:
         print(_interrupted_line(exc), file=sys.stderr)
         return 130
+
+
+def _run(args) -> int:
+    from hostmem.vault.combinations import CACHE_DIR
+    from lora_cache import CacheBuildError
+
+    try:
+        stats, config, component, built_for = _build(args)
+    except CacheBuildError as exc:
+        print(f"hostmem: error: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         json.dump({"config": config.origin.path, "component": component.name, "built_for": built_for,
                    **stats.to_dict()}, sys.stdout)

@@ -204,3 +204,38 @@ def test_sigterm_during_hostmem_lora_merge_exits_130_and_the_next_start_resumes(
     served, stats = start(world.base, world.adapter, world.path("root"))
     assert_same(served, reference(world.base, world.adapter))
     assert stats.hit + stats.built == LAYERS
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether process ``pid`` has a SIGTERM handler (``SigCgt`` of /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as status:
+        caught = next(int(line.split()[1], 16) for line in status if line.startswith("SigCgt:"))
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
+def test_sigterm_before_the_build_begins_exits_130_with_its_line(tmp_path):
+    """The command stops on SIGTERM from its first import on (imports, config, mapping take
+    seconds before a layer is written): it caught SIGTERM before torch was loaded, and a
+    signal then ends it with exit 130 and its one line, not the default action's silence."""
+    world = make_world(tmp_path)
+    config = world.path("deploy.yaml")
+    with open(config, "w") as handle:
+        handle.write(
+            f"deployment: faults\nhost: {{limit: 8GiB, reserve: 1GiB}}\nworkload: {{steps: 4}}\n"
+            f"components:\n  dit: {{path: {world.base}, offload: layerwise, layers: \"blocks.{{i}}.\"}}\n"
+            f"lora:\n  adapters: [{{path: {world.adapter}}}]\n  cache: {{roots: [{world.path('root')}]}}\n"
+        )
+    child = subprocess.Popen([sys.executable, "-m", "planners.cli", "lora", "merge", config, "--no-progress"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not _catches_sigterm(child.pid) and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    with open(f"/proc/{child.pid}/maps") as maps:
+        torch_loaded = "libtorch" in maps.read()
+    child.send_signal(signal.SIGTERM)
+    out, err = child.communicate(timeout=60)
+    assert not torch_loaded
+    assert child.returncode == 130, err[-2000:]
+    lines = [l for l in err.splitlines() if l.startswith("hostmem: interrupted (SIGTERM)")]
+    assert len(lines) == 1 and "no layer sealed" in lines[0] and "Traceback" not in err, err
+    assert not leftovers(world.path("root"))
