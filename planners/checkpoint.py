@@ -14,7 +14,7 @@ import re
 
 from hostmem.safetensors.header import SafetensorsError, SafetensorsHeader, read_header
 
-from .sizes import ComponentSizes, group_layers, with_lora_target_bytes
+from .sizes import ComponentSizes, group_layers, rest_families, with_lora_target_bytes
 
 __all__ = ["checkpoint_files", "diffusers_class", "diffusers_config", "read_headers", "read_checkpoint"]
 
@@ -120,5 +120,6 @@ def read_checkpoint(
     headers = read_headers(path) if headers is None else headers
     named = [(info.name, info.nbytes, None) for header in headers for info in header.tensors.values()]
     layers, rest = group_layers(named, pattern, lora_patterns)
-    sizes = ComponentSizes(name, offload, "headers", layers, rest, dtype=dtype)
+    sizes = ComponentSizes(name, offload, "headers", layers, rest, dtype=dtype,
+                           rest_families=rest_families(named, pattern))
     return with_lora_target_bytes(sizes, lora_target_bytes) if lora_target_bytes else sizes

@@ -266,16 +266,28 @@ def _zero_budget_line(budget: HostBudget, merge: str, config: DeploymentConfig |
             f"{_budget_advice(budget, merge)}")
 
 
-# A streamed component with more than this share of its bytes outside every block has a
-# block pattern that misses a family of blocks (Flux's single_transformer_blocks).
+# Where the rest's tensor names are not known (a live ledger's sizes), a streamed component
+# with more than this share of its bytes outside every block likely has a block pattern
+# that misses a family of blocks (Flux's single_transformer_blocks). Where they are known,
+# the families themselves are named, however small the share.
 _REST_SHARE = 0.2
+# a numbered family in the rest smaller than this share (a text encoder's two refiner blocks) is not named
+_FAMILY_SHARE = 0.02
 
 
 def _rest_warnings(components: Mapping[str, ComponentSizes]) -> list[str]:
     out = []
     for name, sizes in components.items():
         rest = sizes.rest.nbytes if sizes.rest is not None else 0
-        if sizes.offload == "layerwise" and sizes.weights_bytes and rest > _REST_SHARE * sizes.weights_bytes:
+        if sizes.offload != "layerwise" or not sizes.weights_bytes or not rest:
+            continue
+        if sizes.rest_families is not None:
+            out += [f"{format_size(nbytes)} of {name} ({nbytes / sizes.weights_bytes:.0%} of "
+                    f"{format_size(sizes.weights_bytes)}) is {blocks} blocks \"{family}\" that no layers pattern "
+                    f"names: they fall into (rest) and never stream block by block; add \"{family}\" to "
+                    f"components.{name}.layers"
+                    for family, blocks, nbytes in sizes.rest_families if nbytes > _FAMILY_SHARE * sizes.weights_bytes]
+        elif rest > _REST_SHARE * sizes.weights_bytes:
             out.append(
                 f"{format_size(rest)} of {name} ({rest / sizes.weights_bytes:.0%} of {format_size(sizes.weights_bytes)}) "
                 f"falls into (rest), outside every block: it never streams block by block. Its layers pattern "

@@ -98,6 +98,9 @@ class ComponentSizes(NamedTuple):
     extra: Residency = Residency()  # frozen: one shared default is safe
     dtype: str | None = None
     notes: tuple[str, ...] = ()  # how the sizes were read, where the plan should say so
+    # numbered families of tensors in the rest, (pattern, blocks, bytes): blocks no layers
+    # pattern names (Flux's single_transformer_blocks); None where the names are not known
+    rest_families: tuple[tuple[str, int, int], ...] | None = None
 
     @property
     def units(self) -> tuple[Layer, ...]:
@@ -181,6 +184,29 @@ def group_layers(
 
     layers = tuple(layer(key[1], slot) for key, slot in sorted(groups.items()))
     return layers, (layer(REST, rest) if rest[0] else None)
+
+
+_NUMBERED = re.compile(r"^(.*?)\.(\d+)\.")
+
+
+def rest_families(named: Iterable[tuple[str, int, Residency | None]],
+                  pattern: str | tuple[str, ...] | None) -> tuple[tuple[str, int, int], ...]:
+    """The numbered families among the tensors no layer pattern names, ``(pattern, blocks,
+    bytes)`` largest first: ``single_transformer_blocks.{i}.`` where only
+    ``transformer_blocks.{i}.`` is listed. A family is two or more indices under one prefix;
+    embeddings and heads (``x_embedder``, ``proj_out``) are none, whatever their size."""
+    match = layer_matcher(pattern) if pattern else (lambda name: None)
+    found: dict[str, tuple[set, int]] = {}
+    for name, nbytes, _ in named:
+        numbered = _NUMBERED.match(name)
+        if numbered is None or match(name) is not None:
+            continue
+        indices, total = found.get(numbered[1], (set(), 0))
+        indices.add(int(numbered[2]))
+        found[numbered[1]] = (indices, total + nbytes)
+    families = [(f"{prefix}.{{i}}.", len(indices), total) for prefix, (indices, total) in found.items()
+                if len(indices) > 1]
+    return tuple(sorted(families, key=lambda family: -family[2]))
 
 
 def spread(total: int, weights: list[int]) -> list[int]:
