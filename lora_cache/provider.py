@@ -62,14 +62,15 @@ class TargetLayers(NamedTuple):
     converted: str | None = None
 
 
-def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLike | None = None, *,
+def target_layers(shard_paths: list[str], adapters, cache_root=None, *,
                   model_class: str | None = None, memo_roots=None, headers=None) -> TargetLayers:
     """Resolve ``adapters`` against a checkpoint's headers (no weight is read).
 
     The common layouts are read from the adapters' headers, without torch
     (:mod:`lora_cache.targets.header_targets`); the rest, and a lookup in ``cache_root`` (an
-    existing cache folder: is this exact combination built there? its key covers the
-    adapters' values), go through the merge's own reader. For a diffusers model
+    existing cache folder, or an ordered list of them as the merge takes: is this exact
+    combination built in one of them? its key covers the adapters' values), go through
+    the merge's own reader. For a diffusers model
     (``model_class``, the ``_class_name`` of its folder's config.json) a file only
     diffusers' converter maps is read as the merge reads it: from its conversion record
     under ``memo_roots`` (the merge's cache roots; None: the default root, as for the
@@ -81,9 +82,10 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
     for path, header in zip(shard_paths, headers or [read_header(p) for p in shard_paths]):
         infos.update(header.tensors)
         holder.update(dict.fromkeys(header.tensors, path))
-    root = None if cache_root is None else os.path.expanduser(os.fspath(cache_root))
+    given = [] if cache_root is None else [cache_root] if isinstance(cache_root, (str, os.PathLike)) else cache_root
+    roots = [r for r in (os.path.expanduser(os.fspath(r)) for r in given) if os.path.isdir(r)]
     key, cached, why, converted, loader = None, False, None, None, None
-    if root is None or not os.path.isdir(root):
+    if not roots:
         shapes = {n: i.shape for n, i in infos.items()}
         try:
             names = header_targets(adapters, shapes)
@@ -93,9 +95,9 @@ def target_layers(shard_paths: list[str], adapters, cache_root: str | os.PathLik
                 names, converted, loader = _converted_targets(adapters, shapes, model_class, memo_roots)
                 why = None if loader is None and names is not None else why
     else:
-        names, why = None, f"the key of a cached combination in {root} covers the adapters' values"
+        names, why = None, f"the key of a cached combination in {', '.join(roots)} covers the adapters' values"
     if names is None:
-        names, key, cached = _read_targets(infos, holder, adapters, root, loader)
+        names, key, cached = _read_targets(infos, holder, adapters, roots, loader)
     chosen = [infos[name] for name in names]
     return TargetLayers(
         names=tuple(names),
@@ -126,29 +128,32 @@ def _converted_targets(adapters, shapes: dict, model_class: str, memo_roots):
     return None, f"by diffusers' {loader.__name__} converter for {model_class}, as the merge reads them", loader
 
 
-def _read_targets(infos: dict, holder: dict, adapters, root: str | None, loader=None):
+def _read_targets(infos: dict, holder: dict, adapters, roots: list[str], loader=None):
     """``(names, key, cached)`` by the merge's own reader and planner (imports torch); with
-    ``loader``, files diffusers reads go through its converter, as into a diffusers model."""
+    ``loader``, files diffusers reads go through its converter, as into a diffusers model.
+    The key is made as a start with ``roots`` makes it (the keyer vault's memo, every root's
+    recorded kernel choices), and is cached when any of them holds it complete."""
     from .adapters import as_adapters, read_adapter
     from .adapters.for_model import read_adapters
     from .targets.keys import ModuleIndex, plan_deltas
     from .kernels import plan_kernels
     from .kernels.policy import merge_policy
-    from .key.combination import key_of
+    from .key.combination import kernel_roots, key_of
     from hostmem.vault import Vault
+    from hostmem.vault.roots import keyer
 
     specs = as_adapters(adapters)
     files = read_adapters(None, specs, loader=loader) if loader is not None else [read_adapter(s.path) for s in specs]
     planned = plan_deltas(list(zip(files, specs)), ModuleIndex({n: i.shape for n, i in infos.items()}))
     key, cached = None, False
-    if root is not None and os.path.isdir(root) and planned:
-        vault = Vault(root)
+    if roots and planned:
+        vaults = [Vault(root) for root in roots]
         shards = sorted({holder[name] for name in planned})  # the key covers the shards holding targets
         layers = ((infos[name].shape, infos[name].torch_dtype, deltas) for name, deltas in planned.items())
-        kernels = plan_kernels(layers, None, vault.root)  # the key names the kernels a build would use
-        key = key_of(vault, files, specs, shards, {infos[n].torch_dtype for n in planned}, merge_policy(None, kernels),
-                     planned=planned).hex
-        cached = any(c.key == key and c.complete for c in vault.combinations())
+        kernels = plan_kernels(layers, None, kernel_roots(roots))  # the key names the kernels a build would use
+        key = key_of(keyer(vaults), files, specs, shards, {infos[n].torch_dtype for n in planned},
+                     merge_policy(None, kernels), planned=planned).hex
+        cached = any(c.key == key and c.complete for vault in vaults for c in vault.combinations())
     return tuple(planned), key, cached
 
 

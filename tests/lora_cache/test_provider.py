@@ -82,6 +82,10 @@ def test_from_checkpoint_sizes_the_targets_from_headers_and_sees_a_built_cache(t
     assert after.cached and after.cache_key == stats.cache_key
     assert LoraCacheProvider.from_checkpoint("dit", shards, [adapter], root).offer().disk_bytes == 0
     assert not target_layers(shards, [(adapter, 0.5)], root).cached  # another strength, another key
+    # a start's roots in order, the combination in the second: cached, as the start finds it there
+    (tmp_path / "own").mkdir()
+    listed = target_layers(shards, [adapter], [tmp_path / "own", root])
+    assert listed.cached and listed.cache_key == stats.cache_key
 
 
 def test_lora_cache_imports_nothing_from_planners():
