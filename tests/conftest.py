@@ -140,6 +140,32 @@ def read_only_copy(tmp_path):
 
 
 @pytest.fixture
+def small_filesystem(tmp_path):
+    """A 16 MiB ext4 filesystem loop-mounted for the test, its mount point (skips where mounting
+    is not allowed): a real full disk, the kernel's own ENOSPC.
+
+    Its own bookkeeping (the journal above all) takes a share that differs with mkfs's
+    version: at 8 MiB, one machine left 3.3 MiB of it free, too little for a 4 MiB layer
+    to start writing."""
+    if os.geteuid() != 0 or not shutil.which("mkfs.ext4") or not shutil.which("mount"):
+        pytest.skip("needs root, mkfs.ext4 and mount to make a small filesystem")
+    image, point = tmp_path / "fs.img", tmp_path / "mnt"
+    point.mkdir()
+    with open(image, "wb") as handle:
+        handle.truncate(16 << 20)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], capture_output=True, text=True)
+    mounted = made.returncode == 0 and subprocess.run(
+        ["mount", "-o", "loop", str(image), str(point)], capture_output=True, text=True
+    ).returncode == 0
+    if not mounted:
+        pytest.skip("cannot loop-mount a filesystem here")
+    try:
+        yield str(point)
+    finally:
+        subprocess.run(["umount", str(point)], capture_output=True)
+
+
+@pytest.fixture
 def st_file(tmp_path):
     """A factory: ``st_file(name, tensors)`` writes a safetensors file under tmp_path."""
 

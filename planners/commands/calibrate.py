@@ -7,6 +7,10 @@ block to put in the deployment config (rates the planner reads); without a GPU t
 device rates are left out, with a line saying they need one. ``--save`` also writes
 them to ``<cache root>/calibration.json``, which ``transfer: measured`` plans with
 (:mod:`planners.calibration`).
+
+A folder is timed on a probe file written there where it holds no checkpoint: one its disk
+has no room for is refused before a byte is written, and the probe is removed after, also
+when the command fails or is stopped (Ctrl-C, SIGTERM).
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ def _time_folders(folders, size: int) -> tuple[list, list[str]]:
     """``(rates, notes)``: a checkpoint file smaller than ``size`` is too small to time the disk
     (a read's fixed costs and the per-file read-ahead ramp dominate), so a probe of ``size``
     is timed in its folder too, where it can be written, and only that counts as the disk."""
-    from planners.executor.rates import measure_folder
+    from planners.executor.rates import measure_folder, probe_refusal
 
     measured, notes = [], []
     for folder, existing in folders:
@@ -128,11 +132,13 @@ def _time_folders(folders, size: int) -> tuple[list, list[str]]:
         if m.probe or m.nbytes >= size:
             continue
         small = f"{folder}: its largest checkpoint file is {format_size(m.nbytes)}, too small to time the disk"
-        if os.access(folder, os.W_OK):
+        if not os.access(folder, os.W_OK):
+            notes.append(f"{small}, and the folder is not writable for a probe: not used for disk_read")
+        elif probe_refusal(folder, size):
+            notes.append(f"{small}, and its disk has no room for a {format_size(size)} probe: not used for disk_read")
+        else:
             measured.append(measure_folder(folder, size, existing=False))
             notes.append(f"{small}; timed a {format_size(size)} probe there instead")
-        else:
-            notes.append(f"{small}, and the folder is not writable for a probe: not used for disk_read")
     return measured, notes
 
 
@@ -174,13 +180,10 @@ def measure(args, use_device: bool = True) -> dict:
         source = max(measured, key=lambda m: m.nbytes)
         rates = h2d_rates(device, layer, source.file) if not source.probe and source.nbytes >= layer else None
         if rates is None:  # the probe is gone, or the file is smaller than a layer: map a probe of layer size
-            from planners.executor.rates import _write_probe
+            from planners.executor.rates import probe_file
 
-            probe = _write_probe(source.folder, layer)
-            try:
+            with probe_file(source.folder, layer, "--layer-size") as probe:
                 rates = h2d_rates(device, layer, probe)
-            finally:
-                os.unlink(probe)
         result["h2d"] = {"layer_bytes": layer, **rates}
         transfer.update(pinned_h2d=rates["pinned_h2d"], pageable_h2d=rates["pageable_h2d"])
     result["transfer"] = transfer
@@ -201,7 +204,10 @@ def transfer_block(transfer: dict) -> str:
 
 
 def run(args) -> int:
-    result = measure(args)
+    from planners.commands.lora import _stoppable
+
+    with _stoppable():  # SIGTERM too stops it as Ctrl-C does, and the probe file is removed
+        result = measure(args)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

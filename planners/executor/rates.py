@@ -12,7 +12,8 @@
   (``cudaHostAlloc``), from anonymous pageable memory, from a read-only file mapping,
   and from that mapping registered in place with ``cudaHostRegister`` (read-only).
 
-A folder is measured on a probe file written there and removed afterwards, or, for a
+A folder is measured on a probe file written there (refused where it would nearly fill the
+disk) and removed afterwards, also on a failure or an interrupt, or, for a
 checkpoint folder, on its largest file as it is (read only; its pages are dropped, so
 a server using it re-reads them).
 """
@@ -27,7 +28,8 @@ from typing import NamedTuple
 
 from hostmem.errors import InputError
 
-__all__ = ["FolderRates", "measure_file", "measure_folder", "h2d_rates", "reader_rate", "time_file_readers", "CHUNK"]
+__all__ = ["FolderRates", "measure_file", "measure_folder", "probe_file", "probe_refusal", "h2d_rates", "reader_rate",
+           "time_file_readers", "CHUNK"]
 
 CHUNK = 8 << 20
 
@@ -71,15 +73,56 @@ def measure_file(path: str, nbytes: int | None = None) -> tuple[int, float, floa
         os.close(fd)
 
 
-def _write_probe(folder: str, nbytes: int) -> str:
+_PROBE_HEADROOM = 64 << 20  # what a probe leaves free (a tenth of a smaller disk): a cache may write there too
+
+
+def probe_refusal(folder: str, nbytes: int, option: str = "--size") -> str | None:
+    """Why a probe of ``nbytes`` must not be written in ``folder`` (it would leave its disk less
+    than 64 MiB free, or a tenth of a smaller disk), in one line saying what to do (``option``
+    sets the size); None when it fits."""
+    from hostmem.units import format_size
+
+    st = os.statvfs(folder)
+    free, keep = st.f_bavail * st.f_frsize, min(_PROBE_HEADROOM, st.f_blocks * st.f_frsize // 10)
+    if nbytes + keep <= free:
+        return None
+    most = free - keep
+    smaller = f"give a smaller {option} (at most {format_size(most)} here), " if most >= CHUNK else ""
+    return (f"{folder}: {format_size(free)} free, too little for the {format_size(nbytes)} probe file "
+            f"calibrate times there (a probe leaves {format_size(keep)} free); {smaller}free space "
+            "there, or time another folder (--root DIR, --path DIR)")
+
+
+@contextlib.contextmanager
+def probe_file(folder: str, nbytes: int, option: str = "--size"):
+    """A file of ``nbytes`` written and synced in ``folder`` for the measurement: its path.
+
+    Refused before a byte is written when the disk has no room for it (:func:`probe_refusal`);
+    removed after, and on any failure or interrupt while it is written or read. ``option`` is
+    the one that sets ``nbytes``, named in the advice of a refusal.
+    """
+    from hostmem.units import format_size
+
+    refusal = probe_refusal(folder, nbytes, option)
+    if refusal:
+        raise InputError(refusal)
     path = os.path.join(folder, f".hostmem-calibrate-{os.getpid()}")
     block = os.urandom(1 << 20) * (CHUNK >> 20)
-    with open(path, "wb") as handle:
-        for at in range(0, nbytes, CHUNK):
-            handle.write(block[: min(CHUNK, nbytes - at)])
-        handle.flush()
-        os.fsync(handle.fileno())
-    return path
+    try:
+        try:
+            with open(path, "wb") as handle:
+                for at in range(0, nbytes, CHUNK):
+                    handle.write(block[: min(CHUNK, nbytes - at)])
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:  # the disk filled meanwhile, a file size limit, an I/O error
+            raise InputError(f"{folder}: could not write the {format_size(nbytes)} probe file calibrate times there "
+                             f"({exc.strerror or exc}; what was written is removed); free space there, give a smaller "
+                             f"{option}, or time another folder (--root DIR, --path DIR)") from None
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _largest_file(folder: str) -> str | None:
@@ -94,16 +137,11 @@ def measure_folder(folder: str, nbytes: int, existing: bool = False) -> FolderRa
         raise InputError(f"{folder}: not a folder; give a checkpoint folder or a cache root that exists")
     path = _largest_file(folder) if existing else None
     probe = path is None
-    if probe:
-        if not os.access(folder, os.W_OK):
-            raise InputError(f"{folder}: not writable and holds no .safetensors file to time a read of")
-        path = _write_probe(folder, nbytes)
-    try:
+    if probe and not os.access(folder, os.W_OK):
+        raise InputError(f"{folder}: not writable and holds no .safetensors file to time a read of")
+    with probe_file(folder, nbytes) if probe else contextlib.nullcontext(path) as path:
         size, disk, cached = measure_file(path, nbytes)
         readers = time_file_readers(path, min(size, _WINDOW))
-    finally:
-        if probe:
-            os.unlink(path)
     return FolderRates(folder, path, size, disk, cached, probe, readers)
 
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ import torch
 from planners.cli import main
 from planners.config import parse_config
 from planners.executor.synthetic import write_synthetic_dit
+from tests.conftest import run_python
 
 
 def test_calibrate_times_a_folder_and_prints_a_transfer_block_the_config_takes(tmp_path, capsys):
@@ -99,3 +104,52 @@ def test_the_readers_rate_reads_the_whole_file_and_leaves_none_of_it_cached(tmp_
 
     with pytest.raises(InputError, match="empty file"):
         reader_rate(str(empty))
+
+
+def test_a_probe_its_disk_has_no_room_for_is_refused_before_a_byte_is_written(small_filesystem, capsys):
+    """A ``--size`` beyond the free space (a typo: 1TB) must not fill the disk a cache lives on."""
+    assert main(["calibrate", "--root", small_filesystem, "--size", "1GiB"]) == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith(f"hostmem: error: {small_filesystem}: ")
+    assert " MiB free, too little for the 1.0 GiB probe" in err
+    assert "give a smaller --size (at most " in err and "--path DIR" in err
+    assert os.listdir(small_filesystem) == ["lost+found"]  # nothing was written
+
+
+PROBE_LIMITED = """
+import resource, signal, sys
+from planners.cli import main
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing
+resource.setrlimit(resource.RLIMIT_FSIZE, (20 << 20, 20 << 20))  # the probe fails a third of the way in
+sys.exit(main(["calibrate", "--path", sys.argv[1], "--root", sys.argv[2], "--size", "64MiB"]))
+"""
+
+
+def test_a_probe_whose_write_fails_midway_is_removed_and_the_folder_named(tmp_path):
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    done = run_python(PROBE_LIMITED, str(folder), str(tmp_path / "absent"), timeout=60)
+    assert done.returncode == 2, done.stderr
+    (err,) = done.stderr.strip().splitlines()
+    assert err.startswith(f"hostmem: error: {folder}: could not write the 64.0 MiB probe file")
+    assert "File too large" in err
+    assert os.listdir(folder) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_calibrate_stopped_while_it_probes_removes_the_probe(tmp_path, signum):
+    """Ctrl-C, or SIGTERM (a container's stop), while the probe is written or read: exit 130, one
+    line, and no probe file left behind."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    command = [sys.executable, "-m", "planners.cli", "calibrate", "--path", str(folder), "--root",
+               str(tmp_path / "absent"), "--size", "128MiB"]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while child.poll() is None and not os.listdir(folder):
+        time.sleep(0.001)
+    assert child.poll() is None, "the probe was never seen: the command ended first"
+    child.send_signal(signum)
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 130, err
+    assert err.strip().splitlines() == ["hostmem calibrate: interrupted"]
+    assert os.listdir(folder) == []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -218,31 +217,6 @@ def test_a_write_failing_mid_file_leaves_no_partial_file(tmp_path):
     with vault.open(key) as session:
         assert torch.equal(session.get("small", (64, 64), torch.float32), torch.ones(64, 64))
         assert session.get("large", (1024, 512), torch.float32) is None
-
-
-@pytest.fixture
-def small_filesystem(tmp_path):
-    """A 16 MiB ext4 filesystem loop-mounted for the test (skips where mounting is not allowed).
-
-    Its own bookkeeping (the journal above all) takes a share that differs with mkfs's
-    version: at 8 MiB, one machine left 3.3 MiB of it free, too little for the 4 MiB layer
-    the test needs to start writing."""
-    if os.geteuid() != 0 or not shutil.which("mkfs.ext4") or not shutil.which("mount"):
-        pytest.skip("needs root, mkfs.ext4 and mount to make a small filesystem")
-    image, point = tmp_path / "fs.img", tmp_path / "mnt"
-    point.mkdir()
-    with open(image, "wb") as handle:
-        handle.truncate(16 << 20)
-    made = subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], capture_output=True, text=True)
-    mounted = made.returncode == 0 and subprocess.run(
-        ["mount", "-o", "loop", str(image), str(point)], capture_output=True, text=True
-    ).returncode == 0
-    if not mounted:
-        pytest.skip("cannot loop-mount a filesystem here")
-    try:
-        yield str(point)
-    finally:
-        subprocess.run(["umount", str(point)], capture_output=True)
 
 
 def test_a_full_disk_answers_none_and_leaves_no_partial_file(small_filesystem):
