@@ -3,6 +3,11 @@
 The cache root is ``--root DIR``, else the environment variable
 ``HOSTMEM_CACHE_ROOT``, else ``~/.cache/hostmem``. Sizes are human-readable in text
 and plain bytes in JSON.
+
+A ``--root`` that is not a folder, a ``HOSTMEM_CACHE_ROOT`` that is a file, and a
+``lora_merge_cache`` that is not a folder are refused (exit 2): each is a mistake, not an
+empty cache. A default root that does not exist yet is a cache never used: nothing cached
+yet, exit 0.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import time
 from hostmem.errors import InputError
 from hostmem.units import format_size, parse_size, size_option
 
+_ROOT_VAR = "HOSTMEM_CACHE_ROOT"
 _ROOT_HELP = "cache root (default: $HOSTMEM_CACHE_ROOT, else ~/.cache/hostmem)"
 
 
@@ -62,7 +68,11 @@ def _cache(args) -> tuple[str, str | None]:
 
     if args.root is not None:
         _check_given_root(args.root)
-    root = args.root or default_cache_root()
+        root = args.root
+    else:
+        root = default_cache_root()
+        _check_default_root(root)
+    _check_cache_folder(root)
     return root, existing_cache_dir(root)
 
 
@@ -74,6 +84,41 @@ def _check_given_root(root: str) -> None:
     if os.path.lexists(path):
         raise InputError(f"--root {root}: is a file, not a folder; give the cache root folder (the one holding lora_merge_cache)")
     raise InputError(f"--root {root}: no such folder; check the path (the default root is $HOSTMEM_CACHE_ROOT, else ~/.cache/hostmem)")
+
+
+def _check_default_root(root: str) -> None:
+    """The default root (:func:`hostmem.vault.default_cache_root`) may be missing: nothing was
+    cached yet (:func:`_nothing_cached`); one that is not a folder is refused, naming where it
+    came from (exit 2)."""
+    path = os.path.expanduser(root)
+    if os.path.isdir(path) or not os.path.lexists(path):
+        return
+    what = "a file, not a folder" if os.path.isfile(path) else "not a folder"
+    if os.environ.get(_ROOT_VAR):
+        raise InputError(f"{_ROOT_VAR}={root}: is {what}; point it at the cache root folder (the one holding "
+                         "lora_merge_cache), or give --root DIR")
+    raise InputError(f"{root}: the default cache root is {what}; move it away, or set {_ROOT_VAR} to the cache "
+                     "root folder")
+
+
+def _check_cache_folder(root: str) -> None:
+    """``<root>/lora_merge_cache`` that is there but not a folder is no empty cache: say so (exit 2)."""
+    from hostmem.vault.combinations import CACHE_DIR
+
+    path = os.path.join(os.path.expanduser(root), CACHE_DIR)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        what = "a file" if os.path.isfile(path) else "not a folder"
+        raise InputError(f"{path}: is {what}, where the LoRA merge cache's folder belongs; move it away (the next "
+                         "build makes the folder), or give the cache root that holds the cache")
+
+
+def _nothing_cached(args, root: str) -> str:
+    """The line for a root without a combination: one that does not exist was never used."""
+    if os.path.isdir(os.path.expanduser(root)):
+        return f"no cached LoRA merges under {root}"
+    named = f" ({_ROOT_VAR})" if args.root is None and os.environ.get(_ROOT_VAR) else ""
+    return (f"nothing cached yet under {root}{named}: the folder does not exist; the first build (a server's "
+            "start, `hostmem lora merge`) makes it")
 
 
 def _when(stamp) -> str:
@@ -188,7 +233,7 @@ def run_ls(args) -> int:
         return 0
     records_line = _records_line(records)
     if not combos:
-        print(f"no cached LoRA merges under {root}")
+        print(_nothing_cached(args, root))
         if records_line:
             print(records_line)
         return 0
@@ -232,7 +277,7 @@ def run_verify(args) -> int:
         keys = " ".join(r.key[:12] for r in bad)
         print(f"{len(bad)} damaged combination(s); remove them with `hostmem cache rm KEY` ({keys}) or `hostmem cache prune`")
     elif not reports:
-        print(f"no cached LoRA merges under {root}")
+        print(_nothing_cached(args, root))
     return 1 if bad else 0
 
 

@@ -40,6 +40,14 @@ def cli(capsys, *argv) -> tuple[int, str, str]:
     return code, out, err
 
 
+def cli_with_env(environ: dict, *argv) -> subprocess.CompletedProcess:
+    """``hostmem *argv`` in a fresh process whose environment is ours with ``environ`` on top (a
+    value of None unsets that variable)."""
+    env = {k: v for k, v in {**os.environ, **environ}.items() if v is not None}
+    return subprocess.run([sys.executable, "-m", "planners.cli", *argv], capture_output=True, text=True, env=env,
+                          timeout=60)
+
+
 def test_ls_shows_each_combination_in_text_and_json(tmp_path, capsys):
     root = str(tmp_path / "root")
     key = build(root, "one", tmp_path)
@@ -98,6 +106,47 @@ def test_a_root_that_is_missing_or_a_file_exits_2_saying_so(tmp_path, capsys, ac
     assert code == 2 and "no such folder" in err and "Traceback" not in err and not missing.exists()
     code, _, err = cli(capsys, "cache", action, "--root", str(file))
     assert code == 2 and "is a file, not a folder" in err and file.read_text() == "x"
+
+
+@pytest.mark.parametrize("action", ["ls", "verify", "prune"])
+def test_a_default_root_that_is_a_file_exits_2_naming_the_variable(tmp_path, action):
+    """$HOSTMEM_CACHE_ROOT pointing at a file is the same typo as such a --root, not an empty cache."""
+    file = tmp_path / "deploy.yaml"
+    file.write_text("x")
+    done = cli_with_env({"HOSTMEM_CACHE_ROOT": str(file)}, "cache", action)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        f"hostmem: error: HOSTMEM_CACHE_ROOT={file}: is a file, not a folder; point it at the cache root folder "
+        "(the one holding lora_merge_cache), or give --root DIR"]
+    assert file.read_text() == "x"
+
+
+@pytest.mark.parametrize("action", ["ls", "verify"])
+def test_a_default_root_never_made_says_nothing_was_cached_yet_and_makes_nothing(tmp_path, action):
+    """A fresh machine has no ~/.cache/hostmem: that is no error (exit 0), but it is said as it is."""
+    missing = tmp_path / "never-built"
+    done = cli_with_env({"HOSTMEM_CACHE_ROOT": str(missing)}, "cache", action)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"nothing cached yet under {missing} (HOSTMEM_CACHE_ROOT): the folder does not exist")
+    home = tmp_path / "home"
+    home.mkdir()
+    done = cli_with_env({"HOSTMEM_CACHE_ROOT": None, "XDG_CACHE_HOME": None, "HOME": str(home)}, "cache", action)
+    assert done.returncode == 0, done.stderr
+    default = home / ".cache" / "hostmem"
+    assert done.stdout.startswith(f"nothing cached yet under {default}: the folder does not exist")
+    assert not missing.exists() and os.listdir(home) == []
+
+
+@pytest.mark.parametrize("action", [["ls"], ["verify"], ["prune"], ["rm", "abc"]], ids=["ls", "verify", "prune", "rm"])
+def test_a_root_whose_cache_folder_is_a_file_exits_2_saying_so(tmp_path, capsys, action):
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "lora_merge_cache").write_text("x")
+    code, out, err = cli(capsys, "cache", *action, "--root", str(root))
+    assert code == 2 and out == ""
+    assert err.splitlines() == [
+        f"hostmem: error: {root / 'lora_merge_cache'}: is a file, where the LoRA merge cache's folder belongs; "
+        "move it away (the next build makes the folder), or give the cache root that holds the cache"]
 
 
 def cache_files(cache: str) -> dict[str, int]:
@@ -298,10 +347,7 @@ def test_rm_by_prefix_and_never_one_in_use(tmp_path, capsys):
 def test_the_root_comes_from_hostmem_cache_root(tmp_path):
     root = str(tmp_path / "from-env")
     key = build(root, "env", tmp_path)
-    env = dict(os.environ, HOSTMEM_CACHE_ROOT=root)
-    done = subprocess.run(
-        [sys.executable, "-m", "planners.cli", "cache", "ls", "--json"], capture_output=True, text=True, env=env, timeout=60
-    )
+    done = cli_with_env({"HOSTMEM_CACHE_ROOT": root}, "cache", "ls", "--json")
     assert done.returncode == 0, done.stderr
     assert [c["key"] for c in json.loads(done.stdout)["combinations"]] == [key.hex]
 
