@@ -112,6 +112,21 @@ def _check_cache_folder(root: str) -> None:
                          "build makes the folder), or give the cache root that holds the cache")
 
 
+def _check_changeable(root: str, cache: str, action: str) -> None:
+    """Before ``rm`` or ``prune`` changes a thing: a cache nothing may be written to (a root baked
+    into an image and mounted read-only, or another user's) is refused in one line (exit 2)."""
+    from hostmem.vault.safety import root_is_read_only
+
+    if not root_is_read_only(cache):
+        return
+    if os.statvfs(cache).f_flag & os.ST_RDONLY:
+        raise InputError(f"{root}: a read-only root (a cache baked into an image, or a read-only mount) cannot be "
+                         f"changed; run `hostmem cache {action}` where the image is built, before its root is made "
+                         "read-only, or give a writable root (--root DIR, HOSTMEM_CACHE_ROOT)")
+    raise InputError(f"{cache}: not writable by this user: `hostmem cache {action}` cannot change it; run it as "
+                     "the user who owns the cache")
+
+
 def _nothing_cached(args, root: str) -> str:
     """The line for a root without a combination: one that does not exist was never used."""
     if os.path.isdir(os.path.expanduser(root)):
@@ -287,6 +302,8 @@ def run_prune(args) -> int:
 
     root, cache = _cache(args)
     max_size = None if args.max_size is None else parse_size(args.max_size)
+    if cache and not args.dry_run:
+        _check_changeable(root, cache, "prune")
     if cache:
         check_record_folders(cache)  # an unsafe one stops the prune before anything is removed
     removed = prune(cache, max_size, everything=args.all, dry_run=args.dry_run) if cache else []
@@ -310,6 +327,7 @@ def run_rm(args) -> int:
     root, cache = _cache(args)
     if cache is None:
         raise InputError(f"{root}: holds no LoRA merge cache, so no key {args.key!r}")
+    _check_changeable(root, cache, "rm")
     combo = remove(cache, args.key)
     print(f"removed {combo.key}  {format_size(combo.bytes)}")
     return 0

@@ -344,6 +344,23 @@ def test_rm_by_prefix_and_never_one_in_use(tmp_path, capsys):
     assert code == 2 and "no combination whose key starts with 'ffff'" in err
 
 
+@pytest.mark.parametrize("action", [["rm", "KEY"], ["prune", "--all"]], ids=["rm", "prune"])
+def test_rm_and_prune_of_a_read_only_root_say_it_is_an_image_that_cannot_be_changed(tmp_path, capsys, read_only_copy,
+                                                                                    action):
+    root = str(tmp_path / "image-build")
+    key = build(root, "baked", tmp_path)
+    baked = read_only_copy(root)
+    argv = [key.hex[:10] if a == "KEY" else a for a in action]
+    code, out, err = cli(capsys, "cache", *argv, "--root", baked)
+    assert code == 2 and out == ""
+    assert err.splitlines() == [
+        f"hostmem: error: {baked}: a read-only root (a cache baked into an image, or a read-only mount) cannot be "
+        f"changed; run `hostmem cache {action[0]}` where the image is built, before its root is made read-only, or "
+        "give a writable root (--root DIR, HOSTMEM_CACHE_ROOT)"]
+    code, out, _ = cli(capsys, "cache", "ls", "--root", baked, "--json")
+    assert code == 0 and [c["key"] for c in json.loads(out)["combinations"]] == [key.hex]
+
+
 def test_the_root_comes_from_hostmem_cache_root(tmp_path):
     root = str(tmp_path / "from-env")
     key = build(root, "env", tmp_path)
