@@ -88,6 +88,58 @@ def _kernel_thread(pid: int) -> bool:
         return False
 
 
+def _refused(reader: list[str], pid: int) -> bool:
+    """Whether ``reader`` (a command prefix) is refused /proc/PID/smaps here."""
+    done = subprocess.run([*reader, "head", "-c", "1", f"/proc/{pid}/smaps"], capture_output=True, text=True)
+    return done.returncode != 0 and "Permission denied" in done.stderr
+
+
+def _uid(pid: int) -> int | None:
+    with open(f"/proc/{pid}/status") as handle:
+        return next((int(line.split()[1]) for line in handle if line.startswith("Uid:")), None)
+
+
+def _says_what_refuses_root(out: subprocess.CompletedProcess, pid: int) -> str:
+    assert out.returncode == 2 and out.stdout == ""
+    (line,) = out.stderr.splitlines()
+    assert line.startswith(f"hostmem: error: /proc/{pid}/")
+    assert "permission denied (E" in line and ") although this runs as root: " in line  # the errno's name
+    assert "as root)" not in line and "run as" not in line  # it is root already
+    return line
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="what root is told; a user is told to run as root")
+def test_inspect_as_root_of_a_process_root_may_not_read_says_what_refuses_it():
+    """A sandbox's init (pid 1 of some VMs and containers) can refuse root its maps: "run as
+    root" helps no one there; the line says what refuses it instead."""
+    if not _refused([], 1):
+        pytest.skip("root may read /proc/1/smaps here")
+    line = _says_what_refuses_root(hostmem("inspect", "--pid", "1"), 1)
+    assert "pid 1" in line and ("CAP_SYS_PTRACE" in line or "ptrace_scope" in line or "user namespace" in line)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="what root is told; a user is told to run as root")
+def test_inspect_as_root_without_cap_sys_ptrace_names_that_capability():
+    """Root without CAP_SYS_PTRACE (a container's, usually) may not read another user's maps."""
+    import shutil
+
+    if not shutil.which("setpriv"):
+        pytest.skip("needs setpriv")
+    target = subprocess.Popen(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", "sleep", "60"])
+    try:
+        while _uid(target.pid) != 65534 and target.poll() is None:  # until setpriv has taken the other user
+            time.sleep(0.01)
+        reader = ["setpriv", "--bounding-set", "-sys_ptrace", "--"]
+        if not _refused(reader, target.pid):
+            pytest.skip("this kernel lets root without CAP_SYS_PTRACE read another user's maps")
+        out = subprocess.run([*reader, sys.executable, "-m", "planners.cli", "inspect", "--pid", str(target.pid)],
+                             capture_output=True, text=True, timeout=120)
+        assert "lacks CAP_SYS_PTRACE" in _says_what_refuses_root(out, target.pid)
+    finally:
+        target.kill()
+        target.wait()
+
+
 def test_a_missing_adapter_is_named_by_key_and_line(tmp_path):
     write_checkpoint(tmp_path / "dit", layers=2, layer_bytes=MiB)
     path = config_with(tmp_path, """
