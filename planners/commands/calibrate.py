@@ -204,9 +204,9 @@ def transfer_block(transfer: dict) -> str:
 
 
 def run(args) -> int:
-    from planners.commands.lora import _stoppable
+    from .stopping import stoppable
 
-    with _stoppable():  # SIGTERM too stops it as Ctrl-C does, and the probe file is removed
+    with stoppable():  # SIGTERM too stops it as Ctrl-C does, and the probe file is removed
         result = measure(args)
     if args.json:
         print(json.dumps(result, indent=2))

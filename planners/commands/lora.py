@@ -22,13 +22,13 @@ start (or this command again) resumes from there.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import sys
 
 from hostmem.errors import InputError
+
+from .stopping import stoppable
 
 
 def register(subparsers) -> None:
@@ -180,25 +180,6 @@ def _check_enabled(config) -> None:
         raise InputError(f"{DISABLE_ENV} is set, which turns the cache off; unset it to build the cache")
 
 
-def _interrupt(signum, frame) -> None:
-    """Turn the first SIGINT/SIGTERM into KeyboardInterrupt; ignore later ones while the
-    build seals what it has (a second signal must not tear what the first stops)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-@contextlib.contextmanager
-def _stoppable():
-    """SIGINT and SIGTERM stop the build as KeyboardInterrupt; the old handlers come back after."""
-    old = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
 def _interrupted_line(exc: KeyboardInterrupt) -> str:
     sealed = getattr(exc, "sealed_layers", None)
     what = "no layer" if not sealed else f"{sealed} layer(s)"
@@ -240,7 +221,7 @@ def _build(args):
 
 def run_merge(args) -> int:
     try:
-        with _stoppable():  # from the first import on: a signal never ends the command without its line
+        with stoppable():  # from the first import on: a signal never ends the command without its line
             return _run(args)
     except KeyboardInterrupt as exc:
         print(_interrupted_line(exc), file=sys.stderr)
