@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from .pagemap import SCAN_PRESENT, SCAN_SWAPPED, PagemapReader
+from .pagemap import SCAN_PFNZERO, SCAN_PRESENT, SCAN_SWAPPED, PagemapReader
 from .procfs.maps import strip_deleted
 from .procfs.mounts import SHMEM_NAMES as _SHMEM_NAMES
 from .procfs import PAGE_SIZE, Mount, ProcReadError, Vma, is_shmem_fs, read_maps, read_mounts, read_smaps, read_status
@@ -200,10 +200,28 @@ class AreaSnapshot:
 
     def _entry_codes(self, kind: str, start: int, end: int) -> bytes:
         """Codes from pagemap's entries: the top byte of each little-endian 8-byte entry
-        looked up in the kind's table (C-speed slicing and translation)."""
+        looked up in the kind's table (C-speed slicing and translation).
+
+        In anonymous memory, a page only ever read maps the shared zero page (4 KiB, or the
+        huge zero page, which pagemap even marks as shared): present in pagemap, charged to
+        no one (neither RssAnon nor smaps' Anonymous count it). The kernel's scan names
+        those pages (``PAGE_IS_PFNZERO``, Linux 6.7+), and they count as not resident."""
         pages = (end - start + PAGE_SIZE - 1) // PAGE_SIZE
         codes = bytes(self._pagemap.read_bytes(start, end)[7::8]).translate(_BYTE_TABLES[kind])
-        return codes + bytes([NOT_RESIDENT]) * (pages - len(codes))
+        codes += bytes([NOT_RESIDENT]) * (pages - len(codes))
+        if kind == AreaKind.ANON and (ANONYMOUS in codes or SHMEM in codes):
+            codes = self._without_zero_pages(codes, start, end)
+        return codes
+
+    def _without_zero_pages(self, codes: bytes, start: int, end: int) -> bytes:
+        runs = self._pagemap.scan(start, end, SCAN_PFNZERO)
+        if not runs:  # none, or a kernel without the scan: pagemap alone cannot tell them apart
+            return codes
+        base, out = start // PAGE_SIZE * PAGE_SIZE, bytearray(codes)
+        for lo, hi, _ in runs:
+            first, last = (max(lo, base) - base) // PAGE_SIZE, (min(hi, end) - base + PAGE_SIZE - 1) // PAGE_SIZE
+            out[first:last] = bytes([NOT_RESIDENT]) * (last - first)
+        return bytes(out)
 
     def _codes_of_runs(self, kind: str, runs: list[tuple[int, int, int]], start: int, end: int) -> bytes:
         """Codes for ``[start, end)`` from scan runs: present -> file_backed, swapped ->

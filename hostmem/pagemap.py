@@ -27,7 +27,7 @@ from array import array
 
 from .procfs import PAGE_SIZE, ProcReadError, proc_path
 
-__all__ = ["PagemapReader", "SCAN_PRESENT", "SCAN_SWAPPED"]
+__all__ = ["PagemapReader", "SCAN_PRESENT", "SCAN_SWAPPED", "SCAN_PFNZERO"]
 
 _ENTRY = 8
 # linux/fs.h: struct pm_scan_arg (12 x u64), struct page_region (start, end, categories),
@@ -36,6 +36,7 @@ _SCAN_ARG = struct.Struct("=12Q")
 _PAGEMAP_SCAN = (3 << 30) | (_SCAN_ARG.size << 16) | (ord("f") << 8) | 16
 SCAN_PRESENT = 1 << 3
 SCAN_SWAPPED = 1 << 4
+SCAN_PFNZERO = 1 << 5  # the shared zero page (4 KiB or huge): what a read of never-written memory maps
 # Per top byte of an entry (bits 63..56): 1 where the page is present and not a file
 # page (bit 63 set, 61 clear), or swapped (bit 62).
 _PRIVATE_COPY = bytes(int((byte & 0xA0) == 0x80 or bool(byte & 0x40)) for byte in range(256))
@@ -81,10 +82,10 @@ class PagemapReader:
         del buf[got - got % _ENTRY :]
         return buf
 
-    def scan(self, start: int, end: int) -> list[tuple[int, int, int]] | None:
+    def scan(self, start: int, end: int, wanted: int = SCAN_PRESENT | SCAN_SWAPPED) -> list[tuple[int, int, int]] | None:
         """Runs ``(start, end, categories)`` of present or swapped pages in ``[start, end)``
         (``categories`` is ``SCAN_PRESENT`` or ``SCAN_SWAPPED``); pages in no run are
-        neither. ``None`` where the kernel has no ``PAGEMAP_SCAN`` (before 6.7) or refuses
+        neither. ``wanted=SCAN_PFNZERO``: the runs of pages that map the zero page. ``None`` where the kernel has no ``PAGEMAP_SCAN`` (before 6.7) or refuses
         it: the caller reads entries instead, and this reader stops asking. Areas the
         kernel's scan skips (``VM_PFNMAP``) show no run.
         """
@@ -94,7 +95,6 @@ class PagemapReader:
         hi = (end + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE
         vec = array("Q", bytes(24 * _SCAN_REGIONS))
         address = vec.buffer_info()[0]
-        wanted = SCAN_PRESENT | SCAN_SWAPPED
         runs: list[tuple[int, int, int]] = []
         while lo < hi:
             arg = bytearray(_SCAN_ARG.pack(_SCAN_ARG.size, 0, lo, hi, 0, address, _SCAN_REGIONS,

@@ -10,7 +10,8 @@ Each page of a range is put in exactly one class:
 - ``pinned``: in an mlocked area (smaps ``Locked``, VmFlags ``lo``) or in a mapping of a
   GPU driver's device file (memory from cudaHostAlloc lives there);
 - ``swapped``: written out to swap;
-- ``not_resident``: mapped but not faulted in (costs nothing now).
+- ``not_resident``: mapped but not faulted in, or only read where nothing was written
+  (the shared zero page): costs nothing now.
 
 The class is decided per page from pagemap bits, not per area: a private file mapping
 whose pages were partly written shows exactly those pages as anonymous. Byte counts are

@@ -248,3 +248,35 @@ def test_private_memfd_and_dev_zero_mappings_count_copied_pages_as_anonymous():
         gc.collect()
         area.close()
         zero.close()
+
+
+def _scan_supported() -> bool:
+    from hostmem.pagemap import SCAN_PFNZERO, PagemapReader
+
+    with PagemapReader() as reader:
+        return reader.scan(0, PAGE_SIZE, SCAN_PFNZERO) is not None
+
+
+@pytest.mark.skipif(not _scan_supported(), reason="needs PAGEMAP_SCAN (Linux 6.7+) to tell zero-page reads apart")
+@pytest.mark.parametrize("huge", [False, True], ids=["4KiB", "huge"])
+def test_memory_only_read_maps_the_zero_page_and_is_counted_as_the_kernel_charges_it(huge):
+    """A read of never-written anonymous memory (np.zeros' calloc, a fresh mmap) maps the
+    shared zero page: pagemap shows it present (the huge zero page even as shared), the
+    kernel charges nothing. Only the written quarter is anonymous, as smaps says."""
+    from hostmem.procfs import read_smaps
+
+    size = 8 * MiB
+    area = mmap.mmap(-1, size + 2 * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(area))
+    start += -start % (2 * MiB)
+    if huge:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(size), 14)  # MADV_HUGEPAGE
+    pages = torch.frombuffer((ctypes.c_char * size).from_address(start), dtype=torch.uint8)
+    assert int(pages[::PAGE_SIZE].sum()) == 0  # read every page: each maps the zero page
+    pages[: size // 4] = 1
+    found = classify_range(start, start + size)
+    (vma,) = [v for v in read_smaps() if v.start <= start < v.end]
+    assert (found.anonymous, found.not_resident, found.shmem) == (size // 4, 3 * size // 4, 0), found
+    assert vma.anonymous == size // 4
+    del pages
+    area.close()
