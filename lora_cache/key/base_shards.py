@@ -7,6 +7,7 @@ shards a caller names.
 
 from __future__ import annotations
 
+import math
 import os
 
 from hostmem.errors import InputError
@@ -14,7 +15,7 @@ from hostmem.safetensors.header import read_header
 
 from ..targets.layer_target import AddressSpace, LayerTarget
 
-__all__ = ["base_positions", "base_shards", "changed_in_memory", "mapped_file", "replaced_files"]
+__all__ = ["base_positions", "base_shards", "changed_in_memory", "differ_from_files", "mapped_file", "replaced_files"]
 
 _COMPARE = 8 << 20  # bytes compared at a time against the file
 
@@ -97,6 +98,92 @@ def _same_as_file(tensor, path: str, offset: int) -> bool:
         os.close(fd)
 
 
+def differ_from_files(targets: list[LayerTarget], space: AddressSpace, base_files: list[str] | None) -> list[str]:
+    """Names of the targets held in memory of their own (loaded copied: ``from_pretrained``
+    with a cast, a heap model) whose bytes are not their tensor's in ``base_files``, as
+    the loader would hold it (cast to the weight's dtype), checked on one row each.
+
+    Such a weight is keyed by the shard the header names, not by its own bytes: a model
+    loaded from another checkpoint than the one named, or with a LoRA fused into it in
+    place, would be served that shard's merge (its own change lost), or build its merge
+    under the shard's key for every later start. A row of each is enough to catch a whole
+    other checkpoint or a dense update (a fused LoRA changes every row); an edit of some
+    rows only is not seen. A weight whose tensor no given shard names is not checked.
+    """
+    if not base_files:
+        return []
+    held = [t for t in targets if t.current.device.type == "cpu" and t.current.is_contiguous() and t.current.dim()
+            and not getattr(space.area_of(t.current), "is_file", False)]
+    if not held:
+        return []
+    found = _header_matches(held, [os.path.realpath(os.fspath(p)) for p in base_files])
+    changed, fds = [], {}
+    try:
+        for target in held:
+            match = found.get(target.name)
+            if match is not None and not _row_matches(target.current, *match, fds):
+                changed.append(target.name)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return changed
+
+
+def _row_matches(tensor, path: str, data_offset: int, info, fds: dict) -> bool:
+    """Whether the middle row of ``tensor`` is that row of the file's tensor, cast to its dtype."""
+    import torch
+
+    rows = tensor.shape[0]
+    per_row = tensor.numel() // rows
+    width = per_row * (info.nbytes // max(1, math.prod(info.shape)))
+    row = rows // 2
+    try:
+        if path not in fds:
+            fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        raw = os.pread(fds[path], width, data_offset + info.begin + row * width)
+    except OSError:
+        return False
+    if len(raw) != width:
+        return False
+    stored = torch.frombuffer(bytearray(raw), dtype=info.torch_dtype).to(tensor.dtype)
+    mine = tensor.reshape(rows, per_row)[row]
+    return bytes(stored.view(torch.uint8).numpy()) == bytes(mine.contiguous().view(torch.uint8).numpy())
+
+
+def _header_matches(targets: list[LayerTarget], base_files: list[str]) -> dict:
+    """Target name -> ``(shard, data offset, TensorInfo)`` of the one tensor of the same shape
+    its name (up to wrapper prefixes, as :func:`_shards_by_header` matches) names."""
+    index, found = _header_index(base_files), {}
+    for target in targets:
+        candidates = _candidates(target, index)
+        if len({(c[0], c[2].name) for c in candidates}) == 1:
+            found[target.name] = candidates[0]
+    return found
+
+
+def _header_index(base_files: list[str]) -> tuple[dict, dict]:
+    """``(exact, ending)``: tensor name, and every dotted suffix of one, -> ``(shard, data
+    offset, TensorInfo)`` of each tensor in ``base_files`` so named."""
+    exact: dict[str, list] = {}
+    ending: dict[str, list] = {}
+    for path in base_files:
+        header = read_header(path)
+        for name, info in header.tensors.items():
+            exact.setdefault(name, []).append((path, header.data_offset, info))
+            for suffix in _dotted_suffixes(name):
+                ending.setdefault(suffix, []).append((path, header.data_offset, info))
+    return exact, ending
+
+
+def _candidates(target: LayerTarget, index: tuple[dict, dict]) -> list:
+    """The tensors of :func:`_header_index` that may be ``target``: the same shape, and the same
+    name up to wrapper prefixes on either side (``dit.blocks.0.w`` / ``model.blocks.0.w`` / ``blocks.0.w``)."""
+    exact, ending = index
+    shape = tuple(target.current.shape)
+    shorter = [c for suffix in _dotted_suffixes(target.name)[1:] for c in exact.get(suffix, [])]
+    return [c for c in ending.get(target.name, []) + shorter if tuple(c[2].shape) == shape]
+
+
 def _dotted_suffixes(name: str) -> list[str]:
     """``a.b.c`` -> ``["a.b.c", "b.c", "c"]``."""
     parts = name.split(".")
@@ -104,25 +191,14 @@ def _dotted_suffixes(name: str) -> list[str]:
 
 
 def _shards_by_header(targets: list[LayerTarget], base_files: list[str]) -> set[str]:
-    """The given shards whose headers hold the targets: same shape, and the same name up to
-    wrapper prefixes on either side (``dit.blocks.0.w`` / ``model.blocks.0.w`` / ``blocks.0.w``).
+    """The given shards whose headers hold the targets (:func:`_candidates`).
 
     When a target is found in none of them (renamed on load, say), every given shard is
     kept: the key then covers more than it needs, never less.
     """
-    exact: dict[str, list[tuple[str, tuple]]] = {}  # tensor name -> (shard, shape)
-    ending: dict[str, list[tuple[str, tuple]]] = {}  # every dotted suffix of a tensor name -> (shard, shape)
-    for path in base_files:
-        for name, info in read_header(path).tensors.items():
-            exact.setdefault(name, []).append((path, tuple(info.shape)))
-            for suffix in _dotted_suffixes(name):
-                ending.setdefault(suffix, []).append((path, tuple(info.shape)))
-    found = set()
+    index, found = _header_index(base_files), set()
     for target in targets:
-        shape = tuple(target.current.shape)
-        shorter = [c for suffix in _dotted_suffixes(target.name)[1:] for c in exact.get(suffix, [])]
-        candidates = ending.get(target.name, []) + shorter
-        holders = {path for path, held in candidates if held == shape}
+        holders = {c[0] for c in _candidates(target, index)}
         if not holders:
             return set(base_files)
         found |= holders

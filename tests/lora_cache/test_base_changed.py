@@ -140,3 +140,39 @@ def test_unmerge_after_the_model_was_cast_gives_the_base_as_the_model_now_has_it
     assert lora_cache.unmerge(model) == 6
     for name, weight in model.named_parameters():
         assert weight.dtype == torch.bfloat16 and torch.equal(weight, base[name].to(torch.bfloat16)), name
+
+
+def test_weights_held_in_memory_that_are_not_the_named_files_are_merged_in_place(tmp_path):
+    """A model loaded copied (a heap model, ``from_pretrained`` with a cast) is keyed by the
+    shard ``base_files`` names: one loaded from another checkpoint, or with a LoRA fused in
+    place, would be served that shard's merge. Each is merged in place with one warning; a
+    copy of the named checkpoint, cast as a loader casts it, hits what a clean start built."""
+    model, adapter = _setup(tmp_path, dtype=torch.float32)
+    base = os.fspath(tmp_path / "base.safetensors")
+
+    def copied(dtype, change=None):
+        held = copy.deepcopy(model)
+        for module in held.modules():
+            for attr, param in module._parameters.items():
+                module._parameters[attr] = torch.nn.Parameter(param.detach().to(dtype, copy=True), requires_grad=False)
+        if change is not None:
+            change(held)
+        return held
+
+    def summed_in_place(held):
+        lora_cache.merge(held, [adapter], enabled=False, progress=False)
+        return {n: p.detach().clone() for n, p in held.named_parameters()}
+
+    root = tmp_path / "cache"
+    clean = lora_cache.merge(copied(torch.bfloat16), [adapter], cache_root=root, base_files=[base], progress=False)
+    assert clean.built == 6
+    assert lora_cache.merge(copied(torch.bfloat16), [adapter], cache_root=root, base_files=[base],
+                            progress=False).hit == 6
+    other = lambda held: [p.data.mul_(1.5) for p in held.parameters()]  # another checkpoint, same names  # noqa: E731
+    for change, count in ((other, 6), (_fuse_in_place, 1)):
+        held = copied(torch.bfloat16, change)
+        want = summed_in_place(copied(torch.bfloat16, change))
+        with pytest.warns(UserWarning, match=rf"{count} weight\(s\) .* differ from their tensors in base_files"):
+            stats = lora_cache.merge(held, [adapter], cache_root=root, base_files=[base], progress=False)
+        assert stats.cache_key is None and stats.in_place == 6
+        assert all(torch.equal(p, want[n]) for n, p in held.named_parameters())
