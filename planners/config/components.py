@@ -37,6 +37,9 @@ def _component(origin: ConfigOrigin, name: str, data: Any) -> ComponentConfig:
     pattern, count = _layers(s, offload, declared=path is None)
     target_bytes, target_patterns = _lora_targets(s, declared=path is None)
     size = s.size("size")
+    if s.has("prefetch") and offload != "layerwise":
+        raise origin.error(s.sub("prefetch"), f"is the read-ahead window of a streamed component (offload: layerwise); "
+                           f"a component with offload {offload} moves whole: remove prefetch, or stream it")
     if s.has("steps") and offload != "layerwise":
         raise origin.error(s.sub("steps"), "only a streamed component (offload: layerwise) runs a share of the steps; "
                            "remove steps, or stream it")

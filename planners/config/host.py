@@ -9,7 +9,7 @@ from hostmem.errors import InputError
 from hostmem.units import format_size, parse_fraction, parse_rate, parse_size
 
 from .model import DeviceConfig, HostConfig, TransferConfig, WorkloadConfig
-from .source import ConfigOrigin, Section
+from .source import ConfigOrigin, Section, short
 
 __all__ = ["parse_host", "parse_device", "parse_transfer", "parse_workload"]
 
@@ -77,7 +77,7 @@ def _max_pinned(s: Section) -> tuple[float | None, int | None]:
         if not 0.0 <= _as_float(value) <= 1.0:
             raise s.origin.error(
                 s.sub("max_pinned"),
-                f"{value!r} is a number without a unit, read as a share of the limit, so it must lie between "
+                f"{short(value)} is a number without a unit, read as a share of the limit, so it must lie between "
                 "0 and 1; write a share (75% or 0.75) or a size with its unit (18GiB)",
             )
         return _as_float(value), None

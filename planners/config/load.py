@@ -54,6 +54,8 @@ def parse_config(text: str, path: str, environ: Mapping[str, str] | None = None)
     name = top.require("deployment", "name the deployment, e.g. deployment: minimax-h3-32g")
     if not isinstance(name, str):
         raise origin.error("deployment", f"expected a name, found {kind(name)}")
+    if not name.strip():
+        raise origin.error("deployment", "is empty; name the deployment (the report and the cache records say it)")
     components = parse_components(origin, data.get("components"))
     host, device = parse_host(origin, data.get("host")), parse_device(origin, data.get("device"))
     transfer, workload = parse_transfer(origin, data.get("transfer")), parse_workload(origin, data.get("workload"))

@@ -183,7 +183,7 @@ class Section:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
             raise self.origin.error(
-                self.sub(name), f"{_short(value)} is not a whole number from {minimum} to {maximum:,}"
+                self.sub(name), f"{short(value)} is not a whole number from {minimum} to {maximum:,}"
             )
         return value
 
@@ -197,13 +197,13 @@ class Section:
         if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
             value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.origin.error(self.sub(name), f"{_short(value)} is not a number")
+            raise self.origin.error(self.sub(name), f"{short(value)} is not a number")
         try:
             number = float(value)
         except OverflowError:
             number = float("inf")
         if not math.isfinite(number):
-            raise self.origin.error(self.sub(name), f"{_short(value)} is not a finite number")
+            raise self.origin.error(self.sub(name), f"{short(value)} is not a finite number")
         if abs(number) > FLOAT32_MAX:
             raise self.origin.error(self.sub(name), f"{number:g} is beyond float32's range ({FLOAT32_MAX:.1e}), which "
                                     "the merge computes in; give a number of sensible size")
@@ -227,7 +227,7 @@ class Section:
 _EXPONENT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
-def _short(value: Any) -> str:
+def short(value: Any) -> str:
     """``repr(value)``, cut short: a 400-digit typo need not be echoed whole."""
     shown = repr(value)
     return shown if len(shown) <= 40 else f"{shown[:30]}...({len(shown)} characters)"

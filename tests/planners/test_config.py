@@ -68,6 +68,11 @@ def test_a_good_config_parses_into_bytes_and_fractions(write_config):
          "never into 'text_encoder'"),
         ("    offload: full\n", "    offload: full\nlora:\n  component: text_encoder\n", "components.dit.lora_targets",
          18, "charges a LoRA merge into 'text_encoder'"),
+        # accepted and never used before: a window of a component that moves whole, an empty name
+        ("    offload: full\n", "    offload: full\n    prefetch: 7\n", "components.text_encoder.prefetch", 23,
+         "read-ahead window of a streamed component"),
+        ("deployment: test\n", "deployment: ''\n", "deployment", 1, "is empty"),
+        ("  max_pinned: 75%\n", f"  max_pinned: {'9' * 400}\n", "host.max_pinned", 5, "(400 characters)"),
     ],
 )
 def test_errors_name_file_key_and_line(write_config, old, new, key, line, words):
