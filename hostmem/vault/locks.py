@@ -165,27 +165,36 @@ def lock_holders(path: str) -> list[tuple[int, int | None]]:
     be seen (``hidepid``: a process of this user's is always seen, so it is another
     user's, or one gone since), None where the pid is none of this namespace's (0)."""
     try:
-        inode = os.lstat(path).st_ino
+        stat = os.lstat(path)
         with open("/proc/locks") as handle:
             lines = handle.read().splitlines()
     except OSError:
         return []
-    found = []
+    same_inode, same_file = [], []
     for line in lines:
         fields = line.split()
         if "->" in fields or len(fields) < 6 or fields[1] != "FLOCK":  # "->": a waiter, not a holder
             continue
         try:
-            pid, where = int(fields[4]), fields[5]
+            pid, (major, minor, inode) = int(fields[4]), fields[5].split(":")
+            device = os.makedev(int(major, 16), int(minor, 16))
         except ValueError:
             continue
-        if where.rsplit(":", 1)[-1] == str(inode):
-            try:
-                uid = os.stat(f"/proc/{pid}").st_uid if pid > 0 else None
-            except OSError:
-                uid = HIDDEN
-            found.append((pid, uid))
-    return found
+        if inode == str(stat.st_ino):
+            same_inode.append(pid)
+            if device == stat.st_dev:
+                same_file.append(pid)
+    # MAJOR:MINOR:INODE names the file. Asked about a lock that is held (a lock not taken), and
+    # no line names the device stat shows (a btrfs subvolume's stat shows its own, its locks the
+    # filesystem's), the holders are those of the inode alone
+    return [(pid, _holder_uid(pid)) for pid in (same_file or same_inode)]
+
+
+def _holder_uid(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid if pid > 0 else None
+    except OSError:
+        return HIDDEN
 
 
 def flock_within(fd: int, path: str, exclusive: bool = True) -> bool:

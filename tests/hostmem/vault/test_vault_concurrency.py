@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 import torch
 
 from hostmem.vault import Vault, cache_key
@@ -213,3 +214,48 @@ def test_sizing_the_cache_while_another_process_seals_layers_never_fails(tmp_pat
         out, err = sealer.communicate(timeout=60)
     assert sealer.returncode == 0, err
     assert int(out.strip()) >= 2 and len(sizes) >= 3, (out, sizes)  # it sized a cache that kept changing
+
+
+def _tmpfs(point) -> bool:
+    point.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(point)],
+                          capture_output=True).returncode == 0
+
+
+def test_a_flock_on_another_filesystems_file_of_the_same_inode_number_is_no_holder(tmp_path):
+    """/proc/locks names a locked file MAJOR:MINOR:INODE: a process holding a file of another
+    filesystem that happens to carry our lock file's inode number is no holder of our lock
+    (where it was, a lock of ours could be taken for another user's, or the reverse)."""
+    import fcntl
+
+    from hostmem.vault.locks import lock_holders
+
+    points = [tmp_path / "a", tmp_path / "b"]
+    if os.geteuid() != 0 or not all(_tmpfs(p) for p in points):
+        for p in points:
+            subprocess.run(["umount", str(p)], capture_output=True)
+        pytest.skip("needs root to mount two tmpfs filesystems")
+    try:
+        ours, theirs = points[0] / "key.lock", points[1] / "key.lock"
+        ours.touch(), theirs.touch()
+        if os.stat(ours).st_ino != os.stat(theirs).st_ino:
+            pytest.skip("two fresh tmpfs mounts gave their first files different inode numbers")
+        holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import fcntl, sys, time
+            handle = open({str(theirs)!r}, "rb")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            print("held", flush=True)
+            time.sleep(60)
+            """)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            assert [pid for pid, _ in lock_holders(str(theirs))] == [holder.pid]
+            with open(ours, "rb") as handle:  # ours held too: its one holder, not the other file's
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                assert [pid for pid, _ in lock_holders(str(ours))] == [os.getpid()]
+        finally:
+            holder.kill()
+            holder.wait()
+    finally:
+        for p in points:
+            subprocess.run(["umount", str(p)], capture_output=True)
