@@ -176,8 +176,8 @@ def test_a_file_size_limit_merges_in_place_and_says_why(tmp_path):
     assert not leftovers(world.path("root"))
 
 
-def test_sigterm_during_hostmem_lora_merge_exits_130_and_the_next_start_resumes(tmp_path):
-    world = make_world(tmp_path)
+def _merge_config(world) -> str:
+    """A deployment config merging the world's adapter into its base through its root."""
     config = world.path("deploy.yaml")
     with open(config, "w") as handle:
         handle.write(
@@ -185,6 +185,12 @@ def test_sigterm_during_hostmem_lora_merge_exits_130_and_the_next_start_resumes(
             f"components:\n  dit: {{path: {world.base}, offload: layerwise, layers: \"blocks.{{i}}.\"}}\n"
             f"lora:\n  adapters: [{{path: {world.adapter}}}]\n  cache: {{roots: [{world.path('root')}]}}\n"
         )
+    return config
+
+
+def test_sigterm_during_hostmem_lora_merge_exits_130_and_the_next_start_resumes(tmp_path):
+    world = make_world(tmp_path)
+    config = _merge_config(world)
     code = (
         "import sys, time, hostmem.vault.session as s\n"
         "real = s.write_layer_data\n"
@@ -218,13 +224,7 @@ def test_sigterm_before_the_build_begins_exits_130_with_its_line(tmp_path):
     seconds before a layer is written): it caught SIGTERM before torch was loaded, and a
     signal then ends it with exit 130 and its one line, not the default action's silence."""
     world = make_world(tmp_path)
-    config = world.path("deploy.yaml")
-    with open(config, "w") as handle:
-        handle.write(
-            f"deployment: faults\nhost: {{limit: 8GiB, reserve: 1GiB}}\nworkload: {{steps: 4}}\n"
-            f"components:\n  dit: {{path: {world.base}, offload: layerwise, layers: \"blocks.{{i}}.\"}}\n"
-            f"lora:\n  adapters: [{{path: {world.adapter}}}]\n  cache: {{roots: [{world.path('root')}]}}\n"
-        )
+    config = _merge_config(world)
     child = subprocess.Popen([sys.executable, "-m", "planners.cli", "lora", "merge", config, "--no-progress"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
