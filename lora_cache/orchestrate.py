@@ -23,7 +23,7 @@ from hostmem.errors import InputError
 
 from .adapters import AdapterFile, as_adapters, read_adapters
 from .adapters.conversion_memo import ValuesNeeded
-from .key.base_shards import base_positions, base_shards, changed_in_memory, differ_from_files, replaced_files
+from .key.base_shards import base_positions, base_shards, unkeyed_reason
 from .key.combination import Combination, kernel_roots, key_of
 from .kernels import KernelPlan, plan_for_targets
 from .kernels.policy import MERGE_POLICY, merge_policy
@@ -149,24 +149,6 @@ def _refuse_parts_at_runtime(lossy: RoundingSplit) -> None:
             f"{', ...' if len(parts) > 3 else ''}) would lose a material share of their update to rounding "
             "(rounding='runtime' keeps such a layer's terms at run time, which a part of a weight cannot carry); "
             "pass rounding='merge' to merge them rounded, as diffusers' fuse_lora does. Nothing was merged")
-
-
-def _unkeyed_base(host: list[LayerTarget], base_files: list[str] | None) -> str | None:
-    """Why these weights cannot be keyed by the checkpoint they are views of, or that
-    ``base_files`` names, in words (the merge is then summed in place, on top of what the
-    model holds), or None."""
-    space = AddressSpace()
-    for names, what in ((replaced_files(host, space), "are views of a checkpoint file removed or replaced since "
-                         "they were loaded"),
-                        (changed_in_memory(host, space), "differ from the checkpoint file they are mapped from: "
-                         "changed in memory since loading, as by a LoRA fused in place"),
-                        (differ_from_files(host, space, base_files), "differ from their tensors in base_files (cast "
-                         "to their dtype): loaded from another checkpoint, or changed in memory since loading")):
-        if names:
-            return (f"{len(names)} weight(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) {what}; "
-                    "the cache knows a base by its file, so this merge is summed in place, on top of what the "
-                    "model holds (reload the model to use the cache)")
-    return None
 
 
 class OpenCombination(NamedTuple):
@@ -311,7 +293,7 @@ def merge(
     group = distributed_group()
     memo_roots = roots if shards is None and group is None else None
     targets, files = plan_targets(model, specs, shards, memo_roots)
-    if roots is not None and (unkeyed := _unkeyed_base(_host(targets), base_files)):
+    if roots is not None and (unkeyed := unkeyed_reason(_host(targets), base_files)):
         off, roots = unkeyed, None
         warnings.warn(off, stacklevel=3)
     form = _planned(_host(targets))  # what the key covers

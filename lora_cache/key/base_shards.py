@@ -15,7 +15,8 @@ from hostmem.safetensors.header import read_header
 
 from ..targets.layer_target import AddressSpace, LayerTarget
 
-__all__ = ["base_positions", "base_shards", "changed_in_memory", "differ_from_files", "mapped_file", "replaced_files"]
+__all__ = ["base_positions", "base_shards", "changed_in_memory", "differ_from_files", "mapped_file", "replaced_files",
+           "unkeyed_reason"]
 
 _COMPARE = 8 << 20  # bytes compared at a time against the file
 
@@ -76,6 +77,24 @@ def replaced_files(targets: list[LayerTarget], space: AddressSpace) -> list[str]
         if inodes[area.path] != area.inode:
             replaced.append(target.name)
     return replaced
+
+
+def unkeyed_reason(host: list[LayerTarget], base_files: list[str] | None) -> str | None:
+    """Why these weights cannot be keyed by the checkpoint they are views of, or that
+    ``base_files`` names, in words (the merge is then summed in place, on top of what the
+    model holds), or None."""
+    space = AddressSpace()
+    for names, what in ((replaced_files(host, space), "are views of a checkpoint file removed or replaced since "
+                         "they were loaded"),
+                        (changed_in_memory(host, space), "differ from the checkpoint file they are mapped from: "
+                         "changed in memory since loading, as by a LoRA fused in place"),
+                        (differ_from_files(host, space, base_files), "differ from their tensors in base_files (cast "
+                         "to their dtype): loaded from another checkpoint, or changed in memory since loading")):
+        if names:
+            return (f"{len(names)} weight(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) {what}; "
+                    "the cache knows a base by its file, so this merge is summed in place, on top of what the "
+                    "model holds (reload the model to use the cache)")
+    return None
 
 
 def _same_as_file(tensor, path: str, offset: int) -> bool:
