@@ -167,7 +167,8 @@ class OpenCombination(NamedTuple):
 
 def open_combination(planned, specs, cache_root=None, *, max_size=None, base_files=None, device=None,
                      kernels: KernelPlan | None = None, sharding: str = "", rounding: str = "runtime",
-                     at_runtime: frozenset[str] = frozenset(), form: dict | None = None) -> OpenCombination:
+                     at_runtime: frozenset[str] = frozenset(), form: dict | None = None,
+                     lossy: RoundingSplit | None = None) -> OpenCombination:
     """Open the vault session of merging ``specs`` as :func:`merge` would, without merging.
 
     ``planned`` is what :func:`plan_targets` returned for ``specs``; only the host (CPU)
@@ -180,7 +181,9 @@ def open_combination(planned, specs, cache_root=None, *, max_size=None, base_fil
     rounding policy (:mod:`lora_cache.placement.rounding`); ``at_runtime``: names of targets kept
     at run time, part of the key's inputs but never expected in the vault; ``form``: the
     deltas by layer name the key covers (default: the host targets'; a tensor-parallel
-    rank's are the whole model's, as a single-process merge's).
+    rank's are the whole model's, as a single-process merge's). ``lossy``: in place of
+    ``at_runtime``, the rounding split of the targets, decided from the combination's record
+    where it has one, as :func:`merge` decides it.
     """
     targets, files = planned
     roots = cache_roots(cache_root)
@@ -189,7 +192,8 @@ def open_combination(planned, specs, cache_root=None, *, max_size=None, base_fil
         kernels = plan_for_targets(targets, device, kernel_roots(roots))
     combination = Combination(files, specs, frozenset(t.current.dtype for t in host),
                               merge_policy(device, kernels, sharding, rounding), _planned(host) if form is None else form)
-    return _open_in(targets, combination, roots, max_size=max_size, base_files=base_files, at_runtime=at_runtime)
+    return _open_in(targets, combination, roots, max_size=max_size, base_files=base_files, at_runtime=at_runtime,
+                    lossy=lossy)
 
 
 def _open_in(targets: list[LayerTarget], combination: Combination, roots: list[str], *, max_size=None,

@@ -45,7 +45,8 @@ from ..kernels import plan_for_targets
 from ..placement.layers import is_merged
 from ..targets.layer_target import LayerTarget, components_of
 from ..placement.layers import keep_base, unmerge as unmerge_layers
-from ..placement.rounding import say, split_lossy
+from ..placement.rounding import say
+from ..placement.rounding_memo import RoundingSplit
 from .identity import combination_identity
 from ..orchestrate import CacheBuildError, cache_roots, merge, merge_layers, open_combination, plan_targets
 from ..ranks.process_group import DEFAULT_TIMEOUT, check_rank_timeout
@@ -172,10 +173,14 @@ def _stand_ins(targets: list[LayerTarget]) -> list[LayerTarget]:
 
 def _open(targets, files, specs, opts, kernels, lossy=()):
     """The vault session of this combination, keyed exactly as :func:`lora_cache.merge` keys it
-    (``lossy``: targets kept at run time, in the key, never expected: :mod:`lora_cache.placement.rounding`)."""
-    return open_combination(([*targets, *lossy], files), specs, opts["cache_root"], max_size=opts["max_size"],
-                            base_files=opts["base_files"], device=opts["device"], kernels=kernels,
-                            at_runtime=frozenset(t.name for t in lossy)).session
+    (``lossy``: targets kept at run time, in the key, never expected: :mod:`lora_cache.placement.rounding`;
+    or the :class:`RoundingSplit` of ``targets``, which decides them from the combination's
+    record where there is one, as a merge of the same combination does)."""
+    options = dict(max_size=opts["max_size"], base_files=opts["base_files"], device=opts["device"], kernels=kernels)
+    if isinstance(lossy, RoundingSplit):
+        return open_combination((targets, files), specs, opts["cache_root"], lossy=lossy, **options).session
+    return open_combination(([*targets, *lossy], files), specs, opts["cache_root"],
+                            at_runtime=frozenset(t.name for t in lossy), **options).session
 
 
 def _keep_at_runtime(lossy: list[LayerTarget]) -> None:
@@ -202,6 +207,8 @@ def _install_cached(state: SwitchState, identity, targets, files, specs, kernels
         with _open(targets, files, specs, state.options, kernels, lossy) as session:
             if not session.complete:
                 return False
+            if isinstance(lossy, RoundingSplit):
+                targets, lossy, _ = lossy.decided()
             try:
                 _merge_through(targets, session, state.options, kernels)
                 _keep_at_runtime(list(lossy))
@@ -350,10 +357,11 @@ def _switch(state: SwitchState, model, specs, planned, identity, background: boo
     if state.options["shards"] is not None:
         return _merge_parts(state, model, specs)
     kernels = plan_for_targets(targets, state.options["device"], kernel_roots(cache_roots(state.options["cache_root"])))
-    merged, lossy, check = split_lossy(targets)  # what rounding would weaken stays at run time
-    if _install_cached(state, identity, merged, files, specs, kernels, lossy):
-        say(check)
+    split = RoundingSplit(targets, "runtime")  # what rounding would weaken stays at run time
+    if _install_cached(state, identity, targets, files, specs, kernels, split):
+        say(split.decided()[2])  # decided as a merge decides it: from the combination's record
         return SwitchResult("cached", layers=len(targets))
+    merged, lossy, check = split.decided()
     unsupported = next((r for r in map(unsupported_reason, merged) if r is not None), None)
     if unsupported is not None or not background:  # merge's own rounding check says what it keeps
         _merge_now(model, specs, state.options)

@@ -69,6 +69,25 @@ def test_a_record_that_is_not_this_combinations_is_measured_again_and_rewritten(
     assert not os.path.islink(file) and json.loads(open(file).read()) == record  # written anew
 
 
+def test_a_switch_decides_from_the_record_as_a_merge_of_the_same_combination_does(tmp_path):
+    """A record made elsewhere (another CPU's measure, an image) that merges a layer this
+    machine's measure would keep at run time: a merge follows the record (and builds that
+    layer), and so does a switch to the same combination, serving the same weights."""
+    path, _ = adapter(tmp_path)
+    root = tmp_path / "cache"
+    _, built = _start(tmp_path, path, root)
+    file = _record(root, built.cache_key)
+    record = json.loads(open(file).read())
+    open(file, "w").write(json.dumps({**record, "lost": {}}))  # nothing lost: every layer merged
+    merged = base_model(tmp_path)
+    stats = lora_cache.merge(merged, [path], cache_root=root)
+    assert stats.rounding["recorded"] is True and (stats.hit, stats.built, stats.at_runtime) == (1, 1, 0)
+    switched = base_model(tmp_path)
+    assert lora_cache.set_adapters(switched, [(path, 1.0)], root).mode == "cached"
+    for name in ("turbo", "plain"):
+        assert torch.equal(switched[name].weight, merged[name].weight), name
+
+
 def test_another_users_record_is_not_read(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("needs root to give a file to another user")
