@@ -125,13 +125,14 @@ def differ_from_files(targets: list[LayerTarget], space: AddressSpace, base_file
     Such a weight is keyed by the shard the header names, not by its own bytes: a model
     loaded from another checkpoint than the one named, or with a LoRA fused into it in
     place, would be served that shard's merge (its own change lost), or build its merge
-    under the shard's key for every later start. A row of each is enough to catch a whole
-    other checkpoint or a dense update (a fused LoRA changes every row); an edit of some
-    rows only is not seen. A weight whose tensor no given shard names is not checked.
+    under the shard's key for every later start. A row of each (a 1-D weight whole; any
+    strides: transposed or channels-last storage holds the same values) is enough to catch
+    a whole other checkpoint or a dense update (a fused LoRA changes every row); an edit of
+    some rows only is not seen. A weight whose tensor no given shard names is not checked.
     """
     if not base_files:
         return []
-    held = [t for t in targets if t.current.device.type == "cpu" and t.current.is_contiguous() and t.current.dim()
+    held = [t for t in targets if t.current.device.type == "cpu" and t.current.dim()
             and not getattr(space.area_of(t.current), "is_file", False)]
     if not held:
         return []
@@ -149,10 +150,13 @@ def differ_from_files(targets: list[LayerTarget], space: AddressSpace, base_file
 
 
 def _row_matches(tensor, path: str, data_offset: int, info, fds: dict) -> bool:
-    """Whether the middle row of ``tensor`` is that row of the file's tensor, cast to its dtype."""
+    """Whether the middle row of ``tensor`` (its values, whatever its strides; a 1-D tensor
+    whole) is that row of the file's tensor, cast to its dtype."""
     import torch
 
-    rows = tensor.shape[0]
+    if not tensor.numel():
+        return True
+    rows = tensor.shape[0] if tensor.dim() > 1 else 1
     per_row = tensor.numel() // rows
     width = per_row * (info.nbytes // max(1, math.prod(info.shape)))
     row = rows // 2

@@ -169,10 +169,37 @@ def test_weights_held_in_memory_that_are_not_the_named_files_are_merged_in_place
     assert lora_cache.merge(copied(torch.bfloat16), [adapter], cache_root=root, base_files=[base],
                             progress=False).hit == 6
     other = lambda held: [p.data.mul_(1.5) for p in held.parameters()]  # another checkpoint, same names  # noqa: E731
-    for change, count in ((other, 6), (_fuse_in_place, 1)):
+
+    def other_transposed(held):  # another checkpoint, each weight stored column-major (the same values)
+        for module in held.modules():
+            for attr, param in module._parameters.items():
+                scaled = param.detach() * 1.5
+                stored = scaled.t().contiguous().t() if scaled.dim() == 2 else scaled.contiguous(
+                    memory_format=torch.channels_last) if scaled.dim() == 4 else scaled
+                module._parameters[attr] = torch.nn.Parameter(stored, requires_grad=False)
+
+    for change, count in ((other, 6), (other_transposed, 6), (_fuse_in_place, 1)):
         held = copied(torch.bfloat16, change)
         want = summed_in_place(copied(torch.bfloat16, change))
         with pytest.warns(UserWarning, match=rf"{count} weight\(s\) .* differ from their tensors in base_files"):
             stats = lora_cache.merge(held, [adapter], cache_root=root, base_files=[base], progress=False)
         assert stats.cache_key is None and stats.in_place == 6
         assert all(torch.equal(p, want[n]) for n, p in held.named_parameters())
+
+
+def test_a_one_dimensional_weight_is_compared_whole_with_its_file(tmp_path):
+    """A bias or norm held in memory of its own that differs from its file everywhere but
+    in its middle element is told apart (one "row" of a 1-D weight would be that element)."""
+    from lora_cache.key.base_shards import differ_from_files
+    from lora_cache.targets.layer_target import LayerTarget
+
+    bias = torch.randn(3072)
+    path = write_safetensors(tmp_path / "bias.safetensors", {"proj.bias": bias})
+    owner = torch.nn.Module()
+    changed = bias + 1.0
+    changed[1536] = bias[1536]
+    owner._parameters["bias"] = torch.nn.Parameter(changed, requires_grad=False)
+    target = LayerTarget("proj.bias", owner, "bias")
+    assert differ_from_files([target], AddressSpace(), [os.fspath(path)]) == ["proj.bias"]
+    owner._parameters["bias"] = torch.nn.Parameter(bias.clone(), requires_grad=False)
+    assert differ_from_files([LayerTarget("proj.bias", owner, "bias")], AddressSpace(), [os.fspath(path)]) == []
