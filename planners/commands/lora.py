@@ -123,49 +123,71 @@ def _take_parts(tensors: dict, spec) -> None:
         tensors[name] = shard.part(tensors[name])
 
 
-_CASTS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_CASTS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn"}
 
 
 def _served_casts(config, component, headers) -> tuple[dict, str]:
-    """The LoRA targets the server holds in ``components.<name>.dtype`` where the checkpoint
-    stores another dtype, {name: torch dtype} (the merge is keyed by the dtype it rounds
-    to, so a build at the checkpoint's dtype is never found by a server that casts at
-    load), and a line saying what the build is for. A cast needs room for a copy of
-    each target: refused up front where the host has not that much available."""
-    import psutil
+    """The LoRA targets the server holds in another dtype than the checkpoint stores, {name:
+    torch dtype}, and a line saying what the build is for. The merge is keyed by the dtype
+    it rounds to, so a build at the checkpoint's dtype is never found by a server that casts
+    at load: with ``components.<name>.dtype`` each floating target is cast as diffusers'
+    ``from_pretrained(torch_dtype=...)`` casts it (a module the model class keeps in fp32,
+    ``_keep_in_fp32_modules``, to fp32). A cast needs room for a copy of each target:
+    refused up front where the host (or this process's memory cgroup) has not that much."""
     import torch
 
     from hostmem.units import format_size
     from planners.adapter_targets import adapter_spec
     from planners.checkpoint import diffusers_class
+    from planners.headroom import read_headroom
     from lora_cache.provider import target_layers
 
     infos = {name: info for header in headers for name, info in header.tensors.items()}
-    names_of = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
-    stored = sorted({names_of[info.dtype] for info in infos.values() if info.dtype in names_of}) or ["?"]
-    served = config.components[component.name].dtype
+    names_of = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}
+    stored = sorted({names_of.get(info.dtype, info.dtype.lower()) for info in infos.values()}) or ["?"]
+    served, key = config.components[component.name].dtype, f"components.{component.name}.dtype"
     if served is None:
         return {}, (f"built for the checkpoint's {'/'.join(stored)} weights; a server that loads {component.name} in "
-                    f"another dtype needs components.{component.name}.dtype set to it")
+                    f"another dtype needs {key} set to it")
     if served not in _CASTS:
-        return {}, (f"built for the checkpoint's {'/'.join(stored)} weights: components.{component.name}.dtype "
-                    f"{served} is not a cast this command makes")
-    dtype = getattr(torch, _CASTS[served])
+        raise InputError(f"{config.origin.path}: {key} is {served}, a quantization the server makes at load, not a cast "
+                         "a merged cache can be built for; remove it to build for the checkpoint's weights")
+    dtype, keep = getattr(torch, _CASTS[served]), _kept_in_fp32(component.path)
     roots = list(config.lora.cache.roots) or None
     names = target_layers([h.path for h in headers], [adapter_spec(a) for a in config.lora.adapters],
                           model_class=diffusers_class(component.path), memo_roots=roots, headers=headers).names
-    torch_of = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-    cast = {name: dtype for name in names if torch_of.get(infos[name].dtype, dtype) != dtype}
-    need = sum(infos[n].nbytes // torch_of[infos[n].dtype].itemsize * dtype.itemsize for n in cast)
-    have = psutil.virtual_memory().available
+    cast = {}
+    for name in names:
+        held = infos[name].torch_dtype
+        wanted = torch.float32 if keep and any(m in name.split(".") for m in keep) else dtype
+        if held.is_floating_point and held != wanted:
+            cast[name] = wanted
+    need = sum(infos[n].nbytes // infos[n].torch_dtype.itemsize * d.itemsize for n, d in cast.items())
+    have = read_headroom().bytes
     if need > have:
         raise InputError(
-            f"casting {len(cast)} LoRA target(s) of {component.name} to {served} (components.{component.name}.dtype) "
-            f"holds {format_size(need)} in memory and {format_size(have)} is available; build on a host with more "
-            "memory, as the server holds them too"
-        )
-    return cast, f"built for {served} weights (components.{component.name}.dtype)" + (
-        f", {len(cast)} target(s) cast from the checkpoint's {'/'.join(stored)}" if cast else "")
+            f"casting {len(cast)} LoRA target(s) of {component.name} to {served} ({key}) holds {format_size(need)} "
+            f"in memory and {format_size(have)} is available; build on a host with more memory, as the server "
+            "holds them too")
+    kept = sum(1 for d in cast.values() if d != dtype)
+    return cast, f"built for {served} weights ({key})" + (
+        f", {len(cast)} target(s) cast from the checkpoint's {'/'.join(stored)}" if cast else "") + (
+        f", {kept} kept in fp32 as the model class keeps them" if kept else "")
+
+
+def _kept_in_fp32(checkpoint: str) -> tuple[str, ...]:
+    """The module names the checkpoint's diffusers model class keeps in fp32 when loaded with a
+    ``torch_dtype`` (``_keep_in_fp32_modules``); none without diffusers or a class."""
+    from planners.checkpoint import diffusers_class
+
+    name = diffusers_class(checkpoint)
+    try:
+        import diffusers
+
+        keep = getattr(getattr(diffusers, name), "_keep_in_fp32_modules", None) if name else None
+    except (ImportError, AttributeError):
+        return ()
+    return tuple([keep] if isinstance(keep, str) else keep or ())
 
 
 def _check_enabled(config) -> None:

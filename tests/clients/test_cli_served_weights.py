@@ -57,6 +57,24 @@ def test_a_build_for_the_served_dtype_is_what_a_casting_server_finds(tmp_path, c
     assert (served["cache_key"], served["hit"], served["built"]) == (built["cache_key"], built["layers"], 0)
 
 
+def test_a_target_the_model_class_keeps_in_fp32_is_built_in_fp32_as_the_loader_holds_it(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """Wan keeps its time embedder in fp32 under any torch_dtype (``_keep_in_fp32_modules``): a
+    LoRA on it (lightx2v's time_embedding.0) is built for the fp32 weight the server holds."""
+    monkeypatch.setitem(tm.TARGETS, "wan", ["to_q", "time_embedder.linear_1"])
+    model = tm.save_model("wan", tmp_path / "model", torch.bfloat16)
+    written = tm.write_adapters("wan", model, tmp_path / "adapters")["diffusers_meta"]
+    config = _config(tmp_path, model, os.path.join(written, "pytorch_lora_weights.safetensors"), dtype="bf16")
+    config_text = open(config).read().replace('"transformer_blocks.{i}."', '"blocks.{i}."')
+    open(config, "w").write(config_text)
+    built = _build(config, capsys)
+    assert built["built_for"].endswith("1 kept in fp32 as the model class keeps them"), built["built_for"]
+    loaded = tm.load_model("wan", model, torch.bfloat16)
+    assert loaded.condition_embedder.time_embedder.linear_1.weight.dtype == torch.float32
+    served = _served(config, loaded)
+    assert (served["cache_key"], served["hit"], served["built"]) == (built["cache_key"], built["layers"], 0)
+
+
 def test_a_build_at_the_checkpoints_dtype_says_which_setting_a_casting_server_needs(tmp_path, capsys):
     model = tm.save_model("flux", tmp_path / "model", torch.bfloat16)
     config = _config(tmp_path, model, _adapter(model, tmp_path))
@@ -64,6 +82,9 @@ def test_a_build_at_the_checkpoints_dtype_says_which_setting_a_casting_server_ne
     assert cli(["lora", "merge", config, "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "built for the checkpoint's bf16 weights" in out and "components.dit.dtype" in out
+    quantized = _config(tmp_path, model, _adapter(model, tmp_path), dtype="int8")
+    assert cli(["lora", "merge", quantized, "--no-progress"]) == 2  # a quantization at load: nothing to build for
+    assert "components.dit.dtype is int8, a quantization" in capsys.readouterr().err
 
 
 def test_a_variant_named_in_the_config_is_built_and_served_and_plain_weights_are_the_default(tmp_path, capsys):
