@@ -19,9 +19,11 @@ from .sizes import ComponentSizes, group_layers, rest_families, with_lora_target
 __all__ = ["checkpoint_files", "diffusers_class", "diffusers_config", "read_headers", "read_checkpoint"]
 
 
-# diffusers' and transformers' weight files: ``NAME[.VARIANT][-00001-of-00003].safetensors``
+# diffusers' and transformers' weight files: ``NAME[.VARIANT][-00001-of-00003].safetensors``, or
+# the older sharded variant ``NAME-00001-of-00003.VARIANT.safetensors``
 _WEIGHTS = re.compile(
-    r"^(?:diffusion_pytorch_model|model)(?:\.(?P<variant>[A-Za-z0-9_]+))?(?:-\d+-of-\d+)?\.safetensors$"
+    r"^(?:diffusion_pytorch_model|model)(?:\.(?P<variant>[A-Za-z0-9_]+))?(?:-\d+-of-\d+)?"
+    r"(?:\.(?P<legacy>[A-Za-z0-9_]+))?\.safetensors$"
 )
 
 
@@ -29,22 +31,29 @@ def _variant(name: str) -> str | None:
     """The variant a weight file's name carries (``fp16`` of ``model.fp16.safetensors``), ``""``
     for a plain weights file of those names, None for any other name."""
     match = _WEIGHTS.match(name)
-    return None if match is None else (match["variant"] or "")
+    return None if match is None else (match["variant"] or match["legacy"] or "")
 
 
 def checkpoint_files(path: str, variant: str | None = None) -> list[str]:
-    """The ``.safetensors`` files of ``path`` (a file, or a folder's files in name order).
+    """The ``.safetensors`` files of ``path``: a file, or the files of a folder that
+    diffusers' (or transformers') ``from_pretrained`` loads.
 
-    A folder of diffusers' weights that also holds a variant of them
-    (``diffusion_pytorch_model.fp16.safetensors`` beside ``diffusion_pytorch_model.safetensors``)
-    gives what diffusers' ``from_pretrained`` loads: the plain files, or with ``variant``
-    (``"fp16"``) that variant's files.
+    In a folder, the shards its index names (``*.safetensors.index.json``, with ``variant``
+    ``*.safetensors.index.VARIANT.json``); else its weights files
+    (``diffusion_pytorch_model[.VARIANT].safetensors``, sharded or not: the plain ones, or
+    with ``variant`` (``"fp16"``) that variant's), any other ``.safetensors`` there (a LoRA
+    saved beside the model) left out; else, in a folder of other names, every file.
     """
     if os.path.isfile(path):
         return [path]
     if not os.path.isdir(path):
         raise SafetensorsError(f"{path}: no such file or folder")
-    names = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
+    entries = sorted(os.listdir(path))
+    suffix = f".safetensors.index.{variant}.json" if variant else ".safetensors.index.json"
+    indexes = [name for name in entries if name.endswith(suffix)]
+    if indexes:
+        return _indexed(path, indexes)
+    names = [name for name in entries if name.endswith(".safetensors")]
     if not names:
         raise SafetensorsError(f"{path}: no .safetensors files in this folder")
     variants = {name: _variant(name) for name in names}
@@ -56,14 +65,34 @@ def checkpoint_files(path: str, variant: str | None = None) -> list[str]:
             raise SafetensorsError(
                 f"{path}: no weights of variant {variant!r} in this folder ({have}); fix the component's variant"
             )
-    elif found and "" in variants.values():  # the plain weights and their variants: diffusers loads the plain ones
-        names = [name for name in names if variants[name] is None or variants[name] == ""]
-    elif len(found) > 1 and None not in variants.values():
+    elif "" in variants.values():  # the plain weights: what from_pretrained loads, nothing beside them
+        names = [name for name in names if variants[name] == ""]
+    elif len(found) > 1:
         raise SafetensorsError(
             f"{path}: this folder holds the weights in {len(found)} variants ({', '.join(found)}) and no plain "
             "ones; set the component's variant to the one the server loads"
         )
+    elif found:  # one variant and no plain weights: those, without the other files beside them
+        names = [name for name in names if variants[name] == found[0]]
     return [os.path.join(path, name) for name in names]
+
+
+def _indexed(folder: str, indexes: list[str]) -> list[str]:
+    """The shards the index files name (``weight_map``'s values), each there."""
+    shards: set[str] = set()
+    for name in indexes:
+        index = os.path.join(folder, name)
+        try:
+            with open(index, encoding="utf-8") as handle:
+                weight_map = json.load(handle)["weight_map"]
+            shards.update(os.path.join(folder, shard) for shard in weight_map.values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise SafetensorsError(f"{index}: not a safetensors index with a weight_map ({exc})") from None
+    missing = [shard for shard in sorted(shards) if not os.path.isfile(shard)]
+    if missing:
+        raise SafetensorsError(f"{os.path.join(folder, indexes[0])}: names shards that are not there: "
+                               f"{', '.join(missing[:3])}; write them, or fix the index")
+    return sorted(shards)
 
 
 def diffusers_config(checkpoint: str) -> dict | None:

@@ -21,13 +21,13 @@ from planners.cli import main as cli  # noqa: E402
 from tests.clients import tiny_models as tm  # noqa: E402
 
 
-def _config(tmp_path, model: str, adapter: str, **dit) -> str:
+def _config(tmp_path, model: str, adapter: str, cache: str = "cache", **dit) -> str:
     path = tmp_path / "deploy.yaml"
     path.write_text(json.dumps({  # JSON is YAML
         "deployment": "served-weights", "host": {"limit": "8GiB", "reserve": "1GiB"}, "workload": {"steps": 4},
         "components": {"dit": {"path": model, "offload": "layerwise", "layers": "transformer_blocks.{i}.", **dit}},
         "lora": {"adapters": [{"path": adapter, "strength": 0.8}],
-                 "cache": {"root": os.fspath(tmp_path / "cache"), "enabled": True}}}))
+                 "cache": {"root": os.fspath(tmp_path / cache), "enabled": True}}}))
     return os.fspath(path)
 
 
@@ -66,7 +66,8 @@ def test_a_target_the_model_class_keeps_in_fp32_is_built_in_fp32_as_the_loader_h
     written = tm.write_adapters("wan", model, tmp_path / "adapters")["diffusers_meta"]
     config = _config(tmp_path, model, os.path.join(written, "pytorch_lora_weights.safetensors"), dtype="bf16")
     config_text = open(config).read().replace('"transformer_blocks.{i}."', '"blocks.{i}."')
-    open(config, "w").write(config_text)
+    with open(config, "w") as handle:
+        handle.write(config_text)
     built = _build(config, capsys)
     assert built["built_for"].endswith("1 kept in fp32 as the model class keeps them"), built["built_for"]
     loaded = tm.load_model("wan", model, torch.bfloat16)
@@ -107,13 +108,22 @@ def test_a_variant_named_in_the_config_is_built_and_served_and_plain_weights_are
 
 
 def test_a_tensor_held_twice_is_refused_not_built_from_the_last_file(tmp_path, capsys):
+    """A folder of other names than diffusers' (every file is the checkpoint) holding a tensor
+    twice is refused, as plan refuses it; beside diffusers' weights, another file is not part of
+    the checkpoint (from_pretrained never reads it) and the build goes on."""
     model = tm.save_model("flux", tmp_path / "model", torch.bfloat16)
     adapter = _adapter(model, tmp_path)
-    shutil.copy(os.path.join(model, "diffusion_pytorch_model.safetensors"), os.path.join(model, "old-copy.safetensors"))
-    config = _config(tmp_path, model, adapter)
+    weights = os.path.join(model, "diffusion_pytorch_model.safetensors")
+    shutil.copy(weights, os.path.join(model, "old-copy.safetensors"))
+    _build(_config(tmp_path, model, adapter), capsys)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for name in ("part-1.safetensors", "part-2.safetensors"):
+        shutil.copy(weights, plain / name)
+    root = tmp_path / "other-cache"
+    config = _config(tmp_path, os.fspath(plain), adapter, cache="other-cache")
     capsys.readouterr()
     assert cli(["lora", "merge", config, "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "is also in" in err and "old-copy.safetensors" in err
-    assert not os.path.exists(tmp_path / "cache" / "lora_merge_cache") or not os.listdir(
-        tmp_path / "cache" / "lora_merge_cache")
+    assert "is also in" in err and "part-1.safetensors" in err
+    assert not os.path.exists(root / "lora_merge_cache") or not os.listdir(root / "lora_merge_cache")
