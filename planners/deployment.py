@@ -20,7 +20,7 @@ from .config.model import TransferConfig
 from .device_plan import DevicePlan, Streamed, device_in_host_memory, plan_devices
 from .pin_plan import CostModel, MoveGroup, PinPlans, plan_pins
 from .providers import OfferRecord, apply_offer, collect_offers
-from .sizes import ComponentSizes, sum_residency
+from .sizes import ComponentSizes, missed_families, sum_residency
 from .verdict import Verdict, format_device, verdict
 
 __all__ = ["AlternativePlan", "DeploymentPlan", "OfferOutcome", "plan_deployment", "cost_model"]
@@ -266,27 +266,28 @@ def _zero_budget_line(budget: HostBudget, merge: str, config: DeploymentConfig |
             f"{_budget_advice(budget, merge)}")
 
 
-# Where the rest's tensor names are not known (a live ledger's sizes), a streamed component
-# with more than this share of its bytes outside every block likely has a block pattern
-# that misses a family of blocks (Flux's single_transformer_blocks). Where they are known,
-# the families themselves are named, however small the share.
+# Where the rest's tensor names are not known (declared sizes), a streamed component with more
+# than this share of its bytes outside every block likely has a block pattern that misses a
+# family of blocks (Flux's single_transformer_blocks). Where they are known (a checkpoint's
+# headers, a live model), the families themselves are named, however small the share.
 _REST_SHARE = 0.2
-# a numbered family in the rest smaller than this share (a text encoder's two refiner blocks) is not named
-_FAMILY_SHARE = 0.02
 
 
-def _rest_warnings(components: Mapping[str, ComponentSizes]) -> list[str]:
+def _rest_warnings(components: Mapping[str, ComponentSizes], patterns: Mapping[str, tuple] | None = None) -> list[str]:
     out = []
     for name, sizes in components.items():
         rest = sizes.rest.nbytes if sizes.rest is not None else 0
         if sizes.offload != "layerwise" or not sizes.weights_bytes or not rest:
             continue
         if sizes.rest_families is not None:
-            out += [f"{format_size(nbytes)} of {name} ({nbytes / sizes.weights_bytes:.0%} of "
-                    f"{format_size(sizes.weights_bytes)}) is {blocks} blocks \"{family}\" that no layers pattern "
-                    f"names: they fall into (rest) and never stream block by block; add \"{family}\" to "
-                    f"components.{name}.layers"
-                    for family, blocks, nbytes in sizes.rest_families if nbytes > _FAMILY_SHARE * sizes.weights_bytes]
+            given = (patterns or {}).get(name, ())
+            for family, blocks, nbytes in missed_families(sizes):
+                narrower = [p for p in given if p != family and p.startswith(family)]
+                fix = (f"replace {narrower[0]!r} with {family!r}" if narrower else f"add \"{family}\"")
+                out.append(f"{format_size(nbytes)} of {name} ({nbytes / sizes.weights_bytes:.0%} of "
+                           f"{format_size(sizes.weights_bytes)}) is {blocks} block(s) \"{family}\" that no layers "
+                           f"pattern names: they fall into (rest) and never stream block by block; {fix} in "
+                           f"components.{name}.layers")
         elif rest > _REST_SHARE * sizes.weights_bytes:
             out.append(
                 f"{format_size(rest)} of {name} ({rest / sizes.weights_bytes:.0%} of {format_size(sizes.weights_bytes)}) "
@@ -326,4 +327,7 @@ def _host_warnings(host: HostLimit, budget: HostBudget, device: DevicePlan, merg
             f"{format_device(device.vram)}: stream that component block by block (offload: layerwise), lower "
             "prefetch, or use a larger device"
         )
-    return out + _rest_warnings(components or {})
+    patterns = {} if config is None else {
+        name: (c.layer_pattern,) if isinstance(c.layer_pattern, str) else tuple(c.layer_pattern or ())
+        for name, c in config.components.items()}
+    return out + _rest_warnings(components or {}, patterns)

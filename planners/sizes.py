@@ -191,10 +191,11 @@ _NUMBERED = re.compile(r"^(.*?)\.(\d+)\.")
 
 def rest_families(named: Iterable[tuple[str, int, Residency | None]],
                   pattern: str | tuple[str, ...] | None) -> tuple[tuple[str, int, int], ...]:
-    """The numbered families among the tensors no layer pattern names, ``(pattern, blocks,
+    """The numbered groups among the tensors no layer pattern names, ``(pattern, blocks,
     bytes)`` largest first: ``single_transformer_blocks.{i}.`` where only
-    ``transformer_blocks.{i}.`` is listed. A family is two or more indices under one prefix;
-    embeddings and heads (``x_embedder``, ``proj_out``) are none, whatever their size."""
+    ``transformer_blocks.{i}.`` is listed. Embeddings and heads (``x_embedder``,
+    ``proj_out``) hold no number, whatever their size; :func:`missed_families` says which
+    groups are blocks a pattern missed."""
     match = layer_matcher(pattern) if pattern else (lambda name: None)
     found: dict[str, tuple[set, int]] = {}
     for name, nbytes, _ in named:
@@ -204,9 +205,25 @@ def rest_families(named: Iterable[tuple[str, int, Residency | None]],
         indices, total = found.get(numbered[1], (set(), 0))
         indices.add(int(numbered[2]))
         found[numbered[1]] = (indices, total + nbytes)
-    families = [(f"{prefix}.{{i}}.", len(indices), total) for prefix, (indices, total) in found.items()
-                if len(indices) > 1]
+    families = [(f"{prefix}.{{i}}.", len(indices), total) for prefix, (indices, total) in found.items()]
     return tuple(sorted(families, key=lambda family: -family[2]))
+
+
+# a numbered group in the rest is a missed family of blocks when it has two or more blocks
+# and this share of the weights (a text encoder's two refiner blocks are not), or when each
+# of its blocks is at least this share of a median layer (a model of one block of a kind)
+_FAMILY_SHARE, _BLOCK_SHARE = 0.02, 0.25
+
+
+def missed_families(sizes: "ComponentSizes") -> tuple[tuple[str, int, int], ...]:
+    """The numbered groups of ``sizes``' rest that are blocks its layers patterns missed."""
+    if not sizes.rest_families or not sizes.weights_bytes:
+        return ()
+    layer_bytes = sorted(u.nbytes for u in sizes.layers)
+    median = layer_bytes[len(layer_bytes) // 2] if layer_bytes else 0
+    return tuple(f for f in sizes.rest_families
+                 if (f[1] > 1 and f[2] > _FAMILY_SHARE * sizes.weights_bytes)
+                 or (median and f[2] / f[1] >= _BLOCK_SHARE * median))
 
 
 def spread(total: int, weights: list[int]) -> list[int]:
@@ -272,5 +289,6 @@ def from_ledger(
     entries = [p for p in ledger_component.parameters.values() if p.device == "cpu"]
     named = [(p.name, p.nbytes, p.residency) for p in entries]
     layers, rest = group_layers(named, pattern, lora_patterns)
-    sizes = ComponentSizes(ledger_component.name, offload, "ledger", layers, rest)
+    sizes = ComponentSizes(ledger_component.name, offload, "ledger", layers, rest,
+                           rest_families=rest_families(named, pattern))
     return with_lora_target_bytes(sizes, lora_target_bytes) if lora_target_bytes else sizes

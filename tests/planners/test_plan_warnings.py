@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+import torch
+
 from planners.cli import main
 from planners.plan_build import build_plan
 from planners.config import load_config
@@ -31,9 +34,9 @@ def test_a_dit_whose_pattern_misses_a_block_family_names_that_family(tmp_path, c
     config.write_text("deployment: flux\nhost: {limit: 4GiB, reserve: 1GiB}\nworkload: {steps: 4}\n"
                       "components:\n  dit: {path: dit, layers: \"transformer_blocks.{i}.\", offload: layerwise}\n")
     (warning,) = [w for w in _warnings(capsys, config) if "(rest)" in w]
-    assert warning == ('6.0 MiB of dit (40% of 15.0 MiB) is 3 blocks "single_transformer_blocks.{i}." that no layers '
-                       'pattern names: they fall into (rest) and never stream block by block; add '
-                       '"single_transformer_blocks.{i}." to components.dit.layers')
+    assert warning == ('6.0 MiB of dit (40% of 15.0 MiB) is 3 block(s) "single_transformer_blocks.{i}." that no '
+                       'layers pattern names: they fall into (rest) and never stream block by block; add '
+                       '"single_transformer_blocks.{i}." in components.dit.layers')
     config.write_text(config.read_text().replace('"transformer_blocks.{i}."',
                                                  '["transformer_blocks.{i}.", "single_transformer_blocks.{i}."]'))
     assert not [w for w in _warnings(capsys, config) if "(rest)" in w]
@@ -72,3 +75,31 @@ def test_the_executor_moves_each_streamed_components_own_blocks():
     assert low.resident == plan.device.part("dit_low").resident_layers and len(low.resident) == 4
     assert len(low.pinned) + len(low.kept) + len(low.released) == 36 and low.moves == 40
     assert roles["dit_high"].resident == tuple(f"layers.{i}" for i in range(40))
+
+
+def test_one_missed_block_and_a_too_narrow_pattern_are_named_by_plan_and_by_a_start_alike(tmp_path, capsys):
+    """A model with one block of a kind (the README's tiny Flux: one double, one single block):
+    the missed single block is named though it is one, a pattern narrower than its blocks
+    (``transformer_blocks.{i}.attn.``) is told to be replaced, and a start on the live model
+    (names from its parameters) says what the plan says; with both families, neither warns."""
+    import planners
+    from tests.clients import tiny_models as tm
+
+    pytest.importorskip("diffusers", reason="the tiny Flux needs diffusers (pip install hostmem[test])")
+    model = tm.save_model("flux", tmp_path / "flux", torch.bfloat16)
+    config = tmp_path / "deploy.yaml"
+
+    def rest_lines(layers: str) -> tuple[list[str], list[str]]:
+        config.write_text("deployment: flux\nhost: {limit: 4GiB, reserve: 1GiB}\nworkload: {steps: 4}\n"
+                          f"components:\n  dit: {{path: {model}, layers: {layers}, offload: layerwise}}\n")
+        planned = [w for w in _warnings(capsys, config) if "(rest)" in w]
+        started = planners.start(str(config), {"dit": tm.load_model("flux", model, torch.bfloat16)}, quiet=True,
+                                  pin=False)
+        return planned, [w for w in started.plan.warnings if "(rest)" in w]
+
+    planned, started = rest_lines('"transformer_blocks.{i}."')
+    assert planned == started and len(planned) == 1 and '1 block(s) "single_transformer_blocks.{i}."' in planned[0]
+    planned, started = rest_lines('["transformer_blocks.{i}.attn.", "single_transformer_blocks.{i}."]')
+    assert planned == started and len(planned) == 1
+    assert "replace 'transformer_blocks.{i}.attn.' with 'transformer_blocks.{i}.'" in planned[0]
+    assert rest_lines('["transformer_blocks.{i}.", "single_transformer_blocks.{i}."]') == ([], [])
