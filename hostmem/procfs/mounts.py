@@ -20,6 +20,7 @@ class Mount(NamedTuple):
     fs_type: str
     super_options: str
     root: str = "/"  # the folder of the filesystem mounted there (a container's own cgroup: /docker/<id>)
+    device: int | None = None  # its superblock's device (MAJ:MIN): what /proc/locks names a file's by
 
 
 def _unescape_mount(text: str) -> str:
@@ -45,9 +46,18 @@ def parse_mountinfo(text: str) -> list[Mount]:
                 fs_type=right_parts[0],
                 super_options=right_parts[2] if len(right_parts) > 2 else "",
                 root=_unescape_mount(left_parts[3]),
+                device=_device(left_parts[2]),
             )
         )
     return mounts
+
+
+def _device(text: str) -> int | None:
+    major, _, minor = text.partition(":")
+    try:
+        return os.makedev(int(major), int(minor))
+    except ValueError:
+        return None
 
 
 def is_shmem_fs(path: str, mounts: list[Mount] | None = None) -> bool:

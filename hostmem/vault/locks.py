@@ -17,6 +17,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from ..procfs import ProcReadError
+from ..procfs.mounts import filesystem_of
 from .anchor import in_folder, lstat_in
 from .checks import VaultError
 from .durable import discard
@@ -170,7 +172,14 @@ def lock_holders(path: str) -> list[tuple[int, int | None]]:
             lines = handle.read().splitlines()
     except OSError:
         return []
-    same_inode, same_file = [], []
+    # MAJOR:MINOR:INODE names the file by its superblock's device: stat's own, or (a btrfs
+    # subvolume's stat shows a device of its own) the one mountinfo gives its mount
+    try:
+        mount = filesystem_of(path)
+    except ProcReadError:
+        mount = None
+    devices = {stat.st_dev} | ({mount.device} if mount is not None and mount.device is not None else set())
+    found = []
     for line in lines:
         fields = line.split()
         if "->" in fields or len(fields) < 6 or fields[1] != "FLOCK":  # "->": a waiter, not a holder
@@ -180,14 +189,9 @@ def lock_holders(path: str) -> list[tuple[int, int | None]]:
             device = os.makedev(int(major, 16), int(minor, 16))
         except ValueError:
             continue
-        if inode == str(stat.st_ino):
-            same_inode.append(pid)
-            if device == stat.st_dev:
-                same_file.append(pid)
-    # MAJOR:MINOR:INODE names the file. Asked about a lock that is held (a lock not taken), and
-    # no line names the device stat shows (a btrfs subvolume's stat shows its own, its locks the
-    # filesystem's), the holders are those of the inode alone
-    return [(pid, _holder_uid(pid)) for pid in (same_file or same_inode)]
+        if inode == str(stat.st_ino) and device in devices:
+            found.append((pid, _holder_uid(pid)))
+    return found
 
 
 def _holder_uid(pid: int) -> int | None:

@@ -67,6 +67,15 @@ def test_filesystem_of_knows_tmpfs():
     assert filesystem_of("/").mount_point == "/"
 
 
+def test_a_mount_names_its_superblocks_device_as_stat_and_proc_locks_do(tmp_path):
+    """mountinfo's MAJ:MIN is the device /proc/locks names a file's by; on a filesystem without
+    subvolumes it is stat's own."""
+    mount = filesystem_of(os.fspath(tmp_path))
+    assert mount.device is not None
+    if mount.fs_type not in ("btrfs", "overlay"):
+        assert mount.device == os.stat(tmp_path).st_dev
+
+
 def test_own_memory_cgroup_is_read_when_present():
     cgroup = read_cgroup_memory()
     if cgroup is None:

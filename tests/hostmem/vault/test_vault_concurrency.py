@@ -250,6 +250,7 @@ def test_a_flock_on_another_filesystems_file_of_the_same_inode_number_is_no_hold
         try:
             assert holder.stdout.readline().strip() == "held"
             assert [pid for pid, _ in lock_holders(str(theirs))] == [holder.pid]
+            assert lock_holders(str(ours)) == []  # asked just as its holder let go: none
             with open(ours, "rb") as handle:  # ours held too: its one holder, not the other file's
                 fcntl.flock(handle, fcntl.LOCK_EX)
                 assert [pid for pid, _ in lock_holders(str(ours))] == [os.getpid()]
