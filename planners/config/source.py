@@ -77,6 +77,17 @@ def _line_map(node: yaml.Node, prefix: str, lines: dict[str, int], origin_path: 
 _MAX_DEPTH = 32  # a deployment config nests four levels; far deeper is not a config
 
 
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    """The safe loader, reading a number with an exponent and no dot (``1e-3``) as the float
+    YAML 1.2 and JSON read, where YAML 1.1 leaves it a string (a quoted one stays a string)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
 def _refuse_aliases(text: str, path: str) -> None:
     """Refuse YAML aliases (``*name``) and absurd nesting, before anything is composed.
 
@@ -86,7 +97,7 @@ def _refuse_aliases(text: str, path: str) -> None:
     (linear in the text: nothing is expanded) and the first alias is an error at its line.
     """
     depth = 0
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
+    loader = _Loader(text)
     try:
         while (event := loader.get_event()) is not None:
             line = event.start_mark.line + 1
@@ -111,7 +122,7 @@ def load_yaml_with_lines(text: str, path: str) -> tuple[Any, dict[str, int]]:
 
     Aliases are refused (:func:`_refuse_aliases`) before the document is composed.
     """
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
+    loader = _Loader(text)
     try:
         _refuse_aliases(text, path)
         node = loader.get_single_node()
@@ -189,13 +200,10 @@ class Section:
 
     def number(self, name: str, default: float | None) -> float | None:
         """A finite number within float32's range, which the merge computes in (``strength:
-        0.8``, ``1e-3``: YAML 1.1 reads an exponent without a dot as a string, JSON and YAML
-        1.2 as a number, and so does this); NaN, infinities and bools are refused."""
+        0.8``, ``1e-3``: see :class:`_Loader`); NaN, infinities and bools are refused."""
         value = self.get(name, default)
         if value is None:
             return None
-        if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
-            value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.origin.error(self.sub(name), f"{short(value)} is not a number")
         try:
@@ -203,7 +211,8 @@ class Section:
         except OverflowError:
             number = float("inf")
         if not math.isfinite(number):
-            raise self.origin.error(self.sub(name), f"{short(value)} is not a finite number")
+            beyond = " (.inf, or a number written beyond a float's range)" if math.isinf(number) else ""
+            raise self.origin.error(self.sub(name), f"{short(value)} is not a finite number{beyond}")
         if abs(number) > FLOAT32_MAX:
             raise self.origin.error(self.sub(name), f"{number:g} is beyond float32's range ({FLOAT32_MAX:.1e}), which "
                                     "the merge computes in; give a number of sensible size")
@@ -223,8 +232,6 @@ class Section:
         return self.data[name]
 
 
-# a number with an exponent and no dot ("1e-3"), which YAML 1.1 leaves a string
-_EXPONENT = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def short(value: Any) -> str:
