@@ -28,6 +28,8 @@ of a layer in the window. Pinned and kept layers are never released.
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
@@ -43,10 +45,24 @@ __all__ = ["Clock", "LayerPipeline"]
 
 
 class Clock:
-    """Counts pass boundaries (any component's forward beginning or ending), shared by all pipelines."""
+    """Counts pass boundaries (any component's forward beginning or ending), shared by all
+    pipelines; its lock makes their hooks take turns (two threads running passes on one model:
+    what one hook reads ahead, drops or releases, the other sees whole)."""
 
     def __init__(self):
         self.value = 0
+        self.lock = threading.RLock()
+
+
+def _in_turn(hook):
+    """A hook of the pipeline, run while no other pipeline hook runs (see :class:`Clock`)."""
+
+    @functools.wraps(hook)
+    def taking_turns(self, *args):
+        with self.clock.lock:
+            return hook(self, *args)
+
+    return taking_turns
 
 
 class _Pending(NamedTuple):
@@ -186,6 +202,7 @@ class LayerPipeline:
         return slot
 
     # ------------------------------------------------------------------ hooks
+    @_in_turn
     def begin(self) -> None:
         """The component's forward begins: its first layers, as last seen, enter the window."""
         self.order.begin_pass()
@@ -194,10 +211,12 @@ class LayerPipeline:
         for name in first:
             self._schedule(name)
 
+    @_in_turn
     def end(self) -> None:
         """The component's forward ends: the last layer it ran ends a pass."""
         self.order.end_pass()
 
+    @_in_turn
     def boundary(self) -> None:
         """A pass began or ended (any component): no device copy made before it is used after it."""
         for name in [n for n, p in self.pending.items() if p.copies]:
@@ -234,6 +253,7 @@ class LayerPipeline:
         loaded = self.copier.load(snap.layout, name in self.pinned, slot) if self.copier is not None else None
         return nbytes, loaded
 
+    @_in_turn
     def before(self, name: str) -> None:
         """Forward pre-hook of layer ``name``: move the window on, wait for (or make) this layer's bytes."""
         if name not in self.snapshots:
@@ -286,6 +306,7 @@ class LayerPipeline:
             freed += drop_range(piece, self.handles, back=back)
         return freed
 
+    @_in_turn
     def after(self, name: str) -> None:
         """Forward hook of layer ``name``: give the device buffer back, release a streamed layer."""
         if name in self._attached:
@@ -295,6 +316,7 @@ class LayerPipeline:
             if self.current is not None:
                 self.current.released_bytes += freed
 
+    @_in_turn
     def drain(self) -> None:
         """Wait for reads in flight and release what was read ahead for a pass that never came."""
         for name in list(self._attached):

@@ -413,3 +413,34 @@ def test_passes_from_two_threads_each_compute_with_their_own_layers(checkpoint, 
     assert set(got) == {"a", "b"}
     for name in inputs:
         assert torch.equal(got[name], expected[name]), name
+
+
+def test_many_passes_from_two_threads_at_once_on_the_host_path_keep_their_bookkeeping_whole(checkpoint, plan):
+    """Two threads running passes side by side, many times, with nothing making them take
+    turns: one thread's read-ahead, drop and release never pull a layer from under the
+    other's hooks (a read-ahead dropped by both raised KeyError in one thread's forward)."""
+    import threading
+
+    inputs = [torch.randn(3, 64, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    reference = load_synthetic_dit(checkpoint)
+    with torch.no_grad():
+        expected = [reference(x) for x in inputs]
+    model = load_synthetic_dit(checkpoint)
+    errors, outputs = [], {0: [], 1: []}
+
+    def run(i):
+        try:
+            with torch.no_grad():
+                for _ in range(40):
+                    outputs[i].append(model(inputs[i]))
+        except Exception as exc:  # noqa: BLE001 - what a server's request would die of
+            errors.append(exc)
+
+    with execute(plan, {"dit": model}, prefetch=3):
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    assert errors == []
+    assert all(torch.equal(out, expected[i]) for i in range(2) for out in outputs[i])
