@@ -202,7 +202,12 @@ def _check_enabled(config) -> None:
         raise InputError(f"{DISABLE_ENV} is set, which turns the cache off; unset it to build the cache")
 
 
-def _interrupted_line(exc: KeyboardInterrupt) -> str:
+def _interrupted_line(exc: KeyboardInterrupt, finished=None) -> str:
+    """The one line of a build stopped by a signal; ``finished``: the stats of a build that had
+    ended when the signal came (while its figures were printed)."""
+    if finished is not None:
+        return (f"hostmem: interrupted ({exc or 'SIGINT'}) after the build finished: {finished.layers} layer(s) "
+                f"of combination {(finished.cache_key or '?')[:12]} in the LoRA merge cache; nothing is left to resume")
     sealed = getattr(exc, "sealed_layers", None)
     what = "no layer" if not sealed else f"{sealed} layer(s)"
     return (
@@ -242,15 +247,16 @@ def _build(args):
 
 
 def run_merge(args) -> int:
+    built: list = []  # the build's stats, once it has finished
     try:
         with stoppable():  # from the first import on: a signal never ends the command without its line
-            return _run(args)
+            return _run(args, built)
     except KeyboardInterrupt as exc:
-        print(_interrupted_line(exc), file=sys.stderr)
+        print(_interrupted_line(exc, built[0] if built else None), file=sys.stderr)
         return 130
 
 
-def _run(args) -> int:
+def _run(args, built: list) -> int:
     from hostmem.vault.combinations import CACHE_DIR
     from lora_cache import CacheBuildError
 
@@ -259,6 +265,7 @@ def _run(args) -> int:
     except CacheBuildError as exc:
         print(f"hostmem: error: {exc}", file=sys.stderr)
         return 1
+    built.append(stats)
     if args.json:
         json.dump({"config": config.origin.path, "component": component.name, "built_for": built_for,
                    **stats.to_dict()}, sys.stdout)

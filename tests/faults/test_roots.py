@@ -239,3 +239,32 @@ def test_sigterm_before_the_build_begins_exits_130_with_its_line(tmp_path):
     lines = [l for l in err.splitlines() if l.startswith("hostmem: interrupted (SIGTERM)")]
     assert len(lines) == 1 and "no layer sealed" in lines[0] and "Traceback" not in err, err
     assert not leftovers(world.path("root"))
+
+
+def test_sigterm_while_the_finished_build_prints_says_it_finished(tmp_path):
+    """The build is sealed and its figures are being printed (stdout a full pipe, so the
+    write waits) when SIGTERM comes: the line says the build finished, not "no layer sealed"."""
+    import fcntl
+
+    world = make_world(tmp_path)
+    config = _merge_config(world)
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, 1031, 4096)  # F_SETPIPE_SZ: one page, then filled, so the first print waits
+    os.write(write_end, b"x" * 4096)
+    child = subprocess.Popen([sys.executable, "-m", "planners.cli", "lora", "merge", config, "--no-progress"],
+                             stdout=write_end, stderr=subprocess.PIPE, text=True)
+    os.close(write_end)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and child.poll() is None:
+            with open(f"/proc/{child.pid}/wchan") as wchan:
+                if "pipe" in wchan.read():
+                    break
+            time.sleep(0.01)
+        child.send_signal(signal.SIGTERM)
+        err = child.communicate(timeout=60)[1]
+    finally:
+        os.close(read_end)
+    assert child.returncode == 130, err[-2000:]
+    (line,) = [l for l in err.splitlines() if l.startswith("hostmem: interrupted")]
+    assert "after the build finished" in line and "nothing is left to resume" in line, line
