@@ -34,23 +34,36 @@ def _variant(name: str) -> str | None:
     return None if match is None else (match["variant"] or match["legacy"] or "")
 
 
+# (weights name, whether its index comes before its single file): diffusers loads the shards an
+# index names where there is one; transformers loads model.safetensors where there is one
+_LOADERS = (("diffusion_pytorch_model", True), ("model", False))
+
+
 def checkpoint_files(path: str, variant: str | None = None) -> list[str]:
     """The ``.safetensors`` files of ``path``: a file, or the files of a folder that
     diffusers' (or transformers') ``from_pretrained`` loads.
 
-    In a folder, the shards its index names (``*.safetensors.index.json``, with ``variant``
-    ``*.safetensors.index.VARIANT.json``); else its weights files
-    (``diffusion_pytorch_model[.VARIANT].safetensors``, sharded or not: the plain ones, or
-    with ``variant`` (``"fp16"``) that variant's), any other ``.safetensors`` there (a LoRA
-    saved beside the model) left out; else, in a folder of other names, every file.
+    In a folder, as that loader picks them: diffusers' shards its index names
+    (``diffusion_pytorch_model.safetensors.index.json``, with ``variant``
+    ``….index.VARIANT.json``), else its single file
+    (``diffusion_pytorch_model[.VARIANT].safetensors``); transformers' ``model.safetensors``,
+    else its index's shards. Without either, the weights files by their names (sharded or
+    not; the plain ones, or with ``variant`` (``"fp16"``) that variant's), any other
+    ``.safetensors`` there (a LoRA saved beside the model) left out; in a folder of other
+    names, every file (or the shards an index names).
     """
     if os.path.isfile(path):
         return [path]
     if not os.path.isdir(path):
         raise SafetensorsError(f"{path}: no such file or folder")
     entries = sorted(os.listdir(path))
-    suffix = f".safetensors.index.{variant}.json" if variant else ".safetensors.index.json"
-    indexes = [name for name in entries if name.endswith(suffix)]
+    dot = f".{variant}" if variant else ""
+    for stem, index_first in _LOADERS:
+        single, index = f"{stem}{dot}.safetensors", f"{stem}.safetensors.index{dot}.json"
+        for name in (index, single) if index_first else (single, index):
+            if name in entries:
+                return _indexed(path, [name]) if name == index else [os.path.join(path, name)]
+    indexes = [name for name in entries if name.endswith(f".safetensors.index{dot}.json")]
     if indexes:
         return _indexed(path, indexes)
     names = [name for name in entries if name.endswith(".safetensors")]

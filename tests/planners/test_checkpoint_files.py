@@ -74,3 +74,19 @@ def test_an_index_naming_a_missing_shard_is_refused_naming_it(tmp_path):
     os.unlink(os.path.join(folder, gone))
     with pytest.raises(SafetensorsError, match=f"names shards that are not there: .*{gone}"):
         checkpoint_files(folder)
+
+
+def test_transformers_model_file_comes_before_its_index_and_diffusers_single_file_before_unindexed_shards(tmp_path):
+    """transformers loads ``model.safetensors`` where there is one, a stale index beside it or
+    not; diffusers without an index loads its single file, not shards lying beside it."""
+    encoder = tmp_path / "text_encoder"
+    encoder.mkdir()
+    write_safetensors(encoder / "model.safetensors", {"w": torch.ones(4)})
+    write_safetensors(encoder / "model-00001-of-00002.safetensors", {"w": torch.zeros(4)})
+    (encoder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "w": "model-00001-of-00002.safetensors"}}))
+    assert _names(checkpoint_files(os.fspath(encoder))) == ["model.safetensors"]
+    folder = _sharded(tmp_path)
+    os.unlink(os.path.join(folder, "diffusion_pytorch_model.safetensors.index.json"))
+    write_safetensors(os.path.join(folder, "diffusion_pytorch_model.safetensors"), {"x": torch.ones(2)})
+    assert _names(checkpoint_files(folder)) == ["diffusion_pytorch_model.safetensors"]
