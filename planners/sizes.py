@@ -98,9 +98,10 @@ class ComponentSizes(NamedTuple):
     extra: Residency = Residency()  # frozen: one shared default is safe
     dtype: str | None = None
     notes: tuple[str, ...] = ()  # how the sizes were read, where the plan should say so
-    # numbered families of tensors in the rest, (pattern, blocks, bytes): blocks no layers
-    # pattern names (Flux's single_transformer_blocks); None where the names are not known
-    rest_families: tuple[tuple[str, int, int], ...] | None = None
+    # numbered groups of tensors in the rest, (pattern, blocks, bytes, depth: the most name
+    # levels below the number, 3 for blocks.0.attn.to_q.weight): blocks no layers pattern
+    # names (Flux's single_transformer_blocks); None where the names are not known
+    rest_families: tuple[tuple[str, int, int, int], ...] | None = None
 
     @property
     def units(self) -> tuple[Layer, ...]:
@@ -190,40 +191,43 @@ _NUMBERED = re.compile(r"^(.*?)\.(\d+)\.")
 
 
 def rest_families(named: Iterable[tuple[str, int, Residency | None]],
-                  pattern: str | tuple[str, ...] | None) -> tuple[tuple[str, int, int], ...]:
+                  pattern: str | tuple[str, ...] | None) -> tuple[tuple[str, int, int, int], ...]:
     """The numbered groups among the tensors no layer pattern names, ``(pattern, blocks,
-    bytes)`` largest first: ``single_transformer_blocks.{i}.`` where only
+    bytes, depth)`` largest first: ``single_transformer_blocks.{i}.`` where only
     ``transformer_blocks.{i}.`` is listed. Embeddings and heads (``x_embedder``,
     ``proj_out``) hold no number, whatever their size; :func:`missed_families` says which
     groups are blocks a pattern missed."""
     match = layer_matcher(pattern) if pattern else (lambda name: None)
-    found: dict[str, tuple[set, int]] = {}
+    found: dict[str, tuple[set, int, int]] = {}
     for name, nbytes, _ in named:
         numbered = _NUMBERED.match(name)
         if numbered is None or match(name) is not None:
             continue
-        indices, total = found.get(numbered[1], (set(), 0))
+        indices, total, depth = found.get(numbered[1], (set(), 0, 0))
         indices.add(int(numbered[2]))
-        found[numbered[1]] = (indices, total + nbytes)
-    families = [(f"{prefix}.{{i}}.", len(indices), total) for prefix, (indices, total) in found.items()]
+        found[numbered[1]] = (indices, total + nbytes, max(depth, name[numbered.end():].count(".") + 1))
+    families = [(f"{prefix}.{{i}}.", len(indices), total, depth) for prefix, (indices, total, depth) in found.items()]
     return tuple(sorted(families, key=lambda family: -family[2]))
 
 
 # a numbered group in the rest is a missed family of blocks when it has two or more blocks
-# and this share of the weights (a text encoder's two refiner blocks are not), or when each
-# of its blocks is at least this share of a median layer (a model of one block of a kind)
-_FAMILY_SHARE, _BLOCK_SHARE = 0.02, 0.25
+# and this share of the weights (a text encoder's two refiner blocks are not); or, one block
+# of a kind (the README's tiny Flux), when it holds modules of modules (a block's
+# attn.to_q.weight, never a Sequential's 1.weight: Wan's time_projection) and is at least
+# this share of a median layer
+_FAMILY_SHARE, _BLOCK_SHARE, _BLOCK_DEPTH = 0.02, 0.25, 3
 
 
 def missed_families(sizes: "ComponentSizes") -> tuple[tuple[str, int, int], ...]:
-    """The numbered groups of ``sizes``' rest that are blocks its layers patterns missed."""
+    """The numbered groups of ``sizes``' rest that are blocks its layers patterns missed,
+    ``(pattern, blocks, bytes)``."""
     if not sizes.rest_families or not sizes.weights_bytes:
         return ()
     layer_bytes = sorted(u.nbytes for u in sizes.layers)
     median = layer_bytes[len(layer_bytes) // 2] if layer_bytes else 0
-    return tuple(f for f in sizes.rest_families
-                 if (f[1] > 1 and f[2] > _FAMILY_SHARE * sizes.weights_bytes)
-                 or (median and f[2] / f[1] >= _BLOCK_SHARE * median))
+    return tuple((family, blocks, nbytes) for family, blocks, nbytes, depth in sizes.rest_families
+                 if (blocks > 1 and nbytes > _FAMILY_SHARE * sizes.weights_bytes)
+                 or (blocks == 1 and depth >= _BLOCK_DEPTH and median and nbytes >= _BLOCK_SHARE * median))
 
 
 def spread(total: int, weights: list[int]) -> list[int]:

@@ -103,3 +103,22 @@ def test_one_missed_block_and_a_too_narrow_pattern_are_named_by_plan_and_by_a_st
     assert planned == started and len(planned) == 1
     assert "replace 'transformer_blocks.{i}.attn.' with 'transformer_blocks.{i}.'" in planned[0]
     assert rest_lines('["transformer_blocks.{i}.", "single_transformer_blocks.{i}."]') == ([], [])
+
+
+def test_a_sequentials_numbered_layer_and_a_few_small_refiner_blocks_are_no_missed_family(tmp_path, capsys):
+    """Wan's original names hold ``time_projection.1.weight`` (a Sequential's Linear, 40% of a
+    block) and HunyuanVideo's two token-refiner blocks (under 2% of the model) lie outside the
+    patterns by design: neither is a block the pattern missed."""
+    from tests.conftest import write_safetensors
+
+    block = torch.ones(512, 1024, dtype=torch.bfloat16)  # 1 MiB
+    tensors = {f"blocks.{i}.self_attn.q.weight": block.clone() for i in range(10)}
+    tensors["time_projection.1.weight"] = torch.ones(200, 1024, dtype=torch.bfloat16)
+    tensors.update({f"txt_in.refiner_blocks.{i}.attn.qkv.weight": torch.ones(50, 1024, dtype=torch.bfloat16)
+                    for i in range(2)})
+    (tmp_path / "dit").mkdir()
+    write_safetensors(tmp_path / "dit" / "model.safetensors", tensors)
+    config = tmp_path / "deploy.yaml"
+    config.write_text("deployment: wan\nhost: {limit: 4GiB, reserve: 1GiB}\nworkload: {steps: 4}\n"
+                      "components:\n  dit: {path: dit, layers: \"blocks.{i}.\", offload: layerwise}\n")
+    assert not [w for w in _warnings(capsys, config) if "(rest)" in w]
