@@ -77,15 +77,23 @@ def _line_map(node: yaml.Node, prefix: str, lines: dict[str, int], origin_path: 
 _MAX_DEPTH = 32  # a deployment config nests four levels; far deeper is not a config
 
 
+class PlainExponent(str):
+    """An unquoted scalar written as a number with an exponent and no dot (``1e-3``): YAML 1.1
+    leaves it a string, YAML 1.2 and JSON read a number. It stays the string it is (a
+    deployment named ``1e5``, a file of that name), and :meth:`Section.number` reads it as
+    the number; a quoted ``'1e-3'`` is a plain string, refused as ``'0.8'`` is."""
+
+
+_EXPONENT_TAG = "tag:hostmem,2026:plain-exponent"
+
+
 class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
-    """The safe loader, reading a number with an exponent and no dot (``1e-3``) as the float
-    YAML 1.2 and JSON read, where YAML 1.1 leaves it a string (a quoted one stays a string)."""
+    """The safe loader, marking unquoted exponent numbers (:class:`PlainExponent`)."""
 
 
 _Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
+    _EXPONENT_TAG, re.compile(r"^[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)[eE][-+]?[0-9]+$"), list("-+0123456789."))
+_Loader.add_constructor(_EXPONENT_TAG, lambda loader, node: PlainExponent(node.value))
 
 
 def _refuse_aliases(text: str, path: str) -> None:
@@ -200,10 +208,12 @@ class Section:
 
     def number(self, name: str, default: float | None) -> float | None:
         """A finite number within float32's range, which the merge computes in (``strength:
-        0.8``, ``1e-3``: see :class:`_Loader`); NaN, infinities and bools are refused."""
+        0.8``, ``1e-3``: see :class:`PlainExponent`); NaN, infinities and bools are refused."""
         value = self.get(name, default)
         if value is None:
             return None
+        if isinstance(value, PlainExponent):
+            value = float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.origin.error(self.sub(name), f"{short(value)} is not a number")
         try:

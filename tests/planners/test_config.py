@@ -261,6 +261,15 @@ def test_a_strength_with_an_exponent_is_the_number_json_and_yaml_1_2_read(write_
     assert config.lora.adapters[0].strength == read
 
 
+def test_a_name_or_path_written_like_an_exponent_stays_the_string_it_is(write_config, tmp_path):
+    """Only the number readers read ``1e5`` as a number: a deployment or an adapter file so
+    named is that name."""
+    (tmp_path / "1e5").write_bytes(b"")
+    config = load_config(write_config(ADAPTERS.replace("deployment: test", "deployment: 1e5").replace(
+        "path: turbo.safetensors", "path: 1e5")), environ={})
+    assert config.deployment == "1e5" and config.lora.adapters[0].path == os.fspath(tmp_path / "1e5")
+
+
 @pytest.mark.parametrize("old, new", [("strength: 0.8", "strength: 1.0e+300"), ("alpha: 16", "alpha: -1.0e+39"),
                                       ("strength: 0.8", "strength: '0.8'"), ("strength: 0.8", "strength: '1e-3'")])
 def test_a_strength_or_alpha_beyond_float32_or_quoted_is_refused_at_its_line(write_config, old, new):
