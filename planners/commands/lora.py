@@ -143,7 +143,7 @@ def _served_casts(config, component, headers) -> tuple[dict, str]:
     from lora_cache.provider import target_layers
 
     infos = {name: info for header in headers for name, info in header.tensors.items()}
-    names_of = {"F32": "fp32", "F16": "fp16", "BF16": "bf16"}
+    names_of = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "F8_E4M3": "fp8", "F8_E5M2": "fp8_e5m2"}
     stored = sorted({names_of.get(info.dtype, info.dtype.lower()) for info in infos.values()}) or ["?"]
     served, key = config.components[component.name].dtype, f"components.{component.name}.dtype"
     if served is None:
