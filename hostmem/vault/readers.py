@@ -44,7 +44,8 @@ from .locks import KeyLock, describe_holders, held_by_others, lock_holders
 from .manifest import ManifestError, inputs_problem, read_manifest, touch_use_time
 from .provisional import is_provisional
 from .safety import VaultError, check_folder_safe
-from .session import VaultSession, claim_in_process, say, unclaim_in_process
+from .claims import claim_in_process, unclaim_in_process
+from .session import VaultSession, say
 from .verification import VerifiedMemo, read_damage, record_damage
 
 __all__ = ["DEPARTING_READER_S", "SealedSession", "open_sealed"]

@@ -30,7 +30,8 @@ from .locks import KeyLock, describe_holders, lock_holders, lock_is_held
 from .manifest import ManifestError, read_manifest, write_manifest
 from .provisional import is_provisional, unmark_provisional
 from .safety import VaultError, check_folder_safe
-from .session import claim_in_process, say, unclaim_in_process
+from .claims import claim_in_process, unclaim_in_process
+from .session import say
 
 __all__ = ["rekey", "complete_in"]
 

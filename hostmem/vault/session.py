@@ -15,6 +15,7 @@ import torch
 
 from hostmem.safetensors.mapping import SafetensorsError
 
+from .claims import unclaim_in_process
 from .handoff import Handoff
 from .adoption import drop_folder, shape_dtype_problem
 from .durable import remove_tree
@@ -29,27 +30,13 @@ from .manifest import Manifest, touch_use_time, write_manifest
 from .safety import VaultError
 from .verification import VerifiedMemo, record_damage
 
-__all__ = ["VaultSession", "still_needed", "say", "claim_in_process", "unclaim_in_process"]
+__all__ = ["VaultSession", "still_needed", "say"]
 
 
-_OPEN_KEYS: set[str] = set()  # keys open in this process: a second flock of ours would deadlock
-_OPEN_KEYS_LOCK = threading.Lock()
 # Errors of mapping a layer that are the file's own (gone, a link, unreadable, a bad block);
 # any other (EMFILE, ENOMEM, ...) is the process's, and passes.
 _FILE_ERRNOS = frozenset({errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.EIO, errno.EACCES,
                           errno.EPERM})
-
-
-def claim_in_process(key: str) -> None:
-    with _OPEN_KEYS_LOCK:
-        if key in _OPEN_KEYS:
-            raise VaultError(f"LoRA merge cache {key[:12]} is already open in this process; close that session first")
-        _OPEN_KEYS.add(key)
-
-
-def unclaim_in_process(key: str) -> None:
-    with _OPEN_KEYS_LOCK:
-        _OPEN_KEYS.discard(key)
 
 
 def still_needed(entries: dict[str, LayerEntry], expected: dict | None) -> int:

@@ -33,7 +33,8 @@ from .layer_file import LayerEntry, layer_file_name, read_layer_file
 from .leases import use_lease
 from .locks import KeyLock, describe_holders, lock_holders
 from .safety import VaultError, check_not_symlink, make_private_dir
-from .session import VaultSession, claim_in_process, say, unclaim_in_process
+from .claims import claim_in_process, unclaim_in_process
+from .session import VaultSession, say
 from .verification import VerifiedMemo
 
 __all__ = ["ShareSession", "open_share", "share_lock_path", "vouch_for"]

@@ -31,7 +31,8 @@ from .locks import KeyLock, describe_holders, held_by_others, lock_holders, lock
 from .checks import RootChanged
 from .safety import VaultError, check_folder_safe, make_private_dir, prepare_root, root_is_read_only
 from .readers import open_sealed
-from .session import VaultSession, claim_in_process, still_needed, unclaim_in_process
+from .claims import claim_in_process, unclaim_in_process
+from .session import VaultSession, still_needed
 from .space import SpaceCheck
 
 __all__ = ["Vault", "default_cache_root", "alternate_key", "DEFAULT_HEADROOM", "MEMO_NAME"]
