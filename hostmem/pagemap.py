@@ -85,9 +85,10 @@ class PagemapReader:
     def scan(self, start: int, end: int, wanted: int = SCAN_PRESENT | SCAN_SWAPPED) -> list[tuple[int, int, int]] | None:
         """Runs ``(start, end, categories)`` of present or swapped pages in ``[start, end)``
         (``categories`` is ``SCAN_PRESENT`` or ``SCAN_SWAPPED``); pages in no run are
-        neither. ``wanted=SCAN_PFNZERO``: the runs of pages that map the zero page. ``None`` where the kernel has no ``PAGEMAP_SCAN`` (before 6.7) or refuses
-        it: the caller reads entries instead, and this reader stops asking. Areas the
-        kernel's scan skips (``VM_PFNMAP``) show no run.
+        neither; with ``wanted=SCAN_PFNZERO``, the runs of pages that map the zero page.
+        ``None`` where the kernel has no ``PAGEMAP_SCAN`` (before 6.7) or refuses it: the
+        caller reads entries instead, and this reader stops asking. Areas the kernel's scan
+        skips (``VM_PFNMAP``) show no run.
         """
         if not self._scan_supported:
             return None

@@ -91,21 +91,13 @@ def checkpoint_files(path: str, variant: str | None = None) -> list[str]:
 
 
 def _indexed(folder: str, indexes: list[str]) -> list[str]:
-    """The shards the index files name (``weight_map``'s values), each there."""
-    shards: set[str] = set()
-    for name in indexes:
-        index = os.path.join(folder, name)
-        try:
-            with open(index, encoding="utf-8") as handle:
-                weight_map = json.load(handle)["weight_map"]
-            shards.update(os.path.join(folder, shard) for shard in weight_map.values())
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise SafetensorsError(f"{index}: not a safetensors index with a weight_map ({exc})") from None
-    missing = [shard for shard in sorted(shards) if not os.path.isfile(shard)]
-    if missing:
-        raise SafetensorsError(f"{os.path.join(folder, indexes[0])}: names shards that are not there: "
-                               f"{', '.join(missing[:3])}; write them, or fix the index")
-    return sorted(shards)
+    """The shards the index files (names in ``folder``) name, each there."""
+    from hostmem.remapping.files import CheckpointNotFound, indexed_shards
+
+    try:
+        return indexed_shards(folder, [os.path.join(folder, name) for name in indexes])
+    except CheckpointNotFound as exc:
+        raise SafetensorsError(str(exc)) from None
 
 
 def diffusers_config(checkpoint: str) -> dict | None:

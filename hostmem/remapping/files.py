@@ -18,7 +18,7 @@ import os
 
 from ..errors import HostmemError
 
-__all__ = ["CheckpointNotFound", "checkpoint_files", "expand_files", "shards_in", "recorded_source"]
+__all__ = ["CheckpointNotFound", "checkpoint_files", "expand_files", "indexed_shards", "shards_in", "recorded_source"]
 
 
 class CheckpointNotFound(HostmemError, ValueError):
@@ -42,17 +42,24 @@ def shards_in(folder: str) -> list[str]:
     indexes = sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors.index.json")))
     if not indexes:
         return sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors")))
+    return indexed_shards(folder, indexes)
+
+
+def indexed_shards(folder: str, indexes: list[str]) -> list[str]:
+    """The shards the index files ``indexes`` (paths in ``folder``) name in their
+    ``weight_map``, each one there."""
     shards = set()
     for index in indexes:
         try:
             with open(index, encoding="utf-8") as handle:
                 weight_map = json.load(handle)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            shards.update(os.path.join(folder, name) for name in weight_map.values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointNotFound(f"{index}: not a safetensors index with a weight_map ({exc})") from None
-        shards.update(os.path.join(folder, name) for name in weight_map.values())
     missing = [s for s in sorted(shards) if not os.path.isfile(s)]
     if missing:
-        raise CheckpointNotFound(f"{indexes[0]} names shards that are not there: {', '.join(missing[:3])}")
+        raise CheckpointNotFound(f"{indexes[0]} names shards that are not there: {', '.join(missing[:3])}; "
+                                 "write them, or fix the index")
     return sorted(shards)
 
 

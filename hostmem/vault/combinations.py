@@ -28,6 +28,7 @@ from .provisional import is_provisional, is_resumable, never_resumed
 from .verification import DAMAGE_NAME, read_damage
 
 __all__ = [
+    "ROOT_ENV",
     "CACHE_DIR",
     "Combination",
     "default_cache_root",
@@ -46,6 +47,7 @@ __all__ = [
 ]
 
 CACHE_DIR = "lora_merge_cache"
+ROOT_ENV = "HOSTMEM_CACHE_ROOT"  # the default root, where set
 
 
 def default_cache_root() -> str:
@@ -54,7 +56,7 @@ def default_cache_root() -> str:
     checked as any root's is (:mod:`.path_walk`)."""
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     cache_home = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("HOSTMEM_CACHE_ROOT") or os.path.join(cache_home, "hostmem")
+    return os.environ.get(ROOT_ENV) or os.path.join(cache_home, "hostmem")
 
 
 def cache_dir(root: str) -> str:

@@ -20,8 +20,8 @@ import time
 
 from hostmem.errors import InputError
 from hostmem.units import format_size, parse_size, size_option
+from hostmem.vault.combinations import ROOT_ENV
 
-_ROOT_VAR = "HOSTMEM_CACHE_ROOT"
 _ROOT_HELP = "cache root (default: $HOSTMEM_CACHE_ROOT, else ~/.cache/hostmem)"
 
 
@@ -94,10 +94,10 @@ def _check_default_root(root: str) -> None:
     if os.path.isdir(path) or not os.path.lexists(path):
         return
     what = "a file, not a folder" if os.path.isfile(path) else "not a folder"
-    if os.environ.get(_ROOT_VAR):
-        raise InputError(f"{_ROOT_VAR}={root}: is {what}; point it at the cache root folder (the one holding "
+    if os.environ.get(ROOT_ENV):
+        raise InputError(f"{ROOT_ENV}={root}: is {what}; point it at the cache root folder (the one holding "
                          "lora_merge_cache), or give --root DIR")
-    raise InputError(f"{root}: the default cache root is {what}; move it away, or set {_ROOT_VAR} to the cache "
+    raise InputError(f"{root}: the default cache root is {what}; move it away, or set {ROOT_ENV} to the cache "
                      "root folder")
 
 
@@ -131,7 +131,7 @@ def _nothing_cached(args, root: str) -> str:
     """The line for a root without a combination: one that does not exist was never used."""
     if os.path.isdir(os.path.expanduser(root)):
         return f"no cached LoRA merges under {root}"
-    named = f" ({_ROOT_VAR})" if args.root is None and os.environ.get(_ROOT_VAR) else ""
+    named = f" ({ROOT_ENV})" if args.root is None and os.environ.get(ROOT_ENV) else ""
     return (f"nothing cached yet under {root}{named}: the folder does not exist; the first build (a server's "
             "start, `hostmem lora merge`) makes it")
 

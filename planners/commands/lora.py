@@ -126,36 +126,36 @@ def _take_parts(tensors: dict, spec) -> None:
 _CASTS = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn"}
 
 
-def _served_casts(config, component, headers) -> tuple[dict, str]:
+def _served_casts(config, component, headers, model_class: str | None) -> tuple[dict, str]:
     """The LoRA targets the server holds in another dtype than the checkpoint stores, {name:
     torch dtype}, and a line saying what the build is for. The merge is keyed by the dtype
     it rounds to, so a build at the checkpoint's dtype is never found by a server that casts
     at load: with ``components.<name>.dtype`` each floating target is cast as diffusers'
     ``from_pretrained(torch_dtype=...)`` casts it (a module the model class keeps in fp32,
     ``_keep_in_fp32_modules``, to fp32). A cast needs room for a copy of each target:
-    refused up front where the host (or this process's memory cgroup) has not that much."""
+    refused up front where the host (or this process's memory cgroup) has not that much.
+    ``model_class``: the diffusers class the checkpoint's config.json names, or None."""
     import torch
 
     from hostmem.units import format_size
     from planners.adapter_targets import adapter_spec
-    from planners.checkpoint import diffusers_class
     from planners.headroom import read_headroom
     from lora_cache.provider import target_layers
 
     infos = {name: info for header in headers for name, info in header.tensors.items()}
     names_of = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "F8_E4M3": "fp8", "F8_E5M2": "fp8_e5m2"}
     stored = sorted({names_of.get(info.dtype, info.dtype.lower()) for info in infos.values()}) or ["?"]
-    served, key = config.components[component.name].dtype, f"components.{component.name}.dtype"
+    served, key = component.dtype, f"components.{component.name}.dtype"
     if served is None:
         return {}, (f"built for the checkpoint's {'/'.join(stored)} weights; a server that loads {component.name} in "
                     f"another dtype needs {key} set to it")
     if served not in _CASTS:
         raise InputError(f"{config.origin.path}: {key} is {served}, a quantization the server makes at load, not a cast "
                          "a merged cache can be built for; remove it to build for the checkpoint's weights")
-    dtype, keep = getattr(torch, _CASTS[served]), _kept_in_fp32(component.path)
+    dtype, keep = getattr(torch, _CASTS[served]), _kept_in_fp32(model_class)
     roots = list(config.lora.cache.roots) or None
     names = target_layers([h.path for h in headers], [adapter_spec(a) for a in config.lora.adapters],
-                          model_class=diffusers_class(component.path), memo_roots=roots, headers=headers).names
+                          model_class=model_class, memo_roots=roots, headers=headers).names
     cast = {}
     for name in names:
         held = infos[name].torch_dtype
@@ -175,12 +175,9 @@ def _served_casts(config, component, headers) -> tuple[dict, str]:
         f", {kept} kept in fp32 as the model class keeps them" if kept else "")
 
 
-def _kept_in_fp32(checkpoint: str) -> tuple[str, ...]:
-    """The module names the checkpoint's diffusers model class keeps in fp32 when loaded with a
+def _kept_in_fp32(name: str | None) -> tuple[str, ...]:
+    """The module names diffusers model class ``name`` keeps in fp32 when loaded with a
     ``torch_dtype`` (``_keep_in_fp32_modules``); none without diffusers or a class."""
-    from planners.checkpoint import diffusers_class
-
-    name = diffusers_class(checkpoint)
     try:
         import diffusers
 
@@ -227,11 +224,12 @@ def _build(args):
     _check_enabled(config)
     component = _merge_component(config)
     headers = read_headers(component.path, component.variant)  # refuses a tensor in two files
-    cast, built_for = _served_casts(config, component, headers)
+    model_class = diffusers_class(component.path)
+    cast, built_for = _served_casts(config, component, headers, model_class)
     files = [header.path for header in headers]
     model, parts = _model(files, args.shard, cast)
     # read as the server's diffusers model (the class its config.json names) will read the adapters
-    model = served_as(model, diffusers_class(component.path), diffusers_config(component.path))
+    model = served_as(model, model_class, diffusers_config(component.path))
     stats = merge(  # keyed as a server's start is: on the mapped shards that hold the targets
         model,
         _adapters(config.lora),

@@ -242,8 +242,6 @@ class Section:
         return self.data[name]
 
 
-
-
 def short(value: Any) -> str:
     """``repr(value)``, cut short: a 400-digit typo need not be echoed whole."""
     shown = repr(value)
