@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hostmem.errors import InputError
 from ..adapters import Adapter, as_adapters
 from ..adapters.checks import check_before_use
 from ..adapters.conversion_memo import ValuesNeeded
@@ -51,7 +50,7 @@ from .identity import combination_identity
 from ..orchestrate import CacheBuildError, cache_roots, merge, merge_layers, open_combination, plan_targets
 from ..ranks.process_group import DEFAULT_TIMEOUT, check_rank_timeout
 from ..placement.runtime_lora import apply_runtime, remove_runtime, runtime_bytes, unsupported_reason
-from .switch_state import Pending, SwitchState
+from .switch_state import Pending, SwitchState, attach, detach, existing_state, state_for_switch, state_of
 
 __all__ = ["SwitchResult", "set_adapters", "swap_ready", "serving", "build_reserve_bytes", "unmerge"]
 
@@ -128,30 +127,11 @@ def _combination_lock(identity: tuple) -> threading.Lock:
         return _COMBINATION_LOCKS.setdefault(identity, threading.Lock())
 
 
-def _existing_state(model) -> SwitchState | None:
-    """The switch state of ``model``, or None when :func:`set_adapters` never switched it."""
-    for root in components_of(model).values():
-        for hook in root._forward_pre_hooks.values():
-            if isinstance(hook, _Enter):
-                return hook.state
-    return None
-
-
-def _state_of(model, options: dict | None = None) -> SwitchState:
-    """The model's state, hooking its root modules the first time."""
-    roots = components_of(model)
-    state = _existing_state(model)
-    if state is not None:
-        if options is not None:
-            state.options = options
-        return state
-    if options is None:
-        raise InputError("lora_cache.set_adapters has not been called on this model")
-    state = SwitchState(dict(roots), options)
-    for root in roots.values():
-        root.register_forward_pre_hook(_Enter(state))
-        root.register_forward_hook(_Leave(state), always_call=True)
-    return state
+def _replace(old: SwitchState) -> None:
+    """Take ``old`` to the base and off its modules (a switch of a wider set takes over)."""
+    with old.gate.exclusive():
+        _to_base(old)
+        detach(old)
 
 
 def _stand_ins(targets: list[LayerTarget]) -> list[LayerTarget]:
@@ -261,11 +241,11 @@ def unmerge(model, strict: bool = True) -> int:
     built come off too, and its swap is dropped (before, they stayed, and the swap later
     installed the adapter again), at a safe point as a switch is.
     """
-    state = _existing_state(model)
+    state = existing_state(model)
     if state is None:  # layers a merge kept at run time (lora_cache.placement.rounding) come off too
         remove_runtime(model)
         return unmerge_layers(model, strict)
-    with state.gate.exclusive():
+    with state.gate.exclusive():  # the whole switched model: it serves one combination
         return _to_base(state, strict)
 
 
@@ -323,16 +303,20 @@ def set_adapters(
     cache_root = tuple(cache_roots(cache_root))  # one root or an ordered list of them, as merge takes
     options = {"cache_root": cache_root, "max_size": max_size, "base_files": base_files, "device": device,
                "shards": shards, "rank_timeout": check_rank_timeout(rank_timeout)}
-    state = _state_of(model, options)
+    state, replaced = state_for_switch(components_of(model), options)
     specs = as_adapters(adapters)
     identity = combination_identity(specs, cache_root, shards)
     with state.gate.exclusive():
         held = is_merged(model) or state.pending is not None  # not taken off by lora_cache.unmerge since
-        if identity == state.identity and (held if specs else not is_merged(model)):
+        if state.handles and identity == state.identity and (held if specs else not is_merged(model)):
             return SwitchResult("unchanged", seconds=time.perf_counter() - started)
         planned = plan_targets(model, specs, shards) if specs else None  # bad input fails here, losing nothing
         if planned is not None:
             _check_values_first(planned[0])
+        for old in replaced:
+            _replace(old)
+        if not state.handles:
+            attach(state, _Enter(state), _Leave(state))
         _to_base(state)
         result = _switch(state, model, specs, planned, identity, background) if specs else SwitchResult("base")
         state.identity = identity
@@ -397,7 +381,7 @@ def swap_ready(model, wait: bool = False, timeout: float | None = None) -> bool:
     True when the model now serves merged weights (or the base), False while it still
     serves at run time. Re-raises the build's error, if it failed.
     """
-    state = _state_of(model)
+    state = state_of(model)
     pending = state.pending
     if pending is None:
         return True
@@ -414,7 +398,7 @@ def swap_ready(model, wait: bool = False, timeout: float | None = None) -> bool:
 def serving(model) -> str:
     """How ``model`` is served now: ``base``, ``runtime`` or ``merged``."""
     try:
-        state = _state_of(model)
+        state = state_of(model)
     except ValueError:
         return "merged" if is_merged(model) else "base"
     if state.pending is not None:
@@ -427,7 +411,7 @@ def build_reserve_bytes(model) -> int:
     one layer of output buffer and, for the layers that sum in fp32, one fp32 layer (the
     build's working set; 0 when nothing is being built). For the planner's budget."""
     try:
-        pending = _state_of(model).pending
+        pending = state_of(model).pending
     except ValueError:
         return 0
     if pending is None or pending.built:
