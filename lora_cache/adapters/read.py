@@ -156,6 +156,12 @@ def group_parts(path: str, tensors: dict[str, torch.Tensor]) -> dict[str, Module
             raise AdapterError(f"{path}: key {key!r} is not a LoRA part this merge understands ({known_parts()})")
         stem, role = split
         change = modules.setdefault(stem, ModuleChange(stem))
+        if role in change.parts:  # two spellings of one part (lora_down and lora_A): neither is dropped unsaid
+            raise AdapterError(
+                f"{path}: keys {change.keys[role]!r} and {key!r} are both the {role!r} part of module {stem!r}; "
+                "a file joined from two adapters holds two LoRAs of one module under one name. Keep one of "
+                "them in the file, or save each adapter to a file of its own and give both"
+            )
         change.parts[role] = tensors[key]
         change.keys[role] = key
     for change in modules.values():

@@ -365,3 +365,21 @@ def test_broken_adapters_say_what_is_wrong(tmp_path):
         read_adapter(odd)
     with pytest.raises(AdapterError, match="no such file"):
         read_adapter(tmp_path / "missing.safetensors")
+
+
+@pytest.mark.parametrize("second", ["lora_A.weight", "lora_A.default.weight"])
+def test_one_module_given_twice_under_two_spellings_is_refused_naming_both_keys(tmp_path, second):
+    """A file joined from two adapters (lora_down/lora_up and lora_A/lora_B of one module),
+    or one holding both peft's and DiffSynth's spelling: neither pair may be dropped unsaid."""
+    first = lora_change(64, 64, 4, 1)
+    other = lora_change(64, 64, 2, 2)
+    stem = "diffusion_model.blocks.0.attn.to_q"
+    path = write_safetensors(tmp_path / "joined.safetensors", {
+        f"{stem}.lora_down.weight": first["down"], f"{stem}.lora_up.weight": first["up"],
+        f"{stem}.{second}": other["down"], f"{stem}.{second.replace('lora_A', 'lora_B')}": other["up"],
+    })
+    with pytest.raises(AdapterError, match="are both the 'down' part of module") as refused:
+        read_adapter(path)
+    assert f"'{stem}.lora_down.weight'" in str(refused.value) and f"'{stem}.{second}'" in str(refused.value)
+    with pytest.raises(AdapterError, match="both the 'down' part of module"):
+        plan_targets(mapped_model(tmp_path), [path])
