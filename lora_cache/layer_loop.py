@@ -25,6 +25,7 @@ from hostmem.errors import HostmemError
 from hostmem.units import format_rate, format_size
 
 from .adapters.checks import check_before_use
+from .adapters.read_stamps import check_unchanged, reads_of
 from hostmem.vault.handoff import Handoff
 from .kernels import KernelPlan, block_workers, plan_for_targets
 from .placement.layers import Snapshot, compute_merged, install, merge_in_place
@@ -137,6 +138,7 @@ class _LayerLoop:
     """
 
     def __init__(self, targets, session, device, progress, fallback, kernels: KernelPlan, unmergeable: bool):
+        self.read_from: list[tuple] = []  # the adapter files the layers are summed from, as read (build)
         self.session, self.fallback, self.kernels, self.unmergeable = session, fallback, kernels, unmergeable
         self.stats = MergeStats(layers=len(targets))
         self.space = AddressSpace()
@@ -254,6 +256,7 @@ class _LayerLoop:
         if not targets:
             return
         self.reserve(targets, output=True)
+        self.read_from = reads_of(d.values_check for t in targets for d in t.deltas)
         pending: list[_Write] = []
         at = 0  # where the next layer starts in the ring
         # Leaving the executors waits for the work in flight, also when an error ends the loop.
@@ -291,8 +294,11 @@ class _LayerLoop:
         try:  # from the submit on: an interrupt anywhere after it must not leave the writer waiting for ever
             data = writer.submit(self.session.put_data, target.name, out, None, handoff)
             written = sealer.submit(_seal_when_written, self.session, data)
+            last = target.nbytes - 1  # held back: the put cannot end, nor the seal begin, before the check
             compute_merged(target, out, self.work, self.workers, kernel=self.kernel(target),
-                           claim=functools.partial(_claim_after, earlier, at=at), publish=handoff.publish)
+                           claim=functools.partial(_claim_after, earlier, at=at),
+                           publish=lambda end: handoff.publish(min(end, last)))
+            check_unchanged(self.read_from)  # summed from the bytes the key names (adapters.read_stamps)
         except BaseException:
             handoff.cancel()  # the put gives up and removes its temporary file
             raise

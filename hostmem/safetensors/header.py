@@ -57,6 +57,7 @@ class SafetensorsHeader:
     data_offset: int
     file_size: int
     header_bytes: bytes = field(repr=False)  # the length prefix and the JSON, as in the file
+    file_id: tuple[int, int] = field(default=(0, 0), repr=False)  # (device, inode) of the file read
 
     @cached_property
     def header_sha256(self) -> str:
@@ -148,7 +149,8 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     path = os.fspath(path)
     try:
         with open(path, "rb") as handle:
-            file_size = os.fstat(handle.fileno()).st_size
+            st = os.fstat(handle.fileno())
+            file_size, file_id = st.st_size, (st.st_dev, st.st_ino)
             prefix = handle.read(8)
             if len(prefix) < 8:
                 raise SafetensorsError(f"{path}: too short to be a safetensors file ({file_size} bytes)")
@@ -191,4 +193,5 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
         data_offset=data_offset,
         file_size=file_size,
         header_bytes=prefix + raw,
+        file_id=file_id,
     )

@@ -73,6 +73,12 @@ class ReadOnlySafetensors:
         with open(self.path, "rb") as handle:
             if self.header.file_size == 0:
                 raise SafetensorsError(f"{self.path}: empty file")
+            self.stat = os.fstat(handle.fileno())  # the file mapped, whatever the path names later
+            if (self.stat.st_size != self.header.file_size
+                    or (self.stat.st_dev, self.stat.st_ino) != self.header.file_id):
+                raise SafetensorsError(f"{self.path}: changed while it was being read (its header was read from "
+                                       "another file, or another length, than the one now mapped); "
+                                       "open it again once it is written")
             self._map = mmap.mmap(handle.fileno(), 0, flags=self._FLAGS, prot=self._PROT)
         advise_huge_pages(self._map)
         guard_foreign_writers()  # read-only weights handed out: catch writers

@@ -21,6 +21,7 @@ import torch
 
 from hostmem.vault.content_hash import stamp_of
 from .lycoris_parts import ROLES, check_parts
+from .read_stamps import read_as
 from .spec import AdapterError
 
 __all__ = ["NARROW", "FiniteCheck", "check_before_use", "check_change", "check_finite", "forget_checked", "widened"]
@@ -93,6 +94,7 @@ class FiniteCheck:
 
     def __init__(self, path: str, tensors: dict[str, torch.Tensor], memo: bool = True):
         self.path, self.memo = path, memo
+        self.read_as = read_as(path)  # the file as the read that made these tensors found it
         self._tensors: dict[str, torch.Tensor] | None = tensors
 
     @property

@@ -31,6 +31,7 @@ import torch
 from hostmem.errors import HostmemError
 from hostmem.vault.records import CONVERSIONS
 from hostmem.vault.shelf import Shelf
+from .read_stamps import read_as
 
 __all__ = ["ConversionMemo", "ValuesNeeded", "NoValues", "record_of", "skeleton_of"]
 
@@ -54,6 +55,7 @@ class NoValues:
 
     def __init__(self, path: str):
         self.path = path
+        self.read_as = read_as(path)  # the file as the read planned from the record found it
 
     def __call__(self) -> None:
         raise ValuesNeeded(f"{self.path}: planned from its conversion record; a layer needs its values")

@@ -21,6 +21,7 @@ from hostmem.safetensors.mapping import SafetensorsError, open_readonly
 
 from .paths import adapter_file_in, peft_config_path
 from .alpha import AlphaSources, PeftConfig, diffusers_metadata, header_alpha, peft_config_from
+from . import read_stamps
 from .checks import FiniteCheck, check_change
 from .formats import Reading, detect, known_parts, split_key
 from .formats.refused import refuse
@@ -205,7 +206,11 @@ def open_adapter(path: str | os.PathLike):
     """
     path = resolve_file(os.fspath(path))
     if path.endswith(PICKLED):
-        return path, _NoHeader(), _torch_file(path)
+        before = _stat(path)
+        tensors = _torch_file(path)
+        read_stamps.remember(path, before)
+        read_stamps.check_unchanged([(path, read_stamps.read_as(path))])  # torch.load read it by path
+        return path, _NoHeader(), tensors
     try:
         mapped = open_readonly(path)
         tensors = {name: mapped.get_tensor(name) for name in mapped.keys()}
@@ -213,7 +218,15 @@ def open_adapter(path: str | os.PathLike):
         raise AdapterError(f"adapter {exc}") from None
     except OSError as exc:
         raise AdapterError(f"adapter {path}: cannot read it ({exc.strerror or exc})") from None
+    read_stamps.remember(path, mapped.stat)
     return path, mapped, tensors
+
+
+def _stat(path: str) -> os.stat_result:
+    try:
+        return os.stat(path)
+    except OSError as exc:
+        raise AdapterError(f"adapter {path}: cannot read it ({exc.strerror or exc})") from None
 
 
 PICKLED = (".bin", ".pt", ".pth")  # torch.save's files: peft's adapter_model.bin, older trainers' weights

@@ -21,6 +21,7 @@ from hostmem.vault.shelf import Shelf
 from hostmem.vault.safety import prepare_root, root_is_read_only
 
 from ..adapters import Adapter, AdapterFile
+from ..adapters.read_stamps import check_unchanged, keyed, reads_of
 from .canonical_key import adapter_forms, adapter_meanings
 
 __all__ = ["Combination", "kernel_roots", "inputs_but_base", "key_of"]
@@ -92,6 +93,9 @@ def _identities(roots, files, specs, planned) -> list[dict]:
     paths = [f.path for f in files]
     forms = adapter_forms(planned, paths)
     found = [vault.adapter_identity(f.path, s.strength, s.alpha) for f, s in zip(files, specs)]
+    for f, identity in zip(files, found):
+        keyed(f.path, identity)
+    check_unchanged(reads_of(f.values_check for f in files))  # the files digested are the files read
     names = [_meaning_name(i["digest"], form, f, s) for i, form, f, s in zip(found, forms, files, specs)]
     meanings = adapter_meanings(planned, paths, _remembered(vaults, names))
     out = []
