@@ -24,7 +24,8 @@ from .checks import VaultError
 from .durable import discard
 from .safety import open_trusted
 
-__all__ = ["KeyLock", "lock_is_held", "lock_holders", "describe_holders", "held_by_others", "lock_wait_s",
+__all__ = ["KeyLock", "lock_is_held", "lock_holders", "describe_holders", "held_by_others", "foreign_hold",
+           "close_to_others", "lock_wait_s",
            "say", "flock_within", "DEFAULT_LOCK_WAIT_S", "SHORT_WAIT_S"]
 
 DEFAULT_LOCK_WAIT_S = 1800.0  # see lock_wait_s
@@ -62,12 +63,14 @@ class KeyLock:
 
     path: str
     fd: int = -1
+    exposed: bool = False  # others could open the lock file (see close_to_others)
 
     def acquire(self, exclusive: bool = True, blocking: bool = True) -> bool:
         """Take the lock; with ``blocking=False`` return False when someone holds it."""
         mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if blocking else fcntl.LOCK_NB)
         while True:
             fd = open_trusted(self.path, os.O_RDWR | os.O_CREAT)  # ours, a regular file, no link followed
+            self.exposed |= close_to_others(fd, self.path)
             try:
                 fcntl.flock(fd, mode)
             except BlockingIOError:
@@ -90,7 +93,7 @@ class KeyLock:
         short = min(bound, lock_wait_s(short=True))
         while not self.acquire(exclusive, blocking=False):
             waited = time.monotonic() - started
-            if waited >= bound or (waited >= short and held_by_others(lock_holders(self.path))):
+            if waited >= bound or (waited >= short and foreign_hold(lock_holders(self.path), self.exposed)):
                 return False
             time.sleep(min(pause, max(bound - waited, 0.001)))
             pause = min(2 * pause, 0.25)
@@ -208,6 +211,7 @@ def flock_within(fd: int, path: str, exclusive: bool = True) -> bool:
     mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
     started, pause = time.monotonic(), 0.005
     short, bound = lock_wait_s(short=True), lock_wait_s()
+    exposed = close_to_others(fd, path)
     while True:
         try:
             fcntl.flock(fd, mode)
@@ -216,13 +220,40 @@ def flock_within(fd: int, path: str, exclusive: bool = True) -> bool:
             waited = time.monotonic() - started
             if waited >= bound:
                 return False
-            if waited >= short and held_by_others(lock_holders(path)):
+            if waited >= short and foreign_hold(lock_holders(path), exposed):
                 with contextlib.suppress(BlockingIOError):  # a hidden holder may be one that just ended
                     fcntl.flock(fd, mode)
                     return True
                 return False
             time.sleep(min(pause, max(bound - waited, 0.001)))
             pause = min(2 * pause, 0.25)
+
+
+def close_to_others(fd: int, path: str) -> bool:
+    """Whether others may hold the lock file ``path``, open as ``fd`` (ours): it lets them
+    open it, or its folder lets them reach it (a root shared with ``chmod -R go+rX``,
+    where the file may have been open to them before). The file is made ``0600``, so none
+    opens it from now on; one that opened it before may hold it still, which
+    :func:`foreign_hold` counts."""
+    st = os.fstat(fd)
+    if st.st_mode & 0o077:
+        with contextlib.suppress(OSError):  # a read-only filesystem: it stays as it is
+            os.fchmod(fd, 0o600)
+        return True
+    try:
+        return bool(os.stat(os.path.dirname(os.path.abspath(path))).st_mode & 0o011)
+    except OSError:
+        return False
+
+
+def foreign_hold(holders: list[tuple[int, int | None]], exposed: bool) -> bool:
+    """Whether a hold is never work of ours in progress: every holder another user's
+    (:func:`held_by_others`), or none listed at all for a lock file others could open.
+    ``/proc/locks`` lists only the holders in this pid namespace, so from a container a
+    hold from the host or another container is unseen: on a lock file only we can open
+    it is ours (a build in another container: waited for), on one others could open it
+    may be anyone's, and waiting for it may be waiting for ever."""
+    return held_by_others(holders) or (exposed and not holders)
 
 
 def held_by_others(holders: list[tuple[int, int | None]]) -> bool:

@@ -27,7 +27,7 @@ from .content_hash import MEMO_NAME
 from .durable import free_bytes
 from .identity import CacheKey, adapter_identity, base_identity
 from .leases import use_lease
-from .locks import KeyLock, describe_holders, held_by_others, lock_holders, lock_wait_s, say
+from .locks import KeyLock, describe_holders, foreign_hold, held_by_others, lock_holders, lock_wait_s, say
 from .checks import RootChanged
 from .safety import VaultError, check_folder_safe, make_private_dir, prepare_root, root_is_read_only
 from .readers import open_sealed
@@ -66,6 +66,9 @@ def _lock_key(cache: str, key: str, label: str) -> tuple[KeyLock | None, float, 
     holders = lock_holders(lock.path)
     if held_by_others(holders):
         return None, 0.0, f"its lock {lock.path} is held by {describe_holders(holders)}, another user", True
+    if foreign_hold(holders, lock.exposed):
+        return None, 0.0, (f"its lock {lock.path}, which others could open, is held by {describe_holders(holders)}; "
+                           "it may be another user's"), True
     bound = lock_wait_s()
     say(f"{label} {key[:12]} is in use by another process (most likely building it); waiting up to {bound:.0f} s "
         f"for it to finish (held by {describe_holders(holders)}; lock {lock.path}), then using what it built")

@@ -194,6 +194,79 @@ def test_another_users_hold_hidden_by_proc_is_known_as_anothers_and_never_waited
     assert uid != _OWNER
 
 
+def _start_in_pid_namespace(root: str, key, tensors: dict, said_to) -> None:
+    """In a forked child: a pid namespace of its own with its own /proc (a container's),
+    whose /proc/locks lists no process outside it; then a start as the cache's owner."""
+    import ctypes
+    import json
+    import subprocess
+
+    try:
+        if ctypes.CDLL(None, use_errno=True).unshare(0x00020000 | 0x20000000) != 0:  # CLONE_NEWNS | CLONE_NEWPID
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS | CLONE_NEWPID)")
+        pid = os.fork()  # the first process of the namespace
+        if pid:
+            _, status = os.waitpid(pid, 0)
+            os._exit(os.waitstatus_to_exitcode(status))
+        for cmd in (["mount", "--make-rprivate", "/"], ["mount", "-t", "proc", "proc", "/proc"]):
+            subprocess.run(cmd, check=True, capture_output=True)
+    except BaseException as exc:  # noqa: BLE001 (said to the parent, which skips)
+        os.write(said_to, json.dumps({"failed": f"unshare or mount: {type(exc).__name__}: {exc}"}).encode())
+        os._exit(1)
+    code = 1
+    try:
+        os.setgroups([])
+        os.setgid(_OWNER)
+        os.setuid(_OWNER)
+        built = build(Vault(root), key, tensors)["layers_written"]
+        session, served = _serve(Vault(root), key, tensors)
+        session.close()
+        os.write(said_to, json.dumps({"key": session.key, "built": built, "served": served,
+                                      "error": session.last_error}).encode())
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 (said to the parent, which fails)
+        os.write(said_to, json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode())
+    finally:
+        os._exit(code)
+
+
+def test_a_hold_from_outside_this_containers_pid_namespace_on_a_shared_lock_is_never_waited_for(tmp_path):
+    """From a container (a pid namespace of its own), /proc/locks lists no holder outside
+    it: another user's hold on a lock file the operator's chmod opened to others is unseen.
+    The start counts an unseen holder of such a file as maybe another user's and builds a
+    copy of its own at once, as where the holder is seen; never the whole bounded wait,
+    never in place. The lock file is closed to others (0600) from then on."""
+    import json
+    import stat
+
+    nobody()
+    root = str(tmp_path / "root")
+    cache = os.path.join(root, "lora_merge_cache")
+    os.makedirs(cache)
+    key, tensors = key_for("unseen-holder"), layers(count=2)
+    with open(lock_path(cache, key.hex), "a"):
+        pass
+    for here, dirs, files in os.walk(root):
+        for name in [here, *(os.path.join(here, f) for f in files)]:
+            os.chown(name, _OWNER, _OWNER)
+    open_to_others(root)
+    with reachable_by_others(root, opened=True), flock_held_by_nobody(lock_path(cache, key.hex)):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            _start_in_pid_namespace(root, key, tensors, write)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            said = json.loads(pipe.read().decode() or "{}")
+        os.waitpid(pid, 0)
+    if "failed" in said:
+        pytest.skip(f"no pid namespace with its own /proc here: {said['failed']}")
+    assert said.get("key") == alternate_key(key.hex, 1), said
+    assert said["built"] == said["served"] == len(tensors)
+    assert stat.S_IMODE(os.stat(lock_path(cache, key.hex)).st_mode) == 0o600
+
+
 def test_removing_a_combination_another_user_holds_names_them_and_what_to_do(tmp_path):
     from hostmem.vault import VaultError
     from hostmem.vault.admin import remove
