@@ -27,6 +27,7 @@ from hostmem.pinning import Pinner
 
 from ..deployment import DeploymentPlan
 from ..calibration import saved_reader
+from ..named_components import named_components
 from ..offload_hooks import refuse_offload_hooks
 from .layout import MapIndex, layer_module, tensor_span
 from .pages import page_cover
@@ -90,7 +91,8 @@ class Executor:
         prefetch = plan.pins.prefetch if prefetch is None else prefetch  # the plan's: its kept set is ours
         if prefetch < 0:
             raise InputError(f"prefetch {prefetch}: give 0 or more layers to read ahead")
-        self.plan, self.components, self.prefetch = plan, dict(components), prefetch
+        self.plan, self.prefetch = plan, prefetch
+        self.components = named_components(plan.components, components, f"deployment {plan.deployment}", every=False)
         self.device = torch.device(device) if device is not None else None
         if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_available():
             raise InputError(f"device {self.device}: this host has no CUDA device; leave device unset on a CPU host")
@@ -128,7 +130,7 @@ class Executor:
         for name, roles in self.roles.items():
             if name not in self.components:
                 raise InputError(f"the plan moves layers of {name!r}, but no module of that name was given; "
-                                 f"pass {{'{name}': module}} with the others")
+                                 f"pass {{'{name}': module}} with the others (or a pipeline holding it by that name)")
             hooked = roles.order if roles.moves else roles.resident
             root = self.components[name]
             for layer in hooked:
@@ -362,6 +364,8 @@ class Executor:
 
 def execute(plan: DeploymentPlan, components: Mapping[str, torch.nn.Module], **options) -> Executor:
     """``with execute(plan, {"dit": transformer, ...}) as run: ...``; see :class:`Executor`.
+    ``components`` may be a diffusers pipeline too (its component of each planned name, a
+    ``dit`` its ``transformer`` or ``unet``), as :func:`planners.start` takes one.
 
     Options: ``prefetch`` (layers read ahead, at most: default the plan's, whose kept set the
     report states; the bytes read ahead are bounded too, see :mod:`.roles`), ``device`` (``"cuda:0"`` to copy
