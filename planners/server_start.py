@@ -24,11 +24,9 @@ from typing import Mapping, NamedTuple
 from hostmem.errors import InputError
 
 from .config import DeploymentConfig, load_config
+from .named_components import named_components
 
 __all__ = ["Started", "start", "loaded_components", "config_adapters"]
-
-# Config names a diffusers pipeline spells otherwise: the DiT is its transformer (or unet).
-_PIPELINE_NAMES = {"dit": ("transformer", "unet")}
 
 
 class Started(NamedTuple):
@@ -42,24 +40,7 @@ class Started(NamedTuple):
 
 def loaded_components(config: DeploymentConfig, components_or_pipe) -> dict:
     """``{config name: module}`` from a dict, or from a pipeline's attributes by config name."""
-    if isinstance(components_or_pipe, Mapping):
-        return dict(components_or_pipe)
-    out, missing = {}, []
-    for name in config.components:
-        found = next((getattr(components_or_pipe, n) for n in (name, *_PIPELINE_NAMES.get(name, ()))
-                      if getattr(components_or_pipe, n, None) is not None), None)
-        if found is None:
-            missing.append(name)
-        else:
-            out[name] = found
-    if missing:
-        held = sorted(k for k, v in getattr(components_or_pipe, "components", {}).items() if v is not None)
-        raise InputError(
-            f"{config.origin.path}: components {', '.join(missing)} are not attributes of the "
-            f"{type(components_or_pipe).__name__} given (it holds {', '.join(held) or 'none'}); name the config's "
-            "components as the pipeline does, or pass {config name: module}"
-        )
-    return out
+    return named_components(config.components, components_or_pipe, config.origin.path)
 
 
 def config_adapters(config: DeploymentConfig) -> list:

@@ -39,6 +39,7 @@ from .deployment import DeploymentPlan, plan_deployment
 from .offload_hooks import offload_warnings
 from .host_checks import cache_root_warnings
 from .host_share import capped_config, rank_need, share_for
+from .named_components import named_components
 from .report import report_text
 from .reserve import process_excess
 from .sizes import ComponentSizes, from_ledger
@@ -164,7 +165,8 @@ def plan_loaded(
     logger: logging.Logger | None = None,
     quiet: bool = False,
 ) -> DeploymentPlan:
-    """Account ``components`` (``{config name: nn.Module}``), plan, report, return the plan.
+    """Account ``components`` (``{config name: nn.Module}``, or a diffusers pipeline holding
+    them as :func:`planners.start` takes one), plan, report, return the plan.
 
     ``merge_stats`` is what ``lora_cache.merge`` returned for these components; the
     report then shows the merge (layers hit, built, fallen back; bytes; seconds; rate).
@@ -173,7 +175,8 @@ def plan_loaded(
     """
     if not isinstance(config, DeploymentConfig):
         config = load_config(config)
-    ledger = hostmem.account(dict(components))
+    components = named_components(config.components, components, config.origin.path)
+    ledger = hostmem.account(components)
     sizes = live_components(config, ledger)
     host = read_host_limit(config)
     merge, reason, notes = default_merge(config), merge_reason(config), []

@@ -22,6 +22,11 @@ page on the CPU twin (a CPU kernel's choice, and so its rounding, may depend on 
 at 256 bytes on a device (what its allocator gives a tensor). With ``device`` the CPU
 the same code runs without streams and events (every copy is synchronous): the twin
 the tests drive on a host without CUDA.
+
+Buffers, staging and views are made outside ``torch.inference_mode()`` whatever mode the
+caller runs under (a server that enters the executor inside it): inference tensors refuse
+the worker thread's copies (inference mode is per thread) and keep no version, by which
+:meth:`DeviceCopier.detach` sees what a forward wrote.
 """
 
 from __future__ import annotations
@@ -95,10 +100,11 @@ class DeviceCopier:
         self.cuda = device.type == "cuda"
         self.align = alignment(device)
         self.stream = torch.cuda.Stream(device=device) if self.cuda else _Twin()
-        self.buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(slots)]
+        with torch.inference_mode(False):  # never inference tensors (see the module doc)
+            self.buffers = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(slots)]
+            self.staging = [torch.empty(_STAGE, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
         self.free = [None] * slots  # an event recorded when the slot's forward finished
         self.idle = list(range(slots))  # slots no load owns
-        self.staging = [torch.empty(_STAGE, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
         self.staged = [None, None]  # an event recorded after the copy out of each staging buffer
         self._turn = 0
         self._lock = threading.Lock()  # loads run on the worker and, for a late layer, in the caller
@@ -150,7 +156,7 @@ class DeviceCopier:
     def load(self, layout, pinned: bool, slot: int | None) -> Loaded:
         """Copy the tensors ``layout``'s module holds now into ``slot`` (a one-off buffer when
         None or too small); returns at once for pinned layers on a device."""
-        with self._lock:
+        with self._lock, torch.inference_mode(False):  # a late layer loads in the caller, maybe in that mode
             module = layout.module
             taken = fingerprint(module)
             tensors = [(m, kind, name, t) for m, kind, name, t in held_tensors(module) if t.device.type == "cpu"]
@@ -251,15 +257,18 @@ def _written_back(layout, what: str, host: torch.Tensor, written: torch.Tensor) 
         host.copy_(written.to(host.device))
 
 
-def standing_in(held: torch.Tensor, view: torch.Tensor, kind: str) -> torch.Tensor:
+def standing_in(held: torch.Tensor, view: torch.Tensor, kind: str, requires_grad: bool = False) -> torch.Tensor:
     """The device view as the tensor it stands in for: a parameter, or a buffer, of the same
     class with the same attributes (a quantized weight's class reads its quantization from
     them: diffusers' GGUFParameter keeps ``quant_type``, and without it computes on the raw
-    bytes as if they were weights)."""
+    bytes as if they were weights). ``requires_grad``: a parameter's, where it goes back to
+    the host for good (the device path itself runs without gradients)."""
     if type(held) in (torch.nn.Parameter, torch.Tensor):
-        return torch.nn.Parameter(view, requires_grad=False) if kind == "p" else view
+        return torch.nn.Parameter(view, requires_grad=requires_grad) if kind == "p" else view
     standing = view.as_subclass(type(held))
     standing.__dict__.update(held.__dict__)
+    if requires_grad and standing.is_floating_point():
+        standing.requires_grad_(True)
     return standing
 
 

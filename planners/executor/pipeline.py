@@ -29,6 +29,7 @@ of a layer in the window. Pinned and kept layers are never released.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +43,8 @@ from .snapshot import Snapshot, fingerprint, take_snapshot
 from .stats import PassStats
 
 __all__ = ["Clock", "LayerPipeline"]
+
+_LOG = logging.getLogger("hostmem")
 
 
 class Clock:
@@ -94,6 +97,7 @@ class LayerPipeline:
         self.neighbours: list[LayerPipeline] = [self]  # every pipeline sharing the copier's slots
         self.current: PassStats | None = None
         self._attached: dict[str, tuple] = {}
+        self._warned = False  # a read-ahead that failed was logged
         self._protect()
 
     @property
@@ -234,12 +238,32 @@ class LayerPipeline:
             return (complete(pending.snapshot.ranges, self.handles, self.reader) if pending.reads else 0), None
         try:
             nbytes, loaded = pending.future.result()
-        except Exception:  # noqa: BLE001 - the module changed under the worker: copy it now
+        except Exception as exc:  # noqa: BLE001 - read and copied now, in the caller
+            self._failed(pending, exc)
             return None
         if loaded is not None and loaded.fingerprint != pending.snapshot.fingerprint:
             self.copier.give_back(loaded.slot)
             return None
         return nbytes, loaded
+
+    def _failed(self, pending: _Pending, exc: Exception) -> None:
+        """A read-ahead raised (the module changed under the worker, or a copy it cannot make): the
+        layer is read now. Counted in the pass's ``failed_read_aheads``; the first is logged as a
+        warning, since one that fails on every layer leaves the compute waiting on every read."""
+        if self.current is not None:
+            self.current.failed_read_aheads += 1
+        if not self._warned:
+            self._warned = True
+            _LOG.warning("%s: a read-ahead of %s failed (%s: %s); the layer was read at its forward, and "
+                         "stats().passes counts such failures in failed_read_aheads", pending.snapshot.layout.component,
+                         pending.snapshot.layout.name, type(exc).__name__, exc)
+
+    @_in_turn
+    def interrupted(self) -> None:
+        """The component's forward was left by an exception its hooks did not see (a
+        ``KeyboardInterrupt``): every layer still attached gets its host tensors back."""
+        for name in list(self._attached):
+            self._detach(name)
 
     def _now_read(self, name: str, snap: Snapshot, slot: int | None, read: int | None = None):
         """Read (and copy) the layer here, in the caller: it was not read ahead, or not from what it

@@ -2,9 +2,10 @@
 
 A context manager. On entry it pins the plan's pinned layers in place, chooses the
 faster reader for read-ahead, and hooks every planned layer (forward pre- and post-
-hooks) and every component's own forward (to count passes). On a CUDA host the plan's
-resident layers and each component's tensors outside its layers go to the device,
-and moved layers are copied on a side stream (:mod:`.device_copy`); on a CPU host
+hooks) and every component's own forward (to count passes; on the device path it is
+also wrapped, :mod:`.forward_guard`). On a CUDA host the plan's resident layers and
+each component's tensors outside its layers go to the device, and moved layers are
+copied on a side stream (:mod:`.device_copy`); on a CPU host
 layers compute where they lie and only read-ahead and release run. On exit every
 hook, pin, device tensor, descriptor and thread it made is gone and the modules are
 as they were. :meth:`Executor.stats` says what each pass read, released, copied and
@@ -27,7 +28,9 @@ from hostmem.pinning import Pinner
 
 from ..deployment import DeploymentPlan
 from ..calibration import saved_reader
+from ..named_components import named_components
 from ..offload_hooks import refuse_offload_hooks
+from .forward_guard import guard_forward, refuse_grad
 from .layout import MapIndex, layer_module, tensor_span
 from .pages import page_cover
 from .pipeline import Clock, LayerPipeline
@@ -90,7 +93,8 @@ class Executor:
         prefetch = plan.pins.prefetch if prefetch is None else prefetch  # the plan's: its kept set is ours
         if prefetch < 0:
             raise InputError(f"prefetch {prefetch}: give 0 or more layers to read ahead")
-        self.plan, self.components, self.prefetch = plan, dict(components), prefetch
+        self.plan, self.prefetch = plan, prefetch
+        self.components = named_components(plan.components, components, f"deployment {plan.deployment}", every=False)
         self.device = torch.device(device) if device is not None else None
         if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_available():
             raise InputError(f"device {self.device}: this host has no CUDA device; leave device unset on a CPU host")
@@ -98,7 +102,8 @@ class Executor:
         self.roles: dict[str, ComponentRoles] = {}
         self.pipelines: dict[str, LayerPipeline] = {}
         self._hooks: list = []
-        self._placed: list = []  # (table, name, host tensor, placed, its state) put back on exit
+        self._placed: list = []  # (host tensor, placed, its state, [(table, name), ...]) put back on exit
+        self._grad_held: dict[str, list] = {}  # the host tensors placed of each component (see .forward_guard)
         self._handles = FileHandles()
         self._random: list = []  # ranges advised MADV_RANDOM, set back on exit
         self._worker: ThreadPoolExecutor | None = None
@@ -110,6 +115,7 @@ class Executor:
         # copy is attached to its module, which both would use (a second thread's pre-hook
         # gave the first's slot back while it computed from it)
         self._turns: dict[str, threading.RLock] = {}
+        self._forwards: list = []  # what sets each component's forward back (the device path wraps it)
 
     # ------------------------------------------------------------------ entry
     def __enter__(self) -> "Executor":
@@ -128,7 +134,7 @@ class Executor:
         for name, roles in self.roles.items():
             if name not in self.components:
                 raise InputError(f"the plan moves layers of {name!r}, but no module of that name was given; "
-                                 f"pass {{'{name}': module}} with the others")
+                                 f"pass {{'{name}': module}} with the others (or a pipeline holding it by that name)")
             hooked = roles.order if roles.moves else roles.resident
             root = self.components[name]
             for layer in hooked:
@@ -217,23 +223,35 @@ class Executor:
         return DeviceCopier(self.device, self.prefetch + 1, max(moved)) if moved else None
 
     def _place_on_device(self, layouts) -> None:
-        """Resident layers and each component's tensors outside its layers go to the device."""
+        """Resident layers and each component's tensors outside its layers go to the device: each
+        tensor once, however many modules hold it (a tied weight: T5's ``shared`` and
+        ``encoder.embed_tokens``), and every holder, a moved layer too, then holds that one
+        placed tensor, so a change through one name reaches the others."""
         from .device_copy import standing_in
 
+        made: set[int] = set()  # the placed tensors: a nested component's are placed once
         for name, roles in self.roles.items():
             root = self.components[name]
             inside = {id(m) for k, l in layouts[name].items() if k not in roles.resident for m in l.module.modules()}
+            holders: dict[int, list] = {}  # id(tensor) -> [tensor, kind, held outside the layers, [(table, key)]]
             for module in root.modules():
-                if id(module) in inside:
-                    continue
-                for table in (module._parameters, module._buffers):
-                    for key, tensor in list(table.items()):
-                        if tensor is None or tensor.device.type != "cpu":
+                for kind, table in (("p", module._parameters), ("b", module._buffers)):
+                    for key, tensor in table.items():
+                        if tensor is None or tensor.device.type != "cpu" or id(tensor) in made:
                             continue
-                        moved = tensor.detach().to(self.device)
-                        placed = standing_in(tensor, moved, "p" if table is module._parameters else "b")
-                        table[key] = placed
-                        self._placed.append((table, key, tensor, placed, _state(placed)))
+                        entry = holders.setdefault(id(tensor), [tensor, kind, False, []])
+                        entry[2] = entry[2] or id(module) not in inside
+                        entry[3].append((table, key))
+            self._grad_held[name] = []
+            for tensor, kind, outside, where in holders.values():
+                if not outside:
+                    continue
+                placed = standing_in(tensor, tensor.detach().to(self.device), kind)
+                for table, key in where:
+                    table[key] = placed
+                made.add(id(placed))
+                self._grad_held[name].append(tensor)
+                self._placed.append((tensor, placed, _state(placed), where))
 
     # ------------------------------------------------------------------ hooks
     def _hook(self, name: str, pipe: LayerPipeline) -> None:
@@ -246,9 +264,22 @@ class Executor:
             if id(layout.module) in hooked:  # one module under two layer names: its first name
                 continue
             hooked.add(id(layout.module))
-            self._hooks.append(layout.module.register_forward_pre_hook(lambda m, a, l=layer: pipe.before(l)))
+            self._hooks.append(layout.module.register_forward_pre_hook(
+                lambda m, a, k, l=layer: self._layer_begin(name, l, m, a, k), with_kwargs=True))
             self._hooks.append(layout.module.register_forward_hook(lambda m, a, o, l=layer: pipe.after(l),
                                                                    always_call=True))
+        if self.device is not None:
+            self._forwards.append(guard_forward(root, lambda n=name: self._interrupted(n)))
+
+    def _layer_begin(self, name: str, layer: str, module: torch.nn.Module, args, kwargs) -> None:
+        if self.device is not None:  # the device path serves inference (see .forward_guard)
+            refuse_grad(name, layer, module, args, kwargs, self._grad_held.get(name, ()))
+        self.pipelines[name].before(layer)
+
+    def _interrupted(self, name: str) -> None:
+        """The component's forward was left by a ``KeyboardInterrupt`` (see :mod:`.forward_guard`)."""
+        self.pipelines[name].interrupted()
+        self._pass_end(name)
 
     def _boundary(self) -> None:
         """A pass begins or ends: no device copy made before it serves a layer after it."""
@@ -318,6 +349,9 @@ class Executor:
         for handle in self._hooks:
             step(handle.remove)
         self._hooks.clear()
+        for undo in self._forwards:
+            step(undo)
+        self._forwards.clear()
         for pipe in self.pipelines.values():
             step(pipe.drain)
         if self._worker is not None:
@@ -346,22 +380,29 @@ class Executor:
         """The host tensors back where the device's stood. A weight replaced since is the
         caller's and stays; one changed through the placed tensor (``param.data = ...``, as
         ``module.to(dtype)`` and peft's safe merge do, or a write into it) comes back to
-        the host as it is now, never reverted to what it was at entry."""
+        the host as it is now, never reverted to what it was at entry, keeping its
+        ``requires_grad``. Every holder that still holds the placed tensor gets the one
+        tensor back: a tie stays a tie."""
         from .device_copy import standing_in
 
-        for table, key, tensor, placed, state in reversed(self._placed):
-            if table.get(key) is not placed:
+        for tensor, placed, state, where in reversed(self._placed):
+            still = [(table, key) for table, key in where if table.get(key) is placed]
+            if not still:
                 continue
-            if _state(placed) == state:
-                table[key] = tensor
-            else:
-                now = placed.detach().to("cpu")
-                table[key] = standing_in(tensor, now, "p" if isinstance(tensor, torch.nn.Parameter) else "b")
+            back = tensor
+            if _state(placed) != state:
+                kind = "p" if isinstance(tensor, torch.nn.Parameter) else "b"
+                back = standing_in(tensor, placed.detach().to("cpu"), kind, requires_grad=tensor.requires_grad)
+            for table, key in still:
+                table[key] = back
         self._placed.clear()
+        self._grad_held.clear()
 
 
 def execute(plan: DeploymentPlan, components: Mapping[str, torch.nn.Module], **options) -> Executor:
     """``with execute(plan, {"dit": transformer, ...}) as run: ...``; see :class:`Executor`.
+    ``components`` may be a diffusers pipeline too (its component of each planned name, a
+    ``dit`` its ``transformer`` or ``unet``), as :func:`planners.start` takes one.
 
     Options: ``prefetch`` (layers read ahead, at most: default the plan's, whose kept set the
     report states; the bytes read ahead are bounded too, see :mod:`.roles`), ``device`` (``"cuda:0"`` to copy

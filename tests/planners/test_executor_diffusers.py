@@ -108,3 +108,24 @@ def test_the_device_paths_twin_swaps_a_pipelines_weights_and_puts_them_back(fold
     assert torch.equal(got, expected)
     assert all(p.copied_bytes > 0 for p in stats.passes)
     assert all(all(a is b for a, b in zip(m.parameters(), before[name])) for name, m in modules.items())
+
+
+def test_a_pipeline_is_taken_for_its_components_as_planners_start_takes_it(folders):
+    """``plan_loaded(config, pipe)`` and ``execute(plan, pipe)``: the config's ``dit`` is the
+    pipeline's transformer, on the host path and the device path's twin. A lone module where
+    the mapping belongs is refused naming the mapping."""
+    torch.set_num_threads(1)
+    pipe, text_encoder = _load(folders)
+    expected = _generate(pipe, text_encoder)
+    reserve = read_status().rss_anon + 256 * MiB
+    text = (f"deployment: pipeline\nhost: {{limit: {reserve + 20 * MiB}B, reserve: {reserve}B, max_pinned: 0B}}\n"
+            "workload: {steps: 2}\ncomponents:\n"
+            f"  dit: {{path: {folders / 'transformer'}, layers: \"transformer_blocks.{{i}}.\", offload: layerwise}}\n")
+    plan = plan_loaded(parse_config(text, os.fspath(folders / "deploy.yaml"), environ={}), pipe, quiet=True)
+    for options in ({}, {"device": "cpu"}):
+        with execute(plan, pipe, prefetch=1, **options) as run:
+            got = _generate(pipe, text_encoder)
+        assert torch.equal(got, expected)
+        assert [p.component for p in run.stats().passes] == ["dit", "dit"]
+    with pytest.raises(ValueError, match=r"FluxTransformer2DModel was given where \{config name: module\}.*'dit'"):
+        execute(plan, pipe.transformer)

@@ -1,0 +1,180 @@
+"""The device path (its CPU twin, ``device="cpu"``) beside the host path where a server can
+part them: a weight tied between two modules and changed through one name, the executor
+entered inside ``torch.inference_mode()``, a forward left by a ``KeyboardInterrupt`` and
+served next from another thread, and forwards with gradients. Each run equals, bit for
+bit, the same steps on the model without the executor, or is refused saying what to do."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from hostmem.errors import InputError
+from planners.executor import execute
+from planners.executor.synthetic import load_synthetic_dit, write_synthetic_dit
+
+from .conftest import EXECUTOR_PATHS, synthetic_plan
+
+LAYERS, D = 8, 64  # blocks of 16 KiB (fp32): embed and head are D x D too, so any two may be tied
+ROOM = 64 << 10  # page cache for half the blocks
+PATHS = EXECUTOR_PATHS
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_synthetic_dit(tmp_path_factory.mktemp("device_path") / "dit.safetensors", LAYERS, D, torch.float32)
+
+
+def _x(requires_grad: bool = False):
+    return torch.randn(3, 64, generator=torch.Generator().manual_seed(7)).requires_grad_(requires_grad)
+
+
+def _tied(checkpoint, where: str):
+    """The head tied to the embedding (two modules outside the layers, as T5's ``shared`` and
+    ``encoder.embed_tokens``) or to the last block's weight (a layer and a module outside)."""
+    model = load_synthetic_dit(checkpoint)
+    model.head.weight = model.embed.weight if where == "outside" else model.blocks[LAYERS - 1].proj.weight
+    return model
+
+
+def _doubled_through_the_head(model):
+    model.head.weight.data = model.head.weight.data * 2.0  # what peft's safe merge and module.to(dtype) do
+
+
+@pytest.mark.parametrize("where", ["outside", "layer"])
+@pytest.mark.parametrize("path", PATHS)
+def test_a_tied_weight_stays_one_tensor_during_the_run_and_after_exit(checkpoint, path, where):
+    reference = _tied(checkpoint, where)
+    with torch.no_grad():
+        expected = [reference(_x())]
+        _doubled_through_the_head(reference)
+        expected.append(reference(_x()))
+    model = _tied(checkpoint, where)
+    other = (lambda m: m.embed.weight) if where == "outside" else (lambda m: m.blocks[LAYERS - 1].proj.weight)
+    with execute(synthetic_plan(checkpoint, ROOM, model), {"dit": model}, prefetch=2, **PATHS[path]) as run:
+        with torch.no_grad():
+            got = [model(_x())]
+            run.settle()
+            _doubled_through_the_head(model)
+            got.append(model(_x()))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert model.head.weight is other(model)  # still one tensor: a change through one name reaches the other
+    with torch.no_grad():
+        _doubled_through_the_head(model)
+        _doubled_through_the_head(reference)
+        assert torch.equal(model(_x()), reference(_x()))
+
+
+class _Counted(torch.nn.Module):
+    """A block whose forward counts its calls in a buffer of its own, the count scaling its output."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.inner = block.proj
+        self.register_buffer("calls", torch.zeros(1), persistent=False)
+
+    def forward(self, h):
+        self.calls += 1
+        return h + torch.tanh(self.inner(h)) * self.calls
+
+
+def _counted(checkpoint):
+    model = load_synthetic_dit(checkpoint)
+    model.blocks = torch.nn.ModuleList(_Counted(b) for b in model.blocks)
+    return model
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_entered_inside_inference_mode_reads_ahead_and_keeps_what_a_forward_writes(checkpoint, path):
+    """A server that runs its whole serve loop under ``torch.inference_mode()`` enters the
+    executor there too: its buffers must still take the worker's copies and the forward's writes."""
+    reference = _counted(checkpoint)
+    with torch.inference_mode():
+        expected = [reference(_x()) for _ in range(3)]
+    model = _counted(checkpoint)
+    plan = synthetic_plan(checkpoint, ROOM, model)
+    with torch.inference_mode(), execute(plan, {"dit": model}, prefetch=2, **PATHS[path]) as run:
+        got = [model(_x()) for _ in range(3)]
+        passes = run.stats().passes
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert [b.calls.item() for b in model.blocks] == [3.0] * LAYERS
+    assert [p.failed_read_aheads for p in passes] == [0, 0, 0]
+    if path == "twin":
+        assert [p.late_layers for p in passes] == [0, 0, 0]  # every copy was made ahead, by the worker
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_forward_left_by_keyboard_interrupt_leaves_the_next_request_from_another_thread_free(checkpoint, path):
+    with torch.no_grad():
+        expected = load_synthetic_dit(checkpoint)(_x())
+    model = load_synthetic_dit(checkpoint)
+    block, armed = model.blocks[5], []
+    weight, forward = block.proj.weight, block.forward
+
+    def interrupted(h):
+        if armed:
+            armed.clear()
+            raise KeyboardInterrupt("Ctrl+C while a request runs")
+        return forward(h)
+
+    block.forward = interrupted
+    served = {}
+
+    def serve():
+        with torch.no_grad():
+            served["out"] = model(_x())
+
+    with torch.no_grad(), execute(synthetic_plan(checkpoint, ROOM, model), {"dit": model}, prefetch=2,
+                                  **PATHS[path]):
+        model(_x())
+        armed.append(True)
+        with pytest.raises(KeyboardInterrupt):
+            model(_x())
+        assert block.proj.weight is weight  # the interrupted layer has its host tensor back
+        again = model(_x())
+        other = threading.Thread(target=serve, daemon=True)
+        other.start()
+        other.join(timeout=10)
+        assert not other.is_alive(), "the other thread's request waits for a turn the interrupted pass held"
+    assert torch.equal(again, expected) and torch.equal(served["out"], expected)
+
+
+@pytest.mark.parametrize("wanted", ["input", "weights"])
+@pytest.mark.parametrize("path", PATHS)
+def test_gradients_on_the_host_path_and_a_clear_refusal_on_the_device_path(checkpoint, path, wanted):
+    """A gradient with respect to the input (guidance) or to the weights (training a part):
+    the host path gives torch's own; the device path, whose slots are refilled before a
+    backward could read them, refuses naming what to run under, and serves on after."""
+    def build():
+        model = load_synthetic_dit(checkpoint)
+        return model.requires_grad_(True) if wanted == "weights" else model
+
+    def gradients(model):
+        x = _x(requires_grad=wanted == "input")
+        model(x).square().sum().backward()
+        return [x.grad] if wanted == "input" else [p.grad for p in model.parameters()]
+
+    expected = gradients(build())
+    with torch.no_grad():
+        output = build()(_x())
+    model = build()
+    with execute(synthetic_plan(checkpoint, ROOM, model), {"dit": model}, prefetch=2, **PATHS[path]):
+        if path == "twin":
+            with pytest.raises(InputError, match=r"dit\.blocks\.0: .*torch\.no_grad\(\) or torch\.inference_mode"):
+                gradients(model)
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(gradients(model), expected))
+        with torch.no_grad():
+            assert torch.equal(model(_x()), output)
+
+
+def test_a_weight_changed_on_the_device_path_keeps_its_requires_grad_after_exit(checkpoint):
+    """``module.to(dtype)`` inside the run: the weights outside the layers come back changed,
+    and as trainable as they were (diffusers' ``from_pretrained`` leaves them requiring grad)."""
+    model = load_synthetic_dit(checkpoint).requires_grad_(True)
+    with execute(synthetic_plan(checkpoint, ROOM, model), {"dit": model}, device="cpu", prefetch=2):
+        model.to(torch.float64)
+    assert all(p.requires_grad and p.dtype == torch.float64 for p in model.parameters())
