@@ -103,7 +103,6 @@ class Executor:
         self.pipelines: dict[str, LayerPipeline] = {}
         self._hooks: list = []
         self._placed: list = []  # (host tensor, placed, its state, [(table, name), ...]) put back on exit
-        self._grad_held: dict[str, list] = {}  # the host tensors placed of each component (see .forward_guard)
         self._handles = FileHandles()
         self._random: list = []  # ranges advised MADV_RANDOM, set back on exit
         self._worker: ThreadPoolExecutor | None = None
@@ -242,7 +241,6 @@ class Executor:
                         entry = holders.setdefault(id(tensor), [tensor, kind, False, []])
                         entry[2] = entry[2] or id(module) not in inside
                         entry[3].append((table, key))
-            self._grad_held[name] = []
             for tensor, kind, outside, where in holders.values():
                 if not outside:
                     continue
@@ -250,7 +248,6 @@ class Executor:
                 for table, key in where:
                     table[key] = placed
                 made.add(id(placed))
-                self._grad_held[name].append(tensor)
                 self._placed.append((tensor, placed, _state(placed), where))
 
     # ------------------------------------------------------------------ hooks
@@ -273,7 +270,7 @@ class Executor:
 
     def _layer_begin(self, name: str, layer: str, module: torch.nn.Module, args, kwargs) -> None:
         if self.device is not None:  # the device path serves inference (see .forward_guard)
-            refuse_grad(name, layer, module, args, kwargs, self._grad_held.get(name, ()))
+            refuse_grad(name, layer, args, kwargs)
         self.pipelines[name].before(layer)
 
     def _interrupted(self, name: str) -> None:
@@ -396,7 +393,6 @@ class Executor:
             for table, key in still:
                 table[key] = back
         self._placed.clear()
-        self._grad_held.clear()
 
 
 def execute(plan: DeploymentPlan, components: Mapping[str, torch.nn.Module], **options) -> Executor:
