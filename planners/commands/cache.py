@@ -288,10 +288,17 @@ def run_verify(args) -> int:
         print(f"{r.key[:12]}  {r.state:<6}  {r.layers} layers, {format_size(r.bytes)} checked")
         for line in r.problems + r.notes:
             print(f"    {line}")
-    if bad:
-        keys = " ".join(r.key[:12] for r in bad)
-        print(f"{len(bad)} damaged combination(s); remove them with `hostmem cache rm KEY` ({keys}) or `hostmem cache prune`")
-    elif not reports:
+    damaged = [r for r in bad if len(r.problems) > r.inputs_changed]
+    if damaged:
+        keys = " ".join(r.key[:12] for r in damaged)
+        print(f"{len(damaged)} damaged combination(s); remove them with `hostmem cache rm KEY` ({keys}) "
+              "or `hostmem cache prune`")
+    stale = [r for r in bad if r.inputs_changed]
+    if stale:
+        print(f"{len(stale)} combination(s) made from an input whose bytes changed below the filesystem's notice; "
+              "they stay (the right merge of the bytes their keys name), and the next start hashes the input again "
+              "and builds the merge of what it holds now")
+    if not reports:
         print(_nothing_cached(args, root))
     return 1 if bad else 0
 
