@@ -4,8 +4,8 @@ The cache root is ``--root DIR``, else the environment variable
 ``HOSTMEM_CACHE_ROOT``, else ``~/.cache/hostmem``. Sizes are human-readable in text
 and plain bytes in JSON.
 
-A ``--root`` that is not a folder, a ``HOSTMEM_CACHE_ROOT`` that is a file, and a
-``lora_merge_cache`` that is not a folder are refused (exit 2): each is a mistake, not an
+A ``--root`` that is not a folder, a ``HOSTMEM_CACHE_ROOT`` that is a file, empty or
+relative, and a ``lora_merge_cache`` that is not a folder are refused (exit 2): each is a mistake, not an
 empty cache. A default root that does not exist yet is a cache never used: nothing cached
 yet, exit 0.
 """
