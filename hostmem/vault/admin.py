@@ -70,6 +70,7 @@ class VerifyReport:
     bytes: int = 0
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    inputs_changed: int = 0  # of the problems, inputs changed below the filesystem (the layers are right)
 
     def to_dict(self) -> dict:
         return {
@@ -79,6 +80,7 @@ class VerifyReport:
             "bytes": self.bytes,
             "problems": self.problems,
             "notes": self.notes,
+            "inputs_changed": self.inputs_changed,
         }
 
 
@@ -224,9 +226,10 @@ def _verify_inputs(cache: str, key: str, report: VerifyReport, read: dict) -> No
     if manifest is None:
         return
     memo = None if root_is_read_only(cache) else os.path.join(cache, MEMO_NAME)
-    problems, notes = deep_check(manifest.inputs, memo, read)
+    problems, notes = deep_check(manifest.inputs, memo, read, key)
     report.problems += problems
     report.notes += notes
+    report.inputs_changed = len(problems)
     if problems:
         report.state = "bad"
 

@@ -18,6 +18,7 @@ import re
 import stat
 from dataclasses import dataclass, field
 
+from ..errors import InputError
 from .anchor import listdir_in, open_folder
 from .durable import TMP_PREFIX, free_bytes, remove_if_abandoned, remove_tree
 from .locks import KeyLock, lock_is_held
@@ -53,10 +54,22 @@ ROOT_ENV = "HOSTMEM_CACHE_ROOT"  # the default root, where set
 def default_cache_root() -> str:
     """``$HOSTMEM_CACHE_ROOT`` if set, else ``$XDG_CACHE_HOME/hostmem`` (an absolute one, as
     the XDG spec asks), else ``~/.cache/hostmem``; whichever it is, its whole path is
-    checked as any root's is (:mod:`.path_walk`)."""
+    checked as any root's is (:mod:`.path_walk`). A ``$HOSTMEM_CACHE_ROOT`` that is empty
+    or relative (``~`` expanded first) is refused: each process would resolve it against
+    its own current folder, and a build and a server started from two folders would use
+    two roots."""
+    given = os.environ.get(ROOT_ENV)
+    if given is not None:
+        if not given.strip():
+            raise InputError(f"{ROOT_ENV} is set but empty; give an absolute path (or unset it for the default, "
+                             "$XDG_CACHE_HOME/hostmem, else ~/.cache/hostmem)")
+        if not os.path.isabs(os.path.expanduser(given)):
+            raise InputError(f"{ROOT_ENV}={given!r} is a relative path, which each process would resolve against "
+                             f"its own current folder (here: {os.path.abspath(os.path.expanduser(given))!r}); give an absolute path")
+        return given
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     cache_home = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get(ROOT_ENV) or os.path.join(cache_home, "hostmem")
+    return os.path.join(cache_home, "hostmem")
 
 
 def cache_dir(root: str) -> str:

@@ -28,6 +28,7 @@ from .locks import KeyLock, say
 from .read_ahead import ReadAhead
 from .manifest import Manifest, touch_use_time, write_manifest
 from .safety import VaultError
+from .space import full_disk_advice
 from .verification import VerifiedMemo, record_damage
 
 __all__ = ["VaultSession", "still_needed", "say"]
@@ -298,7 +299,8 @@ class VaultSession:
 
     def _failed(self, name: str, exc: Exception) -> None:
         with self._state:
-            self._refuse(f"could not write layer {name!r} to the {self.vault.label} in {self.folder}: {exc}")
+            self._refuse(f"could not write layer {name!r} to the {self.vault.label} in {self.folder}: {exc}"
+                         f"{full_disk_advice(exc, self.folder)}")
             self.stats["layers_failed"] += 1
 
     def _record_write(self, entry: LayerEntry, seconds: float) -> None:

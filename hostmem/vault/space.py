@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
+import errno
+import os
 from dataclasses import dataclass
 
 from hostmem.units import format_size
 
-__all__ = ["SpaceCheck"]
+__all__ = ["SpaceCheck", "full_disk_advice"]
+
+
+def full_disk_advice(exc: BaseException, folder: str) -> str:
+    """What to do about ``exc`` where it is a full disk or quota (ENOSPC, EDQUOT, itself or
+    its cause), as a sentence naming what is left on ``folder``'s filesystem; else ``""``."""
+    while exc is not None and getattr(exc, "errno", None) not in (errno.ENOSPC, errno.EDQUOT):
+        exc = exc.__cause__
+    if exc is None:
+        return ""
+    try:
+        st = os.statvfs(folder)
+        left = f"{format_size(st.f_bavail * st.f_frsize)} left on the filesystem of {folder}"
+    except OSError:
+        left = f"the filesystem of {folder} is full"
+    return (f" ({left}; it filled during the build). Free disk space there, lower max_size "
+            "(lora.cache.max_size) so that older combinations are evicted to make room, or run "
+            "`hostmem cache prune`")
 
 
 @dataclass(frozen=True)

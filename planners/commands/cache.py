@@ -4,8 +4,8 @@ The cache root is ``--root DIR``, else the environment variable
 ``HOSTMEM_CACHE_ROOT``, else ``~/.cache/hostmem``. Sizes are human-readable in text
 and plain bytes in JSON.
 
-A ``--root`` that is not a folder, a ``HOSTMEM_CACHE_ROOT`` that is a file, and a
-``lora_merge_cache`` that is not a folder are refused (exit 2): each is a mistake, not an
+A ``--root`` that is not a folder, a ``HOSTMEM_CACHE_ROOT`` that is a file, empty or
+relative, and a ``lora_merge_cache`` that is not a folder are refused (exit 2): each is a mistake, not an
 empty cache. A default root that does not exist yet is a cache never used: nothing cached
 yet, exit 0.
 """
@@ -288,10 +288,17 @@ def run_verify(args) -> int:
         print(f"{r.key[:12]}  {r.state:<6}  {r.layers} layers, {format_size(r.bytes)} checked")
         for line in r.problems + r.notes:
             print(f"    {line}")
-    if bad:
-        keys = " ".join(r.key[:12] for r in bad)
-        print(f"{len(bad)} damaged combination(s); remove them with `hostmem cache rm KEY` ({keys}) or `hostmem cache prune`")
-    elif not reports:
+    damaged = [r for r in bad if len(r.problems) > r.inputs_changed]
+    if damaged:
+        keys = " ".join(r.key[:12] for r in damaged)
+        print(f"{len(damaged)} damaged combination(s); remove them with `hostmem cache rm KEY` ({keys}) "
+              "or `hostmem cache prune`")
+    stale = [r for r in bad if r.inputs_changed]
+    if stale:
+        print(f"{len(stale)} combination(s) made from an input whose bytes changed below the filesystem's notice; "
+              "they stay (the right merge of the bytes their keys name), and the next start hashes the input again "
+              "and builds the merge of what it holds now")
+    if not reports:
         print(_nothing_cached(args, root))
     return 1 if bad else 0
 

@@ -13,7 +13,8 @@
   and from that mapping registered in place with ``cudaHostRegister`` (read-only).
 
 A folder is measured on a probe file written there (refused where it would nearly fill the
-disk) and removed afterwards, also on a failure or an interrupt, or, for a
+disk; created under a random name, mode 0600, never through a link or over a file there) and
+removed afterwards, also on a failure or an interrupt, or, for a
 checkpoint folder, on its largest file as it is (read only; its pages are dropped, so
 a server using it re-reads them).
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import secrets
 import time
 from typing import NamedTuple
 
@@ -93,36 +95,65 @@ def probe_refusal(folder: str, nbytes: int, option: str = "--size") -> str | Non
             "there, or time another folder (--root DIR, --path DIR)")
 
 
+_PROBE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _remove_probe(dir_fd: int, fd: int, name: str) -> None:
+    """Unlink ``name`` in its folder while it is still the file ``fd`` created (another user who
+    may write the folder could have put something else there since); with no ``fd`` (stopped
+    as it was created), whatever holds the random name now: only this process knew it."""
+    with contextlib.suppress(OSError):
+        now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        ours = os.fstat(fd) if fd >= 0 else now
+        if (now.st_dev, now.st_ino) == (ours.st_dev, ours.st_ino):
+            os.unlink(name, dir_fd=dir_fd)
+
+
 @contextlib.contextmanager
 def probe_file(folder: str, nbytes: int, option: str = "--size"):
     """A file of ``nbytes`` written and synced in ``folder`` for the measurement: its path.
 
     Refused before a byte is written when the disk has no room for it (:func:`probe_refusal`);
-    removed after, and on any failure or interrupt while it is written or read. ``option`` is
-    the one that sets ``nbytes``, named in the advice of a refusal.
+    created under a random name, mode 0600, never through a link or over a file already there
+    (``O_EXCL | O_NOFOLLOW``), written through its own descriptor; removed after, and on any
+    failure or interrupt while it is written or read. ``option`` is the one that sets
+    ``nbytes``, named in the advice of a refusal.
     """
     from hostmem.units import format_size
 
     refusal = probe_refusal(folder, nbytes, option)
     if refusal:
         raise InputError(refusal)
-    path = os.path.join(folder, f".hostmem-calibrate-{os.getpid()}")
-    block = os.urandom(1 << 20) * (CHUNK >> 20)
+    block = memoryview(os.urandom(1 << 20) * (CHUNK >> 20))
+    dir_fd, fd, name = -1, -1, None
     try:
         try:
-            with open(path, "wb") as handle:
-                for at in range(0, nbytes, CHUNK):
-                    handle.write(block[: min(CHUNK, nbytes - at)])
-                handle.flush()
-                os.fsync(handle.fileno())
+            dir_fd = os.open(folder, getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC)
+            for _ in range(100):  # named first, so a stop while it is created still removes it
+                name = f".hostmem-calibrate-{secrets.token_hex(8)}"
+                try:
+                    fd = os.open(name, _PROBE_FLAGS, 0o600, dir_fd=dir_fd)  # never follows, never truncates
+                    break
+                except FileExistsError:
+                    name = None
+            else:
+                raise InputError(f"{folder}: 100 random probe names taken; remove the .hostmem-calibrate-* entries "
+                                 "there, or time another folder (--root DIR, --path DIR)")
+            at = 0
+            while at < nbytes:
+                at += os.write(fd, block[: min(CHUNK, nbytes - at)])
+            os.fsync(fd)
         except OSError as exc:  # the disk filled meanwhile, a file size limit, an I/O error
             raise InputError(f"{folder}: could not write the {format_size(nbytes)} probe file calibrate times there "
                              f"({exc.strerror or exc}; what was written is removed); free space there, give a smaller "
                              f"{option}, or time another folder (--root DIR, --path DIR)") from None
-        yield path
+        yield os.path.join(folder, name)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        if name is not None:
+            _remove_probe(dir_fd, fd, name)
+        for opened in (fd, dir_fd):
+            if opened >= 0:
+                os.close(opened)
 
 
 def _largest_file(folder: str) -> str | None:

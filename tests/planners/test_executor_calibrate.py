@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -153,3 +154,37 @@ def test_calibrate_stopped_while_it_probes_removes_the_probe(tmp_path, signum):
     assert child.returncode == 130, err
     assert err.strip().splitlines() == ["hostmem calibrate: interrupted"]
     assert os.listdir(folder) == []
+
+
+PROBE_BESIDE_LINKS = """
+import os, sys
+from planners.cli import main
+folder, victim = sys.argv[1], sys.argv[2]
+for name in (f".hostmem-calibrate-{os.getpid()}", ".hostmem-calibrate"):  # the names another user could guess
+    os.symlink(victim, os.path.join(folder, name))
+sys.exit(main(["calibrate", "--path", folder, "--root", sys.argv[3], "--size", "8MiB"]))
+"""
+
+
+def test_a_link_planted_where_calibrate_writes_its_probe_is_never_written_through(tmp_path):
+    """Another user who may write the folder plants links under the names a probe could take:
+    the file they point at is left as it was, and only the probe calibrate made is removed."""
+    folder, victim = tmp_path / "shared", tmp_path / "precious"
+    folder.mkdir()
+    victim.write_bytes(b"someone's data")
+    done = run_python(PROBE_BESIDE_LINKS, str(folder), str(victim), str(tmp_path / "absent"), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert victim.read_bytes() == b"someone's data"
+    left = sorted(os.listdir(folder))
+    assert len(left) == 2 and all(os.path.islink(folder / name) for name in left)
+
+
+def test_a_probe_is_a_private_file_under_a_name_of_its_own(tmp_path):
+    from planners.executor.rates import probe_file
+
+    with probe_file(str(tmp_path), 1 << 20) as first, probe_file(str(tmp_path), 1 << 20) as second:
+        assert first != second
+        for path in (first, second):
+            st = os.lstat(path)
+            assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_size == 1 << 20
+    assert os.listdir(tmp_path) == []

@@ -11,13 +11,16 @@ and the next start serves the merge of what the base holds now.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 from hostmem.vault.content_hash import stamp_of
 from planners.cli import main
 from tests.conftest import drop_page_cache
 from tests.faults.test_folded_hash import fresh_start
 from tests.faults.test_full_disk_rekey import small_disk
-from tests.faults.world import LAYERS, assert_same, make_world, reference
+from tests.faults.world import COLS, LAYERS, ROWS, assert_same, make_world, reference
+from tests.lora_cache.test_adapters import lora_change, write_adapter
 
 _BLOCK = 4096
 
@@ -64,6 +67,28 @@ def test_verify_deep_finds_a_base_changed_below_the_filesystem(tmp_path, capsys)
         assert main(["cache", "verify", "--deep", "--root", root]) == 1
         out = capsys.readouterr().out
         assert world.base in out and "changed below the filesystem" in out, out
+        assert "damaged" not in out and "they stay (the right merge of the bytes their keys name)" in out, out
         served, stats = fresh_start(world.base, world.adapter, root)
         assert_same(served, new)
         assert stats.built == LAYERS
+
+
+def test_verify_deep_notes_an_adapter_replaced_by_a_new_version_and_exits_0(tmp_path):
+    """A new version renamed over the adapter (a new inode and mtime) is what a start sees and
+    hashes anew: the combination still serves the bytes its key names, so it is a note naming
+    the file and the `rm` to run if that version is gone for good, not damage."""
+    world = make_world(tmp_path / "world")
+    root = str(tmp_path / "root")
+    fresh_start(world.base, world.adapter, root)
+    changes = {f"blocks.{i}.proj": lora_change(ROWS, COLS, 4, i + 1, alpha=2) for i in range(LAYERS)}
+    newer = write_adapter(str(tmp_path / "turbo-v2.safetensors"), "comfyui", changes)
+    when = os.stat(world.adapter).st_mtime_ns + 10**9
+    os.utime(newer, ns=(when, when))
+    os.replace(newer, world.adapter)
+    verify = [sys.executable, "-m", "planners.cli", "cache", "verify", "--deep", "--root", root]
+    done = subprocess.run(verify, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{world.adapter} was replaced since this combination was built" in done.stdout, done.stdout
+    assert "`hostmem cache rm " in done.stdout and "if that version is no longer used" in done.stdout
+    assert "below the filesystem" not in done.stdout and "damaged" not in done.stdout
+    assert done.stderr == ""

@@ -230,6 +230,9 @@ def test_a_full_disk_answers_none_and_leaves_no_partial_file(small_filesystem):
             os.posix_fallocate(handle.fileno(), 0, os.statvfs(filler).f_bavail * os.statvfs(filler).f_frsize - (512 << 10))
         assert session.put("blocks.1.w", torch.randn(1024, 1024)) is None  # 4 MiB into 512 KiB
         assert "No space left on device" in session.last_error
+        assert f" left on the filesystem of {session.folder}; it filled during the build)" in session.last_error
+        assert "Free disk space there, lower max_size" in session.last_error
+        assert "`hostmem cache prune`" in session.last_error
         assert not leftovers(session.folder)
         assert sorted(os.listdir(session.folder)) == [next(iter(session.layers.values())).file]
     os.unlink(filler)
