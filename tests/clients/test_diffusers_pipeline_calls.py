@@ -1,0 +1,74 @@
+"""The diffusers calls a server makes around lora_cache, held to diffusers' own result:
+``load_lora_weights``' keywords (``load_into_transformer_2`` on a Wan 2.2 pipeline), the
+weights ``set_adapters`` reads, and diffusers' LoRA layers beside lora_cache's merges."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers", reason="the diffusers comparisons need diffusers (pip install hostmem[test])")
+pytest.importorskip("peft", reason="the diffusers comparisons need peft (pip install hostmem[test])")
+
+import lora_cache  # noqa: E402
+from hostmem.errors import InputError  # noqa: E402
+from tests.clients import tiny_models as tm  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    """A tiny Wan transformer saved with save_pretrained, and two diffusers-format LoRAs for it."""
+    root = tmp_path_factory.mktemp("wan")
+    model = tm.save_model("wan", root / "model")
+    return model, [tm.write_adapters("wan", model, root / f"lora{seed}", seed=seed)["diffusers_meta"]
+                   for seed in (1, 2)]
+
+
+def _wan22(folder):
+    """A Wan 2.2 pipeline: two experts (the same tiny checkpoint, loaded twice)."""
+    return tm.pipeline("wan", tm.load_model("wan", folder), transformer_2=tm.load_model("wan", folder),
+                       boundary_ratio=0.9)
+
+
+def _assert_close(ours: dict, reference: dict) -> None:
+    assert ours.keys() == reference.keys()
+    for name, ref in reference.items():
+        torch.testing.assert_close(ours[name], ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()), msg=name)
+
+
+def _changed(model, base: dict) -> list[str]:
+    return [n for n, w in tm.weights(model).items() if not torch.equal(w, base[n])]
+
+
+def test_load_into_transformer_2_merges_into_the_second_expert_as_diffusers_does(wan, tmp_path):
+    folder, (adapter, _) = wan
+    base = tm.weights(tm.load_model("wan", folder))
+    reference = _wan22(folder)
+    reference.load_lora_weights(adapter, adapter_name="a", weight_name=tm._weight_name(adapter),
+                                load_into_transformer_2=True)
+    reference.fuse_lora(components=["transformer_2"])
+    pipe = _wan22(folder)
+    stats = lora_cache.load_lora(pipe, adapter, cache_root=tmp_path, progress=False, load_into_transformer_2=True)
+    assert stats.built == stats.layers > 0
+    assert not _changed(pipe.transformer, base) and not _changed(reference.transformer, base)
+    assert _changed(pipe.transformer_2, base)
+    _assert_close(tm.weights(pipe.transformer_2), tm.weights(reference.transformer_2))
+    lora_cache.unmerge(pipe.transformer_2)
+    assert not _changed(pipe.transformer_2, base)
+
+
+def test_a_keyword_load_lora_does_not_take_is_named(wan, tmp_path):
+    folder, (adapter, _) = wan
+    pipe = _wan22(folder)
+    with pytest.raises(InputError, match=r"keyword adapter_name=; name adapters .*set_pipeline_adapters"):
+        lora_cache.load_lora(pipe, adapter, cache_root=tmp_path, adapter_name="a")
+    with pytest.raises(InputError, match=r"keyword low_cpu_mem_usage=; leave it out\. .*weight_name=, "
+                                         r"load_into_transformer_2= .*base_files"):
+        lora_cache.load_lora(pipe, adapter, cache_root=tmp_path, low_cpu_mem_usage=True)
+    wan21 = tm.pipeline("wan", tm.load_model("wan", folder))
+    with pytest.raises(InputError, match=r"WanPipeline has no transformer_2 .* leave load_into_transformer_2 out"):
+        lora_cache.load_lora(wan21, adapter, cache_root=tmp_path, load_into_transformer_2=True)
+    with pytest.raises(InputError, match="takes a pipeline with a transformer_2"):
+        lora_cache.load_lora(pipe.transformer, adapter, cache_root=tmp_path, load_into_transformer_2=True)
+    base = tm.weights(tm.load_model("wan", folder))
+    assert not _changed(pipe.transformer, base) and not _changed(pipe.transformer_2, base)
