@@ -4,6 +4,7 @@ weights ``set_adapters`` reads, and diffusers' LoRA layers beside lora_cache's m
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -72,3 +73,44 @@ def test_a_keyword_load_lora_does_not_take_is_named(wan, tmp_path):
         lora_cache.load_lora(pipe.transformer, adapter, cache_root=tmp_path, load_into_transformer_2=True)
     base = tm.weights(tm.load_model("wan", folder))
     assert not _changed(pipe.transformer, base) and not _changed(pipe.transformer_2, base)
+
+
+@pytest.mark.filterwarnings("ignore:Already found a `peft_config`")  # peft, on diffusers' second adapter
+@pytest.mark.parametrize("weights", [[None, np.float32(0.5)], [torch.tensor(-0.75), np.int64(2)], np.float32(0.5)],
+                         ids=["none-numpy", "tensor-numpy-int", "one-numpy"])
+def test_set_pipeline_adapters_reads_weights_as_diffusers_set_adapters_does(wan, weights, tmp_path):
+    from lora_cache.switching.diffusers_switch import set_pipeline_adapters
+
+    folder, adapters = wan
+    files = {"a": adapters[0], "b": adapters[1]}
+    pipe = tm.pipeline("wan", tm.load_model("wan", folder))
+    result = set_pipeline_adapters(pipe, ["a", "b"], weights, files=files, cache_root=tmp_path, background=False)
+    assert result.mode != "base"
+    per_name = weights if isinstance(weights, list) else [weights] * 2
+    reference = tm.diffusers_fused("wan", folder, list(zip(adapters, per_name)))  # set_adapters takes them as given
+    _assert_close(tm.weights(pipe.transformer), tm.weights(reference))
+
+
+def test_set_pipeline_adapters_names_what_is_wrong_with_a_weight(wan, tmp_path):
+    from lora_cache.switching.diffusers_switch import set_pipeline_adapters
+
+    folder, adapters = wan
+    files = {"a": adapters[0], "b": adapters[1]}
+    pipe = tm.pipeline("wan", tm.load_model("wan", folder))
+
+    def switch(weights):
+        return set_pipeline_adapters(pipe, ["a", "b"], weights, files=files, cache_root=tmp_path)
+
+    with pytest.raises(InputError, match=r"weight of 'b' is a dict; .*dicts\) are not supported"):
+        switch([1.0, {"transformer": 0.5}])
+    with pytest.raises(InputError, match=r"\(dicts\) are not supported"):
+        switch({"transformer": 0.5})
+    for bad in ("0.5", torch.tensor([0.5]), 1j):
+        with pytest.raises(InputError, match=r"the weight of 'b', .* is not a real number") as refused:
+            switch([1.0, bad])
+        assert "dict" not in str(refused.value)
+    for bad in (float("nan"), np.float32("inf")):
+        with pytest.raises(ValueError, match=r"(?i)nan|inf|finite"):
+            switch([1.0, bad])
+    base = tm.weights(tm.load_model("wan", folder))
+    assert not _changed(pipe.transformer, base)
