@@ -45,7 +45,10 @@ from .fault_report import MAKE_WRITABLE_HINT, install_fault_report
 from .header import read_header
 from ..slots import MappedAreas, iter_module_slots, model_components
 
-__all__ = ["ReadOnlyWeightsError", "guard_foreign_writers", "read_only_weights", "make_writable", "MERGE_CACHE_FORMAT"]
+__all__ = [
+    "ReadOnlyWeightsError", "guard_foreign_writers", "tuner_layers", "read_only_weights", "make_writable",
+    "MERGE_CACHE_FORMAT",
+]
 
 # The header ``format`` of the LoRA merge cache's layer files starts with this (the cache
 # writes it; hostmem reads only the header, so a merged weight is told from a base weight).
@@ -80,7 +83,7 @@ class ReadOnlyWeightsError(HostmemError, RuntimeError):
     """A library call would write into weights that hostmem mapped read-only."""
 
 
-def _tuner_layers(module: torch.nn.Module):
+def tuner_layers(module: torch.nn.Module):
     """``(qualified name, peft layer)`` for every peft tuner layer (``base_layer`` + ``merge``)."""
     for name, sub in module.named_modules():
         if hasattr(sub, "base_layer") and callable(getattr(sub, "merge", None)) and hasattr(sub, "get_base_layer"):
@@ -90,7 +93,7 @@ def _tuner_layers(module: torch.nn.Module):
 def _written_weights(modules: dict[str, torch.nn.Module], only_merged: bool):
     """The base weights a merge (or, ``only_merged``, an unmerge) of these modules writes."""
     for component, module in modules.items():
-        for name, layer in _tuner_layers(module):
+        for name, layer in tuner_layers(module):
             if only_merged and not getattr(layer, "merged", False):
                 continue
             base = layer.get_base_layer()

@@ -114,3 +114,28 @@ def test_set_pipeline_adapters_names_what_is_wrong_with_a_weight(wan, tmp_path):
             switch([1.0, bad])
     base = tm.weights(tm.load_model("wan", folder))
     assert not _changed(pipe.transformer, base)
+
+
+@pytest.mark.filterwarnings("ignore:Already found a `peft_config`")
+def test_a_pipeline_holding_diffusers_lora_layers_is_refused_naming_them(wan, tmp_path):
+    """diffusers' layers (loaded, then fused) are named with what to do, not as keys matching no
+    module; once diffusers takes them off, lora_cache merges as diffusers' own fuse does."""
+    from lora_cache.switching.diffusers_switch import set_pipeline_adapters
+
+    folder, (first, second) = wan
+    pipe = tm.pipeline("wan", tm.load_model("wan", folder))
+    pipe.load_lora_weights(first, adapter_name="c", weight_name=tm._weight_name(first))
+    with pytest.raises(InputError, match=r"holds diffusers/peft LoRA layers.*transformer: \d+ layer\(s\) "
+                                         r"\(transformer\.blocks\.0\..*\), adapter\(s\) 'c'\).*pipe\.unload_lora_weights\(\)"):
+        lora_cache.load_lora(pipe, second, cache_root=tmp_path, progress=False)
+    pipe.fuse_lora()
+    with pytest.raises(InputError, match=r"adapter\(s\) 'c' \(fused\)\).*pipe\.unfuse_lora\(\); "
+                                         r"pipe\.unload_lora_weights\(\).*through lora_cache") as refused:
+        set_pipeline_adapters(pipe, ["a"], files={"a": second}, cache_root=tmp_path)
+    assert "match no module" not in str(refused.value)
+    pipe.unfuse_lora()
+    pipe.unload_lora_weights()
+    with pytest.warns(UserWarning, match="changed in memory"):  # fused and unfused: no longer its file
+        stats = lora_cache.load_lora(pipe, second, cache_root=tmp_path, progress=False)
+    assert stats.in_place == stats.layers > 0
+    _assert_close(tm.weights(pipe.transformer), tm.weights(tm.diffusers_fused("wan", folder, second)))
