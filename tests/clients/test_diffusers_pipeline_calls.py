@@ -139,3 +139,36 @@ def test_a_pipeline_holding_diffusers_lora_layers_is_refused_naming_them(wan, tm
         stats = lora_cache.load_lora(pipe, second, cache_root=tmp_path, progress=False)
     assert stats.in_place == stats.layers > 0
     _assert_close(tm.weights(pipe.transformer), tm.weights(tm.diffusers_fused("wan", folder, second)))
+
+
+@pytest.mark.parametrize("how", ["cached", "in place", "run time"])
+def test_diffusers_lora_off_calls_refuse_where_lora_cache_holds_the_lora(wan, how, tmp_path):
+    """unfuse_lora, unload_lora_weights and disable_lora act on diffusers' own layers only: on a
+    LoRA lora_cache applied they would return with it still on, so they say so and change nothing."""
+    from hostmem.safetensors.writers import LoraHeldElsewhereError
+    from lora_cache.switching.diffusers_switch import set_pipeline_adapters
+
+    folder, (adapter, _) = wan
+    pipe = tm.pipeline("wan", tm.load_model("wan", folder))
+    if how == "run time":  # a combination not cached yet: served at run time until the next forward
+        assert set_pipeline_adapters(pipe, ["a"], files={"a": adapter}, cache_root=tmp_path).mode == "runtime"
+    else:
+        lora_cache.load_lora(pipe, adapter, cache_root=tmp_path, progress=False, enabled=how == "cached")
+    model = pipe.transformer
+    calls = {"pipe.unfuse_lora": pipe.unfuse_lora, "pipe.unload_lora_weights": pipe.unload_lora_weights,
+             "pipe.disable_lora": pipe.disable_lora, "transformer.unfuse_lora": model.unfuse_lora,
+             "transformer.unload_lora": model.unload_lora, "transformer.disable_lora": model.disable_lora}
+    for name, call in calls.items():
+        with pytest.raises(LoraHeldElsewhereError, match=r"still on: lora_cache applied it to 20 module\(s\) "
+                                                         r"\((transformer\.)?blocks\.0\..*lora_cache\.unmerge\(pipe\."
+                                                         r"transformer\).*set_pipeline_adapters\(pipe, \[\]"):
+            call()
+    base = tm.forward(tm.load_model("wan", folder), "wan")
+    assert tm.relative(tm.forward(model, "wan"), base) > 1e-4  # the LoRA is on, as the error said
+    if how == "run time":
+        set_pipeline_adapters(pipe, [], files={"a": adapter}, cache_root=tmp_path)
+    else:
+        lora_cache.unmerge(model)
+    assert torch.equal(tm.forward(model, "wan"), base)
+    for name in ("pipe.unfuse_lora", "pipe.unload_lora_weights", "pipe.disable_lora", "transformer.unfuse_lora"):
+        calls[name]()  # nothing held: they return, as on a pipeline that never had a LoRA
