@@ -62,6 +62,7 @@ _EXPORTS = {
     "InputError": "errors",
     "make_writable": "safetensors.writers",
     "ReadOnlyWeightsError": "safetensors.writers",
+    "LoraHeldElsewhereError": "safetensors.writers",
 }
 
 __all__ = sorted(_EXPORTS)

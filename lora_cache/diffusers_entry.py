@@ -12,8 +12,10 @@ start with the same adapters reads them back without merging.
 
 from __future__ import annotations
 
+import inspect
 import os
 
+from hostmem.errors import InputError
 from .adapters import Adapter, AdapterError, as_adapter
 
 __all__ = ["PipelineComponents", "load_lora"]
@@ -69,8 +71,45 @@ def _specs(lora, strength: float, weight_name: str | None) -> list[Adapter]:
     return specs
 
 
+# diffusers' load_lora_weights keywords that mean nothing to a merge through the cache, and what to do instead
+_DIFFUSERS_ONLY = {
+    "adapter_name": "name adapters for switching with lora_cache.set_pipeline_adapters(pipe, names, weights, "
+                    "files={name: path}, cache_root=...)",
+    "hotswap": "switch adapters with lora_cache.set_pipeline_adapters or lora_cache.set_adapters",
+}
+
+
+def _check_options(merge_options: dict, merge) -> None:
+    """Refuse a keyword neither ``load_lora`` nor :func:`lora_cache.merge` takes, naming it."""
+    taken = [p for p in inspect.signature(merge).parameters if p not in ("model", "adapters", "cache_root")]
+    for name in merge_options:
+        if name not in taken:
+            advice = _DIFFUSERS_ONLY.get(name, "leave it out")
+            raise InputError(
+                f"lora_cache.load_lora does not take the keyword {name}=; {advice}. It takes weight_name=, "
+                f"load_into_transformer_2= and lora_cache.merge's options: {', '.join(taken)}"
+            )
+
+
+def _transformer_2(pipe):
+    """The pipeline's second transformer (Wan 2.2's low-noise expert), for ``load_into_transformer_2``."""
+    if not _is_pipeline(pipe):
+        raise InputError(
+            f"lora_cache.load_lora(..., load_into_transformer_2=True) takes a pipeline with a transformer_2 "
+            f"(Wan 2.2), not {type(pipe).__name__}; to merge into a model, pass that model itself"
+        )
+    model = getattr(pipe, "transformer_2", None)
+    if model is None:
+        raise InputError(
+            f"lora_cache.load_lora(..., load_into_transformer_2=True): this {type(pipe).__name__} has no "
+            "transformer_2 (a Wan 2.1 pipeline has one transformer); leave load_into_transformer_2 out to merge "
+            "into pipe.transformer"
+        )
+    return model
+
+
 def load_lora(pipe_or_model, lora, strength: float = 1.0, cache_root: str | os.PathLike | None = None, *,
-              weight_name: str | None = None, **merge_options):
+              weight_name: str | None = None, load_into_transformer_2: bool = False, **merge_options):
     """Merge ``lora`` into a diffusers pipeline (or model) through the cache; return the
     :class:`~lora_cache.orchestrate.MergeStats`.
 
@@ -85,8 +124,14 @@ def load_lora(pipe_or_model, lora, strength: float = 1.0, cache_root: str | os.P
     in :func:`lora_cache.merge` of a dict of models. Undo
     with ``lora_cache.unmerge(pipe.transformer)`` (or the component), never with
     ``unfuse_lora``.
+
+    ``load_into_transformer_2=True``, as in diffusers, merges the adapter's transformer
+    keys into ``pipe.transformer_2`` (a Wan 2.2 pipeline's low-noise expert) and nothing
+    else; undo it with ``lora_cache.unmerge(pipe.transformer_2)``. Any other keyword
+    ``load_lora_weights`` takes (``adapter_name``, ``hotswap``, ...) is refused, naming it.
     """
     from .orchestrate import merge
 
-    model = _model_of(pipe_or_model)
+    _check_options(merge_options, merge)
+    model = _transformer_2(pipe_or_model) if load_into_transformer_2 else _model_of(pipe_or_model)
     return merge(model, _specs(lora, strength, weight_name), cache_root, **merge_options)

@@ -29,6 +29,7 @@ from .kernels import KernelPlan, plan_for_targets
 from .kernels.policy import MERGE_POLICY, merge_policy
 from .kernels.precision import fp32_matmul_precision
 from .targets.keys import ModuleIndex, plan_deltas
+from .targets.peft_layers import refuse_peft_layers
 from .layer_loop import CacheBuildError, MergeStats, cyclic_gc_paused, merge_layers
 from .placement.layers import is_merged, keep_base, unmerge
 from .placement.runtime_lora import remove_runtime
@@ -75,10 +76,12 @@ def plan_targets(model, adapters, shards=None, memo_roots=None) -> tuple[list[La
     """Read the adapters and resolve their keys against ``model``: the layers to merge.
 
     ``shards`` (:func:`merge`'s): parameters the model holds a part of are resolved
-    against their whole shapes, and their targets carry the part (``target.shard``).
+    against their whole shapes, and their targets carry the part (``target.shard``). A
+    model holding peft/diffusers LoRA layers is refused first, naming them.
     ``memo_roots``: the cache roots whose conversion records spare a converted adapter's
     conversion (:func:`lora_cache.adapters.read_adapters`)."""
     adapters = as_adapters(adapters)
+    refuse_peft_layers(model)  # peft moved its Linears to base_layer: every key would match no module
     params = named_parameters(model)
     shapes = {name: tuple(module._parameters[attr].shape) for name, (module, attr) in params.items()}
     held = check_shards(shards, shapes) if shards is not None else {}

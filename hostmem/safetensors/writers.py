@@ -19,6 +19,13 @@ library's own methods is the one place that sees the whole call before its first
 write. ``safe_fusing=True`` / ``safe_merge=True`` are let through: they merge into a
 copy (``weight.data = weight.data.clone() + delta``) and never write the mapping.
 
+diffusers' "LoRA off" calls (``unfuse_lora``, ``unload_lora_weights``, ``disable_lora``,
+a model's ``unload_lora``) act on peft's layers only: on a model whose LoRA another layer
+applied (the LoRA merge cache, merged or at run time), with no peft layer in it, they
+would return without a word and leave the LoRA on. That layer registers a probe
+(:func:`register_lora_holder`) naming the modules it holds a LoRA in, and such a call
+raises :class:`LoraHeldElsewhereError` naming them and the call that takes it off.
+
 ``load_lora_weights`` / ``load_lora_adapter`` write nothing (the adapter runs beside
 the mapped base at run time, which is exactly how to use a LoRA without merging), so
 they are let through on read-only weights, except on a model that already holds a
@@ -45,13 +52,16 @@ from .fault_report import MAKE_WRITABLE_HINT, install_fault_report
 from .header import read_header
 from ..slots import MappedAreas, iter_module_slots, model_components
 
-__all__ = ["ReadOnlyWeightsError", "guard_foreign_writers", "read_only_weights", "make_writable", "MERGE_CACHE_FORMAT"]
+__all__ = [
+    "LoraHeldElsewhereError", "ReadOnlyWeightsError", "guard_foreign_writers", "register_lora_holder",
+    "tuner_layers", "read_only_weights", "make_writable", "MERGE_CACHE_FORMAT",
+]
 
 # The header ``format`` of the LoRA merge cache's layer files starts with this (the cache
 # writes it; hostmem reads only the header, so a merged weight is told from a base weight).
 MERGE_CACHE_FORMAT = "hostmem-lora-merge-cache"
 
-_WRITES, _SAFE_WRITES, _STACKS = "writes", "safe-writes", "stacks"
+_WRITES, _SAFE_WRITES, _STACKS, _OFF = "writes", "safe-writes", "stacks", "off"
 _ENTRY_POINTS = {  # method name -> what it does to the base weights
     "fuse_lora": _SAFE_WRITES,
     "merge_and_unload": _SAFE_WRITES,
@@ -60,7 +70,12 @@ _ENTRY_POINTS = {  # method name -> what it does to the base weights
     "unmerge_adapter": _WRITES,
     "load_lora_weights": _STACKS,
     "load_lora_adapter": _STACKS,
+    "unload_lora_weights": _OFF,
+    "unload_lora": _OFF,
+    "disable_lora": _OFF,
 }
+_TAKES_OFF = {"unfuse_lora", "unload_lora_weights", "unload_lora", "disable_lora"}  # diffusers' "LoRA off" calls
+_HOLDERS: list = []  # probes: (modules by component) -> qualified names of the modules holding a LoRA
 _MODULES = (
     "diffusers.loaders.lora_base",
     "diffusers.loaders.lora_pipeline",
@@ -80,7 +95,36 @@ class ReadOnlyWeightsError(HostmemError, RuntimeError):
     """A library call would write into weights that hostmem mapped read-only."""
 
 
-def _tuner_layers(module: torch.nn.Module):
+class LoraHeldElsewhereError(HostmemError, RuntimeError):
+    """A diffusers call that takes a LoRA off would leave on the one another layer applied."""
+
+
+def register_lora_holder(probe) -> None:
+    """Add ``probe``, which takes a model's modules by component and returns the qualified
+    names of the modules it holds a LoRA in (merged or at run time), for diffusers' "LoRA
+    off" calls to refuse rather than return with that LoRA still on. The holder calls
+    :func:`guard_foreign_writers` when it applies a LoRA."""
+    if probe not in _HOLDERS:
+        _HOLDERS.append(probe)
+
+
+def _refuse_a_no_op(qualname: str, modules: dict[str, torch.nn.Module]) -> None:
+    """Raise where a "LoRA off" call would act on no peft layer while a registered holder
+    keeps a LoRA on: the call would return and the LoRA stay."""
+    if not _HOLDERS or any(next(tuner_layers(m), None) for m in modules.values()):
+        return  # diffusers' own layers are there: the call acts on them
+    held = [name for probe in _HOLDERS for name in probe(modules)]
+    if held:
+        names = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise LoraHeldElsewhereError(
+            f"{qualname}() would return with the LoRA still on: lora_cache applied it to {len(held)} module(s) "
+            f"({names}), and diffusers' call acts on its own LoRA layers only; nothing was changed. Take it off with "
+            "lora_cache.unmerge(pipe.transformer) (each component it merged into; a pipeline switched as a whole goes "
+            "back to the base at once) or lora_cache.set_pipeline_adapters(pipe, [], files=..., cache_root=...)"
+        )
+
+
+def tuner_layers(module: torch.nn.Module):
     """``(qualified name, peft layer)`` for every peft tuner layer (``base_layer`` + ``merge``)."""
     for name, sub in module.named_modules():
         if hasattr(sub, "base_layer") and callable(getattr(sub, "merge", None)) and hasattr(sub, "get_base_layer"):
@@ -90,7 +134,7 @@ def _tuner_layers(module: torch.nn.Module):
 def _written_weights(modules: dict[str, torch.nn.Module], only_merged: bool):
     """The base weights a merge (or, ``only_merged``, an unmerge) of these modules writes."""
     for component, module in modules.items():
-        for name, layer in _tuner_layers(module):
+        for name, layer in tuner_layers(module):
             if only_merged and not getattr(layer, "merged", False):
                 continue
             base = layer.get_base_layer()
@@ -136,6 +180,10 @@ def _check(owner, method: str, kind: str, arguments: dict) -> None:
     """Raise before ``owner.method(...)`` runs if it would write into read-only weights."""
     modules = _modules_of(owner)
     qualname = f"{type(owner).__name__}.{method}"
+    if method in _TAKES_OFF:
+        _refuse_a_no_op(qualname, modules)
+    if kind == _OFF:
+        return
     if kind == _STACKS:
         named = ((c + "." + s.name if c else s.name, s.tensor) for c, s in iter_module_slots(modules))
         merged = [(n, p) for n, p in read_only_weights(named) if _is_merge_cache_file(p)]

@@ -27,6 +27,7 @@ from torch import nn
 from hostmem.errors import HostmemError
 from hostmem.pinning import replaced
 from hostmem.safetensors.mapping import open_readonly
+from hostmem.safetensors.writers import guard_foreign_writers, register_lora_holder
 
 from ..compute.merge_math import FP32_ROWS, Scratch, merged_weight
 from ..targets.layer_target import AddressSpace, LayerTarget, components_of, named_parameters
@@ -93,8 +94,21 @@ def install(target: LayerTarget, merged: torch.Tensor, snapshot: Snapshot) -> No
 
 
 def _remember(target: LayerTarget, snapshot: Snapshot) -> None:
-    """Record what unmerge restores (the first snapshot recorded for a parameter stands)."""
+    """Record what unmerge restores (the first snapshot recorded for a parameter stands);
+    diffusers' "LoRA off" calls are guarded from then on (:func:`_merged_modules`)."""
+    guard_foreign_writers()
     _SNAPSHOTS.setdefault(target.module, {}).setdefault(target.attr, snapshot)
+
+
+def _merged_modules(modules: dict[str, nn.Module]) -> list[str]:
+    """The qualified names of the modules holding a merged weight, for diffusers' ``unfuse_lora``
+    and the like to refuse rather than return with the merge still on
+    (:func:`hostmem.safetensors.writers.register_lora_holder`)."""
+    return [".".join(p for p in (component, name) if p)
+            for component, root in modules.items() for name, module in root.named_modules() if _SNAPSHOTS.get(module)]
+
+
+register_lora_holder(_merged_modules)
 
 
 def keep_base(target: LayerTarget) -> None:

@@ -239,7 +239,10 @@ def unmerge(model, strict: bool = True) -> int:
     :func:`lora_cache.placement.layers.unmerge` for a model merged by :func:`lora_cache.merge`. On a
     model :func:`set_adapters` switches, the run-time terms of a combination still being
     built come off too, and its swap is dropped (before, they stayed, and the swap later
-    installed the adapter again), at a safe point as a switch is.
+    installed the adapter again), at a safe point as a switch is. A switch holds its
+    model whole: on a pipeline switched as a whole (:func:`set_pipeline_adapters`), the
+    unmerge of one component (``pipe.transformer``) takes every component the switch
+    covers back to the base (the text encoder too), and the count includes them.
     """
     state = existing_state(model)
     if state is None:  # layers a merge kept at run time (lora_cache.placement.rounding) come off too

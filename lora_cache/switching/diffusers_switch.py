@@ -10,7 +10,10 @@ at mapped files) or served at run time while it is built (see
 
 from __future__ import annotations
 
+import numbers
 import os
+
+import torch
 
 from hostmem.errors import InputError
 from .adapter_switch import SwitchResult, set_adapters
@@ -20,21 +23,48 @@ from ..diffusers_entry import _model_of, _specs
 __all__ = ["set_pipeline_adapters"]
 
 
+def _weight(w) -> float | None:
+    """A weight as a float (None: 1.0, as diffusers reads it); None where it is no real number.
+
+    Any real scalar is one: a Python or numpy number, or a 0-d torch tensor. A bool is read
+    as 1.0 or 0.0, as diffusers reads it."""
+    if w is None:
+        return 1.0
+    if isinstance(w, numbers.Real):
+        return float(w)
+    if isinstance(w, torch.Tensor) and w.ndim == 0 and not w.is_complex():
+        return float(w)
+    return None
+
+
 def _weights(names: list[str], adapter_weights) -> list[float]:
-    """One float per name, as diffusers takes them (None: 1.0 each; one number: for all)."""
-    if adapter_weights is None:
-        return [1.0] * len(names)
-    if isinstance(adapter_weights, (int, float)):
-        return [float(adapter_weights)] * len(names)
-    weights = list(adapter_weights)
+    """One float per name, as diffusers takes them (None: 1.0 each, and 1.0 for a None
+    in the list; one number: for all)."""
+    if isinstance(adapter_weights, dict):
+        raise InputError("set_pipeline_adapters: per-component or per-block weights (dicts) are not supported; "
+                         "give one number per adapter")
+    one = _weight(adapter_weights)
+    if one is not None:
+        return [one] * len(names)
+    try:
+        weights = list(adapter_weights)
+    except TypeError:
+        raise InputError(f"set_pipeline_adapters: weights {adapter_weights!r} is neither a number nor a list of "
+                         "numbers; give one number per adapter") from None
     if len(weights) != len(names):
         raise InputError(f"set_pipeline_adapters: {len(names)} adapter name(s) but {len(weights)} weight(s); "
                          "give one weight per name")
-    bad = [w for w in weights if not isinstance(w, (int, float))]
-    if bad:
-        raise InputError(f"set_pipeline_adapters: weight {bad[0]!r} is not a number; per-component or per-block "
-                         "weights (dicts) are not supported, give one number per adapter")
-    return [float(w) for w in weights]
+    floats = []
+    for name, w in zip(names, weights):
+        if isinstance(w, dict):
+            raise InputError(f"set_pipeline_adapters: the weight of {name!r} is a dict; per-component or per-block "
+                             "weights (dicts) are not supported, give one number per adapter")
+        value = _weight(w)
+        if value is None:
+            raise InputError(f"set_pipeline_adapters: the weight of {name!r}, {w!r}, is not a real number; give a "
+                             "number (a Python or numpy number, a 0-d tensor, or None for 1.0)")
+        floats.append(value)
+    return floats
 
 
 def set_pipeline_adapters(pipe_or_model, adapter_names, adapter_weights=None, *, files: dict,
@@ -42,7 +72,10 @@ def set_pipeline_adapters(pipe_or_model, adapter_names, adapter_weights=None, *,
     """Switch a diffusers pipeline (or model) to ``adapter_names`` at ``adapter_weights``.
 
     ``files`` maps each name to what ``load_lora_weights`` would take (a file, or a folder
-    with ``weight_name``); ``[]`` switches to the base. ``options`` go to
+    with ``weight_name``); ``[]`` switches to the base. ``adapter_weights`` are read as
+    diffusers' ``set_adapters`` reads them: None (1.0 each), one number for all, or one per
+    name, each a Python or numpy number, a 0-d tensor, or None (1.0); per-component dicts
+    are refused, and so are NaN and infinite weights. ``options`` go to
     :func:`lora_cache.set_adapters` (``max_size``, ``background``, ``shards`` for a
     tensor-parallel rank, named as :func:`lora_cache.load_lora` names them, ...).
     """

@@ -69,13 +69,14 @@ def weights(model) -> dict[str, torch.Tensor]:
     return {k.replace(".base_layer", ""): v.detach().clone() for k, v in model.state_dict().items() if "lora_" not in k}
 
 
-def pipeline(kind: str, model):
-    """The kind's pipeline around ``model``, its other components absent (LoRA needs none)."""
+def pipeline(kind: str, model, **components):
+    """The kind's pipeline around ``model``, its other components absent (LoRA needs none)
+    unless ``components`` gives them (``transformer_2=``, ``boundary_ratio=`` for Wan 2.2)."""
     import inspect
 
     _, pipe_cls = classes(kind)
     names = [n for n in inspect.signature(pipe_cls.__init__).parameters if n not in ("self", "transformer")]
-    return pipe_cls(transformer=model, **dict.fromkeys(names))
+    return pipe_cls(transformer=model, **{**dict.fromkeys(names), **components})
 
 
 def diffusers_fused(kind: str, model_folder, adapters, dtype=None):
