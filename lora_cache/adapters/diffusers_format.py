@@ -166,7 +166,8 @@ def _say_left(path: str, loader, left: dict[str, list[str]], keep: tuple[str, ..
     a component the file changes is refused; a model merged alone (a UNet taken out of its
     pipeline) is one component by the caller's choice, and the others' keys are named."""
     left_over(path, left["dropped"], f"are dropped by diffusers' {loader.__name__}.lora_state_dict (it merges "
-              "nothing of them)", strict)
+              "nothing of them)", strict, "pass convert='native' (config: convert: native) to read the file with "
+              "lora_cache's own reader, which merges every key it can place or names the ones it cannot")
     if left["others"]:
         named = ", ".join(sorted({key.split(".", 1)[0] for key in left["others"]}))
         where = "the pipeline lacks" if pipeline else "is not the model merged into"
@@ -194,6 +195,7 @@ def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str
     writable = {k: widened(v).clone() for k, v in fed.items()}
     family = family_of(loader)
     original = family is not None and uses_original_names(family, modules)
+    own = model is not None and _kohya_spelt_own_names(modules)
     try:
         state, alphas = _convert(loader, path, writable, model) if writable else ({}, {})
         del writable
@@ -201,10 +203,10 @@ def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str
         kept = _kept(path, {**state, **diffs}, keep, loader)  # the merge's components only: another's keys are named
         kept = peft_keys(path, kept, {k: v for k, v in alphas.items() if k.split(".", 1)[0] in keep})
         kept = _diffs_kept_diffs(fed, kept)
-        if original:  # what the converter made of the family's original names must be the model's
+        if original or own:  # what the converter made of these names must be the model's weights
             _check_converted(path, loader, kept, model)
     except AdapterError as failed:  # ConversionRefused included
-        if not original:
+        if not (original or own):
             raise
         adapter = _read_with_family_rules(path, tensors, metadata, family, f"diffusers' {loader.__name__}."
                                           f"lora_state_dict cannot convert it ({getattr(failed, 'reason', failed)})")
@@ -245,14 +247,23 @@ def _mixed_layouts(tensors: dict) -> list[str]:
     return found if len(found) > 1 else []
 
 
+def _kohya_spelt_own_names(modules: dict) -> bool:
+    """Whether the file names the model's own modules in kohya's spelling under the
+    transformer's prefix (``lora_transformer_transformer_blocks_0_ff_net_0_proj``, as
+    OneTrainer writes Flux): diffusers' Flux converter knows only the attention modules of
+    a block, and names every other one the block itself, where they replace one another."""
+    return any(stem.startswith("lora_transformer_") for stem in modules)
+
+
 def _check_converted(path: str, loader, kept: dict, model) -> None:
-    """The converted factors multiply and name the denoiser's modules, else an
-    :class:`AdapterError` (diffusers' converters hard-code their family's widths, and pass
-    names they do not know through)."""
+    """The converted factors multiply and name modules of the denoiser that hold a weight,
+    else an :class:`AdapterError` (diffusers' converters hard-code their family's widths,
+    pass names they do not know through, and may name a block for a module in it)."""
     group_parts(path, kept)
     if model is None:
         return
-    denoiser, names = denoiser_name(loader), {name for name, _ in model.named_modules()}
+    denoiser = denoiser_name(loader)
+    names = {name for name, module in model.named_modules() if torch.is_tensor(getattr(module, "weight", None))}
     components = set(getattr(loader, "_lora_loadable_modules", ())) - {denoiser}
     for key in kept:
         stem, role = split_key(key) or (key.rpartition(".")[0], "")
@@ -262,7 +273,8 @@ def _check_converted(path: str, loader, kept: dict, model) -> None:
         if first in components:
             continue
         if (rest if first == denoiser else stem) not in names:
-            raise AdapterError(f"{path}: diffusers' conversion names {key!r}, which is no module of the model")
+            raise AdapterError(f"{path}: diffusers' conversion names {key!r}, which is no module of the model "
+                               "that holds a weight")
 
 
 def _read_with_family_rules(path: str, tensors: dict, metadata: dict, family, why: str) -> AdapterFile:

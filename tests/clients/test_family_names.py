@@ -1,0 +1,88 @@
+"""Flux and Wan files whose names diffusers' converters take only in part, on a diffusers
+model: OneTrainer's kohya spelling of diffusers' own names (``lora_transformer_<module>``),
+kohya files that also change the text encoder, and LyCORIS kinds (LoHa, LoKr) under a
+family's original names. Each is held to ComfyUI's formula, computed here per layer:
+``W + strength * alpha / rank * up @ down`` (a fused projection's rows split in order),
+LoHa's Hadamard product and LoKr's Kronecker product at the same scale."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers", reason="the diffusers comparisons need diffusers (pip install hostmem[test])")
+pytest.importorskip("peft", reason="the diffusers comparisons need peft (pip install hostmem[test])")
+
+import lora_cache  # noqa: E402
+from hostmem.safetensors.mapping import save_file  # noqa: E402
+from tests.clients import tiny_models as tm  # noqa: E402
+
+FLUX_DIM = tm.FLUX["num_attention_heads"] * tm.FLUX["attention_head_dim"]
+
+
+@pytest.fixture(scope="module")
+def flux(tmp_path_factory):
+    return tm.save_model("flux", tmp_path_factory.mktemp("flux") / "model")
+
+
+def _pair(tensors: dict, stem: str, rows: int, cols: int, rank: int, alpha: float | None, gen) -> torch.Tensor:
+    """One kohya LoRA module written into ``tensors``; returns its ``alpha / rank * up @ down``."""
+    down, up = torch.randn(rank, cols, generator=gen) / cols**0.5, torch.randn(rows, rank, generator=gen) * 0.1
+    tensors[f"{stem}.lora_down.weight"], tensors[f"{stem}.lora_up.weight"] = down, up
+    if alpha is not None:
+        tensors[f"{stem}.alpha"] = torch.tensor(alpha)
+    return (rank if alpha is None else alpha) / rank * up.double() @ down.double()
+
+
+def _merged(kind: str, folder, adapter, cache_root, **options) -> dict[str, torch.Tensor]:
+    model = tm.load_model(kind, folder)
+    lora_cache.load_lora(model, adapter, cache_root=cache_root, progress=False, rounding="merge", **options)
+    return tm.weights(model)
+
+
+def _held_to(merged: dict, base: dict, deltas: dict, strength: float) -> None:
+    """Every weight ``deltas`` names is its base plus ``strength`` times its delta; no other weight changed."""
+    for name, weight in merged.items():
+        expected = base[name].double() + strength * deltas[name] if name in deltas else base[name].double()
+        torch.testing.assert_close(weight.double(), expected, rtol=1e-6, atol=1e-6, msg=name)
+
+
+_ONETRAINER = {  # diffusers' module -> (rank, alpha); the converter knows only the attention modules
+    "transformer_blocks.0.attn.to_q": (4, 4.0), "transformer_blocks.0.ff.net.0.proj": (4, 2.0),
+    "transformer_blocks.0.norm1.linear": (2, 1.0), "transformer_blocks.0.ff_context.net.2": (4, 8.0),
+    "single_transformer_blocks.0.attn.to_k": (4, 8.0), "single_transformer_blocks.0.proj_mlp": (3, 2.0),
+    "single_transformer_blocks.0.proj_out": (4, 1.0), "single_transformer_blocks.0.norm.linear": (4, 1.0),
+}
+
+
+def test_onetrainer_flux_names_merge_every_module_as_comfyui_does(flux, tmp_path):
+    """diffusers' converter names each non-attention module its block, where they replace one
+    another (2 of these 8 would merge); the file is read with lora_cache's reader instead."""
+    base = tm.weights(tm.load_model("flux", flux))
+    gen, tensors, deltas = torch.Generator().manual_seed(4), {}, {}
+    for module, (rank, alpha) in _ONETRAINER.items():
+        rows, cols = base[f"{module}.weight"].shape
+        stem = "lora_transformer_" + module.replace(".", "_")
+        deltas[f"{module}.weight"] = _pair(tensors, stem, rows, cols, rank, alpha, gen)
+    path = tmp_path / "onetrainer.safetensors"
+    save_file(tensors, path)
+    _held_to(_merged("flux", flux, os.fspath(path), tmp_path / "cache", strength=0.7), base, deltas, 0.7)
+
+
+def test_onetrainer_flux_attention_only_still_goes_through_diffusers(flux, tmp_path):
+    """A file diffusers' converter takes whole is still its: the merge equals load_lora_weights + fuse_lora."""
+    base = tm.weights(tm.load_model("flux", flux))
+    gen, tensors = torch.Generator().manual_seed(5), {}
+    for module in ("transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.attn.to_v"):
+        rows, cols = base[f"{module}.weight"].shape
+        _pair(tensors, "lora_transformer_" + module.replace(".", "_"), rows, cols, 4, 2.0, gen)
+    path = os.fspath(tmp_path / "attention.safetensors")
+    save_file(tensors, path)
+    model = tm.load_model("flux", flux)
+    files = lora_cache.adapters.read_adapters(model, [lora_cache.Adapter(path)])
+    assert files[0].key_extras["converter"].startswith("diffusers ")
+    reference = tm.weights(tm.diffusers_fused("flux", flux, path))
+    for name, weight in _merged("flux", flux, path, tmp_path / "cache").items():
+        torch.testing.assert_close(weight, reference[name], rtol=1e-6, atol=1e-6, msg=name)
