@@ -169,7 +169,7 @@ def _say_left(path: str, loader, left: dict[str, list[str]], keep: tuple[str, ..
               "nothing of them)", strict, "pass convert='native' (config: convert: native) to read the file with "
               "lora_cache's own reader, which merges every key it can place or names the ones it cannot")
     if left["others"]:
-        named = ", ".join(sorted({key.split(".", 1)[0] for key in left["others"]}))
+        named = ", ".join(sorted({_component_of(key) or key.split(".", 1)[0] for key in left["others"]}))
         where = "the pipeline lacks" if pipeline else "is not the model merged into"
         left_over(path, left["others"], f"change {named}, which {where} (it has {', '.join(keep)})", strict and pipeline)
 
@@ -209,7 +209,8 @@ def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str
         if not (original or own):
             raise
         adapter = _read_with_family_rules(path, tensors, metadata, family, f"diffusers' {loader.__name__}."
-                                          f"lora_state_dict cannot convert it ({getattr(failed, 'reason', failed)})")
+                                          f"lora_state_dict cannot convert it ({getattr(failed, 'reason', failed)})",
+                                          loader, keep, pipeline, strict)
         return adapter, record_of("family-rules", adapter.converter)
     _say_left(path, loader, left, keep, pipeline, strict)
     folded = is_folded(fed, kept)
@@ -277,10 +278,29 @@ def _check_converted(path: str, loader, kept: dict, model) -> None:
                                "that holds a weight")
 
 
-def _read_with_family_rules(path: str, tensors: dict, metadata: dict, family, why: str) -> AdapterFile:
+_TEXT_ENCODERS = (("lora_te2_", "text_encoder_2"), ("lora_te1_", "text_encoder"), ("lora_te_", "text_encoder"),
+                  ("text_encoder_2.", "text_encoder_2"), ("text_encoder.", "text_encoder"))
+
+
+def _component_of(key: str) -> str | None:
+    """The text encoder a file's key changes (kohya's ``lora_te1_``, diffusers' ``text_encoder.``),
+    None for the denoiser's keys."""
+    return next((name for prefix, name in _TEXT_ENCODERS if key.startswith(prefix)), None)
+
+
+def _read_with_family_rules(path: str, tensors: dict, metadata: dict, family, why: str, loader=None,
+                            keep: tuple[str, ...] = (), pipeline: bool = False, strict: bool = True) -> AdapterFile:
     """The file read by this package's reader with the family's original names as key rules
-    (:mod:`lora_cache.adapters.family_rules`), saying so and ``why`` in one info line."""
+    (:mod:`lora_cache.adapters.family_rules`), saying so and ``why`` in one info line. The
+    keys of a text encoder ``keep`` does not name are held to the rule the converter's
+    path holds them to (:func:`_say_left`: refused where a pipeline lacks it, named in a
+    warning for a model merged alone), and left out of the reading."""
     import logging
+
+    others = sorted(key for key in tensors if _component_of(key) not in (None, *keep)) if keep else []
+    if others and loader is not None:
+        _say_left(path, loader, {"dropped": [], "others": others}, keep, pipeline, strict)
+        tensors = {key: value for key, value in tensors.items() if key not in set(others)}
 
     logging.getLogger("lora_cache").info("%s: %s; reading it with lora_cache's own parser instead%s", path, why,
                                          "" if family is None else f", {family.name}'s original names split by rows "
@@ -298,7 +318,8 @@ def _from_record(path: str, loader, tensors: dict, metadata: dict, record: dict,
     the file read by this package's kohya Flux parser (views of the file, as any read)."""
     if record["kind"] in ("family-rules", "kohya-flux"):
         return _read_with_family_rules(path, tensors, metadata, family_of(loader),
-                                       "diffusers' converter could not convert it when first read")
+                                       "diffusers' converter could not convert it when first read", loader, keep,
+                                       pipeline, strict)
     _say_left(path, loader, record["left"], keep, pipeline, strict)  # as when it was converted
     folded = bool(record.get("folded"))
     return build_adapter_file(path, skeleton_of(record), folded_metadata(metadata, folded),
@@ -329,7 +350,8 @@ def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
     mixed = _mixed_layouts(tensors)
     if mixed:  # each converter takes its own layout and drops or breaks the other
         return _read_with_family_rules(path, tensors, metadata, family_of(loader),
-                                       f"it mixes {' and '.join(mixed)} keys, which no converter of diffusers reads")
+                                       f"it mixes {' and '.join(mixed)} keys, which no converter of diffusers reads",
+                                       loader, keep, bool(components), strict)
     name = memo.key(path, converter, keep, alpha) if memo is not None else None
     record = memo.load(name) if memo is not None else None
     if record is not None:

@@ -86,3 +86,37 @@ def test_onetrainer_flux_attention_only_still_goes_through_diffusers(flux, tmp_p
     reference = tm.weights(tm.diffusers_fused("flux", flux, path))
     for name, weight in _merged("flux", flux, path, tmp_path / "cache").items():
         torch.testing.assert_close(weight, reference[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def _kohya_flux_with_clip(path, single: bool) -> tuple[str, dict]:
+    """A kohya Flux file as sd-scripts writes it with the text encoder trained too: BFL names
+    and ``lora_te1_`` (CLIP) keys. ``single``: a single block's ``linear1`` too, which
+    diffusers' converter splits at Flux-dev's widths (the tiny model's make it refuse)."""
+    gen, tensors, deltas = torch.Generator().manual_seed(10), {}, {}
+    qkv = _pair(tensors, "lora_unet_double_blocks_0_img_attn_qkv", 3 * FLUX_DIM, FLUX_DIM, 4, 2.0, gen)
+    for i, module in enumerate(("to_q", "to_k", "to_v")):
+        deltas[f"transformer_blocks.0.attn.{module}.weight"] = qkv[i * FLUX_DIM:(i + 1) * FLUX_DIM]
+    if single:
+        mlp = FLUX_DIM * 4
+        linear1 = _pair(tensors, "lora_unet_single_blocks_0_linear1", 3 * FLUX_DIM + mlp, FLUX_DIM, 4, 8.0, gen)
+        for i, module in enumerate(("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")):
+            rows = slice(i * FLUX_DIM, (i + 1) * FLUX_DIM if i < 3 else None)
+            deltas[f"single_transformer_blocks.0.{module}.weight"] = linear1[rows]
+    _pair(tensors, "lora_te1_text_model_encoder_layers_0_self_attn_q_proj", 32, 32, 4, 4.0, gen)
+    save_file(tensors, path, metadata={"ss_network_module": "networks.lora_flux"})
+    return os.fspath(path), deltas
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["diffusers-converts", "lora_cache-reads"])
+def test_text_encoder_keys_merged_into_the_transformer_alone_are_named_on_either_path(flux, tmp_path, single):
+    """diffusers' converter takes the double block alone, and its CLIP keys are named in a
+    warning (the transformer was merged alone by choice); with a single block it refuses
+    the tiny widths and lora_cache's kohya Flux rules read the file: the same warning."""
+    path, deltas = _kohya_flux_with_clip(tmp_path / "kohya.safetensors", single)
+    base = tm.weights(tm.load_model("flux", flux))
+    with pytest.warns(UserWarning, match=r"[23] key\(s\) change text_encoder, which is not the model merged into "
+                                         r"\(it has transformer\): (lora_te1_|text_encoder\.)"):
+        merged = _merged("flux", flux, path, tmp_path / "cache")
+    _held_to(merged, base, deltas, 1.0)
+    with pytest.warns(UserWarning, match=r"change text_encoder, which is not the model merged into"):
+        _held_to(_merged("flux", flux, path, tmp_path / "cache"), base, deltas, 1.0)  # planned from its record
