@@ -42,7 +42,7 @@ from .formats import split_key
 from .read import AdapterFile, build_adapter_file, group_parts, open_adapter, reading_of
 from .spec import AdapterError
 
-__all__ = ["diffusers_loader", "is_diffusers_model", "read_with_diffusers"]
+__all__ = ["diffusers_loader", "is_diffusers_model", "read_with_diffusers", "read_with_family_rules"]
 
 # Model class -> the pipeline loader mixin whose lora_state_dict converts for it, where
 # diffusers' docstrings do not say it alone (see _discovered).
@@ -208,7 +208,7 @@ def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str
     except AdapterError as failed:  # ConversionRefused included
         if not (original or own):
             raise
-        adapter = _read_with_family_rules(path, tensors, metadata, family, f"diffusers' {loader.__name__}."
+        adapter = read_with_family_rules(path, tensors, metadata, family, f"diffusers' {loader.__name__}."
                                           f"lora_state_dict cannot convert it ({getattr(failed, 'reason', failed)})",
                                           loader, keep, pipeline, strict)
         return adapter, record_of("family-rules", adapter.converter)
@@ -288,7 +288,7 @@ def _component_of(key: str) -> str | None:
     return next((name for prefix, name in _TEXT_ENCODERS if key.startswith(prefix)), None)
 
 
-def _read_with_family_rules(path: str, tensors: dict, metadata: dict, family, why: str, loader=None,
+def read_with_family_rules(path: str, tensors: dict, metadata: dict, family, why: str, loader=None,
                             keep: tuple[str, ...] = (), pipeline: bool = False, strict: bool = True) -> AdapterFile:
     """The file read by this package's reader with the family's original names as key rules
     (:mod:`lora_cache.adapters.family_rules`), saying so and ``why`` in one info line. The
@@ -317,7 +317,7 @@ def _from_record(path: str, loader, tensors: dict, metadata: dict, record: dict,
     meta device (values are needed only where a layer is computed: :class:`NoValues`), or
     the file read by this package's kohya Flux parser (views of the file, as any read)."""
     if record["kind"] in ("family-rules", "kohya-flux"):
-        return _read_with_family_rules(path, tensors, metadata, family_of(loader),
+        return read_with_family_rules(path, tensors, metadata, family_of(loader),
                                        "diffusers' converter could not convert it when first read", loader, keep,
                                        pipeline, strict)
     _say_left(path, loader, record["left"], keep, pipeline, strict)  # as when it was converted
@@ -349,7 +349,7 @@ def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
         converter += f" + SGM blocks at layers_per_block={model.config.get('layers_per_block')}"
     mixed = _mixed_layouts(tensors)
     if mixed:  # each converter takes its own layout and drops or breaks the other
-        return _read_with_family_rules(path, tensors, metadata, family_of(loader),
+        return read_with_family_rules(path, tensors, metadata, family_of(loader),
                                        f"it mixes {' and '.join(mixed)} keys, which no converter of diffusers reads",
                                        loader, keep, bool(components), strict)
     name = memo.key(path, converter, keep, alpha) if memo is not None else None

@@ -18,6 +18,7 @@ pytest.importorskip("peft", reason="the diffusers comparisons need peft (pip ins
 import lora_cache  # noqa: E402
 from hostmem.safetensors.mapping import save_file  # noqa: E402
 from tests.clients import tiny_models as tm  # noqa: E402
+from tests.conformance.corpus_lycoris import comfyui_decompose, loha_delta, lokr_delta  # noqa: E402
 
 FLUX_DIM = tm.FLUX["num_attention_heads"] * tm.FLUX["attention_head_dim"]
 
@@ -120,3 +121,74 @@ def test_text_encoder_keys_merged_into_the_transformer_alone_are_named_on_either
     _held_to(merged, base, deltas, 1.0)
     with pytest.warns(UserWarning, match=r"change text_encoder, which is not the model merged into"):
         _held_to(_merged("flux", flux, path, tmp_path / "cache"), base, deltas, 1.0)  # planned from its record
+
+
+def _randn(gen, *shape, std: float = 0.3) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen) * std
+
+
+def test_loha_and_lokr_under_kohya_flux_names_merge_as_comfyui_does(flux, tmp_path):
+    """sd-scripts with LyCORIS on Flux: a LoKr on the fused ``img_attn_qkv`` (its rows split over
+    q, k, v) and a LoHa on ``img_attn_proj``, both with ``.alpha``, read with the Flux rules."""
+    gen, stem = torch.Generator().manual_seed(6), "lora_unet_double_blocks_0_img_attn_"
+    lokr = {"lokr_w1": _randn(gen, 4, 4, std=1.0), "lokr_w2_a": _randn(gen, 24, 2), "lokr_w2_b": _randn(gen, 2, 8),
+            "alpha": torch.tensor(1.0)}
+    loha = {f"hada_w{n}_{s}": _randn(gen, *shape) for n in (1, 2) for s, shape in (("a", (32, 4)), ("b", (4, 32)))}
+    loha["alpha"] = torch.tensor(2.0)
+    path = tmp_path / "lyco_flux.safetensors"
+    save_file({f"{stem}{module}.{part}": tensor for module, parts in (("qkv", lokr), ("proj", loha))
+               for part, tensor in parts.items()}, path)
+    qkv = lokr_delta(lokr, (3 * FLUX_DIM, FLUX_DIM))
+    deltas = {f"transformer_blocks.0.attn.{module}.weight": qkv[i * FLUX_DIM:(i + 1) * FLUX_DIM]
+              for i, module in enumerate(("to_q", "to_k", "to_v"))}
+    deltas["transformer_blocks.0.attn.to_out.0.weight"] = loha_delta(loha, (FLUX_DIM, FLUX_DIM))
+    base = tm.weights(tm.load_model("flux", flux))
+    _held_to(_merged("flux", flux, os.fspath(path), tmp_path / "cache", strength=0.8), base, deltas, 0.8)
+
+
+def test_lycoris_kinds_under_wan_original_names_merge_as_comfyui_does(tmp_path):
+    """ComfyUI's own trainer and musubi-style files on Wan: a LoHa in ComfyUI's names, a LoKr of
+    whole halves (scale 1) in kohya's, a LoRA with LyCORIS's ``dora_scale`` (each input column)."""
+    folder = tm.save_model("wan", tmp_path / "model")
+    base = tm.weights(tm.load_model("wan", folder))
+    dim, gen = tm.WAN["num_attention_heads"] * tm.WAN["attention_head_dim"], torch.Generator().manual_seed(7)
+    loha = {f"hada_w{n}_{s}": _randn(gen, *shape) for n in (1, 2) for s, shape in (("a", (dim, 4)), ("b", (4, dim)))}
+    loha["alpha"] = torch.tensor(2.0)
+    lokr = {"lokr_w1": _randn(gen, 4, 4, std=1.0), "lokr_w2": _randn(gen, dim // 4, dim // 4, std=0.1)}
+    tensors = {f"diffusion_model.blocks.0.self_attn.q.{part}": t for part, t in loha.items()}
+    tensors |= {f"lora_unet_blocks_0_cross_attn_k.{part}": t for part, t in lokr.items()}
+    lora = _pair(tensors, "lora_unet_blocks_1_self_attn_o", dim, dim, 4, 2.0, gen)
+    weight = base["blocks.1.attn1.to_out.0.weight"]
+    scale = tensors["lora_unet_blocks_1_self_attn_o.dora_scale"] = (weight.double() + lora).norm(dim=0,
+                                                                                               keepdim=True).float() * 1.1
+    path = tmp_path / "lyco_wan.safetensors"
+    save_file(tensors, path)
+    deltas = {"blocks.0.attn1.to_q.weight": loha_delta(loha, (dim, dim)),
+              "blocks.0.attn2.to_k.weight": lokr_delta(lokr, (dim, dim))}
+    merged = _merged("wan", folder, os.fspath(path), tmp_path / "cache", strength=0.6)
+    dora = comfyui_decompose(weight, lora, scale, 0.6)
+    torch.testing.assert_close(merged.pop("blocks.1.attn1.to_out.0.weight").double(), dora, rtol=1e-5, atol=1e-6)
+    _held_to(merged, {k: v for k, v in base.items() if k != "blocks.1.attn1.to_out.0.weight"}, deltas, 0.6)
+
+
+def test_a_diffusion_pipe_wan_folder_merges_as_diffusers_merges_its_file(tmp_path):
+    """diffusion-pipe saves ``adapter_model.safetensors`` in ComfyUI's Wan names with peft's
+    ``adapter_config.json`` beside it (lora_alpha = r): the folder and the file both merge."""
+    import json
+
+    folder = tm.save_model("wan", tmp_path / "model")
+    base = tm.weights(tm.load_model("wan", folder))
+    gen, tensors, deltas = torch.Generator().manual_seed(12), {}, {}
+    for block, (original, module) in enumerate((("self_attn.q", "attn1.to_q"), ("cross_attn.o", "attn2.to_out.0"))):
+        rows, cols = base[f"blocks.{block}.{module}.weight"].shape
+        down, up = torch.randn(4, cols, generator=gen) / cols**0.5, torch.randn(rows, 4, generator=gen) * 0.1
+        stem = f"diffusion_model.blocks.{block}.{original}"
+        tensors[f"{stem}.lora_A.weight"], tensors[f"{stem}.lora_B.weight"] = down, up
+        deltas[f"blocks.{block}.{module}.weight"] = up.double() @ down.double()
+    epoch = tmp_path / "epoch1"
+    epoch.mkdir()
+    save_file(tensors, epoch / "adapter_model.safetensors")
+    (epoch / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 4, "target_modules": ["q", "o"]}))
+    for given in (epoch, epoch / "adapter_model.safetensors"):
+        _held_to(_merged("wan", folder, os.fspath(given), tmp_path / "cache"), base, deltas, 1.0)
