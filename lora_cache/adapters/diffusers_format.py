@@ -208,9 +208,9 @@ def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str
     except AdapterError as failed:  # ConversionRefused included
         if not (original or own):
             raise
-        adapter = read_with_family_rules(path, tensors, metadata, family, f"diffusers' {loader.__name__}."
-                                          f"lora_state_dict cannot convert it ({getattr(failed, 'reason', failed)})",
-                                          loader, keep, pipeline, strict)
+        why = f"diffusers' {loader.__name__}.lora_state_dict cannot convert it ({getattr(failed, 'reason', failed)})"
+        adapter = read_with_family_rules(path, _diffs_placed(path, tensors, model, loader, family), metadata,
+                                         family, why, loader, keep, pipeline, strict)
         return adapter, record_of("family-rules", adapter.converter)
     _say_left(path, loader, left, keep, pipeline, strict)
     folded = is_folded(fed, kept)
@@ -311,15 +311,30 @@ def read_with_family_rules(path: str, tensors: dict, metadata: dict, family, why
                                                      values_check=FiniteCheck(path, tensors), rules=rules_of(family))
 
 
+def _diffs_placed(path: str, tensors: dict, model, loader, family) -> dict:
+    """``tensors`` for a reading with ``family``'s rules: the full diffs of modules the rules do
+    not name (Wan's ``norm3``, ``modulation``, the qk norms) under the model's names, as
+    the converter's path places them (:mod:`lora_cache.adapters.diff_placement`)."""
+    if family is None or model is None or not any(key.endswith((".diff", ".diff_b")) for key in tensors):
+        return tensors
+    modules = group_parts(path, tensors)
+    stems = [stem for stem in full_diff_stems(modules, model) if not uses_original_names(family, [stem])]
+    if not stems:
+        return tensors
+    placed = place_full_diffs(path, modules, stems, model, denoiser_name(loader))
+    return {**without_full_diffs(tensors, modules, stems, model), **placed}
+
+
 def _from_record(path: str, loader, tensors: dict, metadata: dict, record: dict, keep: tuple[str, ...],
-                 pipeline: bool, strict: bool) -> AdapterFile:
+                 pipeline: bool, strict: bool, model=None) -> AdapterFile:
     """The adapter as its conversion record describes it: diffusers' keys with tensors on the
     meta device (values are needed only where a layer is computed: :class:`NoValues`), or
     the file read by this package's kohya Flux parser (views of the file, as any read)."""
     if record["kind"] in ("family-rules", "kohya-flux"):
-        return read_with_family_rules(path, tensors, metadata, family_of(loader),
-                                       "diffusers' converter could not convert it when first read", loader, keep,
-                                       pipeline, strict)
+        return read_with_family_rules(path, _diffs_placed(path, tensors, model, loader, family_of(loader)),
+                                      metadata, family_of(loader),
+                                      "diffusers' converter could not convert it when first read", loader, keep,
+                                      pipeline, strict)
     _say_left(path, loader, record["left"], keep, pipeline, strict)  # as when it was converted
     folded = bool(record.get("folded"))
     return build_adapter_file(path, skeleton_of(record), folded_metadata(metadata, folded),
@@ -355,7 +370,7 @@ def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
     name = memo.key(path, converter, keep, alpha) if memo is not None else None
     record = memo.load(name) if memo is not None else None
     if record is not None:
-        return _from_record(path, loader, tensors, metadata, record, keep, bool(components), strict)
+        return _from_record(path, loader, tensors, metadata, record, keep, bool(components), strict, model)
     adapter, record = _converted(path, loader, tensors, metadata, keep, converter, alpha, model, strict,
                                  pipeline=bool(components))
     if memo is not None:

@@ -192,3 +192,29 @@ def test_a_diffusion_pipe_wan_folder_merges_as_diffusers_merges_its_file(tmp_pat
         {"peft_type": "LORA", "r": 4, "lora_alpha": 4, "target_modules": ["q", "o"]}))
     for given in (epoch, epoch / "adapter_model.safetensors"):
         _held_to(_merged("wan", folder, os.fspath(given), tmp_path / "cache"), base, deltas, 1.0)
+
+
+def test_a_wan_file_the_converter_refuses_keeps_the_placement_of_its_norm_and_modulation_diffs(tmp_path):
+    """ComfyUI's Wan names with ``head.head`` and ``time_projection.1`` alphas (diffusers' Wan
+    converter leaves them in its state dict and refuses the file) beside full diffs of
+    ``norm3`` (diffusers' ``norm2``), ``self_attn.norm_q`` and ``modulation`` (its
+    ``scale_shift_table``): the Wan rules read the factors, and the diffs land where the
+    converter's path puts them."""
+    folder = tm.save_model("wan", tmp_path / "model")
+    base = tm.weights(tm.load_model("wan", folder))
+    gen, tensors, deltas = torch.Generator().manual_seed(13), {}, {}
+    for original, module, alpha in (("blocks.0.self_attn.q", "blocks.0.attn1.to_q", 2.0),
+                                    ("time_projection.1", "condition_embedder.time_proj", 2.0),
+                                    ("head.head", "proj_out", 8.0)):
+        rows, cols = base[f"{module}.weight"].shape
+        deltas[f"{module}.weight"] = _pair(tensors, f"diffusion_model.{original}", rows, cols, 4, alpha, gen)
+    for original, param, part in (("blocks.0.norm3", "blocks.0.norm2.weight", "diff"),
+                                  ("blocks.0.norm3", "blocks.0.norm2.bias", "diff_b"),
+                                  ("blocks.0.self_attn.norm_q", "blocks.0.attn1.norm_q.weight", "diff"),
+                                  ("blocks.1.modulation", "blocks.1.scale_shift_table", "diff")):
+        diff = torch.randn(base[param].shape, generator=gen) * 0.1
+        tensors[f"diffusion_model.{original}.{part}"], deltas[param] = diff, diff.double()
+    path = os.fspath(tmp_path / "wan_mixed.safetensors")
+    save_file(tensors, path)
+    for _ in range(2):  # converted (refused, read with the rules), then planned from its record
+        _held_to(_merged("wan", folder, path, tmp_path / "cache", strength=0.6), base, deltas, 0.6)
