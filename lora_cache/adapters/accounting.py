@@ -32,9 +32,10 @@ __all__ = ["dropped_bias_diffs", "dropped_by_converter", "dropped_dora_scales", 
 _SHOWN = 5
 
 
-def left_over(path: str, keys: list[str], why: str, strict: bool) -> None:
+def left_over(path: str, keys: list[str], why: str, strict: bool, other_way: str = "") -> None:
     """Raise for ``keys`` the merge does not use (``why`` says what became of them), or,
-    with ``strict=False``, warn once naming how many and the first few."""
+    with ``strict=False``, warn once naming how many and the first few. ``other_way``: a
+    way to merge them all, said in the refusal before strict=False (which merges only the rest)."""
     if not keys:
         return
     keys = sorted(keys)
@@ -42,7 +43,8 @@ def left_over(path: str, keys: list[str], why: str, strict: bool) -> None:
     if strict:
         raise AdapterError(
             f"{path}: {len(keys)} key(s) {why}: {shown}. Merging the rest would not be the adapter the file holds; "
-            "pass strict=False (config: strict: false) to merge the rest with a warning"
+            f"{other_way + ', or ' if other_way else ''}pass strict=False (config: strict: false) to merge only "
+            "the rest, with a warning"
         )
     warnings.warn(f"{path}: {len(keys)} key(s) {why}: {shown}; strict=False, so the rest is merged", stacklevel=4)
 

@@ -42,7 +42,7 @@ from .formats import split_key
 from .read import AdapterFile, build_adapter_file, group_parts, open_adapter, reading_of
 from .spec import AdapterError
 
-__all__ = ["diffusers_loader", "is_diffusers_model", "read_with_diffusers"]
+__all__ = ["diffusers_loader", "is_diffusers_model", "read_with_diffusers", "read_with_family_rules"]
 
 # Model class -> the pipeline loader mixin whose lora_state_dict converts for it, where
 # diffusers' docstrings do not say it alone (see _discovered).
@@ -166,9 +166,10 @@ def _say_left(path: str, loader, left: dict[str, list[str]], keep: tuple[str, ..
     a component the file changes is refused; a model merged alone (a UNet taken out of its
     pipeline) is one component by the caller's choice, and the others' keys are named."""
     left_over(path, left["dropped"], f"are dropped by diffusers' {loader.__name__}.lora_state_dict (it merges "
-              "nothing of them)", strict)
+              "nothing of them)", strict, "pass convert='native' (config: convert: native) to read the file with "
+              "lora_cache's own reader, which merges every key it can place or names the ones it cannot")
     if left["others"]:
-        named = ", ".join(sorted({key.split(".", 1)[0] for key in left["others"]}))
+        named = ", ".join(sorted({_component_of(key) or key.split(".", 1)[0] for key in left["others"]}))
         where = "the pipeline lacks" if pipeline else "is not the model merged into"
         left_over(path, left["others"], f"change {named}, which {where} (it has {', '.join(keep)})", strict and pipeline)
 
@@ -194,6 +195,7 @@ def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str
     writable = {k: widened(v).clone() for k, v in fed.items()}
     family = family_of(loader)
     original = family is not None and uses_original_names(family, modules)
+    own = model is not None and _kohya_spelt_own_names(modules)
     try:
         state, alphas = _convert(loader, path, writable, model) if writable else ({}, {})
         del writable
@@ -201,13 +203,14 @@ def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str
         kept = _kept(path, {**state, **diffs}, keep, loader)  # the merge's components only: another's keys are named
         kept = peft_keys(path, kept, {k: v for k, v in alphas.items() if k.split(".", 1)[0] in keep})
         kept = _diffs_kept_diffs(fed, kept)
-        if original:  # what the converter made of the family's original names must be the model's
+        if original or own:  # what the converter made of these names must be the model's weights
             _check_converted(path, loader, kept, model)
     except AdapterError as failed:  # ConversionRefused included
-        if not original:
+        if not (original or own):
             raise
-        adapter = _read_with_family_rules(path, tensors, metadata, family, f"diffusers' {loader.__name__}."
-                                          f"lora_state_dict cannot convert it ({getattr(failed, 'reason', failed)})")
+        why = f"diffusers' {loader.__name__}.lora_state_dict cannot convert it ({getattr(failed, 'reason', failed)})"
+        adapter = read_with_family_rules(path, _diffs_placed(path, tensors, model, loader, family), metadata,
+                                         family, why, loader, keep, pipeline, strict)
         return adapter, record_of("family-rules", adapter.converter)
     _say_left(path, loader, left, keep, pipeline, strict)
     folded = is_folded(fed, kept)
@@ -245,14 +248,23 @@ def _mixed_layouts(tensors: dict) -> list[str]:
     return found if len(found) > 1 else []
 
 
+def _kohya_spelt_own_names(modules: dict) -> bool:
+    """Whether the file names the model's own modules in kohya's spelling under the
+    transformer's prefix (``lora_transformer_transformer_blocks_0_ff_net_0_proj``, as
+    OneTrainer writes Flux): diffusers' Flux converter knows only the attention modules of
+    a block, and names every other one the block itself, where they replace one another."""
+    return any(stem.startswith("lora_transformer_") for stem in modules)
+
+
 def _check_converted(path: str, loader, kept: dict, model) -> None:
-    """The converted factors multiply and name the denoiser's modules, else an
-    :class:`AdapterError` (diffusers' converters hard-code their family's widths, and pass
-    names they do not know through)."""
+    """The converted factors multiply and name modules of the denoiser that hold a weight,
+    else an :class:`AdapterError` (diffusers' converters hard-code their family's widths,
+    pass names they do not know through, and may name a block for a module in it)."""
     group_parts(path, kept)
     if model is None:
         return
-    denoiser, names = denoiser_name(loader), {name for name, _ in model.named_modules()}
+    denoiser = denoiser_name(loader)
+    names = {name for name, module in model.named_modules() if torch.is_tensor(getattr(module, "weight", None))}
     components = set(getattr(loader, "_lora_loadable_modules", ())) - {denoiser}
     for key in kept:
         stem, role = split_key(key) or (key.rpartition(".")[0], "")
@@ -262,13 +274,33 @@ def _check_converted(path: str, loader, kept: dict, model) -> None:
         if first in components:
             continue
         if (rest if first == denoiser else stem) not in names:
-            raise AdapterError(f"{path}: diffusers' conversion names {key!r}, which is no module of the model")
+            raise AdapterError(f"{path}: diffusers' conversion names {key!r}, which is no module of the model "
+                               "that holds a weight")
 
 
-def _read_with_family_rules(path: str, tensors: dict, metadata: dict, family, why: str) -> AdapterFile:
+_TEXT_ENCODERS = (("lora_te2_", "text_encoder_2"), ("lora_te1_", "text_encoder"), ("lora_te_", "text_encoder"),
+                  ("text_encoder_2.", "text_encoder_2"), ("text_encoder.", "text_encoder"))
+
+
+def _component_of(key: str) -> str | None:
+    """The text encoder a file's key changes (kohya's ``lora_te1_``, diffusers' ``text_encoder.``),
+    None for the denoiser's keys."""
+    return next((name for prefix, name in _TEXT_ENCODERS if key.startswith(prefix)), None)
+
+
+def read_with_family_rules(path: str, tensors: dict, metadata: dict, family, why: str, loader=None,
+                            keep: tuple[str, ...] = (), pipeline: bool = False, strict: bool = True) -> AdapterFile:
     """The file read by this package's reader with the family's original names as key rules
-    (:mod:`lora_cache.adapters.family_rules`), saying so and ``why`` in one info line."""
+    (:mod:`lora_cache.adapters.family_rules`), saying so and ``why`` in one info line. The
+    keys of a text encoder ``keep`` does not name are held to the rule the converter's
+    path holds them to (:func:`_say_left`: refused where a pipeline lacks it, named in a
+    warning for a model merged alone), and left out of the reading."""
     import logging
+
+    others = sorted(key for key in tensors if _component_of(key) not in (None, *keep)) if keep else []
+    if others and loader is not None:
+        _say_left(path, loader, {"dropped": [], "others": others}, keep, pipeline, strict)
+        tensors = {key: value for key, value in tensors.items() if key not in set(others)}
 
     logging.getLogger("lora_cache").info("%s: %s; reading it with lora_cache's own parser instead%s", path, why,
                                          "" if family is None else f", {family.name}'s original names split by rows "
@@ -279,14 +311,30 @@ def _read_with_family_rules(path: str, tensors: dict, metadata: dict, family, wh
                                                      values_check=FiniteCheck(path, tensors), rules=rules_of(family))
 
 
+def _diffs_placed(path: str, tensors: dict, model, loader, family) -> dict:
+    """``tensors`` for a reading with ``family``'s rules: the full diffs of modules the rules do
+    not name (Wan's ``norm3``, ``modulation``, the qk norms) under the model's names, as
+    the converter's path places them (:mod:`lora_cache.adapters.diff_placement`)."""
+    if family is None or model is None or not any(key.endswith((".diff", ".diff_b")) for key in tensors):
+        return tensors
+    modules = group_parts(path, tensors)
+    stems = [stem for stem in full_diff_stems(modules, model) if not uses_original_names(family, [stem])]
+    if not stems:
+        return tensors
+    placed = place_full_diffs(path, modules, stems, model, denoiser_name(loader))
+    return {**without_full_diffs(tensors, modules, stems, model), **placed}
+
+
 def _from_record(path: str, loader, tensors: dict, metadata: dict, record: dict, keep: tuple[str, ...],
-                 pipeline: bool, strict: bool) -> AdapterFile:
+                 pipeline: bool, strict: bool, model=None) -> AdapterFile:
     """The adapter as its conversion record describes it: diffusers' keys with tensors on the
     meta device (values are needed only where a layer is computed: :class:`NoValues`), or
     the file read by this package's kohya Flux parser (views of the file, as any read)."""
     if record["kind"] in ("family-rules", "kohya-flux"):
-        return _read_with_family_rules(path, tensors, metadata, family_of(loader),
-                                       "diffusers' converter could not convert it when first read")
+        return read_with_family_rules(path, _diffs_placed(path, tensors, model, loader, family_of(loader)),
+                                      metadata, family_of(loader),
+                                      "diffusers' converter could not convert it when first read", loader, keep,
+                                      pipeline, strict)
     _say_left(path, loader, record["left"], keep, pipeline, strict)  # as when it was converted
     folded = bool(record.get("folded"))
     return build_adapter_file(path, skeleton_of(record), folded_metadata(metadata, folded),
@@ -316,12 +364,13 @@ def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
         converter += f" + SGM blocks at layers_per_block={model.config.get('layers_per_block')}"
     mixed = _mixed_layouts(tensors)
     if mixed:  # each converter takes its own layout and drops or breaks the other
-        return _read_with_family_rules(path, tensors, metadata, family_of(loader),
-                                       f"it mixes {' and '.join(mixed)} keys, which no converter of diffusers reads")
+        return read_with_family_rules(path, tensors, metadata, family_of(loader),
+                                       f"it mixes {' and '.join(mixed)} keys, which no converter of diffusers reads",
+                                       loader, keep, bool(components), strict)
     name = memo.key(path, converter, keep, alpha) if memo is not None else None
     record = memo.load(name) if memo is not None else None
     if record is not None:
-        return _from_record(path, loader, tensors, metadata, record, keep, bool(components), strict)
+        return _from_record(path, loader, tensors, metadata, record, keep, bool(components), strict, model)
     adapter, record = _converted(path, loader, tensors, metadata, keep, converter, alpha, model, strict,
                                  pipeline=bool(components))
     if memo is not None:

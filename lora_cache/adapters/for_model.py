@@ -3,8 +3,9 @@
 A diffusers model (or the components ``lora_cache.load_lora`` took from a pipeline) gets
 its adapters through diffusers' own converter; every other model through this package's
 reader, as does a file of a format diffusers does not read (its module in
-:mod:`lora_cache.adapters.formats` says ``DIFFUSERS_READS = False``). The choice is made
-here, once per merge, so the rest of the merge never asks.
+:mod:`lora_cache.adapters.formats` says ``DIFFUSERS_READS = False``), with the family's
+original names as key rules where the file uses them (:mod:`lora_cache.adapters.family_rules`).
+The choice is made here, once per merge, so the rest of the merge never asks.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 from hostmem.safetensors.header import SafetensorsError, read_header
 
 from .conversion_memo import ConversionMemo
-from .diffusers_format import denoiser_name, diffusers_loader, is_diffusers_model, read_with_diffusers
-from .formats import detect
-from .read import AdapterFile, peft_config_path, read_adapter, resolve_file
+from .diffusers_format import (denoiser_name, diffusers_loader, is_diffusers_model, read_with_diffusers,
+                               read_with_family_rules)
+from .family_rules import family_of, uses_original_names
+from .formats import detect, split_key
+from .read import AdapterFile, open_adapter, peft_config_path, read_adapter, resolve_file
 from .spec import Adapter, AdapterError
 
 __all__ = ["read_adapters"]
@@ -51,6 +54,23 @@ def _diffusers_reads(path: str) -> bool:
     return getattr(detect(header.tensors, header.metadata), "DIFFUSERS_READS", True)
 
 
+def _read_here(path: str, spec: Adapter, found) -> AdapterFile:
+    """A file diffusers' converters are not given (a LyCORIS kind, a peft folder), read by this
+    package's reader: with the family's original names as key rules where ``found`` (the
+    loader and components) is a family's whose names the file uses
+    (``lora_unet_double_blocks_0_img_attn_qkv.hada_w1_a``, ``diffusion_model.blocks.0.self_attn.q``),
+    as diffusers' path reads such a file where its converter cannot; ``convert='native'``
+    reads the names as they are."""
+    family = family_of(found[0]) if found is not None and spec.convert == "auto" else None
+    if family is not None:
+        path, mapped, tensors = open_adapter(path)
+        if uses_original_names(family, {split[0] for split in map(split_key, tensors) if split}):
+            return read_with_family_rules(path, tensors, mapped.metadata(), family, "diffusers' converters are not "
+                                          "given its format", found[0], found[1] or (denoiser_name(found[0]),),
+                                          bool(found[1]), spec.strict)
+    return read_adapter(path, check_values=False)
+
+
 def read_adapters(model, specs: list[Adapter], loader=None, components: tuple[str, ...] = (),
                   memo_roots: list[str] | None = None) -> list[AdapterFile]:
     """Read every adapter for ``model``: through diffusers' converter where ``loader`` (a
@@ -81,5 +101,5 @@ def read_adapters(model, specs: list[Adapter], loader=None, components: tuple[st
             memo = ConversionMemo(memo_roots)
         files.append(read_with_diffusers(path, found[0], found[1] or None, memo, alpha=spec.alpha,
                                          model=_denoiser(model, found[0]), strict=spec.strict)
-                     if use else read_adapter(path, check_values=False))
+                     if use else _read_here(path, spec, found))
     return files

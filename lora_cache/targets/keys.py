@@ -61,6 +61,22 @@ class Placement:
     rows: slice | None = None  # rows of the module's weight it lands on
 
 
+_NAMED_FIRST = (*LOHA_ROLES, *LOKR_ROLES, "down", "up", "mid", "diff", "magnitude", "dora_scale", "diff_b", "up_b")
+
+
+def _named_key(change: ModuleChange) -> str:
+    """The key a message names a module change by: a part that carries its weight (its down,
+    a LoHa's ``hada_w1_a``, a LoKr's ``lokr_w1``, a diff) before its ``.alpha``, which says
+    nothing of what the module is."""
+    return next((change.keys[role] for role in _NAMED_FIRST if role in change.keys), next(iter(change.keys.values())))
+
+
+def _named(change: ModuleChange) -> str:
+    """:func:`_named_key`, with the LyCORIS kind where the change is one (``... (LoHa)``)."""
+    kind = kind_of(change.parts)
+    return _named_key(change) + (f" ({kind})" if kind else "")
+
+
 def _change_rows(change: ModuleChange) -> int | None:
     if kind_of(change.parts):  # LoHa, LoKr, Tucker LoCon: the rows of the change they make
         return shape_of(change.parts)[0]
@@ -86,7 +102,7 @@ def _rows_of(adapter: AdapterFile, key: str, target: Target, index: ModuleIndex)
 def _split(adapter: AdapterFile, change: ModuleChange, targets: list[Target], index: ModuleIndex) -> list[Placement]:
     """A change on a fused projection, split by rows over separate modules (or rows of
     them) in order."""
-    key = next(iter(change.keys.values()))
+    key = _named_key(change)
     spans = [_rows_of(adapter, key, t, index) for t in targets]
     if len(targets) == 1:
         return [Placement(targets[0].module, change, rows=spans[0])]
@@ -139,16 +155,15 @@ def resolve_adapter(adapter: AdapterFile, spec: Adapter, index: ModuleIndex) -> 
     placements: list[Placement] = []
     unmatched: list[str] = []
     for stem, change in adapter.modules.items():
-        first_key = next(iter(change.keys.values()))
         try:
             targets = resolve_stem(stem, rules, index)
         except KeyResolutionError as exc:
-            raise KeyResolutionError(f"{adapter.path}: adapter key {first_key!r} {exc}") from None
+            raise KeyResolutionError(f"{adapter.path}: adapter key {_named_key(change)!r} {exc}") from None
         if targets is None and set(change.parts) == {"diff"}:  # a full diff of a bare parameter
             found = index.find_parameter(stem)
             targets = None if found is None else [Target(found)]
         if targets is None:
-            unmatched.append(first_key)
+            unmatched.append(_named(change))
         else:
             placements.extend(_split(adapter, change, targets, index))
     _check_overlaps(adapter, placements)

@@ -219,6 +219,16 @@ def test_a_factored_change_of_another_shape_is_refused_naming_both(tmp_path):
         lora_cache.merge(_base(tmp_path / "m"), [path], enabled=False)
 
 
+def test_an_unmatched_factored_module_is_named_by_a_factor_and_its_kind_not_its_alpha(tmp_path):
+    """Its ``.alpha`` sorts first among its keys, and says nothing of the module being a LoHa or a LoKr."""
+    modules = _mixed(torch.Generator().manual_seed(11))
+    path = _write(tmp_path, {"nowhere_a": modules["a"], "nowhere_b": modules["b"]})
+    with pytest.raises(KeyResolutionError) as caught:
+        lora_cache.merge(_base(tmp_path / "m"), [path], enabled=False)
+    listed = str(caught.value).splitlines()[1:3]
+    assert [line.strip() for line in listed] == ["lycoris_nowhere_a.hada_w1_a (LoHa)", "lycoris_nowhere_b.lokr_w1 (LoKr)"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU merge is tested above)")
 def test_a_merge_summed_on_the_gpu_is_the_cpu_merge_up_to_one_rounding(tmp_path):
     """The GPU sums a layer in one block, with its own matrix kernels: the same change, rounded once."""
