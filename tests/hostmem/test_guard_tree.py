@@ -83,7 +83,9 @@ def test_children_is_still_accepted_and_means_the_default(tmp_path):
 def test_a_grandchild_is_counted_and_the_processes_are_named(counting, tmp_path):
     # sh (the command) -> sh -> python that allocates 256 MiB (a grandchild)
     inner = tmp_path / "inner.sh"
-    inner.write_text(f"#!/bin/sh\nexec {serve_script(tmp_path)}\n")
+    # held 1.5 s: a tree scan sees a process only while it lives, and on a loaded machine
+    # (a full suite on two cores) its thread may wait longer than 0.3 s for its turn
+    inner.write_text(f"#!/bin/sh\nexec {serve_script(tmp_path, hold=1.5)}\n")
     inner.chmod(0o755)
     result = run_guarded(["sh", "-c", f"{inner}; exit $?"], 128 * MiB, counting=counting)
     assert (result.exceeded, result.guard_exit_code) == (True, 3)
