@@ -351,7 +351,8 @@ def _switch(state: SwitchState, model, specs, planned, identity, background: boo
     merged, lossy, check = split.decided()
     unsupported = next((r for r in map(unsupported_reason, merged) if r is not None), None)
     if unsupported is not None or not background:  # merge's own rounding check says what it keeps
-        _merge_now(model, specs, state.options)
+        with _combination_lock(identity):  # after a build of it still in flight (switched away and back)
+            _merge_now(model, specs, state.options)
         return SwitchResult("built", layers=len(targets))
     say(check)
     copied = apply_runtime(targets)

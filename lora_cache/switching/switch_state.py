@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from hostmem.errors import InputError
+from hostmem.forward_exit import wrap_forward
 from ..adapters import Adapter, AdapterFile
 from ..placement.layers import is_merged
 from ..placement.runtime_lora import runtime_bytes
@@ -60,7 +61,7 @@ class SwitchState:
     gate: ForwardGate = field(default_factory=ForwardGate)
     identity: tuple = ()
     pending: Pending | None = None
-    handles: list = field(default_factory=list)  # its hooks on the root modules
+    handles: list = field(default_factory=list)  # what takes its hooks off the root modules
 
     def covers(self, roots: dict) -> bool:
         """True when every module of ``roots`` is one of this state's."""
@@ -125,16 +126,18 @@ def state_for_switch(roots: dict, options: dict) -> tuple[SwitchState, list[Swit
 
 
 def attach(state: SwitchState, enter, leave) -> None:
-    """Hook ``state`` on its root modules: ``enter`` before each forward, ``leave`` after."""
+    """Hook ``state`` on its root modules: ``enter`` before each forward, ``leave`` after,
+    however the forward is left (an interrupt too: :mod:`hostmem.forward_exit`)."""
     for root in state.components.values():
-        state.handles.append(root.register_forward_pre_hook(enter))
-        state.handles.append(root.register_forward_hook(leave, always_call=True))
+        state.handles.append(root.register_forward_pre_hook(enter).remove)
+        state.handles.append(root.register_forward_hook(leave, always_call=True).remove)
+        state.handles.append(wrap_forward(root, state.gate.leave))
 
 
 def detach(state: SwitchState) -> None:
     """Take ``state``'s hooks off its root modules."""
-    for handle in state.handles:
-        handle.remove()
+    for undo in reversed(state.handles):
+        undo()
     state.handles.clear()
 
 

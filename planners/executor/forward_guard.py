@@ -24,6 +24,7 @@ from typing import Callable, Iterable
 import torch
 
 from hostmem.errors import InputError
+from hostmem.forward_exit import wrap_forward
 
 __all__ = ["guard_forward", "refuse_grad"]
 
@@ -46,30 +47,13 @@ def _wants_grad(args, kwargs) -> bool:
 def guard_forward(root: torch.nn.Module, left: Callable[[], None]) -> Callable[[], None]:
     """Wrap ``root.forward`` so that it runs without gradients unless an input asks for
     them, and ``left()`` runs when it is left by a ``BaseException`` that is no
-    ``Exception`` (for those torch runs the ``always_call`` hooks); returns what sets the
-    forward back (unless it was replaced since)."""
-    own = root.__dict__.get("forward")  # an instance's own forward, set back as it was
-    inner = root.forward
+    ``Exception`` (:func:`hostmem.forward_exit.wrap_forward`); returns what sets the
+    forward back."""
+    return wrap_forward(root, left, _run)
 
-    def forward(*args, **kwargs):
-        try:
-            if torch.is_grad_enabled() and not _wants_grad(args, kwargs):
-                with torch.no_grad():
-                    return inner(*args, **kwargs)
+
+def _run(inner, args, kwargs):
+    if torch.is_grad_enabled() and not _wants_grad(args, kwargs):
+        with torch.no_grad():
             return inner(*args, **kwargs)
-        except Exception:
-            raise
-        except BaseException:
-            left()
-            raise
-
-    root.forward = forward
-
-    def undo() -> None:
-        if root.__dict__.get("forward") is forward:
-            if own is None:
-                del root.forward
-            else:
-                root.forward = own
-
-    return undo
+    return inner(*args, **kwargs)

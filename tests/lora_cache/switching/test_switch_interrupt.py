@@ -1,0 +1,53 @@
+"""A forward of a switched model left by Ctrl+C gives its place in the gate back.
+
+Torch runs the hook that ends a forward (``always_call``) for an ``Exception`` only; a
+``KeyboardInterrupt`` in a notebook server, between two requests' switches, used to leave
+the thread counted inside the forward: its own next switch was refused as "from inside a
+forward", and one from any other thread waited for it for good."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import lora_cache
+from lora_cache.switching.adapter_switch import serving
+from tests.lora_cache.switching.test_runtime_lora import stack_adapter, stack_model
+
+DIM, DEPTH = 64, 3
+
+
+def _interrupt_once(module: torch.nn.Module):
+    """Raise KeyboardInterrupt in ``module``'s next forward, as Ctrl+C lands there."""
+    def hook(mod, args):
+        handle.remove()
+        raise KeyboardInterrupt
+
+    handle = module.register_forward_pre_hook(hook)
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["merged", "at-run-time"])
+def test_an_interrupted_forward_lets_the_next_switch_through_from_any_thread(tmp_path, background):
+    model = stack_model(tmp_path, DIM, DEPTH)
+    root = tmp_path / "cache"
+    adapter = stack_adapter(tmp_path / "a.safetensors", DIM, DEPTH, 1)
+    x = torch.randn(2, DIM)
+    lora_cache.set_adapters(model, [adapter], cache_root=root, background=background)
+    served = model(x)
+    _interrupt_once(model.layers[1])
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    torch.testing.assert_close(model(x), served)  # the same thread serves on (merged by now, or at run time)
+
+    done: list = []
+    other = threading.Thread(target=lambda: done.append(lora_cache.set_adapters(model, [], cache_root=root)),
+                             daemon=True)
+    other.start()
+    other.join(30)
+    assert not other.is_alive(), "a switch from another thread waits for the interrupted forward for good"
+    assert done and done[0].mode == "base" and serving(model) == "base"
+    result = lora_cache.set_adapters(model, [adapter], cache_root=root, background=False)  # and from this one
+    assert result.mode in ("cached", "built")
+    torch.testing.assert_close(model(x), served)
