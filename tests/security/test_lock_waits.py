@@ -127,92 +127,14 @@ def test_another_users_hold_on_the_wisdom_lock_times_the_kernels_here_within_the
     assert not wisdom.writable and not os.path.exists(os.path.join(root, WISDOM_FILE))
 
 
-_OWNER = 4242  # the cache's owner in the test below: a user with no other process on the machine
+_OWNER = 4242  # the cache's owner in the tests below: a user with no other process on the machine
 
 
-def _start_under_hidepid(root: str, key, tensors: dict, said_to) -> None:
-    """In a forked child: a private mount namespace whose /proc hides other users'
-    processes (``hidepid=2``), then a start as the cache's owner; what it did, to ``said_to``."""
-    import ctypes
-    import json
-    import subprocess
-
-    code = 1
-    try:
-        if ctypes.CDLL(None, use_errno=True).unshare(0x00020000) != 0:  # CLONE_NEWNS
-            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
-        for cmd in (["mount", "--make-rprivate", "/"], ["mount", "-t", "proc", "-o", "hidepid=2", "proc", "/proc"]):
-            subprocess.run(cmd, check=True, capture_output=True)
-        os.setgroups([])
-        os.setgid(_OWNER)
-        os.setuid(_OWNER)
-        built = build(Vault(root), key, tensors)["layers_written"]
-        session, served = _serve(Vault(root), key, tensors)
-        session.close()
-        os.write(said_to, json.dumps({"key": session.key, "built": built, "served": served,
-                                      "error": session.last_error}).encode())
-        code = 0
-    except BaseException as exc:  # noqa: BLE001 (said to the parent, which skips or fails)
-        os.write(said_to, json.dumps({"failed": f"{type(exc).__name__}: {exc}"}).encode())
-    finally:
-        os._exit(code)
-
-
-def test_another_users_hold_hidden_by_proc_is_known_as_anothers_and_never_waited_for(tmp_path):
-    """On a host whose /proc hides other users' processes (``hidepid=2``), the holder of a
-    key's lock has no /proc entry this user can see. This user's own processes are always
-    seen, so the holder is another user's: the start builds a copy of its own at once, as
-    where /proc shows it, not after the whole bounded wait and never in place."""
+def _as_owner_start(root: str, key, tensors: dict, said_to) -> None:
+    """In a forked child set up as the test wants: a start as the cache's owner (a build,
+    then a session serving it); what it did, to ``said_to`` as JSON. Never returns."""
     import json
 
-    uid, _ = nobody()
-    root = str(tmp_path / "root")
-    os.makedirs(os.path.join(root, "lora_merge_cache"))
-    key, tensors = key_for("hidden-holder"), layers(count=2)
-    with open(lock_path(os.path.join(root, "lora_merge_cache"), key.hex), "a"):
-        pass
-    for here, dirs, files in os.walk(root):
-        for name in [here, *(os.path.join(here, f) for f in files)]:
-            os.chown(name, _OWNER, _OWNER)
-    open_to_others(root)  # the operator's chmod: nobody can open the lock
-    with reachable_by_others(root, opened=True), \
-            flock_held_by_nobody(lock_path(os.path.join(root, "lora_merge_cache"), key.hex)):
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read)
-            _start_under_hidepid(root, key, tensors, write)
-        os.close(write)
-        with os.fdopen(read, "rb") as pipe:
-            said = json.loads(pipe.read().decode() or "{}")
-        os.waitpid(pid, 0)
-    if "failed" in said and ("unshare" in said["failed"] or "mount" in said["failed"]):
-        pytest.skip(f"no private mount namespace with hidepid here: {said['failed']}")
-    assert said.get("key") == alternate_key(key.hex, 1), said
-    assert said["error"] is None or "sealed and verified" in said["error"]  # served from the copy it built
-    assert said["built"] == said["served"] == len(tensors)
-    assert uid != _OWNER
-
-
-def _start_in_pid_namespace(root: str, key, tensors: dict, said_to) -> None:
-    """In a forked child: a pid namespace of its own with its own /proc (a container's),
-    whose /proc/locks lists no process outside it; then a start as the cache's owner."""
-    import ctypes
-    import json
-    import subprocess
-
-    try:
-        if ctypes.CDLL(None, use_errno=True).unshare(0x00020000 | 0x20000000) != 0:  # CLONE_NEWNS | CLONE_NEWPID
-            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS | CLONE_NEWPID)")
-        pid = os.fork()  # the first process of the namespace
-        if pid:
-            _, status = os.waitpid(pid, 0)
-            os._exit(os.waitstatus_to_exitcode(status))
-        for cmd in (["mount", "--make-rprivate", "/"], ["mount", "-t", "proc", "proc", "/proc"]):
-            subprocess.run(cmd, check=True, capture_output=True)
-    except BaseException as exc:  # noqa: BLE001 (said to the parent, which skips)
-        os.write(said_to, json.dumps({"failed": f"unshare or mount: {type(exc).__name__}: {exc}"}).encode())
-        os._exit(1)
     code = 1
     try:
         os.setgroups([])
@@ -230,41 +152,88 @@ def _start_in_pid_namespace(root: str, key, tensors: dict, said_to) -> None:
         os._exit(code)
 
 
+def _in_namespaces(flags: int, proc_options: list[str], said_to: int, then) -> None:
+    """In a forked child: ``unshare(flags)`` (a pid namespace's first process forked after
+    it), /proc mounted anew with ``proc_options`` in a private mount namespace, then
+    ``then()``; a failure to set this up is said as ``{"failed": ...}``, for a skip."""
+    import ctypes
+    import json
+    import subprocess
+
+    try:
+        if ctypes.CDLL(None, use_errno=True).unshare(flags) != 0:
+            raise OSError(ctypes.get_errno(), f"unshare({flags:#x})")
+        if flags & 0x20000000:  # CLONE_NEWPID: the namespace begins with the next child
+            pid = os.fork()
+            if pid:
+                _, status = os.waitpid(pid, 0)
+                os._exit(os.waitstatus_to_exitcode(status))
+        for cmd in (["mount", "--make-rprivate", "/"], ["mount", "-t", "proc", *proc_options, "proc", "/proc"]):
+            subprocess.run(cmd, check=True, capture_output=True)
+    except BaseException as exc:  # noqa: BLE001 (said to the parent, which skips)
+        os.write(said_to, json.dumps({"failed": f"unshare or mount: {type(exc).__name__}: {exc}"}).encode())
+        os._exit(1)
+    then()
+
+
+def _start_held_by_nobody(tmp_path, tag: str, flags: int, proc_options: list[str]):
+    """The owner's root, opened to others by the operator's chmod, with a key lock left
+    by a killed start and held by nobody; a start in the namespaces ``flags`` make:
+    ``(what it said, the key, the tensors, the lock's path)``."""
+    import functools
+    import json
+
+    nobody()
+    root = str(tmp_path / "root")
+    cache = os.path.join(root, "lora_merge_cache")
+    os.makedirs(cache)
+    key, tensors = key_for(tag), layers(count=2)
+    lock = lock_path(cache, key.hex)
+    with open(lock, "a"):
+        pass
+    for here, dirs, files in os.walk(root):
+        for name in [here, *(os.path.join(here, f) for f in files)]:
+            os.chown(name, _OWNER, _OWNER)
+    open_to_others(root)  # the operator's chmod: nobody can open the lock
+    with reachable_by_others(root, opened=True), flock_held_by_nobody(lock):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            _in_namespaces(flags, proc_options, write, functools.partial(_as_owner_start, root, key, tensors, write))
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            said = json.loads(pipe.read().decode() or "{}")
+        os.waitpid(pid, 0)
+    if "failed" in said:
+        pytest.skip(f"no such namespaces here: {said['failed']}")
+    return said, key, tensors, lock
+
+
+def test_another_users_hold_hidden_by_proc_is_known_as_anothers_and_never_waited_for(tmp_path):
+    """On a host whose /proc hides other users' processes (``hidepid=2``), the holder of a
+    key's lock has no /proc entry this user can see. This user's own processes are always
+    seen, so the holder is another user's: the start builds a copy of its own at once, as
+    where /proc shows it, not after the whole bounded wait and never in place."""
+    said, key, tensors, _ = _start_held_by_nobody(tmp_path, "hidden-holder", 0x00020000, ["-o", "hidepid=2"])
+    assert said.get("key") == alternate_key(key.hex, 1), said
+    assert said["error"] is None or "sealed and verified" in said["error"]  # served from the copy it built
+    assert said["built"] == said["served"] == len(tensors)
+    assert nobody()[0] != _OWNER
+
+
 def test_a_hold_from_outside_this_containers_pid_namespace_on_a_shared_lock_is_never_waited_for(tmp_path):
     """From a container (a pid namespace of its own), /proc/locks lists no holder outside
     it: another user's hold on a lock file the operator's chmod opened to others is unseen.
     The start counts an unseen holder of such a file as maybe another user's and builds a
     copy of its own at once, as where the holder is seen; never the whole bounded wait,
     never in place. The lock file is closed to others (0600) from then on."""
-    import json
     import stat
 
-    nobody()
-    root = str(tmp_path / "root")
-    cache = os.path.join(root, "lora_merge_cache")
-    os.makedirs(cache)
-    key, tensors = key_for("unseen-holder"), layers(count=2)
-    with open(lock_path(cache, key.hex), "a"):
-        pass
-    for here, dirs, files in os.walk(root):
-        for name in [here, *(os.path.join(here, f) for f in files)]:
-            os.chown(name, _OWNER, _OWNER)
-    open_to_others(root)
-    with reachable_by_others(root, opened=True), flock_held_by_nobody(lock_path(cache, key.hex)):
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read)
-            _start_in_pid_namespace(root, key, tensors, write)
-        os.close(write)
-        with os.fdopen(read, "rb") as pipe:
-            said = json.loads(pipe.read().decode() or "{}")
-        os.waitpid(pid, 0)
-    if "failed" in said:
-        pytest.skip(f"no pid namespace with its own /proc here: {said['failed']}")
+    said, key, tensors, lock = _start_held_by_nobody(tmp_path, "unseen-holder", 0x00020000 | 0x20000000, [])
     assert said.get("key") == alternate_key(key.hex, 1), said
     assert said["built"] == said["served"] == len(tensors)
-    assert stat.S_IMODE(os.stat(lock_path(cache, key.hex)).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(lock).st_mode) == 0o600
 
 
 def test_removing_a_combination_another_user_holds_names_them_and_what_to_do(tmp_path):
