@@ -78,6 +78,12 @@ _RUNNING: "weakref.WeakKeyDictionary[torch.nn.Module, Executor]" = weakref.WeakK
 _RUNNING_LOCK = threading.Lock()
 
 
+def _nested_modules(root: torch.nn.Module, others: list[torch.nn.Module]) -> set[int]:
+    """Ids of the modules of every component of ``others`` whose root lies inside ``root``."""
+    within = {id(m) for m in root.modules()} - {id(root)}
+    return {id(m) for other in others if id(other) in within for m in other.modules()}
+
+
 def _state(tensor: torch.Tensor) -> tuple:
     """What tells a tensor changed in place or re-pointed (``.data =``): its storage, dtype,
     shape and version (none for an inference tensor)."""
@@ -232,8 +238,11 @@ class Executor:
         for name, roles in self.roles.items():
             root = self.components[name]
             inside = {id(m) for k, l in layouts[name].items() if k not in roles.resident for m in l.module.modules()}
+            theirs = _nested_modules(root, [r for n, r in self.components.items() if n != name])
             holders: dict[int, list] = {}  # id(tensor) -> [tensor, kind, held outside the layers, [(table, key)]]
             for module in root.modules():
+                if id(module) in theirs:  # a component nested in this one places its own (its layers streamed)
+                    continue
                 for kind, table in (("p", module._parameters), ("b", module._buffers)):
                     for key, tensor in table.items():
                         if tensor is None or tensor.device.type != "cpu" or id(tensor) in made:

@@ -444,3 +444,31 @@ def test_many_passes_from_two_threads_at_once_on_the_host_path_keep_their_bookke
             thread.join(120)
     assert errors == []
     assert all(torch.equal(out, expected[i]) for i in range(2) for out in outputs[i])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_component_nested_in_another_streams_its_own_layers(tmp_path, checkpoint, path):
+    """A text encoder held as a child of the DiT (outside the DiT's layers): the DiT's
+    placement leaves it to its own plan, so its streamed layers are never placed on the
+    device whole (on a GPU, a copy of each beyond the plan's device memory), and every
+    output equals the model's without the executor."""
+    other, config = _two(tmp_path, checkpoint)
+
+    def script(dit, te):
+        with torch.no_grad():
+            return [te(_x()), dit(_x(), order=FULL[:5]), te(_x(), order=[3, 2]), dit(_x())]
+
+    def nested():
+        dit, te = load_synthetic_dit(checkpoint), load_synthetic_dit(other)
+        dit.add_module("text_encoder", te)
+        return dit, te
+
+    expected = script(*nested())
+    dit, te = load_synthetic_dit(checkpoint), load_synthetic_dit(other)
+    plan = plan_loaded(config, {"dit": dit, "te": te}, quiet=True)
+    dit.add_module("text_encoder", te)
+    streamed = {n: p for n, p in te.named_parameters() if n.startswith("blocks.")}
+    with execute(plan, {"dit": dit, "te": te}, prefetch=2, **PATHS[path]):
+        assert all(p is streamed[n] for n, p in te.named_parameters() if n in streamed)
+        got = script(dit, te)
+    _same(got, expected)
