@@ -10,22 +10,27 @@ wait for it for good. :func:`wrap_forward` closes that gap for one module's forw
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from torch import nn
 
-__all__ = ["wrap_forward"]
+__all__ = ["is_wrapped", "wrap_forward"]
 
 
 def wrap_forward(root: nn.Module, left: Callable[[], None], call: Callable | None = None) -> Callable[[], None]:
     """Wrap ``root.forward`` so that ``left()`` runs when it is left by a ``BaseException``
     that is no ``Exception``; ``call(inner, args, kwargs)`` runs the wrapped forward
     (default: ``inner(*args, **kwargs)``). Returns what sets the forward back (unless it was
-    replaced since: a wrapper of another library's put over it stays)."""
+    replaced since: a wrapper of another library's put over it stays, and ours under it
+    then only passes the call through)."""
     own = root.__dict__.get("forward")  # an instance's own forward, set back as it was
     inner = root.forward
+    active = [left, True]  # undone: a wrapper another library's hook kept (and may set back) only passes through
 
     def forward(*args, **kwargs):
+        if not active[1]:
+            return inner(*args, **kwargs)
         try:
             return inner(*args, **kwargs) if call is None else call(inner, args, kwargs)
         except Exception:
@@ -34,9 +39,14 @@ def wrap_forward(root: nn.Module, left: Callable[[], None], call: Callable | Non
             left()
             raise
 
+    # the forward's own name, docstring and signature: diffusers picks the arguments it
+    # passes by inspect.signature (a VAE's decode of num_frames, a modular block's inputs)
+    functools.update_wrapper(forward, inner)
+    forward._hostmem_exit = active  # shared with the copies of its __dict__ wrappers over it make
     root.forward = forward
 
     def undo() -> None:
+        active[1] = False
         if root.__dict__.get("forward") is forward:
             if own is None:
                 del root.forward
@@ -44,3 +54,16 @@ def wrap_forward(root: nn.Module, left: Callable[[], None], call: Callable | Non
                 root.forward = own
 
     return undo
+
+
+def is_wrapped(root: nn.Module, left: Callable[[], None]) -> bool:
+    """Whether ``root``'s forward still runs through a :func:`wrap_forward` wrapper for
+    ``left``, under whatever wrappers of other libraries were put over it since (each
+    names what it wraps as ``__wrapped__``, as ``functools.update_wrapper`` leaves it)."""
+    forward, seen = root.__dict__.get("forward"), 0
+    while forward is not None and seen < 64:
+        mark = getattr(forward, "_hostmem_exit", None)
+        if mark is not None and mark[0] == left and mark[1]:
+            return True
+        forward, seen = getattr(forward, "__wrapped__", None), seen + 1
+    return False

@@ -94,7 +94,7 @@ class KeyLock:
         while not self.acquire(exclusive, blocking=False):
             waited = time.monotonic() - started
             if waited >= bound or (waited >= short and foreign_hold(lock_holders(self.path), self.exposed)):
-                return False
+                return self.acquire(exclusive, blocking=False)  # unless it was just let go (unseen: gone)
             time.sleep(min(pause, max(bound - waited, 0.001)))
             pause = min(2 * pause, 0.25)
         return True

@@ -66,9 +66,11 @@ def _lock_key(cache: str, key: str, label: str) -> tuple[KeyLock | None, float, 
     holders = lock_holders(lock.path)
     if held_by_others(holders):
         return None, 0.0, f"its lock {lock.path} is held by {describe_holders(holders)}, another user", True
-    if foreign_hold(holders, lock.exposed):
+    if foreign_hold(holders, lock.exposed) and not lock.acquire(blocking=False):  # not one just let go
         return None, 0.0, (f"its lock {lock.path}, which others could open, is held by {describe_holders(holders)}; "
                            "it may be another user's"), True
+    if lock.held:
+        return lock, 0.0, None, False
     bound = lock_wait_s()
     say(f"{label} {key[:12]} is in use by another process (most likely building it); waiting up to {bound:.0f} s "
         f"for it to finish (held by {describe_holders(holders)}; lock {lock.path}), then using what it built")

@@ -19,7 +19,7 @@ import os
 from hostmem.vault.content_hash import stamp_of
 from .spec import AdapterError
 
-__all__ = ["check_unchanged", "keyed", "read_as", "reads_of", "remember"]
+__all__ = ["check_read_whole", "check_unchanged", "keyed", "read_as", "reads_of", "remember"]
 
 _READ: dict[str, list[int]] = {}  # real path -> stamp of the file as its latest read found it
 _KEYED: dict[str, list[int]] = {}  # real path -> stamp of the file the latest key was made from
@@ -60,6 +60,13 @@ def check_unchanged(reads) -> None:
             _refuse(path, "it was replaced" if now[:2] != read[:2] else "it was written")
         if key is not None and key != read:
             _refuse(path, "the file its key was made from was replaced or written before it was read again")
+
+
+def check_read_whole(path: str, before: os.stat_result) -> None:
+    """Refuse when ``path`` is not the file it was (``before``) once a read by path ended."""
+    now = _stamp_now(path)
+    if now != stamp_of(before):
+        _refuse(path, "it cannot be read any more" if now is None else "it was written or replaced while it was read")
 
 
 def _stamp_now(path: str) -> list[int] | None:

@@ -50,7 +50,8 @@ from .identity import combination_identity
 from ..orchestrate import CacheBuildError, cache_roots, merge, merge_layers, open_combination, plan_targets
 from ..ranks.process_group import DEFAULT_TIMEOUT, check_rank_timeout
 from ..placement.runtime_lora import apply_runtime, remove_runtime, runtime_bytes, unsupported_reason
-from .switch_state import Pending, SwitchState, attach, detach, existing_state, state_for_switch, state_of
+from .switch_state import (Pending, SwitchState, attach, detach, existing_state, rewrap, state_for_switch, state_of,
+                           states_on)
 
 __all__ = ["SwitchResult", "set_adapters", "swap_ready", "serving", "build_reserve_bytes", "unmerge"]
 
@@ -78,6 +79,7 @@ class _Enter:
         self.state = state
 
     def __call__(self, module, args):
+        rewrap(self.state, module)  # a hook of another library's removed since may have taken the wrapper off
         pending = self.state.pending
         if pending is not None and pending.built and not self.state.gate.in_forward:
             _swap(self.state, pending, blocking=False)
@@ -306,14 +308,25 @@ def set_adapters(
     cache_root = tuple(cache_roots(cache_root))  # one root or an ordered list of them, as merge takes
     options = {"cache_root": cache_root, "max_size": max_size, "base_files": base_files, "device": device,
                "shards": shards, "rank_timeout": check_rank_timeout(rank_timeout)}
-    state, replaced = state_for_switch(components_of(model), options)
+    roots = components_of(model)
+    for other in states_on(roots):
+        other.gate.refuse_inside()  # before the wait below, which would then wait for itself
+    with _SWITCHING:  # which states a switch replaces or is refused by stays so until it has switched
+        return _switch_roots(model, roots, adapters, options, background, started)
+
+
+_SWITCHING = threading.Lock()  # one switch at a time in a process: switches are rare, and shared modules meet here
+
+
+def _switch_roots(model, roots: dict, adapters, options: dict, background: bool, started: float) -> SwitchResult:
+    state, replaced = state_for_switch(roots, options)
     specs = as_adapters(adapters)
-    identity = combination_identity(specs, cache_root, shards)
+    identity = combination_identity(specs, options["cache_root"], options["shards"])
     with state.gate.exclusive():
         held = is_merged(model) or state.pending is not None  # not taken off by lora_cache.unmerge since
         if state.handles and identity == state.identity and (held if specs else not is_merged(model)):
             return SwitchResult("unchanged", seconds=time.perf_counter() - started)
-        planned = plan_targets(model, specs, shards) if specs else None  # bad input fails here, losing nothing
+        planned = plan_targets(model, specs, options["shards"]) if specs else None  # bad input: fails, loses nothing
         if planned is not None:
             _check_values_first(planned[0])
         for old in replaced:

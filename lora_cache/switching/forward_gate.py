@@ -56,6 +56,14 @@ class ForwardGate:
         with self._cond:
             return threading.get_ident() in self._readers
 
+    def refuse_inside(self) -> None:
+        """Raise :class:`NotASafePoint` when called from inside a forward of the model."""
+        if self.in_forward:
+            raise NotASafePoint(
+                "adapters cannot be switched from inside a forward call of the same model; "
+                "switch between forward calls"
+            )
+
     @contextlib.contextmanager
     def exclusive(self, blocking: bool = True):
         """Hold the model still: wait for the forwards in flight, keep new ones out.
@@ -64,11 +72,7 @@ class ForwardGate:
         (or another swap) is under way. Raises :class:`NotASafePoint` when called from
         inside a forward of the same model, which would wait for itself.
         """
-        if self.in_forward:
-            raise NotASafePoint(
-                "adapters cannot be switched from inside a forward call of the same model; "
-                "switch between forward calls"
-            )
+        self.refuse_inside()
         acquired = False
         with self._cond:
             if blocking or not (self._writing or self._readers):

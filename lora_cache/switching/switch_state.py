@@ -13,16 +13,18 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from torch import nn
+
 from hostmem.errors import InputError
-from hostmem.forward_exit import wrap_forward
+from hostmem.forward_exit import is_wrapped, wrap_forward
 from ..adapters import Adapter, AdapterFile
 from ..placement.layers import is_merged
 from ..placement.runtime_lora import runtime_bytes
 from .forward_gate import ForwardGate
 from ..targets.layer_target import LayerTarget, components_of
 
-__all__ = ["Pending", "SwitchState", "attach", "detach", "existing_state", "shared_refusal", "state_for_switch",
-           "state_of", "states_on"]
+__all__ = ["Pending", "SwitchState", "attach", "detach", "existing_state", "rewrap", "shared_refusal",
+           "state_for_switch", "state_of", "states_on"]
 
 
 @dataclass(eq=False)
@@ -131,6 +133,13 @@ def attach(state: SwitchState, enter, leave) -> None:
     for root in state.components.values():
         state.handles.append(root.register_forward_pre_hook(enter).remove)
         state.handles.append(root.register_forward_hook(leave, always_call=True).remove)
+        state.handles.append(wrap_forward(root, state.gate.leave))
+
+
+def rewrap(state: SwitchState, root: nn.Module) -> None:
+    """Wrap ``root``'s forward again where it no longer is (another library's hook, put on
+    before the switch and taken off since, set back the forward it found)."""
+    if not is_wrapped(root, state.gate.leave):
         state.handles.append(wrap_forward(root, state.gate.leave))
 
 

@@ -41,7 +41,19 @@ def refuse_grad(component: str, layer: str, args, kwargs) -> None:
 
 
 def _wants_grad(args, kwargs) -> bool:
-    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values()))
+    """Whether any tensor among the arguments, in lists, tuples and dicts too (SDXL's
+    ``added_cond_kwargs``), requires grad."""
+    seen, todo = 0, [*args, *kwargs.values()]
+    while todo and seen < 10_000:
+        item, seen = todo.pop(), seen + 1
+        if isinstance(item, torch.Tensor):
+            if item.requires_grad:
+                return True
+        elif isinstance(item, (list, tuple)):
+            todo.extend(item)
+        elif isinstance(item, dict):
+            todo.extend(item.values())
+    return False
 
 
 def guard_forward(root: torch.nn.Module, left: Callable[[], None]) -> Callable[[], None]:

@@ -30,6 +30,7 @@ from ..deployment import DeploymentPlan
 from ..calibration import saved_reader
 from ..named_components import named_components
 from ..offload_hooks import refuse_offload_hooks
+from hostmem.forward_exit import is_wrapped
 from .forward_guard import guard_forward, refuse_grad
 from .layout import MapIndex, layer_module, tensor_span
 from .pages import page_cover
@@ -121,6 +122,7 @@ class Executor:
         # gave the first's slot back while it computed from it)
         self._turns: dict[str, threading.RLock] = {}
         self._forwards: list = []  # what sets each component's forward back (the device path wraps it)
+        self._lefts: dict = {}  # what each wrapper runs when an interrupt leaves the forward
 
     # ------------------------------------------------------------------ entry
     def __enter__(self) -> "Executor":
@@ -275,7 +277,8 @@ class Executor:
             self._hooks.append(layout.module.register_forward_hook(lambda m, a, o, l=layer: pipe.after(l),
                                                                    always_call=True))
         if self.device is not None:
-            self._forwards.append(guard_forward(root, lambda n=name: self._interrupted(n)))
+            self._lefts[name] = lambda n=name: self._interrupted(n)
+            self._forwards.append(guard_forward(root, self._lefts[name]))
 
     def _layer_begin(self, name: str, layer: str, module: torch.nn.Module, args, kwargs) -> None:
         if self.device is not None:  # the device path serves inference (see .forward_guard)
@@ -295,6 +298,9 @@ class Executor:
 
     def _pass_begin(self, name: str) -> None:
         if self.device is not None:  # the device path: one pass of a component at a time (see _turns)
+            root = self.components[name]
+            if not is_wrapped(root, self._lefts[name]):  # another library's hook, taken off since, dropped it
+                self._forwards.append(guard_forward(root, self._lefts[name]))
             self._turns.setdefault(name, threading.RLock()).acquire()
         self._boundary()
         index = sum(1 for p in self._stats.passes if p.component == name)
@@ -358,6 +364,7 @@ class Executor:
         for undo in self._forwards:
             step(undo)
         self._forwards.clear()
+        self._lefts.clear()
         for pipe in self.pipelines.values():
             step(pipe.drain)
         if self._worker is not None:

@@ -85,3 +85,23 @@ def test_an_adapter_written_after_its_key_seals_no_layer_of_the_other_version(tm
     lora_cache.merge(model, [adapter], cache_root=root, progress=False)
     for name, weight in model.named_parameters():
         assert torch.equal(weight, expected[name]), name
+
+
+def test_a_pickled_adapter_touched_or_replaced_between_two_merges_merges_again(tmp_path):
+    """torch.save's files (peft's adapter_model.bin) are read by path: the check is that the
+    file stayed one file while it was read, not that it is the file an earlier merge keyed."""
+    from safetensors.torch import load_file
+
+    root = str(tmp_path / "cache")
+    pickled = str(tmp_path / "a.bin")
+    torch.save(load_file(_adapter(tmp_path / "a.safetensors", 1)), pickled)
+    lora_cache.merge(mapped_model(tmp_path / "m1"), [pickled], cache_root=root, progress=False)
+    os.utime(pickled, None)  # touched: the same bytes, another mtime
+    second = mapped_model(tmp_path / "m2")
+    lora_cache.merge(second, [pickled], cache_root=root, progress=False)
+    torch.save(load_file(_adapter(tmp_path / "b.safetensors", 2)), pickled)  # a new version
+    third = mapped_model(tmp_path / "m3")
+    lora_cache.merge(third, [pickled], cache_root=root, progress=False)
+    expected = _reference(tmp_path, str(tmp_path / "b.safetensors"))
+    for name, weight in third.named_parameters():
+        assert torch.equal(weight, expected[name]), name

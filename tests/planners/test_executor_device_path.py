@@ -187,3 +187,14 @@ def test_a_weight_changed_on_the_device_path_keeps_its_requires_grad_after_exit(
     with execute(synthetic_plan(checkpoint, ROOM, model), {"dit": model}, device="cpu", prefetch=2):
         model.to(torch.float64)
     assert all(p.requires_grad and p.dtype == torch.float64 for p in model.parameters())
+
+
+def test_an_input_that_requires_grad_inside_a_dict_or_list_counts_as_one():
+    """SDXL's ``added_cond_kwargs``: a dict among the arguments; such an input asks for
+    gradients as a plain one does (and is refused on the device path, not run without)."""
+    from planners.executor.forward_guard import _wants_grad
+
+    leaf = torch.ones(2, requires_grad=True)
+    assert _wants_grad((), {"added_cond_kwargs": {"text_embeds": [torch.ones(2), leaf]}})
+    assert _wants_grad(((torch.ones(1), (leaf,)),), {})
+    assert not _wants_grad((torch.ones(2),), {"added_cond_kwargs": {"time_ids": torch.ones(2)}, "n": 3})
