@@ -26,6 +26,7 @@ def scenarios() -> dict[str, list]:
         "repeat": [([0, 1, 2, 2, 2, *full[3:]], None)] * 2,
         "partial": [(full[: LAYERS // 2], None), (full, None), (full[:3], None)],
         "cfg": [(full, None), (full, None)],
+        "inference-mode": [(full, None), (full[::-1], None), (edge, None)],  # entered inside torch.inference_mode()
         "replace": [(full, None), (full, ("new", 0, 0.5)), (full, ("in_place", 0, 1e-3)),
                     (full[::-1], ("new", 5, 2.0)), (full, ("during", 3, 7))],
     }
@@ -63,7 +64,7 @@ def _pass(model, whole, order, change, x, device):
     return model(x, order=order), whole(x, order=order)
 
 
-def _scenario(checkpoint, plan, passes, device, tokens) -> dict:
+def _scenario(checkpoint, plan, passes, device, tokens, inference_mode: bool = False) -> dict:
     import torch
 
     from planners.executor import execute
@@ -75,7 +76,8 @@ def _scenario(checkpoint, plan, passes, device, tokens) -> dict:
     x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(0)).to(model.head.weight.dtype)
     x = x.to(device) if device not in (None, "cpu") else x
     outs = []
-    with torch.no_grad(), execute(plan, {"dit": model}, device=device, prefetch=2) as run:
+    grad_off = torch.inference_mode() if inference_mode else torch.no_grad()  # the slots are made outside it
+    with grad_off, execute(plan, {"dit": model}, device=device, prefetch=2) as run:
         for order, change in passes:
             run.settle()  # a change made next cannot race a copy in flight: it must be caught
             outs.append(_pass(model, whole, order, change, x, device if device != "cpu" else None))
@@ -103,7 +105,8 @@ def run_orders(args, work: str, transfer: dict, make_config) -> dict:
     tokens = args.tokens
     out = {"layers": LAYERS, "model_bytes": os.path.getsize(checkpoint), "paths": {}}
     for name, device in paths.items():
-        out["paths"][name] = {n: _scenario(checkpoint, plan, p, device, tokens) for n, p in scenarios().items()}
+        out["paths"][name] = {n: _scenario(checkpoint, plan, p, device, tokens, n == "inference-mode")
+                              for n, p in scenarios().items()}
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
