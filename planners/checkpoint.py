@@ -9,10 +9,12 @@ component's ``rest``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 
-from hostmem.safetensors.header import SafetensorsError, SafetensorsHeader, read_header
+from hostmem.safetensors.header import DTYPE_SIZES, SafetensorsError, SafetensorsHeader, read_header
+from hostmem.units import format_size
 
 from .sizes import ComponentSizes, group_layers, rest_families, with_lora_target_bytes
 
@@ -152,8 +154,40 @@ def read_checkpoint(
     ``headers``: what :func:`read_headers` gave for ``path`` already (a plan reads them once).
     """
     headers = read_headers(path) if headers is None else headers
-    named = [(info.name, info.nbytes, None) for header in headers for info in header.tensors.values()]
-    layers, rest = group_layers(named, pattern, lora_patterns)
+    named, cast = served_tensors(headers, dtype)
+    layers, rest = group_layers(named, pattern, lora_patterns, cast)
     sizes = ComponentSizes(name, offload, "headers", layers, rest, dtype=dtype,
                            rest_families=rest_families(named, pattern))
+    if cast:
+        stored = sum(info.nbytes for header in headers for info in header.tensors.values() if info.name in cast)
+        held = sum(n for t, n, _ in named if t in cast)
+        sizes = sizes._replace(notes=(*sizes.notes, f"{name}: {len(cast)} tensors stored as {_stored_names(headers, cast)} "
+                                      f"are served as {dtype} (components.{name}.dtype): {format_size(held)} of copies "
+                                      f"(anonymous, never views of the file) for {format_size(stored)} on disk"))
     return with_lora_target_bytes(sizes, lora_target_bytes) if lora_target_bytes else sizes
+
+
+_SERVED = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "fp8": "F8_E4M3"}  # a cast at load (int8: a quantization)
+_FLOATS = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+
+
+def served_tensors(headers: list[SafetensorsHeader], dtype: str | None) -> tuple[list, frozenset[str]]:
+    """``([(name, bytes as served, None)], names cast)``: each tensor at the size the server
+    holds it in. A floating tensor stored in another dtype than ``dtype`` (a float one) is
+    cast at load, as ``from_pretrained(torch_dtype=...)`` casts it: a copy at the served
+    size. (A module the model class keeps in fp32 stays as stored; the plan counts it cast,
+    the larger side for the host on a down-cast, a little over on the device.)"""
+    served = _SERVED.get(dtype or "")
+    named, cast = [], set()
+    for header in headers:
+        for info in header.tensors.values():
+            nbytes = info.nbytes
+            if served is not None and info.dtype in _FLOATS and info.dtype != served:
+                nbytes = math.prod(info.shape) * DTYPE_SIZES[served]
+                cast.add(info.name)
+            named.append((info.name, nbytes, None))
+    return named, frozenset(cast)
+
+
+def _stored_names(headers: list[SafetensorsHeader], cast: frozenset[str]) -> str:
+    return "/".join(sorted({info.dtype for h in headers for info in h.tensors.values() if info.name in cast}))

@@ -71,6 +71,7 @@ class Layer(NamedTuple):
     nbytes: int
     residency: Residency
     lora_target_bytes: int = 0
+    cast_bytes: int = 0  # held in another dtype than the file's (components.NAME.dtype): copies, never views
 
     @property
     def non_reclaimable(self) -> int:
@@ -159,19 +160,23 @@ def group_layers(
     named: Iterable[tuple[str, int, Residency | None]],
     pattern: str | tuple[str, ...] | None,
     lora_patterns: tuple[str, ...] = (),
+    cast: frozenset[str] = frozenset(),
 ) -> tuple[tuple[Layer, ...], Layer | None]:
-    """Group ``(tensor name, bytes, residency)`` into layers (by index) and the rest.
+    """Group ``(tensor name, bytes, residency)`` into layers (by index) and the rest;
+    ``cast``: the names held in another dtype than the file's (their bytes: the served ones).
 
     A residency of ``None`` means not known yet (every byte not resident). Sums are
     kept as plain integers: a checkpoint has thousands of tensors.
     """
     match = layer_matcher(pattern) if pattern else (lambda name: None)
     groups: dict[tuple[tuple[int, int], str], list[int]] = {}
-    rest = [0] * (2 + len(CLASSES))  # bytes, lora target bytes, then each residency class
+    rest = [0] * (3 + len(CLASSES))  # bytes, lora target bytes, each residency class, cast bytes
     for name, nbytes, residency in named:
         found = match(name)
-        slot = rest if found is None else groups.setdefault(found, [0] * (2 + len(CLASSES)))
+        slot = rest if found is None else groups.setdefault(found, [0] * (3 + len(CLASSES)))
         slot[0] += nbytes
+        if name in cast:
+            slot[-1] += nbytes
         if lora_patterns and any(fnmatch.fnmatchcase(name, p) for p in lora_patterns):
             slot[1] += nbytes
         if residency is None:
@@ -181,7 +186,7 @@ def group_layers(
                 slot[i] += getattr(residency, cls)
 
     def layer(name: str, slot: list[int]) -> Layer:
-        return Layer(name, slot[0], Residency(**dict(zip(CLASSES, slot[2:]))), slot[1])
+        return Layer(name, slot[0], Residency(**dict(zip(CLASSES, slot[2:-1]))), slot[1], slot[-1])
 
     layers = tuple(layer(key[1], slot) for key, slot in sorted(groups.items()))
     return layers, (layer(REST, rest) if rest[0] else None)

@@ -71,11 +71,11 @@ def merge_reason(config: DeploymentConfig) -> str:
 def _predicted(unit: Layer, load: str, merge: str) -> Layer:
     """The unit once loaded and merged: its residency built once, from ``nbytes``.
 
-    Loading decides every byte (mapped: file-backed; copied: anonymous), whatever the
-    unit's residency was; an in-place merge then turns its targets anonymous, a cached
-    one file-backed.
+    Loading decides every byte (mapped: file-backed, but for the bytes cast to another
+    dtype at load; copied: anonymous), whatever the unit's residency was; an in-place
+    merge then turns its targets anonymous, a cached one file-backed.
     """
-    anonymous = 0 if load == "mapped" else unit.nbytes
+    anonymous = unit.cast_bytes if load == "mapped" else unit.nbytes  # a cast is a copy, never a view
     file_backed = unit.nbytes - anonymous
     moved = unit.lora_target_bytes
     if merge == "in-place":

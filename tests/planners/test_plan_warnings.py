@@ -122,3 +122,21 @@ def test_a_sequentials_numbered_layer_and_a_few_small_refiner_blocks_are_no_miss
     config.write_text("deployment: wan\nhost: {limit: 4GiB, reserve: 1GiB}\nworkload: {steps: 4}\n"
                       "components:\n  dit: {path: dit, layers: \"blocks.{i}.\", offload: layerwise}\n")
     assert not [w for w in _warnings(capsys, config) if "(rest)" in w]
+
+
+@pytest.mark.parametrize("served, copied", [(None, 0), ("bf16", 0), ("fp32", 2)])
+def test_a_checkpoint_served_in_another_dtype_is_planned_as_copies_at_the_served_size(tmp_path, capsys, served, copied):
+    """``components.NAME.dtype`` other than the file's: ``from_pretrained(torch_dtype=...)``
+    casts at load, so each cast weight is a copy (anonymous) at the served size, whatever
+    the load; a plan that counted the file's mapped bytes said "fits, committed 0 B" for
+    fp32 experts served as bf16, which the host could not hold."""
+    write_checkpoint(tmp_path / "dit", 4, 2 * MiB, prefix="transformer_blocks")  # 8 MiB of bf16
+    config = tmp_path / "deploy.yaml"
+    dtype = f", dtype: {served}" if served else ""
+    config.write_text("deployment: cast\nhost: {limit: 1034MiB, reserve: 1GiB}\nworkload: {steps: 4}\n"
+                      f"components:\n  dit: {{path: dit, layers: \"transformer_blocks.{{i}}.\", offload: layerwise{dtype}}}\n")
+    assert main(["plan", str(config), "--json"]) in (0, 1)
+    found = json.loads(capsys.readouterr().out)
+    assert found["components"]["dit"]["anonymous"] == copied * 8 * MiB
+    assert found["components"]["dit"]["weights_bytes"] == (copied or 1) * 8 * MiB
+    assert found["fits"] is (copied == 0)
