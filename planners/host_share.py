@@ -62,6 +62,8 @@ class HostShare:
     host_budget: int
     shares: tuple[int, ...]
     needs: tuple[int, ...]
+    host_committed: int = 0  # what the local ranks commit together (anonymous, shmem, pinned, excess, builds)
+    host_reserve: int = 0  # the config's reserve, once per local rank
 
     @property
     def share(self) -> int:
@@ -128,7 +130,24 @@ def share_for(config: DeploymentConfig, limit: int, mine: RankNeed, *, group=Non
         return None
     budget = host_budget_of(config, limit, ranks)
     needs = [r.need for r in ranks]
-    return HostShare(local_rank, len(ranks), source, budget, tuple(split_host_budget(budget, needs)), tuple(needs))
+    committed = sum(r.committed.non_reclaimable + r.process_excess + r.build_reserve for r in ranks)
+    return HostShare(local_rank, len(ranks), source, budget, tuple(split_host_budget(budget, needs)), tuple(needs),
+                     committed, config.host.reserve * len(ranks))
+
+
+def host_reasons(share: HostShare, limit: int) -> list[str]:
+    """Why the local ranks together overrun the host's ``limit`` (empty when they do not):
+    a rank's own verdict measures it alone against the whole host."""
+    from hostmem.units import format_size
+
+    n, c, r = share.local_world_size, share.host_committed, share.host_reserve
+    said = (f"committed by the {n} ranks on this host {format_size(c)} + reserve {n} x "
+            f"{format_size(r // n)} = {format_size(r)}")
+    if c > limit:
+        return [f"{said}: the committed part alone > host limit {format_size(limit)}: killed while loading"]
+    if c + r > limit:
+        return [f"{said} > host limit {format_size(limit)}: killed at the first request"]
+    return []
 
 
 def capped_config(config: DeploymentConfig, share: HostShare, committed_pinned: int) -> DeploymentConfig:

@@ -38,7 +38,7 @@ from .config import DeploymentConfig, load_config
 from .deployment import DeploymentPlan, plan_deployment
 from .offload_hooks import offload_warnings
 from .host_checks import cache_root_warnings
-from .host_share import capped_config, rank_need, share_for
+from .host_share import capped_config, host_reasons, rank_need, share_for
 from .named_components import named_components
 from .report import report_text
 from .reserve import process_excess
@@ -206,6 +206,12 @@ def plan_loaded(
     if share is not None:
         capped = plan_under(capped_config(config, share, plan.budget.committed_pinned))
         plan = capped._replace(host_share=share.to_dict())
+        over = host_reasons(share, host.bytes)  # the ranks together, not this one alone against the host
+        if over:
+            reasons = (*over, *(r for r in plan.verdict.reasons))
+            plan = plan._replace(verdict=plan.verdict._replace(
+                fits=False, reasons=reasons, within="",
+                over_limit_bytes=max(plan.verdict.over_limit_bytes, share.host_committed - host.bytes, 0)))
     report_once(report_text(plan), logger, quiet)
     return plan
 

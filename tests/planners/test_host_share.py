@@ -74,3 +74,33 @@ def test_under_torchrun_each_rank_pins_within_its_share_of_one_host_budget(loade
     assert plan.pins.pinned_bytes <= share["share_bytes"] < alone.pins.pinned_bytes
     text = report_text(plan)
     assert "host share: local rank 1 of 4 (from LOCAL_WORLD_SIZE (no process group); ranks taken to be alike" in text
+
+
+def test_under_torchrun_the_verdict_is_the_hosts_not_one_rank_against_the_whole_limit(tmp_path, monkeypatch):
+    """Four alike ranks each holding a copied DiT and the config's reserve, on a host that
+    holds one of them but not four: each rank's live start says "fits: no" with the ranks'
+    figures, as ``hostmem plan --ranks 4`` does; alone, the same start fits."""
+    import torch
+    from torch import nn
+
+    from hostmem.units import format_size
+    from planners.config import load_config
+
+    from hostmem.procfs import read_status
+
+    reserve = (read_status().rss_anon // MiB + 64) * MiB  # this process's runtime and more
+    config = tmp_path / "ranks.yaml"
+    config.write_text(f"deployment: ranks\nhost: {{limit: {reserve + 96 * MiB}B, reserve: {reserve}B, "
+                      "max_pinned: 75%}\ndevice: {vram: 0}\nworkload: {steps: 4}\n"
+                      "components:\n  dit: {size: 24MiB, layers: 6, offload: layerwise, load: copied}\n")
+    dit = nn.Module()
+    dit.layers = nn.ModuleList(nn.Linear(1024, 1024, bias=False) for _ in range(6))  # 6 x 4 MiB, anonymous
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert plan_loaded(load_config(config), {"dit": dit}, quiet=True).fits
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    plan = plan_loaded(load_config(config), {"dit": dit}, quiet=True)
+    assert not plan.fits
+    assert plan.verdict.line.startswith("fits: no: committed by the 4 ranks on this host ")
+    assert f"+ reserve 4 x {format_size(reserve)} = {format_size(4 * reserve)} > host limit " in plan.verdict.line
+    del torch
