@@ -152,8 +152,8 @@ def plan_devices(streamed: Sequence[Streamed], held: Mapping[str, int], in_fligh
     """The device plan of a deployment (see the module): ``streamed`` in config order,
     ``held`` the bytes of each ``offload: none`` component, ``in_flight`` of each full one."""
     held_t, flight_t = tuple(held.items()), tuple(in_flight.items())
-    if not vram:
-        parts = tuple(_part(s, set(), 0, False) for s in streamed)
+    if not vram:  # no separate VRAM (unified memory): nothing kept, but each stream's window is still copied on
+        parts = tuple(_part(s, set(), _window(s), False) for s in streamed)
         return DevicePlan(vram, reserve, parts, held_t, flight_t)
     usable = max(0, vram - reserve)
     fixed = sum(held.values())

@@ -138,3 +138,15 @@ def test_without_a_device_budget_a_unified_host_counts_all_the_device_plan_asks(
     refused = _plan(tmp_path, True, limit="11GiB", device="{vram: 0, reserve: 4GiB}", more=text_encoder)
     assert not refused.fits and refused.verdict.line.startswith("fits: no")
     assert _plan(tmp_path, False, limit="11GiB", device="{vram: 0, reserve: 4GiB}", more=text_encoder).fits
+
+
+def test_without_a_device_budget_the_streamed_window_is_host_memory_too(tmp_path):
+    """A DiT streamed onto a GB10 (``vram: 0``): each block is copied onto the device, so
+    its prefetch window is host memory beside the device reserve; the plan left it out
+    and said "fits" where the window pushed the host over its limit."""
+    plan = _plan(tmp_path, True, limit="24GiB", device="{vram: 0, reserve: 4GiB}")
+    window = 2 * (12 * GiB // 24)  # prefetch 1 (+ the block in use) of 0.5 GiB blocks
+    assert plan.device.peak_bytes == 4 * GiB + window
+    assert plan.budget.committed_device == plan.device.peak_bytes
+    assert not _plan(tmp_path, True, limit="6.5GiB", device="{vram: 0, reserve: 4GiB}").fits
+    assert _plan(tmp_path, False, limit="6.5GiB", device="{vram: 0, reserve: 4GiB}").fits
