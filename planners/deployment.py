@@ -321,11 +321,17 @@ def _host_warnings(host: HostLimit, budget: HostBudget, device: DevicePlan, merg
         )
     if not device.fits:
         name, _ = device.peak
+        held = sorted(device.held, key=lambda item: -item[1])
+        kept_alone = sum(b for _, b in held) > device.usable
+        advice = ("what offload: none keeps there whole is more than it holds: "
+                  + ", ".join(f"{n} ({format_device(b)})" for n, b in held)
+                  + "; move it on only while it runs (offload: full) or block by block (offload: layerwise)"
+                  if kept_alone else
+                  "stream that component block by block (offload: layerwise), lower prefetch, or use a larger device")
         out.append(
             f"device: the plan needs {format_device(device.peak_bytes)} of device memory at its peak"
-            f"{f' (while {name} runs)' if name else ''}, {format_device(device.shortfall)} more than device.vram "
-            f"{format_device(device.vram)}: stream that component block by block (offload: layerwise), lower "
-            "prefetch, or use a larger device"
+            f"{f' (while {name} runs)' if name and not kept_alone else ''}, {format_device(device.shortfall)} more "
+            f"than device.vram {format_device(device.vram)}: {advice}"
         )
     patterns = {} if config is None else {
         name: (c.layer_pattern,) if isinstance(c.layer_pattern, str) else tuple(c.layer_pattern or ())

@@ -140,3 +140,13 @@ def test_a_checkpoint_served_in_another_dtype_is_planned_as_copies_at_the_served
     assert found["components"]["dit"]["anonymous"] == copied * 8 * MiB
     assert found["components"]["dit"]["weights_bytes"] == (copied or 1) * 8 * MiB
     assert found["fits"] is (copied == 0)
+
+
+def test_a_component_kept_whole_past_the_vram_is_named_not_the_streamed_one(write_config, capsys):
+    path = write_config("deployment: x\nworkload: {steps: 4}\nhost: {limit: 128GiB, reserve: 4GiB}\n"
+                        "device: {vram: 24GB, reserve: 1GiB}\ncomponents:\n"
+                        "  dit: {size: 20GiB, layers: 20, offload: layerwise}\n"
+                        "  text_encoder: {size: 28GiB, layers: 24, offload: none}\n")
+    (line,) = [w for w in _warnings(capsys, path) if w.startswith("device: the plan needs")]
+    assert "what offload: none keeps there whole is more than it holds: text_encoder (30.1 GB" in line
+    assert "(offload: full)" in line and "while dit runs" not in line
