@@ -46,7 +46,6 @@ class Sampling:
         self.page = os.sysconf("SC_PAGE_SIZE")
         self.own_pid = os.getpid()
         self.fds = {}
-        self.rollups = {}  # pid -> /proc/PID/smaps_rollup, opened once several processes are summed
         self.processes = 0
         self.unrelated = set()
         self.seen = set()
@@ -109,12 +108,20 @@ class Sampling:
     def read_shares(self, pid):
         """Proportional anonymous bytes of ``pid`` (``Pss_Anon``, with ``Pss_Shmem`` where
         asked, from smaps_rollup): a page a fork left shared counts once over its sharers.
-        None where the file or the field cannot be read."""
-        fd = self.rollups.get(pid)
+        None where the file or the field cannot be read.
+
+        Opened anew at each read (the read walks the mappings, the open costs little
+        beside it): an open smaps_rollup keeps the memory it was opened on. A child that
+        dash starts with vfork shares the shell's memory until its exec, so one found in
+        that window was counted by the shell's figures for good, and a guard missed the
+        peak of the program it ran (the grandchild test of tests/hostmem/test_guard_tree.py,
+        6 runs of 12 beside two busy cores; none of 8 after)."""
         try:
-            if fd is None:
-                fd = self.rollups[pid] = os.open(f"/proc/{pid}/smaps_rollup", os.O_RDONLY)
-            data = os.pread(fd, 4096, 0)
+            fd = os.open(f"/proc/{pid}/smaps_rollup", os.O_RDONLY)
+            try:
+                data = os.pread(fd, 4096, 0)
+            finally:
+                os.close(fd)
         except OSError:
             return None
         if b"Pss_Anon:" not in data:  # a kernel without it (before 5.7)
@@ -135,8 +142,6 @@ class Sampling:
             got = self.read_pid(pid, fd)
             if got is None:
                 os.close(self.fds.pop(pid))
-                if pid in self.rollups:
-                    os.close(self.rollups.pop(pid))
                 continue
             share = self.read_shares(pid) if shares else None
             anon += got[0] if share is None else share
