@@ -66,6 +66,16 @@ def format_device(nbytes: int) -> str:
     return f"{decimal} ({format_size(nbytes)})"
 
 
+def _digits(limit: int, *sides: int) -> int:
+    """Decimals enough that no side of the comparison reads as the limit while it is not
+    ("reserve 4.0 GiB > limit 4.0 GiB" for 10 MiB over): one, else up to three."""
+    for digits in (1, 2, 3):
+        shown = format_size(limit, digits)
+        if all(side == limit or format_size(side, digits) != shown for side in sides):
+            return digits
+    return 3
+
+
 def verdict(budget: HostBudget, device: DevicePlan, ranks: int = 1) -> Verdict:
     """The verdict of a plan with ``budget`` on the host and ``device`` on the GPU.
 
@@ -76,12 +86,17 @@ def verdict(budget: HostBudget, device: DevicePlan, ranks: int = 1) -> Verdict:
     reasons = []
     n = ranks
     committed, reserve, limit = budget.committed * n, budget.reserve * n, budget.limit * n
+    digits = _digits(limit, committed, reserve, committed + reserve)
+
+    def size(nbytes: int) -> str:
+        return format_size(nbytes, digits)
+
     if n > 1:
-        c, r = (f"committed {n} x {format_size(budget.committed)} = {format_size(committed)}",
-                f"reserve {n} x {format_size(budget.reserve)} = {format_size(reserve)}")
-        where = f"host limit {format_size(limit)} ({n} ranks)"
+        c, r = (f"committed {n} x {size(budget.committed)} = {size(committed)}",
+                f"reserve {n} x {size(budget.reserve)} = {size(reserve)}")
+        where = f"host limit {size(limit)} ({n} ranks)"
     else:
-        c, r, where = f"committed {format_size(committed)}", f"reserve {format_size(reserve)}", f"limit {format_size(limit)}"
+        c, r, where = f"committed {size(committed)}", f"reserve {size(reserve)}", f"limit {size(limit)}"
     over = max(0, budget.committed - budget.limit) * n
     if over:
         reasons.append(f"{c} > {where}: killed while loading")

@@ -150,3 +150,11 @@ def test_a_component_kept_whole_past_the_vram_is_named_not_the_streamed_one(writ
     (line,) = [w for w in _warnings(capsys, path) if w.startswith("device: the plan needs")]
     assert "what offload: none keeps there whole is more than it holds: text_encoder (30.1 GB" in line
     assert "(offload: full)" in line and "while dit runs" not in line
+
+
+def test_at_the_boundary_the_verdict_shows_enough_digits_to_tell_the_sides_apart(write_config, capsys):
+    path = write_config("deployment: x\nworkload: {steps: 4}\nhost: {limit: 4136MiB, reserve: 4GiB}\n"
+                        "components:\n  dit: {size: 50MiB, layers: 4, offload: layerwise, load: copied}\n")
+    main(["plan", str(path)])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "fits: no: committed 50.00 MiB + reserve 4.00 GiB > limit 4.04 GiB: killed at the first request"
