@@ -33,13 +33,14 @@ from typing import Mapping, Sequence
 
 from hostmem.errors import InputError
 from hostmem.residency_classes import Residency
+from hostmem.units import format_size
 
 from .budget import host_budget
 from .config import DeploymentConfig
 from .config.parallel import local_world as config_local_world
 
 __all__ = ["RankNeed", "HostShare", "split_host_budget", "host_budget_of", "local_world", "share_for", "rank_need",
-           "capped_config"]
+           "capped_config", "host_reasons"]
 
 
 @dataclass(frozen=True)
@@ -138,8 +139,6 @@ def share_for(config: DeploymentConfig, limit: int, mine: RankNeed, *, group=Non
 def host_reasons(share: HostShare, limit: int) -> list[str]:
     """Why the local ranks together overrun the host's ``limit`` (empty when they do not):
     a rank's own verdict measures it alone against the whole host."""
-    from hostmem.units import format_size
-
     n, c, r = share.local_world_size, share.host_committed, share.host_reserve
     said = (f"committed by the {n} ranks on this host {format_size(c)} + reserve {n} x "
             f"{format_size(r // n)} = {format_size(r)}")

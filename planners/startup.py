@@ -208,9 +208,8 @@ def plan_loaded(
         plan = capped._replace(host_share=share.to_dict())
         over = host_reasons(share, host.bytes)  # the ranks together, not this one alone against the host
         if over:
-            reasons = (*over, *(r for r in plan.verdict.reasons))
             plan = plan._replace(verdict=plan.verdict._replace(
-                fits=False, reasons=reasons, within="",
+                fits=False, reasons=(*over, *plan.verdict.reasons), within="",
                 over_limit_bytes=max(plan.verdict.over_limit_bytes, share.host_committed - host.bytes, 0)))
     report_once(report_text(plan), logger, quiet)
     return plan

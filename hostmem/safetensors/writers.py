@@ -75,7 +75,7 @@ _ENTRY_POINTS = {  # method name -> what it does to the base weights
     "disable_lora": _OFF,
 }
 _TAKES_OFF = {"unfuse_lora", "unload_lora_weights", "unload_lora", "disable_lora"}  # diffusers' "LoRA off" calls
-_HOLDERS: list = []  # probes: (modules by component) -> qualified names of the modules holding a LoRA
+_HOLDERS: list = []  # probes: module -> whether it holds a LoRA another layer applied
 _MODULES = (
     "diffusers.loaders.lora_base",
     "diffusers.loaders.lora_pipeline",
@@ -100,10 +100,9 @@ class LoraHeldElsewhereError(HostmemError, RuntimeError):
 
 
 def register_lora_holder(probe) -> None:
-    """Add ``probe``, which takes a model's modules by component and returns the qualified
-    names of the modules it holds a LoRA in (merged or at run time), for diffusers' "LoRA
-    off" calls to refuse rather than return with that LoRA still on. The holder calls
-    :func:`guard_foreign_writers` when it applies a LoRA."""
+    """Add ``probe``, which tells whether a module holds a LoRA its caller applied (merged or
+    at run time), for diffusers' "LoRA off" calls to refuse rather than return with that
+    LoRA still on. The holder calls :func:`guard_foreign_writers` when it applies a LoRA."""
     if probe not in _HOLDERS:
         _HOLDERS.append(probe)
 
@@ -113,7 +112,8 @@ def _refuse_a_no_op(qualname: str, modules: dict[str, torch.nn.Module]) -> None:
     keeps a LoRA on: the call would return and the LoRA stay."""
     if not _HOLDERS or any(next(tuner_layers(m), None) for m in modules.values()):
         return  # diffusers' own layers are there: the call acts on them
-    held = [name for probe in _HOLDERS for name in probe(modules)]
+    held = [".".join(p for p in (component, name) if p) for component, root in modules.items()
+            for name, module in root.named_modules() if any(probe(module) for probe in _HOLDERS)]
     if held:
         names = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
         raise LoraHeldElsewhereError(

@@ -46,8 +46,7 @@ def recorded_inputs(inputs: dict) -> list[tuple[str, str, tuple | None]]:
     return out
 
 
-def deep_check(inputs: dict, memo_file: str | None, read: dict[str, str],
-               key: str = "KEY") -> tuple[list[str], list[str]]:
+def deep_check(inputs: dict, memo_file: str | None, read: dict[str, str], key: str) -> tuple[list[str], list[str]]:
     """``(problems, notes)`` of re-hashing the inputs ``inputs`` records (of the combination
     ``key``); ``read`` holds the digests taken so far in this run (a base shared by many
     combinations is read once). Another digest under the recorded size and mtime is a

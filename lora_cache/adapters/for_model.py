@@ -17,7 +17,7 @@ from .diffusers_format import (denoiser_name, diffusers_loader, is_diffusers_mod
                                read_with_family_rules)
 from .family_rules import family_of, uses_original_names
 from .formats import detect, split_key
-from .read import AdapterFile, open_adapter, peft_config_path, read_adapter, resolve_file
+from .read import AdapterFile, open_adapter, peft_config_path, read_adapter, read_opened, resolve_file
 from .spec import Adapter, AdapterError
 
 __all__ = ["read_adapters"]
@@ -62,13 +62,14 @@ def _read_here(path: str, spec: Adapter, found) -> AdapterFile:
     as diffusers' path reads such a file where its converter cannot; ``convert='native'``
     reads the names as they are."""
     family = family_of(found[0]) if found is not None and spec.convert == "auto" else None
-    if family is not None:
-        path, mapped, tensors = open_adapter(path)
-        if uses_original_names(family, {split[0] for split in map(split_key, tensors) if split}):
-            return read_with_family_rules(path, tensors, mapped.metadata(), family, "diffusers' converters are not "
-                                          "given its format", found[0], found[1] or (denoiser_name(found[0]),),
-                                          bool(found[1]), spec.strict)
-    return read_adapter(path, check_values=False)
+    if family is None:
+        return read_adapter(path, check_values=False)
+    path, mapped, tensors = open_adapter(path)
+    if uses_original_names(family, {split[0] for split in map(split_key, tensors) if split}):
+        return read_with_family_rules(path, tensors, mapped.metadata(), family, "diffusers' converters are not "
+                                      "given its format", found[0], found[1] or (denoiser_name(found[0]),),
+                                      bool(found[1]), spec.strict)
+    return read_opened(path, mapped, tensors, check_values=False)  # opened once
 
 
 def read_adapters(model, specs: list[Adapter], loader=None, components: tuple[str, ...] = (),

@@ -28,7 +28,7 @@ from .formats.refused import refuse
 from .spec import AdapterError
 
 __all__ = ["AdapterFile", "ModuleChange", "build_adapter_file", "open_adapter", "peft_config_path", "read_adapter",
-           "reading_of", "resolve_file"]
+           "read_opened", "reading_of", "resolve_file"]
 
 @dataclass
 class ModuleChange:
@@ -269,7 +269,11 @@ def read_adapter(path: str | os.PathLike, check_values: bool = True) -> AdapterF
     reads every value) to the first use of the values: a merge runs it before the first
     layer it computes, so a start whose every layer is cached never reads them.
     """
-    path, mapped, tensors = open_adapter(path)
+    return read_opened(*open_adapter(path), check_values=check_values)
+
+
+def read_opened(path: str, mapped, tensors: dict[str, torch.Tensor], check_values: bool = True) -> AdapterFile:
+    """:func:`read_adapter` of a file :func:`open_adapter` opened already."""
     metadata = mapped.metadata()
     adapter = detect(tensors, metadata).read(reading_of(path, tensors, metadata))  # the first format that claims it
     if check_values:

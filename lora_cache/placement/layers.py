@@ -95,20 +95,19 @@ def install(target: LayerTarget, merged: torch.Tensor, snapshot: Snapshot) -> No
 
 def _remember(target: LayerTarget, snapshot: Snapshot) -> None:
     """Record what unmerge restores (the first snapshot recorded for a parameter stands);
-    diffusers' "LoRA off" calls are guarded from then on (:func:`_merged_modules`)."""
+    diffusers' "LoRA off" calls are guarded from then on (:func:`_holds_merge`)."""
     guard_foreign_writers()
     _SNAPSHOTS.setdefault(target.module, {}).setdefault(target.attr, snapshot)
 
 
-def _merged_modules(modules: dict[str, nn.Module]) -> list[str]:
-    """The qualified names of the modules holding a merged weight, for diffusers' ``unfuse_lora``
-    and the like to refuse rather than return with the merge still on
+def _holds_merge(module: nn.Module) -> bool:
+    """Whether ``module`` holds a merged weight, for diffusers' ``unfuse_lora`` and the like to
+    refuse rather than return with the merge still on
     (:func:`hostmem.safetensors.writers.register_lora_holder`)."""
-    return [".".join(p for p in (component, name) if p)
-            for component, root in modules.items() for name, module in root.named_modules() if _SNAPSHOTS.get(module)]
+    return bool(_SNAPSHOTS.get(module))
 
 
-register_lora_holder(_merged_modules)
+register_lora_holder(_holds_merge)
 
 
 def keep_base(target: LayerTarget) -> None:

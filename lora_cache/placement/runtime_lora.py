@@ -124,7 +124,7 @@ def apply_runtime(targets: list[LayerTarget]) -> int:
         if reason is not None:
             raise InputError(f"cannot apply {reason} at run time")
     check_before_use(d for t in targets for d in t.deltas)
-    guard_foreign_writers()  # diffusers' "LoRA off" calls refuse from now on (_hooked_modules)
+    guard_foreign_writers()  # diffusers' "LoRA off" calls refuse from now on (_holds_terms)
     for target in targets:
         module = target.module
         lora = module._modules.get(CHILD)
@@ -141,15 +141,14 @@ def _modules_of(model) -> list[nn.Module]:
     return [m for root in roots for m in root.modules()]
 
 
-def _hooked_modules(modules: dict[str, nn.Module]) -> list[str]:
-    """The qualified names of the Linears with run-time terms, for diffusers' ``disable_lora``
-    and the like to refuse rather than return with the terms still on
+def _holds_terms(module: nn.Module) -> bool:
+    """Whether ``module`` is a Linear with run-time terms, for diffusers' ``disable_lora`` and
+    the like to refuse rather than return with the terms still on
     (:func:`hostmem.safetensors.writers.register_lora_holder`)."""
-    return [".".join(p for p in (component, name) if p)
-            for component, root in modules.items() for name, module in root.named_modules() if CHILD in module._modules]
+    return CHILD in module._modules
 
 
-register_lora_holder(_hooked_modules)
+register_lora_holder(_holds_terms)
 
 
 def remove_runtime(model) -> int:

@@ -96,6 +96,7 @@ class _Leave:
 
 _BUILDER: ThreadPoolExecutor | None = None
 _BUILDER_LOCK = threading.Lock()
+_SWITCHING = threading.Lock()  # one switch at a time in a process: switches are rare, and shared modules meet here
 _COMBINATION_LOCKS: dict[tuple, threading.Lock] = {}
 _EXITING = threading.Event()  # the interpreter is exiting: a build cut short is no failure
 
@@ -313,9 +314,6 @@ def set_adapters(
         other.gate.refuse_inside()  # before the wait below, which would then wait for itself
     with _SWITCHING:  # which states a switch replaces or is refused by stays so until it has switched
         return _switch_roots(model, roots, adapters, options, background, started)
-
-
-_SWITCHING = threading.Lock()  # one switch at a time in a process: switches are rare, and shared modules meet here
 
 
 def _switch_roots(model, roots: dict, adapters, options: dict, background: bool, started: float) -> SwitchResult:

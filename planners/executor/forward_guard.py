@@ -19,7 +19,7 @@ follow:
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 

@@ -24,13 +24,13 @@ from typing import Mapping
 import torch
 
 from hostmem.errors import InputError
+from hostmem.forward_exit import is_wrapped
 from hostmem.pinning import Pinner
 
 from ..deployment import DeploymentPlan
 from ..calibration import saved_reader
 from ..named_components import named_components
 from ..offload_hooks import refuse_offload_hooks
-from hostmem.forward_exit import is_wrapped
 from .forward_guard import guard_forward, refuse_grad
 from .layout import MapIndex, layer_module, tensor_span
 from .pages import page_cover
