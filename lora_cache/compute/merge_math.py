@@ -17,8 +17,11 @@ picks one by timing both on the machine, remembers it, and the cache key names i
 DoRA is merged as peft's ``merge_and_unload`` merges it: ``W' = m / ||W + s B A|| *
 (W + s B A)``, the norm taken over each output row (the DoRA paper's column norm of
 ``W^T``), in fp32 and rounded once with the rest of the sum. The norm is a row's own,
-so it fits the row blocks as they are. Several adapters apply in the order given, each
-DoRA term to what the terms before it made, as peft merges adapters one after another.
+so it fits the row blocks as they are. Several adapters apply in the order given, as
+peft merges adapters one after another: each DoRA term's factor scales what the terms
+before it made plus its own change, its norm that of the base plus its own change
+alone (``W_k = m_k / ||W_0 + s_k B_k A_k|| * (W_{k-1} + s_k B_k A_k)``, peft's
+``_unmerged_base_weight``).
 
 LyCORIS's factored changes (LoHa, LoKr, LoCon's Tucker core) are terms of their own: each
 row block asks them for its rows of the change (:mod:`lora_cache.terms.lycoris_math`), added with
@@ -209,21 +212,33 @@ def _sum_block(acc: torch.Tensor, base: torch.Tensor, terms: list[Term], rows: s
 
 
 def add_terms(block: torch.Tensor, terms: list[Term], rows: slice) -> None:
-    """block += every term's ``rows``, in the order given (block: one row block); a DoRA
-    term then rescales each row to its magnitude over the row's norm, as peft does (a
-    LyCORIS one as :mod:`lora_cache.terms.dora_lycoris` says)."""
-    for term in terms:
+    """block += every term's ``rows``, in the order given (block: one row block of the base
+    on entry); a peft DoRA term then rescales each row to its magnitude over the norm of
+    that row of the base plus its own change (peft's ``_unmerged_base_weight``: the terms
+    before it do not enter its norm, though its factor scales what they made), a LyCORIS
+    one as :mod:`lora_cache.terms.dora_lycoris` says."""
+    base = block.clone() if any(t.magnitude is not None and t.dora == PEFT for t in terms[1:]) else None
+    for i, term in enumerate(terms):
         if term.magnitude is not None and term.dora != PEFT:
             add_decomposed(block.view(block.shape[0], -1), functools.partial(term.add_product, rows=rows),
                            term.dora_strength, None if term.dora == COLUMNS else term.magnitude[rows], term.columns)
             continue
-        if term.up is not None or term.factors is not None:
-            term.add_product(block.view(block.shape[0], -1), rows)
-        if term.diff is not None:
-            block.add_(term.diff[rows], alpha=term.diff_scale)
+        _add_change(block, term, rows)
         if term.magnitude is not None:
             flat = block.view(block.shape[0], -1)
-            flat.mul_((term.magnitude[rows] / torch.linalg.vector_norm(flat, dim=1)).unsqueeze(1))
+            own = flat
+            if i > 0:  # the base and this term's change alone
+                own = base.clone()
+                _add_change(own, term, rows)
+                own = own.view(own.shape[0], -1)
+            flat.mul_((term.magnitude[rows] / torch.linalg.vector_norm(own, dim=1)).unsqueeze(1))
+
+
+def _add_change(block: torch.Tensor, term: Term, rows: slice) -> None:
+    if term.up is not None or term.factors is not None:
+        term.add_product(block.view(block.shape[0], -1), rows)
+    if term.diff is not None:
+        block.add_(term.diff[rows], alpha=term.diff_scale)
 
 
 def column_scales(base: torch.Tensor, deltas: list[Delta], device: torch.device) -> list[torch.Tensor | None]:

@@ -115,7 +115,16 @@ def inputs_but_base(roots, files, specs, dtypes, policy: str, *, planned) -> tup
     ``policy``: how the build sums, as it says it (:func:`lora_cache.kernels.policy.merge_policy`)."""
     identities = _identities(roots, files, specs, planned)
     target_dtype = ",".join(sorted({str(d).removeprefix("torch.") for d in dtypes}))
-    return identities, target_dtype, policy
+    return identities, target_dtype, policy + ("+dora-norm=base" if _dora_after_others(planned) else "")
+
+
+def _dora_after_others(planned) -> bool:
+    """Whether a layer has a peft DoRA term after another term: its norm is the base's plus
+    its own change alone (:func:`lora_cache.compute.merge_math.add_terms`), where builds
+    before took the weight the terms before it had made; such a combination is keyed apart
+    from those, which a start must never be served."""
+    return any(getattr(d, "magnitude", None) is not None and getattr(d, "dora", None) == "peft"
+               for deltas in planned.values() for d in list(deltas)[1:])
 
 
 def key_of(roots, files: list[AdapterFile], specs: list[Adapter], shards: list[str], dtypes, policy: str, *,

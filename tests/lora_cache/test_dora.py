@@ -97,3 +97,48 @@ def test_dora_is_not_applied_at_run_time_and_never_onto_part_of_a_fused_weight(t
         from lora_cache.placement.runtime_lora import apply_runtime
 
         apply_runtime(plan_targets(whole, [path])[0])
+
+
+def _peft_pair(folder, first_dora: bool) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """Two adapters on the same layers (a plain LoRA or a DoRA, then a DoRA), saved by peft,
+    and peft's merge_and_unload of both into the fp32 model, in that order."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    wrapped, gen, paths = None, torch.Generator().manual_seed(7), []
+    for name, (dora, alpha) in {"one": (first_dora, 6), "two": (True, 8)}.items():
+        lora = LoraConfig(r=4, lora_alpha=alpha, target_modules=["a", "b"], use_dora=dora, init_lora_weights=False)
+        if wrapped is None:
+            wrapped = get_peft_model(Tiny(), lora, adapter_name=name)
+        else:
+            wrapped.add_adapter(name, lora)
+        with torch.no_grad():
+            for key, param in wrapped.named_parameters():
+                if f"lora_magnitude_vector.{name}" in key:
+                    param.mul_(0.5 + torch.rand(param.shape, generator=gen))
+                elif f".{name}." in key and "lora_" in key:
+                    param.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    for name in ("one", "two"):
+        wrapped.save_pretrained(os.path.join(folder, "saved"), selected_adapters=[name])
+        paths.append(os.path.join(folder, "saved", name) if name != "default" else os.path.join(folder, "saved"))
+    wrapped.base_model.set_adapter(["one", "two"])
+    merged = wrapped.merge_and_unload(adapter_names=["one", "two"])
+    return paths, {k: v.detach().clone() for k, v in merged.state_dict().items()}
+
+
+@pytest.mark.parametrize("first", ["lora", "dora"])
+def test_a_dora_after_another_adapter_merges_as_peft_merges_the_two(tmp_path, first):
+    """peft takes each DoRA's norm over the base without the adapters merged before it, and
+    scales what they made: ``W_k = m_k / ||W_0 + s_k B_k A_k|| * (W_{k-1} + s_k B_k A_k)``."""
+    paths, reference = _peft_pair(tmp_path, first == "dora")
+    for path in paths:
+        assert os.path.exists(os.path.join(path, "adapter_config.json")), os.listdir(os.path.dirname(path))
+    model = _base(tmp_path)
+    stats = lora_cache.merge(model, paths, cache_root=tmp_path / "cache", progress=False)
+    assert stats.built == 2
+    for name, weight in model.state_dict().items():
+        torch.testing.assert_close(weight, reference[name], rtol=2e-6, atol=1e-6, msg=name)
+    from hostmem.vault import Vault
+
+    (built,) = Vault(str(tmp_path / "cache")).combinations()  # keyed apart from builds made by the rule before
+    assert built.inputs["merge_policy"].endswith("+dora-norm=base")
