@@ -31,6 +31,7 @@ from .kernels import KernelPlan, block_workers, plan_for_targets
 from .placement.layers import Snapshot, compute_merged, install, merge_in_place
 from .targets.layer_target import AddressSpace, LayerTarget
 from .compute.buffers import PAGE, claim_after as _claim_after, ring_bytes
+from .key.base_stamps import base_reads, check_base_unchanged
 from .compute.merge_math import Scratch, compute_device, scratch_bytes, sums_in_output
 
 __all__ = ["CacheBuildError", "MergeStats", "cyclic_gc_paused", "merge_layers"]
@@ -257,6 +258,7 @@ class _LayerLoop:
             return
         self.reserve(targets, output=True)
         self.read_from = reads_of(d.values_check for t in targets for d in t.deltas)
+        self.base_from = base_reads(targets, getattr(self.session, "inputs", None))
         pending: list[_Write] = []
         at = 0  # where the next layer starts in the ring
         # Leaving the executors waits for the work in flight, also when an error ends the loop.
@@ -299,6 +301,7 @@ class _LayerLoop:
                            claim=functools.partial(_claim_after, earlier, at=at),
                            publish=lambda end: handoff.publish(min(end, last)))
             check_unchanged(self.read_from)  # summed from the bytes the key names (adapters.read_stamps)
+            check_base_unchanged(self.base_from)  # and from the base's (key.base_stamps)
         except BaseException:
             handoff.cancel()  # the put gives up and removes its temporary file
             raise

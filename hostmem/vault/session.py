@@ -336,6 +336,12 @@ class VaultSession:
         """The sealed layers, by tensor name (a copy)."""
         return dict(self._entries)
 
+    @property
+    def inputs(self) -> dict:
+        """What the key is made of, as the manifest records it: the base's shards (path,
+        size, mtime_ns and, once hashed, digest), the adapters, the dtype and the policy."""
+        return self._inputs
+
     def _check_open(self) -> None:
         if self._closed:
             raise VaultError(f"{self.vault.label} {self.key[:12]}: session already closed")
