@@ -16,6 +16,7 @@ import re
 from hostmem.safetensors.header import DTYPE_SIZES, SafetensorsError, SafetensorsHeader, read_header
 from hostmem.units import format_size
 
+from .kept_fp32 import kept_in_fp32
 from .sizes import ComponentSizes, group_layers, rest_families, with_lora_target_bytes
 
 __all__ = ["checkpoint_files", "diffusers_class", "diffusers_config", "read_headers", "read_checkpoint"]
@@ -154,7 +155,8 @@ def read_checkpoint(
     ``headers``: what :func:`read_headers` gave for ``path`` already (a plan reads them once).
     """
     headers = read_headers(path) if headers is None else headers
-    named, cast = served_tensors(headers, dtype)
+    keep = kept_in_fp32(diffusers_config(path), dtype)
+    named, cast = served_tensors(headers, dtype, keep)
     layers, rest = group_layers(named, pattern, lora_patterns, cast)
     sizes = ComponentSizes(name, offload, "headers", layers, rest, dtype=dtype,
                            rest_families=rest_families(named, pattern))
@@ -162,8 +164,9 @@ def read_checkpoint(
         stored = sum(info.nbytes for header in headers for info in header.tensors.values() if info.name in cast)
         held = sum(n for t, n, _ in named if t in cast)
         sizes = sizes._replace(notes=(*sizes.notes, f"{name}: {len(cast)} tensors stored as {_stored_names(headers, cast)} "
-                                      f"are served as {dtype} (components.{name}.dtype): {format_size(held)} of copies "
-                                      f"(anonymous, never views of the file) for {format_size(stored)} on disk"))
+                                      f"are served as {dtype} (components.{name}.dtype){_kept_words(cast, keep)}: "
+                                      f"{format_size(held)} of copies (anonymous, never views of the file) for "
+                                      f"{format_size(stored)} on disk"))
     return with_lora_target_bytes(sizes, lora_target_bytes) if lora_target_bytes else sizes
 
 
@@ -171,22 +174,29 @@ _SERVED = {"bf16": "BF16", "fp16": "F16", "fp32": "F32", "fp8": "F8_E4M3"}  # a 
 _FLOATS = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 
 
-def served_tensors(headers: list[SafetensorsHeader], dtype: str | None) -> tuple[list, frozenset[str]]:
+def served_tensors(headers: list[SafetensorsHeader], dtype: str | None, keep=None) -> tuple[list, frozenset[str]]:
     """``([(name, bytes as served, None)], names cast)``: each tensor at the size the server
     holds it in. A floating tensor stored in another dtype than ``dtype`` (a float one) is
     cast at load, as ``from_pretrained(torch_dtype=...)`` casts it: a copy at the served
-    size. (A module the model class keeps in fp32 stays as stored; the plan counts it cast,
-    the larger side for the host on a down-cast, a little over on the device.)"""
+    size; one the model class keeps in fp32 (``keep``: :func:`planners.kept_fp32.kept_in_fp32`)
+    is served as fp32, a copy where it is stored in another dtype."""
     served = _SERVED.get(dtype or "")
     named, cast = [], set()
     for header in headers:
         for info in header.tensors.values():
-            nbytes = info.nbytes
-            if served is not None and info.dtype in _FLOATS and info.dtype != served:
-                nbytes = math.prod(info.shape) * DTYPE_SIZES[served]
+            nbytes, wanted = info.nbytes, served
+            if wanted is not None and keep and keep.keeps(info.name):
+                wanted = "F32"
+            if wanted is not None and info.dtype in _FLOATS and info.dtype != wanted:
+                nbytes = math.prod(info.shape) * DTYPE_SIZES[wanted]
                 cast.add(info.name)
             named.append((info.name, nbytes, None))
     return named, frozenset(cast)
+
+
+def _kept_words(cast: frozenset[str], keep) -> str:
+    kept = sum(1 for t in cast if keep and keep.keeps(t))
+    return f", {kept} of them in fp32, as the model class keeps {', '.join(keep.modules)}" if kept else ""
 
 
 def _stored_names(headers: list[SafetensorsHeader], cast: frozenset[str]) -> str:

@@ -131,15 +131,17 @@ def _served_casts(config, component, headers, model_class: str | None) -> tuple[
     torch dtype}, and a line saying what the build is for. The merge is keyed by the dtype
     it rounds to, so a build at the checkpoint's dtype is never found by a server that casts
     at load: with ``components.<name>.dtype`` each floating target is cast as diffusers'
-    ``from_pretrained(torch_dtype=...)`` casts it (a module the model class keeps in fp32,
-    ``_keep_in_fp32_modules``, to fp32). A cast needs room for a copy of each target:
+    ``from_pretrained(torch_dtype=...)`` casts it (a module the model class keeps in fp32
+    to fp32: :mod:`planners.kept_fp32`). A cast needs room for a copy of each target:
     refused up front where the host (or this process's memory cgroup) has not that much.
     ``model_class``: the diffusers class the checkpoint's config.json names, or None."""
     import torch
 
     from hostmem.units import format_size
     from planners.adapter_targets import adapter_spec
+    from planners.checkpoint import diffusers_config
     from planners.headroom import read_headroom
+    from planners.kept_fp32 import kept_in_fp32
     from lora_cache.provider import target_layers
 
     infos = {name: info for header in headers for name, info in header.tensors.items()}
@@ -152,14 +154,14 @@ def _served_casts(config, component, headers, model_class: str | None) -> tuple[
     if served not in _CASTS:
         raise InputError(f"{config.origin.path}: {key} is {served}, a quantization the server makes at load, not a cast "
                          "a merged cache can be built for; remove it to build for the checkpoint's weights")
-    dtype, keep = getattr(torch, _CASTS[served]), _kept_in_fp32(model_class)
+    dtype, keep = getattr(torch, _CASTS[served]), kept_in_fp32(diffusers_config(component.path), served)
     roots = list(config.lora.cache.roots) or None
     names = target_layers([h.path for h in headers], [adapter_spec(a) for a in config.lora.adapters],
                           model_class=model_class, memo_roots=roots, headers=headers).names
     cast = {}
     for name in names:
         held = infos[name].torch_dtype
-        wanted = torch.float32 if keep and any(m in name.split(".") for m in keep) else dtype
+        wanted = torch.float32 if keep.keeps(name) else dtype
         if held.is_floating_point and held != wanted:
             cast[name] = wanted
     need = sum(infos[n].nbytes // infos[n].torch_dtype.itemsize * d.itemsize for n, d in cast.items())
@@ -173,18 +175,6 @@ def _served_casts(config, component, headers, model_class: str | None) -> tuple[
     return cast, f"built for {served} weights ({key})" + (
         f", {len(cast)} target(s) cast from the checkpoint's {'/'.join(stored)}" if cast else "") + (
         f", {kept} kept in fp32 as the model class keeps them" if kept else "")
-
-
-def _kept_in_fp32(name: str | None) -> tuple[str, ...]:
-    """The module names diffusers model class ``name`` keeps in fp32 when loaded with a
-    ``torch_dtype`` (``_keep_in_fp32_modules``); none without diffusers or a class."""
-    try:
-        import diffusers
-
-        keep = getattr(getattr(diffusers, name), "_keep_in_fp32_modules", None) if name else None
-    except (ImportError, AttributeError):
-        return ()
-    return tuple([keep] if isinstance(keep, str) else keep or ())
 
 
 def _check_enabled(config) -> None:
