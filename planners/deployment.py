@@ -255,6 +255,11 @@ def _zero_budget_line(budget: HostBudget, merge: str, config: DeploymentConfig |
     """Why the budget is 0, naming the cause: the room (committed + reserve reach the limit)
     or the pin cap (``max_pinned``, or pins already made up to it)."""
     if budget.room > 0 and budget.pin_cap == 0:
+        shared = config.host.max_pinned_from if config is not None else ""
+        if shared:
+            return (f"host budget is 0: {shared} is {format_size(budget.max_pinned - budget.committed_pinned)}, "
+                    "so nothing is pinned: the ranks together leave no room on the host (see the host share); "
+                    "run fewer ranks on it, commit less in each, or raise host.limit")
         where = f" ({config.origin.where('host.max_pinned')})" if config is not None else ""
         if budget.max_pinned == 0:
             return (f"host budget is 0: host.max_pinned is 0{where}, so nothing is pinned although "

@@ -151,7 +151,9 @@ def host_reasons(share: HostShare, limit: int) -> list[str]:
 
 def capped_config(config: DeploymentConfig, share: HostShare, committed_pinned: int) -> DeploymentConfig:
     """``config`` with this rank's pins capped at its share (max_pinned = pinned already + share)."""
-    host = config.host._replace(max_pinned_bytes=committed_pinned + share.share, max_pinned_fraction=None)
+    host = config.host._replace(max_pinned_bytes=committed_pinned + share.share, max_pinned_fraction=None,
+                                max_pinned_from=f"this rank's share of the pins the {share.local_world_size} ranks "
+                                                "on this host may make together")
     return config._replace(host=host)
 
 

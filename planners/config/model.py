@@ -33,6 +33,7 @@ class HostConfig(NamedTuple):
     max_pinned_bytes: int | None = None
     reserve_source: str = "config"  # "default", "config", or "measured" (resolved by planners.reserve)
     reserve_floor: int = 1024**3  # the least a measured reserve may be
+    max_pinned_from: str = ""  # where max_pinned_bytes came from when not the config (a rank's share, in words)
 
     def max_pinned(self, limit: int) -> int:
         """The most bytes that may be pinned under ``limit``."""

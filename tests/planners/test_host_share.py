@@ -103,4 +103,7 @@ def test_under_torchrun_the_verdict_is_the_hosts_not_one_rank_against_the_whole_
     assert not plan.fits
     assert plan.verdict.line.startswith("fits: no: committed by the 4 ranks on this host ")
     assert f"+ reserve 4 x {format_size(reserve)} = {format_size(4 * reserve)} > host limit " in plan.verdict.line
+    (zero,) = [w for w in plan.warnings if w.startswith("host budget is 0")]
+    assert zero.startswith("host budget is 0: this rank's share of the pins the 4 ranks on this host may make "
+                           "together is 0 B, so nothing is pinned"), zero
     del torch
