@@ -55,9 +55,10 @@ def default_cache_root() -> str:
     """``$HOSTMEM_CACHE_ROOT`` if set, else ``$XDG_CACHE_HOME/hostmem`` (an absolute one, as
     the XDG spec asks), else ``~/.cache/hostmem``; whichever it is, its whole path is
     checked as any root's is (:mod:`.path_walk`). A ``$HOSTMEM_CACHE_ROOT`` that is empty
-    or relative (``~`` expanded first) is refused: each process would resolve it against
-    its own current folder, and a build and a server started from two folders would use
-    two roots."""
+    or relative (``~`` expanded first), or names a folder through a process (under
+    ``/proc`` or ``/dev/fd``: ``/proc/self/cwd/x``) is refused: each process would resolve
+    it against its own current folder, and a build and a server started from two folders
+    would use two roots."""
     given = os.environ.get(ROOT_ENV)
     if given is not None:
         if not given.strip():
@@ -66,6 +67,11 @@ def default_cache_root() -> str:
         if not os.path.isabs(os.path.expanduser(given)):
             raise InputError(f"{ROOT_ENV}={given!r} is a relative path, which each process would resolve against "
                              f"its own current folder (here: {os.path.abspath(os.path.expanduser(given))!r}); give an absolute path")
+        expanded = os.path.normpath(os.path.expanduser(given))
+        if expanded == "/proc" or expanded.startswith(("/proc/", "/dev/fd/")):
+            raise InputError(f"{ROOT_ENV}={given!r} is under {'/proc' if expanded.startswith('/proc') else '/dev/fd'}, "
+                             "which names a folder through a process (its current folder, a descriptor): each process "
+                             "would resolve it to its own; give an absolute path to the folder itself")
         return given
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     cache_home = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")

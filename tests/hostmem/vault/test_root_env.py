@@ -16,7 +16,7 @@ from tests.hostmem.vault.test_vault_cli import cli_with_env
 from tests.lora_cache.test_orchestrate import _config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-ODD = ["relative/x", "", " ", "-", "--root"]
+ODD = ["relative/x", "", " ", "-", "--root", "/proc/self/cwd/x"]
 
 
 def _refused(done) -> None:
@@ -26,7 +26,7 @@ def _refused(done) -> None:
     assert line.startswith("hostmem: error: HOSTMEM_CACHE_ROOT") and "give an absolute path" in line, line
 
 
-@pytest.mark.parametrize("value", ODD, ids=["relative", "empty", "blank", "dash", "option"])
+@pytest.mark.parametrize("value", ODD, ids=["relative", "empty", "blank", "dash", "option", "through-proc"])
 def test_the_cache_commands_refuse_a_relative_or_empty_root_variable_in_one_line(tmp_path, value):
     for command in (["cache", "ls"], ["cache", "verify"], ["calibrate", "--size", "8MiB"]):
         _refused(subprocess_in(tmp_path, value, *command))
