@@ -12,7 +12,9 @@ allow it, :func:`can_nest_memory_cgroup` says why and nothing is created.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import time
 from contextlib import contextmanager
@@ -171,6 +173,7 @@ def memory_cgroup(limit_bytes: int | None, name: str | None = None) -> Iterator[
     if reason is not None:
         raise OSError(f"cannot create a memory cgroup: {reason}")
     version, parent = _own_group()
+    _sweep_orphans(parent)
     path = os.path.join(parent, name or f"hostmem-{os.getpid()}-{time.monotonic_ns()}")
     os.mkdir(path)
     try:
@@ -185,6 +188,36 @@ def memory_cgroup(limit_bytes: int | None, name: str | None = None) -> Iterator[
         yield MemoryCgroup(path=path, version=version, limit_bytes=limit_bytes)
     finally:
         _remove(path)
+
+
+_ORPHAN = re.compile(r"hostmem-(?:guard-)?(\d+)-\d+")
+
+
+def _sweep_orphans(parent: str) -> None:
+    """Remove the empty groups ``memory_cgroup`` made under ``parent`` for a process that is
+    gone (a guard ended by SIGKILL, as a CI runner's timeout ends it, could not remove
+    its own). A group with processes in it, or whose maker still runs, stays: rmdir
+    refuses the first, and the pid is checked for the second."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        found = _ORPHAN.fullmatch(name)
+        if found is None or _alive(int(found.group(1))):
+            continue
+        with contextlib.suppress(OSError):  # busy (processes in it), or another sweep took it
+            os.rmdir(os.path.join(parent, name))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _remove(path: str, wait_s: float = 5.0) -> None:

@@ -1,7 +1,9 @@
 """Wait for a command to end while passing the signals meant for it on.
 
 ``hostmem guard`` stands between a person (or a CI runner) and the command it runs.
-A SIGINT, SIGTERM or SIGHUP sent to the guard is meant for the command: the guard
+A SIGINT, SIGTERM, SIGHUP or SIGQUIT (Ctrl-\\), or a SIGUSR1 or SIGUSR2, sent to the
+guard is meant for the command (left to their default action, each would end the guard
+and leave its command running, its memory cgroup behind): the guard
 passes it on to every process of the command (as a terminal sends Ctrl-C to every
 process of its foreground group, so that a script's children end too), waits for
 the command to end, and then reports the interruption instead of a verdict. A
@@ -29,7 +31,7 @@ from typing import Callable, NamedTuple
 __all__ = ["Waited", "HeldSignals", "PASSED_ON", "DEFAULT_GRACE_S"]
 
 SI_KERNEL = 0x80  # si_code of a signal the kernel sent itself, e.g. a terminal's Ctrl-C
-PASSED_ON = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+PASSED_ON = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 DEFAULT_GRACE_S = 10.0
 _POLL_S = 1.0  # a safety net only: the command's end wakes the wait at once (SIGCHLD)
 
@@ -47,7 +49,7 @@ class Waited(NamedTuple):
 
 
 class HeldSignals:
-    """Hold SIGINT, SIGTERM and SIGHUP back from this process while a command runs.
+    """Hold the signals of :data:`PASSED_ON` back from this process while a command runs.
 
     Use as a context manager around the whole run: the start (a signal that comes
     while the command is starting is passed on once it runs; the command itself

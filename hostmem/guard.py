@@ -186,8 +186,8 @@ def run_guarded(
     ``children`` (default) counts every process the command starts; ``counting``
     says how: "auto" (a memory cgroup where the machine allows one, else a tree
     scan), "cgroup" (a memory cgroup or an error) or "tree". The command inherits
-    stdin, stdout and stderr. SIGINT, SIGTERM and SIGHUP sent to this process reach
-    the command (see :mod:`hostmem.child_wait`) and are reported in
+    stdin, stdout and stderr. SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2
+    sent to this process reach the command (see :mod:`hostmem.child_wait`) and are reported in
     ``interrupted``; a command still running ``grace_s`` after such a signal is
     killed with all it started. The memory cgroup is removed however the run ends.
     """

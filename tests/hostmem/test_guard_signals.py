@@ -263,3 +263,34 @@ def test_what_the_command_started_ends_on_the_signal_passed_on_and_is_not_called
     assert "kept running" not in assert_one_clean_line(err, "SIGTERM"), err
     assert signals_seen(tmp_path) == ["SIGTERM"]
     assert leftover_groups() == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGQUIT, signal.SIGUSR1], ids=["SIGQUIT", "SIGUSR1"])
+def test_ctrl_backslash_or_a_user_signal_to_the_guard_reaches_the_command_and_leaves_no_group(tmp_path, signum):
+    """Left to their default action, these ended the guard at once: its command ran on, and
+    its memory cgroup stayed behind."""
+    guard = start_guard(tmp_path, None)
+    guard.send_signal(signum)
+    err = guard.communicate(timeout=60)[1]
+    assert guard.returncode == 128 + signum, err
+    line = assert_one_clean_line(err, signal.Signals(signum).name)
+    assert f"passed {signal.Signals(signum).name} on to it" in line
+    assert leftover_groups() == []
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+
+
+@needs_cgroup
+def test_a_group_left_by_a_guard_killed_with_sigkill_is_removed_by_the_next_guard(tmp_path):
+    guard = start_guard(tmp_path, None)
+    os.kill(guard.pid, signal.SIGKILL)  # a CI runner's timeout: no clean-up can run
+    guard.wait(timeout=60)
+    for child in psutil.process_iter(["cmdline"]):  # its command, left running: end it as the runner would
+        if str(tmp_path) in " ".join(child.info["cmdline"] or []):
+            child.kill()
+    wait_for(lambda: not [p for p in psutil.process_iter(["cmdline"])
+                          if str(tmp_path) in " ".join(p.info["cmdline"] or [])], "the killed guard's command gone")
+    assert [name for name in leftover_groups() if name.startswith(f"hostmem-guard-{guard.pid}-")]
+    done = subprocess.run([sys.executable, "-m", "planners.cli", "guard", "--max-peak-anon", "512MiB", "--", "true"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert leftover_groups() == []
