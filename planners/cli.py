@@ -123,6 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:
+        return _run(args, program)
+    finally:
+        if program:  # done: a signal during the interpreter's exit must not report it killed
+            from planners.commands.stopping import quiet_exit
+
+            quiet_exit()
+
+
+def _run(args, program: bool) -> int:
+    try:
         code = int(args.run(args) or 0)
         if program and getattr(args, "read_only", False):
             _skip_exit_collection()

@@ -206,7 +206,10 @@ def transfer_block(transfer: dict) -> str:
 def run(args) -> int:
     from .stopping import stoppable
 
-    with stoppable():  # SIGTERM too stops it as Ctrl-C does, and the probe file is removed
+    with stoppable(armed=False) as stop:  # SIGTERM too stops it as Ctrl-C does, and the probe file is removed
+        import torch  # noqa: F401  (measure's device rates import it: before a signal may raise, see .stopping)
+
+        stop.arm()
         result = measure(args)
     if args.json:
         print(json.dumps(result, indent=2))

@@ -203,8 +203,9 @@ def _interrupted_line(exc: KeyboardInterrupt, finished=None) -> str:
     )
 
 
-def _build(args):
-    """Read the config and build its merge: ``(stats, config, component, built_for)``."""
+def _build(args, stop):
+    """Read the config and build its merge: ``(stats, config, component, built_for)``;
+    ``stop`` (:class:`.stopping.Stop`) is armed once what the build imports is imported."""
     from lora_cache import merge
     from lora_cache.adapters.checkpoint_model import served_as
     from planners.checkpoint import diffusers_class, diffusers_config, read_headers
@@ -220,6 +221,7 @@ def _build(args):
     model, parts = _model(files, args.shard, cast)
     # read as the server's diffusers model (the class its config.json names) will read the adapters
     model = served_as(model, model_class, diffusers_config(component.path))
+    stop.arm()
     stats = merge(  # keyed as a server's start is: on the mapped shards that hold the targets
         model,
         _adapters(config.lora),
@@ -237,19 +239,21 @@ def _build(args):
 def run_merge(args) -> int:
     built: list = []  # the build's stats, once it has finished
     try:
-        with stoppable():  # from the first import on: a signal never ends the command without its line
-            return _run(args, built)
+        # from the first import on: a signal never ends the command without its line (held until the
+        # imports are done, .stopping)
+        with stoppable(armed=False) as stop:
+            return _run(args, built, stop)
     except KeyboardInterrupt as exc:
         print(_interrupted_line(exc, built[0] if built else None), file=sys.stderr)
         return 130
 
 
-def _run(args, built: list) -> int:
+def _run(args, built: list, stop) -> int:
     from hostmem.vault.combinations import CACHE_DIR
     from lora_cache import CacheBuildError
 
     try:
-        stats, config, component, built_for = _build(args)
+        stats, config, component, built_for = _build(args, stop)
     except CacheBuildError as exc:
         print(f"hostmem: error: {exc}", file=sys.stderr)
         return 1

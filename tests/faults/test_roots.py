@@ -212,6 +212,33 @@ def test_sigterm_during_hostmem_lora_merge_exits_130_and_the_next_start_resumes(
     assert stats.hit + stats.built == LAYERS
 
 
+def test_a_second_sigterm_while_the_first_cleans_up_ends_the_merge_at_once_and_nothing_wrong_is_served(tmp_path):
+    """The first signal's clean-up waits for the layer being written (2 s here); a second
+    signal is neither ignored (a merge that could only be stopped by SIGKILL) nor allowed
+    to tear it: the process ends at once, as the signal's default action, after one line,
+    and what it sealed serves the next start right."""
+    world = make_world(tmp_path)
+    config = _merge_config(world)
+    code = (
+        "import sys, time, hostmem.vault.session as s\n"
+        "real = s.write_layer_data\n"
+        "def slow(*a, **k):\n    print('writing', flush=True)\n    time.sleep(2)\n    return real(*a, **k)\n"
+        "s.write_layer_data = slow\n"
+        "from planners.cli import main\nsys.exit(main(['lora', 'merge', sys.argv[1], '--no-progress']))\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code, config], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "writing"
+    child.send_signal(signal.SIGTERM)
+    time.sleep(0.5)  # the clean-up waits for the write under way
+    child.send_signal(signal.SIGTERM)
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == -signal.SIGTERM, err[-2000:]
+    assert "hostmem: SIGTERM again: stopping at once; what was sealed stays" in err, err
+    served, stats = start(world.base, world.adapter, world.path("root"))
+    assert_same(served, reference(world.base, world.adapter))
+    assert stats.hit + stats.built == LAYERS
+
+
 def _catches_sigterm(pid: int) -> bool:
     """Whether process ``pid`` has a SIGTERM handler (``SigCgt`` of /proc/PID/status)."""
     with open(f"/proc/{pid}/status") as status:
