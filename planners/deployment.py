@@ -21,7 +21,7 @@ from .device_plan import DevicePlan, Streamed, device_in_host_memory, plan_devic
 from .pin_plan import CostModel, MoveGroup, PinPlans, plan_pins
 from .providers import OfferRecord, apply_offer, collect_offers
 from .sizes import ComponentSizes, missed_families, sum_residency
-from .verdict import Verdict, format_device, verdict
+from .verdict import Verdict, device_digits, format_device, verdict
 
 __all__ = ["AlternativePlan", "DeploymentPlan", "OfferOutcome", "plan_deployment", "cost_model"]
 
@@ -333,10 +333,11 @@ def _host_warnings(host: HostLimit, budget: HostBudget, device: DevicePlan, merg
                   + "; move it on only while it runs (offload: full) or block by block (offload: layerwise)"
                   if kept_alone else
                   "stream that component block by block (offload: layerwise), lower prefetch, or use a larger device")
+        n = device_digits(device.vram, device.peak_bytes)
         out.append(
-            f"device: the plan needs {format_device(device.peak_bytes)} of device memory at its peak"
+            f"device: the plan needs {format_device(device.peak_bytes, n)} of device memory at its peak"
             f"{f' (while {name} runs)' if name and not kept_alone else ''}, {format_device(device.shortfall)} more "
-            f"than device.vram {format_device(device.vram)}: {advice}"
+            f"than device.vram {format_device(device.vram, n)}: {advice}"
         )
     patterns = {} if config is None else {
         name: (c.layer_pattern,) if isinstance(c.layer_pattern, str) else tuple(c.layer_pattern or ())

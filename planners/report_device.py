@@ -14,7 +14,7 @@ import re
 
 from hostmem.table import format_table
 
-from .verdict import format_device
+from .verdict import device_digits, format_device
 
 __all__ = ["compress_names", "device_dict", "device_lines"]
 
@@ -90,11 +90,12 @@ def device_lines(plan) -> list[str]:
         rows.append((p.component, format_device(kept), f"{format_device(p.window_bytes)} (window)"))
     rows += [(n, "", f"{format_device(b)} (whole)") for n, b in d.in_flight]
     state = "fits" if d.fits else f"short by {format_device(d.shortfall)}" if d.shortfall else "does not fit"
+    n = device_digits(d.vram, peak)
     return [
-        f"device plan: VRAM {format_device(d.vram)} (device.vram, decimal GB as vendors print it)",
+        f"device plan: VRAM {format_device(d.vram, n)} (device.vram, decimal GB as vendors print it)",
         *no_gpu,
         *format_table(rows, indent="  "),
-        f"  peak {format_device(peak)} = kept {format_device(d.kept_bytes)} + "
+        f"  peak {format_device(peak, n)} = reserve and kept {format_device(d.kept_bytes)} + "
         f"{name or 'nothing'} in flight: {state}",
         *_part_lines(d),
     ]

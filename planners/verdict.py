@@ -27,7 +27,7 @@ from hostmem.units import format_size
 from .budget import HostBudget
 from .device_plan import DevicePlan
 
-__all__ = ["Verdict", "verdict", "format_device"]
+__all__ = ["Verdict", "device_digits", "format_device", "verdict"]
 
 
 class Verdict(NamedTuple):
@@ -48,8 +48,9 @@ def _device_reason(device: DevicePlan) -> str | None:
         return None
     if device.shortfall:
         name, peak = device.peak
-        while_ = f"while {name} runs ({format_device(device.peak_bytes - device.kept_bytes)} in flight)" if name else ""
-        return (f"device: {format_device(peak)} needed {while_} > VRAM {format_device(device.vram)} "
+        n = device_digits(device.vram, peak)
+        while_ = f" while {name} runs ({format_device(device.peak_bytes - device.kept_bytes)} in flight)" if name else ""
+        return (f"device: {format_device(peak, n)} needed{while_} > VRAM {format_device(device.vram, n)} "
                 f"(reserve {format_device(device.reserve)} + kept {format_device(device.kept_bytes - device.reserve)}"
                 f"): short by {format_device(device.shortfall)}, out of device memory at the first request")
     part = next(p for p in device.parts if not p.rest_on_device)
@@ -58,12 +59,23 @@ def _device_reason(device: DevicePlan) -> str | None:
             "out of device memory at the first request")
 
 
-def format_device(nbytes: int) -> str:
-    """Device memory as vendors print it (decimal GB, MB below one GB), the binary figure beside it."""
+def format_device(nbytes: int, digits: int = 1) -> str:
+    """Device memory as vendors print it (decimal GB, MB below one GB), the binary figure
+    beside it; ``digits``: decimals of the GB and GiB figures (the MB one has one less)."""
     if nbytes < 1e6:
         return format_size(nbytes)
-    decimal = f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.0f} MB"
-    return f"{decimal} ({format_size(nbytes)})"
+    decimal = f"{nbytes / 1e9:.{digits}f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.{digits - 1}f} MB"
+    return f"{decimal} ({format_size(nbytes, digits)})"
+
+
+def device_digits(vram: int, *sides: int) -> int:
+    """Decimals enough that no side of a comparison with ``vram`` reads as it while it is
+    not ("25.8 GB needed > VRAM 25.8 GB" for 10 MiB short): one, else up to three."""
+    for digits in (1, 2, 3):
+        shown = format_device(vram, digits)
+        if all(side == vram or format_device(side, digits) != shown for side in sides):
+            return digits
+    return 3
 
 
 def _digits(limit: int, *sides: int) -> int:

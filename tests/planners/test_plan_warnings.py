@@ -158,3 +158,17 @@ def test_at_the_boundary_the_verdict_shows_enough_digits_to_tell_the_sides_apart
     main(["plan", str(path)])
     first = capsys.readouterr().out.splitlines()[0]
     assert first == "fits: no: committed 50.00 MiB + reserve 4.00 GiB > limit 4.04 GiB: killed at the first request"
+
+
+def test_at_the_boundary_the_device_figures_show_enough_digits_to_tell_the_sides_apart(write_config, capsys):
+    path = write_config("deployment: x\nworkload: {steps: 4}\nhost: {limit: 128GiB, reserve: 4GiB}\n"
+                        "device: {vram: 24GiB, reserve: 2GiB}\n"
+                        "components:\n  dit: {size: 22538MiB, layers: 4, offload: none}\n")  # 10 MiB over
+    main(["plan", str(path)])
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("fits: no: device: 25.78 GB (24.01 GiB) needed > VRAM 25.77 GB (24.00 GiB) "), first
+    (peak,) = [line for line in out.splitlines() if line.strip().startswith("peak ")]
+    assert peak.strip().startswith("peak 25.78 GB (24.01 GiB) = reserve and kept "), peak
+    assert "device plan: VRAM 25.77 GB (24.00 GiB)" in out
+    assert "of device memory at its peak, 10 MB (10.0 MiB) more than device.vram 25.77 GB (24.00 GiB)" in out

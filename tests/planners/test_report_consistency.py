@@ -17,7 +17,7 @@ from hostmem.units import format_size
 from planners.plan_build import build_plan
 from planners.config import load_config
 from planners.report import report_dict, report_text
-from planners.verdict import format_device
+from planners.verdict import device_digits, format_device
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
@@ -84,7 +84,9 @@ def test_the_text_prints_the_plan_objects_figures(name, merge, plan):
             shown = f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1000:.1f} ms"
             assert shown in row, (component, shown, row)
     if plan.device.vram:
-        assert f"peak {format_device(plan.device.peak_bytes)} = kept {format_device(plan.device.kept_bytes)}" in text
+        n = device_digits(plan.device.vram, plan.device.peak_bytes)
+        assert (f"peak {format_device(plan.device.peak_bytes, n)} = reserve and kept "
+                f"{format_device(plan.device.kept_bytes)}") in text
     disk = [n for n in plan.pins.notes + plan.warnings if "from disk per request" in n]
     for line in disk:  # every disk figure a line says is the pin plan's
         component = line.split(" reads ")[0].split()[-1]
