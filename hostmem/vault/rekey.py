@@ -23,6 +23,7 @@ import time
 
 from .anchor import rename_in
 from .combinations import lock_path, use_path
+from .deferred import interrupts_deferred
 from .durable import discard, fsync_dir, remove_tree
 from .identity import CacheKey
 from .leases import use_lease
@@ -117,19 +118,26 @@ def rekey(vault, provisional: str, real: CacheKey, vaults: list):
     try:
         if not _take(lock, vault.label, real.hex):
             return vault
-        holder = complete_in(vaults, real.hex)
-        target = os.path.join(cache, real.hex)
-        if holder is None and os.path.lexists(target) and lock_is_held(use_path(cache, real.hex), shared_too=True):
-            holder = vault  # a partial one some process serves: it stays, the next start completes it
-        if holder is not None:
-            remove_tree(folder)  # the weights served from it live on in its unlinked files
-            discard(use_path(cache, provisional))  # and hold its unlinked lease file
-            return holder
-        try:
-            _name_by(cache, folder, target, manifest, provisional, real)
-        except OSError as exc:  # no room for the manifest, an I/O error: what is served stays right
-            _give_up(vault.label, cache, provisional, real.hex, exc)
-        return vault
+        with interrupts_deferred():  # half re-keyed, a finished build would be swept and built again
+            return _rekey_held(vault, folder, manifest, provisional, real, vaults)
     finally:
         lock.release(remove=True)
         unclaim_in_process(real.hex)
+
+
+def _rekey_held(vault, folder: str, manifest, provisional: str, real: CacheKey, vaults: list):
+    """:func:`rekey` once the real key's lock is held."""
+    cache = vault.cache
+    holder = complete_in(vaults, real.hex)
+    target = os.path.join(cache, real.hex)
+    if holder is None and os.path.lexists(target) and lock_is_held(use_path(cache, real.hex), shared_too=True):
+        holder = vault  # a partial one some process serves: it stays, the next start completes it
+    if holder is not None:
+        remove_tree(folder)  # the weights served from it live on in its unlinked files
+        discard(use_path(cache, provisional))  # and hold its unlinked lease file
+        return holder
+    try:
+        _name_by(cache, folder, target, manifest, provisional, real)
+    except OSError as exc:  # no room for the manifest, an I/O error: what is served stays right
+        _give_up(vault.label, cache, provisional, real.hex, exc)
+    return vault

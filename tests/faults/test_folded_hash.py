@@ -336,3 +336,36 @@ def _another_start_maps_the_build(world, root, model, planned, session, expected
     assert_same(dict(model.named_parameters()), expected)
     assert [c.key for c in list_combinations(os.path.join(root, "lora_merge_cache"))] == [session.key]
     assert not markers(root) and not leftovers(root)
+
+
+@pytest.mark.parametrize("step", ["write_manifest", "rename_in", "unmark_provisional"])
+def test_ctrl_c_in_the_re_key_of_a_finished_build_comes_after_it_and_the_next_start_hits_every_layer(
+        tmp_path, monkeypatch, step):
+    """A real SIGINT sent while a finished folded build is being named by its real key (the
+    manifest rewritten, the folder renamed, the marker removed): the re-key ends first,
+    the interrupt comes after it, and the next start maps every layer. Cut half-way, the
+    folder was left provisional (swept, built again) or removed as unreadable."""
+    import signal
+
+    from hostmem.vault import rekey
+
+    world = make_world(tmp_path)
+    expected, root = reference(world.base, world.adapter), world.path("root")
+    real_step = getattr(rekey, step)
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # Python runs its handler at the next bytecode: inside the re-key
+        for _ in range(1000):
+            pass
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(rekey, step, interrupted)
+    model, planned, session = open_folded(world, root)
+    with pytest.raises(KeyboardInterrupt), session:
+        merge_layers(session.in_file_order(planned[0]), session, progress=False, fallback=False)
+    monkeypatch.setattr(rekey, step, real_step)
+    lora_cache.unmerge(model, strict=False)
+    served, stats = fresh_start(world.base, world.adapter, root)
+    assert_same(served, expected)
+    assert (stats.hit, stats.built) == (LAYERS, 0)
+    assert not markers(root) and stats.cache_key == os.path.basename(combination_folder(root))
