@@ -22,6 +22,7 @@ def parse_host(origin: ConfigOrigin, data: Any) -> HostConfig:
     )
     if limit == 0:
         raise origin.error("host.limit", "0 leaves nothing to plan; write a size such as 32GiB, or auto")
+    _not_bytes_by_mistake(s, "limit", limit)
     reserve, source, floor = _reserve(s)
     if limit is not None and reserve >= limit:
         what = "host.reserve_floor" if source == "measured" else "host.reserve"
@@ -46,6 +47,15 @@ def _reserve(s: Section) -> tuple[int, str, int]:
     source = s.origin.overrides.get("host.reserve", "config" if s.has("reserve") else "default")
     reserve = s.parsed("reserve", parse_size, DEFAULT_RESERVE, "write a size such as 4GiB, or measured")
     return reserve, source, floor
+
+
+def _not_bytes_by_mistake(s: Section, key: str, value: int | None) -> None:
+    """Refuse a bare number under 1 MiB for a size that is gigabytes on any machine: ``vram: 24``
+    is 24 bytes, which nobody means (a later check would blame the reserve instead)."""
+    given = s.get(key, None)
+    if value and value < 1 << 20 and _is_bare_number(given):
+        raise s.origin.error(s.sub(key), f"{short(given)} is a number without a unit, which is {value} bytes; write "
+                                         f"the unit, e.g. {given}GB or {given}GiB")
 
 
 _BARE_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
@@ -89,8 +99,10 @@ def _max_pinned(s: Section) -> tuple[float | None, int | None]:
 def parse_device(origin: ConfigOrigin, data: Any) -> DeviceConfig:
     s = Section(origin, "device", data, ("vram", "reserve"))
     vram, reserve = s.size("vram", 0), s.size("reserve", 0)
+    _not_bytes_by_mistake(s, "vram", vram)
     if vram and reserve >= vram:
-        raise origin.error("device.reserve", f"{s.get('reserve')!r} is not below device.vram {s.get('vram')!r}")
+        raise origin.error("device.reserve", f"{s.get('reserve')!r} is not below device.vram {s.get('vram')!r}; "
+                                             "lower device.reserve or raise device.vram")
     return DeviceConfig(vram=vram, reserve=reserve)
 
 

@@ -72,6 +72,10 @@ def test_a_good_config_parses_into_bytes_and_fractions(write_config):
         ("    offload: full\n", "    offload: full\n    prefetch: 7\n", "components.text_encoder.prefetch", 23,
          "read-ahead window of a streamed component"),
         ("deployment: test\n", "deployment: ''\n", "deployment", 1, "is empty"),
+        # a bare number is bytes: 24 GB meant, 24 bytes read, and the reserve blamed for it
+        ("  vram: 12GiB\n", "  vram: 24\n", "device.vram", 7, "a number without a unit, which is 24 bytes; write the "
+         "unit, e.g. 24GB or 24GiB"),
+        ("  limit: 32GiB\n", "  limit: 32\n", "host.limit", 3, "which is 32 bytes"),
         ("  max_pinned: 75%\n", f"  max_pinned: {'9' * 400}\n", "host.max_pinned", 5, "(400 characters)"),
     ],
 )
