@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -148,8 +149,15 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     """Read and validate the header of ``path`` (reads a few KiB, never the weights)."""
     path = os.fspath(path)
     try:
-        with open(path, "rb") as handle:
+        # O_NONBLOCK: a FIFO (or a device) at the path would hold the open up for good; refused below
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        with open(fd, "rb") as handle:
             st = os.fstat(handle.fileno())
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError
+            if not stat.S_ISREG(st.st_mode):
+                raise SafetensorsError(f"{path}: not a regular file (a FIFO, socket or device); a checkpoint is a "
+                                       ".safetensors file")
             file_size, file_id = st.st_size, (st.st_dev, st.st_ino)
             prefix = handle.read(8)
             if len(prefix) < 8:

@@ -156,3 +156,15 @@ def test_contiguous_layouts_read_and_any_shift_is_caught(tmp_path, sizes, shift,
     elif len(sizes) > 1 or begin + shift > 0:
         with pytest.raises(SafetensorsError, match="overlaps|to no tensor"):
             read_header(path)
+
+
+def test_a_fifo_or_a_folder_named_like_a_checkpoint_is_refused_without_waiting(tmp_path):
+    """A FIFO's open waits for a writer: `hostmem plan` of a folder holding one hung for good."""
+    import os
+
+    fifo = tmp_path / "diffusion_pytorch_model.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(SafetensorsError, match="not a regular file"):
+        read_header(fifo)
+    with pytest.raises(SafetensorsError, match="is a folder"):
+        read_header(tmp_path)
