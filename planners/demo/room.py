@@ -26,6 +26,7 @@ from .synthetic import TEXT_ENCODER_SHARE, dit_dims
 __all__ = ["RUNTIME_ALLOWANCE", "demo_needs", "check_room"]
 
 RUNTIME_ALLOWANCE = 1024**3  # Python, torch and hostmem of a scenario's start, with room to spare
+MIN_SCALE = 8 * 1024**2  # the least DiT of a meaningful demo (planners.demo.run.parse_settings)
 _DISK_MARGIN = 64 * 1024**2  # configs, results, the adapter's header, a filesystem's own blocks
 
 
@@ -54,5 +55,6 @@ def check_room(scale: int, folder: str, available_memory: int | None = None) -> 
     if short:
         fits = max(0, min(scale * disk_free // disk, scale * max(0, available_memory - RUNTIME_ALLOWANCE)
                           // max(1, memory - RUNTIME_ALLOWANCE)))
+        smaller = f"Choose --scale {format_size(fits)} or less, or " if fits >= MIN_SCALE else "Free some, or choose "
         raise InputError(f"--scale {format_size(scale)}: the demo needs {' and '.join(short)}; nothing was "
-                         f"written. Choose --scale {format_size(fits)} or less, or --workdir on a larger disk")
+                         f"written. {smaller}--workdir on a larger (and writable) disk")

@@ -28,7 +28,7 @@ from hostmem.table import format_table as format_table_lines
 from hostmem.units import format_size, parse_size
 
 from .progress import StatusLine
-from .room import check_room
+from .room import MIN_SCALE, check_room
 
 from .scenario import SCENARIOS
 from .verdicts import plan_verdicts, verdict_lines
@@ -87,6 +87,7 @@ class DemoResult:
     cgroup: dict | None = None
     verdicts: dict | None = None  # {scenario: {"merge", "fits", "verdict"}}: the plan's (planners.demo.verdicts)
     config_path: str | None = None  # the config the demo wrote, where --workdir keeps it
+    limit_given: bool = False  # --host-limit named the limit; else the seed's 32 GiB scaled to the DiT
 
     def to_dict(self) -> dict:
         """The ``--json`` contract: sizes in bytes, times in seconds."""
@@ -252,13 +253,15 @@ def run_demo(settings: DemoSettings) -> DemoResult:
         raise InputError(f"--workdir {workdir}: cannot create it ({exc.strerror}); name a writable folder") from None
     try:
         files, config_path, limit, scaled_limit, runtime = _prepare(settings, workdir)
-        _say(settings, f"host limit {format_size(limit)} = {format_size(scaled_limit)} (32 GiB scaled to a "
-                       f"{format_size(files.dit_bytes)} DiT) + {format_size(runtime)} runtime")
+        _say(settings, f"host limit {format_size(limit)} = {format_size(scaled_limit)} "
+                       f"({_limit_source(settings.host_limit is not None, files.dit_bytes)}) + {format_size(runtime)} "
+                       "runtime")
         results = []
         for name in SCENARIOS:
             _say(settings, f"scenario {LABELS[name]}:")
             results.append(run_scenario(config_path, name, workdir, progress=settings.progress))
-        demo = DemoResult(limit, scaled_limit, runtime, files.dit_bytes, files.lora_target_bytes, results)
+        demo = DemoResult(limit, scaled_limit, runtime, files.dit_bytes, files.lora_target_bytes, results,
+                          limit_given=settings.host_limit is not None)
         if settings.cgroup:
             demo.cgroup = run_cgroup_pair(config_path, workdir, scaled_limit + runtime, settings)
         demo.verdicts = plan_verdicts(config_path)
@@ -317,7 +320,7 @@ def format_table(demo: DemoResult) -> str:
         ))
     width = max(len(name) for name, _ in _COLUMNS)
     lines = [
-        f"host limit {format_size(demo.host_limit_bytes)}: 32 GiB scaled to a {format_size(demo.dit_bytes)} DiT "
+        f"host limit {format_size(demo.host_limit_bytes)}: {_limit_source(demo.limit_given, demo.dit_bytes)} "
         f"({format_size(demo.lora_target_bytes)} of LoRA targets) = {format_size(demo.scaled_limit_bytes)}, "
         f"plus {format_size(demo.runtime_bytes)} for the Python runtime (also reserved)",
         "",
@@ -359,10 +362,14 @@ def plot_timelines(demo: DemoResult, path: str) -> None:
     fig.savefig(path)
 
 
+def _limit_source(given: bool, dit_bytes: int) -> str:
+    return "--host-limit" if given else f"32 GiB scaled to a {format_size(dit_bytes)} DiT"
+
+
 def parse_settings(scale: str | int, host_limit: str | int | None, workdir: str | None, cgroup: bool) -> DemoSettings:
     """Settings from command-line sizes (text or bytes, through :func:`hostmem.units.parse_size`)."""
     size = parse_size(scale)
-    if size < 8 * 1024**2:
+    if size < MIN_SCALE:
         raise InputError(f"--scale {format_size(size)}: at least 8MiB of DiT is needed for a meaningful demo")
     limit = parse_size(host_limit) if host_limit is not None else None
     if limit == 0:

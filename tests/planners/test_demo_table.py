@@ -76,3 +76,10 @@ def test_every_column_has_its_legend_line_and_the_stand_ins_are_named():
         assert column in header and any(line.startswith(column + " ") for line in legend), column
     assert "vs 2" not in text
     assert text.splitlines()[-1].startswith("stand-ins: the report's VRAM (")
+
+
+def test_the_limit_line_says_where_the_limit_came_from():
+    scaled = _demo()
+    assert format_table(scaled).splitlines()[0].startswith("host limit 450.0 MiB: 32 GiB scaled to a 512.0 MiB DiT ")
+    scaled.limit_given = True  # --host-limit: the operator's own, never called the seed's scaled one
+    assert format_table(scaled).splitlines()[0].startswith("host limit 450.0 MiB: --host-limit (320.0 MiB of LoRA ")

@@ -41,3 +41,11 @@ def test_the_room_check_names_memory_alone_and_the_largest_scale_that_fits(tmp_p
         check_room(256 * MiB, str(tmp_path), available_memory=memory - 1)
     said = str(refused.value)
     assert "of memory for the in-place start" in said and "of disk" not in said
+
+
+def test_a_folder_with_no_room_for_the_smallest_demo_is_not_told_a_scale_the_demo_refuses(tmp_path):
+    done = _hostmem(tmp_path, "demo", "--scale", "64MiB", "--workdir", "/proc/demo", timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    line = done.stderr.strip()
+    assert "nothing was written" in line and "--workdir on a larger (and writable) disk" in line, line
+    assert "Choose --scale" not in line, line
