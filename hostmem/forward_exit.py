@@ -11,11 +11,46 @@ wait for it for good. :func:`wrap_forward` closes that gap for one module's forw
 from __future__ import annotations
 
 import functools
+import sys
+import threading
 from typing import Callable
 
 from torch import nn
 
-__all__ = ["is_wrapped", "wrap_forward"]
+__all__ = ["forward_calls", "is_wrapped", "wrap_forward"]
+
+_CALL = getattr(getattr(nn.Module, "_call_impl", None), "__code__", None)  # the frame each module call runs in
+
+
+def forward_calls(thread_id: int, root: nn.Module) -> int | None:
+    """How many calls of ``root`` (``root(...)``, hooks and all) are under way in thread
+    ``thread_id``: 0 for a thread that is gone; None where this torch's frames cannot tell
+    (its module calls run in no frame of their own: a caller then waits as before)."""
+    if not _frames_show_calls():
+        return None
+    frame = sys._getframe(1) if thread_id == threading.get_ident() else sys._current_frames().get(thread_id)
+    return _calls_in(frame, root)
+
+
+def _calls_in(frame, root: nn.Module) -> int:
+    calls = 0
+    while frame is not None:
+        if frame.f_code is _CALL and frame.f_locals.get("self") is root:
+            calls += 1
+        frame = frame.f_back
+    return calls
+
+
+@functools.lru_cache(maxsize=1)
+def _frames_show_calls() -> bool:
+    """Whether a module's call shows in its thread's frames here: asked once, of a call whose
+    pre-hook counts it."""
+    if _CALL is None:
+        return False
+    probe, seen = nn.Identity(), []
+    probe.register_forward_pre_hook(lambda module, args: seen.append(_calls_in(sys._getframe(), module)))
+    probe(0)
+    return seen == [1]
 
 
 def wrap_forward(root: nn.Module, left: Callable[[], None], call: Callable | None = None) -> Callable[[], None]:

@@ -4,7 +4,12 @@ Forward calls enter the gate shared (any number at once, from any threads); a sw
 enters it exclusively, after every forward in flight has left and before the next one
 enters. A forward therefore sees the model wholly before or wholly after a swap, never
 half-swapped. The hooks that enter and leave live on the model's root modules
-(``always_call``, so a forward that raises still leaves).
+(``always_call``, so a forward that raises still leaves; a wrapper of the forward, so an
+interrupt does too: :mod:`hostmem.forward_exit`). Where an interrupt leaves a forward
+unseen by either (in a pre-hook, or in the first call after another library set the
+forward back), the place it held is given back once its thread has no call of the
+model's roots under way (:func:`hostmem.forward_exit.forward_calls`): a swap waiting for
+it looks every half second, and the thread itself at its next switch.
 """
 
 from __future__ import annotations
@@ -13,8 +18,11 @@ import contextlib
 import threading
 
 from hostmem.errors import HostmemError
+from hostmem.forward_exit import forward_calls
 
 __all__ = ["ForwardGate", "NotASafePoint"]
+
+_LOOK_S = 0.5  # how often a waiting swap looks whether a reader's forward is still under way
 
 
 class NotASafePoint(HostmemError, RuntimeError):
@@ -30,6 +38,7 @@ class ForwardGate:
         self._readers: dict[int, int] = {}  # thread id -> depth of forward calls in it
         self._writing = False
         self._waiting = 0  # swaps waiting: new forwards hold back for them, so a busy model still swaps
+        self.roots: tuple = ()  # the modules whose forwards enter it (set where they are hooked)
 
     def enter(self) -> None:
         """A forward call begins: wait while a swap is under way."""
@@ -53,8 +62,24 @@ class ForwardGate:
     @property
     def in_forward(self) -> bool:
         """True when the calling thread is inside a forward call of the model."""
+        me = threading.get_ident()
         with self._cond:
-            return threading.get_ident() in self._readers
+            self._give_back_left(me)
+            return me in self._readers
+
+    def _give_back_left(self, thread: int) -> None:
+        """Count ``thread`` inside only as many forwards as it has calls of the roots under way
+        (the others were left by an interrupt nothing saw); unchanged where that cannot be told."""
+        if not self.roots or thread not in self._readers:
+            return
+        calls = [forward_calls(thread, root) for root in self.roots]
+        if None in calls or sum(calls) >= self._readers[thread]:
+            return
+        if sum(calls):
+            self._readers[thread] = sum(calls)
+        else:
+            self._readers.pop(thread)
+        self._cond.notify_all()
 
     def refuse_inside(self) -> None:
         """Raise :class:`NotASafePoint` when called from inside a forward of the model."""
@@ -79,7 +104,9 @@ class ForwardGate:
                 self._waiting += 1
                 try:
                     while self._writing or self._readers:
-                        self._cond.wait()
+                        if not self._cond.wait(_LOOK_S):  # a reader left by an interrupt is given back
+                            for thread in list(self._readers):
+                                self._give_back_left(thread)
                 finally:
                     self._waiting -= 1
                 self._writing = acquired = True

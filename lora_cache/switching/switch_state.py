@@ -130,6 +130,7 @@ def state_for_switch(roots: dict, options: dict) -> tuple[SwitchState, list[Swit
 def attach(state: SwitchState, enter, leave) -> None:
     """Hook ``state`` on its root modules: ``enter`` before each forward, ``leave`` after,
     however the forward is left (an interrupt too: :mod:`hostmem.forward_exit`)."""
+    state.gate.roots = tuple(state.components.values())
     for root in state.components.values():
         state.handles.append(root.register_forward_pre_hook(enter).remove)
         state.handles.append(root.register_forward_hook(leave, always_call=True).remove)

@@ -14,7 +14,6 @@ waited, next to the plan's prediction.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import weakref
@@ -38,6 +37,7 @@ from .pipeline import Clock, LayerPipeline
 from .readahead import FileHandles, choose_reader, set_random
 from ..layer_roles import ComponentRoles, plan_roles
 from .snapshot import take_snapshot
+from .turns import Turn
 from .stats import ExecutorStats, PassStats, read_io_bytes
 
 __all__ = ["Executor", "execute"]
@@ -120,7 +120,7 @@ class Executor:
         # on the device path, passes of one component from two threads take turns: a layer's
         # copy is attached to its module, which both would use (a second thread's pre-hook
         # gave the first's slot back while it computed from it)
-        self._turns: dict[str, threading.RLock] = {}
+        self._turns: dict[str, Turn] = {}
         self._forwards: list = []  # what sets each component's forward back (the device path wraps it)
         self._lefts: dict = {}  # what each wrapper runs when an interrupt leaves the forward
 
@@ -301,7 +301,9 @@ class Executor:
             root = self.components[name]
             if not is_wrapped(root, self._lefts[name]):  # another library's hook, taken off since, dropped it
                 self._forwards.append(guard_forward(root, self._lefts[name]))
-            self._turns.setdefault(name, threading.RLock()).acquire()
+            if self._turns.setdefault(name, Turn(root)).take():  # from a pass an interrupt left unseen
+                self.pipelines[name].interrupted()
+                self._end_pass(name)
         self._boundary()
         index = sum(1 for p in self._stats.passes if p.component == name)
         roles = self.roles[name]
@@ -317,8 +319,7 @@ class Executor:
         finally:
             turn = self._turns.get(name)
             if turn is not None:
-                with contextlib.suppress(RuntimeError):  # not this thread's: its pre-hook failed before taking it
-                    turn.release()
+                turn.give_back()
 
     def _end_pass(self, name: str) -> None:
         pipe = self.pipelines[name]

@@ -198,3 +198,62 @@ def test_an_input_that_requires_grad_inside_a_dict_or_list_counts_as_one():
     assert _wants_grad((), {"added_cond_kwargs": {"text_embeds": [torch.ones(2), leaf]}})
     assert _wants_grad(((torch.ones(1), (leaf,)),), {})
     assert not _wants_grad((torch.ones(2),), {"added_cond_kwargs": {"time_ids": torch.ones(2)}, "n": 3})
+
+
+def _another_threads_request(model) -> torch.Tensor | None:
+    """A request served from another thread, as a server's next one; None where it waits for good."""
+    served = {}
+
+    def serve():
+        with torch.no_grad():
+            served["out"] = model(_x())
+
+    other = threading.Thread(target=serve, daemon=True)
+    other.start()
+    other.join(timeout=20)
+    return None if other.is_alive() else served["out"]
+
+
+@pytest.mark.parametrize("where", ["pre-hook", "forward set back"])
+def test_an_interrupt_no_wrapper_sees_leaves_the_turn_to_the_next_request(checkpoint, where):
+    """Ctrl+C in a pre-hook that runs after the executor's (the turn taken, the forward not
+    begun), or in the first call after another library set the component's forward back to
+    one it kept from before the executor (its wrapper gone for that call): the turn is taken
+    back by the next request of any thread, and every output is the model's."""
+    import types
+
+    with torch.no_grad():
+        expected = load_synthetic_dit(checkpoint)(_x())
+    model = load_synthetic_dit(checkpoint)
+    armed = []
+
+    def pre_hook(module, args):
+        if armed and where == "pre-hook":
+            armed.clear()
+            raise KeyboardInterrupt("Ctrl+C in a pre-hook")
+
+    block, forward = model.blocks[5], model.blocks[5].forward
+
+    def interrupted(h):
+        if armed:
+            armed.clear()
+            raise KeyboardInterrupt("Ctrl+C while a request runs")
+        return forward(h)
+
+    with torch.no_grad(), execute(synthetic_plan(checkpoint, ROOM, model), {"dit": model}, prefetch=2,
+                                  **PATHS["twin"]):
+        model(_x())
+        if where == "pre-hook":
+            model.register_forward_pre_hook(pre_hook)  # after the executor's: it runs once the turn is taken
+        else:
+            block.forward = interrupted
+            model.forward = types.MethodType(type(model).forward, model)  # a library's hook, taken off
+        armed.append(True)
+        with pytest.raises(KeyboardInterrupt):
+            model(_x())
+        served = _another_threads_request(model)
+        assert served is not None, "the other thread's request waits for a turn the interrupted pass held"
+        again = model(_x())
+        assert _another_threads_request(model) is not None  # and this thread's pass gave its turn back
+    assert torch.equal(served, expected) and torch.equal(again, expected)
+    assert all(p.is_cpu and not p.is_inference() for p in model.parameters())

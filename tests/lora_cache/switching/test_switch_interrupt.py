@@ -51,3 +51,40 @@ def test_an_interrupted_forward_lets_the_next_switch_through_from_any_thread(tmp
     result = lora_cache.set_adapters(model, [adapter], cache_root=root, background=False)  # and from this one
     assert result.mode in ("cached", "built")
     torch.testing.assert_close(model(x), served)
+
+
+@pytest.mark.parametrize("where", ["pre-hook", "forward set back"])
+def test_an_interrupt_no_wrapper_sees_lets_the_next_switch_through_from_any_thread(tmp_path, where):
+    """Ctrl+C in a pre-hook that runs after the switch's (its place in the gate taken, the
+    forward not begun), or in the first call after another library set the forward back to
+    one it kept from before the switch: the switch from another thread, and from this
+    one, still goes through."""
+    import types
+
+    model = stack_model(tmp_path, DIM, DEPTH)
+    root = tmp_path / "cache"
+    adapter = stack_adapter(tmp_path / "a.safetensors", DIM, DEPTH, 1)
+    x = torch.randn(2, DIM)
+    lora_cache.set_adapters(model, [adapter], cache_root=root, background=False)
+    served = model(x)
+    if where == "pre-hook":
+        def hook(module, args):
+            handle.remove()
+            raise KeyboardInterrupt
+
+        handle = model.register_forward_pre_hook(hook)  # after the switch's own
+    else:
+        model.forward = types.MethodType(type(model).forward, model)  # a library's hook, taken off
+        _interrupt_once(model.layers[1])
+    with pytest.raises(KeyboardInterrupt):
+        model(x)
+    done: list = []
+    other = threading.Thread(target=lambda: done.append(lora_cache.set_adapters(model, [], cache_root=root)),
+                             daemon=True)
+    other.start()
+    other.join(30)
+    assert not other.is_alive(), "a switch from another thread waits for the interrupted forward for good"
+    assert done and done[0].mode == "base" and serving(model) == "base"
+    result = lora_cache.set_adapters(model, [adapter], cache_root=root, background=False)  # and from this one
+    assert result.mode in ("cached", "built")
+    torch.testing.assert_close(model(x), served)

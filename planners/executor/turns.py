@@ -1,0 +1,64 @@
+"""One pass of a component at a time on the device path, whatever thread runs it.
+
+A layer's device copy is attached to its module, which two passes of the component from
+two threads would both use, so a pass takes the component's turn in its forward pre-hook
+and gives it back when the forward ends (a forward hook, and the forward's wrapper for an
+interrupt, :mod:`.forward_guard`). An interrupt no wrapper sees (in a pre-hook after the
+turn was taken, or in the first call after another library set the forward back to one
+without the wrapper) would keep the turn for good; so a caller that finds the turn held
+by a thread with no call of the component under way (:func:`hostmem.forward_exit.forward_calls`)
+takes it back, and so does the holder's own thread at its next pass, and says the pass
+it took it from was left (its clean-up is the caller's).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from torch import nn
+
+from hostmem.forward_exit import forward_calls
+
+__all__ = ["Turn"]
+
+_LOOK_S = 0.5  # how often a waiting pass looks whether the holder's call is still under way
+
+
+class Turn:
+    """A component's turn: re-entrant for the thread that holds it."""
+
+    def __init__(self, root: nn.Module):
+        self.root = root
+        self._cond = threading.Condition()
+        self._owner: int | None = None
+        self._depth = 0
+
+    def take(self) -> bool:
+        """Wait for the turn and take it (from the component's forward pre-hook); True when a
+        pass an interrupt left held it, and it was taken back."""
+        me = threading.get_ident()
+        left = False
+        with self._cond:
+            if self._owner == me:
+                calls = forward_calls(me, self.root)  # this call among them
+                if calls is not None and self._depth > calls - 1:  # holds of calls no longer under way
+                    self._depth = max(0, calls - 1)
+                    left = self._depth == 0
+            else:
+                while self._owner is not None:
+                    if not self._cond.wait(_LOOK_S) and self._owner is not None \
+                            and forward_calls(self._owner, self.root) == 0:
+                        self._owner, self._depth, left = None, 0, True
+            self._owner = me
+            self._depth += 1
+        return left
+
+    def give_back(self) -> None:
+        """The pass ends; a thread that holds no turn (its pre-hook failed before taking it) gives nothing back."""
+        with self._cond:
+            if self._owner != threading.get_ident():
+                return
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._cond.notify_all()
