@@ -17,8 +17,9 @@ takes. So each conversion is recorded by the file's content
 (:mod:`lora_cache.adapters.conversion_memo`), and a start that finds the record plans
 from it without converting: a start whose every layer is cached reads and copies no
 value of the adapter. Where diffusers' kohya Flux converter cannot take the model's
-sizes (it hard-codes Flux-dev's), the file is read by this package's own parser
-(:mod:`lora_cache.adapters.formats.kohya_flux`). diffusers is an optional extra: nothing here
+sizes (it hard-codes Flux-dev's), or where the file has LoRA factors on Flux's final
+layer (the converter drops their alphas and names them outside the transformer), the file
+is read by this package's own parser (:mod:`lora_cache.adapters.formats.kohya_flux`). diffusers is an optional extra: nothing here
 imports it unless a model is a diffusers model.
 """
 
@@ -248,6 +249,20 @@ def _mixed_layouts(tensors: dict) -> list[str]:
     return found if len(found) > 1 else []
 
 
+def _kohya_final_layer(tensors: dict, family) -> list[str]:
+    """The kohya Flux ``final_layer_*`` modules of a file with LoRA factors on them.
+
+    diffusers' kohya Flux converter pops their ``.alpha`` without folding it and writes
+    their keys without the ``transformer.`` prefix: a file of these alone was merged at
+    scale 1 (16x at kohya's rank 16, alpha 1), and beside any block module they were left
+    out with a warning. ComfyUI, the format's reference, merges them at ``alpha / rank``
+    with the modulation's halves swapped, as the family's rules do."""
+    if family is None or family.name != "Flux":
+        return []
+    return sorted({key.split(".", 1)[0] for key in tensors
+                   if key.startswith("lora_unet_final_layer_") and key.endswith(("lora_down.weight", "lora_up.weight"))})
+
+
 def _kohya_spelt_own_names(modules: dict) -> bool:
     """Whether the file names the model's own modules in kohya's spelling under the
     transformer's prefix (``lora_transformer_transformer_blocks_0_ff_net_0_proj``, as
@@ -367,6 +382,13 @@ def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
         return read_with_family_rules(path, tensors, metadata, family_of(loader),
                                        f"it mixes {' and '.join(mixed)} keys, which no converter of diffusers reads",
                                        loader, keep, bool(components), strict)
+    family = family_of(loader)
+    final = _kohya_final_layer(tensors, family)
+    if final:  # diffusers' converter breaks these: read every module with the family's rules
+        return read_with_family_rules(path, _diffs_placed(path, tensors, model, loader, family), metadata, family,
+                                      f"diffusers' converter drops the alphas of {', '.join(final)} and names them "
+                                      "outside the transformer (merged at scale 1 alone, not at all beside blocks)",
+                                      loader, keep, bool(components), strict)
     name = memo.key(path, converter, keep, alpha) if memo is not None else None
     record = memo.load(name) if memo is not None else None
     if record is not None:
