@@ -34,6 +34,7 @@ from .forward_guard import guard_forward, refuse_grad
 from .layout import MapIndex, layer_module, tensor_span
 from .pages import page_cover
 from .pipeline import Clock, LayerPipeline
+from .placing import place_outside, put_back
 from .readahead import FileHandles, choose_reader, set_random
 from ..layer_roles import ComponentRoles, plan_roles
 from .snapshot import take_snapshot
@@ -79,18 +80,6 @@ _RUNNING: "weakref.WeakKeyDictionary[torch.nn.Module, Executor]" = weakref.WeakK
 _RUNNING_LOCK = threading.Lock()
 
 
-def _nested_modules(root: torch.nn.Module, others: list[torch.nn.Module]) -> set[int]:
-    """Ids of the modules of every component of ``others`` whose root lies inside ``root``."""
-    within = {id(m) for m in root.modules()} - {id(root)}
-    return {id(m) for other in others if id(other) in within for m in other.modules()}
-
-
-def _state(tensor: torch.Tensor) -> tuple:
-    """What tells a tensor changed in place or re-pointed (``.data =``): its storage, dtype,
-    shape and version (none for an inference tensor)."""
-    return (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), None if tensor.is_inference() else tensor._version)
-
-
 class Executor:
     """Runs ``plan`` on ``components``; see the module doc. Use :func:`execute`."""
 
@@ -123,6 +112,7 @@ class Executor:
         self._turns: dict[str, Turn] = {}
         self._forwards: list = []  # what sets each component's forward back (the device path wraps it)
         self._lefts: dict = {}  # what each wrapper runs when an interrupt leaves the forward
+        self._closed = False  # a hook torch entered before close took it off does nothing after
 
     # ------------------------------------------------------------------ entry
     def __enter__(self) -> "Executor":
@@ -230,36 +220,9 @@ class Executor:
         return DeviceCopier(self.device, self.prefetch + 1, max(moved)) if moved else None
 
     def _place_on_device(self, layouts) -> None:
-        """Resident layers and each component's tensors outside its layers go to the device: each
-        tensor once, however many modules hold it (a tied weight: T5's ``shared`` and
-        ``encoder.embed_tokens``), and every holder, a moved layer too, then holds that one
-        placed tensor, so a change through one name reaches the others."""
-        from .device_copy import standing_in
-
-        made: set[int] = set()  # the placed tensors: a nested component's are placed once
-        for name, roles in self.roles.items():
-            root = self.components[name]
-            inside = {id(m) for k, l in layouts[name].items() if k not in roles.resident for m in l.module.modules()}
-            theirs = _nested_modules(root, [r for n, r in self.components.items() if n != name])
-            holders: dict[int, list] = {}  # id(tensor) -> [tensor, kind, held outside the layers, [(table, key)]]
-            for module in root.modules():
-                if id(module) in theirs:  # a component nested in this one places its own (its layers streamed)
-                    continue
-                for kind, table in (("p", module._parameters), ("b", module._buffers)):
-                    for key, tensor in table.items():
-                        if tensor is None or tensor.device.type != "cpu" or id(tensor) in made:
-                            continue
-                        entry = holders.setdefault(id(tensor), [tensor, kind, False, []])
-                        entry[2] = entry[2] or id(module) not in inside
-                        entry[3].append((table, key))
-            for tensor, kind, outside, where in holders.values():
-                if not outside:
-                    continue
-                placed = standing_in(tensor, tensor.detach().to(self.device), kind)
-                for table, key in where:
-                    table[key] = placed
-                made.add(id(placed))
-                self._placed.append((tensor, placed, _state(placed), where))
+        """Resident layers and each component's tensors outside its layers go to the device
+        (:func:`.placing.place_outside`)."""
+        self._placed += place_outside(self.components, self.roles, layouts, self.device)
 
     # ------------------------------------------------------------------ hooks
     def _hook(self, name: str, pipe: LayerPipeline) -> None:
@@ -274,16 +237,22 @@ class Executor:
             hooked.add(id(layout.module))
             self._hooks.append(layout.module.register_forward_pre_hook(
                 lambda m, a, k, l=layer: self._layer_begin(name, l, m, a, k), with_kwargs=True))
-            self._hooks.append(layout.module.register_forward_hook(lambda m, a, o, l=layer: pipe.after(l),
+            self._hooks.append(layout.module.register_forward_hook(lambda m, a, o, l=layer: self._layer_end(pipe, l),
                                                                    always_call=True))
         if self.device is not None:
             self._lefts[name] = lambda n=name: self._interrupted(n)
             self._forwards.append(guard_forward(root, self._lefts[name]))
 
     def _layer_begin(self, name: str, layer: str, module: torch.nn.Module, args, kwargs) -> None:
+        if self._closed:
+            return
         if self.device is not None:  # the device path serves inference (see .forward_guard)
             refuse_grad(name, layer, args, kwargs)
         self.pipelines[name].before(layer)
+
+    def _layer_end(self, pipe: LayerPipeline, layer: str) -> None:
+        if not self._closed:
+            pipe.after(layer)
 
     def _interrupted(self, name: str) -> None:
         """The component's forward was left by a ``KeyboardInterrupt`` (see :mod:`.forward_guard`)."""
@@ -297,6 +266,8 @@ class Executor:
             pipe.boundary()
 
     def _pass_begin(self, name: str) -> None:
+        if self._closed:  # a call that began as the executor closed: it runs on the weights put back
+            return
         if self.device is not None:  # the device path: one pass of a component at a time (see _turns)
             root = self.components[name]
             if not is_wrapped(root, self._lefts[name]):  # another library's hook, taken off since, dropped it
@@ -314,6 +285,8 @@ class Executor:
         self.pipelines[name].begin()
 
     def _pass_end(self, name: str) -> None:
+        if self._closed:
+            return
         try:
             self._end_pass(name)
         finally:
@@ -351,6 +324,29 @@ class Executor:
     def close(self) -> None:
         """Remove every hook; drain reads; put host tensors back; unpin; close files. Each step
         runs even where one before it failed (the first error is raised after all of them)."""
+        held = self._hold_turns()
+        try:
+            self._close()
+        finally:
+            for turn in held:
+                turn.give_back()
+
+    def _hold_turns(self) -> list[Turn]:
+        """On the device path, every component's turn: a pass another thread has under way ends
+        before its layers' copies and slots are taken down (it raised, or computed from freed
+        slots); then no hook does anything any more."""
+        held = []
+        if self.device is not None and not self._closed:
+            for name in self.pipelines:
+                turn = self._turns.setdefault(name, Turn(self.components[name]))
+                if turn.take():  # from a pass an interrupt left unseen
+                    self.pipelines[name].interrupted()
+                    self._end_pass(name)
+                held.append(turn)
+        self._closed = True
+        return held
+
+    def _close(self) -> None:
         failed: list[BaseException] = []
 
         def step(fn, *args) -> None:
@@ -391,24 +387,8 @@ class Executor:
             raise failed[0]
 
     def _put_back(self) -> None:
-        """The host tensors back where the device's stood. A weight replaced since is the
-        caller's and stays; one changed through the placed tensor (``param.data = ...``, as
-        ``module.to(dtype)`` and peft's safe merge do, or a write into it) comes back to
-        the host as it is now, never reverted to what it was at entry, keeping its
-        ``requires_grad``. Every holder that still holds the placed tensor gets the one
-        tensor back: a tie stays a tie."""
-        from .device_copy import standing_in
-
-        for tensor, placed, state, where in reversed(self._placed):
-            still = [(table, key) for table, key in where if table.get(key) is placed]
-            if not still:
-                continue
-            back = tensor
-            if _state(placed) != state:
-                kind = "p" if isinstance(tensor, torch.nn.Parameter) else "b"
-                back = standing_in(tensor, placed.detach().to("cpu"), kind, requires_grad=tensor.requires_grad)
-            for table, key in still:
-                table[key] = back
+        """The host tensors back where the device's stood (:func:`.placing.put_back`)."""
+        put_back(self._placed)
         self._placed.clear()
 
 

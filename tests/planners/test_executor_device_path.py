@@ -257,3 +257,52 @@ def test_an_interrupt_no_wrapper_sees_leaves_the_turn_to_the_next_request(checkp
         assert _another_threads_request(model) is not None  # and this thread's pass gave its turn back
     assert torch.equal(served, expected) and torch.equal(again, expected)
     assert all(p.is_cpu and not p.is_inference() for p in model.parameters())
+
+
+@pytest.mark.parametrize("where", ["in a layer", "before the executor's pre-hook"])
+@pytest.mark.parametrize("path", PATHS)
+def test_leaving_the_executor_while_another_thread_is_mid_pass_lets_that_pass_end_right(checkpoint, path, where):
+    """A server that shuts down with a request in flight: the exit waits for a pass under
+    way on the device path (its layers compute from slots the exit takes down), and a call
+    whose hooks torch gathered before the exit took them off runs on the weights put back;
+    neither raises (it raised "cannot schedule new futures after shutdown")."""
+    with torch.no_grad():
+        expected = load_synthetic_dit(checkpoint)(_x())
+    model = load_synthetic_dit(checkpoint)
+    entered, go = threading.Event(), threading.Event()
+
+    def hold():
+        if not entered.is_set():
+            entered.set()
+            go.wait(10)
+
+    if where == "in a layer":
+        block, forward = model.blocks[3], model.blocks[3].forward
+        block.forward = lambda h: (hold(), forward(h))[1]
+    run = execute(synthetic_plan(checkpoint, ROOM, model), {"dit": model}, prefetch=2, **PATHS[path])
+    if where != "in a layer":  # put first, so the executor's own pre-hook runs after it
+        model._forward_pre_hooks[-1] = lambda module, args: hold()
+        model._forward_pre_hooks.move_to_end(-1, last=False)
+    served, errors = {}, []
+
+    def serve():
+        try:
+            with torch.no_grad():
+                served["out"] = model(_x())
+        except Exception as exc:  # noqa: BLE001 (what the request would have raised)
+            errors.append(exc)
+
+    run.__enter__()
+    request = threading.Thread(target=serve, daemon=True)
+    request.start()
+    assert entered.wait(10)
+    closing = threading.Thread(target=run.__exit__, args=(None, None, None), daemon=True)
+    closing.start()
+    closing.join(0.5 if where == "in a layer" else 20)  # the gathered hooks' case: the exit is done first
+    go.set()
+    request.join(20)
+    closing.join(20)
+    assert not request.is_alive() and not closing.is_alive()
+    assert errors == [] and torch.equal(served["out"], expected)
+    with torch.no_grad():
+        assert torch.equal(model(_x()), expected)  # after the exit: the model as it was

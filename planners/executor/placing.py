@@ -1,0 +1,82 @@
+"""What the device path places on the device for the whole run, and puts back on exit.
+
+Resident layers and every tensor a component holds outside its streamed layers (embeddings,
+norms, a head) stand on the device for the run; the moved layers come and go through
+:mod:`.device_copy`'s slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["place_outside", "put_back"]
+
+
+def place_outside(components: dict, roles: dict, layouts: dict, device: torch.device) -> list:
+    """Resident layers and each component's tensors outside its layers go to ``device``: each
+    tensor once, however many modules hold it (a tied weight: T5's ``shared`` and
+    ``encoder.embed_tokens``), and every holder, a moved layer too, then holds that one
+    placed tensor, so a change through one name reaches the others. Returns what
+    :func:`put_back` takes: ``(host tensor, placed, its state, [(table, name), ...])``."""
+    from .device_copy import standing_in
+
+    placed_all: list = []
+    made: set[int] = set()  # the placed tensors: a nested component's are placed once
+    for name, component_roles in roles.items():
+        root = components[name]
+        inside = {id(m) for k, l in layouts[name].items() if k not in component_roles.resident
+                  for m in l.module.modules()}
+        theirs = _nested_modules(root, [r for n, r in components.items() if n != name])
+        holders: dict[int, list] = {}  # id(tensor) -> [tensor, kind, held outside the layers, [(table, key)]]
+        for module in root.modules():
+            if id(module) in theirs:  # a component nested in this one places its own (its layers streamed)
+                continue
+            for kind, table in (("p", module._parameters), ("b", module._buffers)):
+                for key, tensor in table.items():
+                    if tensor is None or tensor.device.type != "cpu" or id(tensor) in made:
+                        continue
+                    entry = holders.setdefault(id(tensor), [tensor, kind, False, []])
+                    entry[2] = entry[2] or id(module) not in inside
+                    entry[3].append((table, key))
+        for tensor, kind, outside, where in holders.values():
+            if not outside:
+                continue
+            placed = standing_in(tensor, tensor.detach().to(device), kind)
+            for table, key in where:
+                table[key] = placed
+            made.add(id(placed))
+            placed_all.append((tensor, placed, _state(placed), where))
+    return placed_all
+
+
+def put_back(placed_all: list) -> None:
+    """The host tensors back where the device's stood. A weight replaced since is the
+    caller's and stays; one changed through the placed tensor (``param.data = ...``, as
+    ``module.to(dtype)`` and peft's safe merge do, or a write into it) comes back to
+    the host as it is now, never reverted to what it was at entry, keeping its
+    ``requires_grad``. Every holder that still holds the placed tensor gets the one
+    tensor back: a tie stays a tie."""
+    from .device_copy import standing_in
+
+    for tensor, placed, state, where in reversed(placed_all):
+        still = [(table, key) for table, key in where if table.get(key) is placed]
+        if not still:
+            continue
+        back = tensor
+        if _state(placed) != state:
+            kind = "p" if isinstance(tensor, torch.nn.Parameter) else "b"
+            back = standing_in(tensor, placed.detach().to("cpu"), kind, requires_grad=tensor.requires_grad)
+        for table, key in still:
+            table[key] = back
+
+
+def _nested_modules(root: torch.nn.Module, others: list[torch.nn.Module]) -> set[int]:
+    """Ids of the modules of every component of ``others`` whose root lies inside ``root``."""
+    within = {id(m) for m in root.modules()} - {id(root)}
+    return {id(m) for other in others if id(other) in within for m in other.modules()}
+
+
+def _state(tensor: torch.Tensor) -> tuple:
+    """What tells a tensor changed in place or re-pointed (``.data =``): its storage, dtype,
+    shape and version (none for an inference tensor)."""
+    return (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), None if tensor.is_inference() else tensor._version)
