@@ -1,25 +1,33 @@
-"""The keys this process has open: a second flock of its own on one key would deadlock, so a
-second session on an open key is refused at once, naming what to close."""
+"""The combinations this process has open: a second flock of its own on one would deadlock,
+so a second session on an open combination is refused at once, naming it.
+
+A combination is its key's folder in one cache (the same key in two roots is two folders,
+each with its own lock file: a build in one never stands in another's way).
+"""
 
 from __future__ import annotations
 
+import os
 import threading
 
 from .safety import VaultError
 
 __all__ = ["claim_in_process", "unclaim_in_process"]
 
-_OPEN_KEYS: set[str] = set()  # keys open in this process: a second flock of ours would deadlock
-_OPEN_KEYS_LOCK = threading.Lock()
+_OPEN: set[str] = set()  # the folders open in this process: a second flock of ours would deadlock
+_OPEN_LOCK = threading.Lock()
 
 
-def claim_in_process(key: str) -> None:
-    with _OPEN_KEYS_LOCK:
-        if key in _OPEN_KEYS:
-            raise VaultError(f"LoRA merge cache {key[:12]} is already open in this process; close that session first")
-        _OPEN_KEYS.add(key)
+def claim_in_process(cache: str, key: str) -> None:
+    """Mark ``key``'s combination in the cache folder ``cache`` open in this process."""
+    with _OPEN_LOCK:
+        folder = os.path.join(cache, key)
+        if folder in _OPEN:
+            raise VaultError(f"LoRA merge cache {key[:12]} in {cache} is already open in this process (a build or "
+                             "a start of it is under way); wait for it, or close that session first")
+        _OPEN.add(folder)
 
 
-def unclaim_in_process(key: str) -> None:
-    with _OPEN_KEYS_LOCK:
-        _OPEN_KEYS.discard(key)
+def unclaim_in_process(cache: str, key: str) -> None:
+    with _OPEN_LOCK:
+        _OPEN.discard(os.path.join(cache, key))

@@ -121,7 +121,7 @@ def open_sealed(vault, hex_key: str, inputs: dict, expected: dict | None) -> Sea
     if expected is None or vault.read_only or not os.path.isfile(os.path.join(folder, "manifest.json")):
         return None
     check_folder_safe(folder)  # ours and private, as the plain open checks it: one lstat
-    claim_in_process(hex_key)
+    claim_in_process(vault.cache, hex_key)
     lock = KeyLock(lock_path(vault.cache, hex_key))
     served, foreign = None, None
     try:
@@ -149,7 +149,7 @@ def open_sealed(vault, hex_key: str, inputs: dict, expected: dict | None) -> Sea
         if served is None:  # not served (or an error): let go, having changed nothing
             if lock.held:
                 lock.release_and_remove_if_alone()
-            unclaim_in_process(hex_key)
+            unclaim_in_process(vault.cache, hex_key)
 
 
 def _held_by_another_user(lock: KeyLock) -> str | None:

@@ -113,7 +113,7 @@ def rekey(vault, provisional: str, real: CacheKey, vaults: list):
     if manifest is None:  # nothing was built: the session left nothing behind
         remove_tree(folder)
         return vault
-    claim_in_process(real.hex)
+    claim_in_process(cache, real.hex)
     lock = KeyLock(lock_path(cache, real.hex))
     try:
         if not _take(lock, vault.label, real.hex):
@@ -122,7 +122,7 @@ def rekey(vault, provisional: str, real: CacheKey, vaults: list):
             return _rekey_held(vault, folder, manifest, provisional, real, vaults)
     finally:
         lock.release(remove=True)
-        unclaim_in_process(real.hex)
+        unclaim_in_process(cache, real.hex)
 
 
 def _rekey_held(vault, folder: str, manifest, provisional: str, real: CacheKey, vaults: list):

@@ -370,7 +370,7 @@ class VaultSession:
                 self._let_go_of_use()
             finally:
                 self._lock.release(remove=True)  # waiters see the file gone and take a fresh one
-                unclaim_in_process(self.key)
+                unclaim_in_process(self.vault.cache, self.key)
 
     def _close_shared(self, tidy) -> None:
         """Close a session that holds its key's lock shared (a reader, a share): ``tidy()``
@@ -388,7 +388,7 @@ class VaultSession:
             try:
                 self._lock.release_and_remove_if_alone()
             finally:
-                unclaim_in_process(self.key)
+                unclaim_in_process(self.vault.cache, self.key)
 
     def _stop_writer(self) -> None:
         """End the piece writer's threads once the pieces on their way are written (all

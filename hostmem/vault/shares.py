@@ -116,7 +116,7 @@ def open_share(vault, key: CacheKey | str, expected: dict, index: int, count: in
         raise VaultError(f"{vault.root}: a read-only cache root; a share of {hex_key[:12]} cannot be built there")
     if not 0 <= index < count:
         raise VaultError(f"share {index} of {count}: the index must be in 0..{count - 1}")
-    claim_in_process(hex_key)
+    claim_in_process(vault.cache, hex_key)
     locks: list[KeyLock] = []
     try:
         key_lock, waited = _lock_shared(vault.cache, hex_key)
@@ -135,7 +135,7 @@ def open_share(vault, key: CacheKey | str, expected: dict, index: int, count: in
     except BaseException:
         for lock in reversed(locks):
             lock.release()
-        unclaim_in_process(hex_key)
+        unclaim_in_process(vault.cache, hex_key)
         raise
 
 

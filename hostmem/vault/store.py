@@ -162,12 +162,12 @@ class Vault:
         """The plain session of ``hex_key`` under its exclusive lock; why not where another
         user holds that lock (the caller tries a copy of its own); a session merging in
         place where a process of ours held it too long or the lock file is not trusted."""
-        claim_in_process(hex_key)
+        claim_in_process(self.cache, hex_key)
         lock = None
         try:
             lock, waited, why_not, foreign = _lock_key(self.cache, hex_key, self.label)
             if lock is None:
-                unclaim_in_process(hex_key)
+                unclaim_in_process(self.cache, hex_key)
                 return why_not if foreign else self._in_place(key, hex_key, expected_layers, waited, why_not)
             lease = use_lease(use_path(self.cache, hex_key))  # under the key's lock, before any view
             folder = os.path.join(self.cache, hex_key)
@@ -180,7 +180,7 @@ class Vault:
         except BaseException:
             if lock is not None:
                 lock.release()
-            unclaim_in_process(hex_key)
+            unclaim_in_process(self.cache, hex_key)
             raise
 
     def _in_place(self, key, hex_key: str, expected_layers: dict | None, waited: float, why: str) -> "VaultSession":

@@ -407,3 +407,33 @@ def test_an_adapter_rewritten_at_the_same_path_is_another_combination(tmp_path):
     expected = fresh_merge(tmp_path / "fresh", [path], dim, depth, torch.float32)
     for name, weight in expected.state_dict().items():
         assert torch.equal(model.state_dict()[name], weight), name
+
+
+def test_a_build_under_way_in_one_root_never_stands_in_another_roots_way(tmp_path, monkeypatch):
+    """Model A's background build of a combination is still running after A switched back
+    to the base; model B switching to the same combination in another root builds its own
+    there (it was refused: "already open in this process; close that session first", a
+    session B's user never had)."""
+    import time
+
+    from hostmem.vault import session as vault_session
+
+    real = vault_session.write_layer_data
+
+    def slow(*args, **kwargs):  # A's build takes a while: still under way when B switches
+        time.sleep(0.2)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(vault_session, "write_layer_data", slow)
+    dim, depth = 64, 3
+    adapter = stack_adapter(tmp_path / "a.safetensors", dim, depth, 1)
+    os.makedirs(tmp_path / "a")
+    os.makedirs(tmp_path / "b")
+    a, b = stack_model(tmp_path / "a", dim, depth), stack_model(tmp_path / "b", dim, depth)
+    lora_cache.set_adapters(a, [adapter], cache_root=tmp_path / "root-a", background=True)
+    lora_cache.set_adapters(a, [], cache_root=tmp_path / "root-a")
+    switched = lora_cache.set_adapters(b, [adapter], cache_root=tmp_path / "root-b", background=False)
+    assert switched.mode == "built"
+    expected = fresh_merge(tmp_path / "ref", [adapter], dim, depth, torch.float32)
+    for (name, weight), reference in zip(b.named_parameters(), expected.parameters()):
+        assert torch.equal(weight, reference), name
