@@ -141,10 +141,12 @@ def read_manifest(folder: str) -> Manifest | None:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:  # not text, not JSON, nested too deeply
         raise ManifestError(f"{path}: not JSON ({exc})") from None
     manifest = Manifest.from_dict(data, path)
-    if manifest.key != os.path.basename(os.path.normpath(folder)):
-        raise ManifestError(f"{path}: the manifest of key {manifest.key[:12]} in the folder of key "
-                            f"{os.path.basename(os.path.normpath(folder))[:12]} (moved or renamed); not served, "
-                            "rebuilt by the next start (`hostmem cache prune` removes it)")
+    named = os.path.basename(os.path.normpath(folder))
+    if manifest.key != named:
+        shown = max(12, len(os.path.commonprefix([manifest.key, named])) + 4)  # never two alike figures
+        raise ManifestError(f"{path}: the manifest of key {manifest.key[:shown]} in the folder of key "
+                            f"{named[:shown]} (moved or renamed); not served, rebuilt by the next start (`hostmem "
+                            "cache prune` removes it)")
     return manifest
 
 

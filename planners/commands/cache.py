@@ -253,20 +253,35 @@ def run_ls(args) -> int:
             print(records_line)
         return 0
     print(f"{cache}: {len(combos)} combination(s), {format_size(total)}")
-    print(f"{'KEY':<12}  {'STATE':<11}  {'SIZE':>10}  {'LAYERS':>6}  {'LAST USED':<16}  INPUTS")
+    shown = unique_prefixes([c.key for c in combos])
+    width = max(len(k) for k in shown.values())
+    print(f"{'KEY':<{width}}  {'STATE':<11}  {'SIZE':>10}  {'LAYERS':>6}  {'LAST USED':<16}  INPUTS")
     differences = _differences(combos)
     for c in combos:
         print(
-            f"{c.key[:12]:<12}  {c.state:<11}  {format_size(c.bytes):>10}  {c.layers:>6}  "
+            f"{shown[c.key]:<{width}}  {c.state:<11}  {format_size(c.bytes):>10}  {c.layers:>6}  "
             f"{_when(c.last_used):<16}  {_inputs_summary(c.inputs)}"
         )
         if c.key in differences:
-            print(f"{'':<12}  differs: {differences[c.key]}")
+            print(f"{'':<{width}}  differs: {differences[c.key]}")
         if c.problem:
-            print(f"{'':<12}  {c.problem}")
+            print(f"{'':<{width}}  {c.problem}")
     if records_line:
         print(records_line)
     return 0
+
+
+def unique_prefixes(keys: list[str], least: int = 12) -> dict[str, str]:
+    """Each key's shortest prefix of at least ``least`` characters that no other of ``keys``
+    starts with (a folder renamed by hand may share its first twelve with the real one), so
+    what is shown is what ``hostmem cache rm`` takes."""
+    out = {}
+    for key in keys:
+        length = least
+        while length < len(key) and any(o != key and o.startswith(key[:length]) for o in keys):
+            length += 1
+        out[key] = key[:length]
+    return out
 
 
 def run_verify(args) -> int:
@@ -284,13 +299,14 @@ def run_verify(args) -> int:
         json.dump({"root": root, "ok": not bad, "combinations": [r.to_dict() for r in reports]}, sys.stdout)
         sys.stdout.write("\n")
         return 1 if bad else 0
+    shown = unique_prefixes([r.key for r in reports])
     for r in reports:
-        print(f"{r.key[:12]}  {r.state:<6}  {r.layers} layers, {format_size(r.bytes)} checked")
+        print(f"{shown[r.key]}  {r.state:<6}  {r.layers} layers, {format_size(r.bytes)} checked")
         for line in r.problems + r.notes:
             print(f"    {line}")
     damaged = [r for r in bad if len(r.problems) > r.inputs_changed]
     if damaged:
-        keys = " ".join(r.key[:12] for r in damaged)
+        keys = " ".join(shown[r.key] for r in damaged)
         print(f"{len(damaged)} damaged combination(s); remove them with `hostmem cache rm KEY` ({keys}) "
               "or `hostmem cache prune`")
     stale = [r for r in bad if r.inputs_changed]

@@ -410,3 +410,26 @@ def test_ls_shows_the_inputs_that_differ_between_combinations_that_look_alike(tm
     assert code == 0 and len(differs) == 2, out
     assert all(d.startswith("base.shards.0.digest=") and "adapters" not in d for d in differs), differs
     assert {d.split("=")[1] for d in differs} == {_short(k.inputs["base"]["shards"][0]["digest"]) for k in keys}
+
+
+def test_a_folder_renamed_by_hand_is_shown_by_a_key_cache_rm_takes(tmp_path, capsys):
+    """A key folder copied under a name one digit off its own: ls, verify and its advice show
+    each by a prefix no other key starts with (they showed the same twelve characters, and
+    `hostmem cache rm` refused the one advised as ambiguous)."""
+    import shutil
+
+    root = str(tmp_path / "root")
+    key = build(root, "a", tmp_path).hex
+    cache = os.path.join(root, "lora_merge_cache")
+    renamed = key[:-1] + ("0" if key[-1] != "0" else "1")
+    shutil.copytree(os.path.join(cache, key), os.path.join(cache, renamed))
+    code, out, _ = cli(capsys, "cache", "ls", "--root", root)
+    assert code == 0 and key in out and renamed in out
+    code, out, _ = cli(capsys, "cache", "verify", "--root", root)
+    assert code == 1
+    assert f"the manifest of key {key} in the folder of key {renamed} (moved or renamed)" in out, out
+    advised = out.split("`hostmem cache rm KEY` (")[1].split(")")[0]
+    assert advised == renamed
+    code, out, err = cli(capsys, "cache", "rm", "--root", root, advised)
+    assert code == 0, err
+    assert os.path.isdir(os.path.join(cache, key)) and not os.path.exists(os.path.join(cache, renamed))
