@@ -75,6 +75,7 @@ class PinPlan(NamedTuple):
     kept_layers: tuple[str, ...] = ()  # the executor's kept set (planners.layer_roles), set by the planner
     alternates: tuple[str, ...] = ()  # the experts it takes turns with, sharing the page cache
     disk_once: bool = False  # its disk bytes are read once per request (its turn), not on every move
+    rest_candidate: bool = False  # the tensors outside every block are one of the candidates (REST)
 
 
 class PinPlans(NamedTuple):
@@ -213,6 +214,7 @@ def _assemble(groups, chosen, best, outcomes, budget) -> PinPlans:
             component=group.component,
             moves_per_request=group.moves,
             candidate_layers=len(group.units),
+            rest_candidate=any(u.name == REST for u in group.units),
             pinned_layers=tuple(u.name for u in mine),
             pinned_bytes=sum(u.nbytes for u in mine),
             net_cost_bytes=sum(u.reclaimable for u in mine),

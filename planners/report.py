@@ -220,7 +220,8 @@ def _component_lines(plan: DeploymentPlan) -> list[str]:
     rows = [("component", "offload", "source", "blocks", "anonymous", "file-backed", "pinned", "shmem", "total")]
     for name, s in plan.components.items():
         r = s.residency
-        rows.append((name, s.offload, s.source, len(s.layers), format_size(r.anonymous),
+        blocks = f"{len(s.layers)} + rest" if s.rest is not None and s.rest.nbytes else len(s.layers)
+        rows.append((name, s.offload, s.source, blocks, format_size(r.anonymous),
                      format_size(r.file_backed + r.not_resident), format_size(r.pinned),
                      format_size(r.shmem), format_size(r.total)))
     return ["components (file-backed includes mapped bytes not yet read):", *format_table(rows, indent="  ")]
@@ -239,7 +240,9 @@ def _pin_lines(plan: DeploymentPlan) -> list[str]:
     rows = [("component", "moves/req", "pinned blocks", "pinned", "net cost", "page cache", "disk/req",
              "transfer/req", "all pageable")]
     for name, p in plan.pins.plans.items():
-        rows.append((name, p.moves_per_request, f"{len(p.pinned_layers)} of {p.candidate_layers}",
+        rest = REST in p.pinned_layers  # blocks counted as the components table counts them, the rest apart
+        pinned = f"{len(p.pinned_layers) - rest} of {p.candidate_layers - p.rest_candidate}" + (" + rest" if rest else "")
+        rows.append((name, p.moves_per_request, pinned,
                      format_size(p.pinned_bytes), format_size(p.net_cost_bytes),
                      format_size(p.page_cache_bytes) + ("" if p.page_cache_fits else " (no room)"),
                      format_size(p.disk_bytes_per_request), _seconds(p.transfer_s_per_request, plan.fits),

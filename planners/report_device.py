@@ -14,6 +14,7 @@ import re
 
 from hostmem.table import format_table
 
+from .sizes import REST
 from .verdict import device_digits, format_device
 
 __all__ = ["compress_names", "device_dict", "device_lines"]
@@ -104,9 +105,15 @@ def device_lines(plan) -> list[str]:
 def _part_lines(d) -> list[str]:
     out = []
     for p in d.parts:
-        total = len(p.resident_layers) + len(p.streamed_layers)
-        out += [f"  {p.component}: resident {len(p.resident_layers)} of {total} blocks ({format_device(p.resident_bytes)}): "
+        every = [*p.resident_layers, *p.streamed_layers]
+        total = sum(1 for n in every if n != REST)  # the blocks, as the components table counts them
+        out += [f"  {p.component}: resident {_blocks(p.resident_layers, total)} ({format_device(p.resident_bytes)}): "
                 f"{compress_names(p.resident_layers)}",
-                f"  {p.component}: streamed {len(p.streamed_layers)} of {total} blocks "
+                f"  {p.component}: streamed {_blocks(p.streamed_layers, total)} "
                 f"({format_device(p.streamed_bytes)}): {compress_names(p.streamed_layers)}"]
     return out
+
+
+def _blocks(names, total: int) -> str:
+    """``"2 of 3 blocks"``, with ``", and the rest"`` where the tensors outside every block are among ``names``."""
+    return f"{sum(1 for n in names if n != REST)} of {total} blocks" + (", and the rest" if REST in names else "")

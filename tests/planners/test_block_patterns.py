@@ -60,7 +60,7 @@ def test_flux_by_path_has_both_block_families_in_run_order(capsys, tmp_path, flu
     names = [n for f in checkpoint_files(flux_folder) for n in read_header(f).tensors]
     outside = [n for n in names if not n.startswith(("transformer_blocks.", "single_transformer_blocks."))]
     assert outside and not any("blocks" in n for n in outside)  # the rest holds only what no block holds
-    assert "streamed 6 of 6 blocks" in text
+    assert "streamed 5 of 5 blocks, and the rest" in text  # the blocks as the components table counts them
     assert "transformer_blocks.0..1, single_transformer_blocks.0..2, (rest)" in text
     # one pattern alone leaves the single blocks in the rest: the plan sees two blocks
     one, _ = _plan(capsys, tmp_path, flux_folder, FAMILIES[0])
@@ -77,3 +77,14 @@ def test_a_block_pattern_that_matches_nothing_or_is_malformed_is_refused(capsys,
         assert main(["plan", str(config)]) == 2
         err = capsys.readouterr().err
         assert "components.dit.layers" in err and said in err, err
+
+
+def test_the_components_table_and_the_pin_plan_count_the_blocks_alike(capsys, tmp_path, flux_folder):
+    """The tensors outside every block stream and pin as one unit; every table counts the
+    blocks alike and names that unit apart (the device plan said "6 of 6 blocks" where the
+    components table said 5)."""
+    _, text = _plan(capsys, tmp_path, flux_folder, FAMILIES)
+    (row,) = [line for line in text.splitlines() if line.split()[:3] == ["dit", "layerwise", "headers"]]
+    assert row.split()[3:5] == ["5", "+"]
+    pinned = [line for line in text.splitlines() if line.strip().startswith("dit ") and " of 5" in line]
+    assert pinned, text
