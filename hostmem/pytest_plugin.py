@@ -134,6 +134,8 @@ def limit_for(item) -> PeakLimit | None:
         limit = parse_size(args[0])
     except ValueError as exc:
         raise InputError(f"{where}({args[0]!r}): {exc}") from None
+    if limit == 0:  # as hostmem guard --max-peak-anon: every test would fail, whatever it does
+        raise InputError(f"{where}({args[0]!r}): must be more than 0 bytes")
     known = {"absolute", "include_shmem", "children", "interval_ms"}
     unknown = sorted(set(kwargs) - known)
     if unknown:

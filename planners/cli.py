@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 import warnings
 
@@ -112,6 +113,25 @@ def _skip_exit_collection() -> None:
     gc.freeze()
 
 
+def _negative_values_joined(argv: list[str]) -> list[str]:
+    """``--max-size -1GiB`` as ``--max-size=-1GiB``: argparse reads a value that starts with a
+    dash and is no plain number as another option ("expected one argument"), where the
+    option's own parser names what is wrong with it. Nothing after ``--`` (a guarded
+    command's own arguments) is touched."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return out + argv[i:]
+        if arg.startswith("--") and "=" not in arg and i + 1 < len(argv) and re.match(r"-[\d.]", argv[i + 1]):
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     program = argv is None  # the console script or ``python -m planners.cli``: the process ends after this
@@ -120,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if nul is not None:  # no shell can pass one; a caller's bug, refused before any file is named by it
         print(f"hostmem: error: argument {nul} ({argv[nul - 1]!r}) holds a NUL byte; no path or value can", file=sys.stderr)
         return 2
+    argv = _negative_values_joined(argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:

@@ -238,7 +238,10 @@ def remove_if_unused(cache: str, key: str) -> bool:
 def resolve_key(cache: str, prefix: str) -> str:
     """The full key a (unique) prefix names, as ``hostmem cache rm`` accepts it."""
     prefix = prefix.strip().lower()
-    matches = [n for n in listdir_in(cache) if is_key(n) and n.startswith(prefix)] if prefix else []
+    if not prefix:
+        raise VaultError(f"{cache}: an empty key names no combination; give a key (or its first characters) "
+                         "as `hostmem cache ls` shows it")
+    matches = [n for n in listdir_in(cache) if is_key(n) and n.startswith(prefix)]
     if len(matches) == 1:
         return matches[0]
     if not matches:

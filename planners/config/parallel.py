@@ -60,15 +60,18 @@ def _split(s: Section, components: Mapping[str, ComponentConfig], tp: int) -> tu
 def local_world(environ: Mapping[str, str]) -> tuple[int, int] | None:
     """``(LOCAL_RANK, LOCAL_WORLD_SIZE)`` as torchrun sets them, or None when absent."""
     size, rank = environ.get("LOCAL_WORLD_SIZE"), environ.get("LOCAL_RANK")
-    if size is None:
+    if size is None:  # LOCAL_RANK alone (-1 in many scripts' defaults, an old launcher's): one rank
         return None
     try:
         size_i, rank_i = int(size), int(rank or 0)
     except ValueError:
         raise InputError(f"LOCAL_WORLD_SIZE={size!r}, LOCAL_RANK={rank!r}: expected whole numbers (torchrun sets "
                          "them); unset them to plan for one rank") from None
-    if size_i < 1 or not 0 <= rank_i < size_i:
-        raise InputError(f"LOCAL_RANK={rank_i} is not within LOCAL_WORLD_SIZE={size_i}")
+    if size_i < 1:
+        raise InputError(f"LOCAL_WORLD_SIZE={size_i}: the ranks on this host are 1 or more; unset it to plan for "
+                         "one rank")
+    if not 0 <= rank_i < size_i:
+        raise InputError(f"LOCAL_RANK={rank_i} is not within LOCAL_WORLD_SIZE={size_i} (0 to {size_i - 1})")
     return rank_i, size_i
 
 

@@ -168,6 +168,10 @@ BAD_MARKERS = textwrap.dedent(
     @pytest.mark.limit_peak_anon("1GiB", interval_ms=0)
     def test_bad_interval():
         pass
+
+    @pytest.mark.limit_peak_anon("0")
+    def test_zero():
+        pass
     """
 )
 
@@ -175,7 +179,7 @@ BAD_MARKERS = textwrap.dedent(
 def test_a_bad_marker_fails_its_test_and_names_it(pytester):
     pytester.makepyfile(test_bad=BAD_MARKERS)
     result = pytester.runpytest("-p", "no:cacheprovider")
-    result.assert_outcomes(failed=4)
+    result.assert_outcomes(failed=5)
     result.stdout.fnmatch_lines(
         [
             "*test_bad.py::test_bad_size: @pytest.mark.limit_peak_anon('5XB'): not a size*",
@@ -183,6 +187,7 @@ def test_a_bad_marker_fails_its_test_and_names_it(pytester):
             "*test_bad.py::test_no_size: @pytest.mark.limit_peak_anon takes one size*",
             "*test_bad.py::test_bad_interval: @pytest.mark.limit_peak_anon: interval_ms 0: must lie between 0.1 "
             "and 10000 milliseconds*",
+            "*test_bad.py::test_zero: @pytest.mark.limit_peak_anon('0'): must be more than 0 bytes*",
         ]
     )
     assert "During handling" not in result.stdout.str()

@@ -202,12 +202,14 @@ def test_nan_strength_alias_and_huge_counts(tmp_path):
         (("demo", "--host-limit", "1.5"), "--host-limit"),
         (("cache", "prune", "--max-size", "abc"), "--max-size"),
         (("guard", "--max-peak-anon", "1.5", "--", "true"), "--max-peak-anon"),
+        (("guard", "--max-peak-anon", "-1MiB", "--", "true"), "--max-peak-anon"),  # read as an option by argparse
+        (("cache", "prune", "--max-size", "-1GiB"), "--max-size"),
     ],
 )
 def test_a_bad_size_option_is_named(argv, option):
     out = hostmem(*argv)
     assert out.returncode == 2
-    assert option in out.stderr and "not a size" in out.stderr
+    assert option in out.stderr and "not a size" in out.stderr, out.stderr
 
 
 def test_ctrl_c_in_the_demo_exits_130_with_one_line(tmp_path):

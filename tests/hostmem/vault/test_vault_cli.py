@@ -433,3 +433,10 @@ def test_a_folder_renamed_by_hand_is_shown_by_a_key_cache_rm_takes(tmp_path, cap
     code, out, err = cli(capsys, "cache", "rm", "--root", root, advised)
     assert code == 0, err
     assert os.path.isdir(os.path.join(cache, key)) and not os.path.exists(os.path.join(cache, renamed))
+
+
+def test_cache_rm_of_an_empty_key_is_refused_saying_so(tmp_path, capsys):
+    root = str(tmp_path / "root")
+    build(root, "a", tmp_path)
+    code, _, err = cli(capsys, "cache", "rm", "--root", root, "")
+    assert code == 2 and "an empty key names no combination" in err, err
