@@ -249,18 +249,32 @@ def _mixed_layouts(tensors: dict) -> list[str]:
     return found if len(found) > 1 else []
 
 
-def _kohya_final_layer(tensors: dict, family) -> list[str]:
-    """The kohya Flux ``final_layer_*`` modules of a file with LoRA factors on them.
+def _kohya_flux_broken(tensors: dict, family) -> str:
+    """Why diffusers' kohya Flux converter would merge this file other than ComfyUI, its
+    format's reference, does ("" where it would not):
 
-    diffusers' kohya Flux converter pops their ``.alpha`` without folding it and writes
-    their keys without the ``transformer.`` prefix: a file of these alone was merged at
-    scale 1 (16x at kohya's rank 16, alpha 1), and beside any block module they were left
-    out with a warning. ComfyUI, the format's reference, merges them at ``alpha / rank``
-    with the modulation's halves swapped, as the family's rules do."""
+    - LoRA factors on the final layer (``lora_unet_final_layer_*``): the converter pops their
+      ``.alpha`` without folding it and writes their keys without the ``transformer.``
+      prefix, so a file of these alone was merged at scale 1 (16x at kohya's rank 16,
+      alpha 1) and beside any block module they were left out;
+    - a ``dora_scale``: the converter drops it (merged as plain LoRA, or refused).
+
+    The family's rules merge both as ComfyUI does: ``alpha / rank``, the modulation's halves
+    swapped, a row-axis DoRA scale split by rows over a fused projection."""
     if family is None or family.name != "Flux":
-        return []
-    return sorted({key.split(".", 1)[0] for key in tensors
-                   if key.startswith("lora_unet_final_layer_") and key.endswith(("lora_down.weight", "lora_up.weight"))})
+        return ""
+    final = sorted({key.split(".", 1)[0] for key in tensors if key.startswith("lora_unet_final_layer_")
+                    and key.endswith(("lora_down.weight", "lora_up.weight"))})
+    dora = sorted({key.split(".", 1)[0] for key in tensors if key.startswith("lora_unet_")
+                   and key.endswith(".dora_scale")})
+    why = []
+    if final:
+        why.append(f"drops the alphas of {', '.join(final)} and names them outside the transformer (merged at scale "
+                   "1 alone, not at all beside blocks)")
+    if dora:
+        why.append(f"drops the DoRA scales of {len(dora)} module(s) ({', '.join(dora[:2])}"
+                   f"{', ...' if len(dora) > 2 else ''})")
+    return f"diffusers' converter {' and '.join(why)}" if why else ""
 
 
 def _kohya_spelt_own_names(modules: dict) -> bool:
@@ -383,12 +397,10 @@ def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
                                        f"it mixes {' and '.join(mixed)} keys, which no converter of diffusers reads",
                                        loader, keep, bool(components), strict)
     family = family_of(loader)
-    final = _kohya_final_layer(tensors, family)
-    if final:  # diffusers' converter breaks these: read every module with the family's rules
+    broken = _kohya_flux_broken(tensors, family)
+    if broken:  # diffusers' converter breaks these: read every module with the family's rules
         return read_with_family_rules(path, _diffs_placed(path, tensors, model, loader, family), metadata, family,
-                                      f"diffusers' converter drops the alphas of {', '.join(final)} and names them "
-                                      "outside the transformer (merged at scale 1 alone, not at all beside blocks)",
-                                      loader, keep, bool(components), strict)
+                                      broken, loader, keep, bool(components), strict)
     name = memo.key(path, converter, keep, alpha) if memo is not None else None
     record = memo.load(name) if memo is not None else None
     if record is not None:

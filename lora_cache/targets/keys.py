@@ -35,7 +35,7 @@ import torch
 
 from ..adapters import Adapter, AdapterFile, ModuleChange
 from ..adapters.lycoris_parts import LOHA_ROLES, LOKR_ROLES, ROLES as FACTORED, kind_of, rank_of, shape_of
-from ..terms.dora_lycoris import PEFT, axis_of
+from ..terms.dora_lycoris import PEFT, ROWS, axis_of
 from ..adapters.key_names import KeyResolutionError, KeyRule, ModuleIndex, Target, resolve_stem
 from ..terms.lycoris_math import Factors
 from ..terms.delta import Delta, lora_scale
@@ -234,16 +234,21 @@ def _magnitude(adapter: AdapterFile, change: ModuleChange, place: Placement, par
 
 
 def _dora_scale(adapter: AdapterFile, change: ModuleChange, place: Placement, param: str):
-    """LyCORIS's ``dora_scale``: the axis its shape names, on the whole weight only."""
+    """LyCORIS's ``dora_scale``: the axis its shape names. On the row axis each row is
+    normed alone, so the rows of a fused weight (Flux's ``qkv``, ``linear1``) split over the
+    model's own weights take their rows of it, as ComfyUI's merge of the fused weight gives
+    them; the column axis norms the whole fused weight's columns, so it merges only onto
+    that weight whole, as does a scale placed on part of a weight's rows."""
     key, scale = change.keys["dora_scale"], change.parts["dora_scale"]
     factored = kind_of(change.parts) is not None
     if ("up" not in change.parts and not factored) or "magnitude" in change.parts:
         raise KeyResolutionError(f"{adapter.path}: {key!r} needs a LoRA pair beside it and no lora_magnitude_vector "
                                  "(truncated or mixed adapter?)")
-    if place.rows is not None or place.source is not None:
+    axis = axis_of(scale, shape_of(change.parts)[0] if factored else change.parts["up"].shape[0])
+    if place.rows is not None or (place.source is not None and axis != ROWS):
         raise KeyResolutionError(f"{adapter.path}: {key!r} is a DoRA scale placed on some rows of {param!r}; DoRA "
                                  "norms the weight it was trained on, so it merges only onto that weight whole")
-    return scale.flatten(), axis_of(scale, shape_of(change.parts)[0] if factored else change.parts["up"].shape[0])
+    return (scale.flatten() if place.source is None else scale.flatten()[place.source]), axis
 
 
 def _factors(adapter: AdapterFile, change: ModuleChange, key: str, place: Placement, param: str,

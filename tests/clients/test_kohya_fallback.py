@@ -190,3 +190,30 @@ def test_final_layer_loras_merge_at_alpha_over_rank_as_comfyui_merges_them(flux,
             up = torch.cat([scale, shift])
         expected = base[f"{module}.weight"].double() + alpha / rank * (up @ tensors[f"lora_unet_{bfl}.lora_down.weight"].double())
         torch.testing.assert_close(merged[f"{module}.weight"].double(), expected, rtol=1e-6, atol=1e-6, msg=module)
+
+
+def test_a_row_axis_dora_scale_on_flux_qkv_merges_as_comfyui_merges_the_fused_weight(flux, tmp_path, caplog):
+    """diffusers' converter drops a ``dora_scale`` (merged as plain LoRA, or refused); ComfyUI
+    decomposes the fused BFL ``qkv`` weight, each row normed alone, which split by rows is
+    the merge of ``to_q``, ``to_k`` and ``to_v`` with their rows of the scale."""
+    from tests.conformance.corpus import comfyui_dora
+
+    rank, alpha, strength = 8, 4.0, 0.7
+    base = tm.weights(tm.load_model("flux", flux))
+    parts = [f"transformer_blocks.0.attn.to_{p}.weight" for p in "qkv"]
+    fused = torch.cat([base[p] for p in parts])
+    gen = torch.Generator().manual_seed(5)
+    up, down = torch.randn(fused.shape[0], rank, generator=gen) * 0.1, torch.randn(rank, fused.shape[1], generator=gen) * 0.1
+    scale = fused.norm(dim=1, keepdim=True) * (0.9 + 0.2 * torch.rand(fused.shape[0], 1, generator=gen))
+    stem = "lora_unet_double_blocks_0_img_attn_qkv"
+    path = str(tmp_path / "dora.safetensors")
+    save_file({f"{stem}.lora_up.weight": up, f"{stem}.lora_down.weight": down, f"{stem}.alpha": torch.tensor(alpha),
+               f"{stem}.dora_scale": scale}, path)
+    model = tm.load_model("flux", flux)
+    with caplog.at_level(logging.INFO, logger="lora_cache"):
+        lora_cache.load_lora(model, path, strength, cache_root=tmp_path / "cache", progress=False)
+    assert any("drops the DoRA scales of 1 module(s)" in r.message for r in caplog.records)
+    merged = tm.weights(model)
+    expected = comfyui_dora(fused, up, down, alpha, scale, strength)
+    got = torch.cat([merged[p] for p in parts]).double()
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)

@@ -114,6 +114,35 @@ def test_dora_scale_on_part_of_a_fused_weight_is_refused(tmp_path):
         lora_cache.merge(model, [lora_cache.Adapter(path, rules=[(r"^lycoris_a$", "qkv[0:64]")])], enabled=False)
 
 
+@pytest.mark.parametrize("strength", [1.0, 0.6])
+def test_a_row_axis_dora_scale_on_a_fused_weight_splits_over_the_models_own_weights(tmp_path, strength):
+    """A DoRA scale of shape (out, 1) normed each row alone: ComfyUI's merge of a fused qkv
+    weight, split by rows, is the merge of each of q, k and v with its rows of the scale and
+    of the up matrix (the column axis, which norms the fused columns, stays refused)."""
+    gen = torch.Generator().manual_seed(11)
+    torch.manual_seed(0)
+    model = nn.ModuleDict({n: nn.Linear(48, 64, bias=False) for n in ("q", "k", "v")})
+    fused = torch.cat([model[n].weight.detach() for n in ("q", "k", "v")])
+    up, down = torch.randn(192, 4, generator=gen) * 0.2, torch.randn(4, 48, generator=gen) / 48**0.5
+    scale = fused.norm(dim=1, keepdim=True) * (0.9 + 0.2 * torch.rand(192, 1, generator=gen))
+    path = write_safetensors(tmp_path / "qkv.safetensors", {"lycoris_qkv.lora_up.weight": up,
+                                                            "lycoris_qkv.lora_down.weight": down,
+                                                            "lycoris_qkv.alpha": torch.tensor(2.0),
+                                                            "lycoris_qkv.dora_scale": scale})
+    expected = comfyui_dora(fused, up, down, 2.0, scale, strength)
+    lora_cache.merge(model, [lora_cache.Adapter(path, strength, rules=[(r"^lycoris_qkv$", ["q", "k", "v"])])],
+                     enabled=False, progress=False)
+    got = torch.cat([model[n].weight.detach() for n in ("q", "k", "v")])
+    torch.testing.assert_close(got.double(), expected, rtol=2e-6, atol=1e-7)
+    columns = write_safetensors(tmp_path / "cols.safetensors", {"lycoris_qkv.lora_up.weight": up,
+                                                                "lycoris_qkv.lora_down.weight": down,
+                                                                "lycoris_qkv.dora_scale": torch.ones(1, 48)})
+    fresh = nn.ModuleDict({n: nn.Linear(48, 64, bias=False) for n in ("q", "k", "v")})
+    with pytest.raises(KeyResolutionError, match=r"DoRA scale placed on some rows of 'q\.weight'"):
+        lora_cache.merge(fresh, [lora_cache.Adapter(columns, rules=[(r"^lycoris_qkv$", ["q", "k", "v"])])],
+                         enabled=False, progress=False)
+
+
 def test_lycoris_full_weights_merge_as_w_plus_strength_diff(tmp_path):
     """LyCORIS's "full" algorithm saves the trained weight minus the original (``.diff``) and
     the bias's (``.diff_b``), under its ``lycoris_`` names."""
