@@ -258,7 +258,7 @@ class _LayerLoop:
             return
         self.reserve(targets, output=True)
         self.read_from = reads_of(d.values_check for t in targets for d in t.deltas)
-        self.base_from = base_reads(targets, getattr(self.session, "inputs", None))
+        self.base_from = base_reads(targets, self.session)
         pending: list[_Write] = []
         at = 0  # where the next layer starts in the ring
         # Leaving the executors waits for the work in flight, also when an error ends the loop.

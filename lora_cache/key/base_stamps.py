@@ -8,7 +8,8 @@ layer summed after such a write would be sealed under the key of the bytes befor
 served to every later start on those bytes. A writer changes mtime before it changes a
 byte, so a layer whose check passes after its sum was summed from the bytes the key names.
 A shard renamed over (another inode at the path) is refused too: the start cannot tell
-the file it mapped from the one its key named once the path names another.
+the file it mapped from the one its key named once the path names another. The whole
+stamp is compared, ctime too: whoever can write the file can put its mtime back.
 """
 
 from __future__ import annotations
@@ -23,37 +24,65 @@ from .base_shards import mapped_file
 __all__ = ["base_reads", "check_base_unchanged"]
 
 
-def base_reads(targets: list[LayerTarget], inputs: dict) -> list[tuple[str, int, list[int]]]:
-    """``(path, inode mapped, [size, mtime_ns] the key names)`` of each base shard the
-    ``targets`` are mapped views of and the key's ``inputs`` (a session's) list; weights
-    that are no view of a listed shard (a heap model's, checked against ``base_files``
-    when keyed) are not re-read, so not checked."""
+def base_reads(targets: list[LayerTarget], session) -> list[tuple[str, list[int]]]:
+    """``(path, stamp the key names)`` of each base shard the ``targets`` are mapped views of
+    and the key of ``session`` (a vault session) lists; weights that are no view of a
+    listed shard (a heap model's, checked against ``base_files`` when keyed) are not
+    re-read, so not checked. The stamp is the whole one (device, inode, size, mtime, ctime)
+    the shard's digest was taken at: a folded build's provisional key lists them, and a
+    real key's digest is the digest memo's for the file as it is now or the file is not
+    the one the key names (refused at once). A user who can write the file can put its
+    mtime back, never its ctime."""
+    inputs = getattr(session, "inputs", None)
     base = inputs.get("base") if isinstance(inputs, dict) else None
     listed = {}
     for shard in (base.get("shards") or []) if isinstance(base, dict) else []:
         if isinstance(shard, dict) and isinstance(shard.get("path"), str):
-            listed[os.path.realpath(shard["path"])] = [shard.get("size"), shard.get("mtime_ns")]
+            listed[os.path.realpath(shard["path"])] = shard
     if not listed:
         return []
+    provisional = (inputs.get("provisional") or {}).get("stamps") if isinstance(inputs.get("provisional"), dict) else None
     space, reads = AddressSpace(), {}
     for target in targets:
         path = mapped_file(target, space) if target.current.device.type == "cpu" else None
         real = os.path.realpath(path) if path is not None else None
         if real in listed and real not in reads:
-            reads[real] = (real, space.area_of(target.current).inode, listed[real])
+            area = space.area_of(target.current)
+            reads[real] = (real, _keyed_stamp(real, area.inode, listed[real], provisional, session))
     return list(reads.values())
 
 
-def check_base_unchanged(reads: list[tuple[str, int, list[int]]]) -> None:
-    """Refuse when a shard of ``reads`` (:func:`base_reads`) is not the file the key named any more."""
-    for path, inode, keyed in reads:
+def _keyed_stamp(path: str, inode: int, shard: dict, provisional, session) -> list[int]:
+    """The whole stamp of ``path`` the key's digest of it was taken at (see :func:`base_reads`)."""
+    from hostmem.vault.content_hash import CONTENT_HASH_MEMO
+
+    if provisional is not None:
+        found = [list(s) for s in provisional if isinstance(s, (list, tuple)) and len(s) == 5 and s[1] == inode]
+        if len(found) == 1:
+            return found[0]
+    else:
+        vault = getattr(session, "vault", None)
         try:
-            st = os.stat(path)
+            stamp, digest = CONTENT_HASH_MEMO.known(path, getattr(vault, "memo_file", None))
         except OSError:
             _refuse(path, "it cannot be read any more")
-        if st.st_ino != inode:
+        if digest is not None and digest == shard.get("digest") and stamp[1] == inode:
+            return stamp
+    _refuse(path, "it was written or replaced since its digest was taken")
+
+
+def check_base_unchanged(reads: list[tuple[str, list[int]]]) -> None:
+    """Refuse when a shard of ``reads`` (:func:`base_reads`) is not the file the key named any more."""
+    from hostmem.vault.content_hash import stamp_of
+
+    for path, keyed in reads:
+        try:
+            now = stamp_of(os.stat(path))
+        except OSError:
+            _refuse(path, "it cannot be read any more")
+        if now[:2] != keyed[:2]:
             _refuse(path, "another file was put at its path")
-        if [st.st_size, st.st_mtime_ns] != keyed:
+        if now != keyed:
             _refuse(path, "it was written")
 
 

@@ -224,12 +224,18 @@ def test_a_second_sigterm_while_the_first_cleans_up_ends_the_merge_at_once_and_n
         "real = s.write_layer_data\n"
         "def slow(*a, **k):\n    print('writing', flush=True)\n    time.sleep(2)\n    return real(*a, **k)\n"
         "s.write_layer_data = slow\n"
+        "import planners.commands.stopping as stopping\n"
+        "handle = stopping.Stop.handle\n"
+        "def told(self, signum, frame):\n"
+        "    if self.seen is None:\n        print('stopping', flush=True)\n"
+        "    return handle(self, signum, frame)\n"
+        "stopping.Stop.handle = told\n"  # says when the first signal was taken: two sent at once are one
         "from planners.cli import main\nsys.exit(main(['lora', 'merge', sys.argv[1], '--no-progress']))\n"
     )
     child = subprocess.Popen([sys.executable, "-c", code, config], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert child.stdout.readline().strip() == "writing"
     child.send_signal(signal.SIGTERM)
-    time.sleep(0.5)  # the clean-up waits for the write under way
+    assert child.stdout.readline().strip() == "stopping"  # its clean-up now waits for the write under way
     child.send_signal(signal.SIGTERM)
     out, err = child.communicate(timeout=60)
     assert child.returncode == -signal.SIGTERM, err[-2000:]

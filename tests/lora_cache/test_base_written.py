@@ -31,8 +31,11 @@ def _reference(folder, adapter: str) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("times", ["as written", "mtime put back"])
 @pytest.mark.parametrize("hashed", ["first", "beside the build"])
-def test_a_base_written_after_its_key_seals_no_layer_of_the_other_version(tmp_path, hashed):
+def test_a_base_written_after_its_key_seals_no_layer_of_the_other_version(tmp_path, hashed, times):
+    """``times``: the writer (another user who owns the file, say) puts its mtime back, as
+    ``touch -r`` or ``os.utime`` can; only its ctime says it was written."""
     model, root = mapped_model(tmp_path), str(tmp_path / "cache")
     base = str(tmp_path / "base.safetensors")
     adapter = write_adapter(tmp_path / "a.safetensors", "kohya",
@@ -52,9 +55,12 @@ def test_a_base_written_after_its_key_seals_no_layer_of_the_other_version(tmp_pa
 
     planned = plan_targets(model, [adapter])
     opened = open_combination(planned, [lora_cache.Adapter(adapter)], root)
+    before = os.stat(base)
     with open(base, "r+b") as handle:  # same inode, same length: cp over it
         handle.write(newer)
-    with pytest.raises(HostmemError, match=r"base.safetensors: changed since this merge keyed it \(it was written\)"):
+    if times == "mtime put back":
+        os.utime(base, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(HostmemError, match=r"base.safetensors: changed since this merge keyed it \(it was written"):
         with opened.session as session:
             merge_layers(planned[0], session, fallback=False, progress=False)
 
