@@ -50,7 +50,7 @@ def open_in_roots(vaults: list, key: CacheKey, expected: dict):
     has and answers every put with why it cannot.
 
     So a root listed after the first writable one is looked in too: a cache image that
-    ``hostmem lora build`` wrote into one root serves a server whose list puts another,
+    ``hostmem lora merge`` wrote into one root serves a server whose list puts another,
     empty, writable root before it (ccache's secondary storage, read before building)."""
     from .readers import open_sealed
 

@@ -194,17 +194,30 @@ class Vault:
         return session
 
     def _open_read_only(self, key, hex_key: str, expected_layers: dict | None) -> "VaultSession":
-        """A session that serves what a read-only root holds, verified, and writes nothing."""
-        folder = os.path.join(self.cache, hex_key)
-        if os.path.isdir(folder) and not os.path.islink(folder):
+        """A session that serves what a read-only root holds, verified, and writes nothing:
+        the combination under its key, else a complete copy under one of its alternate keys
+        (an image built while another user held the key's lock is there)."""
+        inputs = key.inputs if isinstance(key, CacheKey) else {}
+        first = None
+        for n in range(ALTERNATES + 1):
+            candidate = hex_key if n == 0 else alternate_key(hex_key, n)
+            folder = os.path.join(self.cache, candidate)
+            if not os.path.isdir(folder) or os.path.islink(folder):
+                continue
             check_folder_safe(folder)
             adopted = adopt(folder, expected_layers, writable=False,
                             inputs=key.inputs if isinstance(key, CacheKey) else None)
-            _tell(self.label, hex_key, adopted, read_only=True)
-        else:
-            adopted = Adopted({}, None)
-        inputs = key.inputs if isinstance(key, CacheKey) else {}
-        return VaultSession(self, hex_key, folder, (None, None), inputs, adopted, expected_layers, 0.0, [])
+            if first is None:
+                first = (candidate, folder, adopted)
+            if not still_needed(adopted.entries, expected_layers) and adopted.entries:
+                first = (candidate, folder, adopted)
+                break
+        if first is None:
+            return VaultSession(self, hex_key, os.path.join(self.cache, hex_key), (None, None), inputs,
+                                Adopted({}, None), expected_layers, 0.0, [])
+        candidate, folder, adopted = first
+        _tell(self.label, candidate, adopted, read_only=True)
+        return VaultSession(self, candidate, folder, (None, None), inputs, adopted, expected_layers, 0.0, [])
 
 
 _WARNED_OPEN: set[str] = set()  # the roots this process said others can read

@@ -107,6 +107,27 @@ def test_another_users_hold_on_the_key_lock_builds_a_copy_of_this_users_own_not_
     assert f"(uid {nobody()[0]})" in capfd.readouterr().err
 
 
+def test_an_image_built_beside_another_users_lock_is_served_from_the_read_only_root(tmp_path, read_only_copy):
+    """An image built (as by ``hostmem lora merge``) while another user held the key's lock
+    is under the key's first alternate; a server reading the image from a read-only root
+    serves it from there (it looked under the key alone, so every server built it again)."""
+    vault, key, tensors = _shared_world(tmp_path, "image-beside", sealed=False)
+    with open(lock_path(vault.cache, key.hex), "a"):
+        pass
+    open_to_others(vault.root)
+    with reachable_by_others(vault.root), flock_held_by_nobody(lock_path(vault.cache, key.hex)):
+        _in_thread(lambda: build(Vault(vault.root), key, tensors))
+    image = Vault(read_only_copy(vault.root))
+    assert image.read_only
+    session = image.open(key, expected_of(tensors))
+    try:
+        assert session.key == alternate_key(key.hex, 1) and session.complete
+        for name, tensor in tensors.items():
+            assert torch.equal(session.get(name, tuple(tensor.shape), tensor.dtype), tensor), name
+    finally:
+        session.close()
+
+
 def test_another_users_hold_on_the_wisdom_lock_times_the_kernels_here_within_the_bound(tmp_path):
     nobody()
     root = str(tmp_path / "root")
