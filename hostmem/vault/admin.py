@@ -234,8 +234,9 @@ def _verify_inputs(cache: str, key: str, report: VerifyReport, read: dict) -> No
         report.state = "bad"
 
 
-def _prune_reason(combo: Combination, everything: bool) -> str | None:
-    if combo.in_use:
+def _prune_reason(combo: Combination, everything: bool, held_too: bool = False) -> str | None:
+    """Why a prune removes ``combo``, or None; ``held_too``: as if nothing held it."""
+    if combo.in_use and not held_too:
         return None
     if everything:
         return "all"
@@ -257,6 +258,9 @@ def prune(cache: str, max_size: int | None = None, everything: bool = False, dry
     Returns what was (or, with ``dry_run``, would be) removed, with the reason."""
     combos = list_combinations(cache)
     chosen = [(c, r) for c in combos if (r := _prune_reason(c, everything))]
+    for combo in combos:  # what it would remove but for a holder: named, never silently skipped
+        if combo.in_use and _prune_reason(combo, everything, held_too=True):
+            say(f"left {combo.key[:12]} alone: in use ({_held_words(cache, combo.key)})")
     total = sum(c.bytes for c in combos) - sum(c.bytes for c, _ in chosen)
     for combo in combos:
         if max_size is None or total <= max_size:
@@ -328,12 +332,25 @@ def _clear_locks(cache: str, key: str) -> None:
         lock.release(remove=True)
 
 
+def _holders(cache: str, key: str) -> list:
+    return [h for path in (lock_path(cache, key), use_path(cache, key)) for h in lock_holders(path)]
+
+
+def _held_words(cache: str, key: str) -> str:
+    """Who holds a combination, and, where it is another user, what to do."""
+    holders = _holders(cache, key)
+    if held_by_others(holders):
+        return (f"held by {describe_holders(holders)}, another user; make the cache root private (`chmod -R go-rwx "
+                f"{os.path.dirname(cache)}`) or ask them to stop")
+    return f"held by {describe_holders(holders)}" if holders else "a process builds it or serves weights from it"
+
+
 def remove(cache: str, key_prefix: str) -> Combination:
     """Remove one combination (a unique key prefix will do); refuse one in use."""
     key = resolve_key(cache, key_prefix)
     combo = scan_combination(cache, key)
     if not remove_if_unused(cache, key):
-        holders = [h for path in (lock_path(cache, key), use_path(cache, key)) for h in lock_holders(path)]
+        holders = _holders(cache, key)
         if held_by_others(holders):  # never work of this user's: no process of ours to stop
             raise VaultError(
                 f"{combo.path}: its lock is held by {describe_holders(holders)}, another user, who can open "

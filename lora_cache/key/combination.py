@@ -166,7 +166,7 @@ def kernel_roots(roots: list[str] | None) -> list[str]:
     their recorded choices are asked: every root but the first writable one, in list
     order (their recorded choices win: the keys of what they hold were made with them,
     so a server whose own root comes first still makes the key of an image
-    ``hostmem lora build`` wrote into a root after it), then that writable root, which
+    ``hostmem lora merge`` wrote into a root after it), then that writable root, which
     keeps new timings (none without roots; without a writable root, new timings stay in
     this process). Every entry point asks here (``merge``, ``set_adapters``), so they
     choose the same kernels, and so the same key.

@@ -67,7 +67,7 @@ def test_a_damaged_read_only_root_is_not_served_and_the_writable_root_builds(tmp
 def test_a_build_in_a_writable_root_listed_after_another_is_served_and_nothing_is_built_again(tmp_path):
     world = make_world(tmp_path)
     expected = reference(world.base, world.adapter)
-    start(world.base, world.adapter, world.path("image"))  # what `hostmem lora build --root image` leaves
+    start(world.base, world.adapter, world.path("image"))  # what `hostmem lora merge` leaves in an image root
     first = world.path("local")  # a server's own writable root, listed first and empty
     served, stats = start(world.base, world.adapter, [first, world.path("image")])
     assert_same(served, expected)

@@ -104,7 +104,7 @@ def test_merge_and_set_adapters_choose_kernels_from_a_read_only_roots_wisdom(tmp
 
 
 def test_a_server_whose_own_root_comes_first_makes_the_key_of_an_image_in_a_root_after_it(tmp_path):
-    """An image built by ``hostmem lora build`` into a root that a server lists after its
+    """An image built by ``hostmem lora merge`` into a root that a server lists after its
     own (writable, empty) root: the image's recorded kernel choices make the key, so the
     server finds the image instead of timing anew, keying otherwise and building again."""
     image = _image_of_other_choices(tmp_path)

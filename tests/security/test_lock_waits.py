@@ -269,3 +269,19 @@ def test_removing_a_combination_another_user_holds_names_them_and_what_to_do(tmp
         with pytest.raises(VaultError, match=rf"held by pid \d+ \(uid {nobody()[0]}\), another user.*chmod -R go-rwx"):
             remove(vault.cache, key.hex)
     assert os.path.isdir(os.path.join(vault.cache, key.hex))
+
+
+def test_prune_names_a_combination_another_user_pins_with_its_use_file(tmp_path, capfd):
+    """Another user holding a combination's .use file keeps prune from removing it; the
+    prune says so and who it is (it said "removed 0 combination(s)" and nothing else)."""
+    from hostmem.vault.admin import prune
+
+    vault, key, tensors = _shared_world(tmp_path, "prune-held")
+    with open(use_path(vault.cache, key.hex), "a"):
+        pass  # left by a start whose weights were dropped since; the operator's chmod opens it
+    open_to_others(vault.root)
+    with reachable_by_others(vault.root), flock_held_by_nobody(use_path(vault.cache, key.hex)):
+        assert prune(vault.cache, everything=True) == []
+    said = capfd.readouterr().err
+    assert f"left {key.hex[:12]} alone: in use (held by pid" in said and f"(uid {nobody()[0]}), another user" in said, said
+    assert os.path.isdir(os.path.join(vault.cache, key.hex))
