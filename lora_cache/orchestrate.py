@@ -23,7 +23,7 @@ from hostmem.errors import InputError
 
 from .adapters import AdapterFile, as_adapters, read_adapters
 from .adapters.conversion_memo import ValuesNeeded
-from .key.base_shards import base_positions, base_shards, unkeyed_reason
+from .key.base_shards import base_positions, base_shards, loaded_from, unkeyed_reason
 from .key.combination import Combination, kernel_roots, key_of
 from .kernels import KernelPlan, plan_for_targets
 from .kernels.policy import MERGE_POLICY, merge_policy
@@ -300,6 +300,8 @@ def merge(
     group = distributed_group()
     memo_roots = roots if shards is None and group is None else None
     targets, files = plan_targets(model, specs, shards, memo_roots)
+    if roots is not None and base_files is None:  # weights no view of a file: the folder the model came from
+        base_files = loaded_from(model, _host(targets))
     if roots is not None and (unkeyed := unkeyed_reason(_host(targets), base_files)):
         off, roots = unkeyed, None
         warnings.warn(off, stacklevel=3)

@@ -15,8 +15,8 @@ from hostmem.safetensors.header import read_header
 
 from ..targets.layer_target import AddressSpace, LayerTarget
 
-__all__ = ["base_positions", "base_shards", "changed_in_memory", "differ_from_files", "mapped_file", "replaced_files",
-           "unkeyed_reason"]
+__all__ = ["base_positions", "base_shards", "changed_in_memory", "differ_from_files", "loaded_from", "mapped_file",
+           "replaced_files", "unkeyed_reason"]
 
 _COMPARE = 8 << 20  # bytes compared at a time against the file
 
@@ -255,6 +255,33 @@ def base_shards(targets: list[LayerTarget], base_files: list[str] | None, space:
     if unplaced:
         files |= _shards_by_header(unplaced, [os.path.realpath(os.fspath(p)) for p in base_files])
     return sorted(files)
+
+
+def loaded_from(model, targets: list[LayerTarget]) -> list[str] | None:
+    """The ``.safetensors`` files ``model`` was loaded from, where some of ``targets`` are no
+    views of a mapped file and the model names a local folder it came from (diffusers'
+    and transformers' ``from_pretrained`` record it as ``config._name_or_path``), as that
+    loader picks them (:func:`hostmem.safetensors.folder.checkpoint_files`); else None.
+
+    diffusers keeps a Wan transformer's ``time_embedder``, norms and ``scale_shift_table``
+    in fp32 under any ``torch_dtype`` (copies, no views of the file), and a LoRA touching
+    them (lightx2v's, ComfyUI's diffs) needed ``base_files=`` given by hand. Those files are
+    ``base_files`` as a caller gives them: each such weight is checked against its tensor
+    there (:func:`differ_from_files`) before the key names them."""
+    from hostmem.safetensors.folder import checkpoint_files
+    from hostmem.safetensors.header import SafetensorsError
+
+    space = AddressSpace()
+    if all(mapped_file(t, space) is not None for t in targets):
+        return None
+    config = getattr(model, "config", None)
+    folder = getattr(config, "_name_or_path", None) or getattr(model, "name_or_path", None)
+    if not isinstance(folder, str) or not folder or not os.path.isdir(folder):
+        return None
+    try:
+        return checkpoint_files(folder)
+    except (SafetensorsError, OSError):
+        return None
 
 
 def base_positions(targets: list[LayerTarget], shards: list[str], space: AddressSpace) -> dict[str, int | None]:
