@@ -39,7 +39,10 @@ def _model_of(pipe_or_model):
     from .adapters.diffusers_format import diffusers_loader, is_diffusers_model
 
     if _is_pipeline(pipe_or_model):
-        names = type(pipe_or_model)._lora_loadable_modules
+        # diffusers' load_lora_weights loads a Wan 2.2 pipeline's transformer keys into its
+        # transformer alone (transformer_2 only with load_into_transformer_2=True): the
+        # second expert is no component of a plain call
+        names = [n for n in type(pipe_or_model)._lora_loadable_modules if n != "transformer_2"]
         present = {n: getattr(pipe_or_model, n, None) for n in names}
         return PipelineComponents({n: m for n, m in present.items() if m is not None}, type(pipe_or_model))
     if is_diffusers_model(pipe_or_model) and diffusers_loader(pipe_or_model) is not None:

@@ -172,3 +172,33 @@ def test_diffusers_lora_off_calls_refuse_where_lora_cache_holds_the_lora(wan, ho
     assert torch.equal(tm.forward(model, "wan"), base)
     for name in ("pipe.unfuse_lora", "pipe.unload_lora_weights", "pipe.disable_lora", "transformer.unfuse_lora"):
         calls[name]()  # nothing held: they return, as on a pipeline that never had a LoRA
+
+
+def test_a_wan_file_read_by_lora_caches_own_rules_goes_into_the_first_expert_of_a_wan22_pipeline(wan, tmp_path):
+    """A ComfyUI Wan file diffusers' converter refuses (a ``head.head`` with its ``.alpha``) is
+    read with lora_cache's Wan rules; on a Wan 2.2 pipeline a plain call means the first
+    expert, as diffusers' load_lora_weights means it (every key could also name
+    ``transformer_2``, and the call was refused as ambiguous)."""
+    from hostmem.safetensors.mapping import save_file
+
+    folder, _ = wan
+    base = tm.weights(tm.load_model("wan", folder))
+    dim = base["blocks.0.attn1.to_q.weight"].shape[0]
+    gen = torch.Generator().manual_seed(9)
+    tensors = {}
+    for stem, shape in (("blocks.0.self_attn.q", base["blocks.0.attn1.to_q.weight"].shape),
+                        ("head.head", base["proj_out.weight"].shape)):
+        tensors[f"diffusion_model.{stem}.lora_down.weight"] = torch.randn(4, shape[1], generator=gen) * 0.05
+        tensors[f"diffusion_model.{stem}.lora_up.weight"] = torch.randn(shape[0], 4, generator=gen) * 0.05
+        tensors[f"diffusion_model.{stem}.alpha"] = torch.tensor(2.0)
+    path = str(tmp_path / "comfy.safetensors")
+    save_file(tensors, path)
+    alone = tm.load_model("wan", folder)
+    lora_cache.load_lora(alone, path, 0.7, cache_root=tmp_path / "alone", progress=False)
+    assert _changed(alone, base) and dim
+    pipe = _wan22(folder)
+    lora_cache.load_lora(pipe, path, 0.7, cache_root=tmp_path / "pipe", progress=False)
+    assert tm.weights(pipe.transformer).keys() == tm.weights(alone).keys()
+    for name, value in tm.weights(alone).items():
+        assert torch.equal(tm.weights(pipe.transformer)[name], value), name
+    assert not _changed(pipe.transformer_2, base)
