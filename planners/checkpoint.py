@@ -12,7 +12,7 @@ import json
 import math
 import os
 
-from hostmem.safetensors.folder import checkpoint_files
+from hostmem.remapping.folder import checkpoint_files
 from hostmem.safetensors.header import DTYPE_SIZES, SafetensorsError, SafetensorsHeader, read_header
 from hostmem.units import format_size
 

@@ -261,14 +261,14 @@ def loaded_from(model, targets: list[LayerTarget]) -> list[str] | None:
     """The ``.safetensors`` files ``model`` was loaded from, where some of ``targets`` are no
     views of a mapped file and the model names a local folder it came from (diffusers'
     and transformers' ``from_pretrained`` record it as ``config._name_or_path``), as that
-    loader picks them (:func:`hostmem.safetensors.folder.checkpoint_files`); else None.
+    loader picks them (:func:`hostmem.remapping.folder.checkpoint_files`); else None.
 
     diffusers keeps a Wan transformer's ``time_embedder``, norms and ``scale_shift_table``
     in fp32 under any ``torch_dtype`` (copies, no views of the file), and a LoRA touching
     them (lightx2v's, ComfyUI's diffs) needed ``base_files=`` given by hand. Those files are
     ``base_files`` as a caller gives them: each such weight is checked against its tensor
     there (:func:`differ_from_files`) before the key names them."""
-    from hostmem.safetensors.folder import checkpoint_files
+    from hostmem.remapping.folder import checkpoint_files
     from hostmem.safetensors.header import SafetensorsError
 
     space = AddressSpace()

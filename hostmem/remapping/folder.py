@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 
-from .header import SafetensorsError
+from ..safetensors.header import SafetensorsError
 
 __all__ = ["checkpoint_files"]
 
@@ -88,7 +88,7 @@ def checkpoint_files(path: str, variant: str | None = None) -> list[str]:
 
 def _indexed(folder: str, indexes: list[str]) -> list[str]:
     """The shards the index files (names in ``folder``) name, each there."""
-    from hostmem.remapping.files import CheckpointNotFound, indexed_shards
+    from .files import CheckpointNotFound, indexed_shards
 
     try:
         return indexed_shards(folder, [os.path.join(folder, name) for name in indexes])
