@@ -160,6 +160,25 @@ def test_lycoris_full_weights_merge_as_w_plus_strength_diff(tmp_path):
         torch.testing.assert_close(weight.double(), expected, rtol=1e-6, atol=1e-6, msg=name)
 
 
+def test_lycoris_norm_modules_merge_as_its_norm_module_adds_them(tmp_path):
+    """LyCORIS's norm modules (``.w_norm``, ``.b_norm`` on a LayerNorm) are differences its
+    ``NormModule`` adds at the multiplier, as ComfyUI adds them: merged as full diffs, never
+    refused (they were, as a kind whose change is no sum of terms)."""
+    lycoris_norms = pytest.importorskip("lycoris.modules.norms", reason="the reference is LyCORIS's own NormModule")
+    gen = torch.Generator().manual_seed(4)
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"norm": nn.LayerNorm(48), "a": nn.Linear(48, 64)})
+    w_norm, b_norm = torch.randn(48, generator=gen) * 0.01, torch.randn(48, generator=gen) * 0.01
+    path = write_safetensors(tmp_path / "norm.safetensors", {"lycoris_norm.w_norm": w_norm, "lycoris_norm.b_norm": b_norm})
+    with torch.no_grad():
+        reference = lycoris_norms.NormModule.make_module_from_state_dict("lycoris_norm", model.norm, w_norm, b_norm)
+    with torch.no_grad():
+        weight, bias = reference.make_weight(scale=0.7)
+    lora_cache.merge(model, [lora_cache.Adapter(path, 0.7)], enabled=False, progress=False)
+    torch.testing.assert_close(model.norm.weight.detach(), weight.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(model.norm.bias.detach(), bias.detach(), rtol=1e-6, atol=1e-7)
+
+
 def test_a_magnitude_vector_of_input_columns_is_never_normed_by_rows(tmp_path):
     """peft's magnitude is one value per row; a (1, in) one (LyCORIS's input-axis dora_scale
     under peft's name, as a converter may pass it on) is refused even where in == out."""

@@ -3,8 +3,8 @@ key, the layout and what to do, never read as plain LoRA (which would merge a wr
 without any error).
 
 LyCORIS's IA3 (a per-channel scale of the weight), OFT and BOFT (a rotation of it),
-GLoRA (a change that multiplies the weight itself), its norm adapters, and peft's
-embedding LoRA. Listed first in :data:`~lora_cache.adapters.formats.FORMATS`, and
+GLoRA (a change that multiplies the weight itself), and peft's embedding LoRA (its norm
+adapters are full differences: :mod:`.full_diffs`). Listed first in :data:`~lora_cache.adapters.formats.FORMATS`, and
 checked on every key wherever keys are grouped (a converter's path included). LyCORIS's
 LoHa, LoKr and LoCon's Tucker core are merged (:mod:`.loha`, :mod:`.lokr`,
 :mod:`.locon_tucker`).
@@ -31,8 +31,6 @@ VARIANTS = {
     "oft_blocks": _OFT,
     "oft_diag": _OFT,
     "oft_r": "OFT",
-    "w_norm": "norm adapter (w_norm)",
-    "b_norm": "norm adapter (b_norm)",
 }
 # A key's last two parts -> the variant they mark (GLoRA's ``a1.weight``: a ``.weight`` key
 # alone marks nothing).
