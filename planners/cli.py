@@ -113,23 +113,38 @@ def _skip_exit_collection() -> None:
     gc.freeze()
 
 
-def _negative_values_joined(argv: list[str]) -> list[str]:
+def _negative_values_joined(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
     """``--max-size -1GiB`` as ``--max-size=-1GiB``: argparse reads a value that starts with a
     dash and is no plain number as another option ("expected one argument"), where the
-    option's own parser names what is wrong with it. Nothing after ``--`` (a guarded
-    command's own arguments) is touched."""
+    option's own parser names what is wrong with it. Only options that take a value are
+    joined (a flag's next argument is its own); nothing after ``--`` (a guarded command's
+    own arguments) is touched."""
+    valued = _options_with_values(parser)
     out, i = [], 0
     while i < len(argv):
         arg = argv[i]
         if arg == "--":
             return out + argv[i:]
-        if arg.startswith("--") and "=" not in arg and i + 1 < len(argv) and re.match(r"-[\d.]", argv[i + 1]):
+        if arg in valued and i + 1 < len(argv) and re.match(r"-[\d.]", argv[i + 1]):
             out.append(f"{arg}={argv[i + 1]}")
             i += 2
             continue
         out.append(arg)
         i += 1
     return out
+
+
+def _options_with_values(parser: argparse.ArgumentParser) -> set[str]:
+    """The long option strings of ``parser`` and its sub-commands' that take a value."""
+    found, todo = set(), [parser]
+    while todo:
+        current = todo.pop()
+        for action in current._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo.extend(action.choices.values())
+            elif action.nargs != 0:
+                found.update(o for o in action.option_strings if o.startswith("--"))
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     if nul is not None:  # no shell can pass one; a caller's bug, refused before any file is named by it
         print(f"hostmem: error: argument {nul} ({argv[nul - 1]!r}) holds a NUL byte; no path or value can", file=sys.stderr)
         return 2
-    argv = _negative_values_joined(argv)
     parser = build_parser(argv)
+    argv = _negative_values_joined(argv, parser)
     args = parser.parse_args(argv)
     try:
         return _run(args, program)
