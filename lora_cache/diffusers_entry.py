@@ -34,15 +34,20 @@ def _is_pipeline(obj) -> bool:
     return hasattr(type(obj), "_lora_loadable_modules") and hasattr(type(obj), "lora_state_dict")
 
 
-def _model_of(pipe_or_model):
-    """What to merge into: the pipeline's loadable components, or the model itself."""
+def _model_of(pipe_or_model, specs=()):
+    """What to merge into: the pipeline's loadable components, or the model itself.
+
+    diffusers' ``load_lora_weights`` loads a Wan 2.2 pipeline's transformer keys into its
+    first expert alone (``transformer_2`` only with ``load_into_transformer_2=True``), so a
+    plain call leaves the second expert out: a file of Wan's original names read by
+    lora_cache's own rules means the first, not either. A file that names
+    ``transformer_2.`` keys itself (``specs``) is merged into the expert it names."""
     from .adapters.diffusers_format import diffusers_loader, is_diffusers_model
 
     if _is_pipeline(pipe_or_model):
-        # diffusers' load_lora_weights loads a Wan 2.2 pipeline's transformer keys into its
-        # transformer alone (transformer_2 only with load_into_transformer_2=True): the
-        # second expert is no component of a plain call
-        names = [n for n in type(pipe_or_model)._lora_loadable_modules if n != "transformer_2"]
+        names = list(type(pipe_or_model)._lora_loadable_modules)
+        if "transformer_2" in names and not any(_names_component(s.path, "transformer_2") for s in specs):
+            names.remove("transformer_2")
         present = {n: getattr(pipe_or_model, n, None) for n in names}
         return PipelineComponents({n: m for n, m in present.items() if m is not None}, type(pipe_or_model))
     if is_diffusers_model(pipe_or_model) and diffusers_loader(pipe_or_model) is not None:
@@ -51,6 +56,16 @@ def _model_of(pipe_or_model):
         f"lora_cache.load_lora takes a diffusers pipeline or a diffusers model diffusers loads LoRA into, "
         f"not {type(pipe_or_model).__name__}; for other models call lora_cache.merge(model, adapters, cache_root=...)"
     )
+
+
+def _names_component(path, name: str) -> bool:
+    """Whether the adapter file at ``path`` (a safetensors file) has keys under ``name.``."""
+    from hostmem.safetensors.header import SafetensorsError, read_header
+
+    try:
+        return any(key.startswith(name + ".") for key in read_header(path).tensors)
+    except (SafetensorsError, OSError, ValueError):  # a folder, a pickle: read as before, by the merge
+        return False
 
 
 def _specs(lora, strength: float, weight_name: str | None) -> list[Adapter]:
@@ -136,5 +151,6 @@ def load_lora(pipe_or_model, lora, strength: float = 1.0, cache_root: str | os.P
     from .orchestrate import merge
 
     _check_options(merge_options, merge)
-    model = _transformer_2(pipe_or_model) if load_into_transformer_2 else _model_of(pipe_or_model)
-    return merge(model, _specs(lora, strength, weight_name), cache_root, **merge_options)
+    specs = _specs(lora, strength, weight_name)
+    model = _transformer_2(pipe_or_model) if load_into_transformer_2 else _model_of(pipe_or_model, specs)
+    return merge(model, specs, cache_root, **merge_options)

@@ -31,7 +31,7 @@ from .kernels import KernelPlan, block_workers, plan_for_targets
 from .placement.layers import Snapshot, compute_merged, install, merge_in_place
 from .targets.layer_target import AddressSpace, LayerTarget
 from .compute.buffers import PAGE, claim_after as _claim_after, ring_bytes
-from .key.base_stamps import base_reads, check_base_unchanged
+from .key.base_stamps import base_reads
 from .compute.merge_math import Scratch, compute_device, scratch_bytes, sums_in_output
 
 __all__ = ["CacheBuildError", "MergeStats", "cyclic_gc_paused", "merge_layers"]
@@ -140,6 +140,7 @@ class _LayerLoop:
 
     def __init__(self, targets, session, device, progress, fallback, kernels: KernelPlan, unmergeable: bool):
         self.read_from: list[tuple] = []  # the adapter files the layers are summed from, as read (build)
+        self.base_from = None  # the base shards they are summed from, held open (build)
         self.session, self.fallback, self.kernels, self.unmergeable = session, fallback, kernels, unmergeable
         self.stats = MergeStats(layers=len(targets))
         self.space = AddressSpace()
@@ -259,6 +260,12 @@ class _LayerLoop:
         self.reserve(targets, output=True)
         self.read_from = reads_of(d.values_check for t in targets for d in t.deltas)
         self.base_from = base_reads(targets, self.session)
+        try:
+            self._build(targets)
+        finally:
+            self.base_from.close()
+
+    def _build(self, targets: list[LayerTarget]) -> None:
         pending: list[_Write] = []
         at = 0  # where the next layer starts in the ring
         # Leaving the executors waits for the work in flight, also when an error ends the loop.
@@ -301,7 +308,7 @@ class _LayerLoop:
                            claim=functools.partial(_claim_after, earlier, at=at),
                            publish=lambda end: handoff.publish(min(end, last)))
             check_unchanged(self.read_from)  # summed from the bytes the key names (adapters.read_stamps)
-            check_base_unchanged(self.base_from)  # and from the base's (key.base_stamps)
+            self.base_from.check()  # and from the base's (key.base_stamps)
         except BaseException:
             handoff.cancel()  # the put gives up and removes its temporary file
             raise

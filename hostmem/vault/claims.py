@@ -21,7 +21,7 @@ _OPEN_LOCK = threading.Lock()
 def claim_in_process(cache: str, key: str) -> None:
     """Mark ``key``'s combination in the cache folder ``cache`` open in this process."""
     with _OPEN_LOCK:
-        folder = os.path.join(cache, key)
+        folder = os.path.join(os.path.realpath(cache), key)  # one root under two spellings is one root
         if folder in _OPEN:
             raise VaultError(f"LoRA merge cache {key[:12]} in {cache} is already open in this process (a build or "
                              "a start of it is under way); wait for it, or close that session first")
@@ -30,4 +30,4 @@ def claim_in_process(cache: str, key: str) -> None:
 
 def unclaim_in_process(cache: str, key: str) -> None:
     with _OPEN_LOCK:
-        _OPEN.discard(os.path.join(cache, key))
+        _OPEN.discard(os.path.join(os.path.realpath(cache), key))

@@ -29,16 +29,27 @@ def interrupts_deferred():
         return
     came: list = []
     old = {}
-    for sig in _SIGNALS:
-        handler = signal.getsignal(sig)
-        if callable(handler):
-            old[sig] = handler
-            signal.signal(sig, lambda signum, frame: came.append((signum, frame)))
     try:
+        for sig in _SIGNALS:
+            handler = signal.getsignal(sig)
+            if callable(handler):
+                signal.signal(sig, lambda signum, frame: came.append((signum, frame)))
+                old[sig] = handler
         yield
     finally:
-        for sig, handler in old.items():
+        for sig, handler in old.items():  # a signal between two of these is one that came
             signal.signal(sig, handler)
-        if came:
-            signum, frame = came[0]
-            old[signum](signum, frame)  # raises, as it would have where the signal came
+        _deliver(came, old)
+
+
+def _deliver(came: list, handlers: dict) -> None:
+    """Hand each signal that came to its handler, in order; the first exception one raises
+    (KeyboardInterrupt) is raised once all have had theirs (a second Ctrl-C still counts)."""
+    first = None
+    for signum, frame in came:
+        try:
+            handlers[signum](signum, frame)
+        except BaseException as exc:  # noqa: BLE001 (raised below, after the others)
+            first = first or exc
+    if first is not None:
+        raise first

@@ -272,16 +272,22 @@ def loaded_from(model, targets: list[LayerTarget]) -> list[str] | None:
     from hostmem.safetensors.header import SafetensorsError
 
     space = AddressSpace()
-    if all(mapped_file(t, space) is not None for t in targets):
+    unplaced = [t for t in targets if mapped_file(t, space) is None]
+    if not unplaced:
         return None
     config = getattr(model, "config", None)
     folder = getattr(config, "_name_or_path", None) or getattr(model, "name_or_path", None)
     if not isinstance(folder, str) or not folder or not os.path.isdir(folder):
         return None
     try:
-        return checkpoint_files(folder)
-    except (SafetensorsError, OSError):
+        files = [os.path.realpath(p) for p in checkpoint_files(folder)]
+        found = _header_matches(unplaced, files)
+    except (SafetensorsError, OSError, ValueError):
         return None
+    # only where each such weight is one tensor of those files: a folder of other weights (a
+    # repository's root, where the model came from a subfolder of it) names none of them,
+    # and would key them by files that say nothing of their bytes
+    return files if all(t.name in found for t in unplaced) else None
 
 
 def base_positions(targets: list[LayerTarget], shards: list[str], space: AddressSpace) -> dict[str, int | None]:

@@ -88,4 +88,4 @@ def set_pipeline_adapters(pipe_or_model, adapter_names, adapter_weights=None, *,
         )
     specs = [spec for name, weight in zip(names, _weights(names, adapter_weights))
              for spec in _specs(files[name], weight, weight_name)]
-    return set_adapters(_model_of(pipe_or_model), specs, cache_root, **options)
+    return set_adapters(_model_of(pipe_or_model, specs), specs, cache_root, **options)

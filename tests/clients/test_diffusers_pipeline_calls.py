@@ -202,3 +202,23 @@ def test_a_wan_file_read_by_lora_caches_own_rules_goes_into_the_first_expert_of_
     for name, value in tm.weights(alone).items():
         assert torch.equal(tm.weights(pipe.transformer)[name], value), name
     assert not _changed(pipe.transformer_2, base)
+
+
+def test_a_file_naming_both_experts_merges_each_into_its_own(wan, tmp_path):
+    """A file whose keys name ``transformer.`` and ``transformer_2.`` is merged into each expert
+    it names (a plain call leaves the second expert out only for files that do not name it)."""
+    from hostmem.safetensors.mapping import save_file
+
+    folder, _ = wan
+    base = tm.weights(tm.load_model("wan", folder))
+    weight = base["blocks.0.attn1.to_q.weight"]
+    gen, tensors = torch.Generator().manual_seed(1), {}
+    for component in ("transformer", "transformer_2"):
+        tensors[f"{component}.blocks.0.attn1.to_q.lora_A.weight"] = torch.randn(4, weight.shape[1], generator=gen) * 0.1
+        tensors[f"{component}.blocks.0.attn1.to_q.lora_B.weight"] = torch.randn(weight.shape[0], 4, generator=gen) * 0.1
+    path = str(tmp_path / "both.safetensors")
+    save_file(tensors, path)
+    pipe = _wan22(folder)
+    lora_cache.load_lora(pipe, path, cache_root=tmp_path / "cache", progress=False)
+    assert _changed(pipe.transformer, base) == _changed(pipe.transformer_2, base) == ["blocks.0.attn1.to_q.weight"]
+    assert not torch.equal(pipe.transformer.blocks[0].attn1.to_q.weight, pipe.transformer_2.blocks[0].attn1.to_q.weight)

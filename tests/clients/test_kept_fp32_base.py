@@ -49,3 +49,20 @@ def test_a_lora_on_wans_fp32_kept_time_embedder_is_cached_keyed_by_the_load_fold
         moved.condition_embedder.time_embedder.linear_1.weight.add_(1.0)  # no longer the file's
     with pytest.warns(UserWarning, match="differ from their tensors in base_files"):
         lora_cache.load_lora(moved, path, cache_root=tmp_path / "cache", progress=False)
+
+
+def test_a_model_from_a_subfolder_is_never_keyed_by_the_repositorys_other_files(tmp_path):
+    """Loaded with ``subfolder=``, a model records the repository's root: its weights files
+    there (a single-file checkpoint beside the folders) name none of the model's copies,
+    and would say nothing of their bytes. The start asks for base_files as before."""
+    repo = tmp_path / "repo"
+    tm.save_model("wan", repo / "transformer", torch.bfloat16)
+    save_file({"unrelated.weight": torch.zeros(4)}, str(repo / "model.safetensors"))
+    model = tm.classes("wan")[0].from_pretrained(repo, subfolder="transformer", torch_dtype=torch.bfloat16)
+    weight = model.condition_embedder.time_embedder.linear_1.weight
+    target = "condition_embedder.time_embedder.linear_1"
+    path = str(tmp_path / "time.safetensors")
+    save_file({f"transformer.{target}.lora_A.weight": torch.randn(4, weight.shape[1]) * 0.05,
+               f"transformer.{target}.lora_B.weight": torch.randn(weight.shape[0], 4) * 0.05}, path)
+    with pytest.raises(ValueError, match="cannot tell which checkpoint"):
+        lora_cache.load_lora(model, path, cache_root=tmp_path / "cache", progress=False)

@@ -60,7 +60,7 @@ def test_a_base_written_after_its_key_seals_no_layer_of_the_other_version(tmp_pa
         handle.write(newer)
     if times == "mtime put back":
         os.utime(base, ns=(before.st_atime_ns, before.st_mtime_ns))
-    with pytest.raises(HostmemError, match=r"base.safetensors: changed since this merge keyed it \(it was written"):
+    with pytest.raises(HostmemError, match=r"base.safetensors: changed since this merge keyed it \((it was written|its inode changed: written)"):
         with opened.session as session:
             merge_layers(planned[0], session, fallback=False, progress=False)
 
@@ -70,3 +70,42 @@ def test_a_base_written_after_its_key_seals_no_layer_of_the_other_version(tmp_pa
     lora_cache.merge(fresh, [adapter], cache_root=root, progress=False)
     for name, weight in fresh.named_parameters():
         assert torch.equal(weight, expected[name]), name
+
+
+def test_a_base_renamed_over_or_given_another_mode_during_a_build_stops_it_saying_which(tmp_path):
+    """Both leave the bytes alone, or may not: whoever can do either can write the file and
+    put its mtime back, which only its ctime shows. The build stops, and says what it saw."""
+    model, root = mapped_model(tmp_path), str(tmp_path / "cache")
+    base = str(tmp_path / "base.safetensors")
+    adapter = write_adapter(tmp_path / "a.safetensors", "kohya",
+                            {f"blocks.{i}.attn.to_q": lora_change(64, 64, 4, i) for i in range(2)})
+    CONTENT_HASH_MEMO.digest(base)
+    planned = plan_targets(model, [adapter])
+    from lora_cache.layer_loop import _LayerLoop
+
+    real = _LayerLoop.stream
+    for change, said in ((lambda: os.chmod(base, 0o640), "its inode changed"),
+                         (lambda: _landed_again(base), "it was removed, or another file renamed over it")):
+        opened = open_combination(planned, [lora_cache.Adapter(adapter)], root)
+
+        def changed_then(self, *args, change=change, **kwargs):
+            change()
+            return real(self, *args, **kwargs)
+
+        _LayerLoop.stream = changed_then
+        try:
+            with pytest.raises(HostmemError, match=said):
+                with opened.session as session:
+                    merge_layers(planned[0], session, fallback=False, progress=False)
+        finally:
+            _LayerLoop.stream = real
+        model, planned = mapped_model(tmp_path), None  # the base as it is now, mapped again
+        CONTENT_HASH_MEMO.digest(base)
+        planned = plan_targets(model, [adapter])
+
+
+def _landed_again(path: str) -> None:
+    """The same bytes landed again at ``path``, as a downloader lands a file: a new inode renamed over it."""
+    with open(path, "rb") as src, open(path + ".part", "wb") as dst:
+        dst.write(src.read())
+    os.replace(path + ".part", path)

@@ -343,6 +343,18 @@ def test_a_symlinked_combination_folder_is_refused(tmp_path):
         vault.open(key)
 
 
+def test_one_root_under_two_spellings_is_one_root_to_the_claims(tmp_path, monkeypatch):
+    """A root opened through a link to it holds the same lock files: a second open of a key
+    open through the other spelling is refused at once (it waited for its own lock, 30
+    minutes by default, saying another process held it)."""
+    monkeypatch.setenv("HOSTMEM_LOCK_TIMEOUT", "5")
+    os.symlink(tmp_path / "root", tmp_path / "link")
+    vault, key = Vault(tmp_path / "root"), key_for("spellings")
+    with vault.open(key):
+        with pytest.raises(VaultError, match="already open in this process"):
+            Vault(tmp_path / "link").open(key)
+
+
 def test_opening_a_key_twice_in_one_process_is_an_error_not_a_deadlock(tmp_path):
     vault, key = Vault(tmp_path / "root"), key_for("twice")
     with vault.open(key):
