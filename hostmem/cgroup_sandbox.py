@@ -191,23 +191,30 @@ def memory_cgroup(limit_bytes: int | None, name: str | None = None) -> Iterator[
 
 
 _ORPHAN = re.compile(r"hostmem-(?:guard-)?(\d+)-\d+")
+_ORPHAN_AGE_S = 60.0  # younger groups stay: their pid may be a live process's of another pid namespace
 
 
 def _sweep_orphans(parent: str) -> None:
     """Remove the empty groups ``memory_cgroup`` made under ``parent`` for a process that is
     gone (a guard ended by SIGKILL, as a CI runner's timeout ends it, could not remove
     its own). A group with processes in it, or whose maker still runs, stays: rmdir
-    refuses the first, and the pid is checked for the second."""
+    refuses the first, and the pid is checked for the second. A group made in the last
+    minute stays too: its pid may be a live process's of another pid namespace beside
+    this one, between making it and joining it."""
     try:
         names = os.listdir(parent)
     except OSError:
         return
+    now = time.time()
     for name in names:
         found = _ORPHAN.fullmatch(name)
         if found is None or _alive(int(found.group(1))):
             continue
-        with contextlib.suppress(OSError):  # busy (processes in it), or another sweep took it
-            os.rmdir(os.path.join(parent, name))
+        path = os.path.join(parent, name)
+        with contextlib.suppress(OSError):  # busy (processes in it), gone, or another sweep took it
+            if now - os.stat(path).st_mtime < _ORPHAN_AGE_S:  # a maker in another pid namespace may be joining it
+                continue
+            os.rmdir(path)
 
 
 def _alive(pid: int) -> bool:

@@ -120,10 +120,11 @@ def _negative_values_joined(argv: list[str], parser: argparse.ArgumentParser) ->
     joined (a flag's next argument is its own); nothing after ``--`` (a guarded command's
     own arguments) is touched."""
     valued = _options_with_values(parser)
+    ends = _ends_in_a_command(parser)  # e.g. guard: from its command's first word on, the command's own
     out, i = [], 0
     while i < len(argv):
         arg = argv[i]
-        if arg == "--":
+        if arg == "--" or (i > 0 and argv[0] in ends and not arg.startswith("-")):
             return out + argv[i:]
         if arg in valued and i + 1 < len(argv) and re.match(r"-[\d.]", argv[i + 1]):
             out.append(f"{arg}={argv[i + 1]}")
@@ -131,7 +132,21 @@ def _negative_values_joined(argv: list[str], parser: argparse.ArgumentParser) ->
             continue
         out.append(arg)
         i += 1
+        if arg in valued and i < len(argv):  # the option's value, whatever it looks like
+            out.append(argv[i])
+            i += 1
     return out
+
+
+def _ends_in_a_command(parser: argparse.ArgumentParser) -> set[str]:
+    """The sub-commands whose last argument is a command of its own (``argparse.REMAINDER``)."""
+    found = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                if any(a.nargs == argparse.REMAINDER for a in sub._actions):
+                    found.add(name)
+    return found
 
 
 def _options_with_values(parser: argparse.ArgumentParser) -> set[str]:

@@ -59,6 +59,9 @@ def _device_reason(device: DevicePlan) -> str | None:
             "out of device memory at the first request")
 
 
+_MOST_DIGITS = 9  # GB to the byte: two sides a byte apart never read alike
+
+
 def format_device(nbytes: int, digits: int = 1) -> str:
     """Device memory as vendors print it (decimal GB, MB below one GB), the binary figure
     beside it; ``digits``: decimals of the GB and GiB figures (the MB one has one less)."""
@@ -70,22 +73,22 @@ def format_device(nbytes: int, digits: int = 1) -> str:
 
 def device_digits(vram: int, *sides: int) -> int:
     """Decimals enough that no side of a comparison with ``vram`` reads as it while it is
-    not ("25.8 GB needed > VRAM 25.8 GB" for 10 MiB short): one, else up to three."""
-    for digits in (1, 2, 3):
+    not ("25.8 GB needed > VRAM 25.8 GB" for 10 MiB short): one, else as many as it takes."""
+    for digits in range(1, _MOST_DIGITS):
         shown = format_device(vram, digits)
         if all(side == vram or format_device(side, digits) != shown for side in sides):
             return digits
-    return 3
+    return _MOST_DIGITS
 
 
 def _digits(limit: int, *sides: int) -> int:
     """Decimals enough that no side of the comparison reads as the limit while it is not
-    ("reserve 4.0 GiB > limit 4.0 GiB" for 10 MiB over): one, else up to three."""
-    for digits in (1, 2, 3):
+    ("reserve 4.0 GiB > limit 4.0 GiB" for 10 MiB over): one, else as many as it takes."""
+    for digits in range(1, _MOST_DIGITS):
         shown = format_size(limit, digits)
         if all(side == limit or format_size(side, digits) != shown for side in sides):
             return digits
-    return 3
+    return _MOST_DIGITS
 
 
 def verdict(budget: HostBudget, device: DevicePlan, ranks: int = 1) -> Verdict:

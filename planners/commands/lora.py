@@ -216,12 +216,14 @@ def _build(args, stop):
     component = _merge_component(config)
     headers = read_headers(component.path, component.variant)  # refuses a tensor in two files
     model_class = diffusers_class(component.path)
+    if model_class is not None:  # the server's reader of the adapters: imported before a signal may raise
+        import diffusers  # noqa: F401
+    stop.arm()  # torch and diffusers are in: a signal stops the build at once from here (the cast, the merge)
     cast, built_for = _served_casts(config, component, headers, model_class)
     files = [header.path for header in headers]
     model, parts = _model(files, args.shard, cast)
     # read as the server's diffusers model (the class its config.json names) will read the adapters
     model = served_as(model, model_class, diffusers_config(component.path))
-    stop.arm()
     stats = merge(  # keyed as a server's start is: on the mapped shards that hold the targets
         model,
         _adapters(config.lora),

@@ -272,9 +272,13 @@ class Executor:
             root = self.components[name]
             if not is_wrapped(root, self._lefts[name]):  # another library's hook, taken off since, dropped it
                 self._forwards.append(guard_forward(root, self._lefts[name]))
-            if self._turns.setdefault(name, Turn(root)).take():  # from a pass an interrupt left unseen
+            turn = self._turns.setdefault(name, Turn(root))
+            if turn.take():  # from a pass an interrupt left unseen
                 self.pipelines[name].interrupted()
                 self._end_pass(name)
+            if self._closed:  # the exit had the turn meanwhile: this call runs on the weights put back
+                turn.give_back()
+                return
         self._boundary()
         index = sum(1 for p in self._stats.passes if p.component == name)
         roles = self.roles[name]
@@ -339,7 +343,7 @@ class Executor:
         if self.device is not None and not self._closed:
             for name in self.pipelines:
                 turn = self._turns.setdefault(name, Turn(self.components[name]))
-                if turn.take():  # from a pass an interrupt left unseen
+                if turn.take(outside=True):  # from a pass an interrupt left unseen
                     self.pipelines[name].interrupted()
                     self._end_pass(name)
                 held.append(turn)

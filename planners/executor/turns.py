@@ -32,25 +32,28 @@ class Turn:
         self._cond = threading.Condition()
         self._owner: int | None = None
         self._depth = 0
+        self._outside = False  # held outside any call of the component (the executor's exit): never taken back
 
-    def take(self) -> bool:
-        """Wait for the turn and take it (from the component's forward pre-hook); True when a
-        pass an interrupt left held it, and it was taken back."""
+    def take(self, outside: bool = False) -> bool:
+        """Wait for the turn and take it (from the component's forward pre-hook; ``outside``: by
+        a thread in no call of it, the executor's exit, which a waiter must not take it back
+        from); True when a pass an interrupt left held it, and it was taken back."""
         me = threading.get_ident()
         left = False
         with self._cond:
-            if self._owner == me:
+            if self._owner == me and not outside:
                 calls = forward_calls(me, self.root)  # this call among them
                 if calls is not None and self._depth > calls - 1:  # holds of calls no longer under way
                     self._depth = max(0, calls - 1)
                     left = self._depth == 0
-            else:
+            elif self._owner != me:
                 while self._owner is not None:
-                    if not self._cond.wait(_LOOK_S) and self._owner is not None \
+                    if not self._cond.wait(_LOOK_S) and self._owner is not None and not self._outside \
                             and forward_calls(self._owner, self.root) == 0:
                         self._owner, self._depth, left = None, 0, True
             self._owner = me
             self._depth += 1
+            self._outside = self._outside or outside
         return left
 
     def give_back(self) -> None:
@@ -60,5 +63,5 @@ class Turn:
                 return
             self._depth -= 1
             if self._depth == 0:
-                self._owner = None
+                self._owner, self._outside = None, False
                 self._cond.notify_all()

@@ -227,9 +227,10 @@ def test_a_second_sigterm_while_the_first_cleans_up_ends_the_merge_at_once_and_n
         "import planners.commands.stopping as stopping\n"
         "handle = stopping.Stop.handle\n"
         "def told(self, signum, frame):\n"
-        "    if self.seen is None:\n        print('stopping', flush=True)\n"
-        "    return handle(self, signum, frame)\n"
-        "stopping.Stop.handle = told\n"  # says when the first signal was taken: two sent at once are one
+        "    first = self.seen is None\n"
+        "    try:\n        return handle(self, signum, frame)\n"
+        "    finally:\n        if first:\n            print('stopping', flush=True)\n"
+        "stopping.Stop.handle = told\n"  # says once the first signal was taken: two sent at once are one
         "from planners.cli import main\nsys.exit(main(['lora', 'merge', sys.argv[1], '--no-progress']))\n"
     )
     child = subprocess.Popen([sys.executable, "-c", code, config], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -291,3 +291,12 @@ def test_a_nul_byte_in_an_argument_is_one_line_not_a_traceback(capsys):
     assert err.startswith("hostmem: error: argument 2") and "NUL byte" in err and "Traceback" not in err
     with pytest.raises(ConfigError, match="NUL byte"):
         load_config("configs/\x00.yaml")
+
+
+def test_a_guarded_commands_own_negative_arguments_reach_it_as_given():
+    """Without ``--``, the guarded command begins at its first word: its own ``--interval -1``
+    is never joined into ``--interval=-1`` as a negative value of the guard's options is."""
+    out = hostmem("guard", "--max-peak-anon", "1GiB", sys.executable, "-c", "import sys; print(sys.argv[1:])",
+                  "--interval", "-1", "--json", "-3")
+    assert out.returncode == 0, out.stderr
+    assert "['--interval', '-1', '--json', '-3']" in out.stdout, out.stdout

@@ -306,3 +306,48 @@ def test_leaving_the_executor_while_another_thread_is_mid_pass_lets_that_pass_en
     assert errors == [] and torch.equal(served["out"], expected)
     with torch.no_grad():
         assert torch.equal(model(_x()), expected)  # after the exit: the model as it was
+
+
+def test_a_request_that_comes_while_the_exit_waits_for_a_pass_waits_and_runs_on_the_weights_put_back(checkpoint):
+    """The exit holds the component's turn while it waits for a pass in flight; a request
+    that comes meanwhile waits for the turn (it took the turn back from the exit as from an
+    interrupted pass, and began a pass on the pipeline being taken down), then runs on the
+    weights put back."""
+    with torch.no_grad():
+        expected = load_synthetic_dit(checkpoint)(_x())
+    model = load_synthetic_dit(checkpoint)
+    entered, go = threading.Event(), threading.Event()
+    block, forward = model.blocks[3], model.blocks[3].forward
+
+    def held(h):
+        if not entered.is_set():
+            entered.set()
+            go.wait(10)
+        return forward(h)
+
+    block.forward = held
+    served, errors = [], []
+
+    def serve():
+        try:
+            with torch.no_grad():
+                served.append(model(_x()))
+        except Exception as exc:  # noqa: BLE001 (what the request would have raised)
+            errors.append(exc)
+
+    run = execute(synthetic_plan(checkpoint, ROOM, model), {"dit": model}, prefetch=2, **PATHS["twin"])
+    run.__enter__()
+    first = threading.Thread(target=serve, daemon=True)
+    first.start()
+    assert entered.wait(10)
+    closing = threading.Thread(target=run.__exit__, args=(None, None, None), daemon=True)
+    closing.start()
+    closing.join(0.3)  # the exit waits for the first request's pass
+    later = threading.Thread(target=serve, daemon=True)
+    later.start()
+    later.join(1.2)  # past the turn's look for a holder with no call under way
+    go.set()
+    for thread in (first, closing, later):
+        thread.join(20)
+        assert not thread.is_alive()
+    assert errors == [] and len(served) == 2 and all(torch.equal(out, expected) for out in served)

@@ -172,3 +172,13 @@ def test_at_the_boundary_the_device_figures_show_enough_digits_to_tell_the_sides
     assert peak.strip().startswith("peak 25.78 GB (24.01 GiB) = reserve and kept "), peak
     assert "device plan: VRAM 25.77 GB (24.00 GiB)" in out
     assert "of device memory at its peak, 10 MB (10.0 MiB) more than device.vram 25.77 GB (24.00 GiB)" in out
+
+
+def test_a_shortfall_of_a_hundred_kib_still_shows_two_different_figures(write_config, capsys):
+    path = write_config("deployment: x\nworkload: {steps: 4}\nhost: {limit: 128GiB, reserve: 4GiB}\n"
+                        "device: {vram: 24GiB, reserve: 2GiB}\n"
+                        "components:\n  dit: {size: 23068772KiB, layers: 4, offload: none}\n")  # 100 KiB over
+    main(["plan", str(path)])
+    first = capsys.readouterr().out.splitlines()[0]
+    needed, vram = first.split(" needed > VRAM ")
+    assert needed.removeprefix("fits: no: device: ") != vram.split(" (reserve")[0], first
