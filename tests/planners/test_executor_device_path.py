@@ -283,27 +283,17 @@ def test_leaving_the_executor_while_another_thread_is_mid_pass_lets_that_pass_en
     if where != "in a layer":  # put first, so the executor's own pre-hook runs after it
         model._forward_pre_hooks[-1] = lambda module, args: hold()
         model._forward_pre_hooks.move_to_end(-1, last=False)
-    served, errors = {}, []
-
-    def serve():
-        try:
-            with torch.no_grad():
-                served["out"] = model(_x())
-        except Exception as exc:  # noqa: BLE001 (what the request would have raised)
-            errors.append(exc)
-
+    served, errors = [], []
     run.__enter__()
-    request = threading.Thread(target=serve, daemon=True)
-    request.start()
+    request = _request_in_a_thread(model, served, errors)
     assert entered.wait(10)
-    closing = threading.Thread(target=run.__exit__, args=(None, None, None), daemon=True)
-    closing.start()
+    closing = _exit_in_a_thread(run)
     closing.join(0.5 if where == "in a layer" else 20)  # the gathered hooks' case: the exit is done first
     go.set()
     request.join(20)
     closing.join(20)
     assert not request.is_alive() and not closing.is_alive()
-    assert errors == [] and torch.equal(served["out"], expected)
+    assert errors == [] and torch.equal(served[0], expected)
     with torch.no_grad():
         assert torch.equal(model(_x()), expected)  # after the exit: the model as it was
 
@@ -327,7 +317,23 @@ def test_a_request_that_comes_while_the_exit_waits_for_a_pass_waits_and_runs_on_
 
     block.forward = held
     served, errors = [], []
+    run = execute(synthetic_plan(checkpoint, ROOM, model), {"dit": model}, prefetch=2, **PATHS["twin"])
+    run.__enter__()
+    first = _request_in_a_thread(model, served, errors)
+    assert entered.wait(10)
+    closing = _exit_in_a_thread(run)
+    closing.join(0.3)  # the exit waits for the first request's pass
+    later = _request_in_a_thread(model, served, errors)
+    later.join(1.2)  # past the turn's look for a holder with no call under way
+    go.set()
+    for thread in (first, closing, later):
+        thread.join(20)
+        assert not thread.is_alive()
+    assert errors == [] and len(served) == 2 and all(torch.equal(out, expected) for out in served)
 
+
+def _request_in_a_thread(model, served: list, errors: list) -> threading.Thread:
+    """A request from another thread, started: its output goes to ``served``, what it raised to ``errors``."""
     def serve():
         try:
             with torch.no_grad():
@@ -335,19 +341,13 @@ def test_a_request_that_comes_while_the_exit_waits_for_a_pass_waits_and_runs_on_
         except Exception as exc:  # noqa: BLE001 (what the request would have raised)
             errors.append(exc)
 
-    run = execute(synthetic_plan(checkpoint, ROOM, model), {"dit": model}, prefetch=2, **PATHS["twin"])
-    run.__enter__()
-    first = threading.Thread(target=serve, daemon=True)
-    first.start()
-    assert entered.wait(10)
-    closing = threading.Thread(target=run.__exit__, args=(None, None, None), daemon=True)
-    closing.start()
-    closing.join(0.3)  # the exit waits for the first request's pass
-    later = threading.Thread(target=serve, daemon=True)
-    later.start()
-    later.join(1.2)  # past the turn's look for a holder with no call under way
-    go.set()
-    for thread in (first, closing, later):
-        thread.join(20)
-        assert not thread.is_alive()
-    assert errors == [] and len(served) == 2 and all(torch.equal(out, expected) for out in served)
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def _exit_in_a_thread(run) -> threading.Thread:
+    """The executor's exit, started in a thread of its own (a server shutting down)."""
+    thread = threading.Thread(target=run.__exit__, args=(None, None, None), daemon=True)
+    thread.start()
+    return thread
