@@ -6,6 +6,11 @@ server), a ``SystemExit`` or another ``BaseException``. Whatever a pre-hook take
 length of a forward (a reader's place in a gate, a turn on a device's slots) and gives
 back in such a hook would stay taken, and the next caller from any other thread would
 wait for it for good. :func:`wrap_forward` closes that gap for one module's forward.
+
+Two windows stay open to a wrapper: an interrupt in a pre-hook (after what it took, before
+the forward), and the first call after another library set the forward back to one it
+kept from before the wrapper. For those, :func:`forward_calls` tells a waiter whether the
+holder is still inside the module's call at all; a waiter asks every :data:`LOOK_S`.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from typing import Callable
 
 from torch import nn
 
-__all__ = ["forward_calls", "is_wrapped", "wrap_forward"]
+__all__ = ["LOOK_S", "forward_calls", "is_wrapped", "wrap_forward"]
+
+LOOK_S = 0.5  # how often a waiter asks whether the holder's call is still under way
 
 _CALL = getattr(getattr(nn.Module, "_call_impl", None), "__code__", None)  # the frame each module call runs in
 

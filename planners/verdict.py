@@ -74,19 +74,21 @@ def format_device(nbytes: int, digits: int = 1) -> str:
 def device_digits(vram: int, *sides: int) -> int:
     """Decimals enough that no side of a comparison with ``vram`` reads as it while it is
     not ("25.8 GB needed > VRAM 25.8 GB" for 10 MiB short): one, else as many as it takes."""
-    for digits in range(1, _MOST_DIGITS):
-        shown = format_device(vram, digits)
-        if all(side == vram or format_device(side, digits) != shown for side in sides):
-            return digits
-    return _MOST_DIGITS
+    return _enough_digits(format_device, vram, sides)
 
 
 def _digits(limit: int, *sides: int) -> int:
     """Decimals enough that no side of the comparison reads as the limit while it is not
     ("reserve 4.0 GiB > limit 4.0 GiB" for 10 MiB over): one, else as many as it takes."""
+    return _enough_digits(format_size, limit, sides)
+
+
+def _enough_digits(shown, limit: int, sides) -> int:
+    """The fewest decimals at which ``shown(side, digits)`` differs from ``shown(limit, digits)``
+    for every side that is not the limit."""
     for digits in range(1, _MOST_DIGITS):
-        shown = format_size(limit, digits)
-        if all(side == limit or format_size(side, digits) != shown for side in sides):
+        mark = shown(limit, digits)
+        if all(side == limit or shown(side, digits) != mark for side in sides):
             return digits
     return _MOST_DIGITS
 

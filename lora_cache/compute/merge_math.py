@@ -45,7 +45,7 @@ import torch
 from ..adapters.spec import UnsupportedAdapterError
 from .buffers import Scratch, compute_device, host_buffer
 from ..terms.delta import Delta, lora_scale
-from ..terms.dora_lycoris import COLUMNS, PEFT, add_decomposed, column_scale
+from ..terms.dora_lycoris import COLUMNS, PEFT, add_decomposed, column_scale, peft_dora_after_others
 from ..terms.lycoris_math import Prepared
 
 __all__ = [
@@ -217,7 +217,7 @@ def add_terms(block: torch.Tensor, terms: list[Term], rows: slice) -> None:
     that row of the base plus its own change (peft's ``_unmerged_base_weight``: the terms
     before it do not enter its norm, though its factor scales what they made), a LyCORIS
     one as :mod:`lora_cache.terms.dora_lycoris` says."""
-    base = block.clone() if any(t.magnitude is not None and t.dora == PEFT for t in terms[1:]) else None
+    base = block.clone() if peft_dora_after_others(terms) else None
     for i, term in enumerate(terms):
         if term.magnitude is not None and term.dora != PEFT:
             add_decomposed(block.view(block.shape[0], -1), functools.partial(term.add_product, rows=rows),

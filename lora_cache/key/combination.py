@@ -22,6 +22,7 @@ from hostmem.vault.safety import prepare_root, root_is_read_only
 
 from ..adapters import Adapter, AdapterFile
 from ..adapters.read_stamps import check_unchanged, keyed, reads_of
+from ..terms.dora_lycoris import peft_dora_after_others
 from .canonical_key import adapter_forms, adapter_meanings
 
 __all__ = ["Combination", "kernel_roots", "inputs_but_base", "key_of"]
@@ -115,16 +116,10 @@ def inputs_but_base(roots, files, specs, dtypes, policy: str, *, planned) -> tup
     ``policy``: how the build sums, as it says it (:func:`lora_cache.kernels.policy.merge_policy`)."""
     identities = _identities(roots, files, specs, planned)
     target_dtype = ",".join(sorted({str(d).removeprefix("torch.") for d in dtypes}))
-    return identities, target_dtype, policy + ("+dora-norm=base" if _dora_after_others(planned) else "")
-
-
-def _dora_after_others(planned) -> bool:
-    """Whether a layer has a peft DoRA term after another term: its norm is the base's plus
-    its own change alone (:func:`lora_cache.compute.merge_math.add_terms`), where builds
-    before took the weight the terms before it had made; such a combination is keyed apart
-    from those, which a start must never be served."""
-    return any(getattr(d, "magnitude", None) is not None and getattr(d, "dora", None) == "peft"
-               for deltas in planned.values() for d in list(deltas)[1:])
+    # a peft DoRA after another term norms the base alone (merge_math.add_terms): keyed apart from
+    # builds that took the weight the terms before it made, which a start must never be served
+    dora = any(peft_dora_after_others(deltas) for deltas in planned.values())
+    return identities, target_dtype, policy + ("+dora-norm=base" if dora else "")
 
 
 def key_of(roots, files: list[AdapterFile], specs: list[Adapter], shards: list[str], dtypes, policy: str, *,

@@ -18,11 +18,9 @@ import contextlib
 import threading
 
 from hostmem.errors import HostmemError
-from hostmem.forward_exit import forward_calls
+from hostmem.forward_exit import LOOK_S, forward_calls
 
 __all__ = ["ForwardGate", "NotASafePoint"]
-
-_LOOK_S = 0.5  # how often a waiting swap looks whether a reader's forward is still under way
 
 
 class NotASafePoint(HostmemError, RuntimeError):
@@ -104,7 +102,7 @@ class ForwardGate:
                 self._waiting += 1
                 try:
                     while self._writing or self._readers:
-                        if not self._cond.wait(_LOOK_S):  # a reader left by an interrupt is given back
+                        if not self._cond.wait(LOOK_S):  # a reader left by an interrupt is given back
                             for thread in list(self._readers):
                                 self._give_back_left(thread)
                 finally:

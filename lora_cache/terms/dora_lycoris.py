@@ -27,12 +27,21 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["COLUMNS", "EPS", "PEFT", "ROWS", "add_decomposed", "axis_of", "column_scale"]
+__all__ = ["COLUMNS", "EPS", "PEFT", "ROWS", "add_decomposed", "axis_of", "column_scale", "peft_dora_after_others"]
 
 PEFT = "peft"  # peft's DoRA: lora_magnitude_vector, rows of W + s B A, strength inside s
 ROWS = "comfyui-rows"  # dora_scale (out, 1): rows of the weight before the term
 COLUMNS = "comfyui-columns"  # dora_scale (1, in): input columns of the updated weight
 EPS = float(torch.finfo(torch.float32).eps)
+
+
+def peft_dora_after_others(terms) -> bool:
+    """Whether a peft DoRA term follows another term of its layer (``terms``: a layer's deltas
+    or terms, in order): its norm is then the base's plus its own change alone, not the
+    weight the terms before it made (:func:`lora_cache.compute.merge_math.add_terms`; the
+    key says so, :mod:`lora_cache.key.combination`)."""
+    return any(getattr(t, "magnitude", None) is not None and getattr(t, "dora", None) == PEFT
+               for t in list(terms)[1:])
 
 
 def axis_of(dora_scale: torch.Tensor, rows: int) -> str:

@@ -6,12 +6,12 @@ Three moments need care:
 - while the command imports torch and its kind, a ``KeyboardInterrupt`` raised in a
   signal handler lands inside their initialisation: torch swallows it (its NumPy set-up)
   or a C++ frame aborts on it. So a command enters :func:`stoppable` unarmed and
-  :meth:`Stop.arm` s it once those are done: a signal before then is held, and raised there;
+  arms it (:meth:`Stop.arm`) once those are done: a signal before then is held, and raised there;
 - a second signal while the first's clean-up runs must not tear it, and must not be
   lost either: it ends the process at once, as its default action would, after one line
   (the cache survives a kill; what was sealed stays);
-- once the command is done, a signal ends nothing it could lose: it is noted, not raised,
-  until the process exits (:func:`quiet_exit`).
+- once the command is done, a signal ends nothing it could lose: it is ignored until the
+  process exits (:func:`quiet_exit`).
 """
 
 from __future__ import annotations

@@ -17,12 +17,9 @@ import threading
 
 from torch import nn
 
-from hostmem.forward_exit import forward_calls
+from hostmem.forward_exit import LOOK_S, forward_calls
 
 __all__ = ["Turn"]
-
-_LOOK_S = 0.5  # how often a waiting pass looks whether the holder's call is still under way
-
 
 class Turn:
     """A component's turn: re-entrant for the thread that holds it."""
@@ -48,7 +45,7 @@ class Turn:
                     left = self._depth == 0
             elif self._owner != me:
                 while self._owner is not None:
-                    if not self._cond.wait(_LOOK_S) and self._owner is not None and not self._outside \
+                    if not self._cond.wait(LOOK_S) and self._owner is not None and not self._outside \
                             and forward_calls(self._owner, self.root) == 0:
                         self._owner, self._depth, left = None, 0, True
             self._owner = me
