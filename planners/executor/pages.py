@@ -16,7 +16,7 @@ from hostmem.procfs import PAGE_SIZE
 
 from .layout import FileRange, inner_pages
 
-__all__ = ["Intervals", "free_pieces", "page_cover"]
+__all__ = ["Intervals", "ReleasesInFlight", "free_pieces", "page_cover", "released_bytes"]
 
 _FOLIO = 2 << 20
 
@@ -86,3 +86,42 @@ def free_pieces(ranges, floors, protected: list[Intervals], below: list[Interval
             back = floor <= folio < a and not any(guard.overlaps(folio, a) for guard in below)
             out.append((_piece(r, a, b), back))
     return out
+
+
+def released_bytes(pieces) -> int:
+    """The bytes a release of ``pieces`` (from :func:`free_pieces`) drops: their whole pages."""
+    return sum(inner_pages(piece)[1] for piece, _ in pieces)
+
+
+class ReleasesInFlight:
+    """Releases handed to another thread, and the pages each may drop.
+
+    A layer read again before its release ran (a short pass, a repeat, the next pass's
+    first layers) waits for that release first: run after the read, it would drop what
+    was just read, and the layer would be read twice.
+    """
+
+    def __init__(self):
+        self._flight: list[tuple[Intervals, object]] = []
+
+    def add(self, pieces, future) -> None:
+        """``future`` drops ``pieces`` (``(piece, back)`` pairs, see :func:`free_pieces`)."""
+        spans = [(piece.address - piece.address % _FOLIO if back else piece.address, piece.address + piece.length)
+                 for piece, back in pieces]
+        self._flight = [(s, f) for s, f in self._flight if not f.done()]
+        self._flight.append((Intervals(spans), future))
+
+    def wait_for(self, ranges) -> None:
+        """Return once no release in flight may drop a page of ``ranges``."""
+        if not self._flight:
+            return
+        cover = page_cover(ranges)
+        still = []
+        for spans, future in self._flight:
+            if future.done():
+                continue
+            if any(spans.overlaps(a, b) for a, b in cover):
+                future.result()  # the job reports its own failures
+            else:
+                still.append((spans, future))
+        self._flight = still

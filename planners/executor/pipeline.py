@@ -36,8 +36,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 from .order import LearnedOrder
-from .pages import Intervals, free_pieces, page_cover
-from .readahead import FileHandles, advise, complete, drop_range, read_ahead
+from .pages import Intervals, ReleasesInFlight, free_pieces, page_cover, released_bytes
+from .readahead import FileHandles, advise, complete, drop_range, read_ahead, uncache_ranges
 from ..layer_roles import ComponentRoles
 from .snapshot import Snapshot, fingerprint, take_snapshot
 from .stats import PassStats
@@ -98,6 +98,8 @@ class LayerPipeline:
         self.current: PassStats | None = None
         self._attached: dict[str, tuple] = {}
         self._warned = False  # a read-ahead that failed was logged
+        self._release_warned = False  # a release that failed was logged
+        self.releasing = ReleasesInFlight()  # releases on the worker thread (see _release)
         self._protect()
 
     @property
@@ -149,6 +151,7 @@ class LayerPipeline:
         copies = copies and slot is not None  # every slot taken: read it now, copy it when it runs
         reads = name in self.unread
         if reads:  # into the disk's queue now: every layer of the window at once
+            self.releasing.wait_for(snap.ranges)
             advise(snap.ranges, self.handles, self.reader)
         if not reads and not copies:
             return
@@ -272,8 +275,11 @@ class LayerPipeline:
             slot = self._slot()
         if read is not None:
             nbytes = read
+        elif name in self.unread:
+            self.releasing.wait_for(snap.ranges)
+            nbytes = read_ahead(snap.ranges, self.handles, self.reader)
         else:
-            nbytes = read_ahead(snap.ranges, self.handles, self.reader) if name in self.unread else 0
+            nbytes = 0
         loaded = self.copier.load(snap.layout, name in self.pinned, slot) if self.copier is not None else None
         return nbytes, loaded
 
@@ -319,16 +325,49 @@ class LayerPipeline:
         self.copier.give_back(loaded.slot)
 
     def _release(self, snap: Snapshot) -> int:
-        """Release the snapshot's pages that no other layer needs; the bytes released."""
+        """Release the snapshot's pages that no other layer needs; the bytes released.
+
+        Which pages is decided here, against the window now. On a CPU host, part of the
+        release runs on the worker thread, which an advising reader leaves idle (the
+        system calls cost the pass's own thread 0.2-0.3 ms a 32 MiB layer): a shared
+        mapping's whole release (a read-only mapping loses nothing to ``MADV_DONTNEED``),
+        a private one's page-cache half only. A private mapping's pages are unmapped
+        here, right after the layer's forward: its pagemap lookup and its release must
+        see the same pages (see :mod:`.readahead`). A layer read again first waits for
+        the release of its pages (:class:`.pages.ReleasesInFlight`).
+        """
         needed = [p.snapshot for p in self.pending.values()]
         running = self.snapshots.get(self.order.last)
         if running is not None and running is not snap:
             needed.append(running)  # the layer computing now
         window = Intervals(page_cover([r for s in needed for r in s.ranges]))
-        freed = 0
-        for piece, back in free_pieces(snap.ranges, snap.floors, [self.protected, window], [self.never, window]):
-            freed += drop_range(piece, self.handles, back=back)
+        pieces = free_pieces(snap.ranges, snap.floors, [self.protected, window], [self.never, window])
+        if not self.inline or not pieces:
+            return sum(drop_range(piece, self.handles, back=back) for piece, back in pieces)
+        if any(r.private for r in snap.ranges):
+            uncache: list = []
+            freed = sum(drop_range(piece, self.handles, back=back, uncache=uncache) for piece, back in pieces)
+            job = functools.partial(uncache_ranges, uncache)
+        else:
+            freed = released_bytes(pieces)
+            job = functools.partial(self._drop_pieces, pieces)
+        self.releasing.add(pieces, self.worker.submit(self._on_worker, job, snap))
         return freed
+
+    def _drop_pieces(self, pieces) -> None:
+        for piece, back in pieces:
+            drop_range(piece, self.handles, back=back)
+
+    def _on_worker(self, job, snap: Snapshot) -> None:
+        """Run a release's part on the worker (``snap`` holds the mapping under it until then).
+        A failure is logged once: the pages stay, for the page cache to reclaim."""
+        try:
+            job()
+        except OSError as exc:
+            if not self._release_warned:
+                self._release_warned = True
+                _LOG.warning("%s: a release on the executor's worker failed (%s); its pages were left to the "
+                             "page cache", snap.layout.component, exc)
 
     @_in_turn
     def after(self, name: str) -> None:

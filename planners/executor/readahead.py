@@ -44,15 +44,18 @@ looked up in /proc/self/pagemap (one read of 8 bytes a page), and where any page
 a private copy (present and not the file's, or swapped) it is released with
 ``MADV_PAGEOUT``, which reclaims only the file's own pages. A range without one is
 released as a read-only one is: ``MADV_PAGEOUT`` walks and reclaims page by page, and
-on a 2 GiB model it cost 0.09 s a pass where the two calls cost 0.01 s. The lookup and
-the release run on the thread that runs the layers, right after the layer's forward: a
-write to that layer's weights from the model's own code has either happened (and is
-seen) or comes after the release (and copies the file's bytes, as any write would).
+on a 2 GiB model it cost 0.09 s a pass where the two calls cost 0.01 s. On a private
+mapping the lookup and the unmapping run on the thread that runs the layers, right after
+the layer's forward: a write to that layer's weights from the model's own code has either
+happened (and is seen) or comes after the release (and copies the file's bytes, as any
+write would). The page cache's half (``uncache``) and a shared mapping's whole release
+lose no write on any thread (the executor runs them on its worker).
 Only whole pages inside the layer are released, never a neighbour's.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import mmap
@@ -70,7 +73,7 @@ from hostmem.procfs import PAGE_SIZE, ProcReadError
 from .layout import FileRange, inner_pages, outer_pages
 
 __all__ = ["FileHandles", "advise", "set_random", "complete", "read_ahead", "release", "choose_reader", "READERS",
-           "DEFAULT_READER", "drop_range", "time_reader", "time_readers"]
+           "DEFAULT_READER", "drop_range", "time_reader", "time_readers", "uncache_ranges"]
 
 READERS = ("madvise", "fadvise", "read", "fault", "parallel")
 DEFAULT_READER = "parallel"  # auto without a calibration record: see the module doc
@@ -174,10 +177,24 @@ def _pieces(r: FileRange) -> list[tuple[int, int]]:
     return [(a, b - a) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
+def _touch_queue(queue: collections.deque) -> None:
+    """Touch the pieces taken from ``queue``, in its order, until it is empty."""
+    while True:
+        try:
+            address, length = queue.popleft()  # atomic: the layer's other jobs take the others
+        except IndexError:
+            return
+        _touch(address, length)
+
+
 def _advise_parallel(r: FileRange, handles: FileHandles) -> None:
-    """Queue the touch of every piece of ``r`` on the reader threads (pass order: first in, first read)."""
+    """Queue the touch of every piece of ``r`` on the reader threads (pass order: first in, first read).
+
+    The pieces wait in one queue that as many jobs as there are reader threads drain:
+    one job a piece cost the layer's pre-hook a submit and a wait for each 2 MiB."""
     pool = handles.pool()
-    handles.inflight[r] = [pool.submit(_touch, a, n) for a, n in _pieces(r)]
+    queue = collections.deque(_pieces(r))
+    handles.inflight[r] = [pool.submit(_touch_queue, queue) for _ in range(min(_FAULTERS, len(queue)))]
 
 
 def _wait_parallel(r: FileRange, handles: FileHandles) -> None:
@@ -272,22 +289,31 @@ def _may_hold_copies(handles: FileHandles, address: int, length: int) -> bool:
         return True
 
 
-def _drop(r: FileRange, handles: FileHandles, address: int, length: int) -> int:
+def _drop(r: FileRange, handles: FileHandles, address: int, length: int, uncache: list | None) -> int:
     if r.private and _may_hold_copies(handles, address, length):
         _madvise(address, length, _MADV_PAGEOUT, "MADV_PAGEOUT")  # keeps what a write made anonymous
         return length
     _madvise(address, length, mmap.MADV_DONTNEED, "MADV_DONTNEED")
-    os.posix_fadvise(handles.fd(r.path), r.offset + (address - r.address), length, os.POSIX_FADV_DONTNEED)
+    where = (handles.fd(r.path), r.offset + (address - r.address), length)
+    if uncache is None:
+        os.posix_fadvise(*where, os.POSIX_FADV_DONTNEED)
+    else:
+        uncache.append(where)
     return length
 
 
-def drop_range(r: FileRange, handles: FileHandles, back: bool = False) -> int:
+def drop_range(r: FileRange, handles: FileHandles, back: bool = False, uncache: list | None = None) -> int:
     """Release the whole pages inside ``r`` from this process and the page cache; return their bytes.
 
     A 2 MiB folio that straddles the start of ``r`` is only dropped whole, so ``back``
     extends the release down to the folio's start (into the layer before, already used
     this pass); where that fails (a pinned neighbour: locked pages refuse MADV_DONTNEED)
     the pages inside ``r`` alone are released.
+
+    With ``uncache`` (a list), the page cache's half is left to the caller: each file
+    range to drop from it is appended, for :func:`uncache_ranges` (on another thread:
+    ``POSIX_FADV_DONTNEED`` drops only pages no process maps, so a page faulted in
+    again meanwhile stays, and an anonymous copy is never in the file's page cache).
     """
     address, length = inner_pages(r)
     if not length:
@@ -295,11 +321,17 @@ def drop_range(r: FileRange, handles: FileHandles, back: bool = False) -> int:
     if back and address % _FOLIO:
         start = address - address % _FOLIO
         try:
-            _drop(r, handles, start, length + address - start)
+            _drop(r, handles, start, length + address - start, uncache)
             return length
         except OSError:
             pass
-    return _drop(r, handles, address, length)
+    return _drop(r, handles, address, length, uncache)
+
+
+def uncache_ranges(uncache: list) -> None:
+    """Drop from the page cache the file ranges :func:`drop_range` left in ``uncache``."""
+    for fd, offset, length in uncache:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
 def release(ranges, handles: FileHandles, back: bool = False) -> int:

@@ -23,7 +23,7 @@ from lora_cache.placement.runtime_lora import CHILD, apply_runtime
 from lora_cache.orchestrate import plan_targets
 from tests.conftest import drop_page_cache, run_python, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter
-from tests.hostmem.vault.test_vault_fs import _cached_pages
+from tests.page_cache import cached_pages
 
 MiB = 1024 * 1024
 
@@ -40,7 +40,7 @@ print(json.dumps({"hit": stats.hit, "built": stats.built}))
 
 
 def _resident_bytes(path: str) -> int:
-    return sum(_cached_pages(path)) * 4096
+    return sum(cached_pages(path)) * 4096
 
 
 def _start(base: str, adapter: str, root: str) -> dict:

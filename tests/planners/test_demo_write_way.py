@@ -11,7 +11,7 @@ import torch
 from hostmem.safetensors.mapping import load_readonly, save_file
 from hostmem import file_writes
 from planners.demo.write_way import WAYS, WayChoice, measure, read_back
-from tests.hostmem.vault.test_vault_fs import _cached_pages
+from tests.page_cache import cached_pages
 
 MiB = 1024 * 1024
 
@@ -58,10 +58,10 @@ def test_a_direct_save_read_back_is_in_the_page_cache(tmp_path):
     fd = os.open(path, os.O_RDONLY)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # whatever the write left cached goes
     os.close(fd)
-    if all(_cached_pages(path)):
+    if all(cached_pages(path)):
         pytest.skip("this filesystem keeps the file cached after DONTNEED (tmpfs): nothing to read back")
     read_back(path)
-    assert all(_cached_pages(path))
+    assert all(cached_pages(path))
 
 
 def test_measuring_times_both_ways_picks_the_faster_and_leaves_nothing(tmp_path):

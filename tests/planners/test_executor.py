@@ -10,13 +10,16 @@ import pytest
 import torch
 
 from hostmem.procfs import PAGE_SIZE, read_status
+from hostmem.residency import classify_range
 from planners.executor import disk_tier, execute, plan_roles, read_io_bytes
 from planners.executor.layout import MapIndex
-from planners.executor.readahead import FileHandles, drop_range, read_ahead
+from planners.executor.readahead import FileHandles, drop_range, read_ahead, uncache_ranges
 from planners.executor.synthetic import load_synthetic_dit, write_synthetic_dit
 from planners.executor.trial import synthetic_config
 from planners.sizes import REST
 from planners.startup import plan_loaded
+
+from tests.page_cache import cached_pages
 
 from .conftest import MiB
 from .test_pin_apply import require_mlock
@@ -170,10 +173,12 @@ def test_parallel_reader_brings_a_layer_in_from_several_threads_and_closes_them(
     assert not [t for t in threading.enumerate() if t.name.startswith("hostmem-fault")]
 
 
+@pytest.mark.parametrize("later", [False, True], ids=["whole", "page-cache-later"])
 @pytest.mark.parametrize("protected", [False, True], ids=["writable", "made-read-only-after"])
-def test_release_of_a_private_mapping_keeps_a_written_page(tmp_path, protected):
+def test_release_of_a_private_mapping_keeps_a_written_page(tmp_path, protected, later):
     """MADV_DONTNEED would revert a copied-on-write page to the file; the release must not,
-    also where the mapping was made read-only after the write (mprotect: the copy stays)."""
+    also where the mapping was made read-only after the write (mprotect: the copy stays), and
+    also where the page cache's half is left for another thread (the executor's worker)."""
     path = tmp_path / "w.bin"
     path.write_bytes(b"\0" * (8 * PAGE_SIZE))
     with open(path, "r+b") as handle:
@@ -187,12 +192,41 @@ def test_release_of_a_private_mapping_keeps_a_written_page(tmp_path, protected):
             assert libc.mprotect(address, 8 * PAGE_SIZE, mmap.PROT_READ) == 0, ctypes.get_errno()
         found = MapIndex().find(address, 8 * PAGE_SIZE)
         assert found is not None and found.private
-        handles = FileHandles()
+        handles, uncache = FileHandles(), [] if later else None
         try:
-            assert drop_range(found, handles) == 8 * PAGE_SIZE
+            assert drop_range(found, handles, uncache=uncache) == 8 * PAGE_SIZE
+            uncache_ranges(uncache or [])
         finally:
             handles.close()
         assert area[3 * PAGE_SIZE] == 7 and area[0] == 0
+    finally:
+        area.close()
+
+
+def test_a_private_mappings_page_cache_half_of_a_release_waits_for_uncache(tmp_path):
+    """With ``uncache``, drop_range unmaps the pages from this process now (what must happen in
+    the layer's own thread) and leaves the file's pages in the page cache until
+    ``uncache_ranges`` drops them, on whatever thread runs it."""
+    path = tmp_path / "w.bin"
+    path.write_bytes(os.urandom(8 * PAGE_SIZE))
+    with open(path, "r+b") as handle:
+        os.fsync(handle.fileno())  # clean pages: a dirty one stays in the page cache until written
+        area = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        expected = bytes(area)  # every page read: mapped, and in the page cache
+        address = ctypes.addressof(ctypes.c_char.from_buffer(area))
+        found = MapIndex().find(address, 8 * PAGE_SIZE)
+        assert classify_range(address, address + 8 * PAGE_SIZE).file_backed == 8 * PAGE_SIZE
+        handles, uncache = FileHandles(), []
+        try:
+            assert drop_range(found, handles, uncache=uncache) == 8 * PAGE_SIZE
+            assert classify_range(address, address + 8 * PAGE_SIZE).not_resident == 8 * PAGE_SIZE
+            assert all(cached_pages(str(path))) and uncache
+            uncache_ranges(uncache)
+        finally:
+            handles.close()
+        assert not any(cached_pages(str(path)))
+        assert bytes(area) == expected  # read again from the file
     finally:
         area.close()
 

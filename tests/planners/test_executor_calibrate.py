@@ -93,12 +93,12 @@ def test_the_readers_rate_reads_the_whole_file_and_leaves_none_of_it_cached(tmp_
     """``reader_rate``: the bound bench_executor judges a pass by. It times the executor's own
     reader over every layer of a real file, and drops its pages after."""
     from planners.executor.rates import reader_rate
-    from tests.hostmem.vault.test_vault_fs import _cached_pages
+    from tests.page_cache import cached_pages
 
     path = write_synthetic_dit(tmp_path / "model.safetensors", 4, 1024)  # 4 blocks of 2 MiB and more
     assert reader_rate(path, "parallel") > 1e6
     assert reader_rate(path, "read", nbytes=4 << 20) > 1e6
-    assert not any(_cached_pages(path))
+    assert not any(cached_pages(path))
     empty = tmp_path / "empty.safetensors"
     empty.write_bytes(b"")
     from hostmem.errors import InputError

@@ -14,27 +14,9 @@ import os
 import pytest
 
 from hostmem.vault.durable import DIRECT_ALIGN, open_tmp, write_uncached
+from tests.page_cache import cached_pages
 
 PAGE = DIRECT_ALIGN
-
-
-def _cached_pages(path: str) -> list[bool]:
-    """Whether each page of ``path`` is in the page cache (mincore; nothing is read)."""
-    size = os.path.getsize(path)
-    pages = -(-size // mmap.PAGESIZE)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    with open(path, "rb") as handle:
-        mapping = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY)  # private: never written
-    try:
-        anchor = ctypes.c_char.from_buffer(mapping)
-        vector = (ctypes.c_ubyte * pages)()
-        if libc.mincore(ctypes.addressof(anchor), size, vector) != 0:
-            pytest.skip(f"mincore refused: {os.strerror(ctypes.get_errno())}")
-        del anchor
-        return [bool(v & 1) for v in vector]
-    finally:
-        mapping.close()
 
 
 def _takes_o_direct(folder: str) -> bool:
@@ -78,7 +60,7 @@ def test_whole_pages_skip_the_page_cache_and_the_partial_last_page_goes_through_
         pytest.skip("this filesystem takes no O_DIRECT writes (the fallback writes everything cached)")
     path, expected = _written(tmp_path, skew=0)
     assert PAGE == mmap.PAGESIZE
-    header, *body, tail = _cached_pages(path)
+    header, *body, tail = cached_pages(path)
     assert body == [False, False, False] and tail
     with open(path, "rb") as handle:
         assert handle.read()[PAGE:] == expected  # and the bytes are all there, in order
@@ -86,7 +68,7 @@ def test_whole_pages_skip_the_page_cache_and_the_partial_last_page_goes_through_
 
 def test_a_buffer_off_a_page_boundary_is_written_through_the_page_cache(tmp_path):
     path, expected = _written(tmp_path, skew=64)
-    assert all(_cached_pages(path)[1:])
+    assert all(cached_pages(path)[1:])
     assert os.path.getsize(path) == PAGE + len(expected)
     with open(path, "rb") as handle:
         assert handle.read()[PAGE:] == expected
