@@ -23,7 +23,8 @@ from hostmem.errors import InputError
 
 from .adapters import AdapterFile, as_adapters, read_adapters
 from .adapters.conversion_memo import ValuesNeeded
-from .key.base_shards import base_positions, base_shards, loaded_from, unkeyed_reason
+from .key.base_shards import base_positions, base_shards, unkeyed_reason
+from .key.load_folder import loaded_from
 from .key.combination import Combination, kernel_roots, key_of
 from .kernels import KernelPlan, plan_for_targets
 from .kernels.policy import MERGE_POLICY, merge_policy

@@ -15,7 +15,7 @@ from hostmem.safetensors.header import read_header
 
 from ..targets.layer_target import AddressSpace, LayerTarget
 
-__all__ = ["base_positions", "base_shards", "changed_in_memory", "differ_from_files", "loaded_from", "mapped_file",
+__all__ = ["base_positions", "base_shards", "changed_in_memory", "differ_from_files", "header_matches", "mapped_file",
            "replaced_files", "unkeyed_reason"]
 
 _COMPARE = 8 << 20  # bytes compared at a time against the file
@@ -136,7 +136,7 @@ def differ_from_files(targets: list[LayerTarget], space: AddressSpace, base_file
             and not getattr(space.area_of(t.current), "is_file", False)]
     if not held:
         return []
-    found = _header_matches(held, [os.path.realpath(os.fspath(p)) for p in base_files])
+    found = header_matches(held, [os.path.realpath(os.fspath(p)) for p in base_files])
     changed, fds = [], {}
     try:
         for target in held:
@@ -173,7 +173,7 @@ def _row_matches(tensor, path: str, data_offset: int, info, fds: dict) -> bool:
     return bytes(stored.view(torch.uint8).numpy()) == bytes(mine.contiguous().view(torch.uint8).numpy())
 
 
-def _header_matches(targets: list[LayerTarget], base_files: list[str]) -> dict:
+def header_matches(targets: list[LayerTarget], base_files: list[str]) -> dict:
     """Target name -> ``(shard, data offset, TensorInfo)`` of the one tensor of the same shape
     its name (up to wrapper prefixes, as :func:`_shards_by_header` matches) names."""
     index, found = _header_index(base_files), {}
@@ -255,39 +255,6 @@ def base_shards(targets: list[LayerTarget], base_files: list[str] | None, space:
     if unplaced:
         files |= _shards_by_header(unplaced, [os.path.realpath(os.fspath(p)) for p in base_files])
     return sorted(files)
-
-
-def loaded_from(model, targets: list[LayerTarget]) -> list[str] | None:
-    """The ``.safetensors`` files ``model`` was loaded from, where some of ``targets`` are no
-    views of a mapped file and the model names a local folder it came from (diffusers'
-    and transformers' ``from_pretrained`` record it as ``config._name_or_path``), as that
-    loader picks them (:func:`hostmem.remapping.folder.checkpoint_files`); else None.
-
-    diffusers keeps a Wan transformer's ``time_embedder``, norms and ``scale_shift_table``
-    in fp32 under any ``torch_dtype`` (copies, no views of the file), and a LoRA touching
-    them (lightx2v's, ComfyUI's diffs) needed ``base_files=`` given by hand. Those files are
-    ``base_files`` as a caller gives them: each such weight is checked against its tensor
-    there (:func:`differ_from_files`) before the key names them."""
-    from hostmem.remapping.folder import checkpoint_files
-    from hostmem.safetensors.header import SafetensorsError
-
-    space = AddressSpace()
-    unplaced = [t for t in targets if mapped_file(t, space) is None]
-    if not unplaced:
-        return None
-    config = getattr(model, "config", None)
-    folder = getattr(config, "_name_or_path", None) or getattr(model, "name_or_path", None)
-    if not isinstance(folder, str) or not folder or not os.path.isdir(folder):
-        return None
-    try:
-        files = [os.path.realpath(p) for p in checkpoint_files(folder)]
-        found = _header_matches(unplaced, files)
-    except (SafetensorsError, OSError, ValueError):
-        return None
-    # only where each such weight is one tensor of those files: a folder of other weights (a
-    # repository's root, where the model came from a subfolder of it) names none of them,
-    # and would key them by files that say nothing of their bytes
-    return files if all(t.name in found for t in unplaced) else None
 
 
 def base_positions(targets: list[LayerTarget], shards: list[str], space: AddressSpace) -> dict[str, int | None]:

@@ -4,8 +4,9 @@ diffusers keeps a Wan transformer's ``time_embedder``, norms and ``scale_shift_t
 fp32 under ``torch_dtype=torch.bfloat16``: copies, no views of the checkpoint. A LoRA on
 them (lightx2v's carry one) was refused by the cached path ("cannot tell which checkpoint
 ... Pass base_files=") where diffusers loads it. The folder the model records it came
-from (``config._name_or_path``) is taken as ``base_files``: each such weight is checked
-against its tensor there, then the merge is cached, a second start all hits."""
+from (``config._name_or_path``: the folder, a repository's root with ``subfolder=``, or the
+hub's name) is taken as ``base_files``: each such weight is checked against its tensor
+there, then the merge is cached, a second start all hits."""
 
 from __future__ import annotations
 
@@ -51,18 +52,85 @@ def test_a_lora_on_wans_fp32_kept_time_embedder_is_cached_keyed_by_the_load_fold
         lora_cache.load_lora(moved, path, cache_root=tmp_path / "cache", progress=False)
 
 
-def test_a_model_from_a_subfolder_is_never_keyed_by_the_repositorys_other_files(tmp_path):
-    """Loaded with ``subfolder=``, a model records the repository's root: its weights files
-    there (a single-file checkpoint beside the folders) name none of the model's copies,
-    and would say nothing of their bytes. The start asks for base_files as before."""
-    repo = tmp_path / "repo"
-    tm.save_model("wan", repo / "transformer", torch.bfloat16)
-    save_file({"unrelated.weight": torch.zeros(4)}, str(repo / "model.safetensors"))
-    model = tm.classes("wan")[0].from_pretrained(repo, subfolder="transformer", torch_dtype=torch.bfloat16)
-    weight = model.condition_embedder.time_embedder.linear_1.weight
+def _time_lora(folder, weight) -> str:
+    """A LoRA on the fp32-kept ``time_embedder.linear_1`` alone, written in ``folder``."""
+    gen = torch.Generator().manual_seed(3)
     target = "condition_embedder.time_embedder.linear_1"
-    path = str(tmp_path / "time.safetensors")
-    save_file({f"transformer.{target}.lora_A.weight": torch.randn(4, weight.shape[1]) * 0.05,
-               f"transformer.{target}.lora_B.weight": torch.randn(weight.shape[0], 4) * 0.05}, path)
+    path = os.path.join(folder, "time.safetensors")
+    save_file({f"transformer.{target}.lora_A.weight": torch.randn(4, weight.shape[1], generator=gen) * 0.05,
+               f"transformer.{target}.lora_B.weight": torch.randn(weight.shape[0], 4, generator=gen) * 0.05}, path)
+    return path
+
+
+def _two_experts(repo) -> None:
+    """A repository laid out as Wan 2.2's: two experts of the same names and shapes, other values."""
+    tm.save_model("wan", repo / "transformer", torch.bfloat16)
+    second = tm.classes("wan")[0].from_pretrained(repo / "transformer")
+    with torch.no_grad():
+        for weight in second.parameters():
+            weight.mul_(1.25)
+    second.to(torch.bfloat16).save_pretrained(repo / "transformer_2")
+
+
+def _each_expert_keyed_by_its_own_folder(load, tmp_path) -> None:
+    keys = {}
+    for sub in ("transformer", "transformer_2"):
+        model = load(sub)
+        path = _time_lora(tmp_path, model.condition_embedder.time_embedder.linear_1.weight)
+        expected = load(sub)
+        lora_cache.merge(expected, [path], enabled=False, progress=False)
+        stats = lora_cache.load_lora(model, path, cache_root=tmp_path / "cache", progress=False)
+        assert stats.cache_key and stats.built == stats.layers == 1, stats
+        for name, value in tm.weights(expected).items():
+            assert torch.equal(tm.weights(model)[name], value), (sub, name)
+        keys[sub] = stats.cache_key
+    assert keys["transformer"] != keys["transformer_2"]
+
+
+def test_a_model_from_a_subfolder_is_keyed_by_the_subfolder_that_holds_its_weights(tmp_path):
+    """Loaded with ``subfolder=``, a model records the repository's root. The root's own files
+    (a single-file checkpoint beside the folders) name none of the model's copies, and are
+    never its key; its subfolders are searched. In a repository of two experts of the same
+    names and shapes, each is keyed by the folder holding its values, never served the other's
+    merge."""
+    repo = tmp_path / "repo"
+    _two_experts(repo)
+    save_file({"unrelated.weight": torch.zeros(4)}, str(repo / "model.safetensors"))
+    cls = tm.classes("wan")[0]
+    _each_expert_keyed_by_its_own_folder(
+        lambda sub: cls.from_pretrained(repo, subfolder=sub, torch_dtype=torch.bfloat16).eval(), tmp_path)
+
+
+def test_a_model_loaded_by_its_hub_name_is_keyed_by_the_hubs_cached_files(tmp_path, monkeypatch):
+    """``from_pretrained("org/name", subfolder=...)`` records the hub's name: the files are in
+    the hub's local cache (laid out as the hub lays it out, read by diffusers offline), found
+    there without the network."""
+    constants = pytest.importorskip("huggingface_hub.constants")
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--org--tiny-wan" / "snapshots" / ("0" * 40)
+    _two_experts(snapshot)
+    (cache / "models--org--tiny-wan" / "refs").mkdir()
+    (cache / "models--org--tiny-wan" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    cls = tm.classes("wan")[0]
+
+    def load(sub):
+        model = cls.from_pretrained("org/tiny-wan", subfolder=sub, torch_dtype=torch.bfloat16, local_files_only=True)
+        assert model.config._name_or_path == "org/tiny-wan"
+        return model.eval()
+
+    _each_expert_keyed_by_its_own_folder(load, tmp_path)
+
+
+def test_a_subfolder_whose_files_name_none_of_the_copies_leaves_the_start_asking_for_base_files(tmp_path):
+    """Neither the root nor any subfolder names the model's copies (it came from elsewhere):
+    the start asks for base_files as before."""
+    source = tm.save_model("wan", tmp_path / "source", torch.bfloat16)
+    model = tm.load_model("wan", source, torch.bfloat16)
+    repo = tmp_path / "repo"
+    (repo / "vae").mkdir(parents=True)
+    save_file({"unrelated.weight": torch.zeros(4)}, str(repo / "vae" / "model.safetensors"))
+    model.register_to_config(_name_or_path=str(repo))
+    path = _time_lora(tmp_path, model.condition_embedder.time_embedder.linear_1.weight)
     with pytest.raises(ValueError, match="cannot tell which checkpoint"):
         lora_cache.load_lora(model, path, cache_root=tmp_path / "cache", progress=False)
