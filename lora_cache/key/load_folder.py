@@ -15,12 +15,16 @@ folder itself:
   local cache, which ``huggingface_hub`` (loaded by the client that loaded the model)
   finds without the network.
 
-So the candidates are that folder (or the cached snapshot of that name), then each of its
-subfolders. The first whose headers name every copied weight is taken; where several
-subfolders do, the one whose tensors hold the copies' values (one row of each, as
-:func:`.base_shards.differ_from_files` checks); where that leaves none or several, none.
-The files taken are ``base_files`` as a caller gives them: each copy is checked against its
-tensor there again before the key names them.
+So the candidates are that folder's files (or the cached snapshot's of that name) and
+each subfolder's that ``from_pretrained(..., subfolder=)`` could load (it holds a
+``config.json``), those that name every copied weight in their headers. One is taken;
+of several, the one whose tensors hold the copies' values (one row of each, as
+:func:`.base_shards.differ_from_files` checks), or, where none does, the first (the start
+then merges in place with a warning, as with a folder of other values). Where several hold
+them (two experts alike in every row checked), none: keyed by the wrong one, the other's
+next start would be served this one's merge. The files taken are ``base_files`` as a
+caller gives them: each copy is checked against its tensor there again before the key
+names them.
 """
 
 from __future__ import annotations
@@ -50,13 +54,18 @@ def loaded_from(model, targets: list[LayerTarget]) -> list[str] | None:
     root = name if os.path.isdir(name) else _cached_snapshot(name)
     if root is None:
         return None
-    files = _naming_all(root, unplaced)
-    if files is not None:
-        return files
-    named = [f for f in (_naming_all(sub, unplaced) for sub in _subfolders(root)) if f is not None]
-    if len(named) > 1:  # the same names in several (Wan 2.2's two experts): the one holding these values
-        named = [f for f in named if not differ_from_files(unplaced, space, f)]
-    return named[0] if len(named) == 1 else None
+    named: dict[tuple, list[str]] = {}  # one entry per set of files (a folder linked twice is one)
+    for folder in (root, *_subfolders(root)):
+        files = _naming_all(folder, unplaced)
+        if files is not None:
+            named.setdefault(tuple(files), files)
+    candidates = list(named.values())
+    if len(candidates) <= 1:
+        return candidates[0] if candidates else None
+    holding = [f for f in candidates if not differ_from_files(unplaced, space, f)]
+    if not holding:
+        return candidates[0]  # none holds these values: the start merges in place, saying so
+    return holding[0] if len(holding) == 1 else None
 
 
 def _naming_all(folder: str, unplaced: list[LayerTarget]) -> list[str] | None:
@@ -75,21 +84,33 @@ def _naming_all(folder: str, unplaced: list[LayerTarget]) -> list[str] | None:
 
 
 def _subfolders(root: str) -> list[str]:
+    """The subfolders ``from_pretrained(root, subfolder=...)`` could load: each holds a ``config.json``
+    (a folder of LoRAs or other files beside them is never read)."""
     try:
         entries = sorted(os.listdir(root))
     except OSError:
         return []
-    return [os.path.join(root, e) for e in entries if not e.startswith(".") and os.path.isdir(os.path.join(root, e))]
+    return [os.path.join(root, e) for e in entries
+            if not e.startswith(".") and os.path.isfile(os.path.join(root, e, "config.json"))]
 
 
 def _cached_snapshot(name: str) -> str | None:
-    """The hub's cached snapshot of ``name`` (its default revision), where ``huggingface_hub``
-    is loaded already (the model came through it; importing it costs a start 0.1-0.2 s)."""
+    """The hub's cached snapshot of ``name`` at its default revision (``refs/main``), where
+    ``huggingface_hub`` is loaded already (the model came through it), laid out as the hub
+    lays its cache out: ``models--org--name/refs/main`` names ``snapshots/<commit>``.
+
+    Read from the folders, not through ``snapshot_download(local_files_only=True)``, which
+    refuses a snapshot that lacks a file of the repository's listing (every download of a
+    part of a repository leaves one)."""
     hub = sys.modules.get("huggingface_hub")
-    if hub is None or name.count("/") != 1:
+    cache = getattr(getattr(hub, "constants", None), "HF_HUB_CACHE", None)
+    if not isinstance(cache, str) or name.count("/") != 1 or not all(name.split("/")):
         return None
+    repo = os.path.join(cache, "models--" + name.replace("/", "--"))
     try:
-        folder = hub.snapshot_download(name, local_files_only=True)
-    except Exception:  # noqa: BLE001 - not in the cache, or not a hub name: nothing to find
+        with open(os.path.join(repo, "refs", "main"), encoding="ascii") as handle:
+            commit = handle.read().strip()
+    except (OSError, ValueError):
         return None
-    return folder if isinstance(folder, str) and os.path.isdir(folder) else None
+    folder = os.path.join(repo, "snapshots", commit)
+    return folder if commit and "/" not in commit and os.path.isdir(folder) else None

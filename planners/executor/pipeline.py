@@ -58,12 +58,14 @@ class Clock:
 
 
 def _in_turn(hook):
-    """A hook of the pipeline, run while no other pipeline hook runs (see :class:`Clock`)."""
+    """A hook of the pipeline, run while no other pipeline hook runs (see :class:`Clock`), and
+    not at all once the pipeline is drained (a pass on another thread that waited for its turn
+    while the executor closed: its worker and files are gone, its weights put back)."""
 
     @functools.wraps(hook)
     def taking_turns(self, *args):
         with self.clock.lock:
-            return hook(self, *args)
+            return None if self.drained else hook(self, *args)
 
     return taking_turns
 
@@ -100,6 +102,8 @@ class LayerPipeline:
         self._warned = False  # a read-ahead that failed was logged
         self._release_warned = False  # a release that failed was logged
         self.releasing = ReleasesInFlight()  # releases on the worker thread (see _release)
+        self._failed_releases: list[int] = []  # bytes of releases that failed on the worker, not yet counted
+        self.drained = False  # the executor closed: no hook does anything any more
         self._protect()
 
     @property
@@ -222,6 +226,7 @@ class LayerPipeline:
     def end(self) -> None:
         """The component's forward ends: the last layer it ran ends a pass."""
         self.order.end_pass()
+        self._count_failed_releases()
 
     @_in_turn
     def boundary(self) -> None:
@@ -351,23 +356,36 @@ class LayerPipeline:
         else:
             freed = released_bytes(pieces)
             job = functools.partial(self._drop_pieces, pieces)
-        self.releasing.add(pieces, self.worker.submit(self._on_worker, job, snap))
+        self.releasing.add(pieces, self.worker.submit(self._on_worker, job, snap, freed))
         return freed
 
     def _drop_pieces(self, pieces) -> None:
         for piece, back in pieces:
             drop_range(piece, self.handles, back=back)
 
-    def _on_worker(self, job, snap: Snapshot) -> None:
+    def _on_worker(self, job, snap: Snapshot, nbytes: int) -> None:
         """Run a release's part on the worker (``snap`` holds the mapping under it until then).
-        A failure is logged once: the pages stay, for the page cache to reclaim."""
+        A failure cannot raise in the forward that asked for it (that has run on): it is logged
+        once, and counted by the pass's next hook (``failed_releases``, its ``nbytes`` taken back
+        from ``released_bytes``); the pages stay, for the page cache to reclaim."""
         try:
             job()
         except OSError as exc:
+            self._failed_releases.append(nbytes)
             if not self._release_warned:
                 self._release_warned = True
                 _LOG.warning("%s: a release on the executor's worker failed (%s); its pages were left to the "
-                             "page cache", snap.layout.component, exc)
+                             "page cache, and stats().passes counts such failures in failed_releases",
+                             snap.layout.component, exc)
+
+    def _count_failed_releases(self) -> None:
+        """Fold the releases that failed on the worker into the pass now running (this thread's
+        figures only, so no two threads add to one field)."""
+        while self._failed_releases:
+            nbytes = self._failed_releases.pop()
+            if self.current is not None:
+                self.current.released_bytes -= nbytes
+                self.current.failed_releases += 1
 
     @_in_turn
     def after(self, name: str) -> None:
@@ -378,6 +396,7 @@ class LayerPipeline:
             freed = self._release(self.snapshots[name])
             if self.current is not None:
                 self.current.released_bytes += freed
+        self._count_failed_releases()
 
     @_in_turn
     def drain(self) -> None:
@@ -392,3 +411,4 @@ class LayerPipeline:
                     continue
             self._drop(name, self.pending.pop(name))
         self.pending.clear()
+        self.drained = True

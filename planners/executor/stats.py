@@ -28,6 +28,7 @@ class PassStats:
     wait_s: float = 0.0  # the compute waited on reads and copies
     late_layers: int = 0  # layers read or copied at their own forward: no read-ahead of what they hold now
     failed_read_aheads: int = 0  # read-aheads that raised (the layer was then read at its forward)
+    failed_releases: int = 0  # releases that failed on the worker thread (their bytes not in released_bytes)
     predicted_read_bytes: int = 0  # warm pass, as planned: the released layers
     predicted_s: float | None = None  # predicted_read_bytes at the configured disk rate
 

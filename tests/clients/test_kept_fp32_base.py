@@ -104,13 +104,23 @@ def test_a_model_from_a_subfolder_is_keyed_by_the_subfolder_that_holds_its_weigh
 def test_a_model_loaded_by_its_hub_name_is_keyed_by_the_hubs_cached_files(tmp_path, monkeypatch):
     """``from_pretrained("org/name", subfolder=...)`` records the hub's name: the files are in
     the hub's local cache (laid out as the hub lays it out, read by diffusers offline), found
-    there without the network."""
+    there without the network. The cache also lists the whole repository, as any download of
+    a part of it leaves that listing (here a README it never fetched): the snapshot still
+    serves (``snapshot_download(local_files_only=True)`` refuses it as incomplete)."""
     constants = pytest.importorskip("huggingface_hub.constants")
     cache = tmp_path / "hub"
-    snapshot = cache / "models--org--tiny-wan" / "snapshots" / ("0" * 40)
+    repo = cache / "models--org--tiny-wan"
+    snapshot = repo / "snapshots" / ("0" * 40)
     _two_experts(snapshot)
-    (cache / "models--org--tiny-wan" / "refs").mkdir()
-    (cache / "models--org--tiny-wan" / "refs" / "main").write_text("0" * 40)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    try:
+        from huggingface_hub._tree_cache import TreeCacheEntry, write_tree_cache
+    except ImportError:  # a hub library that keeps no listing: the layout above is the whole cache
+        pass
+    else:
+        listed = [str(p.relative_to(snapshot)) for p in snapshot.rglob("*") if p.is_file()] + ["README.md"]
+        write_tree_cache(str(repo), "0" * 40, {f: TreeCacheEntry(size=1, blob_id="a" * 40) for f in listed})
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     cls = tm.classes("wan")[0]
 
@@ -123,14 +133,36 @@ def test_a_model_loaded_by_its_hub_name_is_keyed_by_the_hubs_cached_files(tmp_pa
 
 
 def test_a_subfolder_whose_files_name_none_of_the_copies_leaves_the_start_asking_for_base_files(tmp_path):
-    """Neither the root nor any subfolder names the model's copies (it came from elsewhere):
-    the start asks for base_files as before."""
+    """Neither the root nor any subfolder ``from_pretrained`` could load (one with a
+    ``config.json``) names the model's copies (it came from elsewhere): the start asks for
+    base_files as before. A folder of other files (LoRAs, a loose copy of the weights) is
+    never read."""
     source = tm.save_model("wan", tmp_path / "source", torch.bfloat16)
     model = tm.load_model("wan", source, torch.bfloat16)
     repo = tmp_path / "repo"
     (repo / "vae").mkdir(parents=True)
     save_file({"unrelated.weight": torch.zeros(4)}, str(repo / "vae" / "model.safetensors"))
+    (repo / "vae" / "config.json").write_text("{}")
+    (repo / "loose").mkdir()
+    os.link(os.path.join(source, "diffusion_pytorch_model.safetensors"),
+            repo / "loose" / "diffusion_pytorch_model.safetensors")  # no config.json: no subfolder= load
     model.register_to_config(_name_or_path=str(repo))
     path = _time_lora(tmp_path, model.condition_embedder.time_embedder.linear_1.weight)
     with pytest.raises(ValueError, match="cannot tell which checkpoint"):
         lora_cache.load_lora(model, path, cache_root=tmp_path / "cache", progress=False)
+
+
+def test_an_expert_changed_in_memory_merges_in_place_saying_so(tmp_path):
+    """Two experts name the copies and neither holds their values (the model was changed in
+    memory since loading): as with one folder of other values, the start merges in place and
+    says why, instead of refusing."""
+    repo = tmp_path / "repo"
+    _two_experts(repo)
+    model = tm.classes("wan")[0].from_pretrained(repo, subfolder="transformer_2", torch_dtype=torch.bfloat16).eval()
+    weight = model.condition_embedder.time_embedder.linear_1.weight
+    with torch.no_grad():
+        weight.add_(1.0)
+    path = _time_lora(tmp_path, weight)
+    with pytest.warns(UserWarning, match="differ from their tensors in base_files"):
+        stats = lora_cache.load_lora(model, path, cache_root=tmp_path / "cache", progress=False)
+    assert stats.cache_key is None and stats.in_place == stats.layers == 1

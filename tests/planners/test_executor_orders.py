@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import random
-import threading
 import time
 
 import pytest
@@ -146,41 +145,6 @@ def test_a_weight_replaced_during_a_pass(checkpoint, plan, path):
     model = load_synthetic_dit(checkpoint)
     got, _ = _under(plan, model, PATHS[path], passes, _during)
     _same(got, expected)
-
-
-def test_a_layer_run_again_before_its_release_ran_computes_from_the_pages_it_read(checkpoint, plan):
-    """On a CPU host a shared mapping's release runs on the executor's worker. A layer that runs
-    again before its release ran (a repeat, a short pass, the next pass's first layers) waits for
-    it: run after the layer's read, the release would drop the pages the layer computes from,
-    and they would be read twice. The worker is held busy (a timer frees it) while the layer runs
-    twice; the second time, once every release has run, its pages are still mapped."""
-    model = load_synthetic_dit(checkpoint)
-    layer = int(plan_roles(plan, 2)["dit"].released[-1].split(".")[1])
-    weight = model.blocks[layer].proj.weight
-    start = weight.data_ptr() + (-weight.data_ptr()) % PAGE_SIZE
-    end = (weight.data_ptr() + weight.numel() * weight.element_size()) // PAGE_SIZE * PAGE_SIZE
-    seen = []
-
-    def look(module, args):
-        if len(seen) == 1:
-            run.settle()  # every release handed to the worker so far has run
-        seen.append(classify_range(start, end))
-
-    gate = threading.Event()
-    with execute(plan, {"dit": model}, prefetch=2, read_ahead="madvise") as run:
-        handle = model.blocks[layer].register_forward_pre_hook(look)  # after the executor's own
-        run.pipelines["dit"].worker.submit(gate.wait)  # the worker busy: releases wait behind this
-        timer = threading.Timer(0.5, gate.set)
-        timer.start()
-        try:
-            with torch.no_grad():
-                model(_x(), order=[layer, layer])
-        finally:
-            gate.set()
-            timer.cancel()
-            handle.remove()
-    assert [r.not_resident for r in seen] == [0, 0], seen
-    assert seen[1].file_backed == end - start
 
 
 class _Gated(torch.nn.Module):
