@@ -15,22 +15,12 @@ import torch
 from hostmem.procfs import PAGE_SIZE
 from hostmem.residency import classify_range
 from planners.executor import execute, plan_roles
-from planners.executor.synthetic import load_synthetic_dit, write_synthetic_dit
+from planners.executor.synthetic import load_synthetic_dit
 
-from .conftest import synthetic_plan
-from .test_executor_orders import D, FULL, LAYERS, ROOM, _run, _same, _x
+from .test_executor_orders import FULL, _run, _same, _x
+from .test_executor_orders import checkpoint, plan  # noqa: F401 - the fixtures: the same model and plan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_synthetic_dit(tmp_path_factory.mktemp("releases") / "dit.safetensors", LAYERS, D, torch.float32)
-
-
-@pytest.fixture(scope="module")
-def plan(checkpoint):
-    return synthetic_plan(checkpoint, ROOM)
 
 
 def test_a_layer_run_again_before_its_release_ran_computes_from_the_pages_it_read(checkpoint, plan):
