@@ -19,7 +19,9 @@ Read-ahead is a hint, never a promise of order (:mod:`.snapshot`). At use:
   window's layers past the end of the pass (as last seen) are only read, and copied when
   the next pass begins;
 - a layer read ahead that leaves the window without running is dropped: its slot given
-  back, and, when released, the pages it read released.
+  back, the reads the reader threads have not begun left undone (a step cache that skips
+  the blocks after the first makes this the common case), and, when released, the pages
+  it read released.
 
 A release drops only the layer's own pages that no other layer needs (:mod:`.pages`):
 not those of a kept, pinned or resident layer, of the tensors outside every layer, or
@@ -37,7 +39,7 @@ from typing import NamedTuple
 
 from .order import LearnedOrder
 from .pages import Intervals, ReleasesInFlight, free_pieces, page_cover, released_bytes
-from .readahead import FileHandles, advise, complete, drop_range, read_ahead, uncache_ranges
+from .readahead import FileHandles, advise, cancel, complete, drop_range, read_ahead, uncache_ranges
 from ..layer_roles import ComponentRoles
 from .snapshot import Snapshot, fingerprint, take_snapshot
 from .stats import PassStats
@@ -182,6 +184,8 @@ class LayerPipeline:
                 pass
         if self.copier is not None:
             self.copier.give_back(pending.slot)
+        if future is None and pending.reads:
+            cancel(pending.snapshot.ranges, self.handles)  # what the reader threads have not begun stays unread
         ran = future is None or not future.cancelled()
         if ran and pending.reads and name in self.released:
             self._release(pending.snapshot)

@@ -73,7 +73,7 @@ from hostmem.procfs import PAGE_SIZE, ProcReadError
 from .layout import FileRange, inner_pages, outer_pages
 
 __all__ = ["FileHandles", "advise", "set_random", "complete", "read_ahead", "release", "choose_reader", "READERS",
-           "DEFAULT_READER", "drop_range", "time_reader", "time_readers", "uncache_ranges"]
+           "DEFAULT_READER", "cancel", "drop_range", "time_reader", "time_readers", "uncache_ranges"]
 
 READERS = ("madvise", "fadvise", "read", "fault", "parallel")
 DEFAULT_READER = "parallel"  # auto without a calibration record: see the module doc
@@ -101,7 +101,7 @@ class FileHandles:
         self._lock = threading.Lock()
         self._buffer: bytearray | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self.inflight: dict[FileRange, list] = {}  # parallel: pieces queued, not yet waited for
+        self.inflight: dict[FileRange, tuple] = {}  # parallel: (pieces queued, their jobs), not yet waited for
         self._pagemap: PagemapReader | None = None  # private mappings' releases look here first
 
     def fd(self, path: str) -> int:
@@ -194,16 +194,34 @@ def _advise_parallel(r: FileRange, handles: FileHandles) -> None:
     one job a piece cost the layer's pre-hook a submit and a wait for each 2 MiB."""
     pool = handles.pool()
     queue = collections.deque(_pieces(r))
-    handles.inflight[r] = [pool.submit(_touch_queue, queue) for _ in range(min(_FAULTERS, len(queue)))]
+    handles.inflight[r] = queue, [pool.submit(_touch_queue, queue) for _ in range(min(_FAULTERS, len(queue)))]
 
 
 def _wait_parallel(r: FileRange, handles: FileHandles) -> None:
-    pieces = handles.inflight.pop(r, None)
-    if pieces is None:  # not advised (a drain, a timing): start it now
+    entry = handles.inflight.pop(r, None)
+    if entry is None:  # not advised (a drain, a timing): start it now
         _advise_parallel(r, handles)
-        pieces = handles.inflight.pop(r)
-    for piece in pieces:
-        piece.result()
+        entry = handles.inflight.pop(r)
+    for job in entry[1]:
+        job.result()
+
+
+def cancel(ranges, handles: FileHandles) -> None:
+    """Stop reading ``ranges`` ahead (``parallel``; the other readers' advice is the kernel's):
+    the pieces no thread has taken stay unread, and those being read are in on return, so a
+    release that follows misses no page still on its way in."""
+    for r in ranges:
+        entry = handles.inflight.pop(r, None)
+        if entry is None:
+            continue
+        queue, jobs = entry
+        queue.clear()
+        for job in jobs:
+            if not job.cancel():
+                try:
+                    job.result()
+                except Exception:  # noqa: BLE001 - a read that failed has nothing to release
+                    pass
 
 
 def _read_pread(r: FileRange, handles: FileHandles) -> None:

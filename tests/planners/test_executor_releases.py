@@ -128,3 +128,32 @@ def test_a_release_that_fails_on_the_worker_is_counted_and_its_bytes_are_not(che
     assert before.failed_releases == 0 and sum(p.failed_releases for p in after) >= 2
     assert sum(p.released_bytes for p in after) < 3 * before.released_bytes
     assert len([r for r in caplog.records if "failed_releases" in r.getMessage()]) == 1
+
+
+def test_a_read_ahead_dropped_before_the_readers_began_it_is_never_read(checkpoint, plan):
+    """A step cache runs the first block and skips the rest: the layers read ahead after it
+    leave the window unrun. Those the ``parallel`` reader's threads had not begun are not
+    read at all (the threads are held busy meanwhile): read after the drop, their pages
+    would stay in the page cache, beyond what the plan makes room for, until the layer's
+    next release."""
+    roles = plan_roles(plan, 2)["dit"]
+    first, far = (int(name.split(".")[1]) for name in (roles.kept[0], roles.kept[2]))
+    dropped = [f"blocks.{first + 1}", f"blocks.{first + 2}"]
+    assert set(dropped) <= set(roles.released)
+    model = load_synthetic_dit(checkpoint)
+    gate = threading.Event()
+    with execute(plan, {"dit": model}, prefetch=2, read_ahead="parallel") as run:
+        _run(model, [FULL, FULL])  # the order learned, the kept layers read
+        pool = run.pipelines["dit"].handles.pool()
+        busy = [pool.submit(gate.wait, 10) for _ in range(8)]  # every reader thread, and more
+        try:
+            _run(model, [[first], [far]])  # the first's window (the two after it) is dropped at the far one
+        finally:
+            gate.set()
+            for job in busy:
+                job.result()
+    for name in dropped:
+        weight = model.get_submodule(name).proj.weight
+        start = weight.data_ptr() + (-weight.data_ptr()) % PAGE_SIZE
+        end = (weight.data_ptr() + weight.numel() * weight.element_size()) // PAGE_SIZE * PAGE_SIZE
+        assert classify_range(start, end).file_backed == 0, name
