@@ -15,8 +15,9 @@ folder itself:
   local cache, which ``huggingface_hub`` (loaded by the client that loaded the model)
   finds without the network.
 
-So the candidates are that folder's files (or the cached snapshot's of that name) and
-each subfolder's that ``from_pretrained(..., subfolder=)`` could load (it holds a
+So the candidates are that folder's files (or a cached snapshot's of that name: the
+default revision's first, then the others, since ``revision=`` is not recorded) and each
+subfolder's that ``from_pretrained(..., subfolder=)`` could load (it holds a
 ``config.json``), those that name every copied weight in their headers. One is taken;
 of several, the one whose tensors hold the copies' values (one row of each, as
 :func:`.base_shards.differ_from_files` checks), or, where none does, the first (the start
@@ -51,21 +52,28 @@ def loaded_from(model, targets: list[LayerTarget]) -> list[str] | None:
     if not isinstance(name, (str, os.PathLike)) or not os.fspath(name):
         return None
     name = os.fspath(name)  # from_pretrained(Path(...)) records the Path
-    root = name if os.path.isdir(name) else _cached_snapshot(name)
-    if root is None:
-        return None
-    named: dict[tuple, list[str]] = {}  # one entry per set of files (a folder linked twice is one)
+    roots = [name] if os.path.isdir(name) else _cached_snapshots(name)
+    fallback = None
+    for root in roots:
+        candidates = _candidates(root, unplaced)
+        if len(candidates) == 1 and len(roots) == 1:
+            return candidates[0]  # checked against the copies when keyed (the start warns if they differ)
+        holding = [f for f in candidates if not differ_from_files(unplaced, space, f)]
+        if holding:
+            return holding[0] if len(holding) == 1 else None
+        fallback = fallback or (candidates[0] if candidates else None)
+    return fallback  # none holds these values: the start merges in place, saying so
+
+
+def _candidates(root: str, unplaced: list[LayerTarget]) -> list[list[str]]:
+    """The checkpoint files of ``root`` and of each subfolder that name every weight, one entry
+    per set of files (a folder linked twice is one)."""
+    named: dict[tuple, list[str]] = {}
     for folder in (root, *_subfolders(root)):
         files = _naming_all(folder, unplaced)
         if files is not None:
             named.setdefault(tuple(files), files)
-    candidates = list(named.values())
-    if len(candidates) <= 1:
-        return candidates[0] if candidates else None
-    holding = [f for f in candidates if not differ_from_files(unplaced, space, f)]
-    if not holding:
-        return candidates[0]  # none holds these values: the start merges in place, saying so
-    return holding[0] if len(holding) == 1 else None
+    return list(named.values())
 
 
 def _naming_all(folder: str, unplaced: list[LayerTarget]) -> list[str] | None:
@@ -94,10 +102,11 @@ def _subfolders(root: str) -> list[str]:
             if not e.startswith(".") and os.path.isfile(os.path.join(root, e, "config.json"))]
 
 
-def _cached_snapshot(name: str) -> str | None:
-    """The hub's cached snapshot of ``name`` at its default revision (``refs/main``), where
-    ``huggingface_hub`` is loaded already (the model came through it), laid out as the hub
-    lays its cache out: ``models--org--name/refs/main`` names ``snapshots/<commit>``.
+def _cached_snapshots(name: str) -> list[str]:
+    """The hub's cached snapshots of ``name``, its default revision's (``refs/main``) first,
+    where ``huggingface_hub`` is loaded already (the model came through it), laid out as the
+    hub lays its cache out: ``models--org--name/refs/main`` names ``snapshots/<commit>``.
+    ``_name_or_path`` does not record a ``revision=``: the others follow, newest first.
 
     Read from the folders, not through ``snapshot_download(local_files_only=True)``, which
     refuses a snapshot that lacks a file of the repository's listing (every download of a
@@ -105,12 +114,18 @@ def _cached_snapshot(name: str) -> str | None:
     hub = sys.modules.get("huggingface_hub")
     cache = getattr(getattr(hub, "constants", None), "HF_HUB_CACHE", None)
     if not isinstance(cache, str) or name.count("/") != 1 or not all(name.split("/")):
-        return None
+        return []
     repo = os.path.join(cache, "models--" + name.replace("/", "--"))
+    snapshots = os.path.join(repo, "snapshots")
+    try:
+        with os.scandir(snapshots) as entries:
+            found = sorted(((e.stat().st_mtime, e.path) for e in entries if e.is_dir()), reverse=True)
+    except OSError:
+        return []
     try:
         with open(os.path.join(repo, "refs", "main"), encoding="ascii") as handle:
-            commit = handle.read().strip()
+            main = os.path.join(snapshots, handle.read().strip())
     except (OSError, ValueError):
-        return None
-    folder = os.path.join(repo, "snapshots", commit)
-    return folder if commit and "/" not in commit and os.path.isdir(folder) else None
+        main = None
+    folders = [path for _, path in found]
+    return sorted(folders, key=lambda path: path != main)  # stable: main first, the rest newest first

@@ -132,6 +132,36 @@ def test_a_model_loaded_by_its_hub_name_is_keyed_by_the_hubs_cached_files(tmp_pa
     _each_expert_keyed_by_its_own_folder(load, tmp_path)
 
 
+def test_a_model_loaded_at_another_revision_is_keyed_by_that_revisions_cached_files(tmp_path, monkeypatch):
+    """``from_pretrained("org/name", revision=...)`` records no revision: the default one's
+    snapshot names the copies but holds other values, and the snapshot that holds them is
+    found among the others (a repository updated since, its older snapshot still cached)."""
+    constants = pytest.importorskip("huggingface_hub.constants")
+    repo = tmp_path / "hub" / "models--org--tiny-wan"
+    old, new = "1" * 40, "2" * 40
+    tm.save_model("wan", repo / "snapshots" / old / "transformer", torch.bfloat16)
+    _two_experts(tmp_path / "updated")
+    (repo / "snapshots" / new).mkdir()
+    os.rename(tmp_path / "updated" / "transformer_2", repo / "snapshots" / new / "transformer")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(new)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    cls = tm.classes("wan")[0]
+
+    def load():
+        return cls.from_pretrained("org/tiny-wan", subfolder="transformer", revision=old, torch_dtype=torch.bfloat16,
+                                   local_files_only=True).eval()
+
+    model = load()
+    path = _time_lora(tmp_path, model.condition_embedder.time_embedder.linear_1.weight)
+    expected = load()
+    lora_cache.merge(expected, [path], enabled=False, progress=False)
+    stats = lora_cache.load_lora(model, path, cache_root=tmp_path / "cache", progress=False)
+    assert stats.cache_key and stats.built == stats.layers == 1, stats
+    for name, value in tm.weights(expected).items():
+        assert torch.equal(tm.weights(model)[name], value), name
+
+
 def test_a_subfolder_whose_files_name_none_of_the_copies_leaves_the_start_asking_for_base_files(tmp_path):
     """Neither the root nor any subfolder ``from_pretrained`` could load (one with a
     ``config.json``) names the model's copies (it came from elsewhere): the start asks for
