@@ -352,7 +352,7 @@ class LayerPipeline:
         window = Intervals(page_cover([r for s in needed for r in s.ranges]))
         pieces = free_pieces(snap.ranges, snap.floors, [self.protected, window], [self.never, window])
         if not self.inline or not pieces:
-            return sum(drop_range(piece, self.handles, back=back) for piece, back in pieces)
+            return self._drop_pieces(pieces)
         if any(r.private for r in snap.ranges):
             uncache: list = []
             freed = sum(drop_range(piece, self.handles, back=back, uncache=uncache) for piece, back in pieces)
@@ -363,9 +363,8 @@ class LayerPipeline:
         self.releasing.add(pieces, self.worker.submit(self._on_worker, job, snap, freed))
         return freed
 
-    def _drop_pieces(self, pieces) -> None:
-        for piece, back in pieces:
-            drop_range(piece, self.handles, back=back)
+    def _drop_pieces(self, pieces) -> int:
+        return sum(drop_range(piece, self.handles, back=back) for piece, back in pieces)
 
     def _on_worker(self, job, snap: Snapshot, nbytes: int) -> None:
         """Run a release's part on the worker (``snap`` holds the mapping under it until then).
