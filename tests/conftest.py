@@ -27,6 +27,7 @@ def pytest_configure(config):
     """
     global _RUN_TEMP
     _interruptible()
+    _exit_without_collection()
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     ours = os.environ.get("_HOSTMEM_TESTS_ROOT")
     if worker and ours and os.environ.get("HOSTMEM_CACHE_ROOT") == ours:
@@ -40,6 +41,16 @@ def pytest_configure(config):
     tempfile.tempdir = _RUN_TEMP
     if "HOSTMEM_CACHE_ROOT" not in os.environ:
         os.environ["HOSTMEM_CACHE_ROOT"] = os.environ["_HOSTMEM_TESTS_ROOT"] = os.path.join(_RUN_TEMP, "cache-root")
+
+
+def _exit_without_collection() -> None:
+    """Put ``tests/exit_site`` first on the ``PYTHONPATH`` every process a test starts
+    inherits: its ``sitecustomize`` skips the interpreter's last collection at exit (a third
+    of a second a process that imported torch, a sixth of the suite's time)."""
+    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "exit_site")
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if site not in path:
+        os.environ["PYTHONPATH"] = os.pathsep.join([site, *path])
 
 
 def _interruptible() -> None:

@@ -76,9 +76,11 @@ def _kernel_counts() -> tuple[int, int]:
 
 
 def test_a_process_holding_memory_lowers_the_auto_limit_by_what_it_holds(auto_config):
-    """One quiet try must land within 5%. Where the kernel's own MemAvailable does not follow
-    the allocation on any try (a virtual machine's free page reporting moves it by hundreds
-    of MiB), the host cannot show it: skipped, and the nested cgroup test below shows it."""
+    """One quiet try must land within 5% of what was held, or of MemAvailable's drop where
+    that drop is itself a few percent off (page tables, other processes). Where the kernel's
+    own MemAvailable does not follow the allocation on any try (a virtual machine's free page
+    reporting moves it by hundreds of MiB), the host cannot show it: skipped, and the nested
+    cgroup test below shows it."""
     from planners.budget import read_host_limit
 
     config = load_config(auto_config)
@@ -100,8 +102,11 @@ def test_a_process_holding_memory_lowers_the_auto_limit_by_what_it_holds(auto_co
         if not kernel_followed:
             pytest.skip(f"MemAvailable here does not follow an allocation (dropped {[t[1] >> 20 for t in tries]} "
                         f"MiB while AnonPages grew {[t[2] >> 20 for t in tries]} MiB)")
-        pytest.fail(f"the kernel followed the allocation but the auto limit did not: (limit drop, MemAvailable "
-                    f"drop, AnonPages growth, held) = {kernel_followed}")
+        # Each within 5% of the next can put the kernel's drop 10% off what was held: the
+        # limit must then follow the kernel's own figure (what it is read from), within 5%.
+        if not any(abs(t[0] - t[1]) <= 0.05 * t[3] for t in kernel_followed):
+            pytest.fail(f"the kernel followed the allocation but the auto limit did not: (limit drop, MemAvailable "
+                        f"drop, AnonPages growth, held) = {kernel_followed}")
     assert during.source in ("MemAvailable", "cgroup") and during.headroom is not None
 
 
