@@ -332,8 +332,8 @@ def read_with_family_rules(path: str, tensors: dict, metadata: dict, family, why
         tensors = {key: value for key, value in tensors.items() if key not in set(others)}
 
     logging.getLogger("lora_cache").info("%s: %s; reading it with lora_cache's own parser instead%s", path, why,
-                                         "" if family is None else f", {family.name}'s original names split by rows "
-                                         "at the model's own sizes")
+                                         "" if family is None else f", {family.name}'s original names as key rules "
+                                         "made from the model's own sizes")
     if family is None:
         return reading_of(path, tensors, metadata).build(values_check=FiniteCheck(path, tensors))
     return reading_of(path, tensors, metadata).build(converter=family.converter,

@@ -91,6 +91,7 @@ class Family(NamedTuple):
     converter: str
     blocks: tuple  # ((original list, diffusers list, {module: target(s)}), ...)
     outside: dict
+    rules: tuple = ()  # rules made from the model itself (a UNet's config), in place of the tables'
 
 
 def _flux() -> Family:
@@ -128,7 +129,7 @@ def _spellings(where: str, name: str) -> tuple[str, str]:
 
 def rules_of(family: Family) -> tuple:
     """The family's key rules, both spellings: ``(regex on a stem, target or [targets])``."""
-    return _rules(family.name)
+    return family.rules or _rules(family.name)
 
 
 @functools.cache
@@ -143,13 +144,28 @@ def _rules(name: str) -> tuple:
     return tuple(rules)
 
 
-def family_of(loader) -> Family | None:
-    """The family whose files ``loader`` (a loader mixin or a pipeline class) converts, or None."""
+_UNET_LOADERS = {"StableDiffusionLoraLoaderMixin", "StableDiffusionXLLoraLoaderMixin"}
+
+
+def family_of(loader, model=None) -> Family | None:
+    """The family whose files ``loader`` (a loader mixin or a pipeline class) converts, or None.
+
+    With ``model``, an SD 1.x, 2.x or SDXL UNet's loader gives the original (SGM) layout's
+    names of that UNet (:mod:`lora_cache.adapters.sgm_names`), made from its config."""
     for base in getattr(loader, "__mro__", ()):
         make = _FAMILIES.get(base.__name__)
         if make is not None:
             return make()
+        if base.__name__ in _UNET_LOADERS and model is not None:
+            return _unet(getattr(model, "config", None))
     return None
+
+
+def _unet(config) -> Family | None:
+    from .sgm_names import sgm_rules
+
+    rules = sgm_rules(config) if hasattr(config, "get") else ()
+    return Family("SGM UNet", "lora_cache sgm-unet-names v1", (), {}, rules) if rules else None
 
 
 def uses_original_names(family: Family, stems) -> bool:

@@ -54,14 +54,14 @@ def _diffusers_reads(path: str) -> bool:
     return getattr(detect(header.tensors, header.metadata), "DIFFUSERS_READS", True)
 
 
-def _read_here(path: str, spec: Adapter, found) -> AdapterFile:
+def _read_here(path: str, spec: Adapter, found, denoiser=None) -> AdapterFile:
     """A file diffusers' converters are not given (a LyCORIS kind, a peft folder), read by this
     package's reader: with the family's original names as key rules where ``found`` (the
     loader and components) is a family's whose names the file uses
     (``lora_unet_double_blocks_0_img_attn_qkv.hada_w1_a``, ``diffusion_model.blocks.0.self_attn.q``),
     as diffusers' path reads such a file where its converter cannot; ``convert='native'``
     reads the names as they are."""
-    family = family_of(found[0]) if found is not None and spec.convert == "auto" else None
+    family = family_of(found[0], denoiser) if found is not None and spec.convert == "auto" else None
     if family is None:
         return read_adapter(path, check_values=False)
     path, mapped, tensors = open_adapter(path)
@@ -102,5 +102,5 @@ def read_adapters(model, specs: list[Adapter], loader=None, components: tuple[st
             memo = ConversionMemo(memo_roots)
         files.append(read_with_diffusers(path, found[0], found[1] or None, memo, alpha=spec.alpha,
                                          model=_denoiser(model, found[0]), strict=spec.strict)
-                     if use else _read_here(path, spec, found))
+                     if use else _read_here(path, spec, found, found and _denoiser(model, found[0])))
     return files

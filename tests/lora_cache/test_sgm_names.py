@@ -1,0 +1,185 @@
+"""LyCORIS files in the original SD/SDXL UNet's names (SGM: ``input_blocks``, ``output_blocks``)
+merge into a diffusers UNet as the same file in diffusers' names does.
+
+The layout is held to diffusers' own single-file loader (``convert_ldm_unet_checkpoint``,
+what ``from_single_file`` converts an original checkpoint with) on every parameter of a
+tiny SD 1.x UNet and a tiny SDXL-shaped one; the rules made from it are held to that
+layout, in kohya's and ComfyUI's spellings; and a LoHa, LoKr and Tucker LoCon file in those
+names merges bit for bit as the same factors under diffusers' names do (which the
+conformance corpus holds to LyCORIS's definition).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hostmem.safetensors.mapping import save_file
+from lora_cache.adapters.key_names import KeyRule, ModuleIndex, resolve_stem
+from lora_cache.adapters.sgm_names import _RESNET, _outside, layout, sgm_rules
+from tests.conformance import models as cm
+from tests.conformance.corpus_lycoris import _loha, _lokr, _tucker_locon
+
+diffusers = pytest.importorskip("diffusers")
+
+SD = cm.UNET
+SDXL = {"block_out_channels": (8, 16, 16), "layers_per_block": 2, "sample_size": 8, "in_channels": 4,
+        "out_channels": 4, "norm_num_groups": 4, "cross_attention_dim": 16, "attention_head_dim": (2, 4, 4),
+        "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        "transformer_layers_per_block": (1, 2, 2), "use_linear_projection": True,
+        "addition_embed_type": "text_time", "addition_time_embed_dim": 4,
+        "projection_class_embeddings_input_dim": 4 * 6 + 16}  # SDXL's shape: label_emb, two-layer transformers
+
+
+def _unet(config):
+    torch.manual_seed(0)
+    return diffusers.UNet2DConditionModel(**config).eval()
+
+
+def _original_names(model) -> dict[str, str]:
+    """Every parameter of ``model`` -> its name in the original layout, by :func:`layout`."""
+    found = {}
+    prefixes = [(name, original, part) for original, name, part in layout(model.config)]
+    prefixes += [(name, original, "module") for original, name in _outside(model.config).items()]
+    renamed = {v: k for k, v in _RESNET.items()}
+    for param in dict(model.named_parameters()):
+        module, _, kind = param.rpartition(".")
+        for name, original, part in prefixes:
+            if part == "attention" and module.startswith(name + "."):
+                found[param] = f"{original}.{module[len(name) + 1:]}.{kind}"
+            elif part == "resnet" and module.rpartition(".")[0] == name and module.rpartition(".")[2] in renamed:
+                found[param] = f"{original}.{renamed[module.rpartition('.')[2]]}.{kind}"
+            elif part == "module" and module == name:
+                found[param] = f"{original}.{kind}"
+    return found
+
+
+@pytest.mark.parametrize("config", [SD, SDXL], ids=["sd1", "sdxl"])
+def test_the_layout_is_the_one_diffusers_single_file_loader_converts(config):
+    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
+
+    model = _unet(config)
+    params = dict(model.named_parameters())
+    original = _original_names(model)
+    assert sorted(original) == sorted(params), "every parameter has an original name"
+    checkpoint = {f"model.diffusion_model.{original[p]}": value for p, value in params.items()}
+    converted = convert_ldm_unet_checkpoint(checkpoint, dict(model.config))
+    assert sorted(converted) == sorted(params)
+    wrong = [p for p, value in params.items() if not torch.equal(converted[p], value)]
+    assert not wrong, f"diffusers puts these elsewhere: {wrong[:5]}"
+
+
+@pytest.mark.parametrize("config", [SD, SDXL], ids=["sd1", "sdxl"])
+def test_every_original_name_resolves_to_its_module_in_both_spellings(config):
+    model = _unet(config)
+    index = ModuleIndex({n: tuple(p.shape) for n, p in model.named_parameters()})
+    rules = [KeyRule.parse(r) for r in sgm_rules(model.config)]
+    for param, original in _original_names(model).items():
+        stem, module = original.rpartition(".")[0], param.rpartition(".")[0]
+        for spelling in ("lora_unet_" + stem.replace(".", "_"), "diffusion_model." + stem):
+            targets = resolve_stem(spelling, rules, index)
+            assert targets is not None and [t.module for t in targets] == [module], (spelling, targets)
+
+
+def test_a_unet_whose_block_types_are_not_described_gets_no_rules():
+    assert sgm_rules({**SD, "down_block_types": ("SimpleCrossAttnDownBlock2D", "DownBlock2D")}) == ()
+    assert sgm_rules({**SD, "mid_block_type": "UNetMidBlock2DSimpleCrossAttn"}) == ()
+
+
+_SGM = {  # the tiny SD UNet's modules in the original names (as kohya's SD 1.x tools write them)
+    "down_blocks.0.resnets.0.conv1": "input_blocks.1.0.in_layers.2",
+    "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q": "input_blocks.1.1.transformer_blocks.0.attn1.to_q",
+    "down_blocks.0.downsamplers.0.conv": "input_blocks.2.0.op",
+    "down_blocks.1.resnets.0.conv_shortcut": "input_blocks.3.0.skip_connection",
+    "mid_block.attentions.0.proj_in": "middle_block.1.proj_in",
+    "up_blocks.0.upsamplers.0.conv": "output_blocks.1.1.conv",
+    "up_blocks.1.resnets.0.conv2": "output_blocks.2.0.out_layers.3",
+    "time_embedding.linear_1": "time_embed.0",
+}
+_KINDS = [_loha, _lokr("whole", "pair", (4, 4)), _tucker_locon]
+
+
+@pytest.mark.parametrize("spelling", ["kohya", "comfyui"])
+def test_a_lycoris_file_in_the_original_names_merges_as_in_diffusers_names(tmp_path, spelling):
+    import lora_cache
+
+    folder = tmp_path / "unet"
+    cm.save_model("unet", folder)
+    base = cm.weights(cm.load_model("unet", folder))
+    gen, ours, theirs = torch.Generator().manual_seed(5), {}, {}
+    for n, (module, original) in enumerate(_SGM.items()):
+        shape = tuple(base[f"{module}.weight"].shape)
+        build = _KINDS[n % 3] if len(shape) == 4 and shape[2:] != (1, 1) else _KINDS[1] if shape[0] % 4 == 0 else _loha
+        parts = build(gen, shape)
+        stem = "lora_unet_" + original.replace(".", "_") if spelling == "kohya" else "diffusion_model." + original
+        ours |= {f"lora_unet_{module.replace('.', '_')}.{p}": v for p, v in parts.items()}
+        theirs |= {f"{stem}.{p}": v for p, v in parts.items()}
+    merged = []
+    for name, tensors in (("diffusers-names", ours), ("original-names", theirs)):
+        path = os.fspath(tmp_path / f"{name}.safetensors")
+        save_file(tensors, path)
+        model = cm.load_model("unet", folder)
+        stats = lora_cache.merge(model, [(path, 0.7)], os.fspath(tmp_path / "cache"),
+                                 base_files=[os.fspath(folder / "diffusion_pytorch_model.safetensors")], progress=False)
+        assert stats.layers == len(_SGM)
+        merged.append(cm.weights(model))
+    changed = {k for k in base if not torch.equal(merged[0][k], base[k])}
+    assert changed == {f"{m}.weight" for m in _SGM}
+    assert all(torch.equal(merged[0][k], merged[1][k]) for k in base)
+
+
+def test_a_key_in_the_original_names_of_no_module_is_refused_naming_it(tmp_path):
+    import lora_cache
+    from lora_cache.adapters.key_names import KeyResolutionError
+    from lora_cache.adapters.spec import AdapterError
+
+    folder = tmp_path / "unet"
+    cm.save_model("unet", folder)
+    path = os.fspath(tmp_path / "far.safetensors")
+    save_file({f"lora_unet_input_blocks_9_1_proj_in.{p}": v
+               for p, v in _loha(torch.Generator().manual_seed(1), (32, 32)).items()}, path)
+    with pytest.raises((KeyResolutionError, AdapterError), match="input_blocks_9_1_proj_in"):
+        lora_cache.merge(cm.load_model("unet", folder), [path], os.fspath(tmp_path / "cache"),
+                         base_files=[os.fspath(folder / "diffusion_pytorch_model.safetensors")], progress=False)
+
+
+def test_an_image_built_by_the_cli_from_the_checkpoint_serves_the_unet(tmp_path):
+    """``hostmem lora merge`` reads the file against the checkpoint as the server's UNet will
+    (its config.json's class and config): the server's start hits every layer it built."""
+    import json
+    import subprocess
+    import sys
+
+    import lora_cache
+
+    folder = tmp_path / "unet"
+    cm.save_model("unet", folder)
+    base = cm.weights(cm.load_model("unet", folder))
+    gen, tensors = torch.Generator().manual_seed(9), {}
+    for module, original in list(_SGM.items())[:4]:
+        parts = _loha(gen, tuple(base[f"{module}.weight"].shape))
+        tensors |= {f"lora_unet_{original.replace('.', '_')}.{p}": v for p, v in parts.items()}
+    adapter = os.fspath(tmp_path / "sdxl-names.safetensors")
+    save_file(tensors, adapter)
+    config = tmp_path / "deploy.yaml"
+    config.write_text(f"""
+deployment: sgm-names
+host: {{limit: 8GiB, reserve: 1GiB}}
+workload: {{steps: 4}}
+components:
+  dit: {{path: {folder}, offload: layerwise, layers: "down_blocks.{{i}}."}}
+lora:
+  adapters: [{{path: {adapter}, strength: 0.8}}]
+  cache: {{root: {tmp_path / 'cache'}, enabled: true}}
+""")
+    cli = subprocess.run([sys.executable, "-m", "planners.cli", "lora", "merge", os.fspath(config), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0, cli.stderr
+    built = json.loads(cli.stdout)
+    assert built["built"] == built["layers"] == 4
+    served = lora_cache.merge(cm.load_model("unet", folder), [(adapter, 0.8)], os.fspath(tmp_path / "cache"),
+                              progress=False)
+    assert (served.cache_key, served.hit, served.built) == (built["cache_key"], 4, 0)
