@@ -104,6 +104,26 @@ def drop_page_cache(path) -> None:
         os.close(fd)
 
 
+def write_lora_config(folder, model, adapter, *, strength: float = 1.0, layers: str = "blocks.{i}.",
+                      name: str = "lora-test") -> str:
+    """A deployment config (``deploy.yaml`` in ``folder``) of one component at ``model``,
+    streamed by ``layers``, with one adapter at ``strength`` and the cache at ``folder/cache``:
+    what ``hostmem lora merge`` and ``planners.start`` read."""
+    path = os.path.join(folder, "deploy.yaml")
+    with open(path, "w") as handle:
+        handle.write(textwrap.dedent(f"""\
+            deployment: {name}
+            host: {{limit: 8GiB, reserve: 1GiB}}
+            workload: {{steps: 4}}
+            components:
+              dit: {{path: {model}, offload: layerwise, layers: "{layers}"}}
+            lora:
+              adapters: [{{path: {adapter}, strength: {strength}}}]
+              cache: {{root: {os.path.join(folder, 'cache')}, enabled: true}}
+            """))
+    return path
+
+
 def run_python(code: str, *args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (this venv) and return the finished process."""
     return subprocess.run(

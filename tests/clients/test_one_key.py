@@ -17,7 +17,7 @@ pytest.importorskip("diffusers", reason="the diffusers comparisons need diffuser
 pytest.importorskip("peft", reason="the diffusers comparisons need peft (pip install hostmem[test])")
 
 from tests.clients import tiny_models as tm  # noqa: E402
-from tests.conftest import run_python  # noqa: E402
+from tests.conftest import run_python, write_lora_config  # noqa: E402
 
 START = """
 import json, sys
@@ -36,18 +36,7 @@ print(json.dumps({**stats.to_dict(), "switch": switch.mode, "switch_layers": swi
 
 
 def _config(tmp_path, model: str, adapter: str) -> str:
-    path = tmp_path / "deploy.yaml"
-    path.write_text(f"""
-deployment: one-key
-host: {{limit: 8GiB, reserve: 1GiB}}
-workload: {{steps: 4}}
-components:
-  dit: {{path: {model}, offload: layerwise, layers: "transformer_blocks.{{i}}."}}
-lora:
-  adapters: [{{path: {adapter}, strength: 0.8}}]
-  cache: {{root: {tmp_path / 'cache'}, enabled: true}}
-""")
-    return str(path)
+    return write_lora_config(tmp_path, model, adapter, strength=0.8, layers="transformer_blocks.{i}.", name="one-key")
 
 
 def _files(root) -> dict[str, int]:

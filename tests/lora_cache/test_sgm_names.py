@@ -21,6 +21,7 @@ from lora_cache.adapters.key_names import KeyRule, ModuleIndex, resolve_stem
 from lora_cache.adapters.sgm_names import _RESNET, _outside, layout, sgm_rules
 from tests.conformance import models as cm
 from tests.conformance.corpus_lycoris import _loha, _lokr, _tucker_locon
+from tests.conftest import write_lora_config
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -164,18 +165,8 @@ def test_an_image_built_by_the_cli_from_the_checkpoint_serves_the_unet(tmp_path)
         tensors |= {f"lora_unet_{original.replace('.', '_')}.{p}": v for p, v in parts.items()}
     adapter = os.fspath(tmp_path / "sdxl-names.safetensors")
     save_file(tensors, adapter)
-    config = tmp_path / "deploy.yaml"
-    config.write_text(f"""
-deployment: sgm-names
-host: {{limit: 8GiB, reserve: 1GiB}}
-workload: {{steps: 4}}
-components:
-  dit: {{path: {folder}, offload: layerwise, layers: "down_blocks.{{i}}."}}
-lora:
-  adapters: [{{path: {adapter}, strength: 0.8}}]
-  cache: {{root: {tmp_path / 'cache'}, enabled: true}}
-""")
-    cli = subprocess.run([sys.executable, "-m", "planners.cli", "lora", "merge", os.fspath(config), "--json"],
+    config = write_lora_config(tmp_path, folder, adapter, strength=0.8, layers="down_blocks.{i}.", name="sgm-names")
+    cli = subprocess.run([sys.executable, "-m", "planners.cli", "lora", "merge", config, "--json"],
                          capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0, cli.stderr
     built = json.loads(cli.stdout)

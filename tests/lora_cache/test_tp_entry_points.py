@@ -17,23 +17,13 @@ import pytest
 import lora_cache
 from lora_cache.ranks.tp_shards import ShardSpecError, parse_shard_args
 from planners.cli import main
+from tests.conftest import write_lora_config
 from tests.lora_cache.test_shared_build import RANK_TIMEOUT, report_rank, spawn_ranks
 from tests.lora_cache.test_tp_shards import DEGREE, compare, inputs, rank_model, spec  # noqa: F401 (a fixture)
 
 
 def _config(tmp_path, paths: dict) -> str:
-    path = tmp_path / "deploy.yaml"
-    path.write_text(f"""
-deployment: tp-test
-host: {{limit: 8GiB, reserve: 1GiB}}
-workload: {{steps: 4}}
-components:
-  dit: {{path: {paths['base']}, offload: layerwise, layers: "blocks.{{i}}."}}
-lora:
-  adapters: [{{path: {paths['adapter']}, strength: 1.0}}]
-  cache: {{root: {tmp_path / 'cache'}, enabled: true}}
-""")
-    return str(path)
+    return write_lora_config(tmp_path, paths["base"], paths["adapter"], name="tp-test")
 
 
 def _shard_args(rank: int) -> list[str]:
