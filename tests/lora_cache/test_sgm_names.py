@@ -21,6 +21,7 @@ from lora_cache.adapters.key_names import KeyRule, ModuleIndex, resolve_stem
 from lora_cache.adapters.sgm_names import _RESNET, _outside, layout, sgm_rules
 from tests.conformance import models as cm
 from tests.conformance.corpus_lycoris import _loha, _lokr, _tucker_locon
+from tests.clients.test_sd_kohya import sd  # noqa: F401 (a fixture)
 from tests.conftest import write_lora_config
 
 diffusers = pytest.importorskip("diffusers")
@@ -174,3 +175,34 @@ def test_an_image_built_by_the_cli_from_the_checkpoint_serves_the_unet(tmp_path)
     served = lora_cache.merge(cm.load_model("unet", folder), [(adapter, 0.8)], os.fspath(tmp_path / "cache"),
                               progress=False)
     assert (served.cache_key, served.hit, served.built) == (built["cache_key"], 4, 0)
+
+
+def test_a_pipelines_unet_and_text_encoder_take_a_lycoris_file_in_the_original_names(sd, tmp_path):  # noqa: F811
+    """``load_lora(pipe)``: the UNet's keys in the original names and the text encoder's
+    kohya keys in one LoHa file merge as the same file in diffusers' names does."""
+    import lora_cache
+    from tests.clients.test_sd_kohya import _pipeline, _weights
+
+    pipe = _pipeline(sd)
+    base = {k: v for k, v in _weights(pipe).items()}
+    gen, ours, theirs = torch.Generator().manual_seed(11), {}, {}
+    modules = {**{f"unet.{m}": o for m, o in list(_SGM.items())[:3]},
+               "text_encoder.encoder.layers.0.self_attn.q_proj": None}  # transformers 5: no text_model level
+    for module, original in modules.items():
+        parts = _loha(gen, tuple(base[f"{module}.weight"].shape))
+        component, _, name = module.partition(".")
+        kohya = "lora_te_text_model." + name if component == "text_encoder" else "lora_unet_" + name
+        stem = kohya.replace(".", "_")
+        ours |= {f"{stem}.{p}": v for p, v in parts.items()}
+        theirs |= {f"{stem if original is None else 'lora_unet_' + original.replace('.', '_')}.{p}": v
+                   for p, v in parts.items()}
+    merged = []
+    for name, tensors in (("diffusers-names", ours), ("original-names", theirs)):
+        path = os.fspath(tmp_path / f"{name}.safetensors")
+        save_file(tensors, path)
+        pipe = _pipeline(sd)
+        stats = lora_cache.load_lora(pipe, path, 0.9, cache_root=os.fspath(tmp_path / "cache"), progress=False)
+        assert stats.layers == len(modules)
+        merged.append(_weights(pipe))
+    assert {k for k in base if not torch.equal(merged[0][k], base[k])} == {f"{m}.weight" for m in modules}
+    assert all(torch.equal(merged[0][k], merged[1][k]) for k in base)
