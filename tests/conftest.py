@@ -43,14 +43,24 @@ def pytest_configure(config):
         os.environ["HOSTMEM_CACHE_ROOT"] = os.environ["_HOSTMEM_TESTS_ROOT"] = os.path.join(_RUN_TEMP, "cache-root")
 
 
+_EXIT_SITE = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "exit_site"))
+
+
 def _exit_without_collection() -> None:
     """Put ``tests/exit_site`` first on the ``PYTHONPATH`` every process a test starts
     inherits: its ``sitecustomize`` skips the interpreter's last collection at exit (a third
     of a second a process that imported torch, a sixth of the suite's time)."""
-    site = os.path.join(os.path.dirname(os.path.abspath(__file__)), "exit_site")
-    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if site not in path:
-        os.environ["PYTHONPATH"] = os.pathsep.join([site, *path])
+    path = env_with_exit_collection()["PYTHONPATH"]
+    os.environ["PYTHONPATH"] = os.pathsep.join([_EXIT_SITE, *filter(None, [path])])
+
+
+def env_with_exit_collection() -> dict[str, str]:
+    """This process's environment without ``tests/exit_site`` on ``PYTHONPATH``: a process
+    started with it exits as a user's does, its last collection and the finalizers of
+    objects in cycles included (what a test of a command's exit must see)."""
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and os.path.realpath(p) != _EXIT_SITE]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
 
 
 def _interruptible() -> None:

@@ -150,14 +150,15 @@ _UNET_LOADERS = {"StableDiffusionLoraLoaderMixin", "StableDiffusionXLLoraLoaderM
 def family_of(loader, model=None) -> Family | None:
     """The family whose files ``loader`` (a loader mixin or a pipeline class) converts, or None.
 
-    With ``model``, an SD 1.x, 2.x or SDXL UNet's loader gives the original (SGM) layout's
-    names of that UNet (:mod:`lora_cache.adapters.sgm_names`), made from its config."""
+    With ``model`` a ``UNet2DConditionModel``, an SD 1.x, 2.x or SDXL UNet's loader gives the
+    original (SGM) layout's names of that UNet (:mod:`lora_cache.adapters.sgm_names`), made
+    from its config."""
     for base in getattr(loader, "__mro__", ()):
         make = _FAMILIES.get(base.__name__)
         if make is not None:
             return make()
-        if base.__name__ in _UNET_LOADERS and model is not None:
-            return _unet(getattr(model, "config", None))
+        if base.__name__ in _UNET_LOADERS and type(model).__name__ == "UNet2DConditionModel":
+            return _unet(getattr(model, "config", None))  # its class: another UNet's modules are named otherwise
     return None
 
 

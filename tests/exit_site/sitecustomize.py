@@ -5,14 +5,19 @@ imported torch holds hundreds of thousands: a third of a second per process, and
 suite starts about four hundred (a sixth of its time). ``gc.freeze`` spares them that
 collection, as ``hostmem``'s read-only commands spare themselves
 (``planners.cli._skip_exit_collection``). Registered first, so it runs after every other
-exit handler (they run last-registered first). A ``sitecustomize`` further down the path
-(a distribution's own) still runs.
+exit handler (they run last-registered first; ``weakref.finalize``'s included). A
+finalizer of an object in a cycle then does not run at exit: the tests of the write
+commands' exit (``tests/test_exit_collection.py``) start their processes without this
+folder (``tests.conftest.env_with_exit_collection``). The ``sitecustomize`` next on the
+path (a distribution's own) still runs.
 
 The tests' conftest puts this folder first on ``PYTHONPATH`` for the processes they start.
 """
 
 import atexit
 import gc
+import importlib.machinery
+import importlib.util
 import os
 import sys
 
@@ -20,14 +25,15 @@ atexit.register(gc.freeze)
 
 
 def _next_sitecustomize() -> None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    for entry in sys.path:
-        folder = os.path.abspath(entry or os.curdir)
-        candidate = os.path.join(folder, "sitecustomize.py")
-        if folder != here and os.path.isfile(candidate):
-            with open(candidate, encoding="utf-8") as handle:
-                exec(compile(handle.read(), candidate, "exec"), {"__name__": "sitecustomize", "__file__": candidate})
-            return
+    """Run the ``sitecustomize`` Python would have found without this folder (a module, a
+    package or compiled), once: this folder on the path twice (a link) is skipped too."""
+    here = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
+    path = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
 
 
 _next_sitecustomize()

@@ -34,6 +34,13 @@ SDXL = {"block_out_channels": (8, 16, 16), "layers_per_block": 2, "sample_size":
         "transformer_layers_per_block": (1, 2, 2), "use_linear_projection": True,
         "addition_embed_type": "text_time", "addition_time_embed_dim": 4,
         "projection_class_embeddings_input_dim": 4 * 6 + 16}  # SDXL's shape: label_emb, two-layer transformers
+SD15 = {**SD, "block_out_channels": (8, 8, 16, 16), "layers_per_block": 2, "norm_num_groups": 4, "sample_size": 16,
+        "down_block_types": ("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+        "up_block_types": ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3}  # SD 1.5's: 12 input blocks, ids past 9
+REFINER = {**SDXL, "block_out_channels": (8, 8, 16, 16), "attention_head_dim": 4, "transformer_layers_per_block": 1,
+           "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+           "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D")}  # SDXL refiner's
+CONFIGS = {"sd1": SD, "sd15": SD15, "sdxl": SDXL, "refiner": REFINER}
 
 
 def _unet(config):
@@ -59,7 +66,7 @@ def _original_names(model) -> dict[str, str]:
     return found
 
 
-@pytest.mark.parametrize("config", [SD, SDXL], ids=["sd1", "sdxl"])
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 def test_the_layout_is_the_one_diffusers_single_file_loader_converts(config):
     from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
 
@@ -74,7 +81,8 @@ def test_the_layout_is_the_one_diffusers_single_file_loader_converts(config):
     assert not wrong, f"diffusers puts these elsewhere: {wrong[:5]}"
 
 
-@pytest.mark.parametrize("config", [SD, SDXL], ids=["sd1", "sdxl"])
+@pytest.mark.parametrize("config", [*CONFIGS.values(), {**SD15, "layers_per_block": (1, 2, 2, 1)}],
+                         ids=[*CONFIGS.keys(), "layers-listed"])
 def test_every_original_name_resolves_to_its_module_in_both_spellings(config):
     model = _unet(config)
     index = ModuleIndex({n: tuple(p.shape) for n, p in model.named_parameters()})
@@ -87,8 +95,15 @@ def test_every_original_name_resolves_to_its_module_in_both_spellings(config):
 
 
 def test_a_unet_whose_block_types_are_not_described_gets_no_rules():
+    from diffusers.loaders import StableDiffusionLoraLoaderMixin
+
+    from lora_cache.adapters.family_rules import family_of
+
     assert sgm_rules({**SD, "down_block_types": ("SimpleCrossAttnDownBlock2D", "DownBlock2D")}) == ()
     assert sgm_rules({**SD, "mid_block_type": "UNetMidBlock2DSimpleCrossAttn"}) == ()
+    assert family_of(StableDiffusionLoraLoaderMixin, _unet(SD)) is not None
+    other = type("UNetControlNetXSModel", (torch.nn.Module,), {"config": dict(SD)})()  # its modules are named otherwise
+    assert family_of(StableDiffusionLoraLoaderMixin, other) is None
 
 
 _SGM = {  # the tiny SD UNet's modules in the original names (as kohya's SD 1.x tools write them)
