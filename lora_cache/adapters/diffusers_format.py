@@ -194,7 +194,7 @@ def _converted(path: str, loader, tensors: dict, metadata: dict, keep: tuple[str
     # Narrow floats (fp8) are widened first: torch's CPU kernels cannot scale them (diffusers' own
     # loader fails there on a CPU), and the values are the same.
     writable = {k: widened(v).clone() for k, v in fed.items()}
-    family = family_of(loader)
+    family = family_of(loader, model)
     original = family is not None and uses_original_names(family, modules)
     own = model is not None and _kohya_spelt_own_names(modules)
     try:
@@ -360,8 +360,8 @@ def _from_record(path: str, loader, tensors: dict, metadata: dict, record: dict,
     meta device (values are needed only where a layer is computed: :class:`NoValues`), or
     the file read by this package's kohya Flux parser (views of the file, as any read)."""
     if record["kind"] in ("family-rules", "kohya-flux"):
-        return read_with_family_rules(path, _diffs_placed(path, tensors, model, loader, family_of(loader)),
-                                      metadata, family_of(loader),
+        return read_with_family_rules(path, _diffs_placed(path, tensors, model, loader, family_of(loader, model)),
+                                      metadata, family_of(loader, model),
                                       "diffusers' converter could not convert it when first read", loader, keep,
                                       pipeline, strict)
     _say_left(path, loader, record["left"], keep, pipeline, strict)  # as when it was converted
@@ -393,10 +393,10 @@ def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
         converter += f" + SGM blocks at layers_per_block={model.config.get('layers_per_block')}"
     mixed = _mixed_layouts(tensors)
     if mixed:  # each converter takes its own layout and drops or breaks the other
-        return read_with_family_rules(path, tensors, metadata, family_of(loader),
+        return read_with_family_rules(path, tensors, metadata, family_of(loader, model),
                                        f"it mixes {' and '.join(mixed)} keys, which no converter of diffusers reads",
                                        loader, keep, bool(components), strict)
-    family = family_of(loader)
+    family = family_of(loader, model)
     broken = _kohya_flux_broken(tensors, family)
     if broken:  # diffusers' converter breaks these: read every module with the family's rules
         return read_with_family_rules(path, _diffs_placed(path, tensors, model, loader, family), metadata, family,

@@ -221,3 +221,40 @@ def test_a_pipelines_unet_and_text_encoder_take_a_lycoris_file_in_the_original_n
         merged.append(_weights(pipe))
     assert {k for k in base if not torch.equal(merged[0][k], base[k])} == {f"{m}.weight" for m in modules}
     assert all(torch.equal(merged[0][k], merged[1][k]) for k in base)
+
+
+def test_a_plain_lora_in_the_original_names_diffusers_cannot_convert_merges_by_the_rules(tmp_path):
+    """diffusers' SGM mapping takes ``input_blocks_1`` for a prefix of ``input_blocks_10``
+    (SD 1.5 has 12 input blocks) and puts SD 1.x's upsampler on an attention: such a plain
+    LoRA was refused. Its conversion refused, the file is read by the rules, and merges as
+    the same factors under diffusers' names (alpha = rank: no scale folded)."""
+    import lora_cache
+
+    folder = tmp_path / "unet"
+    _unet(SD15).save_pretrained(folder)
+    base = dict(diffusers.UNet2DConditionModel.from_pretrained(folder).state_dict())
+    modules = {"down_blocks.3.resnets.1.conv2": "input_blocks.11.0.out_layers.3",
+               "down_blocks.2.downsamplers.0.conv": "input_blocks.9.0.op",
+               "down_blocks.0.attentions.1.transformer_blocks.0.attn2.to_k":
+                   "input_blocks.2.1.transformer_blocks.0.attn2.to_k",
+               "up_blocks.0.upsamplers.0.conv": "output_blocks.2.1.conv"}
+    gen, ours, theirs = torch.Generator().manual_seed(13), {}, {}
+    for module, original in modules.items():
+        weight = base[f"{module}.weight"]
+        down = torch.randn(4, weight[0].numel(), generator=gen) * 0.1
+        up = torch.randn(weight.shape[0], 4, generator=gen) * 0.05
+        kernel = [1] * (weight.dim() - 2)  # a conv's pair: down (4, in, kh, kw), up (out, 4, 1, 1)
+        pair = {"lora_down.weight": down.reshape(4, *weight.shape[1:]), "lora_up.weight": up.reshape(-1, 4, *kernel),
+                "alpha": torch.tensor(4.0)}
+        ours |= {f"lora_unet_{module.replace('.', '_')}.{p}": v for p, v in pair.items()}
+        theirs |= {f"lora_unet_{original.replace('.', '_')}.{p}": v for p, v in pair.items()}
+    merged = []
+    for name, tensors in (("diffusers-names", ours), ("original-names", theirs)):
+        path = os.fspath(tmp_path / f"{name}.safetensors")
+        save_file(tensors, path)
+        model = diffusers.UNet2DConditionModel.from_pretrained(folder)
+        stats = lora_cache.merge(model, [(path, 0.6)], os.fspath(tmp_path / "cache"), progress=False)
+        assert stats.layers == len(modules)
+        merged.append(dict(model.state_dict()))
+    assert {k for k in base if not torch.equal(merged[0][k], base[k])} == {f"{m}.weight" for m in modules}
+    assert all(torch.equal(merged[0][k], merged[1][k]) for k in base)
