@@ -258,3 +258,36 @@ def test_a_plain_lora_in_the_original_names_diffusers_cannot_convert_merges_by_t
         merged.append(dict(model.state_dict()))
     assert {k for k in base if not torch.equal(merged[0][k], base[k])} == {f"{m}.weight" for m in modules}
     assert all(torch.equal(merged[0][k], merged[1][k]) for k in base)
+
+
+@pytest.mark.parametrize("spelling", ["kohya", "comfyui"])
+def test_full_diffs_in_the_original_names_merge_on_an_sdxl_unet(tmp_path, spelling):
+    """Full weight differences (``.diff``, ``.diff_b``) in the original names on an SDXL UNet:
+    diffusers' single-file converter, which would name them, fails on a partial SDXL
+    checkpoint (it reads ``label_emb`` first), and they were refused. The rules place them:
+    ``W + strength * diff``, as ComfyUI adds them."""
+    import lora_cache
+
+    folder = tmp_path / "unet"
+    _unet(SDXL).save_pretrained(folder)
+    base = dict(diffusers.UNet2DConditionModel.from_pretrained(folder).state_dict())
+    modules = {"down_blocks.1.attentions.0.proj_in": "input_blocks.4.1.proj_in",
+               "down_blocks.2.resnets.1.conv1": "input_blocks.8.0.in_layers.2",
+               "up_blocks.0.upsamplers.0.conv": "output_blocks.2.2.conv",
+               "add_embedding.linear_1": "label_emb.0.0"}
+    gen, tensors, expected = torch.Generator().manual_seed(17), {}, {}
+    for module, original in modules.items():
+        stem = "lora_unet_" + original.replace(".", "_") if spelling == "kohya" else "diffusion_model." + original
+        for kind, suffix in (("weight", "diff"), ("bias", "diff_b")):
+            diff = torch.randn(base[f"{module}.{kind}"].shape, generator=gen) * 1e-3
+            tensors[f"{stem}.{suffix}"] = diff
+            expected[f"{module}.{kind}"] = base[f"{module}.{kind}"] + 0.7 * diff
+    path = os.fspath(tmp_path / "diffs.safetensors")
+    save_file(tensors, path)
+    model = diffusers.UNet2DConditionModel.from_pretrained(folder)
+    lora_cache.merge(model, [(path, 0.7)], os.fspath(tmp_path / "cache"), progress=False)
+    merged = dict(model.state_dict())
+    assert {k for k in base if not torch.equal(merged[k], base[k])} == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(merged[name], value, rtol=0, atol=2 * torch.finfo(torch.float32).eps
+                                   * float(value.abs().max()))
