@@ -119,6 +119,21 @@ _SGM = {  # the tiny SD UNet's modules in the original names (as kohya's SD 1.x 
 _KINDS = [_loha, _lokr("whole", "pair", (4, 4)), _tucker_locon]
 
 
+def _merged_alike(tmp_path, base: dict, files: dict, load, merge, weights, changed: set) -> None:
+    """Each of ``files`` (name -> tensors) saved and merged by ``merge(model, path)`` (its
+    stats) into a fresh ``load()``: each merges every layer of ``changed``, changes exactly
+    those parameters of ``base``, and all leave the same weights, bit for bit."""
+    merged = []
+    for name, tensors in files.items():
+        path = os.fspath(tmp_path / f"{name}.safetensors")
+        save_file(tensors, path)
+        model = load()
+        assert merge(model, path).layers == len(changed)
+        merged.append(weights(model))
+    assert {k for k in base if not torch.equal(merged[0][k], base[k])} == changed
+    assert all(torch.equal(one[k], merged[0][k]) for one in merged[1:] for k in base)
+
+
 @pytest.mark.parametrize("spelling", ["kohya", "comfyui"])
 def test_a_lycoris_file_in_the_original_names_merges_as_in_diffusers_names(tmp_path, spelling):
     import lora_cache
@@ -134,18 +149,11 @@ def test_a_lycoris_file_in_the_original_names_merges_as_in_diffusers_names(tmp_p
         stem = "lora_unet_" + original.replace(".", "_") if spelling == "kohya" else "diffusion_model." + original
         ours |= {f"lora_unet_{module.replace('.', '_')}.{p}": v for p, v in parts.items()}
         theirs |= {f"{stem}.{p}": v for p, v in parts.items()}
-    merged = []
-    for name, tensors in (("diffusers-names", ours), ("original-names", theirs)):
-        path = os.fspath(tmp_path / f"{name}.safetensors")
-        save_file(tensors, path)
-        model = cm.load_model("unet", folder)
-        stats = lora_cache.merge(model, [(path, 0.7)], os.fspath(tmp_path / "cache"),
-                                 base_files=[os.fspath(folder / "diffusion_pytorch_model.safetensors")], progress=False)
-        assert stats.layers == len(_SGM)
-        merged.append(cm.weights(model))
-    changed = {k for k in base if not torch.equal(merged[0][k], base[k])}
-    assert changed == {f"{m}.weight" for m in _SGM}
-    assert all(torch.equal(merged[0][k], merged[1][k]) for k in base)
+    base_file = os.fspath(folder / "diffusion_pytorch_model.safetensors")
+    _merged_alike(tmp_path, base, {"diffusers-names": ours, "original-names": theirs}, lambda: cm.load_model("unet", folder),
+                  lambda model, path: lora_cache.merge(model, [(path, 0.7)], os.fspath(tmp_path / "cache"),
+                                                       base_files=[base_file], progress=False),
+                  cm.weights, {f"{m}.weight" for m in _SGM})
 
 
 def test_a_key_in_the_original_names_of_no_module_is_refused_naming_it(tmp_path):
@@ -211,16 +219,10 @@ def test_a_pipelines_unet_and_text_encoder_take_a_lycoris_file_in_the_original_n
         ours |= {f"{stem}.{p}": v for p, v in parts.items()}
         theirs |= {f"{stem if original is None else 'lora_unet_' + original.replace('.', '_')}.{p}": v
                    for p, v in parts.items()}
-    merged = []
-    for name, tensors in (("diffusers-names", ours), ("original-names", theirs)):
-        path = os.fspath(tmp_path / f"{name}.safetensors")
-        save_file(tensors, path)
-        pipe = _pipeline(sd)
-        stats = lora_cache.load_lora(pipe, path, 0.9, cache_root=os.fspath(tmp_path / "cache"), progress=False)
-        assert stats.layers == len(modules)
-        merged.append(_weights(pipe))
-    assert {k for k in base if not torch.equal(merged[0][k], base[k])} == {f"{m}.weight" for m in modules}
-    assert all(torch.equal(merged[0][k], merged[1][k]) for k in base)
+    _merged_alike(tmp_path, base, {"diffusers-names": ours, "original-names": theirs}, lambda: _pipeline(sd),
+                  lambda pipe, path: lora_cache.load_lora(pipe, path, 0.9, cache_root=os.fspath(tmp_path / "cache"),
+                                                          progress=False),
+                  _weights, {f"{m}.weight" for m in modules})
 
 
 def test_a_plain_lora_in_the_original_names_diffusers_cannot_convert_merges_by_the_rules(tmp_path):
@@ -248,16 +250,10 @@ def test_a_plain_lora_in_the_original_names_diffusers_cannot_convert_merges_by_t
                 "alpha": torch.tensor(4.0)}
         ours |= {f"lora_unet_{module.replace('.', '_')}.{p}": v for p, v in pair.items()}
         theirs |= {f"lora_unet_{original.replace('.', '_')}.{p}": v for p, v in pair.items()}
-    merged = []
-    for name, tensors in (("diffusers-names", ours), ("original-names", theirs)):
-        path = os.fspath(tmp_path / f"{name}.safetensors")
-        save_file(tensors, path)
-        model = diffusers.UNet2DConditionModel.from_pretrained(folder)
-        stats = lora_cache.merge(model, [(path, 0.6)], os.fspath(tmp_path / "cache"), progress=False)
-        assert stats.layers == len(modules)
-        merged.append(dict(model.state_dict()))
-    assert {k for k in base if not torch.equal(merged[0][k], base[k])} == {f"{m}.weight" for m in modules}
-    assert all(torch.equal(merged[0][k], merged[1][k]) for k in base)
+    _merged_alike(tmp_path, base, {"diffusers-names": ours, "original-names": theirs},
+                  lambda: diffusers.UNet2DConditionModel.from_pretrained(folder),
+                  lambda model, path: lora_cache.merge(model, [(path, 0.6)], os.fspath(tmp_path / "cache"), progress=False),
+                  lambda model: dict(model.state_dict()), {f"{m}.weight" for m in modules})
 
 
 @pytest.mark.parametrize("spelling", ["kohya", "comfyui"])
