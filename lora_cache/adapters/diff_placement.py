@@ -22,6 +22,12 @@ by the one table of BFL names that kohya's Flux files are read with
 tall as its weight, as ComfyUI's ``W += strength * diff`` on the fused weight means; the
 final modulation's halves are swapped as the checkpoint's are. A diff no rule names is
 refused with its key.
+
+An SD/SDXL UNet is the other: its single-file converter fails on a part of an SDXL
+checkpoint (it reads ``label_emb`` first) and takes no diffusers name, where LyCORIS's full
+algorithm through kohya writes the UNet's own (``lora_unet_down_blocks_0_resnets_0_conv1.diff``).
+Its diffs are placed by its original (SGM) names' rules (:mod:`lora_cache.adapters.sgm_names`)
+and by its own names, which the original ones never share.
 """
 
 from __future__ import annotations
@@ -37,12 +43,32 @@ __all__ = ["diff_placer", "full_diff_stems", "place_full_diffs", "without_full_d
 # Model classes whose full diffs are placed by rules of this package (name, rules), not by
 # diffusers' single-file converter; the name goes into the cache key.
 _RULED = {"FluxTransformer2DModel": ("lora_cache Flux BFL rules v1", BFL_RULES + RULES)}  # ComfyUI's or kohya's names
+# A UNet's own (diffusers') names, kohya's and dotted spellings: the original (SGM) names share
+# none of its block names, so a stem in these can mean nothing else.
+_UNET_OWN_NAMES = ((r"^(?:lora_unet_|lycoris_)(.+)$", r"lora_unet_\1"),
+                   (r"^(?:(?:model\.)?diffusion_model\.|unet\.)?(.+)$", r"\1"))
 
 _PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
 
+def _rules_for(model) -> tuple[str, tuple] | None:
+    """``(name, rules)`` where this package's rules place ``model``'s full diffs, else None
+    (diffusers' single-file converter does). An SD/SDXL UNet's: its original names
+    (:mod:`lora_cache.adapters.sgm_names`) and its own; the single-file converter needs a
+    whole SDXL checkpoint (it reads ``label_emb`` first) and takes no diffusers name."""
+    name = type(model).__name__ if model is not None else None
+    if name in _RULED:
+        return _RULED[name]
+    if name == "UNet2DConditionModel":
+        from .sgm_names import sgm_rules
+
+        rules = sgm_rules(getattr(model, "config", None) or {})
+        return ("lora_cache SGM UNet rules v1", rules + _UNET_OWN_NAMES) if rules else None
+    return None
+
+
 def _ruled(model) -> bool:
-    return model is not None and type(model).__name__ in _RULED
+    return _rules_for(model) is not None
 
 
 def _full_bias(change, ruled: bool) -> bool:
@@ -85,7 +111,7 @@ def _renamed(fn, model, checkpoint: dict) -> dict:
 def diff_placer(model) -> str:
     """What names a file's full diffs on ``model``: a rule table of this package, or
     diffusers' single-file converter (said in the cache key: it decides the merged bytes)."""
-    ruled = _RULED.get(type(model).__name__)
+    ruled = _rules_for(model)
     return "the single-file converter" if ruled is None else ruled[0]
 
 
@@ -163,7 +189,7 @@ def place_full_diffs(path: str, modules: dict, stems: list[str], model, componen
     ``.diff_b``. Refuses, naming the keys, what the model's converter (or rules) cannot name."""
     if not stems:
         return {}
-    ruled = None if model is None else _RULED.get(type(model).__name__)
+    ruled = _rules_for(model)
     if ruled is not None:
         placed, refused = _place_by_rules(path, modules, stems, model, component, ruled[1])
         _refuse(path, refused)

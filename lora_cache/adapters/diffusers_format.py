@@ -277,21 +277,6 @@ def _kohya_flux_broken(tensors: dict, family) -> str:
     return f"diffusers' converter {' and '.join(why)}" if why else ""
 
 
-def _original_unet_diffs(tensors: dict, family) -> str:
-    """Why a file's full diffs in the original SD/SDXL UNet's names are read with its rules
-    ("" where it has none): diffusers' LoRA converters drop full diffs, and its single-file
-    converter, which names the others, reads SDXL's ``label_emb`` before any diff (a
-    partial checkpoint fails there)."""
-    if family is None or family.name != "SGM UNet":
-        return ""
-    stems = sorted({key.rpartition(".")[0] for key in tensors if key.endswith((".diff", ".diff_b"))})
-    named = [stem for stem in stems if uses_original_names(family, [stem])]
-    if not named:
-        return ""
-    return (f"diffusers' converters do not place its full weight differences in the original UNet's names "
-            f"({', '.join(named[:2])}{', ...' if len(named) > 2 else ''})")
-
-
 def _kohya_spelt_own_names(modules: dict) -> bool:
     """Whether the file names the model's own modules in kohya's spelling under the
     transformer's prefix (``lora_transformer_transformer_blocks_0_ff_net_0_proj``, as
@@ -412,7 +397,7 @@ def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
                                        f"it mixes {' and '.join(mixed)} keys, which no converter of diffusers reads",
                                        loader, keep, bool(components), strict)
     family = family_of(loader, model)
-    broken = _kohya_flux_broken(tensors, family) or _original_unet_diffs(tensors, family)
+    broken = _kohya_flux_broken(tensors, family)
     if broken:  # diffusers' converter breaks these: read every module with the family's rules
         return read_with_family_rules(path, _diffs_placed(path, tensors, model, loader, family), metadata, family,
                                       broken, loader, keep, bool(components), strict)

@@ -258,10 +258,11 @@ def test_a_plain_lora_in_the_original_names_diffusers_cannot_convert_merges_by_t
 
 @pytest.mark.parametrize("spelling", ["kohya", "comfyui"])
 def test_full_diffs_in_the_original_names_merge_on_an_sdxl_unet(tmp_path, spelling):
-    """Full weight differences (``.diff``, ``.diff_b``) in the original names on an SDXL UNet:
-    diffusers' single-file converter, which would name them, fails on a partial SDXL
-    checkpoint (it reads ``label_emb`` first), and they were refused. The rules place them:
-    ``W + strength * diff``, as ComfyUI adds them."""
+    """Full weight differences (``.diff``, ``.diff_b``) on an SDXL UNet, in the original names
+    and in the UNet's own (LyCORIS's full algorithm through kohya, ``lora_unet_down_blocks_…``):
+    diffusers' single-file converter, which placed them, fails on a partial SDXL checkpoint
+    (it reads ``label_emb`` first) and names no diffusers name, and they were refused. The
+    rules place them: ``W + strength * diff``, as ComfyUI adds them."""
     import lora_cache
 
     folder = tmp_path / "unet"
@@ -270,10 +271,12 @@ def test_full_diffs_in_the_original_names_merge_on_an_sdxl_unet(tmp_path, spelli
     modules = {"down_blocks.1.attentions.0.proj_in": "input_blocks.4.1.proj_in",
                "down_blocks.2.resnets.1.conv1": "input_blocks.8.0.in_layers.2",
                "up_blocks.0.upsamplers.0.conv": "output_blocks.2.2.conv",
-               "add_embedding.linear_1": "label_emb.0.0"}
+               "add_embedding.linear_1": "label_emb.0.0",
+               "down_blocks.1.resnets.0.conv2": None, "up_blocks.1.attentions.0.proj_out": None}  # its own names
     gen, tensors, expected = torch.Generator().manual_seed(17), {}, {}
     for module, original in modules.items():
-        stem = "lora_unet_" + original.replace(".", "_") if spelling == "kohya" else "diffusion_model." + original
+        name = module if original is None else original
+        stem = "lora_unet_" + name.replace(".", "_") if spelling == "kohya" else "diffusion_model." + name
         for kind, suffix in (("weight", "diff"), ("bias", "diff_b")):
             diff = torch.randn(base[f"{module}.{kind}"].shape, generator=gen) * 1e-3
             tensors[f"{stem}.{suffix}"] = diff
