@@ -290,3 +290,29 @@ def test_full_diffs_in_the_original_names_merge_on_an_sdxl_unet(tmp_path, spelli
     for name, value in expected.items():
         torch.testing.assert_close(merged[name], value, rtol=0, atol=2 * torch.finfo(torch.float32).eps
                                    * float(value.abs().max()))
+
+
+def test_a_diff_b_beside_a_kohya_pair_on_a_unet_is_the_bias_diff(tmp_path):
+    """As ComfyUI merges it: the pair changes the weight, ``.diff_b`` the bias by ``strength * diff_b``."""
+    import lora_cache
+
+    folder = tmp_path / "unet"
+    cm.save_model("unet", folder)
+    base = cm.weights(cm.load_model("unet", folder))
+    module = "down_blocks.0.attentions.0.proj_in"
+    weight, bias = base[f"{module}.weight"], base[f"{module}.bias"]
+    gen = torch.Generator().manual_seed(19)
+    down, up = torch.randn(4, weight.shape[1], generator=gen) * 0.1, torch.randn(weight.shape[0], 4, generator=gen) * 0.1
+    diff_b, stem = torch.randn(bias.shape, generator=gen) * 1e-3, "lora_unet_" + module.replace(".", "_")
+    kernel = [1] * (weight.dim() - 2)
+    path = os.fspath(tmp_path / "pair-and-bias.safetensors")
+    save_file({f"{stem}.lora_down.weight": down.reshape(4, *weight.shape[1:]), f"{stem}.alpha": torch.tensor(4.0),
+               f"{stem}.lora_up.weight": up.reshape(-1, 4, *kernel), f"{stem}.diff_b": diff_b}, path)
+    model = cm.load_model("unet", folder)
+    lora_cache.merge(model, [(path, 0.5)], os.fspath(tmp_path / "cache"), progress=False,
+                     base_files=[os.fspath(folder / "diffusion_pytorch_model.safetensors")])
+    merged = cm.weights(model)
+    ulp = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(merged[f"{module}.bias"], bias + 0.5 * diff_b, rtol=0, atol=2 * ulp * float(bias.abs().max()))
+    torch.testing.assert_close(merged[f"{module}.weight"], weight + 0.5 * (up @ down).reshape(weight.shape), rtol=0,
+                               atol=4 * ulp * float(weight.abs().max()))
