@@ -51,7 +51,7 @@ class Sampling:
         self.seen = set()
         self.peak = self.baseline = self.last = self.rss_peak = -1
         self.samples = 0
-        self.t0 = self.peak_t = self.last_t = 0.0
+        self.t0 = self.peak_t = self.last_t = self.last_began = 0.0
         self.max_gap = self.max_gap_t = 0.0
         self.width = 0.005
         self.timeline = []
@@ -135,7 +135,7 @@ class Sampling:
         gives them: a fork's child shares its parent's pages until it writes them, and
         each process's resident count holds them whole (a test that forks a child of a
         400 MiB process grew by 400 MiB without allocating a byte)."""
-        now = time.monotonic()
+        began = time.monotonic()
         anon = 0
         shares = len(self.fds) > 1 and self.group is None
         for pid, fd in list(self.fds.items()):
@@ -149,13 +149,16 @@ class Sampling:
                 self.rss_peak = got[1]
         if self.group is not None:
             anon = self.read_group()
+        now = time.monotonic()
         if self.samples == 0:
-            self.t0, self.baseline, self.peak, self.last_t = now, anon, anon, now
+            self.t0, self.baseline, self.peak, self.last_t, self.last_began = began, anon, anon, began, began
             self.cpu0 = time.process_time()
-        t = now - self.t0
-        if now - self.last_t > self.max_gap:
-            self.max_gap, self.max_gap_t = now - self.last_t, t
-        self.last_t, self.last = now, anon
+        t = began - self.t0
+        # The reads of two samples lie at most this far apart (this one's end, the last one's
+        # start): a stall between taking the time and reading is counted, not hidden.
+        if now - self.last_began > self.max_gap:
+            self.max_gap, self.max_gap_t = now - self.last_began, now - self.t0
+        self.last_t, self.last_began, self.last = now, began, anon
         self.samples += 1
         if anon > self.peak:
             self.peak, self.peak_t = anon, t

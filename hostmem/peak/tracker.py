@@ -88,10 +88,11 @@ class PeakFigures(NamedTuple):
     ``last_bytes`` is the latest sample; ``rss_peak_bytes`` the largest VmRSS of the
     tracked process itself (to compare with VmHWM); ``processes`` counts every
     process sampled at some point (the tracked one and the descendants found);
-    ``max_gap_s`` is the longest time between two samples and ``max_gap_t_s`` when
-    it ended; ``sampler_cpu_s`` is the CPU time the sampler spent since the first
-    sample (its start-up excluded); ``start_monotonic`` is ``time.monotonic()`` at
-    the first sample.
+    ``max_gap_s`` is the longest time two consecutive samples' reads may lie apart
+    (from the start of one's reads to the end of the next one's: a stall between
+    taking the time and reading counts) and ``max_gap_t_s`` when it ended;
+    ``sampler_cpu_s`` is the CPU time the sampler spent since the first sample (its
+    start-up excluded); ``start_monotonic`` is ``time.monotonic()`` at the first sample.
     """
 
     peak_bytes: int
