@@ -50,17 +50,18 @@ def _exit_without_collection() -> None:
     """Put ``tests/exit_site`` first on the ``PYTHONPATH`` every process a test starts
     inherits: its ``sitecustomize`` skips the interpreter's last collection at exit (a third
     of a second a process that imported torch, a sixth of the suite's time)."""
-    path = env_with_exit_collection()["PYTHONPATH"]
-    os.environ["PYTHONPATH"] = os.pathsep.join([_EXIT_SITE, *filter(None, [path])])
+    os.environ["PYTHONPATH"] = os.pathsep.join([_EXIT_SITE, *_path_without_exit_site()])
 
 
 def env_with_exit_collection() -> dict[str, str]:
     """This process's environment without ``tests/exit_site`` on ``PYTHONPATH``: a process
     started with it exits as a user's does, its last collection and the finalizers of
     objects in cycles included (what a test of a command's exit must see)."""
-    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-            if p and os.path.realpath(p) != _EXIT_SITE]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(_path_without_exit_site())}
+
+
+def _path_without_exit_site() -> list[str]:
+    return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.realpath(p) != _EXIT_SITE]
 
 
 def _interruptible() -> None:

@@ -56,15 +56,14 @@ def _rules_for(model) -> tuple[str, tuple] | None:
     (diffusers' single-file converter does). An SD/SDXL UNet's: its original names
     (:mod:`lora_cache.adapters.sgm_names`) and its own; the single-file converter needs a
     whole SDXL checkpoint (it reads ``label_emb`` first) and takes no diffusers name."""
-    name = type(model).__name__ if model is not None else None
-    if name in _RULED:
-        return _RULED[name]
-    if name == "UNet2DConditionModel":
-        from .sgm_names import sgm_rules
+    if model is None:
+        return None
+    if type(model).__name__ in _RULED:
+        return _RULED[type(model).__name__]
+    from .sgm_names import model_rules
 
-        rules = sgm_rules(getattr(model, "config", None) or {})
-        return ("lora_cache SGM UNet rules v1", rules + _UNET_OWN_NAMES) if rules else None
-    return None
+    rules = model_rules(model)
+    return ("lora_cache SGM UNet rules v1", rules + _UNET_OWN_NAMES) if rules else None
 
 
 def _ruled(model) -> bool:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["sgm_rules"]
+__all__ = ["model_rules", "sgm_rules"]
 
 _DOWN = {"DownBlock2D": False, "CrossAttnDownBlock2D": True}  # block type -> has attentions
 _UP = {"UpBlock2D": False, "CrossAttnUpBlock2D": True}
@@ -111,3 +111,13 @@ def sgm_rules(config) -> tuple:
     for original, name in _outside(config).items():
         rules += [(pattern, name) for pattern in _spellings(original)]
     return tuple(rules)
+
+
+def model_rules(model) -> tuple:
+    """:func:`sgm_rules` of ``model`` where it is a diffusers ``UNet2DConditionModel`` (by its
+    class's name: the CLI's checkpoint tree takes the name its config.json gives), else empty:
+    another UNet (ControlNet-XS's) names its modules otherwise."""
+    if type(model).__name__ != "UNet2DConditionModel":
+        return ()
+    config = getattr(model, "config", None)
+    return sgm_rules(config) if hasattr(config, "get") else ()
