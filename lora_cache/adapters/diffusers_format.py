@@ -260,7 +260,11 @@ def _kohya_flux_broken(tensors: dict, family) -> str:
     - a ``dora_scale``: the converter drops it (merged as plain LoRA, or refused).
 
     The family's rules merge both as ComfyUI does: ``alpha / rank``, the modulation's halves
-    swapped, a row-axis DoRA scale split by rows over a fused projection."""
+    swapped, a row-axis DoRA scale split by rows over a fused projection. Flux.2's
+    converters drop kohya's final modulation (``lora_unet_final_layer_adaLN_modulation_1``)
+    and put ai-toolkit's onto ``norm_out.linear`` unswapped, each half on the other's rows."""
+    if family is not None and family.name == "Flux2":
+        return _flux2_broken(tensors)
     if family is None or family.name != "Flux":
         return ""
     final = sorted({key.split(".", 1)[0] for key in tensors if key.startswith("lora_unet_final_layer_")
@@ -275,6 +279,16 @@ def _kohya_flux_broken(tensors: dict, family) -> str:
         why.append(f"drops the DoRA scales of {len(dora)} module(s) ({', '.join(dora[:2])}"
                    f"{', ...' if len(dora) > 2 else ''})")
     return f"diffusers' converter {' and '.join(why)}" if why else ""
+
+
+_FLUX2_FINAL = re.compile(r"^(?:lora_unet_final_layer_adaLN_modulation_1|(?:model\.)?diffusion_model\."
+                          r"final_layer\.adaLN_modulation\.1)\.")
+
+
+def _flux2_broken(tensors: dict) -> str:
+    final = sorted({found.group(0)[:-1] for found in map(_FLUX2_FINAL.match, tensors) if found})
+    return (f"diffusers' converter drops {', '.join(final)} or puts its halves unswapped on norm_out.linear "
+            "(BFL's shift, scale; diffusers' scale, shift)" if final else "")
 
 
 def _kohya_spelt_own_names(modules: dict) -> bool:

@@ -10,7 +10,10 @@ the shapes they were written for: Wan's musubi converter needs every module and 
 KeyError there), HunyuanVideo's chunks the ``.alpha`` scalars with the factors ("chunk
 expects at least a 1-dimensional tensor") and splits ``linear1`` at HunyuanVideo's own
 width (3072), and Flux's passes ai-toolkit's BFL names with peft's factors through
-unconverted (diffusers then loads nothing of them). ComfyUI merges all of these.
+unconverted (diffusers then loads nothing of them). Flux.2's converters take a LoKr in BFL
+names but no LoHa or Tucker core there, drop kohya's final modulation, and put ai-toolkit's
+onto ``norm_out.linear`` with its halves unswapped, where the checkpoint's own converter
+swaps them (BFL's shift, scale; diffusers' scale, shift). ComfyUI merges all of these.
 
 So each family's original names are written once here, as kohya's Flux names are
 (:mod:`lora_cache.adapters.formats.kohya_flux`), and spelt both ways. Where diffusers'
@@ -80,6 +83,30 @@ _HUNYUAN_OUTSIDE = {
     "final_layer.linear": "proj_out",
     "final_layer.adaLN_modulation.1": ("norm_out.linear[1/2]", "norm_out.linear[0/2]"),  # shift, scale -> swapped
 }
+_FLUX2_DOUBLE = {  # diffusers' single-file converter for Flux.2 (BFL's names)
+    "img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "img_attn.proj": "attn.to_out.0",
+    "img_mlp.0": "ff.linear_in",
+    "img_mlp.2": "ff.linear_out",
+    "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    "txt_attn.proj": "attn.to_add_out",
+    "txt_mlp.0": "ff_context.linear_in",
+    "txt_mlp.2": "ff_context.linear_out",
+}
+_FLUX2_SINGLE = {"linear1": "attn.to_qkv_mlp_proj", "linear2": "attn.to_out"}  # fused in both layouts
+_FLUX2_OUTSIDE = {
+    "img_in": "x_embedder",
+    "txt_in": "context_embedder",
+    "time_in.in_layer": "time_guidance_embed.timestep_embedder.linear_1",
+    "time_in.out_layer": "time_guidance_embed.timestep_embedder.linear_2",
+    "guidance_in.in_layer": "time_guidance_embed.guidance_embedder.linear_1",
+    "guidance_in.out_layer": "time_guidance_embed.guidance_embedder.linear_2",
+    "double_stream_modulation_img.lin": "double_stream_modulation_img.linear",
+    "double_stream_modulation_txt.lin": "double_stream_modulation_txt.linear",
+    "single_stream_modulation.lin": "single_stream_modulation.linear",
+    "final_layer.linear": "proj_out",
+    "final_layer.adaLN_modulation.1": ("norm_out.linear[1/2]", "norm_out.linear[0/2]"),  # shift, scale -> swapped
+}
 
 
 class Family(NamedTuple):
@@ -110,6 +137,10 @@ _FAMILIES = {  # the loader mixin diffusers converts the family's files with -> 
         (("double_blocks", "transformer_blocks", _HUNYUAN_DOUBLE), ("single_blocks", "single_transformer_blocks",
                                                                     _HUNYUAN_SINGLE)), _HUNYUAN_OUTSIDE),
     "FluxLoraLoaderMixin": _flux,
+    "Flux2LoraLoaderMixin": lambda: Family(
+        "Flux2", "lora_cache flux2-original-names v1",
+        (("double_blocks", "transformer_blocks", _FLUX2_DOUBLE), ("single_blocks", "single_transformer_blocks",
+                                                                  _FLUX2_SINGLE)), _FLUX2_OUTSIDE),
 }
 
 

@@ -16,6 +16,11 @@ WAN = {
     "text_dim": 16, "freq_dim": 32, "ffn_dim": 32, "num_layers": 2, "cross_attn_norm": True,
     "qk_norm": "rms_norm_across_heads", "rope_max_seq_len": 32,
 }
+FLUX2 = {  # Flux.2: fused single-block projections, SwiGLU feed-forwards, shared modulations
+    "patch_size": 1, "in_channels": 8, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+    "num_attention_heads": 2, "joint_attention_dim": 32, "timestep_guidance_channels": 16, "mlp_ratio": 3.0,
+    "axes_dims_rope": (4, 4, 4, 4),
+}
 TARGETS = {
     "flux": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "proj_mlp", "proj_out", "ff.net.2"],
     "wan": ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"],
@@ -25,16 +30,18 @@ RANK, ALPHA = 8, 16  # scale 2: metadata that is ignored shows up as half the de
 
 def classes(kind: str):
     """``(model class, pipeline class)`` of a kind."""
-    from diffusers import FluxPipeline, FluxTransformer2DModel, WanPipeline, WanTransformer3DModel
+    import diffusers
 
-    return {"flux": (FluxTransformer2DModel, FluxPipeline), "wan": (WanTransformer3DModel, WanPipeline)}[kind]
+    names = {"flux": ("FluxTransformer2DModel", "FluxPipeline"), "wan": ("WanTransformer3DModel", "WanPipeline"),
+             "flux2": ("Flux2Transformer2DModel", "Flux2Pipeline")}[kind]
+    return tuple(getattr(diffusers, name) for name in names)
 
 
 def save_model(kind: str, folder, dtype=torch.float32) -> str:
     """A tiny model of ``kind`` written with save_pretrained (random weights, fixed seed)."""
     model_cls, _ = classes(kind)
     torch.manual_seed(0)
-    model_cls(**(FLUX if kind == "flux" else WAN)).to(dtype).save_pretrained(folder)
+    model_cls(**{"flux": FLUX, "wan": WAN, "flux2": FLUX2}[kind]).to(dtype).save_pretrained(folder)
     return os.fspath(folder)
 
 
