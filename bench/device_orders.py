@@ -87,6 +87,40 @@ def _scenario(checkpoint, plan, passes, device, tokens, inference_mode: bool = F
             "passes": len(outs), "late_layers": late}
 
 
+def _exit_scenario(checkpoint, plan, device, tokens) -> dict:
+    """A weight outside the layers written in place during the run (through ``.data``, as peft's
+    ``fuse_lora`` writes) and a parameter added beside it there (as ``load_lora_weights`` adds its
+    factors on the weight's device): after exit both are the host's, and the model computes as
+    the same model changed the same way without the executor."""
+    import torch
+
+    from planners.executor import execute
+    from planners.executor.synthetic import load_synthetic_dit
+
+    def own(model):  # writable weights of their own, as after a private load
+        for p in model.parameters():
+            p.data = p.data.clone()
+        return model
+
+    model, whole = own(load_synthetic_dit(checkpoint)), own(load_synthetic_dit(checkpoint))
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(0)).to(model.head.weight.dtype)
+    with torch.no_grad():
+        whole.head.weight.data.mul_(2.0)
+        expected = whole(x)
+        with execute(plan, {"dit": model}, device=device, prefetch=2) as run:
+            model(x.to(device) if device not in (None, "cpu") else x)
+            run.settle()
+            head = model.head.weight
+            head.data.mul_(2.0)
+            model.head.register_parameter("added", torch.nn.Parameter(torch.zeros(1, device=head.device,
+                                                                                  dtype=head.dtype)))
+        got = model(x)
+    on_host = all(p.device.type == "cpu" for p in model.parameters())
+    return {"identical": bool(torch.equal(got, expected)) and on_host,
+            "max_abs_diff": float((got.float() - expected.float()).abs().max()), "passes": 2,  # in the run, after it
+            "on_host_after_exit": on_host}
+
+
 def run_orders(args, work: str, transfer: dict, make_config) -> dict:
     """Every scenario on this host's paths: the GPU, or (dry run) the host path and the device twin."""
     import torch
@@ -107,6 +141,7 @@ def run_orders(args, work: str, transfer: dict, make_config) -> dict:
     for name, device in paths.items():
         out["paths"][name] = {n: _scenario(checkpoint, plan, p, device, tokens, n == "inference-mode")
                               for n, p in scenarios().items()}
+        out["paths"][name]["written, then exit"] = _exit_scenario(checkpoint, plan, device, tokens)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["place_outside", "put_back"]
+__all__ = ["bring_home", "on_device", "place_outside", "put_back"]
+
+_PAGE = 4096  # the twin's copies keep a tensor's address modulo a page
 
 
 def place_outside(components: dict, roles: dict, layouts: dict, device: torch.device) -> list:
@@ -41,7 +43,7 @@ def place_outside(components: dict, roles: dict, layouts: dict, device: torch.de
         for tensor, kind, outside, where in holders.values():
             if not outside:
                 continue
-            placed = standing_in(tensor, tensor.detach().to(device), kind)
+            placed = standing_in(tensor, _copy(tensor, device), kind)
             for table, key in where:
                 table[key] = placed
             made.add(id(placed))
@@ -52,10 +54,11 @@ def place_outside(components: dict, roles: dict, layouts: dict, device: torch.de
 def put_back(placed_all: list) -> None:
     """The host tensors back where the device's stood. A weight replaced since is the
     caller's and stays; one changed through the placed tensor (``param.data = ...``, as
-    ``module.to(dtype)`` and peft's safe merge do, or a write into it) comes back to
-    the host as it is now, never reverted to what it was at entry, keeping its
-    ``requires_grad``. Every holder that still holds the placed tensor gets the one
-    tensor back: a tie stays a tie."""
+    ``module.to(dtype)`` and peft's safe merge do, or a write into it, ``weight.data +=``
+    as peft's ``fuse_lora`` does, which no version counter sees) comes back to the host as
+    it is now, never reverted to what it was at entry, keeping its ``requires_grad``.
+    Every holder that still holds the placed tensor gets the one tensor back: a tie stays
+    a tie."""
     from .device_copy import standing_in
 
     for tensor, placed, state, where in reversed(placed_all):
@@ -63,11 +66,75 @@ def put_back(placed_all: list) -> None:
         if not still:
             continue
         back = tensor
-        if _state(placed) != state:
+        if _state(placed) != state or not _same_bytes(tensor, placed):
             kind = "p" if isinstance(tensor, torch.nn.Parameter) else "b"
             back = standing_in(tensor, placed.detach().to("cpu"), kind, requires_grad=tensor.requires_grad)
         for table, key in still:
             table[key] = back
+
+
+def _copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``: a copy on the twin too, as on a GPU, so a write into it
+    (peft's ``weight.data +=``) is the device's alone and comes back at exit as on a GPU. The
+    twin's copy keeps the host tensor's address modulo a page, as the twin's slots do
+    (:mod:`.device_copy`): a CPU kernel's choice, and so its rounding, may depend on it."""
+    source = tensor.detach()
+    if device.type != "cpu":
+        return source.to(device)
+    if type(source) is not torch.Tensor:
+        source = source.as_subclass(torch.Tensor)
+    if not source.is_contiguous():
+        return source.clone()
+    nbytes = source.numel() * source.element_size()
+    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+    start = (source.data_ptr() - raw.data_ptr()) % _PAGE
+    out = raw[start:start + nbytes].view(source.dtype).view(source.shape)
+    out.copy_(source)
+    return out
+
+
+def on_device(components: dict, device: torch.device) -> dict[int, torch.Tensor]:
+    """The tensors the components hold on ``device`` (not the host) before a run: the
+    caller's, which :func:`bring_home` leaves where they are."""
+    if device.type == "cpu":
+        return {}
+    return {id(t): t for root in components.values() for module in root.modules()
+            for table in (module._parameters, module._buffers) for t in table.values()
+            if t is not None and t.device == device}
+
+
+def bring_home(components: dict, device: torch.device, before: dict[int, torch.Tensor]) -> None:
+    """Tensors made on ``device`` during the run, where a placed weight stood (the LoRA
+    factors ``load_lora_weights`` adds beside a placed layer's weight), back to the host
+    with the weights they compute with: a forward after exit would otherwise mix devices."""
+    from .device_copy import standing_in
+
+    if device.type == "cpu":
+        return
+    moved: dict[int, torch.Tensor] = {}
+    for root in components.values():
+        for module in root.modules():
+            for kind, table in (("p", module._parameters), ("b", module._buffers)):
+                for key, tensor in list(table.items()):
+                    if tensor is None or tensor.device != device or id(tensor) in before:
+                        continue
+                    if id(tensor) not in moved:
+                        moved[id(tensor)] = standing_in(tensor, tensor.detach().to("cpu"), kind,
+                                                        requires_grad=tensor.requires_grad)
+                    table[key] = moved[id(tensor)]
+
+
+def _same_bytes(host: torch.Tensor, placed: torch.Tensor, chunk: int = 64 << 20) -> bool:
+    """Whether ``placed`` holds ``host``'s bytes, bit for bit (a NaN's payload, a negative
+    zero), compared ``chunk`` bytes at a time on the host."""
+    a = host.detach().reshape(-1).view(torch.uint8)
+    b = placed.detach().reshape(-1).view(torch.uint8)
+    if a.numel() != b.numel():
+        return False
+    for start in range(0, a.numel(), chunk):
+        if not torch.equal(a[start:start + chunk], b[start:start + chunk].to("cpu")):
+            return False
+    return True
 
 
 def _nested_modules(root: torch.nn.Module, others: list[torch.nn.Module]) -> set[int]:

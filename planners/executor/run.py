@@ -34,7 +34,7 @@ from .forward_guard import guard_forward, refuse_grad
 from .layout import MapIndex, layer_module, tensor_span
 from .pages import page_cover
 from .pipeline import Clock, LayerPipeline
-from .placing import place_outside, put_back
+from .placing import bring_home, on_device, place_outside, put_back
 from .readahead import FileHandles, choose_reader, set_random
 from ..layer_roles import ComponentRoles, plan_roles
 from .snapshot import take_snapshot
@@ -99,6 +99,7 @@ class Executor:
         self.pipelines: dict[str, LayerPipeline] = {}
         self._hooks: list = []
         self._placed: list = []  # (host tensor, placed, its state, [(table, name), ...]) put back on exit
+        self._callers_on_device: dict = {}  # what the components held on the device before the run
         self._handles = FileHandles()
         self._random: list = []  # ranges advised MADV_RANDOM, set back on exit
         self._worker: ThreadPoolExecutor | None = None
@@ -222,6 +223,7 @@ class Executor:
     def _place_on_device(self, layouts) -> None:
         """Resident layers and each component's tensors outside its layers go to the device
         (:func:`.placing.place_outside`)."""
+        self._callers_on_device = on_device(self.components, self.device)
         self._placed += place_outside(self.components, self.roles, layouts, self.device)
 
     # ------------------------------------------------------------------ hooks
@@ -382,6 +384,7 @@ class Executor:
             for key in [k for k in self._pinner.keys() if isinstance(k, tuple) and k[:1] == ("executor",)]:
                 step(self._pinner.unpin, key)
         step(self._handles.close)
+        self.pipelines.clear()  # their snapshots hold the layers' last tensors: a kept `run` keeps no mapping
         with _RUNNING_LOCK:
             for module in self._claimed:
                 if _RUNNING.get(module) is self:
@@ -393,7 +396,10 @@ class Executor:
     def _put_back(self) -> None:
         """The host tensors back where the device's stood (:func:`.placing.put_back`)."""
         put_back(self._placed)
+        if self._placed:
+            bring_home(self.components, self.device, self._callers_on_device)
         self._placed.clear()
+        self._callers_on_device = {}
 
 
 def execute(plan: DeploymentPlan, components: Mapping[str, torch.nn.Module], **options) -> Executor:

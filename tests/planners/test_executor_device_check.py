@@ -37,7 +37,8 @@ def test_the_device_checks_dry_run_writes_every_part(tmp_path):
     orders = results["orders"]["paths"]
     assert sorted(orders) == ["device twin (cpu)", "host"]
     for path, found in orders.items():  # skips, reverse, repeats, partial passes, CFG, replacements, inference mode
-        assert set(found) >= {"skip", "reverse", "repeat", "partial", "cfg", "replace", "inference-mode"}, found
+        assert set(found) >= {"skip", "reverse", "repeat", "partial", "cfg", "replace", "inference-mode",
+                              "written, then exit"}, found
         assert all(r["identical"] and r["passes"] >= 2 for r in found.values()), (path, found)
     assert "orders on device twin (cpu): identical to the model run whole: skip" in text
     assert results["shared_build"] == {"skipped": "--skip"}

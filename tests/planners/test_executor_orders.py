@@ -407,3 +407,20 @@ def test_many_passes_from_two_threads_at_once_on_the_host_path_keep_their_bookke
             thread.join(120)
     assert errors == []
     assert all(torch.equal(out, expected[i]) for i in range(2) for out in outputs[i])
+
+
+def test_a_run_kept_after_exit_keeps_no_checkpoint_the_model_let_go(checkpoint, plan, tmp_path):
+    """A server that keeps ``run`` to read its stats: once the model's weights come from another
+    file, the first checkpoint is unmapped, as without the executor."""
+    import gc
+
+    from hostmem.safetensors.mapping import load_readonly
+
+    other = write_synthetic_dit(tmp_path / "other.safetensors", LAYERS, D, torch.float32, seed=1)
+    model = load_synthetic_dit(checkpoint)
+    with execute(plan, {"dit": model}, prefetch=2, read_ahead="madvise") as run:
+        _run(model, [FULL])
+    model.load_state_dict(load_readonly(other), assign=True)
+    gc.collect()
+    assert os.fspath(checkpoint) not in open("/proc/self/maps").read()
+    assert len(run.stats().passes) == 1

@@ -114,7 +114,9 @@ def test_remap_between_passes_points_layers_at_the_mapping(checkpoint, path):
     def step(m, i):
         if i == 1:
             report = hostmem.remap(m, files=[os.fspath(checkpoint)])
-            assert report.remapped == 4
+            # on the twin the two weights outside the layers stand as copies in host memory for
+            # the run (on a GPU, the device's, which remap leaves): remap maps them too
+            assert report.remapped == {"host": 4, "twin": 6}[path]
 
     with execute(_plan(checkpoint, model), {"dit": model}, prefetch=2, **PATHS[path]) as run:
         got = _passes(model, step, [FULL] * 3)
@@ -175,3 +177,53 @@ def test_weights_outside_the_layers_changed_through_their_parameter_stay_changed
     assert {p.dtype for p in model.parameters()} == {torch.float64}
     with torch.no_grad():
         assert torch.equal(model(_x().double()), reference.to(torch.float64)(_x().double()))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_write_into_a_weight_during_the_run_is_the_weight_after_exit(checkpoint, path):
+    """peft's ``fuse_lora`` adds its change in place (``weight.data += delta``), which no version
+    counter sees. On the device path a weight outside the layers is a copy on the device for the
+    run (on the twin too, as on a GPU): the write lands there and comes back at exit, where the
+    host's weight of the entry was put back before."""
+    def own(model):  # writable weights of their own, as after a private load
+        for p in model.parameters():
+            p.data = p.data.clone()
+        return model
+
+    def written(model):
+        with torch.no_grad():
+            model.head.weight.data.mul_(2.0)
+            model.blocks[2].proj.weight.data.add_(0.5)
+
+    reference = own(load_synthetic_dit(checkpoint))
+    written(reference)
+    model = own(load_synthetic_dit(checkpoint))
+    host = model.head.weight.data_ptr()
+    with execute(_plan(checkpoint, model), {"dit": model}, prefetch=2, **PATHS[path]) as run:
+        with torch.no_grad():
+            model(_x())
+        run.settle()
+        assert (model.head.weight.data_ptr() != host) == (path == "twin")  # a copy on the device path
+        written(model)
+        with torch.no_grad():
+            inside = model(_x())
+    with torch.no_grad():
+        expected = reference(_x())
+        assert torch.equal(inside, expected)
+        assert torch.equal(model(_x()), expected)
+    assert torch.equal(model.head.weight, reference.head.weight)
+    assert torch.equal(model.blocks[2].proj.weight, reference.blocks[2].proj.weight)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a parameter made on the device needs a GPU")
+def test_a_parameter_added_on_the_gpu_during_the_run_is_the_hosts_after_exit(checkpoint):
+    """``load_lora_weights`` during a run adds its factors on the device of the weight beside them:
+    after exit they come to the host with that weight, so the next forward does not mix devices."""
+    model = load_synthetic_dit(checkpoint)
+    with torch.no_grad(), execute(_plan(checkpoint, model), {"dit": model}, prefetch=2, device="cuda") as run:
+        model(_x().cuda())
+        run.settle()
+        model.head.register_parameter("added", torch.nn.Parameter(torch.ones(1, device=model.head.weight.device)))
+    assert model.head.added.device.type == "cpu" and float(model.head.added) == 1.0
+    with torch.no_grad():
+        assert torch.equal(model(_x()), load_synthetic_dit(checkpoint)(_x()))
