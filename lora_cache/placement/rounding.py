@@ -49,7 +49,7 @@ from ..terms.dora_lycoris import COLUMNS
 from ..compute.merge_math import Term, UnsupportedAdapterError, add_terms, column_scales
 from ..terms.delta import Delta
 
-__all__ = ["POLICIES", "SAMPLE_ROWS", "THRESHOLD", "RoundingCheck", "RoundingLossError", "check_policy", "decide",
+__all__ = ["POLICIES", "SAMPLE_ROWS", "THRESHOLD", "OverflowingUpdateError", "RoundingCheck", "RoundingLossError", "check_policy", "decide",
            "has_values", "is_stand_in", "lost_share", "measure", "split_lossy"]
 
 THRESHOLD = 0.05  # share of the update lost from which a layer is lossy (see the module's docstring)
@@ -62,6 +62,11 @@ _SHOWN = 3
 
 class RoundingLossError(UnsupportedAdapterError):
     """A merge would lose a material share of an adapter's update, and the policy refuses."""
+
+
+class OverflowingUpdateError(UnsupportedAdapterError):
+    """Merging the adapters would write inf or NaN where the base weight is finite: an
+    adapter's values or strength far out of range (each value finite, their product not)."""
 
 
 def check_policy(policy: str) -> str:
@@ -111,17 +116,37 @@ def _update_rows(target: LayerTarget, device: torch.device) -> tuple[torch.Tenso
 
 def lost_share(target: LayerTarget) -> float:
     """The share of ``target``'s update that rounding its merged weight loses (1: all of it;
-    negative where rounding makes it larger)."""
+    negative where rounding makes it larger). Raises :class:`OverflowingUpdateError` where the
+    merged weight is inf or NaN on the sampled rows and the base is not."""
     base = target.current.detach()
-    if base.dtype not in _MEASURED or base.dim() == 0 or target.shard is not None:
+    if not base.is_floating_point() or base.dim() == 0 or target.shard is not None:
         return 0.0
     before, update = _update_rows(target, base.device)
-    kept = (before + update).to(base.dtype).float() - before
+    rounded = (before + update).to(base.dtype).float()
+    _check_finite(target, before, update, rounded)
+    if base.dtype not in _MEASURED:
+        return 0.0
+    kept = rounded - before
     energy = float(torch.dot(update.flatten(), update.flatten()))
     if energy == 0.0 or not math.isfinite(energy):
         return 0.0
     survived = float(torch.dot(kept.flatten(), update.flatten())) / energy
     return 1.0 - survived
+
+
+def _check_finite(target: LayerTarget, before: torch.Tensor, update: torch.Tensor, rounded: torch.Tensor) -> None:
+    bad = torch.isfinite(before) & ~torch.isfinite(rounded)
+    if not bool(bad.any()):
+        return
+    finite = update[torch.isfinite(update)]
+    largest = float(finite.abs().max()) if finite.numel() else math.inf
+    sources = sorted({d.source for d in target.deltas})
+    raise OverflowingUpdateError(
+        f"{', '.join(sources)}: merging into {target.name} gives inf or NaN in {int(bad.sum())} of {bad.numel()} "
+        f"sampled values where the base weight is finite (largest finite change {largest:.3g}; "
+        f"{target.current.dtype} holds up to {torch.finfo(target.current.dtype).max:.3g}): the adapter's values or "
+        "its strength are far out of range. Nothing was merged; check the values the file holds and the "
+        "strength")
 
 
 @dataclass

@@ -15,7 +15,7 @@ from hostmem.safetensors.mapping import load_readonly
 from lora_cache.orchestrate import plan_targets
 from planners.cli import main
 from planners.report import _lora_merge_lines
-from lora_cache.placement.rounding import THRESHOLD, RoundingLossError, lost_share
+from lora_cache.placement.rounding import THRESHOLD, OverflowingUpdateError, RoundingLossError, lost_share
 from tests.conftest import write_safetensors
 from tests.lora_cache.test_adapters import write_adapter
 
@@ -198,3 +198,22 @@ def test_hostmem_lora_merge_says_the_loss_and_takes_the_policy(tmp_path, capsys)
     assert main(["lora", "merge", str(config), "--rounding", "refuse"]) != 0
     err = capsys.readouterr().err
     assert "refused (rounding='refuse')" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("dtype, size", [(torch.bfloat16, 1e19), (torch.float32, 1e19), (torch.float16, 3e2)])
+def test_an_update_that_overflows_the_weights_dtype_is_refused_before_anything_is_written(tmp_path, dtype, size):
+    """Each value of the file is finite; their product is not (in fp32, or once rounded to
+    fp16): merged, the layer would hold inf where the base is finite, and be served."""
+    path = write_safetensors(os.path.join(tmp_path, "base.safetensors"), {"plain.weight": _weight(2).to(dtype)})
+    model = nn.ModuleDict({"plain": nn.Linear(DIM, DIM, bias=False)})
+    model["plain"]._parameters["weight"] = nn.Parameter(load_readonly(path)["plain.weight"], requires_grad=False)
+    gen = torch.Generator().manual_seed(4)
+    change = {"plain": {"up": (torch.rand(DIM, 4, generator=gen) + 0.5) * size,
+                        "down": (torch.rand(4, DIM, generator=gen) + 0.5) * size}}
+    adapter_path = write_adapter(os.path.join(tmp_path, "huge.safetensors"), "comfyui", change)
+    with pytest.raises(OverflowingUpdateError, match=r"huge\.safetensors.*plain\.weight gives inf or NaN"):
+        lora_cache.merge(model, [adapter_path], cache_root=tmp_path / "cache", rounding="merge", progress=False)
+    assert not lora_cache.is_merged(model)
+    assert torch.isfinite(model["plain"].weight).all()
+    cache = tmp_path / "cache" / "lora_merge_cache"
+    assert not [e for e in (os.listdir(cache) if cache.is_dir() else []) if len(e) >= 32 and (cache / e).is_dir()]
