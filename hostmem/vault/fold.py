@@ -28,6 +28,7 @@ import os
 import threading
 
 from .content_hash import CONTENT_HASH_MEMO, file_digest
+from .deferred import interrupts_deferred
 from .durable import remove_tree
 from .identity import (CacheKey, base_identity_of, cache_key, key_inputs, provisional_key, same_but_base_digests,
                        shard_identity)
@@ -274,7 +275,13 @@ class FoldedSession:
                     raise
                 self._settle(session)  # interrupted while it waited for the hash (a signal)
                 raise
-            self._rekey(session, digests)
+            try:
+                self._rekey(session, digests)
+            except KeyboardInterrupt:  # before the re-key's own deferred part (naming the key, taking its lock)
+                with interrupts_deferred():  # whole, its base known: left provisional, the next start sweeps it
+                    if self.key == session.key:
+                        self._rekey(session, digests, wait=False)
+                raise
             return
         self._settle(session)
 
@@ -289,10 +296,16 @@ class FoldedSession:
         else:
             self._rekey(session, self._hasher.digests)
 
-    def _rekey(self, session, digests: list[str]) -> None:
-        """Name the sealed combination by its real key, now that the base's digests are known."""
+    def _rekey(self, session, digests: list[str], wait: bool = True) -> None:
+        """Name the sealed combination by its real key, now that the base's digests are known
+        (``wait``: for another process that holds the real key's lock, a bounded wait)."""
         real = self._fold.real_key(digests)
-        self.vault = rekey(session.vault, session.key, real, self._fold.vaults)
+        try:
+            self.vault = rekey(session.vault, session.key, real, self._fold.vaults, wait)
+        except KeyboardInterrupt:  # a signal held over the re-key is raised as it ends: named all the same
+            if os.path.isdir(os.path.join(session.vault.cache, real.hex)) and not os.path.isdir(session.folder):
+                self.vault, self.key = session.vault, real.hex
+            raise
         self.key = real.hex
 
     def close(self) -> None:

@@ -54,19 +54,21 @@ def complete_in(vaults: list, key: str):
     return None
 
 
-def _take(lock: KeyLock, label: str, key: str) -> bool:
+def _take(lock: KeyLock, label: str, key: str, wait: bool = True) -> bool:
     """Take the real key's lock, saying so when another process holds it; False where it
-    is still held after the bounded wait (:meth:`~.locks.KeyLock.acquire_within`)."""
+    is still held after the bounded wait (:meth:`~.locks.KeyLock.acquire_within`), or at
+    once without ``wait``."""
     if lock.acquire(blocking=False):
         return True
-    say(f"{label} {key[:12]} is in use by another process; waiting for it before naming this build by it")
-    started = time.monotonic()
-    if not lock.acquire_within():
-        say(f"{label} {key[:12]}: its lock is still held by {describe_holders(lock_holders(lock.path))}; the "
-            "weights merged are served from the build as it is, left under its provisional key")
-        return False
-    say(f"{label} {key[:12]}: waited {time.monotonic() - started:.1f} s")
-    return True
+    if wait:
+        say(f"{label} {key[:12]} is in use by another process; waiting for it before naming this build by it")
+        started = time.monotonic()
+        if lock.acquire_within():
+            say(f"{label} {key[:12]}: waited {time.monotonic() - started:.1f} s")
+            return True
+    say(f"{label} {key[:12]}: its lock is held by {describe_holders(lock_holders(lock.path))}; the "
+        "weights merged are served from the build as it is, left under its provisional key")
+    return False
 
 
 def _carry_lease(cache: str, provisional: str, real: str) -> None:
@@ -104,9 +106,10 @@ def _give_up(label: str, cache: str, provisional: str, real: str, exc: OSError) 
         "served as they are, and the next start builds it again")
 
 
-def rekey(vault, provisional: str, real: CacheKey, vaults: list):
+def rekey(vault, provisional: str, real: CacheKey, vaults: list, wait: bool = True):
     """Name the sealed provisional combination ``provisional`` of ``vault`` by ``real``
-    (see the module's docstring); the vault the combination is served from now."""
+    (see the module's docstring); the vault the combination is served from now. ``wait``:
+    for another process that holds ``real``'s lock (a bounded wait), else leave it."""
     cache = vault.cache
     folder = os.path.join(cache, provisional)
     manifest = read_manifest(folder) if os.path.isdir(folder) else None
@@ -116,7 +119,7 @@ def rekey(vault, provisional: str, real: CacheKey, vaults: list):
     claim_in_process(cache, real.hex)
     lock = KeyLock(lock_path(cache, real.hex))
     try:
-        if not _take(lock, vault.label, real.hex):
+        if not _take(lock, vault.label, real.hex, wait):
             return vault
         with interrupts_deferred():  # half re-keyed, a finished build would be swept and built again
             return _rekey_held(vault, folder, manifest, provisional, real, vaults)

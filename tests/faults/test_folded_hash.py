@@ -369,3 +369,53 @@ def test_ctrl_c_in_the_re_key_of_a_finished_build_comes_after_it_and_the_next_st
     assert_same(served, expected)
     assert (stats.hit, stats.built) == (LAYERS, 0)
     assert not markers(root) and stats.cache_key == os.path.basename(combination_folder(root))
+
+
+def test_an_interrupt_as_the_seal_names_the_build_by_its_real_key_keeps_every_layer_for_the_next_start(
+        tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) after the hash is done and before the re-key takes the real key's
+    lock: the whole build is named by its real key all the same, and the next start hits every
+    layer (it was left provisional with its base known, which the next start swept and built again)."""
+    world = make_world(tmp_path)
+    expected, root = reference(world.base, world.adapter), world.path("root")
+    real_key, calls = fold.Fold.real_key, []
+
+    def interrupted(self, digests):
+        calls.append(digests)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real_key(self, digests)
+
+    monkeypatch.setattr(fold.Fold, "real_key", interrupted)
+    model, planned, session = open_folded(world, root)
+    with pytest.raises(KeyboardInterrupt), session:
+        merge_layers(session.in_file_order(planned[0]), session, progress=False, fallback=False)
+    lora_cache.unmerge(model, strict=False)
+    monkeypatch.setattr(fold.Fold, "real_key", real_key)
+    served, stats = fresh_start(world.base, world.adapter, root)
+    assert_same(served, expected)
+    assert (stats.hit, stats.built) == (LAYERS, 0)
+    assert not markers(root) and stats.cache_key == os.path.basename(combination_folder(root))
+    assert len(calls) == 2
+
+
+def test_a_signal_held_over_the_re_key_counts_every_layer_it_named(tmp_path, monkeypatch):
+    """A signal that came while the build was being named by its real key is raised as that
+    ends: the interrupted line counts the layers now under the real key (it said none)."""
+    from hostmem.vault import rekey as rekey_module
+
+    world = make_world(tmp_path)
+    root = world.path("root")
+    held = rekey_module._rekey_held
+
+    def signalled(*args):
+        held(*args)
+        raise KeyboardInterrupt  # as interrupts_deferred hands over a signal that came meanwhile
+
+    monkeypatch.setattr(rekey_module, "_rekey_held", signalled)
+    model, planned, session = open_folded(world, root)
+    with pytest.raises(KeyboardInterrupt), session:
+        merge_layers(session.in_file_order(planned[0]), session, progress=False, fallback=False)
+    lora_cache.unmerge(model, strict=False)
+    assert len(session.layers) == LAYERS
+    assert session.key == os.path.basename(combination_folder(root))
