@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import stat
 from typing import Mapping
+
+from hostmem.units import format_size
 
 from .components import check_experts, parse_components
 from .host import parse_device, parse_host, parse_transfer, parse_workload
@@ -92,14 +95,27 @@ def _one_merge_target(origin: ConfigOrigin, config) -> None:
                 "component's merge in a config of its own")
 
 
+MAX_CONFIG_BYTES = 16 << 20  # a config is a few KiB; a path that names a disk image or a model is a mistake
+
+
 def load_config(path: str | os.PathLike, environ: Mapping[str, str] | None = None) -> DeploymentConfig:
     """Read and validate a deployment config; ``environ`` defaults to ``os.environ``."""
     path = os.fspath(path)
     if "\0" in path:
         raise ConfigError(repr(path), "", "a path cannot hold a NUL byte; name the .yaml file")
-    try:
-        with open(path, "r", encoding="utf-8") as handle:
-            text = handle.read()
+    try:  # O_NONBLOCK: a FIFO's open does not wait for a writer (it is refused below)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with open(fd, "rb") as handle:
+            found = os.fstat(handle.fileno())
+            if stat.S_ISDIR(found.st_mode):
+                raise IsADirectoryError(path)
+            if not stat.S_ISREG(found.st_mode):
+                raise ConfigError(path, "", "not a regular file (a FIFO, socket or device); name the deployment's "
+                                  ".yaml file")
+            if found.st_size > MAX_CONFIG_BYTES:
+                raise ConfigError(path, "", f"holds {format_size(found.st_size)}, more than a deployment config "
+                                  f"does (at most {format_size(MAX_CONFIG_BYTES)}); name the deployment's .yaml file")
+            text = handle.read(MAX_CONFIG_BYTES + 1).decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(path, "", "no such config file") from None
     except IsADirectoryError:

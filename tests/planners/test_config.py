@@ -155,6 +155,29 @@ def test_a_missing_config_file_is_named(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
+@pytest.mark.parametrize("what", ["device", "fifo", "large file"])
+def test_a_config_path_that_is_no_config_is_refused_before_it_is_read(tmp_path, what):
+    """``/dev/zero`` was read whole (the kernel's OOM killer ended the process), a FIFO waited
+    for a writer forever, and a large file named by mistake was read whole too."""
+    import subprocess
+    import sys
+
+    if what == "device":
+        path = "/dev/zero"
+    elif what == "fifo":
+        path = os.fspath(tmp_path / "deploy.yaml")
+        os.mkfifo(path)
+    else:
+        path = os.fspath(tmp_path / "model.safetensors")
+        with open(path, "wb") as handle:
+            handle.truncate(64 << 20)
+    done = subprocess.run([sys.executable, "-m", "planners.cli", "plan", path], capture_output=True, text=True,
+                          timeout=60)
+    reason = "holds 64.0 MiB, more than a deployment config does" if what == "large file" else "not a regular file"
+    assert done.returncode == 2 and done.stderr.startswith(f"hostmem: error: {path}: {reason}"), done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_every_shipped_config_loads_and_plans_on_a_clean_clone(tmp_path, capsys):
     from planners.cli import main
 
