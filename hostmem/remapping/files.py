@@ -17,6 +17,7 @@ import json
 import os
 
 from ..errors import HostmemError
+from .folder import missing_or_not_regular
 
 __all__ = ["CheckpointNotFound", "checkpoint_files", "expand_files", "indexed_shards", "shards_in", "recorded_source"]
 
@@ -122,5 +123,5 @@ def expand_files(files) -> list[str]:
         elif os.path.isfile(path):
             out.append(path)
         else:
-            raise CheckpointNotFound(f"{path}: no such file or folder")
+            raise CheckpointNotFound(f"{path}: {missing_or_not_regular(path)}")
     return out

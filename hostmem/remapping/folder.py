@@ -12,6 +12,13 @@ import re
 
 from ..safetensors.header import SafetensorsError
 
+
+def missing_or_not_regular(path: str) -> str:
+    """Why ``path``, neither a regular file nor a folder, names no checkpoint."""
+    if os.path.exists(path):
+        return "not a regular file or folder (a FIFO, socket or device); name the checkpoint's file or folder"
+    return "no such file or folder"
+
 __all__ = ["checkpoint_files"]
 
 
@@ -51,7 +58,7 @@ def checkpoint_files(path: str, variant: str | None = None) -> list[str]:
     if os.path.isfile(path):
         return [path]
     if not os.path.isdir(path):
-        raise SafetensorsError(f"{path}: no such file or folder")
+        raise SafetensorsError(f"{path}: {missing_or_not_regular(path)}")
     entries = sorted(os.listdir(path))
     dot = f".{variant}" if variant else ""
     for stem, index_first in _LOADERS:

@@ -57,7 +57,7 @@ def path_refusal(path: str, st: os.stat_result, root: str) -> VaultError | None:
 def _link_refusal(path: str, st: os.stat_result, root: str) -> VaultError:
     where = "" if path == root else f" (on the way to the cache root {root})"
     return VaultError(f"{path}: a link made by uid {st.st_uid}{where}, not by this user (uid {os.geteuid()}) or "
-                      "root, so it may point anywhere. Remove it (`rm {path}`, or "
+                      f"root, so it may point anywhere. Remove it (`rm {path}`, or "
                       "ask its owner) or choose a cache root of your own (--root DIR, lora.cache.roots or "
                       "HOSTMEM_CACHE_ROOT).")
 

@@ -34,6 +34,9 @@ def _component(origin: ConfigOrigin, name: str, data: Any) -> ComponentConfig:
             f"{path} does not exist; fix the path (relative paths start at the config's folder), "
             "write the checkpoint first, or declare size/layers instead",
         )
+    if path is not None and not (os.path.isfile(path) or os.path.isdir(path)):
+        raise origin.error(s.sub("path"), f"{path} is not a regular file or folder (a FIFO, socket or device); name "
+                           "the checkpoint's .safetensors file or its folder")
     pattern, count = _layers(s, offload, declared=path is None)
     target_bytes, target_patterns = _lora_targets(s, declared=path is None)
     size = s.size("size")

@@ -178,6 +178,13 @@ def test_a_config_path_that_is_no_config_is_refused_before_it_is_read(tmp_path, 
     assert "Traceback" not in done.stderr
 
 
+def test_a_component_path_that_is_a_device_is_named_at_its_line(write_config):
+    text = GOOD.replace("    size: 61.7GB\n    layers: 208\n    lora_targets: 38GB\n", "    path: /dev/null\n    layers: 208\n")
+    with pytest.raises(ConfigError, match=r"components\.dit\.path: /dev/null is not a regular file or folder "
+                                          r"\(a FIFO, socket or device\)"):
+        load_config(write_config(text), environ={})
+
+
 def test_every_shipped_config_loads_and_plans_on_a_clean_clone(tmp_path, capsys):
     from planners.cli import main
 

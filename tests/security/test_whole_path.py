@@ -40,8 +40,9 @@ def test_a_link_another_user_made_above_the_root_in_a_sticky_folder_is_refused(t
     with reachable_by_others(shared):
         as_nobody(os.symlink, victim, os.path.join(shared, "team"))
     around = snapshot(tmp_path)
-    with pytest.raises(VaultError, match=rf"shared/team: a link made by uid {uid} \(on the way to the cache root"):
+    with pytest.raises(VaultError, match=rf"shared/team: a link made by uid {uid} \(on the way to the cache root") as refused:
         Vault(os.path.join(shared, "team", "hostmem"))
+    assert f"(`rm {os.path.join(shared, 'team')}`" in str(refused.value)  # the path to remove, spelt out
     assert snapshot(tmp_path) == around
 
 
