@@ -182,9 +182,16 @@ def main(argv: list[str] | None = None) -> int:
             quiet_exit()
 
 
+def _say_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A library's warning as one line of the command's own, not Python's two (file:line and source)."""
+    print(f"hostmem: warning: {message}", file=sys.stderr)
+
+
 def _run(args, program: bool) -> int:
     try:
-        code = int(args.run(args) or 0)
+        with warnings.catch_warnings():
+            warnings.showwarning = _say_warning
+            code = int(args.run(args) or 0)
         if program and getattr(args, "read_only", False):
             _skip_exit_collection()
         return code

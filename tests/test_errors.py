@@ -45,6 +45,22 @@ def test_a_project_error_is_one_line_and_exit_2(monkeypatch, capsys):
     assert err == "hostmem: error: deploy.yaml:3: host.limit: not a size; give e.g. 32GiB\n"
 
 
+def test_a_librarys_warning_is_one_line_of_the_commands(monkeypatch, capsys):
+    """Python's own form is two lines: the warning's file and line, then its source line."""
+    import warnings
+
+    def parser(argv):
+        p = argparse.ArgumentParser(prog="hostmem")
+        p.set_defaults(run=lambda args: warnings.warn("the cache root is on tmpfs", UserWarning) or 0)
+        return p
+
+    monkeypatch.setattr(cli, "build_parser", parser)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert cli.main([]) == 0
+    assert capsys.readouterr().err == "hostmem: warning: the cache root is on tmpfs\n"
+
+
 def test_a_bug_keeps_its_traceback(monkeypatch, capsys):
     with pytest.raises(ValueError, match="a bug"):
         _run_raising(monkeypatch, capsys, ValueError("a bug"))

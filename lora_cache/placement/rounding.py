@@ -49,7 +49,7 @@ from ..terms.dora_lycoris import COLUMNS
 from ..compute.merge_math import Term, UnsupportedAdapterError, add_terms, column_scales
 from ..terms.delta import Delta
 
-__all__ = ["POLICIES", "SAMPLE_ROWS", "THRESHOLD", "OverflowingUpdateError", "RoundingCheck", "RoundingLossError", "check_policy", "decide",
+__all__ = ["POLICIES", "SAMPLE_ROWS", "THRESHOLD", "OverflowingUpdateError", "RoundingCheck", "RoundingLossError", "RoundingWarning", "check_policy", "decide",
            "has_values", "is_stand_in", "lost_share", "measure", "split_lossy"]
 
 THRESHOLD = 0.05  # share of the update lost from which a layer is lossy (see the module's docstring)
@@ -62,6 +62,10 @@ _SHOWN = 3
 
 class RoundingLossError(UnsupportedAdapterError):
     """A merge would lose a material share of an adapter's update, and the policy refuses."""
+
+
+class RoundingWarning(UserWarning):
+    """Layers lose a material share of their update to rounding (the check's one line)."""
 
 
 class OverflowingUpdateError(UnsupportedAdapterError):
@@ -278,4 +282,4 @@ def say(check: RoundingCheck) -> None:
     """Warn with the check's one line, where something was lost."""
     line = check.line()
     if line is not None:
-        warnings.warn(line, stacklevel=3)
+        warnings.warn(line, RoundingWarning, stacklevel=3)

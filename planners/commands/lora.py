@@ -206,11 +206,15 @@ def _interrupted_line(exc: KeyboardInterrupt, finished=None) -> str:
 def _build(args, stop):
     """Read the config and build its merge: ``(stats, config, component, built_for)``;
     ``stop`` (:class:`.stopping.Stop`) is armed once what the build imports is imported."""
+    import warnings
+
     from lora_cache import merge
     from lora_cache.adapters.checkpoint_model import served_as
+    from lora_cache.placement.rounding import RoundingWarning
     from planners.checkpoint import diffusers_class, diffusers_config, read_headers
     from planners.config import load_config
 
+    warnings.filterwarnings("ignore", category=RoundingWarning)  # the report's own rounding line says it
     config = load_config(args.config)
     _check_enabled(config)
     component = _merge_component(config)
