@@ -162,13 +162,16 @@ def lock_is_held(path: str, shared_too: bool) -> bool:
 
 
 HIDDEN = -1  # the uid of a holder /proc/locks names in this pid namespace whose /proc entry hides it
+GONE = -2  # the "uid" of a holder that has exited: a process it passed the descriptor on to holds the lock
 
 
 def lock_holders(path: str) -> list[tuple[int, int | None]]:
     """``(pid, uid)`` of each process holding a flock on ``path``, as ``/proc/locks`` names
     them; empty where none is known. The uid is :data:`HIDDEN` where ``/proc/PID`` cannot
     be seen (``hidepid``: a process of this user's is always seen, so it is another
-    user's, or one gone since), None where the pid is none of this namespace's (0)."""
+    user's), :data:`GONE` where the process that took the lock has exited (a process it
+    passed the descriptor to holds it: anyone's), None where the pid is none of this
+    namespace's (0)."""
     try:
         stat = os.lstat(path)
         with open("/proc/locks") as handle:
@@ -200,6 +203,8 @@ def lock_holders(path: str) -> list[tuple[int, int | None]]:
 def _holder_uid(pid: int) -> int | None:
     try:
         return os.stat(f"/proc/{pid}").st_uid if pid > 0 else None
+    except FileNotFoundError:  # /proc/locks names the process that took the lock, which may have exited
+        return GONE
     except OSError:
         return HIDDEN
 
@@ -260,7 +265,7 @@ def held_by_others(holders: list[tuple[int, int | None]]) -> bool:
     """Whether every known holder is another user's process (one ``/proc`` hides from this
     user counts: this user's own are never hidden): never work of ours in progress, so
     waiting for it is waiting for ever."""
-    return bool(holders) and all(uid is not None and uid != os.geteuid() for _, uid in holders)
+    return bool(holders) and all(uid not in (None, GONE) and uid != os.geteuid() for _, uid in holders)
 
 
 def describe_holders(holders: list[tuple[int, int | None]]) -> str:
@@ -269,6 +274,10 @@ def describe_holders(holders: list[tuple[int, int | None]]) -> str:
         return "a process this one cannot see (another container or host)"
 
     def who(uid: int | None) -> str:
-        return "another user's, hidden by /proc" if uid == HIDDEN else f"uid {'?' if uid is None else uid}"
+        if uid == HIDDEN:
+            return "another user's, hidden by /proc"
+        if uid == GONE:
+            return "exited; a process it passed the lock's descriptor to holds it"
+        return f"uid {'?' if uid is None else uid}"
 
     return ", ".join(f"pid {pid} ({who(uid)})" for pid, uid in holders)

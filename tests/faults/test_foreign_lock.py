@@ -79,3 +79,34 @@ def test_a_held_lock_is_named_and_the_start_serves_or_merges_in_place(tmp_path, 
         assert "in place" in said and "after 1 s (HOSTMEM_LOCK_TIMEOUT)" in said and took >= 1, said
     served = start_elsewhere(world, root)[0]  # once let go, the next start hits again
     assert served["equal"] and served["built"] == 0 and served["hit"] > 0, served
+
+
+def test_a_lock_whose_taker_exited_is_a_hold_of_ours_not_another_users(tmp_path):
+    """``/proc/locks`` names the process that took a lock; a child it passed the descriptor to
+    holds it after it exits (``flock FILE cmd``, then the ``flock`` killed). That pid is gone,
+    not hidden: it was called another user's, never waited for, and a copy was built beside it."""
+    import shutil
+    import signal
+    import subprocess
+
+    from hostmem.vault.locks import GONE, describe_holders, foreign_hold, held_by_others, lock_holders
+
+    if shutil.which("flock") is None:
+        pytest.skip("util-linux's flock is not installed")
+    path = os.fspath(tmp_path / "key.lock")
+    open(path, "w").close()
+    os.chmod(path, 0o600)
+    taker = subprocess.Popen(["flock", "-x", path, "sleep", "60"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not lock_holders(path):
+            assert time.monotonic() < deadline, "flock never took the lock"
+            time.sleep(0.02)
+        taker.send_signal(signal.SIGKILL)  # its child, sleep, keeps the lock's descriptor
+        taker.wait(timeout=10)
+        holders = lock_holders(path)
+        assert holders == [(taker.pid, GONE)]
+        assert not held_by_others(holders) and not foreign_hold(holders, exposed=False)
+        assert "exited" in describe_holders(holders) and "another user" not in describe_holders(holders)
+    finally:
+        os.killpg(taker.pid, signal.SIGKILL)
