@@ -203,10 +203,21 @@ def lock_holders(path: str) -> list[tuple[int, int | None]]:
 def _holder_uid(pid: int) -> int | None:
     try:
         return os.stat(f"/proc/{pid}").st_uid if pid > 0 else None
-    except FileNotFoundError:  # /proc/locks names the process that took the lock, which may have exited
-        return GONE
+    except FileNotFoundError:  # hidden (hidepid=2), or the process that took the lock has exited
+        return GONE if _exited(pid) else HIDDEN
     except OSError:
         return HIDDEN
+
+
+def _exited(pid: int) -> bool:
+    """Whether no process ``pid`` exists (another user's one that ``/proc`` hides still does)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def flock_within(fd: int, path: str, exclusive: bool = True) -> bool:
