@@ -22,6 +22,7 @@ read and checked against the manifest as it is mapped.
 from __future__ import annotations
 
 import os
+import stat
 
 from hostmem.safetensors.header import SafetensorsError
 
@@ -77,17 +78,31 @@ def drop_folder(folder: str) -> None:
     fsync_dir(os.path.dirname(folder))
 
 
-def _recorded(folder: str, manifest: Manifest) -> tuple[dict[str, LayerEntry], dict[str, str]]:
+def _recorded(folder: str, manifest: Manifest, writable: bool) -> tuple[dict[str, LayerEntry], dict[str, str]]:
     """The manifest's layers whose files still have the recorded size and header, and
-    why the others do not."""
+    why the others do not. Where writable, what stands at a layer's name that is not a
+    file (a folder, a FIFO) goes: the layer's rebuild takes its name by a rename."""
     entries, failed = {}, {}
     for entry in manifest.layers.values():
         problem = layer_problem(folder, entry)
         if problem:
             failed[entry.name] = problem
+            if writable:
+                _clear_name(os.path.join(folder, entry.file))
         else:
             entries[entry.name] = entry
     return entries, failed
+
+
+def _clear_name(path: str) -> None:
+    try:
+        found = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISDIR(found.st_mode):
+        remove_tree(path)  # links inside are unlinked, never followed
+    elif not stat.S_ISREG(found.st_mode):
+        discard(path)
 
 
 def _unrecorded(folder: str, known_files: set[str], writable: bool) -> dict[str, LayerEntry]:
@@ -144,7 +159,7 @@ def adopt(folder: str, expected: dict | None, writable: bool = True, inputs: dic
     if vouched:
         entries, failed = dict(manifest.layers), {}  # no header read: mapped at their recorded offsets
     else:
-        entries, failed = _recorded(folder, manifest) if manifest else ({}, {})
+        entries, failed = _recorded(folder, manifest, writable) if manifest else ({}, {})
     if writable:
         for name in failed:
             discard(os.path.join(folder, manifest.layers[name].file))

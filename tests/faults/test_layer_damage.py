@@ -32,6 +32,9 @@ FAULTS = {
     "data byte flipped": (lambda p, o: flip_byte(p, read_header(p).data_offset + 1000), "content checksum"),
     "swapped with another layer": (_swap, "holds tensor"),
     "deleted": (lambda p, o: os.unlink(p), "missing"),
+    # every start failed on these ([Errno 21] Is a directory as the rebuild took the name)
+    "a folder in its place": (lambda p, o: (os.unlink(p), os.mkdir(p)), "not a regular file"),
+    "a FIFO in its place": (lambda p, o: (os.unlink(p), os.mkfifo(p)), "not a regular file"),
 }
 
 
