@@ -17,7 +17,7 @@ import json
 import os
 
 from ..errors import HostmemError
-from .folder import missing_or_not_regular
+from .path_kind import missing_or_not_regular
 
 __all__ = ["CheckpointNotFound", "checkpoint_files", "expand_files", "indexed_shards", "shards_in", "recorded_source"]
 

@@ -11,13 +11,7 @@ import os
 import re
 
 from ..safetensors.header import SafetensorsError
-
-
-def missing_or_not_regular(path: str) -> str:
-    """Why ``path``, neither a regular file nor a folder, names no checkpoint."""
-    if os.path.exists(path):
-        return "not a regular file or folder (a FIFO, socket or device); name the checkpoint's file or folder"
-    return "no such file or folder"
+from .path_kind import missing_or_not_regular
 
 __all__ = ["checkpoint_files"]
 
