@@ -204,13 +204,14 @@ def _holder_uid(pid: int) -> int | None:
     try:
         return os.stat(f"/proc/{pid}").st_uid if pid > 0 else None
     except FileNotFoundError:  # hidden (hidepid=2), or the process that took the lock has exited
-        return GONE if _exited(pid) else HIDDEN
+        return GONE if pid_exited(pid) else HIDDEN
     except OSError:
         return HIDDEN
 
 
-def _exited(pid: int) -> bool:
-    """Whether no process ``pid`` exists (another user's one that ``/proc`` hides still does)."""
+def pid_exited(pid: int) -> bool:
+    """Whether no process ``pid`` exists in this pid namespace (another user's, which
+    ``/proc`` may hide, still does)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -232,12 +232,23 @@ def test_an_interrupt_while_the_seal_waits_for_the_hash_keeps_every_layer_and_th
         raise KeyboardInterrupt
 
     monkeypatch.setattr(fold.BaseHasher, "result", interrupted)
+    _interrupted_build(world, root)
+    monkeypatch.undo()
+    assert CONTENT_HASH_MEMO.known(world.base)[1] is not None
+    _every_layer_hits(world, root, expected)
+
+
+def _interrupted_build(world, root: str):
+    """A folded build of every layer that a KeyboardInterrupt stops; its session."""
     model, planned, session = open_folded(world, root)
     with pytest.raises(KeyboardInterrupt), session:
         merge_layers(session.in_file_order(planned[0]), session, progress=False, fallback=False)
     lora_cache.unmerge(model, strict=False)
-    monkeypatch.setattr(fold.BaseHasher, "result", finish)
-    assert CONTENT_HASH_MEMO.known(world.base)[1] is not None
+    return session
+
+
+def _every_layer_hits(world, root: str, expected) -> None:
+    """The next start serves the in-place bytes from the real key's folder, building nothing."""
     served, stats = fresh_start(world.base, world.adapter, root)
     assert_same(served, expected)
     assert (stats.hit, stats.built) == (LAYERS, 0)
@@ -387,15 +398,9 @@ def test_an_interrupt_as_the_seal_names_the_build_by_its_real_key_keeps_every_la
         return real_key(self, digests)
 
     monkeypatch.setattr(fold.Fold, "real_key", interrupted)
-    model, planned, session = open_folded(world, root)
-    with pytest.raises(KeyboardInterrupt), session:
-        merge_layers(session.in_file_order(planned[0]), session, progress=False, fallback=False)
-    lora_cache.unmerge(model, strict=False)
-    monkeypatch.setattr(fold.Fold, "real_key", real_key)
-    served, stats = fresh_start(world.base, world.adapter, root)
-    assert_same(served, expected)
-    assert (stats.hit, stats.built) == (LAYERS, 0)
-    assert not markers(root) and stats.cache_key == os.path.basename(combination_folder(root))
+    _interrupted_build(world, root)
+    monkeypatch.undo()
+    _every_layer_hits(world, root, expected)
     assert len(calls) == 2
 
 
@@ -413,9 +418,6 @@ def test_a_signal_held_over_the_re_key_counts_every_layer_it_named(tmp_path, mon
         raise KeyboardInterrupt  # as interrupts_deferred hands over a signal that came meanwhile
 
     monkeypatch.setattr(rekey_module, "_rekey_held", signalled)
-    model, planned, session = open_folded(world, root)
-    with pytest.raises(KeyboardInterrupt), session:
-        merge_layers(session.in_file_order(planned[0]), session, progress=False, fallback=False)
-    lora_cache.unmerge(model, strict=False)
+    session = _interrupted_build(world, root)
     assert len(session.layers) == LAYERS
     assert session.key == os.path.basename(combination_folder(root))

@@ -20,6 +20,7 @@ import pytest
 
 from hostmem.vault.combinations import sweep_dead_temporaries
 from hostmem.vault.durable import TMP_PREFIX, durable_write
+from hostmem.vault.locks import pid_exited
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEY = "ab" * 32  # a combination folder's name
@@ -38,13 +39,7 @@ WRITER = """
 
 def is_running_here(pid: int) -> bool:
     """Whether a process ``pid`` exists in this pid namespace."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return not pid_exited(pid)
 
 
 def start_writer(launch: list[str], *folders: str) -> tuple[subprocess.Popen, list[str]]:
