@@ -78,30 +78,29 @@ def drop_folder(folder: str) -> None:
     fsync_dir(os.path.dirname(folder))
 
 
-def _recorded(folder: str, manifest: Manifest, writable: bool) -> tuple[dict[str, LayerEntry], dict[str, str]]:
+def _recorded(folder: str, manifest: Manifest) -> tuple[dict[str, LayerEntry], dict[str, str]]:
     """The manifest's layers whose files still have the recorded size and header, and
-    why the others do not. Where writable, what stands at a layer's name that is not a
-    file (a folder, a FIFO) goes: the layer's rebuild takes its name by a rename."""
+    why the others do not."""
     entries, failed = {}, {}
     for entry in manifest.layers.values():
         problem = layer_problem(folder, entry)
         if problem:
             failed[entry.name] = problem
-            if writable:
-                _clear_name(os.path.join(folder, entry.file))
         else:
             entries[entry.name] = entry
     return entries, failed
 
 
 def _clear_name(path: str) -> None:
+    """Whatever stands at a failed layer's name goes, a folder too: the layer's rebuild takes
+    the name by a rename, which a folder there fails."""
     try:
-        found = os.lstat(path)
+        is_folder = stat.S_ISDIR(os.lstat(path).st_mode)
     except OSError:
         return
-    if stat.S_ISDIR(found.st_mode):
+    if is_folder:
         remove_tree(path)  # links inside are unlinked, never followed
-    elif not stat.S_ISREG(found.st_mode):
+    else:
         discard(path)
 
 
@@ -159,10 +158,10 @@ def adopt(folder: str, expected: dict | None, writable: bool = True, inputs: dic
     if vouched:
         entries, failed = dict(manifest.layers), {}  # no header read: mapped at their recorded offsets
     else:
-        entries, failed = _recorded(folder, manifest, writable) if manifest else ({}, {})
+        entries, failed = _recorded(folder, manifest) if manifest else ({}, {})
     if writable:
         for name in failed:
-            discard(os.path.join(folder, manifest.layers[name].file))
+            _clear_name(os.path.join(folder, manifest.layers[name].file))
     extra = _unrecorded(folder, {e.file for e in entries.values()}, writable)
     entries.update(extra)
     problem = _expected_problem(entries, expected)

@@ -277,8 +277,8 @@ class FoldedSession:
                 raise
             try:
                 self._rekey(session, digests)
-            except KeyboardInterrupt:  # before the re-key's own deferred part (naming the key, taking its lock)
-                with interrupts_deferred():  # whole, its base known: left provisional, the next start sweeps it
+            except KeyboardInterrupt:  # before the re-key's deferred part (its lock), or held over it and raised
+                with interrupts_deferred():  # as it ended: whole, its base known, left provisional it would be swept
                     if self.key == session.key:
                         self._rekey(session, digests, wait=False)
                 raise
@@ -300,12 +300,7 @@ class FoldedSession:
         """Name the sealed combination by its real key, now that the base's digests are known
         (``wait``: for another process that holds the real key's lock, a bounded wait)."""
         real = self._fold.real_key(digests)
-        try:
-            self.vault = rekey(session.vault, session.key, real, self._fold.vaults, wait)
-        except KeyboardInterrupt:  # a signal held over the re-key is raised as it ends: named all the same
-            if os.path.isdir(os.path.join(session.vault.cache, real.hex)) and not os.path.isdir(session.folder):
-                self.vault, self.key = session.vault, real.hex
-            raise
+        self.vault = rekey(session.vault, session.key, real, self._fold.vaults, wait)
         self.key = real.hex
 
     def close(self) -> None:

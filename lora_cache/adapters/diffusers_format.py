@@ -249,9 +249,9 @@ def _mixed_layouts(tensors: dict) -> list[str]:
     return found if len(found) > 1 else []
 
 
-def _kohya_flux_broken(tensors: dict, family) -> str:
-    """Why diffusers' kohya Flux converter would merge this file other than ComfyUI, its
-    format's reference, does ("" where it would not):
+def _converter_breaks(tensors: dict, family) -> str:
+    """Why diffusers' Flux or Flux.2 converter would merge this file other than ComfyUI, its
+    format's reference, does ("" where it would not). Flux's kohya converter:
 
     - LoRA factors on the final layer (``lora_unet_final_layer_*``): the converter pops their
       ``.alpha`` without folding it and writes their keys without the ``transformer.``
@@ -411,7 +411,7 @@ def read_with_diffusers(path, loader, components: tuple[str, ...] | None = None,
                                        f"it mixes {' and '.join(mixed)} keys, which no converter of diffusers reads",
                                        loader, keep, bool(components), strict)
     family = family_of(loader, model)
-    broken = _kohya_flux_broken(tensors, family)
+    broken = _converter_breaks(tensors, family)
     if broken:  # diffusers' converter breaks these: read every module with the family's rules
         return read_with_family_rules(path, _diffs_placed(path, tensors, model, loader, family), metadata, family,
                                       broken, loader, keep, bool(components), strict)

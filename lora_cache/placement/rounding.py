@@ -49,8 +49,9 @@ from ..terms.dora_lycoris import COLUMNS
 from ..compute.merge_math import Term, UnsupportedAdapterError, add_terms, column_scales
 from ..terms.delta import Delta
 
-__all__ = ["POLICIES", "SAMPLE_ROWS", "THRESHOLD", "OverflowingUpdateError", "RoundingCheck", "RoundingLossError", "RoundingWarning", "check_policy", "decide",
-           "has_values", "is_stand_in", "lost_share", "measure", "split_lossy"]
+__all__ = ["POLICIES", "SAMPLE_ROWS", "THRESHOLD", "OverflowingUpdateError", "RoundingCheck", "RoundingLossError",
+           "RoundingWarning", "check_policy", "decide", "has_values", "is_stand_in", "lost_share", "measure",
+           "split_lossy"]
 
 THRESHOLD = 0.05  # share of the update lost from which a layer is lossy (see the module's docstring)
 SAMPLE_ROWS = 32  # rows of each layer the share is measured on

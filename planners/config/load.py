@@ -104,7 +104,7 @@ def load_config(path: str | os.PathLike, environ: Mapping[str, str] | None = Non
     if "\0" in path:
         raise ConfigError(repr(path), "", "a path cannot hold a NUL byte; name the .yaml file")
     try:  # O_NONBLOCK: a FIFO's open does not wait for a writer (it is refused below)
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         with open(fd, "rb") as handle:
             found = os.fstat(handle.fileno())
             if stat.S_ISDIR(found.st_mode):

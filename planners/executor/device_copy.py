@@ -41,7 +41,7 @@ import torch
 from .layout import tensor_span
 from .snapshot import fingerprint, held_tensors
 
-__all__ = ["DeviceCopier", "Loaded", "alignment", "host_bytes", "slot_bytes", "standing_in"]
+__all__ = ["DeviceCopier", "Loaded", "alignment", "host_bytes", "same_bits", "slot_bytes", "standing_in"]
 
 _ALIGN = 256  # a device buffer's tensors start at this alignment
 _PAGE = 4096  # the CPU twin keeps each tensor's address modulo a page
@@ -210,7 +210,7 @@ class DeviceCopier:
             table = module._parameters if kind == "p" else module._buffers
             held = table.get(name)
             if held is not None and held is not tensor and _is_view_of(held, loaded.views[(module, kind, name)]):
-                if written and not _same_bits(held, tensor):
+                if written and not same_bits(held, tensor):
                     _written_back(loaded.layout, f"{type(module).__name__}.{name}", tensor, held)
                 table[name] = tensor
         if loaded.buffer is not None and self.cuda:
@@ -236,7 +236,7 @@ def _version_of(loaded: Loaded) -> int | None:
     return None if view is None or view.is_inference() else view._version
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` (a device view) holds the bytes of ``b`` (its host tensor): NaNs alike."""
     flat = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
     return torch.equal(*flat)

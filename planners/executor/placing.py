@@ -59,14 +59,14 @@ def put_back(placed_all: list) -> None:
     it is now, never reverted to what it was at entry, keeping its ``requires_grad``.
     Every holder that still holds the placed tensor gets the one tensor back: a tie stays
     a tie."""
-    from .device_copy import standing_in
+    from .device_copy import same_bits, standing_in
 
     for tensor, placed, state, where in reversed(placed_all):
         still = [(table, key) for table, key in where if table.get(key) is placed]
         if not still:
             continue
         back = tensor
-        if _state(placed) != state or not _same_bytes(tensor, placed):
+        if _state(placed) != state or not same_bits(placed, tensor):
             kind = "p" if isinstance(tensor, torch.nn.Parameter) else "b"
             back = standing_in(tensor, placed.detach().to("cpu"), kind, requires_grad=tensor.requires_grad)
         for table, key in still:
@@ -122,19 +122,6 @@ def bring_home(components: dict, device: torch.device, before: dict[int, torch.T
                         moved[id(tensor)] = standing_in(tensor, tensor.detach().to("cpu"), kind,
                                                         requires_grad=tensor.requires_grad)
                     table[key] = moved[id(tensor)]
-
-
-def _same_bytes(host: torch.Tensor, placed: torch.Tensor, chunk: int = 64 << 20) -> bool:
-    """Whether ``placed`` holds ``host``'s bytes, bit for bit (a NaN's payload, a negative
-    zero), compared ``chunk`` bytes at a time on the host."""
-    a = host.detach().reshape(-1).view(torch.uint8)
-    b = placed.detach().reshape(-1).view(torch.uint8)
-    if a.numel() != b.numel():
-        return False
-    for start in range(0, a.numel(), chunk):
-        if not torch.equal(a[start:start + chunk], b[start:start + chunk].to("cpu")):
-            return False
-    return True
 
 
 def _nested_modules(root: torch.nn.Module, others: list[torch.nn.Module]) -> set[int]:
