@@ -17,6 +17,10 @@ runs, these signals are blocked and waited for instead of handled.
 When the command has not ended ``grace_s`` after the first signal, or a second
 signal comes, ``kill`` ends everything it started: an interrupted guard never
 leaves its command running, and never hangs on one that ignores the signal.
+
+A signal the guard was started with ignored (``nohup`` ignores SIGHUP, a shell's
+background job SIGINT and SIGQUIT) stays ignored: its command inherits it ignored, so
+passing it on would only end in the kill after ``grace_s``.
 """
 
 from __future__ import annotations
@@ -69,7 +73,8 @@ class HeldSignals:
         self.reached = ""
         self.killed = 0
         self._saved_mask: set | None = None
-        self._watched = {*PASSED_ON, signal.SIGCHLD}
+        ignored = {sig for sig in PASSED_ON if signal.getsignal(sig) is signal.SIG_IGN}  # nohup's, a background job's
+        self._watched = {*PASSED_ON, signal.SIGCHLD} - ignored
 
     def __enter__(self) -> "HeldSignals":
         if threading.current_thread() is threading.main_thread():

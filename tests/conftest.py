@@ -65,15 +65,19 @@ def _path_without_exit_site() -> list[str]:
 
 
 def _interruptible() -> None:
-    """SIGINT delivered as at a terminal, however the run was started: a shell starts a
-    background job (``make test &``, ``nohup``) with SIGINT ignored, which every process a
-    test starts would inherit, and the tests of Ctrl-C (the guard, the demo) would then
-    send it to processes that never see it. A handler (unlike an ignored signal) is reset
-    to the default at exec, so children get SIGINT as from a terminal."""
+    """SIGINT, SIGQUIT and SIGHUP delivered as at a terminal, however the run was started: a shell
+    starts a background job (``make test &``) with both ignored and ``nohup`` SIGHUP, which
+    every process a test starts would inherit, and the tests of Ctrl-C and Ctrl-\\ (the guard,
+    the demo) would then send them to processes that rightly ignore them. A handler (unlike
+    an ignored signal) is reset to the default at exec, so children get SIGINT as from a
+    terminal."""
     import signal
 
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGQUIT, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
 
 
 def pytest_unconfigure(config):

@@ -301,3 +301,24 @@ def test_a_group_left_by_a_guard_killed_with_sigkill_is_removed_by_the_next_guar
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert leftover_groups() == []
+
+
+def test_a_signal_the_guard_was_started_to_ignore_is_ignored_and_its_command_runs_to_its_end(tmp_path):
+    """``nohup hostmem guard -- CMD`` (or a background job's Ctrl-\\): the guard and its command
+    start with the signal ignored. The guard used to take it as an interruption, pass it on to
+    a command that ignored it too, and kill that command 10 s later."""
+    done = tmp_path / "done"
+    script = ("import pathlib, sys, time; pathlib.Path(sys.argv[1]).touch(); time.sleep(1.5); "
+              "pathlib.Path(sys.argv[2]).touch()")
+    guard = subprocess.Popen(
+        [sys.executable, "-m", "planners.cli", "guard", "--max-peak-anon", "512MiB", "--",
+         sys.executable, "-c", script, str(tmp_path / "ready"), str(done)],
+        stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),  # as nohup starts it
+    )
+    wait_for(lambda: (tmp_path / "ready").exists() or guard.poll() is not None, "the command ready")
+    guard.send_signal(signal.SIGHUP)
+    err = guard.communicate(timeout=60)[1]
+    assert guard.returncode == 0, err
+    assert "interrupted" not in err and "Traceback" not in err, err
+    assert done.exists()  # the command ran to its end
