@@ -228,6 +228,12 @@ class Pinner:
     def keys(self) -> list:
         return list(self._owned)
 
+    def spans(self, keys=None) -> list[tuple[int, int]]:
+        """The ``(start, end)`` page spans this pinner locked for ``keys`` (default: all), in
+        address order; spans of two keys never overlap."""
+        chosen = self._owned if keys is None else {key: self._owned[key] for key in keys}
+        return sorted(span for spans in chosen.values() for span in spans)
+
     def tensors(self, key) -> list[torch.Tensor]:
         return list(self._tensors[key])
 

@@ -3,9 +3,11 @@
 Each planned layer is pinned in place (``hostmem.pinning``: cudaHostRegister on a CUDA
 host, mlock on a CPU host), never more than the plan names. Afterwards the
 accountant must find exactly the planned bytes of those layers pinned, and on a
-CPU host the kernel's ``VmLck`` must have grown by exactly the whole pages asked
-for: the bytes actually locked, not the tensors' sizes. A mismatch undoes this
-call's pins and raises :class:`PinMismatch`.
+CPU host the kernel must hold exactly the whole pages asked for locked (``VmFlags lo``
+in ``/proc/self/smaps`` under each span: the bytes actually locked, not the tensors'
+sizes, and unmoved by what the rest of the process locks or unlocks meanwhile, such
+as earlier pins a garbage collection lets go). A mismatch undoes this call's pins and
+raises :class:`PinMismatch`.
 
 Net cost: a layer mapped from the checkpoint is pinned where it lies, so its page
 cache becomes the pinned copy and nothing is duplicated (``/proc/meminfo``: Mlocked
@@ -17,7 +19,7 @@ merge or switch, an unmerge, a remap or spill) tells the pinner
 (:func:`hostmem.pinning.replaced`), which pins the replacement in place while the plan
 still pins that layer and the pages locked stay within the plan's pin budget, and
 otherwise releases the layer (``AppliedPins.released``). :meth:`AppliedPins.check`
-says, at any time, whether the pinner's books, VmLck and the ledger agree.
+says, at any time, whether the pinner's books, the kernel and the ledger agree.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 import hostmem
 from hostmem.errors import HostmemError, InputError
 from hostmem.pinning import Pinner, page_bytes
-from hostmem.procfs import read_status
+from hostmem.procfs import locked_within, read_status
 
 from .config import DeploymentConfig
 from .deployment import DeploymentPlan
@@ -78,8 +80,9 @@ class AppliedPins:
         return list(self.pinner.released)
 
     def check(self, modules: Mapping[str, torch.nn.Module]) -> "PinCheck":
-        """The pinner's books, VmLck and the ledger, read now; :class:`PinMismatch` if they differ."""
-        found = PinCheck(self.locked_now, read_status().vm_lck - self.vm_lck_before, ledger_pinned_pages(modules))
+        """The pinner's books, the kernel and the ledger, read now; :class:`PinMismatch` if they differ."""
+        kernel = locked_within(self.pinner.spans()) - self.locked_before
+        found = PinCheck(self.locked_now, kernel, ledger_pinned_pages(modules))
         if self.backend == "mlock" and not found.agree:
             raise PinMismatch(f"pins no longer agree: {found}")
         return found
@@ -91,17 +94,17 @@ class AppliedPins:
 
 @dataclass(frozen=True)
 class PinCheck:
-    """Pinned bytes by three witnesses: the pinner's books, the kernel's VmLck (its growth
-    since the pins were applied) and the ledger (whole pages under the storages it finds
-    pinned)."""
+    """Pinned bytes by three witnesses: the pinner's books, the kernel (bytes under the
+    pinner's spans that smaps shows locked, beyond what it held before the pins were
+    applied) and the ledger (whole pages under the storages it finds pinned)."""
 
     books: int
-    vm_lck: int
+    kernel: int
     ledger: int
 
     @property
     def agree(self) -> bool:
-        return self.books == self.vm_lck == self.ledger
+        return self.books == self.kernel == self.ledger
 
 
 def ledger_pinned_pages(modules: Mapping[str, torch.nn.Module]) -> int:
@@ -178,7 +181,7 @@ def apply_pin_plan(
         for key, tensors in planned.items():
             pinner.pin(key, tensors)
             done.append(key)
-        result = _verify(plan, modules, config, pinner, planned, vm_before, locked_before, expected_locked)
+        result = _verify(plan, modules, config, pinner, done, vm_before, locked_before, expected_locked)
     except BaseException:
         for key in reversed(done):
             pinner.unpin(key)
@@ -196,7 +199,7 @@ def _follow_the_plan(pinner: Pinner, plan: DeploymentPlan, max_locked: int) -> N
         pinner.max_locked = max_locked
 
 
-def _verify(plan, modules, config, pinner, planned, vm_before, locked_before, expected_locked) -> AppliedPins:
+def _verify(plan, modules, config, pinner, keys, vm_before, locked_before, expected_locked) -> AppliedPins:
     ledger = hostmem.account(dict(modules))
     checks = []
     for name, pins in plan.pins.plans.items():
@@ -216,9 +219,9 @@ def _verify(plan, modules, config, pinner, planned, vm_before, locked_before, ex
     vm_after = read_status().vm_lck
     if locked != expected_locked:
         raise PinMismatch(f"locked {locked} bytes where the plan's pages come to {expected_locked}")
-    if pinner.backend.name == "mlock" and vm_after - vm_before != locked:
+    if pinner.backend.name == "mlock" and (kernel := locked_within(pinner.spans(keys))) != locked:
         raise PinMismatch(
-            f"VmLck grew by {vm_after - vm_before} bytes, but {locked} were locked; another thread may "
-            "have locked or unlocked memory meanwhile"
+            f"the kernel holds {kernel} of the {locked} bytes this call locked (/proc/self/smaps, VmFlags lo): "
+            "another thread unlocked some of them meanwhile"
         )
     return AppliedPins(pinner.backend.name, tuple(checks), locked, vm_before, vm_after, pinner, locked_before)

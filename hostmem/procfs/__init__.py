@@ -29,6 +29,7 @@ _EXPORTS = {
     "Vma": "maps",
     "read_maps": "maps",
     "read_smaps": "maps",
+    "locked_within": "maps",
     "ProcStatus": "status",
     "parse_status": "status",
     "read_status": "status",

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from .files import proc_path, read_text
 
-__all__ = ["Vma", "parse_maps_line", "read_maps", "read_smaps", "strip_deleted"]
+__all__ = ["Vma", "locked_within", "parse_maps_line", "read_maps", "read_smaps", "strip_deleted"]
 
 
 def strip_deleted(path: str) -> str:
@@ -115,6 +115,23 @@ def read_smaps(pid: int | None = None) -> list[Vma]:
     if current is not None:
         vmas.append(Vma(**current))
     return vmas
+
+
+def locked_within(spans, pid: int | None = None) -> int:
+    """Bytes of ``spans`` (``(start, end)`` addresses, none overlapping another) that lie in
+    memory the kernel holds locked: VMAs whose smaps ``VmFlags`` have ``lo`` (mlock splits a
+    VMA at the edges of what it locks). Unlike the growth of ``VmLck``, what the rest of the
+    process locks or unlocks meanwhile does not change it."""
+    locked = [(vma.start, vma.end) for vma in read_smaps(pid) if "lo" in vma.vm_flags]
+    total, i = 0, 0
+    for start, end in sorted(spans):
+        while i < len(locked) and locked[i][1] <= start:
+            i += 1
+        j = i
+        while j < len(locked) and locked[j][0] < end:
+            total += min(end, locked[j][1]) - max(start, locked[j][0])
+            j += 1
+    return total
 
 
 def _looks_like_range(token: str) -> bool:

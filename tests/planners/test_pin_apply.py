@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import hostmem
 from hostmem.pinning import MlockBackend, PinError, Pinner, page_span
@@ -160,3 +161,40 @@ def test_without_cap_ipc_lock_the_pin_test_skips_and_says_why(tmp_path):
     summary = child.stdout.strip().splitlines()[-1]
     assert summary.startswith("1 skipped, ") and "failed" not in summary and "error" not in summary, summary
     assert "may not mlock" in child.stdout and "RLIMIT_MEMLOCK is 8.0 MiB" in child.stdout, child.stdout[-3000:]
+
+
+class LettingGoBackend(MlockBackend):
+    """A backend whose first lock lets the last reference to earlier pins go: what a
+    server's other thread, or a garbage collection at any allocation, may do while the
+    plan's pins are applied."""
+
+    def __init__(self, earlier: list):
+        super().__init__()
+        self.earlier = earlier
+
+    def lock(self, start: int, length: int) -> None:
+        self.earlier.clear()  # the earlier pinner's finalizer unlocks its pages here
+        super().lock(start, length)
+
+
+def test_earlier_pins_let_go_while_a_plan_is_applied_are_not_the_plans_mismatch(loaded):
+    """A server that pins again (a second plan, a reload) may let go of earlier pins while
+    it does: VmLck then grew by less than the plan's pins, and the check called them a
+    mismatch and undid them. What the kernel holds under the plan's own spans decides."""
+    config, modules = loaded
+    plan = plan_loaded(config, modules)
+    pages = _pages_of(modules, config, plan)
+    require_mlock(pages + 5 * MiB)
+    earlier, tensor = Pinner(MlockBackend()), torch.ones(4 * MiB // 4)
+    earlier.pin(("earlier", "0"), [tensor])
+    vm_before, earlier_bytes = read_status().vm_lck, earlier.locked_bytes
+    held = [earlier]
+    del earlier
+    applied = apply_pin_plan(plan, modules, config, Pinner(LettingGoBackend(held)))
+    try:
+        assert applied.locked_bytes == pages
+        assert read_status().vm_lck == vm_before - earlier_bytes + pages  # the earlier pins went
+        check = applied.check(modules)
+        assert check.books == check.kernel == check.ledger == pages
+    finally:
+        applied.release()

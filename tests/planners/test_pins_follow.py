@@ -65,13 +65,13 @@ def test_pins_follow_a_remap_a_merge_an_unmerge_and_switches(heap_loaded, tmp_pa
     ]
     try:
         first = applied.check(modules)
-        assert first.books == first.vm_lck == first.ledger == read_status().vm_lck - vm_before > 0
+        assert first.books == first.kernel == first.ledger == read_status().vm_lck - vm_before > 0
         for step, do, served_from in steps:
             do()
             lies = MappedAreas().read_only_file(dit.get_parameter(f"blocks.{layers[0].split('.')[1]}.w0.weight"))
             assert lies is not None and lies.startswith(served_from), (step, lies)  # the weight was replaced
             check = applied.check(modules)  # raises PinMismatch where the three differ
-            assert check.vm_lck == read_status().vm_lck - vm_before == check.ledger == check.books, (step, check)
+            assert check.kernel == read_status().vm_lck - vm_before == check.ledger == check.books, (step, check)
             assert _pinned_layers_whole(modules, config, layers), step
             assert applied.released == [], step
     finally:
@@ -91,7 +91,7 @@ def test_a_replacement_the_budget_cannot_pin_releases_the_old_pages(heap_loaded,
         lora_cache.merge(modules["dit"], [(adapter, 1.0)], cache_root=tmp_path / "cache", progress=False,
                          base_files=checkpoint_files(checkpoint))
         check = applied.check(modules)
-        assert check.vm_lck == read_status().vm_lck - vm_before == check.ledger == check.books <= MiB
+        assert check.kernel == read_status().vm_lck - vm_before == check.ledger == check.books <= MiB
         assert applied.released and set(applied.released) <= {("dit", n) for n in plan.pins.plans["dit"].pinned_layers}
     finally:
         applied.release()
@@ -110,7 +110,7 @@ def test_a_layer_the_plan_no_longer_pins_is_released_when_replaced(heap_loaded):
         hostmem.remap(modules["dit"], files=checkpoint)
         check = applied.check(modules)
         assert applied.released == [("dit", dropped)] and check.agree
-        assert check.vm_lck == read_status().vm_lck - vm_before
+        assert check.kernel == read_status().vm_lck - vm_before
     finally:
         applied.release()
     assert read_status().vm_lck == vm_before and os.path.exists(checkpoint)
