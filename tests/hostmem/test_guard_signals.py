@@ -22,7 +22,7 @@ import time
 import psutil
 import pytest
 
-from tests.hostmem.test_guard_tree import MODES, leftover_groups, needs_cgroup
+from tests.hostmem.test_guard_tree import MODES, killing_on_purpose, leftover_groups, needs_cgroup
 from tests.hostmem.test_peak import process_state, wait_for
 
 # The command: a shell script whose python child writes each signal it gets into a
@@ -282,6 +282,7 @@ def test_ctrl_backslash_or_a_user_signal_to_the_guard_reaches_the_command_and_le
 @needs_cgroup
 def test_a_group_left_by_a_guard_killed_with_sigkill_is_removed_by_the_next_guard(tmp_path):
     guard = start_guard(tmp_path, None)
+    killing_on_purpose(guard.pid)
     os.kill(guard.pid, signal.SIGKILL)  # a CI runner's timeout: no clean-up can run
     guard.wait(timeout=60)
     for child in psutil.process_iter(["cmdline"]):  # its command, left running: end it as the runner would
@@ -289,9 +290,9 @@ def test_a_group_left_by_a_guard_killed_with_sigkill_is_removed_by_the_next_guar
             child.kill()
     wait_for(lambda: not [p for p in psutil.process_iter(["cmdline"])
                           if str(tmp_path) in " ".join(p.info["cmdline"] or [])], "the killed guard's command gone")
-    (left,) = [name for name in leftover_groups() if name.startswith(f"hostmem-guard-{guard.pid}-")]
     from hostmem.procfs import memory_cgroup_dir
 
+    (left,) = [name for name in os.listdir(memory_cgroup_dir()[1]) if name.startswith(f"hostmem-guard-{guard.pid}-")]
     folder = os.path.join(memory_cgroup_dir()[1], left)
     young = subprocess.run([sys.executable, "-m", "planners.cli", "guard", "--max-peak-anon", "512MiB", "--", "true"],
                            capture_output=True, text=True, timeout=60)
@@ -300,6 +301,7 @@ def test_a_group_left_by_a_guard_killed_with_sigkill_is_removed_by_the_next_guar
     done = subprocess.run([sys.executable, "-m", "planners.cli", "guard", "--max-peak-anon", "512MiB", "--", "true"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+    assert not os.path.isdir(folder)  # the killed guard's group, removed by the next guard
     assert leftover_groups() == []
 
 

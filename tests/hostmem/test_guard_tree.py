@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import subprocess
 import sys
 import textwrap
@@ -49,12 +50,26 @@ def guard_cli(*args: str) -> subprocess.CompletedProcess:
 def leftover_groups() -> list[str]:
     """Memory cgroups a guard that has ended left under this process's own (there must be
     none). A group is named after the guard's pid; one whose guard still runs belongs to
-    a test running beside this one (another worker), not to a guard that ended."""
+    a test running beside this one (another worker), not to a guard that ended, and so
+    does one whose guard a test kills on purpose (:func:`killing_on_purpose`)."""
     found = memory_cgroup_dir()
     if found is None or not os.path.isdir(found[1]):
         return []
     names = [name for name in os.listdir(found[1]) if name.startswith("hostmem-guard-")]
-    return [name for name in names if not psutil.pid_exists(int(name.split("-")[2]))]
+    killed = set(os.listdir(_KILLED)) if os.path.isdir(_KILLED) else set()
+    return [name for name in names
+            if not psutil.pid_exists(int(name.split("-")[2])) and name.split("-")[2] not in killed]
+
+
+_KILLED = os.path.join(tempfile.gettempdir(), "guards-killed-on-purpose")  # the run's, every worker's
+
+
+def killing_on_purpose(pid: int) -> None:
+    """Say, before it is killed with SIGKILL, that the guard ``pid`` leaves its group behind on
+    purpose: a test's own until the next guard removes it, which :func:`leftover_groups`
+    skips in every worker of the run (they share its temporary folder)."""
+    os.makedirs(_KILLED, exist_ok=True)
+    open(os.path.join(_KILLED, str(pid)), "w").close()
 
 
 def test_the_script_s_child_is_counted_by_default_and_not_with_no_children(tmp_path):
