@@ -198,7 +198,8 @@ def _unique_storages(components: Mapping[str, torch.nn.Module]) -> list[_Storage
         for name, tensor in _named_tensors(module):
             storage = tensor.untyped_storage()
             device = "cpu" if tensor.is_cpu else str(tensor.device)
-            key = (storage.data_ptr(), storage.nbytes(), device)
+            # a storage without memory (the meta device's) is told apart by the storage itself
+            key = (storage.data_ptr() or (storage._cdata if storage.nbytes() else 0), storage.nbytes(), device)
             found = by_key.get(key)
             if found is not None:
                 found.names.append(name)

@@ -98,10 +98,13 @@ def _move_groups(config: DeploymentConfig, components, device: DevicePlan) -> li
 
 def plan_device_memory(config: DeploymentConfig, components: Mapping[str, ComponentSizes]) -> DevicePlan:
     """Every component's device memory (:mod:`planners.device_plan`): streamed ones with
-    their windows, ``full`` ones in flight, ``none`` ones held whole."""
+    their windows, ``full`` ones in flight, ``none`` ones held whole. What a ``none`` or
+    ``full`` component has on a device already (``device_bytes``: a text encoder the
+    server moved there) counts there too; a streamed one's are left to its executor,
+    which places its layers as this plan says."""
     streamed = [Streamed(components[c.name], c.prefetch, config.moves(c.name)) for c in config.streamed_components]
-    held = {n: s.weights_bytes for n, s in components.items() if s.offload == "none"}
-    in_flight = {n: s.weights_bytes for n, s in components.items() if s.offload == "full"}
+    held = {n: s.weights_bytes + s.device_bytes for n, s in components.items() if s.offload == "none"}
+    in_flight = {n: s.weights_bytes + s.device_bytes for n, s in components.items() if s.offload == "full"}
     return plan_devices(streamed, held, in_flight, config.device.vram, config.device.reserve)
 
 

@@ -103,6 +103,9 @@ class ComponentSizes(NamedTuple):
     # levels below the number, 3 for blocks.0.attn.to_q.weight): blocks no layers pattern
     # names (Flux's single_transformer_blocks); None where the names are not known
     rest_families: tuple[tuple[str, int, int, int], ...] | None = None
+    # bytes of its parameters on a device already (a text encoder a server moved there):
+    # device memory the plan counts, not host memory
+    device_bytes: int = 0
 
     @property
     def units(self) -> tuple[Layer, ...]:
@@ -292,12 +295,14 @@ def from_ledger(
 ) -> ComponentSizes:
     """Sizes and measured residency of a component of a :class:`hostmem.Ledger`.
 
-    Parameters on a device are not host memory and are left out; a storage shared
-    by several names was counted once by the accountant, under its first name.
+    Parameters on a device are not host memory and are left out of the layers; their
+    bytes are ``device_bytes``, which the device plan counts. A storage shared by several
+    names was counted once by the accountant, under its first name.
     """
     entries = [p for p in ledger_component.parameters.values() if p.device == "cpu"]
     named = [(p.name, p.nbytes, p.residency) for p in entries]
     layers, rest = group_layers(named, pattern, lora_patterns)
     sizes = ComponentSizes(ledger_component.name, offload, "ledger", layers, rest,
-                           rest_families=rest_families(named, pattern))
+                           rest_families=rest_families(named, pattern),
+                           device_bytes=getattr(ledger_component, "device_bytes", 0))
     return with_lora_target_bytes(sizes, lora_target_bytes) if lora_target_bytes else sizes
