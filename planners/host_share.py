@@ -40,7 +40,7 @@ from .config import DeploymentConfig
 from .config.parallel import local_world as config_local_world
 
 __all__ = ["RankNeed", "HostShare", "split_host_budget", "host_budget_of", "local_world", "share_for", "rank_need",
-           "capped_config", "host_reasons"]
+           "capped_config", "host_reasons", "rank_limit"]
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,18 @@ def host_reasons(share: HostShare, limit: int) -> list[str]:
     if c + r > limit:
         return [f"{said} > host limit {format_size(limit)}: killed at the first request"]
     return []
+
+
+def rank_limit(share: HostShare, limit: int, mine: RankNeed) -> int:
+    """This rank's part of the host's ``limit``: its own reserve, what it commits, its share
+    of the pins, and an equal part of the page cache room the ranks leave together. Its
+    room (pins + page cache) then is its part of the host's, where planned against the
+    whole limit it took the room every rank counts on; for alike ranks the part is
+    ``limit / ranks``, as ``hostmem plan --ranks N`` plans one."""
+    n = share.local_world_size
+    own = mine.committed.non_reclaimable + mine.process_excess + mine.build_reserve
+    room = max(0, limit - share.host_reserve - share.host_committed - sum(share.shares))
+    return min(limit, share.host_reserve // n + own + share.share + room // n)
 
 
 def capped_config(config: DeploymentConfig, share: HostShare, committed_pinned: int) -> DeploymentConfig:

@@ -33,12 +33,13 @@ import hostmem
 from lora_cache.switching.adapter_switch import build_reserve_bytes
 
 from hostmem.errors import InputError
-from .budget import read_host_limit
+from hostmem.units import format_size
+from .budget import HostLimit, read_host_limit
 from .config import DeploymentConfig, load_config
 from .deployment import DeploymentPlan, plan_deployment
 from .offload_hooks import offload_warnings
 from .host_checks import cache_root_warnings
-from .host_share import capped_config, host_reasons, rank_need, share_for
+from .host_share import capped_config, host_reasons, rank_limit, rank_need, share_for
 from .named_components import named_components
 from .report import report_text
 from .reserve import process_excess
@@ -186,7 +187,7 @@ def plan_loaded(
         merge, reason, notes = _merge_done(stats)
         notes += merge_mismatches(config, stats)
 
-    def plan_under(cfg: DeploymentConfig) -> DeploymentPlan:
+    def plan_under(cfg: DeploymentConfig, host: HostLimit = host) -> DeploymentPlan:
         return plan_deployment(
             cfg,
             sizes,
@@ -202,9 +203,13 @@ def plan_loaded(
         )
 
     plan = plan_under(config)
-    share = share_for(config, host.bytes, rank_need(plan))  # None: the only rank on this host
-    if share is not None:
-        capped = plan_under(capped_config(config, share, plan.budget.committed_pinned))
+    mine = rank_need(plan)
+    share = share_for(config, host.bytes, mine)  # None: the only rank on this host
+    if share is not None:  # this rank's part of the limit (its room, not every rank's) and of the pins
+        part = host._replace(bytes=rank_limit(share, host.bytes, mine),
+                             source=f"this rank's part of {format_size(host.bytes)} ({host.source}) for the "
+                                    f"{share.local_world_size} ranks on this host")
+        capped = plan_under(capped_config(config, share, plan.budget.committed_pinned), part)
         plan = capped._replace(host_share=share.to_dict())
         over = host_reasons(share, host.bytes)  # the ranks together, not this one alone against the host
         if over:

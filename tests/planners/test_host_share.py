@@ -107,6 +107,43 @@ def test_under_torchrun_the_verdict_is_the_hosts_not_one_rank_against_the_whole_
     assert plan.verdict.line.startswith("fits: no: committed by the 4 ranks on this host ")
     assert f"+ reserve 4 x {format_size(reserve)} = {format_size(4 * reserve)} > host limit " in plan.verdict.line
     (zero,) = [w for w in plan.warnings if w.startswith("host budget is 0")]
-    assert zero.startswith("host budget is 0: this rank's share of the pins the 4 ranks on this host may make "
-                           "together is 0 B, so nothing is pinned"), zero
+    # against this rank's part of the limit (its reserve, what it commits, no room left by the four)
+    assert zero.startswith("host budget is 0: committed non-reclaimable 24.0 MiB and the reserve "), zero
+    assert f"reach the limit {format_size(plan.host.bytes)}, so nothing is pinned" in zero, zero
+    assert plan.host.bytes == reserve + 24 * MiB  # the rank's part: nothing beyond its reserve and its DiT
     del torch
+
+
+def test_a_live_rank_under_torchrun_plans_its_part_of_the_host_as_plan_with_ranks_does(tmp_path, monkeypatch):
+    """Each of four alike ranks planned its page cache against the whole host: room 2.4 GiB
+    where ``hostmem plan --ranks 4`` gives each 168 MiB, so every rank counted on the
+    others' page cache (no disk reads predicted, every block pinned)."""
+    import json
+    import subprocess
+    import sys
+
+    from planners.config import load_config
+
+    from .conftest import mapped_module, write_checkpoint
+
+    write_checkpoint(tmp_path / "dit", 12, 16 * MiB)
+    write_checkpoint(tmp_path / "te", 4, 8 * MiB, prefix="enc")
+    config = tmp_path / "ranks.yaml"
+    config.write_text("deployment: ranks-live\nhost: {limit: 3GiB, reserve: 600MiB, max_pinned: 100%}\n"
+                      "device: {vram: 100MiB, reserve: 20MiB}\nworkload: {steps: 4}\ncomponents:\n"
+                      '  dit: {path: dit, layers: "blocks.{i}.", offload: layerwise}\n'
+                      '  text_encoder: {path: te, layers: "enc.{i}.", offload: full}\n')
+    modules = {"dit": mapped_module(tmp_path / "dit"), "text_encoder": mapped_module(tmp_path / "te")}
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    live = plan_loaded(load_config(config), modules, quiet=True)
+    done = subprocess.run([sys.executable, "-m", "planners.cli", "plan", str(config), "--ranks", "4", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    what_if = json.loads(done.stdout)
+    assert live.host.bytes == what_if["budget"]["limit_bytes"] == (3 << 30) // 4
+    assert live.budget.room == what_if["budget"]["room_bytes"] == (3 << 30) // 4 - 600 * MiB
+    for name in ("dit", "text_encoder"):
+        ours, theirs = live.pins.plans[name], what_if["pin_plans"][name]
+        assert list(ours.pinned_layers) == theirs["pinned_layers"], name
+        assert ours.disk_bytes_per_request == theirs["disk_bytes_per_request"], name
