@@ -104,7 +104,8 @@ def window_bytes(sizes: list[int], prefetch: int) -> int:
     return max(sizes, default=0) + read_ahead_bytes(sizes, prefetch)
 
 
-def _component_roles(plan, name, room, prefetch) -> tuple[ComponentRoles, int]:
+def _component_roles(plan, name, room, prefetch, whole: bool = False) -> tuple[ComponentRoles, int]:
+    """``whole``: every unpinned layer is kept (an expert that fits alone in its turn)."""
     pins = plan.pins.plans[name]
     units, resident = _candidates(plan, name)
     pinned = set(pins.pinned_layers)
@@ -112,7 +113,7 @@ def _component_roles(plan, name, room, prefetch) -> tuple[ComponentRoles, int]:
     layers = [u for u in units if u.name != REST and u.name not in pinned]
     room -= sum(u.reclaimable for u in rest)
     sizes = [u.reclaimable for u in layers]
-    if pins.page_cache_fits:
+    if pins.page_cache_fits or whole:
         kept = {u.name for u in layers}
     else:
         kept = _spread_fit(layers, max(0, room - window_bytes(sizes, prefetch)))
@@ -137,11 +138,21 @@ def _component_roles(plan, name, room, prefetch) -> tuple[ComponentRoles, int]:
 
 
 def plan_roles(plan: "DeploymentPlan", prefetch: int) -> dict[str, ComponentRoles]:
-    """Roles of every layer of every component the plan moves (see the module doc)."""
+    """Roles of every layer of every component the plan moves (see the module doc).
+
+    Experts that take turns in a page cache too small for all of them but large enough
+    for each (the pin plan's ``disk_once``) keep every layer: during its turn an expert
+    is read once and served from the page cache, the kernel evicting the other's; the
+    room is theirs by turns, and the components after them read from disk, as the pin
+    plan says."""
     room = plan.pins.room_after_pins
-    out = {}
-    for name in plan.pins.plans:  # the planner's order: most moves per request first
-        out[name], room = _component_roles(plan, name, room, prefetch)
+    out, turns = {}, {}
+    for name, pins in plan.pins.plans.items():  # the planner's order: most moves per request first
+        if pins.disk_once:
+            out[name], _ = _component_roles(plan, name, turns.setdefault(pins.alternates, room), prefetch, whole=True)
+            room = 0
+        else:
+            out[name], room = _component_roles(plan, name, room, prefetch)
     return out  # offload "none" has no pin plan: it computes where it lies, nothing moves
 
 
