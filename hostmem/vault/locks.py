@@ -265,12 +265,15 @@ def close_to_others(fd: int, path: str) -> bool:
 
 def foreign_hold(holders: list[tuple[int, int | None]], exposed: bool) -> bool:
     """Whether a hold is never work of ours in progress: every holder another user's
-    (:func:`held_by_others`), or none listed at all for a lock file others could open.
-    ``/proc/locks`` lists only the holders in this pid namespace, so from a container a
-    hold from the host or another container is unseen: on a lock file only we can open
-    it is ours (a build in another container: waited for), on one others could open it
-    may be anyone's, and waiting for it may be waiting for ever."""
-    return held_by_others(holders) or (exposed and not holders)
+    (:func:`held_by_others`), or, on a lock file others could open, none listed at all or
+    each listed one another user's or exited. ``/proc/locks`` lists only the holders in
+    this pid namespace, so from a container a hold from the host or another container is
+    unseen; and it names the process that took the lock, which may have passed the
+    descriptor on and exited (``flock FILE cmd &``). On a lock file only we can open,
+    either is ours (a build in another container, a child of ours: waited for); on one
+    others could open it may be anyone's, and waiting for it may be waiting for ever."""
+    mine = os.geteuid()  # HIDDEN and GONE are never a uid: both count on an exposed file
+    return held_by_others(holders) or (exposed and all(uid is not None and uid != mine for _, uid in holders))
 
 
 def held_by_others(holders: list[tuple[int, int | None]]) -> bool:

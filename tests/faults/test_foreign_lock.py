@@ -110,3 +110,33 @@ def test_a_lock_whose_taker_exited_is_a_hold_of_ours_not_another_users(tmp_path)
         assert "exited" in describe_holders(holders) and "another user" not in describe_holders(holders)
     finally:
         os.killpg(taker.pid, signal.SIGKILL)
+
+
+def test_a_lock_whose_taker_exited_on_a_file_others_could_open_may_be_anyones(tmp_path):
+    """The same hold on a lock file others could open (a root shared with ``chmod -R go+rX``):
+    another user's ``flock FILE cmd &`` leaves it so, and a start waited the whole 30
+    minutes for it, where another user's hold is never waited for."""
+    import shutil
+    import signal
+    import subprocess
+
+    from hostmem.vault.locks import GONE, foreign_hold, lock_holders
+
+    if shutil.which("flock") is None:
+        pytest.skip("util-linux's flock is not installed")
+    path = os.fspath(tmp_path / "key.lock")
+    open(path, "w").close()
+    taker = subprocess.Popen(["flock", "-x", path, "sleep", "60"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not lock_holders(path):
+            assert time.monotonic() < deadline, "flock never took the lock"
+            time.sleep(0.02)
+        taker.send_signal(signal.SIGKILL)
+        taker.wait(timeout=10)
+        holders = lock_holders(path)
+        assert holders == [(taker.pid, GONE)]
+        assert foreign_hold(holders, exposed=True)  # anyone's: waited for no longer than another user's
+        assert not foreign_hold(holders, exposed=False)  # only we could open it: a child of ours
+    finally:
+        os.killpg(taker.pid, signal.SIGKILL)
