@@ -105,6 +105,8 @@ def open_folder(path: str) -> int:
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise _refused_link(walked) from None
+                if exc.errno in (errno.EACCES, errno.EPERM):
+                    raise _denied(exc, walked, "u+rwx") from None
                 raise
             os.close(fd)
             fd = nxt
@@ -127,6 +129,13 @@ def in_folder(path: str):
         os.close(fd)
 
 
+def _denied(exc: OSError, path: str, mode: str) -> PermissionError:
+    """``exc`` for a part of the cache this user may not open, naming it whole and the fix."""
+    return PermissionError(exc.errno, f"{os.strerror(exc.errno)}: {path} (a part of the cache this user may not "
+                                      f"open: make it its own and {'readable' if mode == 'u+rwx' else 'readable and writable'}, "
+                                      f"`chmod {mode} {path}`, or remove it)")
+
+
 def open_in(path: str, flags: int = os.O_RDONLY, mode: int = 0o600, dir_fd: int | None = None) -> int:
     """Open a file of the cache relative to its folder's descriptor (``dir_fd``, else its
     folder walked from the root): no link followed, a special file refused before it is
@@ -140,7 +149,10 @@ def open_in(path: str, flags: int = os.O_RDONLY, mode: int = 0o600, dir_fd: int 
     except FileNotFoundError:
         if not flags & os.O_CREAT:
             raise
-    fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    except PermissionError as exc:
+        raise _denied(exc, path, "u+rw") from None
     try:
         check_file_safe(path, os.fstat(fd))  # the very file opened, not one swapped in since
     except BaseException:

@@ -287,6 +287,8 @@ def cache_bytes(cache: str, exclude: str | None = None) -> int:
                 total += _folder_bytes(full)[0]
             except FileNotFoundError:  # removed since the listing (evicted, dropped, pruned)
                 continue
+            except PermissionError:  # a folder this user may not read: its disk is in free_bytes' figure
+                continue
     return total
 
 
@@ -325,7 +327,10 @@ def sweep_dead_temporaries(cache: str) -> int:
         except OSError:  # a lock that is a link or unreadable: not ours to judge; left for a person
             continue
         if not held:
-            removed += _sweep_folder(folder)
+            try:
+                removed += _sweep_folder(folder)
+            except PermissionError:  # a folder this user may not read: not ours to sweep; left for a person
+                continue
             if is_key(name) and is_provisional(folder) and (  # its builder died
                     not is_resumable(folder) or never_resumed(folder, os.path.join(cache, MEMO_NAME))):
                 remove_if_unused(cache, name)

@@ -130,10 +130,13 @@ def open_sealed(vault, hex_key: str, inputs: dict, expected: dict | None) -> Sea
                 return None  # a writer at work: the plain open waits for it
         except VaultError:
             return None  # a lock file the cache may not trust: the plain open says so, and merges in place
-        adopted = _vouched(folder, expected, inputs)
+        try:
+            adopted = _vouched(folder, expected, inputs)
+            lease = None if adopted is None else use_lease(use_path(vault.cache, hex_key))  # before any view
+        except PermissionError:
+            return None  # a part this user may not open: the plain open names it, and merges in place
         if adopted is None:
             return None
-        lease = use_lease(use_path(vault.cache, hex_key))  # under the key's lock, before any view
         session = SealedSession(vault, hex_key, folder, (lock, lease), inputs, adopted, expected, 0.0, [])
         if not session.complete:
             return None

@@ -99,12 +99,15 @@ class Vault:
         self.label = label
         self.read_only = root_is_read_only(root)
         self.root = prepare_root(root, create=not self.read_only)
-        self.cache = os.path.join(self.root, CACHE_DIR) if self.read_only else cache_dir(self.root)
         self.max_size = None if max_size is None else parse_size(max_size)
         self.headroom = parse_size(headroom)
-        if not self.read_only:
-            _warn_if_others_can_read(self.root, self.cache)
-            sweep_dead_temporaries(self.cache)
+        try:
+            self.cache = os.path.join(self.root, CACHE_DIR) if self.read_only else cache_dir(self.root)
+            if not self.read_only:
+                _warn_if_others_can_read(self.root, self.cache)
+                sweep_dead_temporaries(self.cache)
+        except PermissionError as exc:  # a part of it this user may not open: named, with the fix
+            raise VaultError(f"{self.root}: not usable as a cache root: {exc.strerror}") from None
 
     @property
     def memo_file(self) -> str | None:
@@ -146,10 +149,11 @@ class Vault:
         inputs = key.inputs if isinstance(key, CacheKey) else {}
         for n in range(ALTERNATES + 1):
             candidate = hex_key if n == 0 else alternate_key(hex_key, n)
-            sealed = open_sealed(self, candidate, inputs, expected_layers)  # maps beside other readers, no waiting
-            if sealed is not None:
-                return sealed
-            session = self._open_locked(key, candidate, inputs, expected_layers)
+            try:
+                sealed = open_sealed(self, candidate, inputs, expected_layers)  # beside other readers, no waiting
+                session = sealed if sealed is not None else self._open_locked(key, candidate, inputs, expected_layers)
+            except PermissionError as exc:  # a part of it this user may not open (named, with the fix)
+                return self._in_place(key, hex_key, expected_layers, 0.0, exc.strerror)
             if isinstance(session, VaultSession):
                 return session
             say(f"{self.label} {candidate[:12]}: {session}, who may not steer this cache; "
