@@ -43,6 +43,7 @@ from .leases import use_lease
 from .locks import KeyLock, describe_holders, held_by_others, lock_holders
 from .manifest import ManifestError, inputs_problem, read_manifest, touch_use_time
 from .provisional import is_provisional
+from .checks import RootChanged
 from .safety import VaultError, check_folder_safe
 from .claims import claim_in_process, unclaim_in_process
 from .session import VaultSession, say
@@ -133,8 +134,10 @@ def open_sealed(vault, hex_key: str, inputs: dict, expected: dict | None) -> Sea
         try:
             adopted = _vouched(folder, expected, inputs)
             lease = None if adopted is None else use_lease(use_path(vault.cache, hex_key))  # before any view
-        except PermissionError:
-            return None  # a part this user may not open: the plain open names it, and merges in place
+        except RootChanged:
+            raise
+        except (PermissionError, VaultError):
+            return None  # a part this user may not open or trust: the plain open names it, and merges in place
         if adopted is None:
             return None
         session = SealedSession(vault, hex_key, folder, (lock, lease), inputs, adopted, expected, 0.0, [])

@@ -152,8 +152,11 @@ class Vault:
             try:
                 sealed = open_sealed(self, candidate, inputs, expected_layers)  # beside other readers, no waiting
                 session = sealed if sealed is not None else self._open_locked(key, candidate, inputs, expected_layers)
-            except PermissionError as exc:  # a part of it this user may not open (named, with the fix)
-                return self._in_place(key, hex_key, expected_layers, 0.0, exc.strerror)
+            except RootChanged:
+                raise
+            except (PermissionError, VaultError) as exc:  # a part it may not open or trust (named, with the fix)
+                return self._in_place(key, hex_key, expected_layers, 0.0,
+                                      exc.strerror if isinstance(exc, PermissionError) else str(exc))
             if isinstance(session, VaultSession):
                 return session
             say(f"{self.label} {candidate[:12]}: {session}, who may not steer this cache; "

@@ -99,3 +99,28 @@ def test_the_cache_commands_name_a_root_this_user_may_not_look_into(tmp_path):
             assert "no cached" not in done.stdout and "Traceback" not in done.stderr
     finally:
         os.chmod(root, 0o700)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_use_file_that_is_a_fifo_or_a_folder_is_named_and_the_start_merges_in_place(tmp_path, kind):
+    """The same thing as the key's lock file got one warning and an in-place merge; as its
+    use file it failed the whole start."""
+    import warnings
+
+    from tests.faults.world import assert_same, reference
+
+    world = make_world(tmp_path)
+    root = str(tmp_path / "root")
+    start(world.base, world.adapter, root)
+    cache = os.path.join(root, "lora_merge_cache")
+    (key,) = [n for n in os.listdir(cache) if len(n) == 64 and os.path.isdir(os.path.join(cache, n))]
+    use = os.path.join(cache, f"{key}.use")
+    os.unlink(use)
+    os.mkfifo(use) if kind == "fifo" else os.mkdir(use)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        served, stats = start(world.base, world.adapter, root)
+    assert_same(served, reference(world.base, world.adapter))
+    assert stats.hit == 0
+    (said,) = [str(w.message) for w in caught if use in str(w.message)]
+    assert "in place" in said and f"is a {kind.upper() if kind == 'fifo' else kind}," in said, said
