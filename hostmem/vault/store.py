@@ -152,11 +152,8 @@ class Vault:
             try:
                 sealed = open_sealed(self, candidate, inputs, expected_layers)  # beside other readers, no waiting
                 session = sealed if sealed is not None else self._open_locked(key, candidate, inputs, expected_layers)
-            except RootChanged:
-                raise
-            except (PermissionError, VaultError) as exc:  # a part it may not open or trust (named, with the fix)
-                return self._in_place(key, hex_key, expected_layers, 0.0,
-                                      exc.strerror if isinstance(exc, PermissionError) else str(exc))
+            except PermissionError as exc:  # a part of it this user may not open (named, with the fix)
+                return self._in_place(key, hex_key, expected_layers, 0.0, exc.strerror)
             if isinstance(session, VaultSession):
                 return session
             say(f"{self.label} {candidate[:12]}: {session}, who may not steer this cache; "
@@ -176,7 +173,14 @@ class Vault:
             if lock is None:
                 unclaim_in_process(self.cache, hex_key)
                 return why_not if foreign else self._in_place(key, hex_key, expected_layers, waited, why_not)
-            lease = use_lease(use_path(self.cache, hex_key))  # under the key's lock, before any view
+            try:
+                lease = use_lease(use_path(self.cache, hex_key))  # under the key's lock, before any view
+            except RootChanged:
+                raise
+            except VaultError as refused:  # a use file it may not trust (a FIFO, a folder): as a lock file's
+                lock.release()
+                unclaim_in_process(self.cache, hex_key)
+                return self._in_place(key, hex_key, expected_layers, waited, str(refused))
             folder = os.path.join(self.cache, hex_key)
             make_private_dir(folder)
             adopted = adopt(folder, expected_layers, inputs=key.inputs if isinstance(key, CacheKey) else None)
