@@ -46,6 +46,9 @@ def _component(origin: ConfigOrigin, name: str, data: Any) -> ComponentConfig:
     if s.has("steps") and offload != "layerwise":
         raise origin.error(s.sub("steps"), "only a streamed component (offload: layerwise) runs a share of the steps; "
                            "remove steps, or stream it")
+    if size is not None and size < max(1, count or 1):  # no weights, or blocks of no bytes: a plan of nothing
+        raise origin.error(s.sub("size"), f"{s.get('size')!r} over {count or 1} block(s) leaves a block no bytes; "
+                                          "give the component's weights' size (e.g. 24GB)")
     if size is not None and target_bytes is not None and target_bytes > size:
         raise origin.error(s.sub("lora_targets"), f"{s.get('lora_targets')!r} exceeds size {s.get('size')!r}")
     return ComponentConfig(

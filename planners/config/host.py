@@ -28,8 +28,8 @@ def parse_host(origin: ConfigOrigin, data: Any) -> HostConfig:
         what = "host.reserve_floor" if source == "measured" else "host.reserve"
         raise origin.error(
             what,
-            f"{s.get(what.split('.')[1], format_size(reserve))!r} is not below host.limit {limit_text!r}; "
-            "lower the reserve or raise the limit",
+            f"{s.get(what.split('.')[1], format_size(reserve))!r}{_from(origin, what)} is not below host.limit "
+            f"{limit_text!r}{_from(origin, 'host.limit')}; lower the reserve or raise the limit",
         )
     fraction, cap = _max_pinned(s)
     return HostConfig(limit=limit, reserve=reserve, max_pinned_fraction=fraction, max_pinned_bytes=cap,
@@ -96,13 +96,20 @@ def _max_pinned(s: Section) -> tuple[float | None, int | None]:
     return None, s.parsed("max_pinned", parse_size, None, "write e.g. 75% or 18GiB")
 
 
+def _from(origin: ConfigOrigin, key: str) -> str:
+    """`` (from HOSTMEM_...)`` where the environment set ``key``, not the file."""
+    variable = origin.overrides.get(key)
+    return f" (from {variable})" if variable else ""
+
+
 def parse_device(origin: ConfigOrigin, data: Any) -> DeviceConfig:
     s = Section(origin, "device", data, ("vram", "reserve"))
     vram, reserve = s.size("vram", 0), s.size("reserve", 0)
     _not_bytes_by_mistake(s, "vram", vram)
     if vram and reserve >= vram:
-        raise origin.error("device.reserve", f"{s.get('reserve')!r} is not below device.vram {s.get('vram')!r}; "
-                                             "lower device.reserve or raise device.vram")
+        raise origin.error("device.reserve", f"{s.get('reserve')!r} is not below device.vram {s.get('vram')!r}"
+                                             f"{_from(origin, 'device.vram')}; lower device.reserve or raise "
+                                             "device.vram")
     return DeviceConfig(vram=vram, reserve=reserve)
 
 

@@ -77,6 +77,9 @@ def test_a_good_config_parses_into_bytes_and_fractions(write_config):
          "unit, e.g. 24GB or 24GiB"),
         ("  limit: 32GiB\n", "  limit: 32\n", "host.limit", 3, "which is 32 bytes"),
         ("  max_pinned: 75%\n", f"  max_pinned: {'9' * 400}\n", "host.max_pinned", 5, "(400 characters)"),
+        # a component of no bytes, or of blocks of none, planned as one that fits
+        ("    size: 61.7GB\n", "    size: 0\n", "components.dit.size", 16, "leaves a block no bytes"),
+        ("    size: 61.7GB\n", "    size: 100B\n", "components.dit.size", 16, "100B' over 208 block(s)"),
     ],
 )
 def test_errors_name_file_key_and_line(write_config, old, new, key, line, words):
@@ -328,3 +331,15 @@ def test_hostmem_lora_merge_builds_into_the_component_a_server_merges_into(write
             f"lora: {{adapters: [{{path: {ckpt}}}]}}\n")
     config = load_config(write_config(text), environ={})
     assert config.merge_target.name == "dit_low" and _merge_component(config) is config.merge_target
+
+
+@pytest.mark.parametrize("variable, value, words", [
+    ("HOSTMEM_HOST_LIMIT", "3GiB", "is not below host.limit '3GiB' (from HOSTMEM_HOST_LIMIT)"),
+    ("HOSTMEM_DEVICE_VRAM", "1GiB", "is not below device.vram '1GiB' (from HOSTMEM_DEVICE_VRAM)"),
+])
+def test_a_value_from_the_environment_that_clashes_with_the_file_names_its_variable(write_config, variable, value,
+                                                                                    words):
+    """The message named only the file, which says 32GiB: the variable that set 3GiB went unnamed."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(write_config(GOOD), environ={variable: value})
+    assert words in str(caught.value), str(caught.value)
