@@ -67,9 +67,9 @@ def local_world(environ: Mapping[str, str]) -> tuple[int, int] | None:
     except ValueError:
         raise InputError(f"LOCAL_WORLD_SIZE={size!r}, LOCAL_RANK={rank!r}: expected whole numbers (torchrun sets "
                          "them); unset them to plan for one rank") from None
-    if size_i < 1:
-        raise InputError(f"LOCAL_WORLD_SIZE={size_i}: the ranks on this host are 1 or more; unset it to plan for "
-                         "one rank")
+    if not 1 <= size_i <= _MAX_RANKS:
+        raise InputError(f"LOCAL_WORLD_SIZE={size_i}: the ranks on this host are 1 to {_MAX_RANKS}, as --ranks "
+                         "takes them; unset it to plan for one rank")
     if not 0 <= rank_i < size_i:
         raise InputError(f"LOCAL_RANK={rank_i} is not within LOCAL_WORLD_SIZE={size_i} (0 to {size_i - 1})")
     return rank_i, size_i

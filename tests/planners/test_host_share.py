@@ -41,8 +41,10 @@ def test_torchruns_variables_name_the_local_world():
     assert local_world({"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "3"}) == (3, 4)
     with pytest.raises(ValueError, match="LOCAL_RANK=4 is not within LOCAL_WORLD_SIZE=4"):
         local_world({"LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "4"})
-    with pytest.raises(ValueError, match=r"^LOCAL_WORLD_SIZE=0: the ranks on this host are 1 or more"):
+    with pytest.raises(ValueError, match=r"^LOCAL_WORLD_SIZE=0: the ranks on this host are 1 to 1024"):
         local_world({"LOCAL_WORLD_SIZE": "0"})  # no LOCAL_RANK was named: none is blamed
+    with pytest.raises(ValueError, match=r"^LOCAL_WORLD_SIZE=2000: the ranks on this host are 1 to 1024, as --ranks"):
+        local_world({"LOCAL_WORLD_SIZE": "2000"})  # --ranks 2000 is refused: the variable was taken
     assert local_world({"LOCAL_RANK": "-1"}) is None  # many scripts' default: not distributed
     with pytest.raises(ValueError, match="expected whole numbers"):
         local_world({"LOCAL_WORLD_SIZE": "four"})
