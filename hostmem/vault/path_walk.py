@@ -34,10 +34,12 @@ def _trusted_owner(uid: int) -> bool:
     return uid in (0, os.geteuid())
 
 
-def _fix(path: str) -> str:
-    return (f"Run `sudo chown root:root {path} && sudo chmod go-w {path}` (or `chmod +t {path}` where others "
-            f"must share it), or choose a cache root whose every folder is yours or root's "
-            "(--root DIR, lora.cache.roots or HOSTMEM_CACHE_ROOT)")
+def _fix(path: str, owner_trusted: bool) -> str:
+    """What makes ``path`` trusted: a sticky bit helps a writable folder of a trusted owner,
+    never a folder another user owns (who may swap what is in it whatever its bits)."""
+    sticky = f" (or `chmod +t {path}` where others must share it)" if owner_trusted else ""
+    return (f"Run `sudo chown root:root {path} && sudo chmod go-w {path}`{sticky}, or choose a cache root whose "
+            "every folder is yours or root's (--root DIR, lora.cache.roots or HOSTMEM_CACHE_ROOT)")
 
 
 def path_refusal(path: str, st: os.stat_result, root: str) -> VaultError | None:
@@ -51,7 +53,7 @@ def path_refusal(path: str, st: os.stat_result, root: str) -> VaultError | None:
     else:
         return None
     return VaultError(f"{path}: a folder on the way to the cache root {root}, {why}: whoever can write it can "
-                      f"swap the cache for a link to anywhere. {_fix(path)}.")
+                      f"swap the cache for a link to anywhere. {_fix(path, _trusted_owner(st.st_uid))}.")
 
 
 def _link_refusal(path: str, st: os.stat_result, root: str) -> VaultError:
