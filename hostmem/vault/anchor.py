@@ -85,8 +85,10 @@ def _anchored(path: str) -> tuple[str | None, list[str]]:
 
 
 def _refused_link(path: str) -> VaultError:
+    """A link (or a file) where the cache keeps a folder: removed by ``rm``, which removes a
+    link itself; ``hostmem cache rm`` removes a combination's folder, which walks here too."""
     return VaultError(f"{path}: is a symlink or not a folder; the cache never follows links inside itself. "
-                      "Remove it (`hostmem cache rm KEY` or `rm` it) and start again.")
+                      f"Remove it (`rm {path}`) and start again.")
 
 
 def open_folder(path: str) -> int:

@@ -339,8 +339,10 @@ def test_a_symlinked_combination_folder_is_refused(tmp_path):
     vault, key = Vault(tmp_path / "root"), key_for("linkdir")
     (tmp_path / "planted").mkdir()
     os.symlink(tmp_path / "planted", folder_of(vault, key))
-    with pytest.raises(VaultError, match="is a symlink"):
+    with pytest.raises(VaultError, match="is a symlink") as refused:
         vault.open(key)
+    # the advice is a command that works: `hostmem cache rm` walks the same link and is refused too
+    assert f"`rm {folder_of(vault, key)}`" in str(refused.value) and "cache rm" not in str(refused.value)
 
 
 def test_one_root_under_two_spellings_is_one_root_to_the_claims(tmp_path, monkeypatch):
