@@ -11,6 +11,7 @@ so a start that waited forever would fail the test rather than hang the run.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import time
@@ -81,51 +82,18 @@ def test_a_held_lock_is_named_and_the_start_serves_or_merges_in_place(tmp_path, 
     assert served["equal"] and served["built"] == 0 and served["hit"] > 0, served
 
 
-def test_a_lock_whose_taker_exited_is_a_hold_of_ours_not_another_users(tmp_path):
-    """``/proc/locks`` names the process that took a lock; a child it passed the descriptor to
-    holds it after it exits (``flock FILE cmd``, then the ``flock`` killed). That pid is gone,
-    not hidden: it was called another user's, never waited for, and a copy was built beside it."""
+@contextlib.contextmanager
+def _held_after_its_taker_exited(path: str):
+    """``flock -x path sleep 60`` with the ``flock`` killed: its child, ``sleep``, keeps the
+    lock's descriptor. Yields ``(taker pid, /proc/locks' holders)``; the child goes after."""
     import shutil
     import signal
     import subprocess
 
-    from hostmem.vault.locks import GONE, describe_holders, foreign_hold, held_by_others, lock_holders
+    from hostmem.vault.locks import lock_holders
 
     if shutil.which("flock") is None:
         pytest.skip("util-linux's flock is not installed")
-    path = os.fspath(tmp_path / "key.lock")
-    open(path, "w").close()
-    os.chmod(path, 0o600)
-    taker = subprocess.Popen(["flock", "-x", path, "sleep", "60"], start_new_session=True)
-    try:
-        deadline = time.monotonic() + 10
-        while not lock_holders(path):
-            assert time.monotonic() < deadline, "flock never took the lock"
-            time.sleep(0.02)
-        taker.send_signal(signal.SIGKILL)  # its child, sleep, keeps the lock's descriptor
-        taker.wait(timeout=10)
-        holders = lock_holders(path)
-        assert holders == [(taker.pid, GONE)]
-        assert not held_by_others(holders) and not foreign_hold(holders, exposed=False)
-        assert "exited" in describe_holders(holders) and "another user" not in describe_holders(holders)
-    finally:
-        os.killpg(taker.pid, signal.SIGKILL)
-
-
-def test_a_lock_whose_taker_exited_on_a_file_others_could_open_may_be_anyones(tmp_path):
-    """The same hold on a lock file others could open (a root shared with ``chmod -R go+rX``):
-    another user's ``flock FILE cmd &`` leaves it so, and a start waited the whole 30
-    minutes for it, where another user's hold is never waited for."""
-    import shutil
-    import signal
-    import subprocess
-
-    from hostmem.vault.locks import GONE, foreign_hold, lock_holders
-
-    if shutil.which("flock") is None:
-        pytest.skip("util-linux's flock is not installed")
-    path = os.fspath(tmp_path / "key.lock")
-    open(path, "w").close()
     taker = subprocess.Popen(["flock", "-x", path, "sleep", "60"], start_new_session=True)
     try:
         deadline = time.monotonic() + 10
@@ -134,9 +102,35 @@ def test_a_lock_whose_taker_exited_on_a_file_others_could_open_may_be_anyones(tm
             time.sleep(0.02)
         taker.send_signal(signal.SIGKILL)
         taker.wait(timeout=10)
-        holders = lock_holders(path)
-        assert holders == [(taker.pid, GONE)]
-        assert foreign_hold(holders, exposed=True)  # anyone's: waited for no longer than another user's
-        assert not foreign_hold(holders, exposed=False)  # only we could open it: a child of ours
+        yield taker.pid, lock_holders(path)
     finally:
         os.killpg(taker.pid, signal.SIGKILL)
+
+
+def test_a_lock_whose_taker_exited_is_a_hold_of_ours_not_another_users(tmp_path):
+    """``/proc/locks`` names the process that took a lock; a child it passed the descriptor to
+    holds it after it exits (``flock FILE cmd``, then the ``flock`` killed). That pid is gone,
+    not hidden: it was called another user's, never waited for, and a copy was built beside it."""
+    from hostmem.vault.locks import GONE, describe_holders, foreign_hold, held_by_others
+
+    path = os.fspath(tmp_path / "key.lock")
+    open(path, "w").close()
+    os.chmod(path, 0o600)
+    with _held_after_its_taker_exited(path) as (taker, holders):
+        assert holders == [(taker, GONE)]
+        assert not held_by_others(holders) and not foreign_hold(holders, exposed=False)
+        assert "exited" in describe_holders(holders) and "another user" not in describe_holders(holders)
+
+
+def test_a_lock_whose_taker_exited_on_a_file_others_could_open_may_be_anyones(tmp_path):
+    """The same hold on a lock file others could open (a root shared with ``chmod -R go+rX``):
+    another user's ``flock FILE cmd &`` leaves it so, and a start waited the whole 30
+    minutes for it, where another user's hold is never waited for."""
+    from hostmem.vault.locks import GONE, foreign_hold
+
+    path = os.fspath(tmp_path / "key.lock")
+    open(path, "w").close()
+    with _held_after_its_taker_exited(path) as (taker, holders):
+        assert holders == [(taker, GONE)]
+        assert foreign_hold(holders, exposed=True)  # anyone's: waited for no longer than another user's
+        assert not foreign_hold(holders, exposed=False)  # only we could open it: a child of ours
