@@ -117,25 +117,28 @@ def test_under_torchrun_the_verdict_is_the_hosts_not_one_rank_against_the_whole_
 
 
 def test_a_live_rank_under_torchrun_plans_its_part_of_the_host_as_plan_with_ranks_does(tmp_path, monkeypatch):
-    """Each of four alike ranks planned its page cache against the whole host: room 2.4 GiB
-    where ``hostmem plan --ranks 4`` gives each 168 MiB, so every rank counted on the
-    others' page cache (no disk reads predicted, every block pinned)."""
+    """Each of four alike ranks planned its page cache against the whole host: the room of
+    all four where ``hostmem plan --ranks 4`` gives each a quarter, so every rank counted on
+    the others' page cache (no disk reads predicted, every block pinned)."""
     import json
     import subprocess
     import sys
 
+    from hostmem.procfs import read_status
     from planners.config import load_config
 
     from .conftest import mapped_module, write_checkpoint
 
     write_checkpoint(tmp_path / "dit", 12, 16 * MiB)
     write_checkpoint(tmp_path / "te", 4, 8 * MiB, prefix="enc")
+    modules = {"dit": mapped_module(tmp_path / "dit"), "text_encoder": mapped_module(tmp_path / "te")}
+    reserve = (read_status().rss_anon // MiB + 64) * MiB  # this process's runtime and more: no excess to count
+    limit = 4 * (reserve + 168 * MiB)
     config = tmp_path / "ranks.yaml"
-    config.write_text("deployment: ranks-live\nhost: {limit: 3GiB, reserve: 600MiB, max_pinned: 100%}\n"
+    config.write_text(f"deployment: ranks-live\nhost: {{limit: {limit}B, reserve: {reserve}B, max_pinned: 100%}}\n"
                       "device: {vram: 100MiB, reserve: 20MiB}\nworkload: {steps: 4}\ncomponents:\n"
                       '  dit: {path: dit, layers: "blocks.{i}.", offload: layerwise}\n'
                       '  text_encoder: {path: te, layers: "enc.{i}.", offload: full}\n')
-    modules = {"dit": mapped_module(tmp_path / "dit"), "text_encoder": mapped_module(tmp_path / "te")}
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "1")
     live = plan_loaded(load_config(config), modules, quiet=True)
@@ -143,8 +146,9 @@ def test_a_live_rank_under_torchrun_plans_its_part_of_the_host_as_plan_with_rank
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     what_if = json.loads(done.stdout)
-    assert live.host.bytes == what_if["budget"]["limit_bytes"] == (3 << 30) // 4
-    assert live.budget.room == what_if["budget"]["room_bytes"] == (3 << 30) // 4 - 600 * MiB
+    assert live.budget.process_excess == 0
+    assert live.host.bytes == what_if["budget"]["limit_bytes"] == limit // 4
+    assert live.budget.room == what_if["budget"]["room_bytes"] == 168 * MiB
     for name in ("dit", "text_encoder"):
         ours, theirs = live.pins.plans[name], what_if["pin_plans"][name]
         assert list(ours.pinned_layers) == theirs["pinned_layers"], name
