@@ -127,6 +127,18 @@ def _check_changeable(root: str, cache: str, action: str) -> None:
                      "the user who owns the cache")
 
 
+def _damaged_advice(root: str, cache: str, count: int, keys: str) -> str:
+    """What to do with ``count`` damaged combinations: remove them, or where the root cannot be
+    changed (an image mounted read-only), build them again where the image is built."""
+    from hostmem.vault.safety import root_is_read_only
+
+    if root_is_read_only(cache):
+        return (f"{count} damaged combination(s) ({keys}) in {root}, which this user cannot change: a start never "
+                "serves them from here (it builds them in a writable root, or merges in place); rebuild the image "
+                "where it is built (`hostmem lora merge`)")
+    return f"{count} damaged combination(s); remove them with `hostmem cache rm KEY` ({keys}) or `hostmem cache prune`"
+
+
 def _nothing_cached(args, root: str) -> str:
     """The line for a root without a combination: one that does not exist was never used."""
     if os.path.isdir(os.path.expanduser(root)):
@@ -307,8 +319,7 @@ def run_verify(args) -> int:
     damaged = [r for r in bad if len(r.problems) > r.inputs_changed]
     if damaged:
         keys = " ".join(shown[r.key] for r in damaged)
-        print(f"{len(damaged)} damaged combination(s); remove them with `hostmem cache rm KEY` ({keys}) "
-              "or `hostmem cache prune`")
+        print(_damaged_advice(root, cache, len(damaged), keys))
     stale = [r for r in bad if r.inputs_changed]
     if stale:
         print(f"{len(stale)} combination(s) made from an input whose bytes changed below the filesystem's notice; "
