@@ -35,7 +35,7 @@ from hostmem.errors import InputError
 from hostmem.residency_classes import Residency
 from hostmem.units import format_size
 
-from .budget import host_budget
+from .budget import HostLimit, host_budget
 from .config import DeploymentConfig
 from .config.parallel import local_world as config_local_world
 
@@ -149,16 +149,18 @@ def host_reasons(share: HostShare, limit: int) -> list[str]:
     return []
 
 
-def rank_limit(share: HostShare, limit: int, mine: RankNeed) -> int:
-    """This rank's part of the host's ``limit``: its own reserve, what it commits, its share
-    of the pins, and an equal part of the page cache room the ranks leave together. Its
-    room (pins + page cache) then is its part of the host's, where planned against the
+def rank_limit(share: HostShare, host: HostLimit, mine: RankNeed) -> HostLimit:
+    """``host`` with this rank's part of its limit: its own reserve, what it commits, its
+    share of the pins, and an equal part of the page cache room the ranks leave together.
+    Its room (pins + page cache) then is its part of the host's, where planned against the
     whole limit it took the room every rank counts on; for alike ranks the part is
     ``limit / ranks``, as ``hostmem plan --ranks N`` plans one."""
     n = share.local_world_size
     own = mine.committed.non_reclaimable + mine.process_excess + mine.build_reserve
-    room = max(0, limit - share.host_reserve - share.host_committed - sum(share.shares))
-    return min(limit, share.host_reserve // n + own + share.share + room // n)
+    room = max(0, host.bytes - share.host_reserve - share.host_committed - sum(share.shares))
+    part = min(host.bytes, share.host_reserve // n + own + share.share + room // n)
+    return host._replace(bytes=part, source=f"this rank's part of {format_size(host.bytes)} ({host.source}) for the "
+                                            f"{n} ranks on this host")
 
 
 def capped_config(config: DeploymentConfig, share: HostShare, committed_pinned: int) -> DeploymentConfig:

@@ -304,5 +304,5 @@ def from_ledger(
     layers, rest = group_layers(named, pattern, lora_patterns)
     sizes = ComponentSizes(ledger_component.name, offload, "ledger", layers, rest,
                            rest_families=rest_families(named, pattern),
-                           device_bytes=getattr(ledger_component, "device_bytes", 0))
+                           device_bytes=ledger_component.device_bytes)
     return with_lora_target_bytes(sizes, lora_target_bytes) if lora_target_bytes else sizes

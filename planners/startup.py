@@ -33,7 +33,6 @@ import hostmem
 from lora_cache.switching.adapter_switch import build_reserve_bytes
 
 from hostmem.errors import InputError
-from hostmem.units import format_size
 from .budget import HostLimit, read_host_limit
 from .config import DeploymentConfig, load_config
 from .deployment import DeploymentPlan, plan_deployment
@@ -206,10 +205,7 @@ def plan_loaded(
     mine = rank_need(plan)
     share = share_for(config, host.bytes, mine)  # None: the only rank on this host
     if share is not None:  # this rank's part of the limit (its room, not every rank's) and of the pins
-        part = host._replace(bytes=rank_limit(share, host.bytes, mine),
-                             source=f"this rank's part of {format_size(host.bytes)} ({host.source}) for the "
-                                    f"{share.local_world_size} ranks on this host")
-        capped = plan_under(capped_config(config, share, plan.budget.committed_pinned), part)
+        capped = plan_under(capped_config(config, share, plan.budget.committed_pinned), rank_limit(share, host, mine))
         plan = capped._replace(host_share=share.to_dict())
         over = host_reasons(share, host.bytes)  # the ranks together, not this one alone against the host
         if over:

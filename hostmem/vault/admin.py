@@ -56,14 +56,14 @@ def existing_cache_dir(root: str) -> str | None:
     """
     root = os.path.abspath(os.path.expanduser(root))
     try:
-        os.stat(os.path.join(root, CACHE_DIR))
+        found = os.stat(os.path.join(root, CACHE_DIR))
     except (FileNotFoundError, NotADirectoryError):
         return None
     except PermissionError:  # a root this user may not search: not "nothing cached", which it may hold
         prepare_root(root, create=False)  # refuses it by name, as a start does
         raise VaultError(f"{root}: this user may not look into it (permission denied): `chmod u+rwx {root}` "
                          "if it is this user's, or choose another cache root")
-    if not os.path.isdir(os.path.join(root, CACHE_DIR)):
+    if not stat.S_ISDIR(found.st_mode):
         return None
     return os.path.join(prepare_root(root, create=False), CACHE_DIR)
 

@@ -108,7 +108,7 @@ def open_folder(path: str) -> int:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise _refused_link(walked) from None
                 if exc.errno in (errno.EACCES, errno.EPERM):
-                    raise _denied(exc, walked, "u+rwx") from None
+                    raise _denied(exc, walked, folder=True) from None
                 raise
             os.close(fd)
             fd = nxt
@@ -131,11 +131,11 @@ def in_folder(path: str):
         os.close(fd)
 
 
-def _denied(exc: OSError, path: str, mode: str) -> PermissionError:
+def _denied(exc: OSError, path: str, folder: bool) -> PermissionError:
     """``exc`` for a part of the cache this user may not open, naming it whole and the fix."""
+    mode, may = ("u+rwx", "readable") if folder else ("u+rw", "readable and writable")
     return PermissionError(exc.errno, f"{os.strerror(exc.errno)}: {path} (a part of the cache this user may not "
-                                      f"open: make it its own and {'readable' if mode == 'u+rwx' else 'readable and writable'}, "
-                                      f"`chmod {mode} {path}`, or remove it)")
+                                      f"open: make it its own and {may}, `chmod {mode} {path}`, or remove it)")
 
 
 def open_in(path: str, flags: int = os.O_RDONLY, mode: int = 0o600, dir_fd: int | None = None) -> int:
@@ -154,7 +154,7 @@ def open_in(path: str, flags: int = os.O_RDONLY, mode: int = 0o600, dir_fd: int 
     try:
         fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dir_fd)
     except PermissionError as exc:
-        raise _denied(exc, path, "u+rw") from None
+        raise _denied(exc, path, folder=False) from None
     try:
         check_file_safe(path, os.fstat(fd))  # the very file opened, not one swapped in since
     except BaseException:

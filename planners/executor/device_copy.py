@@ -236,10 +236,14 @@ def _version_of(loaded: Loaded) -> int | None:
     return None if view is None or view.is_inference() else view._version
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` (a device view) holds the bytes of ``b`` (its host tensor): NaNs alike."""
-    flat = [t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
-    return torch.equal(*flat)
+def same_bits(a: torch.Tensor, b: torch.Tensor, chunk: int = 64 << 20) -> bool:
+    """Whether ``a`` (a device view) holds the bytes of ``b`` (its host tensor): NaNs alike,
+    compared ``chunk`` bytes at a time on the host, so that a large weight is never copied
+    to host memory whole."""
+    x, y = (t.detach().reshape(-1).view(torch.uint8) for t in (a, b))
+    if x.numel() != y.numel():
+        return False
+    return all(torch.equal(x[i:i + chunk].to("cpu"), y[i:i + chunk].to("cpu")) for i in range(0, x.numel(), chunk))
 
 
 def _written_back(layout, what: str, host: torch.Tensor, written: torch.Tensor) -> None:

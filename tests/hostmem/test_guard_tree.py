@@ -57,8 +57,8 @@ def leftover_groups() -> list[str]:
         return []
     names = [name for name in os.listdir(found[1]) if name.startswith("hostmem-guard-")]
     killed = set(os.listdir(_KILLED)) if os.path.isdir(_KILLED) else set()
-    return [name for name in names
-            if not psutil.pid_exists(int(name.split("-")[2])) and name.split("-")[2] not in killed]
+    pids = {name: name.split("-")[2] for name in names}
+    return [name for name, pid in pids.items() if not psutil.pid_exists(int(pid)) and pid not in killed]
 
 
 _KILLED = os.path.join(tempfile.gettempdir(), "guards-killed-on-purpose")  # the run's, every worker's
