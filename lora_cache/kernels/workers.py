@@ -23,12 +23,25 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def _single_threaded() -> None:
+    """Make this thread's own torch operations single-threaded.
+
+    ``torch.set_num_threads`` sets OpenMP's thread count of the calling thread only, and
+    a new thread starts with OpenMP's default (every core): the bf16 product (oneDNN's
+    matmul) then starts a team of its own on each call, whose threads spin between
+    calls. Left so, a worker summing 512 small layers kept a second core spinning for a
+    third of the build, beside the writer and sealers that needed it.
+    """
+    torch.set_num_threads(1)
+
+
 class BlockWorkers(ThreadPoolExecutor):
     """A thread pool that says how many blocks it runs at once (``threads``), so the
-    merge sizes one fp32 accumulator per block in flight."""
+    merge sizes one fp32 accumulator per block in flight; each of its threads runs
+    torch single-threaded."""
 
     def __init__(self, threads: int):
-        super().__init__(threads, "lora-cache-sum")
+        super().__init__(threads, "lora-cache-sum", initializer=_single_threaded)
         self.threads = threads
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -226,3 +227,26 @@ def test_where_bf16_addmm_does_not_round_once_every_layer_is_summed_in_fp32(tmp_
     plan = plan_kernels([((ROWS, COLS), torch.bfloat16, [delta])], CPU, tmp_path)
     assert cls is not None and plan.choices == () and plan.describe() == ""
     assert plan.kernel_for((ROWS, COLS), torch.bfloat16, [delta], CPU) == FP32_ROWS
+
+
+def _openmp():
+    """The OpenMP runtime torch runs on (libgomp beside it), or None."""
+    import ctypes
+    import glob
+
+    found = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")))
+    return ctypes.CDLL(found[0]) if found else None
+
+
+def test_each_block_worker_runs_torch_on_one_thread_of_openmp():
+    from lora_cache.kernels import block_workers
+
+    openmp = _openmp()
+    if openmp is None:
+        pytest.skip("torch here runs on no libgomp of its own")
+    with ThreadPoolExecutor(1) as plain:
+        if plain.submit(openmp.omp_get_max_threads).result() < 2:
+            pytest.skip("a new thread's OpenMP default is one thread here (one CPU, or OMP_NUM_THREADS=1)")
+    with block_workers(torch.device("cpu")) as workers:
+        counts = list(workers.map(lambda _: openmp.omp_get_max_threads(), range(4 * workers.threads)))
+    assert counts == [1] * len(counts)  # oneDNN's bf16 product starts no team of spinning threads
