@@ -12,8 +12,9 @@ each start every file it may read is also read once with ``O_DIRECT``, which lea
 nothing in this machine's page cache and all of it in the host's: every way reads its
 files from the same place, the place where per-file costs weigh most.
 
-- miss: ``lora_cache.merge`` on a cache emptied of combinations (the base's digests and
-  the kernel timings kept, as every build after the first on a base), then the pass;
+- miss: ``lora_cache.merge`` on a cache emptied of combinations (the base's digests,
+  the kernel timings and the measured write way kept, as every build after the first on
+  a base; the line says which way it wrote), then the pass;
 - in place: ``lora_cache.merge(enabled=False)`` on the model as safetensors hands it over
   (views of a private mapping), then the pass;
 - hit: ``lora_cache.merge`` on the combination built by the last miss, then the pass;
@@ -220,18 +221,20 @@ def summarize(size: int, layers: int, regime: str, runs: dict, disk: list[float]
     lines = [f"model: {format_size(size)} bf16, {layers} layers of {COLS} columns, rank-{RANK} adapter on every "
              f"layer (updates ~{UPDATE_ULPS} bf16 steps), {regime}; disk reads {format_size(statistics.median(disk))}"
              f"/s (median of {', '.join(format_size(d) + '/s' for d in disk)})"]
+    ways = sorted({r["stats"].get("write_way") or "none" for r in runs["miss"]})
     for kind in KINDS:
         starts = ", ".join(f"{r['start_s']:.2f}" for r in runs[kind])
         passes = ", ".join(f"{r['pass_s']:.2f}" for r in runs[kind])
         lines.append(f"  {names[kind]:<26} start {med[kind]['start_s']:.2f} s ({starts}) + pass "
                      f"{med[kind]['pass_s']:.2f} s ({passes}) = {total[kind]:.2f} s; pass reads "
                      f"{format_size(rate[kind])}/s" + (f"; import lora_cache {med[kind]['import_s'] * 1e3:.0f} ms"
-                                                        if kind != "none" else ""))
+                                                        if kind != "none" else "")
+                     + (f"; wrote {'/'.join(ways)}" if kind == "miss" else ""))
     lines += [f"  (miss + pass) / (in place + pass) {figures['miss_over_in_place']:.2f} (goal <= 1.0)",
               f"  (hit + pass) / (no LoRA + pass) {figures['hit_over_none']:.2f} (goal <= 1.15)",
               f"  hit's cold pass / the checkpoint's {figures['hit_pass_rate_over_checkpoint']:.2f} (goal >= 0.9); "
               f"the miss's pass / the checkpoint's {figures['miss_pass_rate_over_checkpoint']:.2f}"]
-    summary = {"model_bytes": size, "layers": layers, "regime": regime, "settle_s": REGIMES[regime],
+    summary = {"model_bytes": size, "layers": layers, "regime": regime, "settle_s": REGIMES[regime], "write_ways": ways,
                "disk_read_bytes_per_s": disk, **figures,
                "seconds": {kind: {**med[kind], "total": total[kind]} for kind in KINDS},
                "runs": {kind: [{k: r[k] for k in ("start_s", "pass_s", "import_s")} for r in runs[kind]]

@@ -14,7 +14,8 @@ import functools
 import mmap
 import os
 
-__all__ = ["DIRECT_ALIGN", "fsync_dir", "start_writeback", "write_all", "write_uncached", "write_uncached_pieces"]
+__all__ = ["DIRECT_ALIGN", "fsync_dir", "start_writeback", "write_all", "write_cached", "write_uncached",
+           "write_uncached_pieces"]
 
 _CHUNK = 8 * 1024 * 1024
 
@@ -138,6 +139,15 @@ def write_uncached(fd: int, path: str, data, offset: int, address: int) -> None:
     if body:
         body = _write_direct(fd, path, data[:body], offset)
     write_all(fd, data[body:], offset + body, writeback=True)
+
+
+def write_cached(fd: int, path: str, data, offset: int, address: int) -> None:
+    """Write ``data`` at ``offset`` of ``path``, open as ``fd``, through the page cache,
+    the disk started on each chunk as it is written: :func:`write_uncached`'s twin for
+    bytes that should stay in the page cache (``path`` and ``address`` are not needed;
+    they are taken so that either may be passed where the other is). The later fsync
+    is what makes it durable, as there."""
+    write_all(fd, data, offset, writeback=True)
 
 
 _STAGE = 64 * 1024 * 1024  # bytes staged per O_DIRECT write

@@ -28,6 +28,7 @@ from .adapters.checks import check_before_use
 from .adapters.read_stamps import check_unchanged, reads_of
 from hostmem.vault.handoff import Handoff
 from .kernels import KernelPlan, block_workers, plan_for_targets
+from .kernels.write_way import write_way
 from .placement.layers import Snapshot, compute_merged, install, merge_in_place
 from .targets.layer_target import AddressSpace, LayerTarget
 from .compute.buffers import PAGE, claim_after as _claim_after, ring_bytes
@@ -60,6 +61,7 @@ class MergeStats:
     shard_keys: dict[str, str] = field(default_factory=dict)  # tensor-parallel shards merged apart: sharding -> key
     at_runtime: int = 0  # layers whose terms are added at run time: merging would round their update away
     rounding: dict | None = None  # lora_cache.placement.rounding.RoundingCheck.to_dict(): policy, threshold, shares lost
+    write_way: str | None = None  # how a build wrote the layers the page cache holds (kernels.write_way); None: no build
 
     @property
     def rate(self) -> float:
@@ -258,6 +260,8 @@ class _LayerLoop:
         if not targets:
             return
         self.reserve(targets, output=True)
+        self.stats.write_way = write_way(self.session.vault.root, sum(t.nbytes for t in targets))
+        self.session.write_layers(self.stats.write_way)
         self.read_from = reads_of(d.values_check for t in targets for d in t.deltas)
         self.base_from = base_reads(targets, self.session)
         try:

@@ -156,7 +156,7 @@ def save_file(
     way). ``direct=True`` writes around the page cache instead, with O_DIRECT where the
     filesystem allows (whole pages, through one page-aligned staging buffer; the rest
     as usual): the file is then not cached, so read it back if it is wanted there (the
-    demo measures which way is faster on the machine: ``planners.demo.write_way``).
+    demo measures which way is faster on the machine: ``hostmem.write_way``).
     The header is padded so the data starts 8-aligned.
     """
     path = os.fspath(path)

@@ -21,7 +21,7 @@ import fcntl
 import os
 import stat
 
-from ..file_writes import DIRECT_ALIGN, start_writeback, write_all, write_uncached, write_uncached_pieces
+from ..file_writes import DIRECT_ALIGN, start_writeback, write_all, write_cached, write_uncached, write_uncached_pieces
 from .anchor import in_folder, lstat_in, open_folder, remove_tree_in, rename_in, unlink_in
 from .safety import VaultError, read_trusted
 
@@ -30,6 +30,7 @@ __all__ = [
     "fsync_dir",
     "write_all",
     "start_writeback",
+    "write_cached",
     "write_uncached",
     "write_uncached_pieces",
     "DIRECT_ALIGN",

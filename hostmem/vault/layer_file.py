@@ -35,7 +35,7 @@ from hostmem.safetensors.header import DTYPE_SIZES, SafetensorsError, Safetensor
 
 from .content_hash import read_chunks, stamp_of
 from .handoff import Handoff
-from .durable import discard, open_tmp, seal, write_all, write_uncached
+from .durable import discard, open_tmp, seal, write_all, write_cached, write_uncached
 from .safety import VaultError, check_not_symlink
 
 __all__ = [
@@ -181,18 +181,19 @@ def _all_ready(nbytes: int) -> Handoff:
     return handoff
 
 
-def _write_streamed(fd: int, path: str, tensor: torch.Tensor, offset: int, handoff: Handoff, writer=None) -> int:
+def _write_streamed(fd: int, path: str, tensor: torch.Tensor, offset: int, handoff: Handoff, writer=None,
+                    write=write_uncached) -> int:
     """Write ``tensor``'s bytes at ``offset`` as ``handoff`` says they are final, handing each
     piece back once it and every piece before it are written; return their CRC-32
     (see :mod:`hostmem.vault.piece_writer`). With a ``writer`` (a session's
     :class:`~hostmem.vault.piece_writer.PieceWriter`), return once the last piece is on
-    its way: ``writer.started`` holds them."""
+    its way: ``writer.started`` holds them. Each piece goes by ``write``."""
     from hostmem.safetensors.mapping import tensor_bytes
 
     from .piece_writer import write_pieces  # here: a start served from the cache writes nothing
 
     digest = _Crc32()
-    args = (fd, path, memoryview(tensor_bytes(tensor)).cast("B"), offset, tensor.data_ptr(), handoff, digest)
+    args = (fd, path, memoryview(tensor_bytes(tensor)).cast("B"), offset, tensor.data_ptr(), handoff, digest, write)
     if writer is None:
         write_pieces(*args)
     else:
@@ -217,12 +218,13 @@ def _cpu_contiguous(merged: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
-class UnsealedLayer(namedtuple("UnsealedLayer", "fd tmp final entry header dir_fd", defaults=(None,))):
+class UnsealedLayer(namedtuple("UnsealedLayer", "fd tmp final entry header dir_fd cached", defaults=(None, False))):
     """A layer file whose data is written (or on its way), under its temporary name, its
     descriptor open (``fd``): what :func:`seal_layer` completes with ``header``, makes
     durable and names ``final`` (or :func:`discard_layer` removes). Never served: only
     a sealed file has its final name. ``dir_fd``: its folder's descriptor, where the
-    writer holds one (the writer's to close), else None (the folder walked for each step)."""
+    writer holds one (the writer's to close), else None (the folder walked for each step).
+    ``cached``: its data was written through the page cache (and stays there)."""
 
     __slots__ = ()
 
@@ -235,11 +237,13 @@ def write_layer(folder: str, name: str, merged: torch.Tensor, crc32: int | None 
 
 
 def write_layer_data(folder: str, name: str, merged: torch.Tensor, crc32: int | None = None,
-                     handoff: Handoff | None = None, writer=None, dir_fd: int | None = None) -> UnsealedLayer:
+                     handoff: Handoff | None = None, writer=None, dir_fd: int | None = None,
+                     cached: bool = False) -> UnsealedLayer:
     """Write ``merged``'s layer file of ``name`` in ``folder`` under a temporary name, unsealed.
 
     The data goes in first (its whole pages with O_DIRECT when ``merged`` starts on a
-    page and the filesystem allows: see :func:`~hostmem.vault.durable.write_uncached`),
+    page and the filesystem allows: see :func:`~hostmem.vault.durable.write_uncached`;
+    with ``cached``, through the page cache, where the bytes then stay: ``write_cached``),
     checksummed as it is written unless ``crc32``, the CRC-32 of its bytes
     (:func:`hostmem.crc32.crc32_of`), is given. The header, with the checksum, is left
     for :func:`seal_layer` to write over the room kept for it: a buffered write to a
@@ -264,14 +268,15 @@ def write_layer_data(folder: str, name: str, merged: torch.Tensor, crc32: int | 
     shape = tuple(tensor.shape)
     data = tensor_bytes(tensor)
     header = _header_bytes(name, dtype, shape, len(data), _hex(0))  # same length as the real one
+    write = write_cached if cached else write_uncached
     fd, tmp = open_tmp(folder, _SUFFIX, dir_fd)
     try:
         _reserve(fd, len(header) + len(data))
         if handoff is None and crc32 is not None:
-            write_uncached(fd, tmp, data, len(header), tensor.data_ptr())
+            write(fd, tmp, data, len(header), tensor.data_ptr())
         else:  # checksummed as written: a ready tensor is all published at once
             crc32 = _write_streamed(fd, tmp, tensor, len(header), handoff or _all_ready(len(data)),
-                                    writer if handoff is not None else None)
+                                    writer if handoff is not None else None, write)
         header = _header_bytes(name, dtype, shape, len(data), _hex(crc32))
     except BaseException:
         discard(tmp, dir_fd)  # before the close: the writer's lock covers the temporary name while it exists
@@ -281,7 +286,7 @@ def write_layer_data(folder: str, name: str, merged: torch.Tensor, crc32: int | 
     entry = LayerEntry(name=name, file=os.path.basename(final), size=len(header) + len(data),
                        header_sha256=hashlib.sha256(header).hexdigest(), crc32=_hex(crc32), dtype=dtype, shape=shape,
                        data_offset=len(header))
-    return UnsealedLayer(fd, tmp, final, entry, header, dir_fd)
+    return UnsealedLayer(fd, tmp, final, entry, header, dir_fd, cached)
 
 
 def seal_layer(layer: UnsealedLayer) -> LayerEntry:

@@ -133,11 +133,13 @@ class PieceWriter:
         self.started: Pieces | None = None  # the last layer's, for its put to take (see layer_file)
 
     def start(self, fd: int, path: str, data: memoryview, offset: int, address: int, handoff: Handoff,
-              digest) -> Pieces:
+              digest, write=write_uncached) -> Pieces:
         """Issue ``data`` (at ``address`` in memory) at ``offset`` of ``path`` (open as ``fd``)
         in pieces as ``handoff`` publishes it, feeding ``digest`` in order; return once the
-        last piece is on its way (``digest`` is then whole). On an error, the pieces issued
-        have ended before it is raised."""
+        last piece is on its way (``digest`` is then whole). Each piece goes by ``write``
+        (:func:`~hostmem.vault.durable.write_uncached`, or ``write_cached`` to leave the
+        bytes in the page cache). On an error, the pieces issued have ended before it is
+        raised."""
         pieces = Pieces(handoff)
         done = 0
         try:
@@ -147,7 +149,7 @@ class PieceWriter:
                 if end < len(data):
                     end -= end % _ALIGN
                 self._slots.acquire()
-                future = self._pool.submit(write_uncached, fd, path, data[done:end], offset + done, address + done)
+                future = self._pool.submit(write, fd, path, data[done:end], offset + done, address + done)
                 future.add_done_callback(lambda _: self._slots.release())
                 pieces.add(future, done, end)
                 digest.update(data[done:end])  # while it is on its way: the disk's queue refills first
@@ -164,16 +166,16 @@ class PieceWriter:
 
 
 def write_pieces(fd: int, path: str, data: memoryview, offset: int, address: int, handoff: Handoff,
-                 digest) -> None:
+                 digest, write=write_uncached) -> None:
     """Write ``data`` (at ``address`` in memory) at ``offset`` of ``path`` (open as ``fd``) as
     ``handoff`` publishes it, :data:`IN_FLIGHT` pieces at a time, feeding ``digest`` in order,
-    on threads of its own.
+    on threads of its own, each piece by ``write`` (as :meth:`PieceWriter.start`).
 
     Returns once every piece is written; on any error, once the pieces already on their
     way have ended (nothing writes the file after this returns or raises).
     """
     writer = PieceWriter()
     try:
-        writer.start(fd, path, data, offset, address, handoff, digest).wait()
+        writer.start(fd, path, data, offset, address, handoff, digest, write).wait()
     finally:
         writer.close()

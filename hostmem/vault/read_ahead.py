@@ -16,9 +16,12 @@ How much: the layers of a session in use order until they add up to
 :data:`PAGE_CACHE_SHARE` of the room the page cache has (:func:`page_cache_room`:
 ``MemAvailable``, and in a memory cgroup with a limit, the limit less what the group
 cannot reclaim; the tighter). A combination that fits is read in whole, and a build's
-layers are left in the page cache (read back right after they are written; on these
-virtual machines a buffered write, which would leave them there, costs ~3 s per GiB
-against ~0.5 s for ``O_DIRECT`` and the read back). One that does not fit is read
+layers are left in the page cache: written through it, or written with ``O_DIRECT`` and
+read back once sealed, whichever the machine does faster (:mod:`hostmem.write_way`; on
+some virtual machines a buffered write costs ~3 s per GiB against ~0.5 s for
+``O_DIRECT`` and the read back, on others 0.8-1.5 s against 2.3-2.9 s). Written through
+the page cache, a layer claims its bytes of the budget as it is written
+(:meth:`ReadAhead.claim`). One that does not fit is read
 ahead up to the share only: the rest is left to a planner's executor, which reads
 ahead and releases layers in step with the pass (reading a model larger than the
 cache whole would evict its first layers before the pass reaches them).
@@ -68,15 +71,20 @@ class ReadAhead:
         """Ask for ``tensor``'s pages (a CPU view of a file mapping) to be read in, after the
         layers added before it; False once the budget is spent (nothing asked)."""
         nbytes = tensor.numel() * tensor.element_size()
-        if not nbytes or tensor.device.type != "cpu":
+        if not nbytes or tensor.device.type != "cpu" or not self.claim(nbytes):
             return False
+        _worker().put(_span(tensor))
+        return True
+
+    def claim(self, nbytes: int) -> bool:
+        """Count ``nbytes`` against the budget (a write that leaves them in the page cache
+        claims them so, and asks nothing of the kernel); False once they do not fit."""
         if self._budget is None:
             self._budget = int(PAGE_CACHE_SHARE * page_cache_room())
         if self.bytes + nbytes > self._budget:
             self._budget = self.bytes  # in use order: nothing after the first layer that does not fit
             return False
         self.bytes += nbytes
-        _worker().put(_span(tensor))
         return True
 
 

@@ -28,10 +28,10 @@ from .locks import KeyLock, say
 from .read_ahead import ReadAhead
 from .manifest import Manifest, touch_use_time, write_manifest
 from .safety import VaultError
-from .space import full_disk_advice
+from .space import full_disk_advice, still_needed
 from .verification import VerifiedMemo, record_damage
 
-__all__ = ["VaultSession", "still_needed", "say"]
+__all__ = ["VaultSession", "say"]
 
 
 # Errors of mapping a layer that are the file's own (gone, a link, unreadable, a bad block);
@@ -40,14 +40,8 @@ _FILE_ERRNOS = frozenset({errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EISDIR
                           errno.EPERM})
 
 
-def still_needed(entries: dict[str, LayerEntry], expected: dict | None) -> int:
-    """Bytes of the expected layers not yet sealed."""
-    return sum(layer_file_bytes(s, d) for n, (s, d) in (expected or {}).items() if n not in entries)
-
-
 def _new_stats(waited: float, evicted) -> dict:
-    counts = ("layers_hit", "layers_missed", "layers_written", "layers_failed", "layers_resumed", "bytes_hit",
-              "bytes_written")
+    counts = "layers_hit layers_missed layers_written layers_failed layers_resumed bytes_hit bytes_written".split()
     return {**dict.fromkeys(counts, 0), "seconds": 0.0, "rate": 0.0, "lock_wait_seconds": waited,
             "evicted": [c.key for c in evicted], "evicted_bytes": sum(c.bytes for c in evicted), "needed_bytes": 0,
             "available_bytes": 0, "dropped": None, "read_ahead_bytes": 0}
@@ -91,6 +85,7 @@ class VaultSession:
         self._map_passing = False  # the last map failed for the process's sake, not the file's
         self._damaged = adopted.damaged
         self._ahead, self._written = ReadAhead(), []  # layers read in where the page cache holds them
+        self._write_way = "direct"  # how layers the page cache holds are written: see write_layers
         self._measure_space()
 
     def _measure_space(self) -> None:
@@ -175,6 +170,14 @@ class VaultSession:
 
     # ----------------------------------------------------------------- writing
 
+    def write_layers(self, way: str) -> None:
+        """Write the layers the page cache holds (the read-ahead's budget, in put order) ``way``:
+        ``"direct"`` (the default: ``O_DIRECT``, read back at the close) or ``"buffered"``
+        (through the page cache). :mod:`hostmem.write_way` measures which is faster here."""
+        if way not in ("direct", "buffered"):
+            raise ValueError(f"write way {way!r}: 'direct' or 'buffered'")
+        self._write_way = way
+
     def put(self, name: str, merged: torch.Tensor, crc32: int | None = None,
             handoff: Handoff | None = None) -> torch.Tensor | None:
         """Write ``merged`` as layer ``name`` durably; return a read-only mapped view of it.
@@ -190,9 +193,7 @@ class VaultSession:
         Returns None when it cannot (no room, a write error): nothing partial stays on
         disk, ``last_error`` says why (``space`` has the numbers), and later puts of this
         session answer None at once, so the caller falls back in place with one warning.
-
-        The same as :meth:`put_data` then :meth:`seal_put`, which a caller may run on two
-        threads, so that one layer's fsync overlaps the next layer's writes.
+        :meth:`put_data` then :meth:`seal_put` (two threads may run them: one layer's fsync beside the next's writes).
         """
         return self.seal_put(self.put_data(name, merged, crc32, handoff))
 
@@ -227,6 +228,7 @@ class VaultSession:
                 self.stats["layers_failed"] += 1
                 return None
             self._room -= size  # reserved now: the put after this one checks what is left
+            cached = self._write_way == "buffered" and self._ahead.claim(size)
         started = time.perf_counter()
         if handoff is not None and self._writer is None:
             self._writer = PieceWriter()
@@ -234,7 +236,7 @@ class VaultSession:
         dir_fd = None
         try:  # in the key folder's descriptor, opened from the root's once a session, not walked per layer
             dir_fd = self._memo.dir.dup()
-            layer = write_layer_data(self.folder, name, merged, crc32, handoff, writer, dir_fd)
+            layer = write_layer_data(self.folder, name, merged, crc32, handoff, writer, dir_fd, cached)
         except BaseException as exc:
             if dir_fd is not None:
                 os.close(dir_fd)
@@ -276,14 +278,19 @@ class VaultSession:
         started = time.perf_counter()
         try:
             entry = seal_layer(layer)
-            view, _ = map_layer(os.path.join(self.folder, entry.file), name, self._lease, dir_fd=layer.dir_fd)
+            with self._state:  # written and checksummed here: stamped, it maps with no header read
+                entry = self._memo.record(entry)
+            view, _ = map_layer(os.path.join(self.folder, entry.file), name, self._lease, entry, layer.dir_fd)
         except (OSError, VaultError, SafetensorsError) as exc:
             self._seal_failed = True
             self._failed(name, exc)
             return None
         self._record_write(entry, self._write_seconds.pop(name, 0.0) + time.perf_counter() - started)
         with self._state:
-            self._written.append((layer.entry.name, view))  # written around the page cache: read back at the close
+            if layer.cached:  # in the page cache already; else written around it, read back at the close
+                self.stats["read_ahead_bytes"] += entry.size - entry.data_offset
+            else:
+                self._written.append((layer.entry.name, view))
         return view
 
     def _end_pieces(self, name: str) -> Exception | None:
@@ -304,9 +311,8 @@ class VaultSession:
             self.stats["layers_failed"] += 1
 
     def _record_write(self, entry: LayerEntry, seconds: float) -> None:
-        with self._state:
-            # written and checksummed here: no later start re-reads it (the entry keeps the stamp it was written at)
-            self._entries[entry.name] = self._memo.record(entry)
+        with self._state:  # stamped at its seal: no later start re-reads it
+            self._entries[entry.name] = entry
             self._room -= entry.size - layer_file_bytes(entry.shape, entry.torch_dtype)  # beyond what was reserved
             self.stats["layers_written"] += 1
             self.stats["bytes_written"] += entry.size

@@ -8,7 +8,14 @@ from dataclasses import dataclass
 
 from hostmem.units import format_size
 
-__all__ = ["SpaceCheck", "full_disk_advice"]
+from .layer_file import layer_file_bytes
+
+__all__ = ["SpaceCheck", "full_disk_advice", "still_needed"]
+
+
+def still_needed(entries: dict, expected: dict | None) -> int:
+    """Bytes of the expected layers (``{name: (shape, dtype)}``) not among ``entries`` (the sealed ones)."""
+    return sum(layer_file_bytes(s, d) for n, (s, d) in (expected or {}).items() if n not in entries)
 
 
 def full_disk_advice(exc: BaseException, folder: str) -> str:

@@ -32,8 +32,8 @@ from .checks import RootChanged
 from .safety import VaultError, check_folder_safe, make_private_dir, prepare_root, root_is_read_only
 from .readers import open_sealed
 from .claims import claim_in_process, unclaim_in_process
-from .session import VaultSession, still_needed
-from .space import SpaceCheck
+from .session import VaultSession
+from .space import SpaceCheck, still_needed
 
 __all__ = ["Vault", "default_cache_root", "alternate_key", "DEFAULT_HEADROOM", "MEMO_NAME"]
 

@@ -20,7 +20,7 @@ import torch
 from hostmem.safetensors.mapping import read_header, save_file
 
 from .progress import SizeBar
-from .write_way import measure, read_back
+from hostmem.write_way import measure, read_back
 
 __all__ = ["SyntheticSet", "dit_dims", "write_synthetic_set", "LORA_TARGETS"]
 
@@ -106,7 +106,7 @@ MEASURE_FROM = 1 << 30  # a smaller set is absorbed by the page cache either way
 
 
 def _save(tensors: dict[str, torch.Tensor], path: str, way: str) -> None:
-    """Write a large file ``way`` (:mod:`.write_way`): it ends up on disk and in the page cache."""
+    """Write a large file ``way`` (:mod:`hostmem.write_way`): it ends up on disk and in the page cache."""
     if way == "direct":
         save_file(tensors, path, direct=True)
         read_back(path)
@@ -165,7 +165,7 @@ def write_synthetic_set(folder: str, dit_bytes: int, rank: int = 32, progress: b
     """Write the DiT folder, the text encoder and the adapter under ``folder``.
 
     From :data:`MEASURE_FROM` bytes the two ways of writing are timed here first
-    (:func:`.write_way.measure`, a few seconds) and the faster one writes the set; the
+    (:func:`hostmem.write_way.measure`, a few seconds) and the faster one writes the set; the
     bar names it."""
     gen = torch.Generator().manual_seed(seed)
     hidden, blocks = dit_dims(dit_bytes)

@@ -2,16 +2,19 @@
 
 Residency is asked of the kernel (``mincore`` on the served mapping) after each layer's
 pages were dropped from the page cache (``POSIX_FADV_DONTNEED``): a build writes with
-``O_DIRECT`` (nothing of it cached) and reads back what it wrote once it is sealed, a hit reads its layers
-in as it maps them, and neither reads past its budget.
+``O_DIRECT`` (nothing of it cached) and reads back what it wrote once it is sealed, or
+writes through the page cache and reads nothing back, a hit reads its layers in as it
+maps them, and none reads past its budget.
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import time
 
+import pytest
 import torch
 
 from hostmem.vault import Vault
@@ -97,3 +100,49 @@ def test_read_ahead_stops_at_the_first_layer_past_its_budget(tmp_path):
     ahead = ReadAhead(budget=layer + layer // 2)
     assert [ahead.add(v) for v in (views[2], views[1], views[0])] == [True, False, False]  # none after the first refused
     assert ahead.bytes == layer
+
+
+def _page_aligned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies on whole pages of their own, as a build's output ring holds them, so that
+    the direct way really goes around the page cache."""
+    aligned = {}
+    for name, tensor in tensors.items():
+        buffer = mmap.mmap(-1, -(-tensor.nbytes // 4096) * 4096)
+        aligned[name] = torch.frombuffer(buffer, dtype=tensor.dtype, count=tensor.numel()).view(tensor.shape)
+        aligned[name].copy_(tensor)
+    return aligned
+
+
+def test_a_build_written_through_the_page_cache_leaves_each_layer_there_as_it_is_sealed(tmp_path):
+    vault, key, tensors = Vault(tmp_path / "root"), key_for("buffered"), _page_aligned(_layers())
+    whole = [t.nbytes for t in tensors.values()]
+    with vault.open(key, expected_of(tensors)) as session:
+        session.write_layers("buffered")
+        views = [session.put(name, tensor) for name, tensor in tensors.items()]
+        assert [resident_bytes(v) for v in views] == whole  # before the close: nothing to read back
+        assert session.stats["read_ahead_bytes"] == sum(whole)
+    assert session.stats["read_ahead_bytes"] == sum(whole)  # and the close read nothing back again
+    assert all(torch.equal(v, tensors[n]) for v, n in zip(views, tensors))
+    with vault.open(key, expected_of(tensors)) as session:  # sealed and verified as a direct build's layers are
+        assert session.complete and all(torch.equal(session.get(n, tuple(t.shape), t.dtype), t)
+                                        for n, t in tensors.items())
+
+
+def test_past_the_page_cache_s_budget_a_buffered_build_writes_around_it(tmp_path):
+    vault, key, tensors = Vault(tmp_path / "root"), key_for("buffered-budget"), _page_aligned(_layers(3))
+    layer = 512 * 1024 * 2
+    with vault.open(key, expected_of(tensors)) as session:
+        session.write_layers("buffered")
+        session._ahead = ReadAhead(budget=layer + layer // 2)  # room for one layer and a half
+        views = [session.put(name, tensor) for name, tensor in tensors.items()]
+        assert [resident_bytes(v) for v in views] == [layer, 0, 0]  # the first through the page cache only
+    assert drain() and session.stats["read_ahead_bytes"] == layer  # none past the budget read back either
+    time.sleep(0.2)
+    assert [resident_bytes(v) for v in views] == [layer, 0, 0]
+    assert all(torch.equal(v, tensors[n]) for v, n in zip(views, tensors))
+
+
+def test_a_write_way_is_one_of_the_two(tmp_path):
+    with Vault(tmp_path / "root").open(key_for("way"), {}) as session:
+        with pytest.raises(ValueError, match="'direct' or 'buffered'"):
+            session.write_layers("uncached")

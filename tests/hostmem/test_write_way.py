@@ -10,7 +10,7 @@ import torch
 
 from hostmem.safetensors.mapping import load_readonly, save_file
 from hostmem import file_writes
-from planners.demo.write_way import WAYS, WayChoice, measure, read_back
+from hostmem.write_way import WAYS, WayChoice, measure, read_back
 from tests.page_cache import cached_pages
 
 MiB = 1024 * 1024
