@@ -114,7 +114,7 @@ def test_a_large_build_measures_the_ways_once_on_its_root_and_remembers_the_fast
 def test_a_trial_left_by_a_measurer_killed_midway_is_swept_by_the_next_start(tmp_path):
     root = tmp_path / "cache"
     os.makedirs(root, mode=0o700)
-    code = "import sys; from hostmem.write_way import measure; measure(sys.argv[1], 1 << 30)"
+    code = "import sys; from hostmem.write_way import measure; measure(sys.argv[1], 256 << 20)"
     child = subprocess.Popen([sys.executable, "-c", code, str(root)])
     try:
         deadline = time.monotonic() + 60
