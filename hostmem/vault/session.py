@@ -288,7 +288,7 @@ class VaultSession:
         self._record_write(entry, self._write_seconds.pop(name, 0.0) + time.perf_counter() - started)
         with self._state:
             if layer.cached:  # in the page cache already; else written around it, read back at the close
-                self.stats["read_ahead_bytes"] += entry.size - entry.data_offset
+                self.stats["read_ahead_bytes"] += entry.data_bytes
             else:
                 self._written.append((layer.entry.name, view))
         return view

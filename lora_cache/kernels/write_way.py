@@ -23,7 +23,7 @@ import os
 import warnings
 
 from hostmem.vault.read_ahead import PAGE_CACHE_SHARE, page_cache_room
-from hostmem.write_way import measure
+from hostmem.write_way import WAYS, measure
 
 from .wisdom import FACTS, Wisdom, machine
 
@@ -63,7 +63,7 @@ def write_way(root: str | os.PathLike, nbytes: int) -> str:
         except OSError as error:  # a full disk, say: the build meets it too, and says so
             warnings.warn(f"{root}: could not time the ways to write a build ({error}); writing with O_DIRECT")
             return DIRECT
-    return known.get("faster") if known.get("faster") in ("buffered", DIRECT) else DIRECT
+    return known.get("faster") if known.get("faster") in WAYS else DIRECT
 
 
 def _measured(root: str) -> dict:
