@@ -62,6 +62,12 @@ def _remembered(root) -> dict:
     return {key: fact for key, fact in facts.items() if "write way" in key}
 
 
+def _pages_dirtied() -> int:
+    """Pages the kernel has dirtied since boot, all processes (``nr_dirtied`` in /proc/vmstat)."""
+    with open("/proc/vmstat") as handle:
+        return next(int(line.split()[1]) for line in handle if line.startswith("nr_dirtied "))
+
+
 def _remember(root, way: str) -> None:
     """Record ``way`` as the faster on ``root``'s filesystem, as a measurement would."""
     os.makedirs(root, mode=0o700, exist_ok=True)
@@ -73,8 +79,11 @@ def _remember(root, way: str) -> None:
 def test_a_build_writes_the_way_its_root_remembers_and_the_bytes_do_not_depend_on_it(tmp_path, way):
     root, model, adapter = tmp_path / "cache", _model(tmp_path), _adapter(tmp_path)
     _remember(root, way)
+    dirtied = _pages_dirtied()
     stats = lora_cache.merge(model, [adapter], cache_root=root, progress=False)
     assert stats.built == 4 and stats.write_way == way
+    if way == "buffered":  # every merged page went through the page cache (O_DIRECT dirties none of them)
+        assert _pages_dirtied() - dirtied >= stats.bytes // 4096
     built = {n: p.detach().clone() for n, p in model.named_parameters()}
     lora_cache.unmerge(model)
     lora_cache.merge(model, [adapter], progress=False, enabled=False)
