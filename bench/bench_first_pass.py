@@ -14,7 +14,9 @@ files from the same place, the place where per-file costs weigh most.
 
 - miss: ``lora_cache.merge`` on a cache emptied of combinations (the base's digests,
   the kernel timings and the measured write way kept, as every build after the first on
-  a base; the line says which way it wrote), then the pass;
+  a base; the line says which way it wrote, and whether it sealed behind the start: the
+  seconds its durable part ran on after the pass are reported beside, not counted), then
+  the pass;
 - in place: ``lora_cache.merge(enabled=False)`` on the model as safetensors hands it over
   (views of a private mapping), then the pass;
 - hit: ``lora_cache.merge`` on the combination built by the last miss, then the pass;
@@ -127,8 +129,12 @@ def start(kind: str, shards: list[str], adapter: str, root: str) -> dict:
     started_with = sorted(set(sys.modules) - modules)  # imported inside the clock
     nbytes = stream_pass(tensors)
     passed = time.perf_counter()
+    if stats is not None:  # a build sealed behind its start: how long the durable part ran on after the pass
+        from lora_cache import wait_sealed
+
+        wait_sealed()
     return {"start_s": ready - started, "pass_s": passed - ready, "pass_bytes": nbytes, "import_s": import_s,
-            "stats": stats, "modules_in_start": started_with}
+            "stats": stats, "modules_in_start": started_with, "sealed_after_pass_s": time.perf_counter() - passed}
 
 
 def read_rate(paths: list[str]) -> float:
@@ -222,6 +228,9 @@ def summarize(size: int, layers: int, regime: str, runs: dict, disk: list[float]
              f"layer (updates ~{UPDATE_ULPS} bf16 steps), {regime}; disk reads {format_size(statistics.median(disk))}"
              f"/s (median of {', '.join(format_size(d) + '/s' for d in disk)})"]
     ways = sorted({r["stats"].get("write_way") or "none" for r in runs["miss"]})
+    behind = [r["sealed_after_pass_s"] for r in runs["miss"] if r["stats"].get("sealed_behind")]
+    sealed = (f", sealed behind the start ({statistics.median(behind):.2f} s more after the pass)" if behind
+              else ", sealed in the start")
     for kind in KINDS:
         starts = ", ".join(f"{r['start_s']:.2f}" for r in runs[kind])
         passes = ", ".join(f"{r['pass_s']:.2f}" for r in runs[kind])
@@ -229,12 +238,13 @@ def summarize(size: int, layers: int, regime: str, runs: dict, disk: list[float]
                      f"{med[kind]['pass_s']:.2f} s ({passes}) = {total[kind]:.2f} s; pass reads "
                      f"{format_size(rate[kind])}/s" + (f"; import lora_cache {med[kind]['import_s'] * 1e3:.0f} ms"
                                                         if kind != "none" else "")
-                     + (f"; wrote {'/'.join(ways)}" if kind == "miss" else ""))
+                     + (f"; wrote {'/'.join(ways)}{sealed}" if kind == "miss" else ""))
     lines += [f"  (miss + pass) / (in place + pass) {figures['miss_over_in_place']:.2f} (goal <= 1.0)",
               f"  (hit + pass) / (no LoRA + pass) {figures['hit_over_none']:.2f} (goal <= 1.15)",
               f"  hit's cold pass / the checkpoint's {figures['hit_pass_rate_over_checkpoint']:.2f} (goal >= 0.9); "
               f"the miss's pass / the checkpoint's {figures['miss_pass_rate_over_checkpoint']:.2f}"]
     summary = {"model_bytes": size, "layers": layers, "regime": regime, "settle_s": REGIMES[regime], "write_ways": ways,
+               "sealed_behind_runs": len(behind), "sealed_after_pass_s": behind,
                "disk_read_bytes_per_s": disk, **figures,
                "seconds": {kind: {**med[kind], "total": total[kind]} for kind in KINDS},
                "runs": {kind: [{k: r[k] for k in ("start_s", "pass_s", "import_s")} for r in runs[kind]]

@@ -143,11 +143,13 @@ def write_uncached(fd: int, path: str, data, offset: int, address: int) -> None:
 
 def write_cached(fd: int, path: str, data, offset: int, address: int) -> None:
     """Write ``data`` at ``offset`` of ``path``, open as ``fd``, through the page cache,
-    the disk started on each chunk as it is written: :func:`write_uncached`'s twin for
-    bytes that should stay in the page cache (``path`` and ``address`` are not needed;
-    they are taken so that either may be passed where the other is). The later fsync
-    is what makes it durable, as there."""
-    write_all(fd, data, offset, writeback=True)
+    where the bytes then stay: :func:`write_uncached`'s twin for bytes that should stay
+    in the page cache (``path`` and ``address`` are not needed; they are taken so that
+    either may be passed where the other is). No writeback is started: the disk is left
+    to the later fsync (or the kernel's own writeback), so a build that reads its inputs
+    from the same disk does not share it with its writes. The fsync is what makes it
+    durable, as there."""
+    write_all(fd, data, offset)
 
 
 _STAGE = 64 * 1024 * 1024  # bytes staged per O_DIRECT write

@@ -30,7 +30,8 @@ this order (``merge``), and the layer loop (:mod:`.layer_loop`) runs 4 to 6 per 
    build, decided in :mod:`.orchestrate`;
 4. build layer by layer: the math, :mod:`.compute`; which kernel sums each shape here,
    :mod:`.kernels`;
-5. seal: the vault's session (:mod:`hostmem.vault`) makes the combination durable;
+5. seal: the vault's session (:mod:`hostmem.vault`) makes the combination durable, behind
+   the start where the layers are in the page cache (:func:`wait_sealed` waits for it);
 6. place the weights (mapped, run-time terms, in place): :mod:`.placement`.
 
 Beside them: :mod:`.diffusers_entry` (``load_lora``), :mod:`.switching` (swapping placed
@@ -44,6 +45,7 @@ _EXPORTS = {
     "merge": "orchestrate",
     "MergeStats": "orchestrate",
     "CacheBuildError": "orchestrate",
+    "wait_sealed": "orchestrate",
     "unmerge": "switching.adapter_switch",
     "is_merged": "placement.layers",
     "UnmergeError": "placement.layers",

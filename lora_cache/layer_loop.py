@@ -62,6 +62,7 @@ class MergeStats:
     at_runtime: int = 0  # layers whose terms are added at run time: merging would round their update away
     rounding: dict | None = None  # lora_cache.placement.rounding.RoundingCheck.to_dict(): policy, threshold, shares lost
     write_way: str | None = None  # how a build wrote the layers the page cache holds (kernels.write_way); None: no build
+    sealed_behind: bool = False  # the build is made durable and sealed behind the start (hostmem.vault.behind)
 
     @property
     def rate(self) -> float:
@@ -254,7 +255,8 @@ class _LayerLoop:
         before it whose bytes the writer is putting on disk, and those being sealed, on
         :data:`SEALERS` threads (one fsync, under load several milliseconds, would
         otherwise hold up the write of the next layer, and with it the sum of the one
-        after; fsyncs that wait together are committed together). Each layer takes the
+        after; fsyncs that wait together are committed together; one written through the
+        page cache is fsynced at the close, :mod:`hostmem.vault.behind`). Each layer takes the
         next stretch of the output ring (:func:`ring_bytes`) that holds it.
         """
         if not targets:

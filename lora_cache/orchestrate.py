@@ -42,7 +42,8 @@ from .placement.runtime_lora import apply_runtime
 from .ranks.process_group import DEFAULT_TIMEOUT, check_rank_timeout, distributed_group
 from .settings import DISABLE_ENV, cache_disabled_by_env
 from .ranks.tp_shards import check_shards, full_shapes, shape_notes, split_shards
-from hostmem.vault import Vault, cache_key
+from hostmem.vault import Vault, VaultSession, cache_key
+from hostmem.vault.behind import wait_sealed
 from hostmem.vault.fold import FoldedSession, plan_fold, wait_for_a_folded_build
 from hostmem.vault.roots import cache_roots, keyer, open_in_roots
 
@@ -51,6 +52,7 @@ __all__ = [
     "MergeStats",
     "merge",
     "merge_layers",
+    "wait_sealed",
     "open_combination",
     "OpenCombination",
     "plan_targets",
@@ -269,6 +271,10 @@ def merge(
     ``fallback=False`` raises instead of merging in place when the cache cannot store a
     layer (for ahead-of-time builds). The merged weights are views of the cache's files;
     while any of them lives, the combination counts as in use and is never evicted.
+    A build's layers held in the page cache are served as soon as they are written;
+    making them durable and sealing the combination (its next start's hit) goes on in a
+    thread of the process while the model runs (:mod:`hostmem.vault.behind`), which the
+    process waits for at exit, :func:`wait_sealed` sooner.
     A layer merged in place is summed into its own weight where that is writable;
     ``unmergeable=True`` first keeps a copy of it, so that :func:`lora_cache.unmerge`
     can restore it (a cached merge never needs one). ``rank_timeout``: with a
@@ -337,6 +343,8 @@ def merge(
     targets, at_runtime, check = lossy.decided()
     if isinstance(session_cm, FoldedSession):  # the one place the build's read order changes
         targets = session_cm.in_file_order(targets)
+    if isinstance(session_cm, VaultSession):  # a plain build: sealed behind the start (hostmem.vault.behind)
+        session_cm.seal_behind = True
     session = None
     try:
         with session_cm as session:
@@ -351,6 +359,7 @@ def merge(
         raise
     if session is not None:  # a folded build's key and root are known once it is sealed
         key, root = session.key, session.vault.root
+        stats.sealed_behind = isinstance(session, VaultSession) and session.stats["sealed_behind"]
     lossy.remember(key)  # measured here: the next start on this key reads the record
     stats.cache_key = key
     stats.cache_root = root

@@ -57,7 +57,9 @@ Contract, in the order it happens:
 - Closing the session writes the manifest last (the seal) and releases the lock;
   a session that served a sealed combination as it was only sets the manifest's mtime
   (its use, for the LRU order). The views it served keep the combination in use until
-  they are gone.
+  they are gone. Layers written through the page cache are served from their files at
+  once and fsynced and named at the close, which may go on in a thread while the start
+  runs (``close(behind=True)``, :mod:`.behind`): the lock is held until it is done.
 
 The default root is ``~/.cache/hostmem``; the environment variable
 ``HOSTMEM_CACHE_ROOT`` overrides it (:func:`default_cache_root`).
@@ -66,6 +68,7 @@ Modules, each with one job:
 
 - ``store``: :class:`Vault`, a cache root, where combinations are opened;
 - ``session``: :class:`VaultSession`, one open combination: get, put, seal;
+- ``behind``: a build's seal finished by a thread while the start goes on (:func:`wait_sealed`);
 - ``readers``: a sealed, verified combination opened only to map it, lock held shared;
 - ``space``: room for a build (:class:`SpaceCheck`);
 - ``verification``: a layer is served only once its checksum matched;
@@ -103,6 +106,7 @@ _EXPORTS = {
     "open_in_roots": "roots",
     "DEFAULT_HEADROOM": "store",
     "layer_file_bytes": "layer_file",
+    "wait_sealed": "behind",
 }
 
 __all__ = sorted(_EXPORTS)

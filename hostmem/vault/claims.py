@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 
+from .behind import wait_sealed
 from .safety import VaultError
 
 __all__ = ["claim_in_process", "unclaim_in_process"]
@@ -19,9 +20,11 @@ _OPEN_LOCK = threading.Lock()
 
 
 def claim_in_process(cache: str, key: str) -> None:
-    """Mark ``key``'s combination in the cache folder ``cache`` open in this process."""
+    """Mark ``key``'s combination in the cache folder ``cache`` open in this process; where
+    a build of it is sealing behind its start here (:mod:`.behind`), once that is done."""
+    folder = os.path.join(os.path.realpath(cache), key)  # one root under two spellings is one root
+    wait_sealed(folder)
     with _OPEN_LOCK:
-        folder = os.path.join(os.path.realpath(cache), key)  # one root under two spellings is one root
         if folder in _OPEN:
             raise VaultError(f"LoRA merge cache {key[:12]} in {cache} is already open in this process (a build or "
                              "a start of it is under way); wait for it, or close that session first")

@@ -95,7 +95,7 @@ def open_tmp(folder: str, suffix: str = "", dir_fd: int | None = None) -> tuple[
     it removes the file while holding the lock, so once ours is granted the name is
     checked to still be our file, and a new one is made if it is not.
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     while True:
         path = tmp_path_in(folder, suffix)
         with _folder_of(path, dir_fd) as (folder_fd, name):  # the folder walked from the root's descriptor

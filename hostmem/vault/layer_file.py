@@ -47,6 +47,8 @@ __all__ = [
     "write_layer",
     "write_layer_data",
     "seal_layer",
+    "complete_layer",
+    "seal_completed",
     "discard_layer",
     "UnsealedLayer",
     "read_layer_file",
@@ -293,11 +295,24 @@ def seal_layer(layer: UnsealedLayer) -> LayerEntry:
     """Write the header of the file :func:`write_layer_data` wrote (its data all on disk by
     now), fsync it and rename it to its final name; return its entry. On any error the
     temporary file is removed and the error is raised."""
+    complete_layer(layer)
+    return seal_completed(layer)
+
+
+def complete_layer(layer: UnsealedLayer) -> None:
+    """Write the header of the file :func:`write_layer_data` wrote: the file is whole, under
+    its temporary name, not yet durable (:func:`seal_completed` makes it so). On any error
+    the temporary file is removed and the error is raised."""
     try:
         write_all(layer.fd, layer.header, 0)
     except BaseException:
         discard_layer(layer)
         raise
+
+
+def seal_completed(layer: UnsealedLayer) -> LayerEntry:
+    """fsync the whole file :func:`complete_layer` left and rename it to its final name;
+    return its entry. On any error the temporary file is removed and the error is raised."""
     # the manifest's seal fsyncs the folder once
     seal(layer.fd, layer.tmp, layer.final, sync_dir=False, dir_fd=layer.dir_fd)
     return layer.entry

@@ -42,11 +42,17 @@ import torch
 from hostmem.safetensors.mapping import SafetensorsError, SafetensorsHeader, advise_huge_pages
 from hostmem.safetensors.writers import guard_foreign_writers
 
-from .layer_file import LayerEntry, header_of_open_file, known_layout
+from .layer_file import LayerEntry, header_of_open_file, known_layout, view_matches
 from .locks import KeyLock, describe_holders, lock_holders, lock_wait_s, say
 from .safety import check_file_safe, check_not_symlink, open_trusted
 
-__all__ = ["UseLease", "use_lease", "lease_alive", "map_layer"]
+__all__ = ["UseLease", "use_lease", "lease_alive", "map_layer", "map_open_layer", "map_recorded",
+           "remove_use_file_if_unused"]
+
+# Errors of mapping a layer that are the file's own (gone, a link, unreadable, a bad block);
+# any other (EMFILE, ENOMEM, ...) is the process's, and passes.
+_FILE_ERRNOS = frozenset({errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.EIO, errno.EACCES,
+                          errno.EPERM})
 
 _LEASES: "weakref.WeakValueDictionary[str, UseLease]" = weakref.WeakValueDictionary()
 _LEASES_LOCK = threading.Lock()
@@ -92,6 +98,16 @@ def lease_alive(path: str) -> bool:
     """True while some view (or session) of this process still holds the lease on ``path``."""
     with _LEASES_LOCK:
         return _LEASES.get(path) is not None
+
+
+def remove_use_file_if_unused(path: str) -> None:
+    """Remove the use file ``path`` where no view holds its lease: none of this process's,
+    none of another's. Only while holding its key's lock (nobody is taking a lease then)."""
+    if lease_alive(path):
+        return  # views of this process live on
+    probe = KeyLock(path)
+    if os.path.lexists(path) and probe.acquire(blocking=False):  # no other process's views either
+        probe.release(remove=True)
 
 
 class _LeasedMapping(mmap.mmap):
@@ -147,15 +163,45 @@ def map_layer(path: str, name: str, lease: UseLease, entry: LayerEntry | None = 
             offset, nbytes, dtype, shape = header.data_offset + info.begin, info.nbytes, info.torch_dtype, info.shape
         else:
             header, nbytes, dtype, shape = None, entry.data_bytes, entry.torch_dtype, entry.shape
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype), header
-        mapping = _LeasedMapping(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        advise_huge_pages(mapping)
-        guard_foreign_writers()  # a read-only weight is handed out: writers get an error, not a bare SIGSEGV
+        return _map_open(fd, lease, offset, nbytes, dtype, shape), header
     finally:
         os.close(fd)
+
+
+def map_recorded(folder: str, entry: LayerEntry, lease: UseLease, folder_fd) -> tuple[torch.Tensor | None, str, bool]:
+    """Map a sealed layer read-only (:func:`map_layer`, opened in ``folder_fd``, its key
+    folder's :class:`~.anchor.FolderFd`), if it still is what ``entry`` recorded: ``(view,
+    "", False)``, else ``(None, why, passing)``; ``passing``: the map failed for the
+    process's sake (out of descriptors or address space), nothing wrong with the file."""
+    path = os.path.join(folder, entry.file)
+    try:  # opened in the key folder's descriptor, kept for the session: one openat per layer
+        view, header = folder_fd.run(lambda fd: map_layer(path, entry.name, lease, entry, fd))
+    except (SafetensorsError, OSError) as exc:
+        return None, str(exc), isinstance(exc, OSError) and exc.errno not in _FILE_ERRNOS
+    if header is None:
+        return view, "", False  # unchanged since it was verified: mapped at its recorded offset, no header read
+    if header.file_size != entry.size or header.header_sha256 != entry.header_sha256:
+        return None, f"{path}: size or header changed since it was sealed", False
+    if not view_matches(view, entry):  # changed since it was checked at open: its bytes are read
+        return None, f"{path}: content changed since it was verified", False
+    return view, "", False
+
+
+def map_open_layer(fd: int, lease: UseLease, entry: LayerEntry) -> torch.Tensor:
+    """Map the data of the layer file open as ``fd`` (its writer's descriptor: the file this
+    process wrote and has not named yet) read-only, at the offset ``entry`` records; the
+    view holds ``lease``. The mapping outlives the descriptor and the rename that follows."""
+    return _map_open(fd, lease, entry.data_offset, entry.data_bytes, entry.torch_dtype, entry.shape)
+
+
+def _map_open(fd: int, lease: UseLease, offset: int, nbytes: int, dtype, shape) -> torch.Tensor:
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    mapping = _LeasedMapping(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    advise_huge_pages(mapping)
+    guard_foreign_writers()  # a read-only weight is handed out: writers get an error, not a bare SIGSEGV
     mapping.lease = lease
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # not writable: that is the point
         flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=offset)
-    return flat.view(dtype).reshape(shape), header
+    return flat.view(dtype).reshape(shape)

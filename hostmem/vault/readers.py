@@ -81,7 +81,7 @@ class SealedSession(VaultSession):
         self.writable = False
         self.last_error = f"{self.vault.label} {self.key[:12]} changed while it was served ({reason})"
 
-    def close(self) -> None:
+    def close(self, behind: bool = False) -> None:  # nothing to seal behind
         self._close_shared(self._record_use)
 
     def _record_use(self) -> None:

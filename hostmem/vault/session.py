@@ -6,7 +6,6 @@ The store's contract is in the package docstring (:mod:`hostmem.vault`).
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import threading
 import time
@@ -15,16 +14,16 @@ import torch
 
 from hostmem.safetensors.mapping import SafetensorsError
 
+from .behind import Parked, seal_behind
 from .claims import unclaim_in_process
 from .handoff import Handoff
 from .adoption import drop_folder, shape_dtype_problem
 from .durable import remove_tree
-from .layer_file import (LayerEntry, UnsealedLayer, discard_layer, layer_file_bytes, seal_layer, view_matches,
-                         write_layer_data)
-from .leases import lease_alive, map_layer
+from .layer_file import LayerEntry, UnsealedLayer, discard_layer, layer_file_bytes, seal_layer, write_layer_data
+from .leases import map_layer, map_recorded, remove_use_file_if_unused
 from .piece_writer import PieceWriter
 from .provisional import is_provisional
-from .locks import KeyLock, say
+from .locks import say
 from .read_ahead import ReadAhead
 from .manifest import Manifest, touch_use_time, write_manifest
 from .safety import VaultError
@@ -34,17 +33,11 @@ from .verification import VerifiedMemo, record_damage
 __all__ = ["VaultSession", "say"]
 
 
-# Errors of mapping a layer that are the file's own (gone, a link, unreadable, a bad block);
-# any other (EMFILE, ENOMEM, ...) is the process's, and passes.
-_FILE_ERRNOS = frozenset({errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.EIO, errno.EACCES,
-                          errno.EPERM})
-
-
 def _new_stats(waited: float, evicted) -> dict:
     counts = "layers_hit layers_missed layers_written layers_failed layers_resumed bytes_hit bytes_written".split()
     return {**dict.fromkeys(counts, 0), "seconds": 0.0, "rate": 0.0, "lock_wait_seconds": waited,
             "evicted": [c.key for c in evicted], "evicted_bytes": sum(c.bytes for c in evicted), "needed_bytes": 0,
-            "available_bytes": 0, "dropped": None, "read_ahead_bytes": 0}
+            "available_bytes": 0, "dropped": None, "read_ahead_bytes": 0, "sealed_behind": False}
 
 
 class VaultSession:
@@ -86,6 +79,8 @@ class VaultSession:
         self._damaged = adopted.damaged
         self._ahead, self._written = ReadAhead(), []  # layers read in where the page cache holds them
         self._write_way = "direct"  # how layers the page cache holds are written: see write_layers
+        self._parked = Parked(f"{vault.label} {key[:12]}", folder)  # written through the page cache, sealed at the close
+        self.seal_behind = False  # leaving the ``with`` closes it behind (see close)
         self._measure_space()
 
     def _measure_space(self) -> None:
@@ -137,24 +132,7 @@ class VaultSession:
 
     def _map(self, entry: LayerEntry) -> torch.Tensor | None:
         """Map a layer file read-only, if it still is what the manifest recorded."""
-        path = os.path.join(self.folder, entry.file)
-        self._map_passing = False
-        try:  # opened in the key folder's descriptor, kept for the session: one openat per layer
-            view, header = self._memo.dir.run(lambda fd: map_layer(path, entry.name, self._lease, entry, fd))
-        except (SafetensorsError, OSError) as exc:
-            self._map_problem = str(exc)
-            # the file itself (gone, a header that lies, a link) or the process (out of
-            # descriptors or address space: nothing wrong with the file)
-            self._map_passing = isinstance(exc, OSError) and exc.errno not in _FILE_ERRNOS
-            return None
-        if header is None:
-            return view  # unchanged since it was verified: mapped at its recorded offset, no header read
-        if header.file_size != entry.size or header.header_sha256 != entry.header_sha256:
-            self._map_problem = f"{path}: size or header changed since it was sealed"
-            return None
-        if not view_matches(view, entry):  # changed since it was checked at open: its bytes are read
-            self._map_problem = f"{path}: content changed since it was verified"
-            return None
+        view, self._map_problem, self._map_passing = map_recorded(self.folder, entry, self._lease, self._memo.dir)
         return view
 
     def _drop(self, reason: str) -> None:
@@ -277,10 +255,13 @@ class VaultSession:
             return None
         started = time.perf_counter()
         try:
-            entry = seal_layer(layer)
-            with self._state:  # written and checksummed here: stamped, it maps with no header read
-                entry = self._memo.record(entry)
-            view, _ = map_layer(os.path.join(self.folder, entry.file), name, self._lease, entry, layer.dir_fd)
+            if layer.cached:  # whole in the page cache: served from the file written, sealed at the close
+                entry, view = layer.entry, self._parked.park(layer, self._lease)
+            else:
+                entry = seal_layer(layer)
+                with self._state:  # written and checksummed here: stamped, it maps with no header read
+                    entry = self._memo.record(entry)
+                view, _ = map_layer(os.path.join(self.folder, entry.file), name, self._lease, entry, layer.dir_fd)
         except (OSError, VaultError, SafetensorsError) as exc:
             self._seal_failed = True
             self._failed(name, exc)
@@ -339,7 +320,7 @@ class VaultSession:
 
     @property
     def layers(self) -> dict[str, LayerEntry]:
-        """The sealed layers, by tensor name (a copy)."""
+        """The layers written, by tensor name (a copy): sealed, or sealed at the close."""
         return dict(self._entries)
 
     @property
@@ -352,11 +333,12 @@ class VaultSession:
         if self._closed:
             raise VaultError(f"{self.vault.label} {self.key[:12]}: session already closed")
 
-    def close(self) -> None:
-        """Seal: write the manifest last, then release the lock. Never raises over a full disk.
-
-        The views served stay valid and keep the combination in use (``<key>.use``)
-        until they are gone; when none is left anywhere, the use file goes too.
+    def close(self, behind: bool = False) -> None:
+        """Seal: make the layers written through the page cache durable and name them,
+        write the manifest last, then release the lock. Never raises over a full disk.
+        ``behind``: that work goes on in a thread of its own (:mod:`.behind`), the lock held
+        until it is done. The views served stay valid and keep the combination in use
+        (``<key>.use``) until they are gone; when none is left anywhere, the use file goes.
         """
         if self._closed:
             return
@@ -366,7 +348,15 @@ class VaultSession:
         if self._lock is None:  # a read-only root: nothing was locked, nothing is written
             self._memo.dir.close()
             return
+        if behind and self._parked and self.after_seal is None:
+            self.stats["sealed_behind"] = True
+            seal_behind(self.folder, self._finish_close)
+        else:
+            self._finish_close()
+
+    def _finish_close(self) -> None:
         try:
+            self._seal_parked()
             self._seal()
             if self.after_seal is not None:
                 self.after_seal(self)
@@ -388,6 +378,7 @@ class VaultSession:
         self._lease = None
         try:
             self._stop_writer()
+            self._seal_parked()
             tidy()
         finally:
             self._memo.dir.close()
@@ -395,6 +386,19 @@ class VaultSession:
                 self._lock.release_and_remove_if_alone()
             finally:
                 unclaim_in_process(self.vault.cache, self.key)
+
+    def _seal_parked(self) -> None:
+        """fsync and name the layers written through the page cache (:meth:`.behind.Parked.seal`)."""
+        def sealed(entry: LayerEntry) -> None:
+            with self._state:
+                self._entries[entry.name] = self._memo.record(entry)
+
+        def failed(name: str) -> None:
+            with self._state:
+                self._entries.pop(name, None)
+                self.stats["layers_failed"] += 1
+
+        self._parked.seal(sealed, failed)
 
     def _stop_writer(self) -> None:
         """End the piece writer's threads once the pieces on their way are written (all
@@ -405,11 +409,7 @@ class VaultSession:
     def _let_go_of_use(self) -> None:
         """Drop the session's hold on the use lock; remove its file when no view holds it."""
         path, self._lease = self._lease.path, None
-        if lease_alive(path):
-            return  # views of this process live on
-        probe = KeyLock(path)
-        if os.path.lexists(path) and probe.acquire(blocking=False):  # no other process's views either
-            probe.release(remove=True)  # under the key's lock: nobody is taking a lease now
+        remove_use_file_if_unused(path)
 
     def _unchanged(self) -> bool:
         """Nothing to seal: the session opened a sealed, complete, vouched-for combination
@@ -445,6 +445,6 @@ class VaultSession:
     def __enter__(self) -> "VaultSession":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        self.close(behind=self.seal_behind and kind is None)  # a failed build seals what it has, now
 

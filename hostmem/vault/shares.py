@@ -59,7 +59,7 @@ class ShareSession(VaultSession):
         return [{"entry": entry.to_dict(), "stamp": list(entry.stamp)}
                 for name, entry in self.layers.items() if name not in self._found and entry.stamp is not None]
 
-    def close(self) -> None:
+    def close(self, behind: bool = False) -> None:  # no manifest: all sealed now
         self._close_shared(self._release_share_lock)
 
     def _release_share_lock(self) -> None:

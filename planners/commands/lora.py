@@ -208,7 +208,7 @@ def _build(args, stop):
     ``stop`` (:class:`.stopping.Stop`) is armed once what the build imports is imported."""
     import warnings
 
-    from lora_cache import merge
+    from lora_cache import merge, wait_sealed
     from lora_cache.adapters.checkpoint_model import served_as
     from lora_cache.placement.rounding import RoundingWarning
     from planners.checkpoint import diffusers_class, diffusers_config, read_headers
@@ -239,6 +239,7 @@ def _build(args, stop):
         rounding=args.rounding,
         base_files=files,
     )
+    wait_sealed()  # the image is what this command makes: sealed before it says so
     return stats, config, component, built_for
 
 
