@@ -15,9 +15,17 @@ of its own, and the start goes on. Nothing is served to anyone else before it is
 the key's lock stays held (another process that opens the key waits, then adopts what
 is sealed), the files keep their temporary names (a killed process leaves them to the
 next start's sweep, never to be served), and only the manifest written last makes the
-combination a hit. The process waits for its seals at exit (the thread is not a daemon);
-:func:`wait_sealed` waits for them sooner, and a second session on the same key in this
-process waits for the first's seal before it opens.
+combination a hit. The process waits for its seals at exit (the thread is not a daemon),
+and says so where the wait is long; :func:`wait_sealed` waits for them sooner, and a
+second session on the same key in this process waits for the first's seal before it opens.
+
+A parked layer's pages are dirty: the page cache cannot drop them before they are
+written, and a memory cgroup charges them. So the build lets at most
+:data:`DIRTY_SHARE` of the page cache's room (:func:`~.read_ahead.page_cache_room`,
+the cgroup's where it is tighter; the kernel's own default background ratio) wait
+unwritten: past it, the disk is started on the oldest parked layers, without waiting.
+(Started on every layer as it was written, the same 1 GiB started in 1.40-1.79 s
+against 1.01-1.55 s.)
 """
 
 from __future__ import annotations
@@ -27,13 +35,20 @@ import threading
 import time
 from typing import Callable
 
+from hostmem.file_writes import start_writeback
+from hostmem.units import format_size
+
 from .layer_file import UnsealedLayer, complete_layer, discard_layer, seal_completed
 from .leases import map_open_layer
 from .locks import say
+from .read_ahead import page_cache_room
 from .space import full_disk_advice
 
-__all__ = ["Parked", "seal_behind", "wait_sealed"]
+__all__ = ["DIRTY_SHARE", "Parked", "seal_behind", "wait_sealed"]
 
+DIRTY_SHARE = 0.1  # of the page cache's room: parked bytes left unwritten before the disk is started on them
+
+_SAY_FROM = 1 << 30  # bytes left to seal at exit that are worth a line
 _PENDING: dict[str, threading.Thread] = {}  # a combination's folder (real path) -> its sealing thread
 _PENDING_LOCK = threading.Lock()
 
@@ -45,6 +60,9 @@ class Parked:
     def __init__(self, label: str, folder: str):
         self._label, self._folder = label, folder  # the combination, as its errors name it
         self._layers: list[UnsealedLayer] = []
+        self._unstarted = 0  # bytes of the last parked layers, from _layers[_started:], not started on the disk
+        self._started = 0
+        self._dirty_cap: int | None = None  # measured at the first park
 
     def __bool__(self) -> bool:
         return bool(self._layers)
@@ -62,14 +80,32 @@ class Parked:
             discard_layer(layer)
             raise
         self._layers.append(layer._replace(dir_fd=dir_fd))
+        self._unstarted += layer.entry.size
+        self._start_past_cap()
         return view
+
+    def _start_past_cap(self) -> None:
+        """Start the disk on the oldest parked layers while the unwritten ones pass the cap."""
+        if self._dirty_cap is None:
+            self._dirty_cap = int(DIRTY_SHARE * page_cache_room())
+        while self._unstarted > self._dirty_cap and self._started < len(self._layers):
+            layer = self._layers[self._started]
+            start_writeback(layer.fd, 0, layer.entry.size)
+            self._unstarted -= layer.entry.size
+            self._started += 1
 
     def seal(self, sealed: Callable, failed: Callable) -> None:
         """fsync and name every parked layer, in the order parked: ``sealed(entry)`` for
         each that is, ``failed(name)`` for each that could not be (its file removed, the
         error said: the next start builds it again)."""
+        left, said = sum(layer.entry.size for layer in self._layers), False
+        self._started = self._unstarted = 0
         while self._layers:
             layer = self._layers.pop(0)
+            if not said and left >= _SAY_FROM and not threading.main_thread().is_alive():
+                said = True  # the process is exiting and waits for this: a silent wait would look hung
+                say(f"{self._label}: making {format_size(left)} of merged layers durable before the process exits")
+            left -= layer.entry.size
             try:
                 entry = seal_completed(layer)
             except OSError as exc:
