@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from hostmem.file_writes import start_writeback
 from hostmem.units import format_size
@@ -43,6 +43,9 @@ from .leases import map_open_layer
 from .locks import say
 from .read_ahead import page_cache_room
 from .space import full_disk_advice
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DIRTY_SHARE", "Parked", "seal_behind", "wait_sealed"]
 
@@ -67,7 +70,7 @@ class Parked:
     def __bool__(self) -> bool:
         return bool(self._layers)
 
-    def park(self, layer: UnsealedLayer, lease) -> "torch.Tensor":
+    def park(self, layer: UnsealedLayer, lease) -> torch.Tensor:
         """Complete ``layer`` (its header written) and keep it for :meth:`seal`; a read-only
         view of it, mapped from its writer's descriptor, holding ``lease``. Its descriptor
         is now the parking's, its folder's descriptor stays the caller's. On any error its
@@ -121,11 +124,17 @@ class Parked:
 
 def seal_behind(folder: str, rest: Callable[[], None]) -> None:
     """Run ``rest`` (what is left of closing ``folder``'s session) on a thread of its own,
-    which the process waits for at exit; any error is said, never raised."""
+    which the process waits for at exit; any error is said, never raised. Where no thread
+    can be started (none left, the interpreter shutting down), here and now."""
     thread = threading.Thread(target=_run, args=(folder, rest), name="hostmem-vault-seal")
     with _PENDING_LOCK:
         _PENDING[os.path.realpath(folder)] = thread
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError:
+        with _PENDING_LOCK:
+            del _PENDING[os.path.realpath(folder)]
+        rest()
 
 
 def _run(folder: str, rest: Callable[[], None]) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import threading
 
-from .behind import wait_sealed
 from .safety import VaultError
 
 __all__ = ["claim_in_process", "unclaim_in_process"]
@@ -22,6 +21,8 @@ _OPEN_LOCK = threading.Lock()
 def claim_in_process(cache: str, key: str) -> None:
     """Mark ``key``'s combination in the cache folder ``cache`` open in this process; where
     a build of it is sealing behind its start here (:mod:`.behind`), once that is done."""
+    from .behind import wait_sealed  # here: the store's light commands import this module, never torch
+
     folder = os.path.join(os.path.realpath(cache), key)  # one root under two spellings is one root
     wait_sealed(folder)
     with _OPEN_LOCK:
