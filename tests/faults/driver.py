@@ -4,12 +4,17 @@
 checkpoint BASE through the cache under ROOT, like ``hostmem lora merge``, and prints
 how many writes, fsyncs and renames it made (``calls N``).
 
-``python tests/faults/driver.py BASE ADAPTER ROOT N1 N2 ...`` forks one build per N
+``python tests/faults/driver.py [--behind] BASE ADAPTER ROOT N1 N2 ...`` forks one build per N
 (into ``ROOT-N``), each of which sends itself SIGKILL just before its Nth write, fsync
 or rename, whichever phase of the build that falls in (layer data, the content-hash
 memo, the kernel timings, the verification memo, the manifest, the folder fsyncs): a
 real crash of a real process, with the kernel's real state of every file. Forking
 spares each build the interpreter's start; it prints ``N killed`` or ``N exited S``.
+
+``--behind``: each root first remembers the page cache as the faster way to write and
+knows the base's digest (calls not counted), so the build is sealed behind its start
+(:mod:`hostmem.vault.behind`): its layers' fsyncs and renames, the manifest and the
+folder's fsync run on the seal's thread, which the build waits for before it exits.
 """
 
 import os
@@ -40,16 +45,29 @@ import lora_cache  # noqa: E402  (after the cue is set: nothing of the vault may
 from lora_cache.placement.layers import checkpoint_module  # noqa: E402
 
 
+_BEHIND = False
+
+
 def build(base: str, adapter: str, root: str):
-    return lora_cache.merge(checkpoint_module([base]), [adapter], cache_root=root, progress=False)
+    global _CALLS
+    if _BEHIND:
+        from hostmem.vault import Vault
+        from tests.lora_cache.test_write_way import _remember
+
+        _remember(root, "buffered")
+        Vault(root).base_identity([base])
+        _CALLS = 0  # the kill points are the build's own
+    stats = lora_cache.merge(checkpoint_module([base]), [adapter], cache_root=root, progress=False)
+    lora_cache.wait_sealed()
+    return stats
 
 
 def killed_at(base: str, adapter: str, root: str, kill_at: int) -> str:
     """Build in a forked child that dies at its ``kill_at``-th call; how it ended."""
     pid = os.fork()
     if pid == 0:
-        global _KILL_AT
-        _KILL_AT = kill_at
+        global _KILL_AT, _CALLS
+        _KILL_AT, _CALLS = kill_at, 0
         try:
             build(base, adapter, root)
         finally:
@@ -61,10 +79,11 @@ def killed_at(base: str, adapter: str, root: str, kill_at: int) -> str:
 
 
 if __name__ == "__main__":
-    base, adapter, root, *kills = sys.argv[1:]
+    _BEHIND = sys.argv[1] == "--behind"
+    base, adapter, root, *kills = sys.argv[1 + _BEHIND:]
     if not kills:
         stats = build(base, adapter, root)
-        print(f"built {stats.built} hit {stats.hit}")
+        print(f"built {stats.built} hit {stats.hit} behind {stats.sealed_behind}")
         print(f"calls {_CALLS}")
     for n in map(int, kills):
         print(f"{n} {killed_at(base, adapter, f'{root}-{n}', n)}", flush=True)

@@ -56,10 +56,13 @@ def reference(base: str, adapter: str) -> dict[str, torch.Tensor]:
 
 
 def start(base: str, adapter: str, roots) -> tuple[dict[str, torch.Tensor], "lora_cache.MergeStats"]:
-    """A server's start, in this process: map the checkpoint, merge through the cache."""
+    """A server's start, in this process: map the checkpoint, merge through the cache; its
+    weights as served at once, and its stats once what it built is sealed (behind it,
+    where it was written through the page cache)."""
     model = checkpoint_module([base])
     stats = lora_cache.merge(model, [adapter], cache_root=roots, progress=False)
     merged = weights(model)
+    assert lora_cache.wait_sealed(timeout=120)
     lora_cache.unmerge(model)
     return merged, stats
 
@@ -70,10 +73,12 @@ def assert_same(served: dict, expected: dict) -> None:
         assert torch.equal(served[name], tensor), f"{name} differs from the in-place merge"
 
 
-def build_in_child(world: World, root: str, kill_at: list[int] = ()) -> subprocess.CompletedProcess:
+def build_in_child(world: World, root: str, kill_at: list[int] = (), behind: bool = False) -> subprocess.CompletedProcess:
     """Build the cache in a real child process; with ``kill_at`` [N, ...] one forked build
-    per N into ``root-N``, each SIGKILLed at its Nth write, fsync or rename (``driver.py``)."""
-    argv = [sys.executable, DRIVER, world.base, world.adapter, root, *map(str, kill_at)]
+    per N into ``root-N``, each SIGKILLed at its Nth write, fsync or rename (``driver.py``);
+    ``behind``: a build sealed behind its start."""
+    argv = [sys.executable, DRIVER, *(["--behind"] if behind else []), world.base, world.adapter, root,
+            *map(str, kill_at)]
     return subprocess.run(argv, capture_output=True, text=True, timeout=240)
 
 
