@@ -256,7 +256,7 @@ class VaultSession:
         started = time.perf_counter()
         try:
             if layer.cached:  # whole in the page cache: served from the file written, sealed at the close
-                entry, view = layer.entry, self._parked.park(layer, self._lease)
+                entry, view = layer.entry, self._parked.park(layer, self._lease, self.seal_behind)
             else:
                 entry = seal_layer(layer)
                 with self._state:  # written and checksummed here: stamped, it maps with no header read

@@ -56,10 +56,12 @@ def page_flags():
         pytest.skip("/proc/kpageflags cannot be read here")
 
 
-def _built(tmp_path, tensors):
+def _built(tmp_path, tensors, behind: bool = True):
+    """A build through the page cache; ``behind``: its session will seal behind the start."""
     vault, key = Vault(tmp_path / "root"), key_for("behind")
     session = vault.open(key, expected_of(tensors))
     session.write_layers("buffered")
+    session.seal_behind = behind
     views = [session.put(name, tensor) for name, tensor in tensors.items()]
     return vault, key, session, views
 
@@ -80,10 +82,13 @@ def test_a_layer_through_the_page_cache_is_served_unwritten_and_the_close_makes_
         assert again.complete and all(torch.equal(again.get(n, tuple(t.shape), t.dtype), t) for n, t in tensors.items())
 
 
-def test_past_its_share_of_the_page_cache_a_build_starts_the_disk_on_its_oldest_layers(tmp_path, page_flags,
-                                                                                       monkeypatch):
-    monkeypatch.setattr(behind, "DIRTY_SHARE", 0.0)  # every layer past the cap: each started as it is parked
-    vault, key, session, views = _built(tmp_path, _layers())
+@pytest.mark.parametrize("share, behind_start", [(0.0, True), (1.0, False)],
+                         ids=["past its share of the page cache", "sealed in its start"])
+def test_a_build_starts_the_disk_on_its_layers_past_its_share_or_where_its_close_waits(tmp_path, page_flags,
+                                                                                      monkeypatch, share,
+                                                                                      behind_start):
+    monkeypatch.setattr(behind, "DIRTY_SHARE", share)
+    vault, key, session, views = _built(tmp_path, _layers(), behind=behind_start)
     try:
         deadline = time.monotonic() + 10
         while (left := [_unwritten_pages(v) for v in views]) != [0] * len(views) and time.monotonic() < deadline:
