@@ -12,7 +12,6 @@ import sys
 import textwrap
 import time
 
-import pytest
 import torch
 
 import lora_cache
