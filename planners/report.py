@@ -33,7 +33,7 @@ added but never renamed::
                        "pinned_layers": {NAME: [..]}, "transfer_s_per_request", "over_limit_bytes"}],
      "lora_merge": null | {"layers", "hit", "built", "fallen_back", "in_place", "bytes",
                            "bytes_written", "seconds", "rate_bytes_per_s", "cache_key",
-                           "cache_root", "adapters"},
+                           "cache_root", "adapters", "sealed_behind"},
      "host_share": null | {"local_rank", "local_world_size", "source", "host_budget_bytes",
                            "share_bytes", "shares_bytes", "needs_bytes"}}
 
@@ -323,6 +323,9 @@ def _lora_merge_lines(plan: DeploymentPlan) -> list[str]:
              format_rate(m["rate_bytes_per_s"]) if merged else "-")]
     hits = (["  every weight tensor came from the cache: nothing merged, nothing written"]
             if m["layers"] and m["hit"] == m["layers"] else [])
+    if m.get("sealed_behind"):  # the layers are served; the disk is still taking them
+        hits.append("  sealed behind the start: the layers written are made durable while the model serves; "
+                    "the next start hits once that is done (this process waits for it at exit)")
     rounding = m.get("rounding") or {}
     lost = [f"{name} {share:.0%}" for name, share in sorted((rounding.get("lost") or {}).items())[:3]]
     said = [f"  rounding to the weights' dtype loses over {rounding['threshold']:.0%} of {len(rounding['lost'])} "

@@ -13,14 +13,40 @@ import textwrap
 import time
 
 import torch
+from torch import nn
 
 import lora_cache
+from hostmem.safetensors.mapping import load_readonly
 from hostmem.vault import Vault, wait_sealed
 from hostmem.vault.durable import TMP_PREFIX
 from hostmem.vault.manifest import MANIFEST_NAME
-from tests.lora_cache.test_write_way import _adapter, _model, _no_way_in_this_process, _remember  # noqa: F401
+from tests.conftest import write_safetensors
+from tests.lora_cache.test_adapters import lora_change, write_adapter
+from tests.lora_cache.test_write_way import _no_way_in_this_process, _remember  # noqa: F401
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _model(folder) -> nn.Module:
+    """Four fp32 linear layers of 4 MiB, read-only mappings of a checkpoint, as a server
+    loads them. fp32, so that one kernel sums them: the in-place reference is then the
+    build's own arithmetic, whichever kernel a busy machine times faster for bf16."""
+    path = os.path.join(folder, "base.safetensors")
+    if not os.path.exists(path):  # written once: a start never finds its checkpoint rewritten
+        gen = torch.Generator().manual_seed(5)
+        write_safetensors(path, {f"{i}.weight": torch.randn(1024, 1024, generator=gen) for i in range(4)})
+    model = nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(4)))
+    for name, tensor in load_readonly(path).items():
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner)._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+    return model
+
+
+def _adapter(folder) -> str:
+    path = os.path.join(folder, "lora.safetensors")
+    if not os.path.exists(path):
+        write_adapter(path, "kohya", {str(i): lora_change(1024, 1024, 16, seed=i, alpha=8) for i in range(4)})
+    return path
 
 
 def _folder(root, key: str) -> str:
@@ -65,6 +91,22 @@ def test_a_build_in_the_page_cache_serves_the_merge_at_once_and_is_sealed_behind
     assert not os.path.exists(os.path.join(root, "lora_merge_cache", stats.cache_key + ".lock"))
 
 
+def test_the_startup_report_says_the_build_is_sealed_behind_the_start(tmp_path):
+    from types import SimpleNamespace
+
+    from planners.report import _lora_merge_lines
+    from planners.startup import merge_stats_dict
+
+    root, model, adapter = tmp_path / "cache", _model(tmp_path), _adapter(tmp_path)
+    _prepare(root, tmp_path, "buffered")
+    stats = lora_cache.merge(model, [adapter], cache_root=root, progress=False)
+    lines = _lora_merge_lines(SimpleNamespace(lora_merge=merge_stats_dict(stats)))
+    assert any(line.startswith("  sealed behind the start:") for line in lines), lines
+    assert wait_sealed(timeout=60)
+    hit = lora_cache.merge(_model(tmp_path), [adapter], cache_root=root, progress=False)
+    assert not any("sealed behind" in line for line in _lora_merge_lines(SimpleNamespace(lora_merge=merge_stats_dict(hit))))
+
+
 def test_a_build_written_around_the_page_cache_is_sealed_before_the_start_returns(tmp_path):
     root, model = tmp_path / "cache", _model(tmp_path)
     _prepare(root, tmp_path, "direct")
@@ -90,8 +132,7 @@ _CHILD = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {repo!r})
     import lora_cache
-    from tests.lora_cache.test_seal_behind import _prepare
-    from tests.lora_cache.test_write_way import _adapter, _model
+    from tests.lora_cache.test_seal_behind import _adapter, _model, _prepare
     root = os.path.join({tmp!r}, "cache")
     model, adapter = _model({tmp!r}), _adapter({tmp!r})
     _prepare(root, {tmp!r}, "buffered")
