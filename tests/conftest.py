@@ -98,11 +98,17 @@ def write_safetensors(path, tensors: dict[str, torch.Tensor]) -> str:
 def mapped_model(model: torch.nn.Module, folder) -> torch.nn.Module:
     """``model`` with every weight a read-only mapped view of ``folder/base.safetensors``,
     written here from its own state dict (as a server loads a checkpoint)."""
-    from hostmem.safetensors.mapping import load_readonly
-
     os.makedirs(folder, exist_ok=True)
     path = write_safetensors(os.path.join(folder, "base.safetensors"),
                              {k: v.detach().contiguous() for k, v in model.state_dict().items()})
+    return map_into(model, path)
+
+
+def map_into(model: torch.nn.Module, path) -> torch.nn.Module:
+    """``model`` with each of its parameters that the safetensors file ``path`` holds a
+    read-only mapped view of it (as a server loads a checkpoint)."""
+    from hostmem.safetensors.mapping import load_readonly
+
     for name, tensor in load_readonly(path).items():
         owner, _, attr = name.rpartition(".")
         model.get_submodule(owner)._parameters[attr] = torch.nn.Parameter(tensor, requires_grad=False)

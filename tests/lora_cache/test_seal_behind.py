@@ -16,11 +16,10 @@ import torch
 from torch import nn
 
 import lora_cache
-from hostmem.safetensors.mapping import load_readonly
 from hostmem.vault import Vault, wait_sealed
 from hostmem.vault.durable import TMP_PREFIX
 from hostmem.vault.manifest import MANIFEST_NAME
-from tests.conftest import write_safetensors
+from tests.conftest import map_into, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, write_adapter
 from tests.lora_cache.test_write_way import _no_way_in_this_process, _remember  # noqa: F401
 
@@ -35,11 +34,7 @@ def _model(folder) -> nn.Module:
     if not os.path.exists(path):  # written once: a start never finds its checkpoint rewritten
         gen = torch.Generator().manual_seed(5)
         write_safetensors(path, {f"{i}.weight": torch.randn(1024, 1024, generator=gen) for i in range(4)})
-    model = nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(4)))
-    for name, tensor in load_readonly(path).items():
-        owner, _, attr = name.rpartition(".")
-        model.get_submodule(owner)._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
-    return model
+    return map_into(nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(4))), path)
 
 
 def _adapter(folder) -> str:

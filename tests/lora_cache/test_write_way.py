@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 import lora_cache
-from hostmem.safetensors.mapping import load_readonly
 from hostmem.vault import Vault
 from hostmem.vault.durable import TMP_PREFIX
 from hostmem.vault.read_ahead import PAGE_CACHE_SHARE, page_cache_room
@@ -22,7 +21,7 @@ from hostmem.write_way import WAYS
 from lora_cache.kernels import wisdom, write_way as way_module
 from lora_cache.kernels.wisdom import FACTS, WISDOM_FILE, Wisdom
 from lora_cache.kernels.write_way import MEASURE_FROM, write_way
-from tests.conftest import write_safetensors
+from tests.conftest import map_into, write_safetensors
 from tests.lora_cache.test_adapters import lora_change, write_adapter
 
 MiB = 1024 * 1024
@@ -41,11 +40,7 @@ def _model(folder) -> nn.Module:
     gen = torch.Generator().manual_seed(5)
     tensors = {f"{i}.weight": torch.randn(1024, 1024, generator=gen).to(torch.bfloat16) for i in range(4)}
     path = write_safetensors(os.path.join(folder, "base.safetensors"), tensors)
-    model = nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(4)))
-    for name, tensor in load_readonly(path).items():
-        owner, _, attr = name.rpartition(".")
-        model.get_submodule(owner)._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
-    return model
+    return map_into(nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(4))), path)
 
 
 def _adapter(folder) -> str:
