@@ -77,15 +77,11 @@ def _trial(folder: str, way: str, data: memoryview) -> float:
     (and, for ``direct``, read it back). The file has a temporary's name and holds its
     writer's lock while it exists, as the vault's temporaries do, so a cache's sweep
     removes it should this process die before it does (:mod:`hostmem.vault.durable`)."""
-    import fcntl
+    from hostmem.vault.durable import discard, open_tmp, write_all, write_uncached_pieces
 
-    from hostmem.vault.durable import tmp_path_in, write_all, write_uncached_pieces
-
-    path = tmp_path_in(folder)
     began = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd, path = open_tmp(folder)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         if way == "direct":
             write_uncached_pieces(fd, path, [data])
         else:
@@ -95,10 +91,8 @@ def _trial(folder: str, way: str, data: memoryview) -> float:
             read_back(path)
         return time.perf_counter() - began
     finally:
-        try:
-            os.unlink(path)
-        finally:
-            os.close(fd)  # after the unlink: the lock covers the name while it exists
+        discard(path)
+        os.close(fd)  # after the unlink: the lock covers the name while it exists
 
 
 def measure(folder: str, nbytes: int = TRIAL_BYTES) -> WayChoice:
