@@ -10,7 +10,6 @@ import contextlib
 import ctypes
 import functools
 import gc
-import mmap
 import threading
 import time
 import warnings
@@ -27,6 +26,7 @@ from hostmem.units import format_rate, format_size
 from .adapters.checks import check_before_use
 from .adapters.read_stamps import check_unchanged, reads_of
 from hostmem.vault.handoff import Handoff
+from hostmem.vault.read_ahead import will_need
 from .kernels import KernelPlan, block_workers, plan_for_targets
 from .kernels.write_way import write_way
 from .placement.layers import Snapshot, compute_merged, install, merge_in_place
@@ -417,19 +417,10 @@ def merge_layers(
 
 
 def _read_ahead(tensor: torch.Tensor) -> None:
-    """Ask the kernel to start reading ``tensor``'s pages (a file mapping's) in the background.
-
-    MADV_WILLNEED on a mapped file starts readahead and returns at once, so the next
-    layer's base comes off the disk while this one is summed; on anonymous memory or
-    where madvise is missing it does nothing worth speaking of.
-    """
-    if tensor.device.type != "cpu" or not tensor.numel():
-        return
-    page = 4096
-    start = tensor.data_ptr() // page * page
-    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
-    with contextlib.suppress(OSError, AttributeError):
-        _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_WILLNEED)
+    """Ask the kernel to start reading ``tensor``'s pages (a file mapping's) in the background,
+    so the next layer's base comes off the disk while this one is summed."""
+    if tensor.device.type == "cpu" and tensor.numel():
+        will_need(tensor)
 
 
 @functools.cache

@@ -217,3 +217,27 @@ def test_an_update_that_overflows_the_weights_dtype_is_refused_before_anything_i
     assert torch.isfinite(model["plain"].weight).all()
     cache = tmp_path / "cache" / "lora_merge_cache"
     assert not [e for e in (os.listdir(cache) if cache.is_dir() else []) if len(e) >= 32 and (cache / e).is_dir()]
+
+
+def test_the_check_reads_only_the_sampled_rows_of_a_cold_base(tmp_path):
+    """Measured row by row, each sampled row of a cold mapped base is a fault the kernel
+    reads around (the whole 2 MiB layer, in the end); the check asks for its rows' pages
+    first, so the disk reads those and no more."""
+    from lora_cache.placement.rounding import SAMPLE_ROWS, measure
+    from tests.page_cache import cached_pages
+
+    model, (path_adapter, _) = base_model(tmp_path), adapter(tmp_path)
+    base = os.path.join(tmp_path, "base.safetensors")
+    fd = os.open(base, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # written just now: dirty pages cannot be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if sum(cached_pages(base)) > 4:
+        pytest.skip("the page cache kept the base (a file system that cannot drop it)")
+    targets, _ = plan_targets(model, [lora_cache.Adapter(path_adapter)])
+    lost, measured, _ = measure(targets)
+    assert measured == 2 and set(lost) == {"turbo.weight"}
+    read, sampled = sum(cached_pages(base)), 2 * SAMPLE_ROWS  # a 2 KiB row lies in one page
+    assert read <= 2 * sampled, f"{read} pages read for {sampled} sampled rows"
