@@ -343,7 +343,7 @@ def merge(
     targets, at_runtime, check = lossy.decided()
     if isinstance(session_cm, FoldedSession):  # the one place the build's read order changes
         targets = session_cm.in_file_order(targets)
-    if isinstance(session_cm, VaultSession):  # a plain build: sealed behind the start (hostmem.vault.behind)
+    if isinstance(session_cm, (VaultSession, FoldedSession)):  # sealed behind the start (hostmem.vault.behind)
         session_cm.seal_behind = True
     session = None
     try:
@@ -357,9 +357,9 @@ def merge(
         if isinstance(exc, KeyboardInterrupt) and session is not None:
             exc.sealed_layers = len(session.layers)  # sealed by the session's close: the next start resumes
         raise
-    if session is not None:  # a folded build's key and root are known once it is sealed
+    if session is not None:  # a folded build's key and root are known once its hash is done
         key, root = session.key, session.vault.root
-        stats.sealed_behind = isinstance(session, VaultSession) and session.stats["sealed_behind"]
+        stats.sealed_behind = isinstance(session, (VaultSession, FoldedSession)) and session.stats["sealed_behind"]
     lossy.remember(key)  # measured here: the next start on this key reads the record
     stats.cache_key = key
     stats.cache_root = root

@@ -25,8 +25,12 @@ written, and a memory cgroup charges them. So a build sealed behind lets at most
 the cgroup's where it is tighter; the kernel's own default background ratio) wait
 unwritten: past it, the disk is started on the oldest parked layers, without waiting.
 (Started on every layer as it was written, the same 1 GiB started in 1.40-1.79 s
-against 1.01-1.55 s.) A build whose close seals in the start (a folded first build)
-starts the disk on each layer as it is parked, so the disk writes while the build sums.
+against 1.01-1.55 s.) A build whose close seals in the start starts the disk on each
+layer as it is parked, so the disk writes while the build sums.
+
+A first build on a base not hashed yet (:mod:`.fold`) is sealed behind its start too:
+the start waits for the hash only, so that it reports the real key; the seal and the
+re-key run on the thread, which :func:`wait_sealed` finds under either key's folder.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ class Parked:
     descriptor of its folder of its own."""
 
     def __init__(self, label: str, folder: str):
-        self._label, self._folder = label, folder  # the combination, as its errors name it
+        self.label, self._folder = label, folder  # the combination, as what the seal says names it
         self._layers: list[UnsealedLayer] = []
         self._unstarted = 0  # bytes of the last parked layers, from _layers[_started:], not started on the disk
         self._started = 0
@@ -113,13 +117,13 @@ class Parked:
             layer = self._layers.pop(0)
             if not said and left >= _SAY_FROM and not threading.main_thread().is_alive():
                 said = True  # the process is exiting and waits for this: a silent wait would look hung
-                say(f"{self._label}: making {format_size(left)} of merged layers durable before the process exits")
+                say(f"{self.label}: making {format_size(left)} of merged layers durable before the process exits")
             left -= layer.entry.size
             try:
                 entry = seal_completed(layer)
             except OSError as exc:
                 failed(layer.entry.name)
-                say(f"{self._label}: could not make layer {layer.entry.name!r} durable ({exc}); the weights served "
+                say(f"{self.label}: could not make layer {layer.entry.name!r} durable ({exc}); the weights served "
                     f"are this process's copy, and the next start builds it again{full_disk_advice(exc, self._folder)}")
                 continue
             finally:
@@ -128,19 +132,27 @@ class Parked:
             sealed(entry)
 
 
-def seal_behind(folder: str, rest: Callable[[], None]) -> None:
-    """Run ``rest`` (what is left of closing ``folder``'s session) on a thread of its own,
-    which the process waits for at exit; any error is said, never raised. Where no thread
-    can be started (none left, the interpreter shutting down), here and now."""
-    thread = threading.Thread(target=_run, args=(folder, rest), name="hostmem-vault-seal")
+def seal_behind(folders: list[str], rest: Callable[[], None]) -> None:
+    """Run ``rest`` (what is left of closing the session of ``folders[0]``) on a thread of
+    its own, which the process waits for at exit, and which :func:`wait_sealed` of any of
+    ``folders`` waits for; any error is said, never raised. Where no thread can be started
+    (none left, the interpreter shutting down), here and now."""
+    thread = threading.Thread(target=_run, args=(folders[0], rest), name="hostmem-vault-seal")
+    names = [os.path.realpath(folder) for folder in folders]
     with _PENDING_LOCK:
-        _PENDING[os.path.realpath(folder)] = thread
+        _PENDING.update(dict.fromkeys(names, thread))
     try:
         thread.start()
     except RuntimeError:
-        with _PENDING_LOCK:
-            del _PENDING[os.path.realpath(folder)]
+        _forget(thread)
         rest()
+
+
+def _forget(thread: threading.Thread) -> None:
+    """``thread`` is done: no folder waits for it any more."""
+    with _PENDING_LOCK:
+        for name in [name for name, pending in _PENDING.items() if pending is thread]:
+            del _PENDING[name]
 
 
 def _run(folder: str, rest: Callable[[], None]) -> None:
@@ -150,9 +162,7 @@ def _run(folder: str, rest: Callable[[], None]) -> None:
         say(f"could not seal the LoRA merge cache's build in {folder} ({type(exc).__name__}: {exc}); the served "
             "weights are unchanged, and the next start builds again what was not sealed")
     finally:
-        with _PENDING_LOCK:
-            if _PENDING.get(os.path.realpath(folder)) is threading.current_thread():
-                del _PENDING[os.path.realpath(folder)]
+        _forget(threading.current_thread())
 
 
 def wait_sealed(folder: str | None = None, timeout: float | None = None) -> bool:

@@ -13,7 +13,8 @@ real key once the digests are known (:mod:`hostmem.vault.rekey`):
   the layer being built, so the pages it reads are in the page cache when the build
   asks for them, and a page comes off the disk once for both;
 - when the build is done the hasher finishes at full speed, the digests are memoised
-  as an unfolded start memoises them, and the folder takes its real key.
+  as an unfolded start memoises them, and the folder takes its real key: in the seal's
+  thread, behind the start, where the build was sealed behind it (:meth:`FoldedSession.close`).
 
 A start only folds when no root can hold the combination: a complete combination
 whose recorded inputs equal this start's in all but the base's digests, with base
@@ -37,6 +38,7 @@ from .locks import KeyLock, describe_holders, lock_holders, lock_is_held
 from .manifest import read_manifest
 from .provisional import mark_provisional
 from .rekey import rekey
+from .behind import wait_sealed
 from .session import say
 
 __all__ = ["FOLD_WINDOW", "Fold", "FoldedSession", "plan_fold", "wait_for_a_folded_build"]
@@ -211,6 +213,7 @@ def wait_for_a_folded_build(vaults: list, shard_paths: list[str], rest: tuple) -
         return
     shards, inputs = _shards_and_inputs(writable, shard_paths, rest)
     key = provisional_key(inputs, [stamp for _, stamp, _ in shards])
+    wait_sealed(os.path.join(writable.cache, key.hex))  # built in this process, and sealing behind its start
     path = lock_path(writable.cache, key.hex)
     if not os.path.exists(path) or not lock_is_held(path, shared_too=False):
         return
@@ -232,6 +235,7 @@ class FoldedSession:
         self._session, self._fold, self._hasher, self._cursor = session, fold, hasher, cursor
         self._positions = positions
         self._failed = False
+        self._digests: list[str] | None = None  # known in the start of a build sealed behind it
         self.key, self.vault = session.key, session.vault
         session.after_seal = self._after_seal
 
@@ -265,7 +269,9 @@ class FoldedSession:
         the rest of the base would hold the exit up. Its sealed layers are re-keyed where
         the hash was done already, else kept, marked resumable
         (:func:`hostmem.vault.provisional.is_resumable`)."""
-        if not self._failed:
+        if self._digests is not None:  # known in the start, which may have gone on (sealed behind it)
+            self._rekey(session, self._digests, name=not session.stats["sealed_behind"])
+        elif not self._failed:
             self._cursor.release()
             try:
                 digests = self._hasher.result()
@@ -296,22 +302,52 @@ class FoldedSession:
         else:
             self._rekey(session, self._hasher.digests)
 
-    def _rekey(self, session, digests: list[str], wait: bool = True) -> None:
+    def _rekey(self, session, digests: list[str], wait: bool = True, name: bool = True) -> None:
         """Name the sealed combination by its real key, now that the base's digests are known
-        (``wait``: for another process that holds the real key's lock, a bounded wait)."""
+        (``wait``: for another process that holds the real key's lock, a bounded wait;
+        ``name``: :attr:`key` and :attr:`vault` say where it is now, else they stay as the
+        start reported them)."""
         real = self._fold.real_key(digests)
-        self.vault = rekey(session.vault, session.key, real, self._fold.vaults, wait)
-        self.key = real.hex
+        vault = rekey(session.vault, session.key, real, self._fold.vaults, wait)
+        if name:
+            self.vault, self.key = vault, real.hex
 
-    def close(self) -> None:
-        self._session.close()
+    @property
+    def seal_behind(self) -> bool:
+        """Leaving the ``with`` after a whole build closes it behind (see :meth:`close`)."""
+        return self._session.seal_behind
+
+    @seal_behind.setter
+    def seal_behind(self, behind: bool) -> None:
+        self._session.seal_behind = behind  # its layers then wait unwritten as they are parked
+
+    def close(self, behind: bool = False) -> None:
+        """Seal, then name the build by its real key. ``behind``: the start waits for the
+        hash only (the hasher is at most its window behind the build, and the pages it
+        reads are the ones the build just read), so that :attr:`key` is the real one when
+        this returns; the seal and the re-key go on in a thread of their own
+        (:mod:`.behind`), which a second session in this process on either key waits for.
+        A hash that fails or is interrupted closes here and now, as without ``behind``."""
+        if not behind or self._failed:
+            self._session.close()
+            return
+        self._cursor.release()
+        try:
+            digests = self._hasher.result()
+        except BaseException as exc:
+            self._failed = exc is not self._hasher.error  # interrupted while it waited: the layers stay
+            self._session.close()
+            raise
+        real = self._fold.real_key(digests)
+        self._digests, self.key = digests, real.hex
+        self._session.close(behind=True, also_as=(os.path.join(self._fold.writable.cache, real.hex),))
 
     def __enter__(self) -> "FoldedSession":
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
         self._failed = self._failed or exc_type is not None
-        self.close()
+        self.close(behind=self.seal_behind and not self._failed)
 
 
 def _keep_for_resume(session, paths: list[str]) -> None:

@@ -136,10 +136,9 @@ class VaultSession:
         return view
 
     def _drop(self, reason: str) -> None:
-        if self.vault.read_only:
-            say(f"{self.vault.label} {self.key[:12]}: not serving the combination ({reason}; a read-only root)")
-        else:
-            say(f"{self.vault.label} {self.key[:12]}: dropped the whole combination ({reason}); rebuilding it")
+        say(f"{self.vault.label} {self.key[:12]}: " + (f"not serving the combination ({reason}; a read-only root)"
+            if self.vault.read_only else f"dropped the whole combination ({reason}); rebuilding it"))
+        if not self.vault.read_only:
             drop_folder(self.folder)
         self._entries.clear()
         self._was_complete = False
@@ -171,8 +170,7 @@ class VaultSession:
         Returns None when it cannot (no room, a write error): nothing partial stays on
         disk, ``last_error`` says why (``space`` has the numbers), and later puts of this
         session answer None at once, so the caller falls back in place with one warning.
-        :meth:`put_data` then :meth:`seal_put` (two threads may run them: one layer's fsync beside the next's writes).
-        """
+        :meth:`put_data` then :meth:`seal_put` (two threads may run them: one layer's fsync beside the next's writes)."""
         return self.seal_put(self.put_data(name, merged, crc32, handoff))
 
     def put_data(self, name: str, merged: torch.Tensor, crc32: int | None = None,
@@ -333,13 +331,14 @@ class VaultSession:
         if self._closed:
             raise VaultError(f"{self.vault.label} {self.key[:12]}: session already closed")
 
-    def close(self, behind: bool = False) -> None:
+    def close(self, behind: bool = False, also_as: tuple[str, ...] = ()) -> None:
         """Seal: make the layers written through the page cache durable and name them,
         write the manifest last, then release the lock. Never raises over a full disk.
         ``behind``: that work goes on in a thread of its own (:mod:`.behind`), the lock held
-        until it is done. The views served stay valid and keep the combination in use
-        (``<key>.use``) until they are gone; when none is left anywhere, the use file goes.
-        """
+        until it is done; ``also_as``: other folders it settles (a folded build's real key,
+        which then names it), which a second session in this process waits on too. The
+        views served stay valid and keep the combination in use (``<key>.use``) until they
+        are gone; when none is left anywhere, the use file goes."""
         if self._closed:
             return
         self._closed = True
@@ -348,9 +347,10 @@ class VaultSession:
         if self._lock is None:  # a read-only root: nothing was locked, nothing is written
             self._memo.dir.close()
             return
-        if behind and self._parked and self.after_seal is None:
+        if behind and self._parked:
             self.stats["sealed_behind"] = True
-            seal_behind(self.folder, self._finish_close)
+            self._parked.label = f"{self.vault.label} {os.path.basename((*also_as, self.folder)[0])[:12]}"
+            seal_behind([self.folder, *also_as], self._finish_close)
         else:
             self._finish_close()
 

@@ -150,16 +150,23 @@ def _state(root: str, real: str) -> str:
     return "real, still marked" if marked else "real"
 
 
-def test_sigkill_anywhere_in_a_folded_build_never_serves_a_provisional_folder(tmp_path, capfd):
+@pytest.mark.parametrize("behind", ["", "folded"], ids=["sealed in the start", "sealed behind the start"])
+def test_sigkill_anywhere_in_a_folded_build_never_serves_a_provisional_folder(tmp_path, capfd, behind):
+    """Also where the seal and the re-key run on the seal's thread, after the start."""
     world = make_world(tmp_path)
     expected = reference(world.base, world.adapter)
-    clean = build_in_child(world, world.path("clean"))
+    clean = build_in_child(world, world.path("clean"), behind=behind)
     assert clean.returncode == 0, clean.stderr
+    assert f"behind {bool(behind)}" in clean.stdout
     real, total = os.path.basename(combination_folder(world.path("clean"))), int(clean.stdout.split("calls ")[1])
-    killed = build_in_child(world, world.path("root"), kill_at=range(1, total + 1))
+    thread_from = int(clean.stdout.split("seal thread from ")[1].split()[0]) or total + 1
+    assert not behind or thread_from <= total, "nothing was sealed on the seal's thread"
+    # behind, every point on the seal's thread and every third before it (the start's points are the other test's)
+    points = [n for n in range(1, total + 1) if not behind or n >= thread_from or n % 3 == 0]
+    killed = build_in_child(world, world.path("root"), kill_at=points, behind=behind)
     assert all(line.endswith("killed") for line in killed.stdout.splitlines()), killed.stderr[-2000:]
     seen_states = set()
-    for kill_at in range(1, total + 1):
+    for kill_at in points:
         root = world.path(f"root-{kill_at}")
         state = _state(root, real)
         seen_states.add(state)
@@ -185,9 +192,10 @@ def test_hostmem_cache_ls_and_prune_show_and_remove_a_provisional_folder(tmp_pat
     world = make_world(tmp_path)
     clean = build_in_child(world, world.path("clean"))
     real, total = os.path.basename(combination_folder(world.path("clean"))), int(clean.stdout.split("calls ")[1])
-    killed = build_in_child(world, world.path("root"), kill_at=range(1, total + 1))  # one child: a fork a point
+    last = range(max(1, total - 9), total + 1)  # the re-key's renames and fsyncs come last
+    killed = build_in_child(world, world.path("root"), kill_at=last)  # one child: a fork a point
     assert killed.returncode == 0, killed.stderr[-2000:]
-    at = next(n for n in range(total, 0, -1) if _state(world.path(f"root-{n}"), real) == "real, still marked")
+    at = next(n for n in reversed(last) if _state(world.path(f"root-{n}"), real) == "real, still marked")
     root = world.path(f"root-{at}")
     cli = [sys.executable, "-m", "planners.cli", "cache"]
     shown = subprocess.run([*cli, "ls", "--root", root], capture_output=True, text=True, timeout=60)

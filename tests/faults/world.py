@@ -73,11 +73,12 @@ def assert_same(served: dict, expected: dict) -> None:
         assert torch.equal(served[name], tensor), f"{name} differs from the in-place merge"
 
 
-def build_in_child(world: World, root: str, kill_at: list[int] = (), behind: bool = False) -> subprocess.CompletedProcess:
+def build_in_child(world: World, root: str, kill_at: list[int] = (), behind: str = "") -> subprocess.CompletedProcess:
     """Build the cache in a real child process; with ``kill_at`` [N, ...] one forked build
     per N into ``root-N``, each SIGKILLed at its Nth write, fsync or rename (``driver.py``);
-    ``behind``: a build sealed behind its start."""
-    argv = [sys.executable, DRIVER, *(["--behind"] if behind else []), world.base, world.adapter, root,
+    ``behind``: a build sealed behind its start, on a base ``"hashed"`` before it or one
+    ``"folded"`` (hashed beside it)."""
+    argv = [sys.executable, DRIVER, *([f"--behind={behind}"] if behind else []), world.base, world.adapter, root,
             *map(str, kill_at)]
     return subprocess.run(argv, capture_output=True, text=True, timeout=240)
 
