@@ -54,6 +54,13 @@ BENCHES = (
      "than the fp32 sum, as on a CPU that has AVX2 alone, and the kernel timing picks the fp32 sum "
      "(the timings are kept apart under these caps). The disk, memory and cores are this machine's.",
      ["--size", "1GiB"], {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}),
+    ("bench_first_pass.py", "First start to first image: the latest run of bench_first_pass",
+     "Each way a server starts, in a fresh process, the page cache of its inputs dropped before each "
+     "start and every file read around it (so all come from the same place), then one pass over every "
+     "weight: the miss (digests remembered), a new base (its hash folded into the build), the in-place "
+     "merge, the hit, no LoRA. Three rounds in a rotating order, medians; the regime of starts right "
+     "after their drop. The section 'First start to first image: a start plus the first pass' below "
+     "tells how each figure came about.", ["--right-after-drop"], {}),
     ("bench_identity.py", "Content identity: hashing the inputs, hit starts, a cache baked read-only",
      "The identity hash and the raw read both start from a cold page cache. The baked start maps a "
      "copy of the base (new inode and times, so its digest is computed once) and a cache in a "
