@@ -40,6 +40,7 @@ def _key_extras(spec: Adapter, form: str) -> dict:
 
 
 _MEANINGS: dict[str, str] = {}  # memo name -> meaning, in this process
+_RECORDED: set[tuple[str, str]] = set()  # (memo name, cache folder): recorded there, seen by this process
 _MEANING_FORMAT, _MEANING_VERSION = "lora-cache-adapter-meaning", 1
 
 
@@ -75,12 +76,16 @@ def _remembered(vaults: list, names: list[str]) -> list[str | None]:
 
 def _remember(vaults: list, name: str, file_digest: str, meaning: str) -> None:
     """Keep a meaning in this process and, as a record of the file (pruned with it), in the
-    root (a hint: a root that cannot hold it costs the next start a hash of the values)."""
-    if _MEANINGS.get(name) == meaning:
-        return
+    first writable root, once per root and process: a start on another root than the one
+    this process first recorded it in records it there too (a hint: a root that cannot
+    hold it costs the next start a hash of the values)."""
     _MEANINGS[name] = meaning
-    Shelf(vaults, CONVERSIONS).store(name, {"format": _MEANING_FORMAT, "version": _MEANING_VERSION,
-                                             "digest": file_digest, "meaning": meaning})
+    shelf = Shelf(vaults, CONVERSIONS)
+    if shelf.writable is None or (name, shelf.writable.cache) in _RECORDED:
+        return
+    record = {"format": _MEANING_FORMAT, "version": _MEANING_VERSION, "digest": file_digest, "meaning": meaning}
+    if Shelf([shelf.writable], CONVERSIONS).load(name, record.__eq__) is not None or shelf.store(name, record):
+        _RECORDED.add((name, shelf.writable.cache))
 
 
 def _identities(roots, files, specs, planned) -> list[dict]:
