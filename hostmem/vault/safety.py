@@ -121,7 +121,8 @@ def read_trusted(path: str, limit: int = 64 * 1024 * 1024, dir_fd: int | None = 
         size = os.fstat(handle.fileno()).st_size
         if size > limit:
             raise VaultError(f"{path}: {size} bytes, more than a file of the cache ever holds; remove it")
-        return handle.read(limit + 1)
+        data = handle.read(size + 1)  # its size, not the limit: a read asks the allocator for what it may read
+        return data + handle.read(limit + 1 - len(data)) if len(data) > size else data  # grown meanwhile
 
 
 def _cannot_create(path: str, exc: OSError) -> VaultError:
