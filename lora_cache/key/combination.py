@@ -83,9 +83,10 @@ def _remember(vaults: list, name: str, file_digest: str, meaning: str) -> None:
     shelf = Shelf(vaults, CONVERSIONS)
     if shelf.writable is None or (name, shelf.writable.cache) in _RECORDED:
         return
+    _RECORDED.add((name, shelf.writable.cache))  # tried once per root and process (a failed write is said once)
     record = {"format": _MEANING_FORMAT, "version": _MEANING_VERSION, "digest": file_digest, "meaning": meaning}
-    if Shelf([shelf.writable], CONVERSIONS).load(name, record.__eq__) is not None or shelf.store(name, record):
-        _RECORDED.add((name, shelf.writable.cache))
+    if Shelf([shelf.writable], CONVERSIONS).load(name, record.__eq__) is None:
+        shelf.store(name, record)
 
 
 def _identities(roots, files, specs, planned) -> list[dict]:
