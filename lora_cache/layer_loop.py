@@ -283,8 +283,8 @@ class _LayerLoop:
                         self.settle(pending)
                     self.fall_back(target)
                     continue
-                if i + 1 < len(targets):
-                    _read_ahead(targets[i + 1].current)
+                if i + 1 < len(targets):  # the next layer's base comes off the disk while this one is summed
+                    will_need(targets[i + 1].current)
                 at = at if at + target.nbytes <= self.out.nbytes else 0
                 pending.append(self.stream(target, (writer, sealer), [(w.offset, w.handoff) for w in pending], at))
                 at += -(-target.nbytes // PAGE) * PAGE  # each layer on a page: its bytes go with O_DIRECT
@@ -414,13 +414,6 @@ def merge_layers(
     if kernels is None:
         kernels = plan_for_targets(targets, device)
     return _LayerLoop(targets, session, device, progress, fallback, kernels, unmergeable).run(targets)
-
-
-def _read_ahead(tensor: torch.Tensor) -> None:
-    """Ask the kernel to start reading ``tensor``'s pages (a file mapping's) in the background,
-    so the next layer's base comes off the disk while this one is summed."""
-    if tensor.device.type == "cpu" and tensor.numel():
-        will_need(tensor)
 
 
 @functools.cache

@@ -169,5 +169,7 @@ def _advise(start: int, length: int) -> None:
 
 def will_need(tensor) -> None:
     """``MADV_WILLNEED`` over ``tensor``'s whole pages: the kernel starts reading a file
-    mapping's pages in and returns (a hint: an error changes nothing, and is dropped)."""
-    _advise(*_span(tensor))
+    mapping's pages in and returns (a hint: an error changes nothing, and is dropped;
+    an empty tensor or one in a device's memory is left alone)."""
+    if tensor.device.type == "cpu" and tensor.numel():
+        _advise(*_span(tensor))
