@@ -145,8 +145,19 @@ def write_lora_config(folder, model, adapter, *, strength: float = 1.0, layers: 
     return path
 
 
-def run_python(code: str, *args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter (this venv) and return the finished process."""
+def run_python(code: str, *args: str, timeout: float = 120, forked_from: tuple[str, ...] | None = None,
+               **kwargs) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (this venv) and return the finished process.
+
+    ``forked_from``: the libraries the child needs imported (``tests.fresh_fork.TORCH``,
+    ``PRELOAD``): it is then forked from a server that imported them once
+    (:func:`tests.fresh_fork.forked_python`; ``cwd`` and ``env`` are the only other
+    arguments it takes), for a child whose process tree, peak memory, imports and exit
+    are not what the test is about."""
+    if forked_from is not None:
+        from tests.fresh_fork import forked_python
+
+        return forked_python(textwrap.dedent(code), *args, timeout=timeout, preload=forked_from, **kwargs)
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code), *args],
         capture_output=True,

@@ -22,6 +22,7 @@ from lora_cache.adapters import read_adapters  # noqa: E402
 from lora_cache.adapters.conversion_memo import FOLDER  # noqa: E402
 from tests.clients import tiny_models as tm  # noqa: E402
 from tests.conftest import run_python  # noqa: E402
+from tests.fresh_fork import CLIENTS  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Wide enough, and of a rank high enough, that the adapters (12 MiB) stand well above what a
@@ -86,7 +87,7 @@ def wide(tmp_path_factory):
 
 
 def _start(model, cache, adapters) -> dict:
-    done = run_python(START, model, os.fspath(cache), json.dumps(adapters), cwd=REPO, timeout=300)
+    done = run_python(START, model, os.fspath(cache), json.dumps(adapters), cwd=REPO, timeout=300, forked_from=CLIENTS)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

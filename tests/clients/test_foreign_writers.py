@@ -12,6 +12,7 @@ import signal
 import pytest
 
 from tests.conftest import run_python
+from tests.fresh_fork import CLIENTS
 
 pytest.importorskip("diffusers", reason="the foreign-writer tests run the real diffusers")
 pytest.importorskip("peft", reason="the foreign-writer tests run the real peft")
@@ -56,7 +57,7 @@ def expect_error(call):
 
 
 def _run(tmp_path, scenario: str):
-    done = run_python(_PRELUDE + scenario, str(tmp_path / "flux"), timeout=300)
+    done = run_python(_PRELUDE + scenario, str(tmp_path / "flux"), timeout=300, forked_from=CLIENTS)
     return done
 
 

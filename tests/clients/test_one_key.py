@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ pytest.importorskip("peft", reason="the diffusers comparisons need peft (pip ins
 
 from tests.clients import tiny_models as tm  # noqa: E402
 from tests.conftest import run_python, write_lora_config  # noqa: E402
+from tests.fresh_fork import CLI, CLIENTS  # noqa: E402
 
 START = """
 import json, sys
@@ -48,13 +47,13 @@ def test_an_image_built_by_the_cli_serves_a_diffusers_pipeline(tmp_path, layout)
     model = tm.save_model("flux", tmp_path / "model", torch.bfloat16)
     written = tm.write_adapters("flux", model, tmp_path / "adapters")[layout]
     adapter = written if layout == "peft" else os.path.join(written, "pytorch_lora_weights.safetensors")
-    cli = subprocess.run([sys.executable, "-m", "planners.cli", "lora", "merge", _config(tmp_path, model, adapter),
-                          "--json"], capture_output=True, text=True, timeout=300)
+    cli = run_python(CLI, "lora", "merge", _config(tmp_path, model, adapter), "--json", timeout=300,
+                     forked_from=CLIENTS)
     assert cli.returncode == 0, cli.stderr
     built = json.loads(cli.stdout)
     assert built["built"] == built["layers"] > 0
     before = _files(tmp_path / "cache")
-    start = run_python(START, model, adapter, str(tmp_path / "cache"), timeout=300)
+    start = run_python(START, model, adapter, str(tmp_path / "cache"), timeout=300, forked_from=CLIENTS)
     assert start.returncode == 0, start.stderr
     served = json.loads(start.stdout.splitlines()[-1])
     assert served["cache_key"] == built["cache_key"]
@@ -85,15 +84,14 @@ def test_an_image_baked_read_only_serves_a_server_that_lists_its_own_root_after_
     adapter = os.path.join(tm.write_adapters("flux", model, tmp_path / "adapters")["diffusers_meta"],
                            "pytorch_lora_weights.safetensors")
     config = _config(tmp_path, model, adapter)
-    cli = subprocess.run([sys.executable, "-m", "planners.cli", "lora", "merge", config, "--json"],
-                         capture_output=True, text=True, timeout=300)
+    cli = run_python(CLI, "lora", "merge", config, "--json", timeout=300, forked_from=CLIENTS)
     assert cli.returncode == 0, cli.stderr
     built = json.loads(cli.stdout)
     image = read_only_copy(str(tmp_path / "cache"))
     served_config = tmp_path / "server.yaml"
     served_config.write_text(open(config).read().replace(f"root: {tmp_path / 'cache'}",
                                                          f"roots: [{image}, {tmp_path / 'own'}]"))
-    start = run_python(SERVE, model, str(served_config), timeout=300)
+    start = run_python(SERVE, model, str(served_config), timeout=300, forked_from=CLIENTS)
     assert start.returncode == 0, start.stderr
     served = json.loads(start.stdout.splitlines()[-1])
     assert (served["cache_key"], served["hit"], served["built"]) == (built["cache_key"], built["layers"], 0), served

@@ -3,6 +3,7 @@ says how each kind of block is checked), and a broken one fails."""
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ pytest.importorskip("sybil", reason="the examples test needs sybil (pip install 
 pytest.importorskip("diffusers", reason="the examples load a tiny diffusers model (pip install hostmem[test])")
 pytest.importorskip("peft", reason="the examples' adapters are written by peft (pip install hostmem[test])")
 
+from hostmem.procfs import read_status  # noqa: E402
 from tests.docs.doc_files import REPO, make_doc_files  # noqa: E402
 from tests.docs.examples import run_page  # noqa: E402
 
@@ -44,7 +46,10 @@ def in_page_folder(doc_files, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(REPO)) for p in PAGES])
 def test_every_example_of_the_page_runs(page, in_page_folder):
+    locked = read_status().vm_lck
     run_page(page)
+    gc.collect()  # what the page made is gone: so are its pins (later tests read VmLck)
+    assert read_status().vm_lck == locked
 
 
 def test_the_readme_fits_on_a_few_screens():

@@ -161,12 +161,11 @@ def test_a_full_disk_in_a_shared_build_merges_in_place_on_every_rank_and_the_nex
 def _spawn_with_a_death(paths: dict, folder, world: int, victim: int, step: str = "in its share") -> dict[int, dict]:
     """Run :func:`_rank_main` on ``world`` ranks of which ``victim`` is SIGKILLed at ``step``;
     what each survivor wrote."""
-    import multiprocessing
-
+    from tests.fresh_fork import rank_context, with_parent_stdio
     from tests.lora_cache.test_shared_build import _free_port
 
-    context, port = multiprocessing.get_context("spawn"), _free_port()
-    ranks = [context.Process(target=_rank_main, args=(rank, world, port, paths, str(folder),
+    context, port = rank_context(), _free_port()
+    ranks = [context.Process(target=with_parent_stdio(_rank_main), args=(rank, world, port, paths, str(folder),
                                                       f"rank {victim} killed {step}"))
              for rank in range(world)]
     for process in ranks:

@@ -22,6 +22,7 @@ from lora_cache.placement.layers import checkpoint_module
 from lora_cache.placement.runtime_lora import CHILD, apply_runtime
 from lora_cache.orchestrate import plan_targets
 from tests.conftest import drop_page_cache, run_python, write_safetensors
+from tests.fresh_fork import TORCH
 from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter
 from tests.page_cache import cached_pages
 
@@ -44,7 +45,7 @@ def _resident_bytes(path: str) -> int:
 
 
 def _start(base: str, adapter: str, root: str) -> dict:
-    done = run_python(_START, base, adapter, root)
+    done = run_python(_START, base, adapter, root, forked_from=TORCH)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -15,6 +15,7 @@ from lora_cache.kernels.wisdom import entry_key
 from lora_cache.placement.layers import checkpoint_module
 from lora_cache.compute.merge_math import BF16_ADDMM, FP32_ROWS, Delta, Scratch, merged_weight, one_pass_applies
 from tests.conftest import run_python, write_safetensors
+from tests.fresh_fork import TORCH
 from tests.lora_cache.test_adapters import lora_change, write_adapter
 
 CPU = torch.device("cpu")
@@ -144,7 +145,7 @@ def test_processes_that_time_at_once_agree(tmp_path):
     outputs = {p.communicate(timeout=120)[0].strip() for p in procs}
     assert all(p.returncode == 0 for p in procs)
     assert len(outputs) == 1 and outputs.pop().startswith("bf16-lora/cols1024/rank8=")
-    assert run_python(_PLAN, str(tmp_path)).stdout.strip() == \
+    assert run_python(_PLAN, str(tmp_path), forked_from=TORCH).stdout.strip() == \
         f"bf16-lora/cols1024/rank8={json.loads((tmp_path / WISDOM_FILE).read_text())['entries'].popitem()[1]['kernel']}"
 
 
@@ -202,13 +203,13 @@ def test_how_bf16_addmm_rounds_is_learned_once_and_read_back_by_later_starts(tmp
     from lora_cache.kernels.wisdom import FACTS
     from lora_cache.compute.merge_math import _bf16_addmm_rounds_once
 
-    first = run_python(_PLAN_AND_COUNT, str(tmp_path))
+    first = run_python(_PLAN_AND_COUNT, str(tmp_path), forked_from=TORCH)
     assert first.returncode == 0, first.stderr
     plan, asked = first.stdout.split()
     assert asked == "1"
     facts = json.loads((tmp_path / WISDOM_FILE).read_text())[FACTS]
     assert facts == {entry_key("bfloat16", ROUNDS_ONCE, worker_count()): {"rounds_once": _bf16_addmm_rounds_once()}}
-    later = run_python(_PLAN_AND_COUNT, str(tmp_path))
+    later = run_python(_PLAN_AND_COUNT, str(tmp_path), forked_from=TORCH)
     assert later.returncode == 0, later.stderr
     assert later.stdout.split() == [plan, "0"]
 

@@ -23,6 +23,7 @@ from lora_cache.settings import DISABLE_ENV
 from hostmem.vault import Vault, VaultSession
 from planners.cli import main
 from tests.conftest import run_python, write_safetensors
+from tests.fresh_fork import CLI, TORCH
 from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter
 
 # ----------------------------------------------------------------- stats and switches
@@ -115,7 +116,7 @@ def test_a_write_failing_mid_build_falls_back_from_that_layer_on_with_the_same_b
                for i, (n, shape) in enumerate(zip(names, shapes))}
     changes[names[4]]["diff"] = torch.randn(shapes[4], generator=gen).to(torch.bfloat16) * 0.01  # an fp32 layer
     adapter = write_adapter(tmp_path / "a.safetensors", "comfyui", changes)
-    done = run_python(_FAILING_MID_BUILD, base, adapter, str(tmp_path / "cache"))
+    done = run_python(_FAILING_MID_BUILD, base, adapter, str(tmp_path / "cache"), forked_from=TORCH)
     assert done.returncode == 0, done.stderr
     counts, leftovers = done.stdout.splitlines()
     assert counts == "3 3 True 1" and leftovers == "[]"
@@ -283,7 +284,7 @@ def test_the_address_space_reads_maps_not_smaps(tmp_path):
 
 def _hostmem(*args) -> subprocess.CompletedProcess:
     """The real command line, in its own process."""
-    return subprocess.run([sys.executable, "-m", "planners.cli", *args], capture_output=True, text=True, timeout=120)
+    return run_python(CLI, *args, timeout=120, forked_from=TORCH)
 
 
 def _config(tmp_path, enabled=True) -> str:
@@ -356,7 +357,7 @@ def test_a_cache_built_ahead_of_time_is_hit_by_servers_when_a_shard_holds_no_tar
     assert built.returncode == 0, built.stderr
     built = json.loads(built.stdout)
     assert (built["built"], built["hit"]) == (6, 0)
-    served = run_python(_SERVER_START, ",".join(shards), str(tmp_path / "a.safetensors"), str(tmp_path / "cache"))
+    served = run_python(_SERVER_START, ",".join(shards), str(tmp_path / "a.safetensors"), str(tmp_path / "cache"), forked_from=TORCH)
     assert served.returncode == 0, served.stderr
     served = json.loads(served.stdout.strip().splitlines()[-1])
     assert (served["hit"], served["built"], served["cache_key"]) == (6, 0, built["cache_key"])

@@ -13,6 +13,7 @@ import torch
 
 from lora_cache.kernels.precision import INSTRUCTION_CAPS
 from tests.conftest import run_python, write_safetensors
+from tests.fresh_fork import TORCH
 from tests.lora_cache.test_adapters import lora_change, write_adapter
 
 _START = r"""
@@ -31,7 +32,7 @@ print(json.dumps({"key": stats.cache_key, "built": stats.built, "hit": stats.hit
 
 
 def _start(base: str, adapter: str, root, setting: str) -> dict:
-    done = run_python(_START, base, adapter, os.fspath(root), setting)
+    done = run_python(_START, base, adapter, os.fspath(root), setting, forked_from=TORCH)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -19,6 +19,7 @@ import lora_cache
 from hostmem.vault import VaultError
 from lora_cache.placement.layers import checkpoint_module
 from tests.conftest import run_python, write_safetensors
+from tests.fresh_fork import TORCH
 from tests.lora_cache.test_adapters import lora_change, write_adapter
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -67,7 +68,7 @@ else:
 
 
 def _start(folder, how: str, *roots: str) -> str:
-    done = run_python(_START, str(folder), how, *roots, cwd=REPO, timeout=300)
+    done = run_python(_START, str(folder), how, *roots, cwd=REPO, timeout=300, forked_from=TORCH)
     assert done.returncode == 0, done.stderr
     return done.stdout.split()[-1]
 

@@ -22,7 +22,8 @@ from lora_cache.adapters.sgm_names import _RESNET, _outside, layout, sgm_rules
 from tests.conformance import models as cm
 from tests.conformance.corpus_lycoris import _loha, _lokr, _tucker_locon
 from tests.clients.test_sd_kohya import sd  # noqa: F401 (a fixture)
-from tests.conftest import write_lora_config
+from tests.conftest import run_python, write_lora_config
+from tests.fresh_fork import CLI, CLIENTS
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -175,8 +176,6 @@ def test_an_image_built_by_the_cli_from_the_checkpoint_serves_the_unet(tmp_path)
     """``hostmem lora merge`` reads the file against the checkpoint as the server's UNet will
     (its config.json's class and config): the server's start hits every layer it built."""
     import json
-    import subprocess
-    import sys
 
     import lora_cache
 
@@ -190,8 +189,7 @@ def test_an_image_built_by_the_cli_from_the_checkpoint_serves_the_unet(tmp_path)
     adapter = os.fspath(tmp_path / "sdxl-names.safetensors")
     save_file(tensors, adapter)
     config = write_lora_config(tmp_path, folder, adapter, strength=0.8, layers="down_blocks.{i}.", name="sgm-names")
-    cli = subprocess.run([sys.executable, "-m", "planners.cli", "lora", "merge", config, "--json"],
-                         capture_output=True, text=True, timeout=300)
+    cli = run_python(CLI, "lora", "merge", config, "--json", timeout=300, forked_from=CLIENTS)
     assert cli.returncode == 0, cli.stderr
     built = json.loads(cli.stdout)
     assert built["built"] == built["layers"] == 4

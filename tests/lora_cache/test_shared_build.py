@@ -23,6 +23,7 @@ from lora_cache.kernels.workers import block_workers, cpu_count, worker_count
 from lora_cache.placement.layers import LayerTarget, checkpoint_module
 from lora_cache.ranks.shared_build import _split_files, share_of_cores, rank_threads, split_by_bytes
 from tests.conftest import write_safetensors
+from tests.fresh_fork import rank_context, with_parent_stdio
 from tests.lora_cache.test_adapters import lora_change, mapped_model, write_adapter
 
 SHAPES = [(96, 64), (64, 64), (128, 32), (32, 96), (64, 128), (80, 64), (48, 48), (64, 16), (16, 64)]
@@ -129,7 +130,9 @@ def _spawn(inputs, folder, world: int, scenarios: list[str]) -> list[dict]:
 def spawn_ranks(main, world: int, inputs, folder, *extra) -> list[dict]:
     """Run ``main(rank, world, port, inputs, folder, *extra)`` on ``world`` gloo ranks and
     return what each wrote to ``folder/rank<N>.json``, failing on a rank that crashed."""
-    mp.spawn(main, args=(world, _free_port(), inputs, str(folder), *extra), nprocs=world, join=True)
+    rank_context()  # the ranks fork from a server that imported torch once
+    mp.start_processes(with_parent_stdio(main), args=(world, _free_port(), inputs, str(folder), *extra), nprocs=world, join=True,
+                       start_method="forkserver")
     results = []
     for rank in range(world):
         with open(folder / f"rank{rank}.json") as handle:

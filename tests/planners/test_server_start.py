@@ -18,6 +18,7 @@ pytest.importorskip("peft", reason="the tiny adapter is written by peft (pip ins
 
 from tests.clients import tiny_models as tm  # noqa: E402
 from tests.conftest import run_python  # noqa: E402
+from tests.fresh_fork import CLIENTS  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,7 +61,7 @@ def deployment(tmp_path_factory):
 
 def _start(config: str, model: str) -> tuple[dict, str]:
     done = run_python(SERVER, config, model, cwd=REPO, timeout=300,
-                      env={**os.environ, "PYTHONPATH": REPO, "PYTHONWARNINGS": "ignore"})
+                      env={**os.environ, "PYTHONPATH": REPO, "PYTHONWARNINGS": "ignore"}, forked_from=CLIENTS)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 

@@ -11,15 +11,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from hostmem.vault import VaultError
 from hostmem.vault.admin import prune, verify_all, verify_combination
 from hostmem.vault.manifest import MANIFEST_NAME
+from tests.conftest import run_python
 from tests.faults.world import assert_same, combination_folder, make_world, reference, start
+from tests.fresh_fork import TORCH
 
 from .users import snapshot
 
@@ -125,8 +125,7 @@ else:
 def start_elsewhere(world, root: str, timeout: float = 60) -> tuple[dict, str]:
     """A start in a child process (one that hangs fails the test, not the run): what it
     served (or why it was refused), and what it said."""
-    done = subprocess.run([sys.executable, "-c", _START, world.base, world.adapter, root, REPO], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    done = run_python(_START, world.base, world.adapter, root, REPO, cwd=REPO, timeout=timeout, forked_from=TORCH)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 

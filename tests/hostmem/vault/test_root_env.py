@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
 import lora_cache
 from lora_cache.placement.layers import checkpoint_module
+from tests.conftest import run_python
+from tests.fresh_fork import CLI, TORCH
 from tests.hostmem.vault.test_vault_cli import cli_with_env
 from tests.lora_cache.test_orchestrate import _config
 
@@ -61,5 +62,4 @@ def subprocess_in(folder, value: str, *argv) -> subprocess.CompletedProcess:
     """``hostmem *argv`` in a fresh process started in ``folder``, the variable set to ``value``."""
     path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "HOSTMEM_CACHE_ROOT": value, "PYTHONPATH": path}
-    return subprocess.run([sys.executable, "-m", "planners.cli", *argv], capture_output=True, text=True, env=env,
-                          cwd=folder, timeout=120)
+    return run_python(CLI, *argv, env=env, cwd=folder, timeout=120, forked_from=TORCH)

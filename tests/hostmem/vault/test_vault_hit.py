@@ -18,6 +18,7 @@ from hostmem.vault import Vault
 from hostmem.vault.combinations import list_combinations
 from hostmem.vault.manifest import MANIFEST_NAME
 from tests.conftest import run_python
+from tests.fresh_fork import TORCH
 from tests.hostmem.vault.test_vault import CHILD_START, SHAPE, build, expected_of, folder_of, key_for, layers
 
 _SESSION = CHILD_START + r"""
@@ -55,7 +56,7 @@ print(json.dumps({p: [[f, w] for f, w in opened] for p, opened in seen.items()})
 
 
 def _session(root, count: int = 8, touch: bool = False) -> dict:
-    done = run_python(_SESSION, str(root), str(count), "hit", "touch" if touch else "")
+    done = run_python(_SESSION, str(root), str(count), "hit", "touch" if touch else "", forked_from=TORCH)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 

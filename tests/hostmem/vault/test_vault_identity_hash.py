@@ -12,6 +12,7 @@ import pytest
 
 from hostmem.vault.content_hash import ContentHashMemo, file_digest, read_chunks, stamp_of
 from tests.conftest import run_python
+from tests.fresh_fork import TORCH
 
 SPAN = 4 * 1024 * 1024  # several of the hash reader's 1 MiB buffers
 
@@ -124,7 +125,7 @@ def test_without_blake3_the_same_reader_gives_a_sha256_that_says_so(tmp_path):
         memo = ContentHashMemo()
         print(memo.digest(sys.argv[1], sys.argv[2]), memo.computed)
     """
-    done = run_python(code, str(path), str(memo_file))
+    done = run_python(code, str(path), str(memo_file), forked_from=TORCH)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["sha256:" + hashlib.sha256(data).hexdigest(), "1"]
 
@@ -141,6 +142,6 @@ def test_a_start_whose_digests_are_memoised_never_loads_blake3(tmp_path):
         memo = ContentHashMemo()
         print(memo.digest(sys.argv[1], sys.argv[2]), memo.hits, "blake3" in sys.modules)
     """
-    done = run_python(code, str(path), str(memo_file))
+    done = run_python(code, str(path), str(memo_file), forked_from=TORCH)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [digest, "1", "False"]

@@ -16,6 +16,7 @@ from hostmem.vault import Vault
 from hostmem.vault.content_hash import ContentHashMemo
 from hostmem.vault.identity import FORMAT_VERSION, adapter_identity, base_identity, cache_key
 from tests.conftest import run_python, write_safetensors
+from tests.fresh_fork import TORCH
 
 
 def shards(tmp_path) -> list[str]:
@@ -181,10 +182,10 @@ def test_the_on_disk_memo_spares_a_new_process_the_rehash(tmp_path):
         identity = Vault(sys.argv[1]).adapter_identity(sys.argv[2], 1.0, None)
         print(identity["digest"], memo.computed, memo.hits)
     """
-    done = run_python(code, str(tmp_path / "root"), path)
+    done = run_python(code, str(tmp_path / "root"), path, forked_from=TORCH)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [digest, "0", "1"]
     with open(path, "ab") as handle:  # a changed file is hashed again, memo or not
         handle.write(b" ")
-    done = run_python(code, str(tmp_path / "root"), path)
+    done = run_python(code, str(tmp_path / "root"), path, forked_from=TORCH)
     assert done.stdout.split()[1:] == ["1", "0"]

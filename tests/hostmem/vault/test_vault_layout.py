@@ -23,6 +23,7 @@ from hostmem.vault.content_hash import stamp_of
 from hostmem.vault.layer_file import LAYER_FORMAT, layer_file_name
 from hostmem.vault.manifest import MANIFEST_NAME
 from tests.conftest import run_python
+from tests.fresh_fork import TORCH
 from tests.hostmem.vault.test_vault import CHILD_START, SHAPE, build, expected_of, folder_of, key_for, layers
 
 _START = CHILD_START + r"""
@@ -48,7 +49,7 @@ print(json.dumps({"headers_read": len(headers_read), "hit": session.stats["layer
 
 
 def _start(root, count: int = 6) -> dict:
-    done = run_python(_START, str(root), str(count), "layout")
+    done = run_python(_START, str(root), str(count), "layout", forked_from=TORCH)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 

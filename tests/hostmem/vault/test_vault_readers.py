@@ -19,6 +19,7 @@ from hostmem.vault.combinations import lock_path
 from hostmem.vault.locks import lock_is_held
 from hostmem.vault.readers import SealedSession
 from tests.conftest import run_python
+from tests.fresh_fork import TORCH
 from tests.hostmem.vault.test_vault import build, expected_of, folder_of, key_for, layers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -46,7 +47,7 @@ def _built(tmp_path):
 
 
 def _other_process(root, how: str = "same", timeout: float = 60) -> dict:
-    done = run_python(_OPEN, str(root), how, timeout=timeout, cwd=REPO)
+    done = run_python(_OPEN, str(root), how, timeout=timeout, cwd=REPO, forked_from=TORCH)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 

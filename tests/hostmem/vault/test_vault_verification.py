@@ -7,6 +7,7 @@ import os
 
 from hostmem.vault.layer_file import layer_file_name
 from tests.conftest import run_python
+from tests.fresh_fork import TORCH
 from tests.faults.world import LAYERS, combination_folder, make_world, start
 
 COUNTING_START = """
@@ -26,11 +27,11 @@ def test_a_new_process_reads_only_the_layer_files_that_changed(tmp_path):
     root = world.path("root")
     start(world.base, world.adapter, root)  # written here: memoised as verified
     args = (world.base, world.adapter, root)
-    done = run_python(COUNTING_START, *args)
+    done = run_python(COUNTING_START, *args, forked_from=TORCH)
     assert done.stdout.split() == [str(LAYERS), "0", "0"], done.stderr[-2000:]
     path = os.path.join(combination_folder(root), layer_file_name("blocks.3.proj.weight"))
     os.utime(path)  # same bytes, new times: read again once, then trusted
-    done = run_python(COUNTING_START, *args)
+    done = run_python(COUNTING_START, *args, forked_from=TORCH)
     assert done.stdout.split() == [str(LAYERS), "0", "1"], done.stderr[-2000:]
-    done = run_python(COUNTING_START, *args)
+    done = run_python(COUNTING_START, *args, forked_from=TORCH)
     assert done.stdout.split() == [str(LAYERS), "0", "0"], done.stderr[-2000:]
