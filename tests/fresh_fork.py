@@ -136,6 +136,7 @@ for line in sys.stdin:
 
 _servers: dict[tuple[str, ...], subprocess.Popen] = {}
 _lock = threading.Lock()
+_unread: dict[int, bytes] = {}  # a server's stdout (its descriptor) -> bytes read past the last whole line
 
 
 def _started(preload: tuple[str, ...]) -> subprocess.Popen:
@@ -145,6 +146,7 @@ def _started(preload: tuple[str, ...]) -> subprocess.Popen:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         server = _servers[preload] = subprocess.Popen([sys.executable, "-c", _SERVER, *preload],
                                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        _unread.pop(server.stdout.fileno(), None)  # a dead server's descriptor number, taken again
         atexit.register(_stop, server)
     return server
 
@@ -165,14 +167,21 @@ def _ask(server: subprocess.Popen, request: dict) -> None:
 
 
 def _answer(server: subprocess.Popen, deadline: float | None = None) -> dict | None:
-    """The server's next line, or None once ``deadline`` (monotonic) passed first."""
-    if deadline is not None:
-        ready, _, _ = select.select([server.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if not ready:
+    """The server's next line, or None once ``deadline`` (monotonic) passed first. Read from
+    the descriptor itself: a buffered reader could take the next line along with this one,
+    and a wait on the descriptor would then miss it."""
+    fd = server.stdout.fileno()
+    got = _unread.pop(fd, b"")
+    while b"\n" not in got:
+        if deadline is not None and not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            _unread[fd] = got
             return None
-    line = server.stdout.readline()
-    if not line:
-        raise RuntimeError(f"the fork server ended (exit status {server.poll()})")
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            raise RuntimeError(f"the fork server ended (exit status {server.wait()})")
+        got += chunk
+    line, _, rest = got.partition(b"\n")
+    _unread[fd] = rest
     return json.loads(line)
 
 
