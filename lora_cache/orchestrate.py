@@ -223,8 +223,14 @@ def _open_in(targets: list[LayerTarget], combination: Combination, roots: list[s
 
     fold = plan_fold(vaults, shards, *rest)  # a new base: hashed beside the build, when no root can hold it
     if fold is not None:
-        stored, expected = expected_layers(None)
-        session = fold.open(expected, base_positions(stored, fold.paths, space))
+        positions = base_positions(host, fold.paths, space)
+        hasher = fold.start_hash(positions)  # it reads its first window while the rounding is measured
+        try:
+            expected = expected_layers(None)[1]
+        except BaseException:
+            hasher.stop()
+            raise
+        session = fold.open(expected, hasher, positions)
         if session is not None:
             return OpenCombination(session.key, session.vault.root, session)
     wait_for_a_folded_build(vaults, shards, rest)  # one building it still: it names it by the real key soon

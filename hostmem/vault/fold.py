@@ -8,6 +8,8 @@ the build runs under a provisional key (:func:`hostmem.vault.identity.provisiona
 while a hasher reads the same shards beside it, and the combination is re-keyed to its
 real key once the digests are known (:mod:`hostmem.vault.rekey`):
 
+- the hasher starts before the build's session opens (:meth:`Fold.start_hash`), so it
+  reads its first window while the start measures its layers' rounding loss;
 - the build reads its layers in file order (:meth:`FoldedSession.in_file_order`), and
   the hasher reads each shard sequentially at most :data:`FOLD_WINDOW` bytes ahead of
   the layer being built, so the pages it reads are in the page cache when the build
@@ -110,6 +112,11 @@ class BaseHasher(threading.Thread):
         except BaseException as exc:  # raised by result(), in the build's thread
             self.error = exc
 
+    def stop(self) -> None:
+        """Stop where it is (a start that will not build), and wait for it."""
+        self.cursor.stop()
+        self.join()
+
     def result(self) -> list[str]:
         self.join()
         if self.error is not None:
@@ -129,34 +136,46 @@ class Fold:
         """The shards, in the order the hasher reads them."""
         return [path for path, _, _ in self.shards]
 
-    def open(self, expected: dict, positions: dict[str, int | None], window=_DEFAULT):
-        """The provisional session, its hasher started (None where another start built and
-        re-keyed this combination while this one waited: :meth:`hashed_meanwhile`; the
-        key is then known); ``positions``: where each layer's
-        base starts in the shards laid end to end, in :attr:`shards`' order (None where
-        unknown: then the hasher is not held back); ``window``: how far the hasher may
-        read ahead of the layer being built (default :data:`FOLD_WINDOW`; 0: only what
-        the build has read already; None: no limit)."""
+    def start_hash(self, positions: dict[str, int | None], window=_DEFAULT) -> BaseHasher:
+        """Start hashing the base beside the build about to run, before the build's
+        session is open: the hasher reads its first window while this start measures the
+        rounding loss of its layers (which waits on scattered reads more than on a core).
+        ``positions``: where each layer's base starts in the shards laid end to end, in
+        :attr:`shards`' order (None where unknown: then the hasher is not held back);
+        ``window``: how far the hasher may read ahead of the layer being built (default
+        :data:`FOLD_WINDOW`; 0: only what the build has read already; None: no limit)."""
         window = FOLD_WINDOW if window is _DEFAULT else window
-        key = provisional_key(self.inputs, [stamp for _, stamp, _ in self.shards])
-        session = self.writable.open(key, expected)  # a dead builder's leftover is dropped here
-        if session.stats["lock_wait_seconds"] > 0 and not session.layers and self.hashed_meanwhile():
-            session.close()  # nothing in it: its folder goes
-            return None
-        try:
-            mark_provisional(session.folder, key.hex, [path for path, _, _ in self.shards])
-        except BaseException:
-            session.close()
-            raise
         starts, at = [], 0
         for _, stamp, _ in self.shards:
             starts.append(at)
             at += stamp[2]
         known = None not in positions.values()
-        cursor = BuildCursor(window if known else None)
-        hasher = BaseHasher(self.shards, starts, cursor, self.writable.memo_file)
+        hasher = BaseHasher(self.shards, starts, BuildCursor(window if known else None), self.writable.memo_file)
         hasher.start()
-        return FoldedSession(session, self, hasher, cursor, positions)
+        return hasher
+
+    def open(self, expected: dict, hasher: BaseHasher, positions: dict[str, int | None]):
+        """The provisional session, hashed by ``hasher`` (:meth:`start_hash`, with the same
+        ``positions``), or None where another start built and re-keyed this combination
+        while this one waited: :meth:`hashed_meanwhile` (the key is then known, and the
+        hasher stopped). On any error the hasher is stopped too."""
+        key = provisional_key(self.inputs, [stamp for _, stamp, _ in self.shards])
+        try:
+            session = self.writable.open(key, expected)  # a dead builder's leftover is dropped here
+        except BaseException:
+            hasher.stop()
+            raise
+        if session.stats["lock_wait_seconds"] > 0 and not session.layers and self.hashed_meanwhile():
+            hasher.stop()
+            session.close()  # nothing in it: its folder goes
+            return None
+        try:
+            mark_provisional(session.folder, key.hex, [path for path, _, _ in self.shards])
+        except BaseException:
+            hasher.stop()
+            session.close()
+            raise
+        return FoldedSession(session, self, hasher, hasher.cursor, positions)
 
     def hashed_meanwhile(self) -> bool:
         """Every shard's digest is memoised now, with the stamp it had when this start
