@@ -79,9 +79,9 @@ def run_script(request):
     sys.argv = ["-c", *request["args"]]
     main = types.ModuleType("__main__")
     sys.modules["__main__"] = main
+    exc = None
     try:
         exec(compile(request["script"], "<string>", "exec"), main.__dict__)
-        status, exc = 0, None
     except BaseException as caught:
         exc = caught
     interrupted = isinstance(exc, KeyboardInterrupt)

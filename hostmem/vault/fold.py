@@ -162,18 +162,17 @@ class Fold:
         key = provisional_key(self.inputs, [stamp for _, stamp, _ in self.shards])
         try:
             session = self.writable.open(key, expected)  # a dead builder's leftover is dropped here
+            if session.stats["lock_wait_seconds"] > 0 and not session.layers and self.hashed_meanwhile():
+                hasher.stop()
+                session.close()  # nothing in it: its folder goes
+                return None
+            try:
+                mark_provisional(session.folder, key.hex, [path for path, _, _ in self.shards])
+            except BaseException:
+                session.close()
+                raise
         except BaseException:
             hasher.stop()
-            raise
-        if session.stats["lock_wait_seconds"] > 0 and not session.layers and self.hashed_meanwhile():
-            hasher.stop()
-            session.close()  # nothing in it: its folder goes
-            return None
-        try:
-            mark_provisional(session.folder, key.hex, [path for path, _, _ in self.shards])
-        except BaseException:
-            hasher.stop()
-            session.close()
             raise
         return FoldedSession(session, self, hasher, hasher.cursor, positions)
 

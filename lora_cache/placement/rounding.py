@@ -109,16 +109,22 @@ def _sampled_rows(base: torch.Tensor) -> tuple[torch.Tensor, slice]:
     return flat, _spread(flat.shape[0], SAMPLE_ROWS if base.dim() > 1 else flat.shape[0])
 
 
+def _is_measured(target: LayerTarget) -> bool:
+    """Whether :func:`lost_share` measures ``target``: a floating-point base of a whole
+    layer (a tensor-parallel part's share is the whole layer's)."""
+    base = target.current
+    return base.is_floating_point() and base.dim() > 0 and target.shard is None
+
+
 def _read_ahead_sample(target: LayerTarget) -> None:
     """Ask the kernel to start reading the pages of ``target``'s sampled rows (a mapped
     base's; a hint). Measured one after another, each row is a page fault that waits for
     its read (and the read-around the kernel adds to it) before the next is asked for:
     1 GiB of cold base took 0.3-0.8 s so; asked for all at once, the reads are in the
     disk's queue together, and only the sampled pages are read."""
-    base = target.current.detach()
-    if not base.is_floating_point() or base.dim() == 0 or target.shard is not None:  # not measured: lost_share
+    if not _is_measured(target):
         return
-    flat, rows = _sampled_rows(base)
+    flat, rows = _sampled_rows(target.current.detach())
     for row in range(rows.start, rows.stop, rows.step):
         will_need(flat[row])
 
@@ -143,9 +149,9 @@ def lost_share(target: LayerTarget) -> float:
     """The share of ``target``'s update that rounding its merged weight loses (1: all of it;
     negative where rounding makes it larger). Raises :class:`OverflowingUpdateError` where the
     merged weight is inf or NaN on the sampled rows and the base is not."""
-    base = target.current.detach()
-    if not base.is_floating_point() or base.dim() == 0 or target.shard is not None:
+    if not _is_measured(target):
         return 0.0
+    base = target.current.detach()
     before, update = _update_rows(target, base.device)
     rounded = (before + update).to(base.dtype).float()
     _check_finite(target, before, update, rounded)
